@@ -1,0 +1,1 @@
+"""swarm.averaging: not built yet (see the open issues)."""

@@ -1,0 +1,1 @@
+"""swarm command-line entry points (click)."""

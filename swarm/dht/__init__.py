@@ -1,0 +1,1 @@
+"""swarm.dht: not built yet (see the open issues)."""

@@ -1,0 +1,1 @@
+"""swarm.model: not built yet (see the open issues)."""

@@ -1,0 +1,65 @@
+"""P2PConfig: every limit and timeout of the transport, checked when it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swarm.p2p.maddr import parse_maddr
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class P2PConfig:
+    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)  # where to listen (port 0: any free)
+    announce_maddrs: tuple[str, ...] = ()  # what to tell peers instead of the listen addresses
+    # sizes
+    max_head_bytes: int = 1 * MiB  # largest msgpack head (call arguments, replies) we accept
+    max_body_bytes: int = 16 * MiB  # largest raw body (one stream chunk) we accept
+    stream_window_bytes: int = 16 * MiB  # per-stream receive window we grant (flow control)
+    chunk_bytes: int = 4 * MiB  # Stream.write splits data into chunks of at most this size
+    write_buffer_high_bytes: int = 8 * MiB  # writers wait while more is queued in the kernel/loop
+    # counts
+    max_concurrent_calls: int = 256  # inbound calls in flight per connection; more get "busy"
+    max_connections: int = 1024  # authenticated connections; more inbound ones are refused
+    max_pending_handshakes: int = 64  # connections still handshaking; more are refused
+    listen_backlog: int = 512
+    # timeouts, seconds
+    connect_timeout: float = 10.0
+    handshake_timeout: float = 10.0
+    call_timeout: float = 30.0  # default for unary calls
+    stream_timeout: float = 60.0  # default for each stream read or write wait
+    handler_timeout: float = 300.0  # callee-side deadline for one unary handler
+    idle_timeout: float = 300.0  # a connection with no calls for this long is closed
+
+    def __post_init__(self) -> None:
+        if not self.host_maddrs:
+            raise ValueError("host_maddrs must name at least one address to listen on")
+        for text in (*self.host_maddrs, *self.announce_maddrs):
+            parse_maddr(text)  # raises MultiaddrError with the reason
+        positive = {
+            "max_head_bytes": self.max_head_bytes,
+            "max_body_bytes": self.max_body_bytes,
+            "stream_window_bytes": self.stream_window_bytes,
+            "chunk_bytes": self.chunk_bytes,
+            "write_buffer_high_bytes": self.write_buffer_high_bytes,
+            "max_concurrent_calls": self.max_concurrent_calls,
+            "max_connections": self.max_connections,
+            "max_pending_handshakes": self.max_pending_handshakes,
+            "connect_timeout": self.connect_timeout,
+            "handshake_timeout": self.handshake_timeout,
+            "call_timeout": self.call_timeout,
+            "stream_timeout": self.stream_timeout,
+            "handler_timeout": self.handler_timeout,
+            "idle_timeout": self.idle_timeout,
+        }
+        for name, value in positive.items():
+            if not value > 0:
+                raise ValueError(f"P2PConfig.{name} must be positive, got {value}")
+        if self.max_head_bytes < 4 * KiB:
+            raise ValueError("P2PConfig.max_head_bytes must be at least 4 KiB")
+        if self.chunk_bytes > min(self.max_body_bytes, self.stream_window_bytes):
+            raise ValueError("P2PConfig.chunk_bytes must fit in max_body_bytes and stream_window_bytes")
+        if self.max_head_bytes >= 2**32 or self.max_body_bytes >= 2**32:
+            raise ValueError("frame limits must fit the u32 length fields")

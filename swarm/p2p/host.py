@@ -1,0 +1,314 @@
+"""P2PHost: a node's endpoint. Listens, dials, authenticates, keeps one connection per peer,
+and serves registered handlers.
+
+    async with P2PHost(identity, P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))) as host:
+        host.add_handler("demo.echo", echo)
+        reply = await host.call(other_maddr, "demo.echo", {"x": 1}, timeout=5)
+
+Failure modes: a dial that reaches a different PeerID than its /p2p/ part fails with
+PeerIDMismatch; when both peers dial each other at once there may briefly be two connections,
+and both sides then prefer the one dialed by the smaller PeerID (the other idles out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Any
+
+from swarm.p2p import handshake as hs
+from swarm.p2p.config import P2PConfig
+from swarm.p2p.connection import CallContext, Connection, Handler, StreamHandler, UnaryHandler
+from swarm.p2p.errors import ConnectionLost, HandshakeError, MultiaddrError, RPCTimeout
+from swarm.p2p.framing import FrameProtocol
+from swarm.p2p.identity import Identity
+from swarm.p2p.maddr import TcpAddress, parse_maddr
+from swarm.p2p.peer_id import PeerID
+from swarm.p2p.stream import Stream
+
+logger = logging.getLogger(__name__)
+
+PeerRef = PeerID | TcpAddress | str  # a PeerID we know an address for, or a multiaddr
+
+__all__ = ["CallContext", "P2PHost", "PeerRef"]
+
+
+class P2PHost:
+    """Listens on config.host_maddrs, dials peers, serves handlers. See the module docstring."""
+
+    def __init__(self, identity: Identity | None = None, config: P2PConfig | None = None) -> None:
+        self.identity = identity or Identity.generate()
+        self.config = config or P2PConfig()
+        self.peer_id = self.identity.peer_id
+        self._handlers: dict[str, Handler] = {}
+        self._servers: list[asyncio.AbstractServer] = []
+        self._listen_addrs: list[TcpAddress] = []
+        self._connections: dict[PeerID, list[Connection]] = {}
+        self._handshaking: set[Connection] = set()
+        self._dialing: dict[str, asyncio.Future[Connection]] = {}
+        self._addresses: dict[PeerID, TcpAddress] = {}  # last address each peer was dialed at
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._started = False
+        self._closing = False
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> P2PHost:
+        if self._started:
+            return self
+        loop = asyncio.get_running_loop()
+        try:
+            for text in self.config.host_maddrs:
+                addr = parse_maddr(text)
+                if addr.host_protocol not in ("ip4", "ip6"):
+                    raise MultiaddrError(f"listen address {text!r} must be /ip4 or /ip6")
+                server = await loop.create_server(
+                    self._accept, addr.host, addr.port, backlog=self.config.listen_backlog, reuse_address=True
+                )
+                self._servers.append(server)
+                port = server.sockets[0].getsockname()[1]
+                self._listen_addrs.append(TcpAddress(addr.host_protocol, addr.host, port, self.peer_id))
+        except BaseException:
+            await self.close()
+            raise
+        self._started = True
+        return self
+
+    async def close(self) -> None:
+        """Stop listening, close every connection, cancel every task. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        for server in self._servers:
+            server.close()
+        for dial in self._dialing.values():
+            dial.cancel()
+        conns = [c for group in self._connections.values() for c in group] + list(self._handshaking)
+        for conn in conns:
+            conn.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*(c.wait_closed() for c in conns), *self._tasks, return_exceptions=True)
+        for server in self._servers:
+            await server.wait_closed()
+        self._connections.clear()
+
+    async def __aenter__(self) -> P2PHost:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+    # --- handlers ---------------------------------------------------------------------------
+
+    def add_handler(self, method: str, fn: UnaryHandler) -> None:
+        """Serve unary calls: ``async fn(ctx, args) -> result`` (msgpack-able). Raise an RPCError
+        subclass (e.g. BadRequest) to answer with that error code."""
+        self._register(method, Handler(fn, is_stream=False))
+
+    def add_stream_handler(self, method: str, fn: StreamHandler) -> None:
+        """Serve stream calls: ``async fn(ctx, args, stream) -> None``; the stream is ended when
+        fn returns."""
+        self._register(method, Handler(fn, is_stream=True))
+
+    def remove_handler(self, method: str) -> None:
+        self._handlers.pop(method, None)
+
+    def _register(self, method: str, handler: Handler) -> None:
+        if not method or len(method) > 128:
+            raise ValueError(f"bad method name {method!r}")
+        if method in self._handlers:
+            raise ValueError(f"a handler for {method!r} is already registered")
+        self._handlers[method] = handler
+
+    # --- addresses --------------------------------------------------------------------------
+
+    @property
+    def visible_maddrs(self) -> list[str]:
+        """Multiaddrs peers can dial, with the real ports and our /p2p/ id."""
+        if self.config.announce_maddrs:
+            return [parse_maddr(m).with_peer_id(self.peer_id).to_maddr() for m in self.config.announce_maddrs]
+        out: list[str] = []
+        for addr in self._listen_addrs:
+            hosts = [addr.host]
+            if addr.host in ("0.0.0.0", "::"):
+                hosts = _local_addresses(ipv6=addr.host == "::")
+            for host in hosts:
+                text = TcpAddress(addr.host_protocol, host, addr.port, self.peer_id).to_maddr()
+                if text not in out:
+                    out.append(text)
+        return out
+
+    def connected_peers(self) -> list[PeerID]:
+        return [peer for peer, conns in self._connections.items() if conns]
+
+    def address_of(self, peer: PeerID) -> TcpAddress | None:
+        return self._addresses.get(peer)
+
+    # --- calls ------------------------------------------------------------------------------
+
+    async def call(self, peer: PeerRef, method: str, args: Any = None, *, timeout: float | None = None) -> Any:
+        """Unary call. Raises RemoteError, RPCTimeout, ConnectionLost, HandshakeError,
+        MessageTooLarge. The timeout covers dialing too."""
+        timeout = self.config.call_timeout if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        conn = await self.connect(peer, timeout=timeout)
+        remaining = timeout - (loop.time() - start)
+        if remaining <= 0:
+            raise RPCTimeout(f"{method}: dialing {peer} used up the {timeout:.3g}s timeout")
+        return await conn.call(method, args, remaining)
+
+    async def open_stream(
+        self, peer: PeerRef, method: str, args: Any = None, *, timeout: float | None = None
+    ) -> Stream:
+        """Start a stream call; `timeout` bounds dialing and then each read/write wait."""
+        timeout = self.config.stream_timeout if timeout is None else timeout
+        conn = await self.connect(peer, timeout=timeout)
+        return conn.open_stream(method, args, timeout)
+
+    async def connect(self, peer: PeerRef, *, timeout: float | None = None) -> Connection:
+        """The connection to a peer: an open one if any, else a new dial (deduplicated)."""
+        if self._closing:
+            raise ConnectionLost("host is closed")
+        addr: TcpAddress | None
+        if isinstance(peer, PeerID):
+            if (conn := self._best_connection(peer)) is not None:
+                return conn
+            addr = self._addresses.get(peer)
+            if addr is None:
+                raise ConnectionLost(f"no connection to {peer} and no known address for it")
+        else:
+            addr = parse_maddr(peer) if isinstance(peer, str) else peer
+            if addr.peer_id is not None and (conn := self._best_connection(addr.peer_id)) is not None:
+                return conn
+        key = addr.to_maddr()
+        dial = self._dialing.get(key)
+        if dial is None:
+            dial = asyncio.ensure_future(self._dial(addr))
+            self._dialing[key] = dial
+            dial.add_done_callback(lambda _: self._dialing.pop(key, None))
+        timeout = self.config.connect_timeout + self.config.handshake_timeout if timeout is None else timeout
+        try:
+            return await asyncio.wait_for(asyncio.shield(dial), timeout)
+        except asyncio.TimeoutError:
+            raise RPCTimeout(f"could not connect to {addr} within {timeout:.3g}s") from None
+
+    async def _dial(self, addr: TcpAddress) -> Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            _, protocol = await asyncio.wait_for(
+                loop.create_connection(self._new_protocol, addr.host, addr.port), self.config.connect_timeout
+            )
+        except asyncio.TimeoutError:
+            raise RPCTimeout(f"TCP connect to {addr} timed out") from None
+        except OSError as e:
+            raise ConnectionLost(f"cannot connect to {addr}: {e.strerror or e}") from None
+        _set_nodelay(protocol.transport)
+        conn = Connection(protocol, role=hs.DIALER, identity=self.identity, config=self.config,
+                          handlers=self._handlers)
+        self._handshaking.add(conn)
+        try:
+            await conn.handshake(addr.peer_id)
+        finally:
+            self._handshaking.discard(conn)
+        if self._closing:
+            conn.close()
+            raise ConnectionLost("host is closing")
+        self._addresses[conn.peer_id] = addr.with_peer_id(conn.peer_id)
+        self._adopt(conn)
+        return conn
+
+    # --- inbound ----------------------------------------------------------------------------
+
+    def _new_protocol(self) -> FrameProtocol:
+        return FrameProtocol(
+            max_head=hs.PRE_AUTH_MAX_HEAD, max_body=0, write_buffer_high=self.config.write_buffer_high_bytes
+        )
+
+    def _accept(self) -> FrameProtocol:
+        protocol = self._new_protocol()
+        protocol.on_open = self._on_inbound_open
+        return protocol
+
+    def _on_inbound_open(self, protocol: FrameProtocol) -> None:
+        assert protocol.transport is not None
+        peer = protocol.transport.get_extra_info("peername")
+        n_open = sum(len(c) for c in self._connections.values())
+        if self._closing or len(self._handshaking) >= self.config.max_pending_handshakes \
+                or n_open >= self.config.max_connections:
+            logger.warning("%s: refusing connection from %s: %d handshaking, %d open (limits %d, %d)",
+                           self.peer_id, peer, len(self._handshaking), n_open,
+                           self.config.max_pending_handshakes, self.config.max_connections)
+            protocol.transport.abort()
+            return
+        _set_nodelay(protocol.transport)
+        conn = Connection(protocol, role=hs.LISTENER, identity=self.identity, config=self.config,
+                          handlers=self._handlers)
+        self._handshaking.add(conn)
+        self._spawn(self._inbound_handshake(conn, peer))
+
+    async def _inbound_handshake(self, conn: Connection, peer: Any) -> None:
+        try:
+            await conn.handshake()
+        except HandshakeError as e:
+            logger.warning("%s: inbound handshake from %s failed: %s", self.peer_id, peer, e)
+            return
+        finally:
+            self._handshaking.discard(conn)
+        self._adopt(conn)
+
+    # --- connection pool ----------------------------------------------------------------------
+
+    def _adopt(self, conn: Connection) -> None:
+        if conn.closed:
+            return
+        self._connections.setdefault(conn.peer_id, []).append(conn)
+        conn.on_closed = self._forget
+
+    def _forget(self, conn: Connection) -> None:
+        group = self._connections.get(conn.peer_id)
+        if group and conn in group:
+            group.remove(conn)
+            if not group:
+                del self._connections[conn.peer_id]
+
+    def _best_connection(self, peer: PeerID) -> Connection | None:
+        group = [c for c in self._connections.get(peer, ()) if not c.protocol.closed]
+        if not group:
+            return None
+        preferred_role = hs.DIALER if self.peer_id < peer else hs.LISTENER
+        return next((c for c in group if c.role == preferred_role), group[0])
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def __repr__(self) -> str:
+        return f"P2PHost({self.peer_id}, {len(self._connections)} peers)"
+
+
+def _set_nodelay(transport: Any) -> None:
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _local_addresses(*, ipv6: bool) -> list[str]:
+    """Addresses of this machine for a wildcard listener: loopback first, then the host's own."""
+    family = socket.AF_INET6 if ipv6 else socket.AF_INET
+    found = ["::1" if ipv6 else "127.0.0.1"]
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, family, socket.SOCK_STREAM)
+    except OSError:
+        infos = []
+    for info in infos:
+        host = str(info[4][0])
+        if host not in found and not host.startswith("127."):
+            found.append(host)
+    return found
+
+
+

@@ -1,0 +1,133 @@
+"""Identity: a node's Ed25519 key pair, stored in the file format of go-libp2p and its daemon.
+
+The file holds the protobuf-serialized libp2p ``PrivateKey`` (Type = Ed25519, Data = 32-byte
+seed followed by the 32-byte public key), the bytes ``crypto.MarshalPrivateKey`` writes, so one
+identity file serves swarm, p2pd (``-id``) and hivemind (``identity_path``) alike.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from swarm.p2p.errors import IdentityError
+from swarm.p2p.peer_id import (
+    ED25519_KEY_BYTES,
+    KEY_TYPE_ED25519,
+    PeerID,
+    decode_key_protobuf,
+    encode_key_protobuf,
+)
+
+_MAX_KEY_FILE_BYTES = 4096
+_RAW = serialization.Encoding.Raw
+
+
+class Identity:
+    """An Ed25519 key pair and the PeerID it proves."""
+
+    __slots__ = ("_private", "peer_id", "public_key")
+
+    def __init__(self, private_key: Ed25519PrivateKey) -> None:
+        self._private = private_key
+        self.public_key: bytes = private_key.public_key().public_bytes(_RAW, serialization.PublicFormat.Raw)
+        self.peer_id = PeerID.from_public_key(self.public_key)
+
+    @classmethod
+    def generate(cls) -> Identity:
+        return cls(Ed25519PrivateKey.generate())
+
+    @classmethod
+    def from_seed(cls, seed: bytes) -> Identity:
+        """Deterministic identity from a 32-byte seed (tests, reproducible benchmarks)."""
+        if len(seed) != ED25519_KEY_BYTES:
+            raise IdentityError(f"an Ed25519 seed has 32 bytes, got {len(seed)}")
+        return cls(Ed25519PrivateKey.from_private_bytes(seed))
+
+    def seed(self) -> bytes:
+        return self._private.private_bytes(_RAW, serialization.PrivateFormat.Raw, serialization.NoEncryption())
+
+    # --- libp2p protobuf form -------------------------------------------------------------
+
+    def to_protobuf(self) -> bytes:
+        return encode_key_protobuf(KEY_TYPE_ED25519, self.seed() + self.public_key)
+
+    @classmethod
+    def from_protobuf(cls, blob: bytes) -> Identity:
+        key_type, data = decode_key_protobuf(blob)
+        if key_type != KEY_TYPE_ED25519:
+            raise IdentityError(f"only Ed25519 keys are supported, this key has type {key_type}")
+        if len(data) != 2 * ED25519_KEY_BYTES:
+            raise IdentityError(f"an Ed25519 private key holds 64 bytes (seed + public), got {len(data)}")
+        identity = cls.from_seed(data[:ED25519_KEY_BYTES])
+        if identity.public_key != data[ED25519_KEY_BYTES:]:
+            raise IdentityError("the key's public half does not match its seed")
+        return identity
+
+    # --- files ----------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the key atomically with mode 0600 (temp file, fsync, rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(self.to_protobuf())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Identity:
+        path = Path(path)
+        try:
+            with open(path, "rb") as f:
+                blob = f.read(_MAX_KEY_FILE_BYTES + 1)
+        except FileNotFoundError:
+            raise IdentityError(f"identity file {path} does not exist") from None
+        except OSError as e:
+            raise IdentityError(f"identity file {path} cannot be read: {e.strerror}") from None
+        if len(blob) > _MAX_KEY_FILE_BYTES:
+            raise IdentityError(f"identity file {path} is too large to be a key")
+        try:
+            return cls.from_protobuf(blob)
+        except IdentityError as e:
+            raise IdentityError(f"identity file {path} is not a libp2p Ed25519 key: {e}") from None
+
+    @classmethod
+    def load_or_create(cls, path: str | os.PathLike[str]) -> Identity:
+        """Load the key at path, or create and save a new one if the file does not exist."""
+        if not Path(path).exists():
+            identity = cls.generate()
+            identity.save(path)
+            return identity
+        return cls.load(path)
+
+    # --- signatures -----------------------------------------------------------------------
+
+    def sign(self, message: bytes) -> bytes:
+        return self._private.sign(message)
+
+    def __repr__(self) -> str:
+        return f"Identity({self.peer_id})"
+
+
+def verify_signature(public_key: bytes, signature: bytes, message: bytes) -> bool:
+    """True when signature is a valid Ed25519 signature of message by public_key."""
+    if len(public_key) != ED25519_KEY_BYTES or len(signature) != 64:
+        return False
+    try:
+        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, message)
+    except (InvalidSignature, ValueError):
+        return False
+    return True

@@ -1,0 +1,207 @@
+"""Stream: one streaming call, seen from either end. Both ends write chunks and read chunks.
+
+Flow control is per stream and credit based (wire.py, CREDIT): a writer may have at most the
+reader's window in flight, so a slow reader holds at most one window of a fast writer's data
+in memory, and other calls on the same connection are never stuck behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from swarm.p2p.errors import ConnectionLost, P2PError, ProtocolError, RPCTimeout
+from swarm.p2p.peer_id import PeerID
+from swarm.p2p.wire import Kind
+
+if TYPE_CHECKING:
+    from swarm.p2p.connection import Connection
+
+Chunk = bytes | bytearray | memoryview
+
+
+class Stream:
+    """A bidirectional chunk stream of one call. Caller side: from P2PHost.open_stream;
+    callee side: passed to a stream handler. Use ``async with`` (caller) so it always ends."""
+
+    def __init__(
+        self, conn: Connection, call_id: int, method: str, *, is_caller: bool, timeout: float
+    ) -> None:
+        self._conn = conn
+        self.call_id = call_id
+        self.method = method
+        self.is_caller = is_caller
+        self.timeout = timeout
+        self._chunks: deque[Chunk] = deque()
+        self._read_waiter: asyncio.Future[None] | None = None
+        self._received_end = False
+        self._sent_end = False
+        self._error: P2PError | None = None
+        self._send_credit = conn.remote_window
+        self._credit_waiter: asyncio.Future[None] | None = None
+        self._recv_allowance = conn.config.stream_window_bytes
+        self._consumed = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self._conn.peer_id
+
+    @property
+    def finished(self) -> bool:
+        return self._error is not None or (self._received_end and self._sent_end)
+
+    # --- writing --------------------------------------------------------------------------
+
+    async def write(self, data: Chunk, *, timeout: float | None = None) -> None:
+        """Send data (split into chunks of config.chunk_bytes). Zero-copy: the buffer is handed
+        to the transport, so it must not be modified after this call."""
+        if self._sent_end:
+            raise P2PError(f"write after end() on stream {self.method}")
+        self._raise_if_failed()
+        view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+        step = self._conn.chunk_bytes
+        for offset in range(0, len(view), step):
+            piece = view[offset : offset + step]
+            await self._wait_for_credit(len(piece), timeout)
+            self._send_credit -= len(piece)
+            self._conn.send_frame({"k": Kind.DATA, "i": self.call_id}, piece)
+            self.bytes_sent += len(piece)
+            await self._conn.drain()
+
+    async def end(self) -> None:
+        """Half-close: no more writes from this side. Idempotent."""
+        if self._sent_end or self._error is not None:
+            return
+        self._sent_end = True
+        self._conn.send_frame({"k": Kind.END, "i": self.call_id})
+        self._forget_if_finished()
+
+    async def _wait_for_credit(self, needed: int, timeout: float | None) -> None:
+        while self._send_credit < needed:
+            self._raise_if_failed()
+            self._credit_waiter = asyncio.get_running_loop().create_future()
+            await self._wait(self._credit_waiter, timeout, "credit to write")
+        self._raise_if_failed()
+
+    # --- reading --------------------------------------------------------------------------
+
+    async def read(self, *, timeout: float | None = None) -> Chunk | None:
+        """The next chunk, or None once the other side has ended its writes."""
+        while not self._chunks:
+            self._raise_if_failed()
+            if self._received_end:
+                return None
+            self._read_waiter = asyncio.get_running_loop().create_future()
+            await self._wait(self._read_waiter, timeout, "the next chunk")
+        chunk = self._chunks.popleft()
+        self._consumed += len(chunk)
+        if self._consumed >= self._conn.config.stream_window_bytes // 4 and not self._received_end:
+            self._grant(self._consumed)
+        return chunk
+
+    async def read_all(self, *, max_bytes: int, timeout: float | None = None) -> bytearray:
+        """Read until the end into one buffer; P2PError if the peer sends more than max_bytes."""
+        out = bytearray()
+        while (chunk := await self.read(timeout=timeout)) is not None:
+            if len(out) + len(chunk) > max_bytes:
+                await self.cancel()
+                raise P2PError(f"stream {self.method} sent more than {max_bytes} bytes")
+            out += chunk
+        return out
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        chunk = await self.read()
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
+
+    def _grant(self, nbytes: int) -> None:
+        self._consumed = 0
+        self._recv_allowance += nbytes
+        try:
+            self._conn.send_frame({"k": Kind.CREDIT, "i": self.call_id, "n": nbytes})
+        except ConnectionLost:
+            pass  # the next read reports it
+
+    # --- ending ---------------------------------------------------------------------------
+
+    async def cancel(self) -> None:
+        """Abandon the call: the other side is told (CANCEL from a caller, ERROR from a callee)."""
+        if self.finished:
+            return
+        if self.is_caller and not self._received_end:  # after END the callee is done already
+            self._conn.send_cancel(self.call_id)
+        self._fail(P2PError(f"stream {self.method} was cancelled locally"))
+
+    async def __aenter__(self) -> Stream:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.cancel()
+
+    # --- called by the connection when frames arrive -----------------------------------------
+
+    def on_data(self, body: Chunk) -> None:
+        if self._received_end or self._error is not None:
+            return  # late data after we failed the stream; the window no longer matters
+        self._recv_allowance -= len(body)
+        if self._recv_allowance < 0:
+            raise ProtocolError(f"peer sent beyond the stream window on {self.method}")
+        self._chunks.append(body)
+        self.bytes_received += len(body)
+        _wake(self._read_waiter)
+
+    def on_end(self) -> None:
+        self._received_end = True
+        _wake(self._read_waiter)
+        self._forget_if_finished()
+
+    def on_credit(self, nbytes: int) -> None:
+        self._send_credit += nbytes
+        _wake(self._credit_waiter)
+
+    def on_error(self, error: P2PError) -> None:
+        self._fail(error)
+
+    def _fail(self, error: P2PError) -> None:
+        if self._error is None:
+            self._error = error
+        _wake(self._read_waiter)
+        _wake(self._credit_waiter)
+        self._chunks.clear()
+        self._conn.forget_stream(self.call_id)
+
+    def _forget_if_finished(self) -> None:
+        if self._received_end and self._sent_end:
+            self._conn.forget_stream(self.call_id)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    async def _wait(self, waiter: asyncio.Future[None], timeout: float | None, what: str) -> None:
+        timeout = self.timeout if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        handle = loop.call_later(timeout, _expire, waiter)
+        try:
+            await waiter
+        except TimeoutError:
+            raise RPCTimeout(f"stream {self.method}: no {what} within {timeout:.1f}s") from None
+        finally:
+            handle.cancel()
+
+
+def _wake(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())

@@ -1,0 +1,1 @@
+"""swarm.state: not built yet (see the open issues)."""
