@@ -273,18 +273,15 @@ class _Child:
                 continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(
-                    f"hivemind {self.name} gave no {kind!r} in time:\n" + self.stderr_tail()
-                )
+                what = f"hivemind {self.name} gave no {kind!r} in time"
+                raise TimeoutError(what + ":\n" + self.stderr_tail())
             readable, _, _ = select.select([fd], [], [], min(remaining, 1.0))
             if readable:
                 data = os.read(fd, 1 << 16)
                 if not data:
                     rc = self.proc.wait()
-                    raise RuntimeError(
-                        f"hivemind {self.name} exited (rc={rc}) before {kind!r}:\n"
-                        + self.stderr_tail()
-                    )
+                    what = f"hivemind {self.name} exited (rc={rc}) before {kind!r}"
+                    raise RuntimeError(what + ":\n" + self.stderr_tail())
                 self._buf += data
         return self.info[kind]
 
@@ -374,26 +371,23 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=int, default=4)
     parser.add_argument("--timeout-s", type=float, default=300.0)
     # internal: used when this file is re-executed as the server / client process
-    parser.add_argument(
-        "--_role", dest="role", choices=["server", "client"], help=argparse.SUPPRESS
-    )
-    parser.add_argument("--_peer-id", dest="peer_id", help=argparse.SUPPRESS)
-    parser.add_argument("--_maddrs", dest="maddrs", nargs="+", help=argparse.SUPPRESS)
+    hidden = argparse.SUPPRESS
+    parser.add_argument("--_role", dest="role", choices=["server", "client"], help=hidden)
+    parser.add_argument("--_peer-id", dest="peer_id", help=hidden)
+    parser.add_argument("--_maddrs", dest="maddrs", nargs="+", help=hidden)
     parser.add_argument(
         "--_rpc-payload-bytes",
         dest="rpc_payload_bytes",
         type=int,
         default=24,
-        help=argparse.SUPPRESS,
+        help=hidden,
     )
-    parser.add_argument("--_stream-bytes", dest="stream_bytes", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--_chunk-bytes", dest="chunk_bytes", type=int, help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--_timeout-s", dest="timeout_s_internal", type=float, help=argparse.SUPPRESS
-    )
+    parser.add_argument("--_stream-bytes", dest="stream_bytes", type=int, help=hidden)
+    parser.add_argument("--_chunk-bytes", dest="chunk_bytes", type=int, help=hidden)
+    parser.add_argument("--_timeout-s", dest="timeout_internal", type=float, help=hidden)
     args = parser.parse_args()
     if args.role is not None:
-        args.timeout_s = args.timeout_s_internal or args.timeout_s
+        args.timeout_s = args.timeout_internal or args.timeout_s
         _child_entry(args)
         return
     result = measure_hivemind_p2p(

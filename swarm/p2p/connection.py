@@ -127,9 +127,7 @@ class Connection:
         if remote.peer_id == self.identity.peer_id:
             raise HandshakeError("connected to ourselves")
         if expected_peer is not None and remote.peer_id != expected_peer:
-            raise PeerIDMismatch(
-                f"dialed {expected_peer} at {self._where()} but the peer there is {remote.peer_id}"
-            )
+            raise PeerIDMismatch(f"dialed {expected_peer} at {self._where()} but the peer there is {remote.peer_id}")
         if self.role == hs.DIALER:
             nonces, ids = (my_nonce, remote.nonce), (self.identity.peer_id, remote.peer_id)
         else:
@@ -262,8 +260,13 @@ class Connection:
         method = field(head, "m", str)
         is_stream = head.get("s") is True
         if len(self._inbound) >= self.config.max_concurrent_calls:
-            logger.warning("%s: refusing %s from %s: %d calls in flight", self.identity.peer_id, method[:64],
-                           self.peer_id, len(self._inbound))
+            logger.warning(
+                "%s: refusing %s from %s: %d calls in flight",
+                self.identity.peer_id,
+                method[:64],
+                self.peer_id,
+                len(self._inbound),
+            )
             self._send_error(call_id, ErrorCode.BUSY, "too many concurrent calls on this connection")
             return
         if call_id in self._inbound or call_id in self._streams:
@@ -337,8 +340,13 @@ class Connection:
         elif isinstance(error, ConnectionLost):
             pass
         else:
-            logger.exception("%s: handler %s failed on a call from %s", self.identity.peer_id, context.method,
-                             context.peer_id, exc_info=error)
+            logger.exception(
+                "%s: handler %s failed on a call from %s",
+                self.identity.peer_id,
+                context.method,
+                context.peer_id,
+                exc_info=error,
+            )
             self._send_error(call_id, ErrorCode.INTERNAL, f"{type(error).__name__} in the handler")
 
     def _send_error(self, call_id: int, code: str, message: str) -> None:
@@ -391,8 +399,8 @@ class Connection:
 
     def _on_lost(self, reason: Exception | None) -> None:
         if isinstance(reason, (ProtocolError, MessageTooLarge)):
-            logger.warning("%s: closed connection to %s (%s): %s", self.identity.peer_id, self.peer_id,
-                           self._where(), reason)
+            who = self.peer_id if self.authenticated else "an unauthenticated peer"
+            logger.warning("%s: closed connection to %s (%s): %s", self.identity.peer_id, who, self._where(), reason)
         if self._idle_handle is not None:
             self._idle_handle.cancel()
         error = ConnectionLost(f"connection to {self.peer_id} lost: {reason or 'closed'}")

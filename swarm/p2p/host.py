@@ -206,8 +206,7 @@ class P2PHost:
         except OSError as e:
             raise ConnectionLost(f"cannot connect to {addr}: {e.strerror or e}") from None
         _set_nodelay(protocol.transport)
-        conn = Connection(protocol, role=hs.DIALER, identity=self.identity, config=self.config,
-                          handlers=self._handlers)
+        conn = Connection(protocol, role=hs.DIALER, identity=self.identity, config=self.config, handlers=self._handlers)
         self._handshaking.add(conn)
         try:
             await conn.handshake(addr.peer_id)
@@ -236,16 +235,26 @@ class P2PHost:
         assert protocol.transport is not None
         peer = protocol.transport.get_extra_info("peername")
         n_open = sum(len(c) for c in self._connections.values())
-        if self._closing or len(self._handshaking) >= self.config.max_pending_handshakes \
-                or n_open >= self.config.max_connections:
-            logger.warning("%s: refusing connection from %s: %d handshaking, %d open (limits %d, %d)",
-                           self.peer_id, peer, len(self._handshaking), n_open,
-                           self.config.max_pending_handshakes, self.config.max_connections)
+        if (
+            self._closing
+            or len(self._handshaking) >= self.config.max_pending_handshakes
+            or n_open >= self.config.max_connections
+        ):
+            logger.warning(
+                "%s: refusing connection from %s: %d handshaking, %d open (limits %d, %d)",
+                self.peer_id,
+                peer,
+                len(self._handshaking),
+                n_open,
+                self.config.max_pending_handshakes,
+                self.config.max_connections,
+            )
             protocol.transport.abort()
             return
         _set_nodelay(protocol.transport)
-        conn = Connection(protocol, role=hs.LISTENER, identity=self.identity, config=self.config,
-                          handlers=self._handlers)
+        conn = Connection(
+            protocol, role=hs.LISTENER, identity=self.identity, config=self.config, handlers=self._handlers
+        )
         self._handshaking.add(conn)
         self._spawn(self._inbound_handshake(conn, peer))
 
@@ -309,6 +318,3 @@ def _local_addresses(*, ipv6: bool) -> list[str]:
         if host not in found and not host.startswith("127."):
             found.append(host)
     return found
-
-
-

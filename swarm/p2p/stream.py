@@ -25,9 +25,7 @@ class Stream:
     """A bidirectional chunk stream of one call. Caller side: from P2PHost.open_stream;
     callee side: passed to a stream handler. Use ``async with`` (caller) so it always ends."""
 
-    def __init__(
-        self, conn: Connection, call_id: int, method: str, *, is_caller: bool, timeout: float
-    ) -> None:
+    def __init__(self, conn: Connection, call_id: int, method: str, *, is_caller: bool, timeout: float) -> None:
         self._conn = conn
         self.call_id = call_id
         self.method = method

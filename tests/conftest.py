@@ -1,0 +1,40 @@
+"""Test rules (STYLE.md §13): port 0 only, a hard timeout on every test (pyproject), transport
+tests on both event loops, and a test fails if an event loop's exception handler fires (an
+exception nobody awaited, a callback that crashed)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from swarm.eventloop import loop_factory
+
+_loop_errors: list[dict[str, Any]] = []
+
+
+def _checked(factory: Callable[[], asyncio.AbstractEventLoop]) -> Callable[[], asyncio.AbstractEventLoop]:
+    def make() -> asyncio.AbstractEventLoop:
+        loop = factory()
+        loop.set_exception_handler(lambda _loop, context: _loop_errors.append(context))
+        return loop
+
+    return make
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[..., Any]]:
+    uv = loop_factory(use_uvloop=True)
+    factories = {"uvloop": _checked(uv)} if uv is not asyncio.new_event_loop else {}
+    if not factories or "tests/p2p/" in str(item.path).replace("\\", "/"):
+        factories["asyncio"] = _checked(asyncio.new_event_loop)
+    return factories
+
+
+@pytest.fixture(autouse=True)
+def loop_errors_fail_the_test() -> Iterator[None]:
+    _loop_errors.clear()
+    yield
+    errors, _loop_errors[:] = list(_loop_errors), []
+    assert not errors, f"the event loop's exception handler fired: {errors}"
