@@ -80,8 +80,10 @@ class Connection:
         self.on_closed: Callable[[Connection], None] | None = None
         self._loop = asyncio.get_running_loop()
         self._closed_future: asyncio.Future[None] = self._loop.create_future()
-        self._handshake_frames: list[dict[str, Any]] = []
-        self._handshake_waiter: asyncio.Future[None] | None = None
+        self._handshake_done: asyncio.Future[None] | None = None
+        self._remote_hello: hs.Hello | None = None
+        self._expected_peer: PeerID | None = None
+        self._my_nonce = b""
         self._next_call_id = 1 if role == hs.DIALER else 2
         self._pending: dict[int, asyncio.Future[Any]] = {}  # our unary calls
         self._pending_method: dict[int, str] = {}
@@ -92,69 +94,84 @@ class Connection:
         self._idle_handle: asyncio.TimerHandle | None = None
         protocol.max_head, protocol.max_body = hs.PRE_AUTH_MAX_HEAD, 0
         protocol.on_lost = self._on_lost
-        protocol.set_frame_handler(self._on_handshake_frame)
         peername = protocol.transport.get_extra_info("peername") if protocol.transport else None
         if peername:
             self.remote_address = (str(peername[0]), int(peername[1]))
 
     # --- handshake ------------------------------------------------------------------------
+    # The handshake runs inside the frame callback, synchronously, so that the frames a peer
+    # sends right after its AUTH (often in the same TCP segment) are parsed with the limits and
+    # the router of an authenticated connection.
 
     async def handshake(self, expected_peer: PeerID | None = None) -> None:
         """Prove our key, check theirs; raises HandshakeError (and closes) on any failure."""
+        self._expected_peer = expected_peer
+        self._handshake_done = self._loop.create_future()
+        cfg = self.config
+        hello, self._my_nonce = hs.make_hello(
+            self.identity, window=cfg.stream_window_bytes, max_head=cfg.max_head_bytes, max_body=cfg.max_body_bytes
+        )
+        handle = self._loop.call_later(
+            cfg.handshake_timeout, self._handshake_failed, HandshakeError(f"handshake with {self._where()} timed out")
+        )
         try:
-            async with _deadline(self.config.handshake_timeout):
-                await self._run_handshake(expected_peer)
-        except TimeoutError:
-            self._abort(HandshakeError(f"handshake with {self._where()} timed out"))
-            raise HandshakeError(f"handshake with {self._where()} timed out") from None
-        except (HandshakeError, ProtocolError, MessageTooLarge, ConnectionLost) as e:
-            error = e if isinstance(e, HandshakeError) else HandshakeError(f"handshake with {self._where()}: {e}")
+            self.protocol.send(hello)
+            self.protocol.set_frame_handler(self._on_handshake_frame)
+            await self._handshake_done
+        except ConnectionLost as e:
+            error = HandshakeError(f"handshake with {self._where()}: {e}")
             self._abort(error)
             raise error from None
+        finally:
+            handle.cancel()
+
+    def _on_handshake_frame(self, head: dict[str, Any], body: bytes | memoryview) -> None:
+        try:
+            if self._remote_hello is None:
+                self._on_hello(hs.parse_hello(head))
+            else:
+                self._on_auth(head)
+        except (HandshakeError, ProtocolError, ConnectionLost) as e:
+            error = e if isinstance(e, HandshakeError) else HandshakeError(f"handshake with {self._where()}: {e}")
+            self._handshake_failed(error)
+
+    def _on_hello(self, remote: hs.Hello) -> None:
+        if remote.peer_id == self.identity.peer_id:
+            raise HandshakeError("connected to ourselves")
+        if self._expected_peer is not None and remote.peer_id != self._expected_peer:
+            raise PeerIDMismatch(
+                f"dialed {self._expected_peer} at {self._where()} but the peer there is {remote.peer_id}"
+            )
+        self._remote_hello = remote
+        mine = hs.auth_message(self.role, *self._transcript(remote))
+        self.protocol.send({"k": Kind.AUTH, "s": self.identity.sign(mine)})
+
+    def _on_auth(self, head: dict[str, Any]) -> None:
+        remote = self._remote_hello
+        assert remote is not None
+        their_role = hs.LISTENER if self.role == hs.DIALER else hs.DIALER
+        hs.check_auth(head, remote, hs.auth_message(their_role, *self._transcript(remote)))
+        self.peer_id = remote.peer_id
+        self.remote_window = remote.window
+        self.remote_max_head = remote.max_head
+        self.chunk_bytes = min(self.config.chunk_bytes, remote.max_body, remote.window)
         self.authenticated = True
         self.protocol.max_head = self.config.max_head_bytes
         self.protocol.max_body = self.config.max_body_bytes
         self.protocol.set_frame_handler(self._on_frame)
         self._arm_idle_timer(self.config.idle_timeout)
+        if not self._handshake_done.done():
+            self._handshake_done.set_result(None)
 
-    async def _run_handshake(self, expected_peer: PeerID | None) -> None:
-        cfg = self.config
-        hello, my_nonce = hs.make_hello(
-            self.identity, window=cfg.stream_window_bytes, max_head=cfg.max_head_bytes, max_body=cfg.max_body_bytes
-        )
-        self.protocol.send(hello)
-        remote = hs.parse_hello(await self._next_handshake_frame())
-        if remote.peer_id == self.identity.peer_id:
-            raise HandshakeError("connected to ourselves")
-        if expected_peer is not None and remote.peer_id != expected_peer:
-            raise PeerIDMismatch(f"dialed {expected_peer} at {self._where()} but the peer there is {remote.peer_id}")
+    def _transcript(self, remote: hs.Hello) -> tuple[bytes, bytes, PeerID, PeerID]:
         if self.role == hs.DIALER:
-            nonces, ids = (my_nonce, remote.nonce), (self.identity.peer_id, remote.peer_id)
-        else:
-            nonces, ids = (remote.nonce, my_nonce), (remote.peer_id, self.identity.peer_id)
-        their_role = hs.LISTENER if self.role == hs.DIALER else hs.DIALER
-        mine = hs.auth_message(self.role, *nonces, *ids)
-        self.protocol.send({"k": Kind.AUTH, "s": self.identity.sign(mine)})
-        hs.check_auth(await self._next_handshake_frame(), remote, hs.auth_message(their_role, *nonces, *ids))
-        self.peer_id = remote.peer_id
-        self.remote_window = remote.window
-        self.remote_max_head = remote.max_head
-        self.chunk_bytes = min(cfg.chunk_bytes, remote.max_body, remote.window)
+            return self._my_nonce, remote.nonce, self.identity.peer_id, remote.peer_id
+        return remote.nonce, self._my_nonce, remote.peer_id, self.identity.peer_id
 
-    def _on_handshake_frame(self, head: dict[str, Any], body: bytes | memoryview) -> None:
-        if len(self._handshake_frames) >= 2:
-            raise ProtocolError("more than two frames before the handshake finished")
-        self._handshake_frames.append(head)
-        if self._handshake_waiter is not None and not self._handshake_waiter.done():
-            self._handshake_waiter.set_result(None)
-
-    async def _next_handshake_frame(self) -> dict[str, Any]:
-        while not self._handshake_frames:
-            if self.protocol.closed:
-                raise ConnectionLost(f"{self._where()} closed the connection during the handshake")
-            self._handshake_waiter = self._loop.create_future()
-            await self._handshake_waiter
-        return self._handshake_frames.pop(0)
+    def _handshake_failed(self, error: HandshakeError) -> None:
+        self._abort(error)
+        if self._handshake_done is not None and not self._handshake_done.done():
+            self._handshake_done.set_exception(error)
 
     # --- outbound calls ---------------------------------------------------------------------
 
@@ -411,8 +428,8 @@ class Connection:
             stream.on_error(error)
         for task in self._inbound.values():
             task.cancel()
-        if self._handshake_waiter is not None and not self._handshake_waiter.done():
-            self._handshake_waiter.set_result(None)
+        if self._handshake_done is not None and not self._handshake_done.done():
+            self._handshake_done.set_exception(error)
         if not self._closed_future.done():
             self._closed_future.set_result(None)
         if self.on_closed is not None:
@@ -425,27 +442,3 @@ class Connection:
 def _expire(future: asyncio.Future[Any]) -> None:
     if not future.done():
         future.set_exception(TimeoutError())
-
-
-class _deadline:
-    """asyncio.timeout() for Python 3.10 too: cancels the current task after `delay` seconds
-    and turns that cancellation into TimeoutError."""
-
-    def __init__(self, delay: float) -> None:
-        self._delay = delay
-        self._expired = False
-
-    async def __aenter__(self) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._handle = asyncio.get_running_loop().call_later(self._delay, self._expire, task)
-
-    def _expire(self, task: asyncio.Task[Any]) -> None:
-        self._expired = True
-        task.cancel()
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, *rest: Any) -> bool:
-        self._handle.cancel()
-        if self._expired and exc_type is asyncio.CancelledError:
-            raise TimeoutError
-        return False

@@ -223,3 +223,22 @@ async def test_random_frames_never_break_the_server(server: P2PHost, data: list[
     finally:
         await peer.close()
     await still_serves(server)
+
+
+async def test_call_in_the_same_segment_as_auth_is_served(server: P2PHost) -> None:
+    """Regression: frames right behind AUTH must be parsed as an authenticated connection's."""
+    from swarm.p2p import handshake as hs
+
+    peer = await RawPeer.connect(server.visible_maddrs[0])
+    hello, nonce = hs.make_hello(peer.identity, window=1 << 20, max_head=1 << 20, max_body=1 << 20)
+    peer.send(frame(hello))
+    remote = hs.parse_hello((await peer.read_frame())[0])
+    message = hs.auth_message(hs.DIALER, nonce, remote.nonce, peer.identity.peer_id, remote.peer_id)
+    peer.send(
+        frame({"k": Kind.AUTH, "s": peer.identity.sign(message)})
+        + frame({"k": Kind.CALL, "i": 1, "m": "t.echo", "a": "same segment", "s": False})
+    )
+    assert (await peer.read_frame())[0]["k"] == Kind.AUTH
+    head, _ = await peer.read_frame()
+    assert head["k"] == Kind.REPLY and head["r"] == "same segment"
+    await peer.close()
