@@ -90,6 +90,7 @@ class Connection:
         self._streams: dict[int, Stream] = {}  # streams of both sides
         self._inbound: dict[int, asyncio.Task[None]] = {}  # handler tasks of the peer's calls
         self._deadline_hit: set[int] = set()
+        self._deadlines: dict[int, asyncio.TimerHandle] = {}  # handler deadlines of unary calls
         self._last_activity = self._loop.time()
         self._idle_handle: asyncio.TimerHandle | None = None
         protocol.max_head, protocol.max_body = hs.PRE_AUTH_MAX_HEAD, 0
@@ -307,8 +308,7 @@ class Connection:
         task = self._loop.create_task(coro)
         self._inbound[call_id] = task
         if not is_stream:
-            deadline = self._loop.call_later(self.config.handler_timeout, self._deadline, call_id, task)
-            task.add_done_callback(lambda _: deadline.cancel())
+            self._deadlines[call_id] = self._loop.call_later(self.config.handler_timeout, self._deadline, call_id, task)
 
     def _deadline(self, call_id: int, task: asyncio.Task[None]) -> None:
         self._deadline_hit.add(call_id)
@@ -327,6 +327,8 @@ class Connection:
         finally:
             self._deadline_hit.discard(call_id)
             self._inbound.pop(call_id, None)
+            if (deadline := self._deadlines.pop(call_id, None)) is not None:
+                deadline.cancel()
 
     async def _serve_stream(self, fn: StreamHandler, context: CallContext, args: Any, stream: Stream) -> None:
         call_id = stream.call_id

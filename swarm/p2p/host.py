@@ -284,7 +284,12 @@ class P2PHost:
                 del self._connections[conn.peer_id]
 
     def _best_connection(self, peer: PeerID) -> Connection | None:
-        group = [c for c in self._connections.get(peer, ()) if not c.protocol.closed]
+        group = self._connections.get(peer)
+        if not group:
+            return None
+        if len(group) == 1:  # the common case, on every call
+            return None if group[0].protocol.closed else group[0]
+        group = [c for c in group if not c.protocol.closed]
         if not group:
             return None
         preferred_role = hs.DIALER if self.peer_id < peer else hs.LISTENER

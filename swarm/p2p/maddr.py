@@ -6,6 +6,7 @@ TCP transport can use and turns every failure into one MultiaddrError line namin
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import multiaddr
@@ -44,6 +45,11 @@ def parse_maddr(text: str) -> TcpAddress:
     """Parse a user- or peer-given multiaddr; MultiaddrError with a precise reason otherwise."""
     if not isinstance(text, str):
         raise MultiaddrError(f"a multiaddr is a string, got {type(text).__name__}")
+    return _parse_cached(text)
+
+
+@functools.lru_cache(maxsize=4096)  # py-multiaddr takes ~100 µs a parse; peers reuse addresses
+def _parse_cached(text: str) -> TcpAddress:
     text = text.strip()
     if not text:
         raise MultiaddrError("empty multiaddr")
