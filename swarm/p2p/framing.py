@@ -22,8 +22,8 @@ logger = logging.getLogger(__name__)
 
 SCRATCH_BYTES = 256 * 1024
 OWN_BUFFER_ABOVE = 64 * 1024  # frames larger than this are read into a buffer of their own
-COALESCE_BELOW = 64 * 1024
-POOL_BUFFERS = 4 if hasattr(sys, "getrefcount") else 0  # bodies smaller than this are joined with their head in one write
+COALESCE_BELOW = 64 * 1024  # bodies smaller than this are joined with their head in one write
+POOL_BUFFERS = 8 if hasattr(sys, "getrefcount") else 0  # large-frame buffers kept for reuse
 
 FrameHandler = Callable[[dict[str, Any], "bytes | memoryview"], None]
 
