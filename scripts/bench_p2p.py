@@ -50,7 +50,9 @@ def child(role: str, timeout: float = 60.0) -> Iterator[dict[str, Any]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--_role", role],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
     )
     try:
         assert proc.stdout is not None
@@ -248,8 +250,10 @@ def print_table(results: dict[str, dict[str, float]], args: argparse.Namespace) 
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"p2p on 127.0.0.1, two processes, median of {args.repeat} runs "
-                        f"({args.rpc_calls} calls, {args.stream_mib} MiB stream in 4 MiB chunks)")
+    table = Table(
+        title=f"p2p on 127.0.0.1, two processes, median of {args.repeat} runs "
+        f"({args.rpc_calls} calls, {args.stream_mib} MiB stream in 4 MiB chunks)"
+    )
     table.add_column("system")
     for col in ("unary p50 µs", "unary p99 µs", "stream MB/s"):
         table.add_column(col, justify="right")
@@ -260,8 +264,10 @@ def print_table(results: dict[str, dict[str, float]], args: argparse.Namespace) 
     s = summary(results)
     console.print(f"swarm stream / raw socket: {s['stream_vs_raw']:.2f} (target >= 0.70)")
     if "hivemind" in results:
-        console.print(f"swarm / hivemind: unary p50 {s['rpc_p50_ratio']:.3f} (target <= 0.10), "
-                      f"stream {s['stream_ratio']:.2f}x (target >= 3x)")
+        console.print(
+            f"swarm / hivemind: unary p50 {s['rpc_p50_ratio']:.3f} (target <= 0.10), "
+            f"stream {s['stream_ratio']:.2f}x (target >= 3x)"
+        )
 
 
 def main() -> None:

@@ -158,3 +158,22 @@ async def test_read_all_refuses_more_than_max_bytes(make_host) -> None:
     async with await a.open_stream(b.visible_maddrs[0], "t.source") as stream:
         with pytest.raises(P2PError, match="more than 100 bytes"):
             await stream.read_all(max_bytes=100)
+
+
+async def test_kept_chunks_are_never_overwritten_by_later_frames(make_host) -> None:
+    """Large-frame buffers are pooled; a chunk the reader still holds must never be reused."""
+    a, b = await make_host(chunk_bytes=256 * 1024), await make_host()
+    kept: list[memoryview] = []
+
+    async def keeper(ctx: CallContext, args: Any, stream: Stream) -> None:
+        async for chunk in stream:
+            kept.append(chunk)  # type: ignore[arg-type]
+        await stream.write(hashlib.sha256(b"".join(kept)).digest())
+
+    b.add_stream_handler("t.keep", keeper)
+    payload = os.urandom(12 * MiB)
+    async with await a.open_stream(b.visible_maddrs[0], "t.keep") as stream:
+        await stream.write(payload)
+        await stream.end()
+        digest = await stream.read_all(max_bytes=32)
+    assert bytes(digest) == hashlib.sha256(payload).digest() and len(kept) == 48
