@@ -48,6 +48,7 @@ class P2PHost:
         self._handshaking: set[Connection] = set()
         self._dialing: dict[str, asyncio.Future[Connection]] = {}
         self._addresses: dict[PeerID, TcpAddress] = {}  # last address each peer was dialed at
+        self._peer_at: dict[str, PeerID] = {}  # who answered at a dialed address (for maddrs without /p2p/)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._started = False
         self._closing = False
@@ -181,7 +182,8 @@ class P2PHost:
                 raise ConnectionLost(f"no connection to {peer} and no known address for it")
         else:
             addr = parse_maddr(peer) if isinstance(peer, str) else peer
-            if addr.peer_id is not None and (conn := self._best_connection(addr.peer_id)) is not None:
+            known = addr.peer_id or self._peer_at.get(addr.to_maddr(with_peer_id=False))
+            if known is not None and (conn := self._best_connection(known)) is not None:
                 return conn
         key = addr.to_maddr()
         dial = self._dialing.get(key)
@@ -216,6 +218,13 @@ class P2PHost:
             conn.close()
             raise ConnectionLost("host is closing")
         self._addresses[conn.peer_id] = addr.with_peer_id(conn.peer_id)
+        self._peer_at[addr.to_maddr(with_peer_id=False)] = conn.peer_id
+        existing = self._best_connection(conn.peer_id)
+        if existing is not None and existing.role == hs.DIALER:
+            # we dialed this peer before under another address: keep one connection. (An inbound
+            # one from the peer is kept: the peer may be closing its duplicate of ours right now.)
+            conn.close()
+            return existing
         self._adopt(conn)
         return conn
 

@@ -246,3 +246,14 @@ async def test_wildcard_listener_reports_loopback_with_real_port() -> None:
         maddrs = host.visible_maddrs
         assert maddrs[0].startswith("/ip4/127.0.0.1/tcp/") and parse_maddr(maddrs[0]).port > 0
         assert all(m.endswith(f"/p2p/{host.peer_id}") for m in maddrs)
+
+
+async def test_dns_maddr_and_maddr_without_peer_id_reuse_one_connection(make_host) -> None:
+    a, b = await make_host(), await make_host()
+    b.add_handler("t.echo", echo)
+    port = parse_maddr(b.visible_maddrs[0]).port
+    for _ in range(3):
+        assert (await a.call(f"/dns4/localhost/tcp/{port}", "t.echo", 1))["args"] == 1
+        assert (await a.call(f"/ip4/127.0.0.1/tcp/{port}", "t.echo", 2))["args"] == 2
+    assert a.connected_peers() == [b.peer_id]
+    assert len(a._connections[b.peer_id]) == 1  # the second address found the peer already connected
