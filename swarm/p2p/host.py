@@ -29,6 +29,7 @@ from swarm.p2p.stream import Stream
 
 logger = logging.getLogger(__name__)
 
+CLOSE_GRACE_SECONDS = 2.0  # how long close() lets connections flush before aborting them
 PeerRef = PeerID | TcpAddress | str  # a PeerID we know an address for, or a multiaddr
 
 __all__ = ["CallContext", "P2PHost", "PeerRef"]
@@ -90,7 +91,17 @@ class P2PHost:
             conn.close()
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*(c.wait_closed() for c in conns), *self._tasks, return_exceptions=True)
+        waits = [asyncio.ensure_future(c.wait_closed()) for c in conns] + list(self._tasks)
+        if waits:
+            # a graceful close flushes queued writes; a peer that stops reading gets aborted
+            _, late = await asyncio.wait(waits, timeout=CLOSE_GRACE_SECONDS)
+            if late:
+                for conn in conns:
+                    conn.protocol.abort(ConnectionLost("host closed"))
+                await asyncio.wait(late, timeout=CLOSE_GRACE_SECONDS)
+                for straggler in late:
+                    straggler.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
         for server in self._servers:
             await server.wait_closed()
         self._connections.clear()
