@@ -31,13 +31,16 @@ class RawPeer:
         raw = await asyncio.wait_for(self.reader.readexactly(head_len + body_len), timeout)
         return decode_head(raw[:head_len]), raw[head_len:]
 
-    async def handshake(self, *, sign_with: Identity | None = None) -> dict[str, Any]:
-        """Authenticate as the dialer (optionally signing with the wrong key); returns their AUTH."""
-        hello, nonce = hs.make_hello(self.identity, window=1 << 20, max_head=1 << 20, max_body=1 << 20)
+    async def handshake(
+        self, *, sign_with: Identity | None = None, window: int = 1 << 20, then: bytes = b""
+    ) -> dict[str, Any]:
+        """Authenticate as the dialer (optionally signing with the wrong key), sending `then` in
+        the same write as our AUTH; returns their AUTH frame."""
+        hello, nonce = hs.make_hello(self.identity, window=window, max_head=1 << 20, max_body=1 << 24)
         self.send(frame(hello))
         remote = hs.parse_hello((await self.read_frame())[0])
         message = hs.auth_message(hs.DIALER, nonce, remote.nonce, self.identity.peer_id, remote.peer_id)
-        self.send(frame({"k": Kind.AUTH, "s": (sign_with or self.identity).sign(message)}))
+        self.send(frame({"k": Kind.AUTH, "s": (sign_with or self.identity).sign(message)}) + then)
         return (await self.read_frame())[0]
 
     def send(self, data: bytes) -> None:

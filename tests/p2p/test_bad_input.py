@@ -227,18 +227,9 @@ async def test_random_frames_never_break_the_server(server: P2PHost, data: list[
 
 async def test_call_in_the_same_segment_as_auth_is_served(server: P2PHost) -> None:
     """Regression: frames right behind AUTH must be parsed as an authenticated connection's."""
-    from swarm.p2p import handshake as hs
-
     peer = await RawPeer.connect(server.visible_maddrs[0])
-    hello, nonce = hs.make_hello(peer.identity, window=1 << 20, max_head=1 << 20, max_body=1 << 20)
-    peer.send(frame(hello))
-    remote = hs.parse_hello((await peer.read_frame())[0])
-    message = hs.auth_message(hs.DIALER, nonce, remote.nonce, peer.identity.peer_id, remote.peer_id)
-    peer.send(
-        frame({"k": Kind.AUTH, "s": peer.identity.sign(message)})
-        + frame({"k": Kind.CALL, "i": 1, "m": "t.echo", "a": "same segment", "s": False})
-    )
-    assert (await peer.read_frame())[0]["k"] == Kind.AUTH
+    call = frame({"k": Kind.CALL, "i": 1, "m": "t.echo", "a": "same segment", "s": False})
+    assert (await peer.handshake(then=call))["k"] == Kind.AUTH
     head, _ = await peer.read_frame()
     assert head["k"] == Kind.REPLY and head["r"] == "same segment"
     await peer.close()
@@ -252,14 +243,7 @@ async def test_close_does_not_hang_on_a_peer_that_stops_reading(make_host) -> No
 
     host.add_stream_handler("t.flood", flood)
     peer = await RawPeer.connect(host.visible_maddrs[0])
-    from swarm.p2p import handshake as hs
-
-    hello, nonce = hs.make_hello(peer.identity, window=2**31, max_head=1 << 20, max_body=1 << 24)
-    peer.send(frame(hello))
-    remote = hs.parse_hello((await peer.read_frame())[0])
-    message = hs.auth_message(hs.DIALER, nonce, remote.nonce, peer.identity.peer_id, remote.peer_id)
-    peer.send(frame({"k": Kind.AUTH, "s": peer.identity.sign(message)}))
-    peer.send(frame({"k": Kind.CALL, "i": 1, "m": "t.flood", "a": None, "s": True}))
+    await peer.handshake(window=2**31, then=frame({"k": Kind.CALL, "i": 1, "m": "t.flood", "a": None, "s": True}))
     await asyncio.sleep(0.5)  # the host fills the socket buffers and waits to drain; we never read
     loop = asyncio.get_running_loop()
     start = loop.time()
