@@ -91,10 +91,6 @@ class ErrorCode:
     INTERNAL = "internal"  # the handler failed unexpectedly (the callee logs the traceback)
 
 
-def pack_frame_prefix(head: bytes, body_len: int) -> bytes:
-    return FRAME_PREFIX.pack(len(head), body_len) + head
-
-
 def encode_head(fields: dict[str, Any]) -> bytes:
     return msgpack.packb(fields, use_bin_type=True)
 
