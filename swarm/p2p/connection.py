@@ -85,12 +85,10 @@ class Connection:
         self._expected_peer: PeerID | None = None
         self._my_nonce = b""
         self._next_call_id = 1 if role == hs.DIALER else 2
-        self._pending: dict[int, asyncio.Future[Any]] = {}  # our unary calls
-        self._pending_method: dict[int, str] = {}
+        self._pending: dict[int, tuple[asyncio.Future[Any], str]] = {}  # our unary calls, with their method
         self._streams: dict[int, Stream] = {}  # streams of both sides
         self._inbound: dict[int, asyncio.Task[None]] = {}  # handler tasks of the peer's calls
-        self._deadline_hit: set[int] = set()
-        self._deadlines: dict[int, asyncio.TimerHandle] = {}  # handler deadlines of unary calls
+        self._deadlines: dict[int, asyncio.TimerHandle] = {}  # unary handlers whose deadline has not passed
         self._last_activity = self._loop.time()
         self._idle_handle: asyncio.TimerHandle | None = None
         protocol.max_head, protocol.max_body = hs.PRE_AUTH_MAX_HEAD, 0
@@ -184,8 +182,7 @@ class Connection:
     async def call(self, method: str, args: Any, timeout: float) -> Any:
         call_id = self._new_call_id()
         future: asyncio.Future[Any] = self._loop.create_future()
-        self._pending[call_id] = future
-        self._pending_method[call_id] = method
+        self._pending[call_id] = (future, method)
         try:
             self._send_call(call_id, method, args, stream=False)
             handle = self._loop.call_later(timeout, _expire, future)
@@ -201,7 +198,6 @@ class Connection:
             raise
         finally:
             self._pending.pop(call_id, None)
-            self._pending_method.pop(call_id, None)
 
     def open_stream(self, method: str, args: Any, timeout: float) -> Stream:
         call_id = self._new_call_id()
@@ -258,18 +254,18 @@ class Connection:
     def _on_reply(self, call_id: int, head: dict[str, Any], ours: bool) -> None:
         if not ours:
             raise ProtocolError(f"peer sent {Kind(head['k']).name} for a call it did not receive")
+        pending = self._pending.get(call_id)
         if head["k"] == Kind.REPLY:
-            future = self._pending.get(call_id)
-            if future is not None and not future.done():
-                future.set_result(head.get("r"))
+            if pending is not None and not pending[0].done():
+                pending[0].set_result(head.get("r"))
             return
         code = str(field(head, "c", str))[:64]
         message = str(field(head, "e", str))[:MAX_ERROR_MESSAGE_CHARS]
         stream = self._streams.get(call_id)
-        method = stream.method if stream is not None else self._pending_method.get(call_id, "")
+        method = stream.method if stream is not None else pending[1] if pending is not None else ""
         error = RemoteError(code, message, method=method, peer=str(self.peer_id))
-        if (future := self._pending.get(call_id)) is not None and not future.done():
-            future.set_exception(error)
+        if pending is not None and not pending[0].done():
+            pending[0].set_exception(error)
         elif stream is not None:
             stream.on_error(error)
 
@@ -311,7 +307,7 @@ class Connection:
             self._deadlines[call_id] = self._loop.call_later(self.config.handler_timeout, self._deadline, call_id, task)
 
     def _deadline(self, call_id: int, task: asyncio.Task[None]) -> None:
-        self._deadline_hit.add(call_id)
+        del self._deadlines[call_id]  # its absence tells _serve_unary why it was cancelled
         task.cancel()
 
     async def _serve_unary(self, fn: UnaryHandler, context: CallContext, args: Any, call_id: int) -> None:
@@ -319,13 +315,12 @@ class Connection:
             result = await fn(context, args)
             self._send_reply(call_id, context.method, result)
         except asyncio.CancelledError:
-            if call_id in self._deadline_hit:
+            if call_id not in self._deadlines:
                 self._send_error(call_id, ErrorCode.TIMEOUT, f"handler ran over {self.config.handler_timeout}s")
             # otherwise the caller cancelled or we are closing: nothing more to say
         except Exception as e:
             self._send_handler_error(call_id, context, e)
         finally:
-            self._deadline_hit.discard(call_id)
             self._inbound.pop(call_id, None)
             if (deadline := self._deadlines.pop(call_id, None)) is not None:
                 deadline.cancel()
@@ -423,7 +418,7 @@ class Connection:
         if self._idle_handle is not None:
             self._idle_handle.cancel()
         error = ConnectionLost(f"connection to {self.peer_id} lost: {reason or 'closed'}")
-        for future in self._pending.values():
+        for future, _ in self._pending.values():
             if not future.done():
                 future.set_exception(error)
         for stream in list(self._streams.values()):
