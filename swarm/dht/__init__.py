@@ -1,1 +1,35 @@
-"""swarm.dht: not built yet (see the open issues)."""
+"""swarm.dht: a Kademlia DHT with expiring records, subkeys and owner-signed records."""
+
+from swarm.dht.background import DHT
+from swarm.dht.config import DHTConfig
+from swarm.dht.errors import (
+    BadRecord,
+    BadSignature,
+    BootstrapError,
+    DHTError,
+    ExpirationOutOfRange,
+    Outdated,
+    RecordError,
+    StorageFull,
+    ValueTooLarge,
+)
+from swarm.dht.node import DHTNode
+from swarm.dht.records import Record, ValueWithExpiration, owner_subkey
+
+__all__ = [
+    "BadRecord",
+    "BadSignature",
+    "BootstrapError",
+    "DHT",
+    "DHTConfig",
+    "DHTError",
+    "DHTNode",
+    "ExpirationOutOfRange",
+    "Outdated",
+    "Record",
+    "RecordError",
+    "StorageFull",
+    "ValueTooLarge",
+    "ValueWithExpiration",
+    "owner_subkey",
+]

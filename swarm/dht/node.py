@@ -1,0 +1,391 @@
+"""DHTNode: one Kademlia node (routing table, storage, RPC handlers, lookups, maintenance).
+
+    async with DHTNode(identity, initial_peers=["/ip4/1.2.3.4/tcp/31337/p2p/12D3Koo..."]) as node:
+        await node.store("run1/ready", {"step": 7}, time.time() + 60, subkey=owner_subkey(node.peer_id))
+        found = await node.get("run1/ready")   # ValueWithExpiration(value={subkey: ...}, expiration)
+
+With no initial peers the node is the first of a new DHT. A node either owns its P2PHost (made
+from p2p_config), shares one handed in with `host=` (a training node shares it with averaging),
+or runs over any Transport (the in-memory one of the simulator). client_mode: the node asks but
+never serves; peers do not add it to their routing tables (for nodes nobody can dial).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from swarm.dht import protocol as proto
+from swarm.dht.config import DHTConfig
+from swarm.dht.errors import BootstrapError, RecordError
+from swarm.dht.ids import Key, id_to_bytes, key_id, random_id_between
+from swarm.dht.lookup import LookupResult, iterative_lookup, merge_into
+from swarm.dht.records import Record, ValueWithExpiration, unpack_value
+from swarm.dht.routing import Contact, RoutingTable
+from swarm.dht.storage import RecordStorage
+from swarm.dht.transport import P2PTransport, Transport
+from swarm.p2p.config import P2PConfig
+from swarm.p2p.connection import CallContext
+from swarm.p2p.errors import BadRequest, P2PError
+from swarm.p2p.host import P2PHost
+from swarm.p2p.identity import Identity
+from swarm.p2p.peer_id import PeerID
+
+logger = logging.getLogger(__name__)
+
+UNBOUNDED = 1 << 62  # merge containers for one lookup's results: bounded by the replies' own limits
+
+
+class DHTNode:
+    def __init__(
+        self,
+        identity: Identity | None = None,
+        initial_peers: Iterable[str] = (),
+        *,
+        config: DHTConfig | None = None,
+        p2p_config: P2PConfig | None = None,
+        host: P2PHost | None = None,
+        transport: Transport | None = None,
+        client_mode: bool = False,
+    ) -> None:
+        if sum(x is not None for x in (p2p_config, host, transport)) > 1:
+            raise ValueError("pass at most one of p2p_config, host and transport")
+        self.config = config or DHTConfig()
+        self.initial_peers = [str(p) for p in initial_peers]
+        self.client_mode = client_mode
+        self._own_host: P2PHost | None = None
+        if transport is None:
+            if host is None:
+                host = self._own_host = P2PHost(identity, p2p_config or P2PConfig())
+            transport = P2PTransport(host)
+            identity = host.identity
+        self.transport = transport
+        self.identity = identity
+        self.peer_id: PeerID = transport.peer_id
+        if identity is not None and identity.peer_id != self.peer_id:
+            raise ValueError("identity does not match the transport's PeerID")
+        self.node_id = self.peer_id.dht_id
+        self.table = RoutingTable(self.node_id, self.config.k)
+        self.storage = RecordStorage(self.config.max_records, self.config.max_subkeys_per_key)
+        self.cache = RecordStorage(self.config.max_cache_records, self.config.max_subkeys_per_key)
+        self._own_records: dict[tuple[Key, Key | None], Record] = {}  # what we republish
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._maintenance: asyncio.Task[None] | None = None
+        self._started = False
+        self._closed = False
+        self._addrs: tuple[str, ...] | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> DHTNode:
+        if self._started:
+            return self
+        self._started = True
+        if self._own_host is not None:
+            await self._own_host.start()
+        self._addrs = None if self.client_mode else tuple(self.transport.visible_maddrs())
+        if not self.client_mode:
+            self.transport.add_handler(proto.PING, self._rpc_ping)
+            self.transport.add_handler(proto.FIND, self._rpc_find)
+            self.transport.add_handler(proto.STORE, self._rpc_store)
+        try:
+            await self.bootstrap(self.initial_peers)
+        except BaseException:
+            await self.close()
+            raise
+        self._maintenance = asyncio.ensure_future(self._maintain())
+        return self
+
+    async def bootstrap(self, maddrs: list[str]) -> None:
+        """Ping the given peers, then look up our own id to fill the routing table."""
+        if not maddrs:
+            return
+        replies = await asyncio.gather(*(self.ping(m) for m in maddrs), return_exceptions=True)
+        if all(isinstance(r, BaseException) for r in replies):
+            reasons = "; ".join(f"{m}: {r}" for m, r in zip(maddrs, replies, strict=True))
+            raise BootstrapError(f"none of the {len(maddrs)} initial peers answered ({reasons})")
+        await asyncio.wait_for(self.find_node(self.node_id), self.config.bootstrap_timeout)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in [*self._tasks, *([self._maintenance] if self._maintenance else [])]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *([self._maintenance] if self._maintenance else []), return_exceptions=True)
+        if not self.client_mode:
+            for method in (proto.PING, proto.FIND, proto.STORE):
+                self.transport.remove_handler(method)
+        if self._own_host is not None:
+            await self._own_host.close()
+
+    async def __aenter__(self) -> DHTNode:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+    @property
+    def visible_maddrs(self) -> list[str]:
+        return self.transport.visible_maddrs()
+
+    # --- the user's API ---------------------------------------------------------------------
+
+    async def store(self, key: Key, value: Any, expiration_time: float, subkey: Key | None = None) -> int:
+        """Store on the k nodes closest to the key (this one too when it is among them).
+        Returns how many nodes accepted the record: 0 means it was stored nowhere (for example
+        every node holds one that expires later). A record this node refuses to create (too
+        large, expired, owned by someone else) raises the RecordError that says why."""
+        record = Record.create(key, subkey, value, expiration_time, self.identity)
+        record.validate(self.config, time.time())
+        self._own_records[(key, subkey)] = record
+        if len(self._own_records) > self.config.max_records:  # forget the record that expires first
+            del self._own_records[min(self._own_records, key=lambda s: self._own_records[s].expiration)]
+        return await self._store_records(key, [record])
+
+    async def get(self, key: Key, latest: bool = False) -> ValueWithExpiration | None:
+        """The value under key, or None when no live record is found. Ends at the first node
+        that holds it unless `latest`, which asks all k closest nodes and merges their answers.
+        For a key with subkeys the value is {subkey: ValueWithExpiration}."""
+        result = await self.lookup_value(key, latest=latest)
+        return _user_value(result.records(key, time.time()))
+
+    async def lookup_value(self, key: Key, latest: bool = False) -> LookupResult:
+        """The lookup behind get(), with its statistics (rounds, holders) for benchmarks."""
+        now = time.time()
+        found = RecordStorage(UNBOUNDED, UNBOUNDED)
+        merge_into(found, self.storage.get(key, now) + self.cache.get(key, now), now)
+        result = await asyncio.wait_for(
+            self._lookup(key_id(key), key, stop_on_value=not latest, found=found), self.config.lookup_timeout
+        )
+        if result.holders:
+            self._cache_on_path(key, result)
+        return result
+
+    async def find_node(self, target: int) -> list[Contact]:
+        """The k nodes closest to target that answered (this node left out)."""
+        result = await self._lookup(target, None, stop_on_value=False, found=RecordStorage(1, 1))
+        return result.closest
+
+    async def ping(self, maddr: str) -> tuple[PeerID, float]:
+        """Ping whoever answers at maddr and add it to the routing table; (PeerID, seconds)."""
+        start = time.perf_counter()
+        peer, reply = await self.transport.call_maddr(maddr, proto.PING, {"a": self._addrs}, self.config.rpc_timeout)
+        rtt = time.perf_counter() - start
+        addrs = proto.parse_addrs(reply, self.config)
+        if addrs is not None:
+            self._heard_from(peer, addrs or (maddr,))
+        return peer, rtt
+
+    # --- storing ----------------------------------------------------------------------------
+
+    async def _store_records(self, key: Key, records: list[Record]) -> int:
+        now = time.time()
+        nodes = await asyncio.wait_for(self.find_node(key_id(key)), self.config.lookup_timeout)
+        accepted = 0
+        target = key_id(key)
+        if len(nodes) < self.config.k or (self.node_id ^ target) < (nodes[-1].node_id ^ target):
+            accepted += any(self._put_local(self.storage, record, now) for record in records)
+        wire = [r.to_wire() for r in records]
+        replies = await asyncio.gather(
+            *(self._call(c.peer_id, c.maddrs, proto.STORE, {"a": self._addrs, "records": wire}) for c in nodes),
+            return_exceptions=True,
+        )
+        reasons: dict[str, int] = {}
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                continue
+            results = reply.get("results") if isinstance(reply, dict) else None
+            if isinstance(results, list) and proto.OK in results:
+                accepted += 1
+            elif isinstance(results, list):
+                for code in results:
+                    reasons[str(code)] = reasons.get(str(code), 0) + 1
+        if not accepted:
+            logger.debug("store of %r accepted by no node (%d asked; refusals %s)", key, len(nodes), reasons)
+        return accepted
+
+    def _put_local(self, storage: RecordStorage, record: Record, now: float) -> bool:
+        try:
+            storage.put(record, now)
+        except RecordError:
+            return False
+        return True
+
+    def _cache_on_path(self, key: Key, result: LookupResult) -> None:
+        """Kademlia's caching: the closest node that answered without the value gets a copy."""
+        for contact in result.closest:
+            if contact.peer_id not in result.holders:
+                records = [r.to_wire() for r in result.records(key, time.time())][: self.config.max_store_batch]
+                if records:
+                    args = {"a": self._addrs, "records": records, "cache": True}
+                    self._spawn(self._call_quietly(contact, proto.STORE, args))
+                return
+
+    # --- lookups ----------------------------------------------------------------------------
+
+    async def _lookup(self, target: int, key: Key | None, *, stop_on_value: bool, found: RecordStorage) -> LookupResult:
+        args: dict[str, Any] = {"a": self._addrs, "id": id_to_bytes(target)}
+        if key is not None:
+            args["key"] = key
+
+        async def ask(contact: Contact) -> tuple[list[Contact], list[Record]]:
+            reply = await self._call(contact.peer_id, contact.maddrs, proto.FIND, args)
+            try:
+                if not isinstance(reply, dict):
+                    raise BadRequest("a find reply must be a map")
+                peers = proto.decode_contacts(reply.get("peers", []), self.config)
+                records = (
+                    proto.decode_found(key, reply["records"], self.config, time.time())
+                    if key is not None and "records" in reply
+                    else []
+                )
+            except BadRequest as e:
+                logger.info("bad find reply from %s: %s", contact.peer_id, e)
+                self.table.remove(contact.peer_id)
+                raise
+            return [Contact(p, a) for p, a in peers], records
+
+        initial = self.table.closest(target, self.config.k)
+        return await iterative_lookup(
+            target,
+            initial,
+            ask,
+            own_id=self.peer_id,
+            k=self.config.k,
+            alpha=self.config.alpha,
+            stop_on_value=stop_on_value,
+            found=found,
+            now=time.time,
+        )
+
+    async def _call(self, peer: PeerID, maddrs: tuple[str, ...], method: str, args: Any) -> Any:
+        """A request to a peer; success refreshes it in the routing table, failure removes it."""
+        try:
+            reply = await self.transport.call(peer, maddrs, method, args, self.config.rpc_timeout)
+        except P2PError:
+            self.table.remove(peer)
+            raise
+        self._heard_from(peer, maddrs)
+        return reply
+
+    async def _call_quietly(self, contact: Contact, method: str, args: Any) -> None:
+        with contextlib.suppress(P2PError):
+            await self._call(contact.peer_id, contact.maddrs, method, args)
+
+    # --- routing table upkeep ---------------------------------------------------------------
+
+    def _heard_from(self, peer: PeerID, addrs: tuple[str, ...]) -> None:
+        stale = self.table.add(peer, addrs, asyncio.get_running_loop().time())
+        if stale is not None and not self._closed:
+            self._spawn(self._check_stale(stale))
+
+    async def _check_stale(self, stale: Contact) -> None:
+        """Ping the least recently seen contact of a full bucket; replace it only if it fails."""
+        try:
+            args = {"a": self._addrs}
+            await self.transport.call(stale.peer_id, stale.maddrs, proto.PING, args, self.config.ping_timeout)
+        except P2PError:
+            self.table.ping_failed(stale.peer_id)
+        else:
+            self.table.ping_succeeded(stale.peer_id, asyncio.get_running_loop().time())
+
+    async def _maintain(self) -> None:
+        """Refresh stale buckets and republish our own records, forever, with jitter."""
+        config = self.config
+        loop = asyncio.get_running_loop()
+        next_republish = loop.time() + self._jittered(config.republish_interval)
+        while True:
+            await asyncio.sleep(self._jittered(min(config.refresh_interval, config.republish_interval) / 2))
+            try:
+                for bucket in self.table.stale_buckets(loop.time(), config.refresh_interval):
+                    await self.find_node(random_id_between(bucket.lo, bucket.hi))
+                    bucket.last_updated = loop.time()
+                if loop.time() >= next_republish:
+                    next_republish = loop.time() + self._jittered(config.republish_interval)
+                    await self.republish()
+            except (P2PError, TimeoutError) as e:
+                logger.info("DHT maintenance round failed: %s", e)
+
+    async def republish(self) -> None:
+        """Re-store our live records on the nodes now closest to their keys."""
+        now = time.time()
+        by_key: dict[Key, list[Record]] = {}
+        for slot, record in list(self._own_records.items()):
+            if record.expiration <= now:
+                del self._own_records[slot]
+            else:
+                by_key.setdefault(record.key, []).append(record)
+        for key, records in by_key.items():
+            for start in range(0, len(records), self.config.max_store_batch):
+                await self._store_records(key, records[start : start + self.config.max_store_batch])
+
+    def _jittered(self, interval: float) -> float:
+        return interval * (1 + random.random() * self.config.maintenance_jitter)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --- RPC handlers -----------------------------------------------------------------------
+
+    async def _rpc_ping(self, ctx: CallContext, args: Any) -> dict[str, Any]:
+        addrs = proto.parse_addrs(args, self.config)
+        if addrs is not None:
+            self._heard_from(ctx.peer_id, addrs)
+        return {"a": self._addrs}
+
+    async def _rpc_find(self, ctx: CallContext, args: Any) -> dict[str, Any]:
+        addrs = proto.parse_addrs(args, self.config)
+        target, key = proto.parse_find(args, self.config)
+        if key is not None and key_id(key) != target:
+            raise BadRequest("find: id is not the id of key")
+        if addrs is not None:
+            self._heard_from(ctx.peer_id, addrs)
+        reply: dict[str, Any] = {
+            "peers": proto.encode_contacts(self.table.closest(target, self.config.k, exclude=ctx.peer_id))
+        }
+        if key is not None:
+            now = time.time()
+            found = RecordStorage(UNBOUNDED, UNBOUNDED)
+            merge_into(found, self.storage.get(key, now) + self.cache.get(key, now), now)
+            records = found.get(key, now)
+            if records:
+                reply["records"] = proto.encode_found(records)
+        return reply
+
+    async def _rpc_store(self, ctx: CallContext, args: Any) -> dict[str, Any]:
+        addrs = proto.parse_addrs(args, self.config)
+        items, cache = proto.parse_store(args, self.config)
+        if addrs is not None:
+            self._heard_from(ctx.peer_id, addrs)
+        now = time.time()
+        results = []
+        storage = self.cache if cache else self.storage
+        for item in items:
+            try:
+                record = Record.from_wire(item)
+                record.validate(self.config, now)
+                storage.put(record, now)
+            except RecordError as e:
+                if e.code != "outdated":
+                    logger.info("refused a record from %s: [%s] %s", ctx.peer_id, e.code, e.message)
+                results.append(e.code)
+            else:
+                results.append(proto.OK)
+        return {"results": results}
+
+
+def _user_value(records: list[Record]) -> ValueWithExpiration | None:
+    if not records:
+        return None
+    if len(records) == 1 and records[0].subkey is None:
+        return ValueWithExpiration(unpack_value(records[0].value), records[0].expiration)
+    values = {r.subkey: ValueWithExpiration(unpack_value(r.value), r.expiration) for r in records}
+    return ValueWithExpiration(values, max(r.expiration for r in records))

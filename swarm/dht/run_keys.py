@@ -1,0 +1,31 @@
+"""The DHT keys a training run publishes under, in one place (every key starts with the run id).
+
+    <run>/nodes     subkey [owner:<PeerID>]  -> {"maddrs": [...], "step": outer step, "client": bool, ...}
+    <run>/state     subkey [owner:<PeerID>]  -> {"step": step held, "manifest": sha256 hex, "maddrs": [...]}
+    <run>/ready/<N> subkey [owner:<PeerID>]  -> matchmaking announcements for outer step N
+
+Each value is a map; later layers may add fields, and readers ignore fields they don't know.
+`swarm-dht inspect --run-id RUN` shows the first two.
+"""
+
+from __future__ import annotations
+
+MAX_RUN_ID_CHARS = 128
+
+
+def check_run_id(run_id: str) -> str:
+    if not run_id or len(run_id) > MAX_RUN_ID_CHARS or not run_id.isprintable() or "/" in run_id:
+        raise ValueError(f"a run id is 1 to {MAX_RUN_ID_CHARS} printable characters without '/'")
+    return run_id
+
+
+def nodes_key(run_id: str) -> str:
+    return f"{check_run_id(run_id)}/nodes"
+
+
+def state_key(run_id: str) -> str:
+    return f"{check_run_id(run_id)}/state"
+
+
+def ready_key(run_id: str, step: int) -> str:
+    return f"{check_run_id(run_id)}/ready/{int(step)}"
