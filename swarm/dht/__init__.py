@@ -17,10 +17,10 @@ from swarm.dht.node import DHTNode
 from swarm.dht.records import Record, ValueWithExpiration, owner_subkey
 
 __all__ = [
+    "DHT",
     "BadRecord",
     "BadSignature",
     "BootstrapError",
-    "DHT",
     "DHTConfig",
     "DHTError",
     "DHTNode",
