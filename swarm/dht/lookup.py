@@ -80,13 +80,14 @@ async def iterative_lookup(
     for contact in initial:
         consider(contact, 1)
     in_flight: dict[asyncio.Task[tuple[list[Contact], list[Record]]], _Candidate] = {}
+    width = alpha
     try:
         while True:
             best = sorted((c for c in candidates.values() if c.state != FAILED), key=lambda c: c.distance)[:k]
             if all(c.state == ANSWERED for c in best):
                 break
             for candidate in best:
-                if len(in_flight) >= alpha:
+                if len(in_flight) >= width:
                     break
                 if candidate.state == NEW:
                     candidate.state = ASKED
@@ -95,6 +96,7 @@ async def iterative_lookup(
             if not in_flight:
                 break
             done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+            closest_before = best[0].distance
             for task in done:
                 candidate = in_flight.pop(task)
                 if task.exception() is not None:
@@ -111,6 +113,10 @@ async def iterative_lookup(
                     merge_into(found, records, now())
             if stop_on_value and result.holders:
                 break
+            # the paper's rule: replies that bring nothing closer mean we are near the end, so ask
+            # all of the k closest not yet asked at once instead of alpha at a time
+            live = [c.distance for c in candidates.values() if c.state != FAILED]
+            width = k if live and min(live) >= closest_before else alpha
     finally:
         for task in in_flight:
             task.cancel()

@@ -190,6 +190,7 @@ class DHTNode:
         accepted = 0
         target = key_id(key)
         if len(nodes) < self.config.k or (self.node_id ^ target) < (nodes[-1].node_id ^ target):
+            nodes = nodes[: self.config.k - 1]  # this node is one of the k replicas
             accepted += any(self._put_local(self.storage, record, now) for record in records)
         wire = [r.to_wire() for r in records]
         replies = await asyncio.gather(

@@ -123,6 +123,10 @@ class Record:
             raise BadRecord(f"subkey longer than {config.max_subkey_bytes} bytes")
         if len(self.value) > config.max_value_bytes:
             raise ValueTooLarge(f"value of {len(self.value)} bytes exceeds {config.max_value_bytes}")
+        try:
+            unpack_value(self.value)  # a value nobody can read must not break readers' get()
+        except Exception as e:  # msgpack raises several unrelated types on garbage
+            raise BadRecord(f"value is not valid msgpack: {type(e).__name__}") from None
         if not math.isfinite(self.expiration) or self.expiration <= now:
             raise ExpirationOutOfRange("record is already expired")
         if self.expiration > now + config.max_ttl + config.max_clock_skew:

@@ -135,9 +135,23 @@ class RoutingTable:
         return True
 
     def closest(self, target: int, count: int, exclude: PeerID | None = None) -> list[Contact]:
-        """Up to `count` known contacts closest to `target` by XOR distance, closest first."""
-        candidates = (c for b in self.buckets for c in b.contacts.values() if c.peer_id != exclude)
-        return heapq.nsmallest(count, candidates, key=lambda c: c.peer_id.dht_id ^ target)
+        """Up to `count` known contacts closest to `target` by XOR distance, closest first.
+
+        A bucket is an aligned prefix range, so XOR with the target maps it onto one aligned
+        range of distances, disjoint from every other bucket's: visiting buckets by their
+        smallest possible distance, the first buckets that hold `count` contacts hold the answer.
+        """
+
+        def nearest_distance(bucket: KBucket) -> int:
+            low_bits = (bucket.hi - bucket.lo).bit_length() - 1
+            return ((bucket.lo ^ target) >> low_bits) << low_bits
+
+        chosen: list[Contact] = []
+        for bucket in sorted(self.buckets, key=nearest_distance):
+            chosen.extend(c for c in bucket.contacts.values() if c.peer_id != exclude)
+            if len(chosen) >= count:
+                break
+        return heapq.nsmallest(count, chosen, key=lambda c: c.peer_id.dht_id ^ target)
 
     def stale_buckets(self, now: float, interval: float) -> list[KBucket]:
         return [b for b in self.buckets if now - b.last_updated >= interval]

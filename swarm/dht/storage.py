@@ -68,8 +68,7 @@ class RecordStorage:
                 self._drop(oldest.key, oldest.subkey)
         if self._count >= self.max_records:
             self._evict_one_older_than(record.expiration)
-        if entry is None:
-            entry = self._entries.setdefault(record.key, {})
+        entry = self._entries.setdefault(record.key, {})  # an eviction above may have dropped the key
         entry[record.subkey] = record
         self._count += 1
         self._push(record)

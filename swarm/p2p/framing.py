@@ -20,7 +20,8 @@ from swarm.p2p.wire import FRAME_PREFIX, PREFIX_BYTES, decode_head
 
 logger = logging.getLogger(__name__)
 
-SCRATCH_BYTES = 256 * 1024
+SCRATCH_START_BYTES = 8 * 1024  # most connections (DHT) only ever see small frames: start small
+SCRATCH_BYTES = 256 * 1024  # and grow up to this when frames or bursts need it
 OWN_BUFFER_ABOVE = 64 * 1024  # frames larger than this are read into a buffer of their own
 COALESCE_BELOW = 64 * 1024  # bodies smaller than this are joined with their head in one write
 POOL_BUFFERS = 8 if hasattr(sys, "getrefcount") else 0  # large-frame buffers kept for reuse
@@ -42,7 +43,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.close_reason: Exception | None = None
-        self._scratch = bytearray(SCRATCH_BYTES)
+        self._scratch = bytearray(SCRATCH_START_BYTES)
         self._view = memoryview(self._scratch)
         self._start = 0
         self._end = 0
@@ -68,6 +69,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
             return self._own_view[self._own_filled :]
         if self._end == len(self._scratch):
             self._compact()
+            if self._end == len(self._scratch):  # a burst of frames filled it: grow
+                self._grow(2 * len(self._scratch))
         return self._view[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -131,7 +134,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 self._start_own_frame(head_len, body_len, available)
                 return
             else:
-                if self._start + total > len(self._scratch):
+                if total > len(self._scratch):
+                    self._grow(total)
+                elif self._start + total > len(self._scratch):
                     self._compact()
                 break
         if self._start == self._end:
@@ -171,6 +176,18 @@ class FrameProtocol(asyncio.BufferedProtocol):
         if len(self._pool) < POOL_BUFFERS:
             self._pool.append(buffer)
         return buffer
+
+    def _grow(self, at_least: int) -> None:
+        """A larger scratch buffer (a power of two, at most SCRATCH_BYTES) holding the unparsed bytes."""
+        size = min(SCRATCH_BYTES, max(1 << (at_least - 1).bit_length(), len(self._scratch)))
+        if size <= len(self._scratch):
+            self._compact()
+            return
+        n = self._end - self._start
+        grown = bytearray(size)
+        grown[:n] = self._view[self._start : self._end]
+        self._scratch, self._view = grown, memoryview(grown)
+        self._start, self._end = 0, n
 
     def _compact(self) -> None:
         n = self._end - self._start

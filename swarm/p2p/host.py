@@ -201,12 +201,17 @@ class P2PHost:
         if dial is None:
             dial = asyncio.ensure_future(self._dial(addr))
             self._dialing[key] = dial
-            dial.add_done_callback(lambda _: self._dialing.pop(key, None))
+            dial.add_done_callback(lambda done: self._dial_done(key, done))
         timeout = self.config.connect_timeout + self.config.handshake_timeout if timeout is None else timeout
         try:
             return await asyncio.wait_for(asyncio.shield(dial), timeout)
         except asyncio.TimeoutError:
             raise RPCTimeout(f"could not connect to {addr} within {timeout:.3g}s") from None
+
+    def _dial_done(self, key: str, dial: asyncio.Future[Connection]) -> None:
+        self._dialing.pop(key, None)
+        if not dial.cancelled():
+            dial.exception()  # retrieved: every caller may have given up (timeout, cancelled lookup)
 
     async def _dial(self, addr: TcpAddress) -> Connection:
         loop = asyncio.get_running_loop()

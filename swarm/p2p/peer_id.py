@@ -47,13 +47,14 @@ def decode_key_protobuf(blob: bytes) -> tuple[int, bytes]:
 class PeerID:
     """The id of a node: a multihash over its public key. Immutable, hashable, ordered by bytes."""
 
-    __slots__ = ("_bytes", "_dht_id", "_text")
+    __slots__ = ("_bytes", "_dht_id", "_hash", "_text")
 
     def __init__(self, multihash: bytes) -> None:
         _check_multihash(multihash)
         self._bytes = bytes(multihash)
-        self._text = base58.b58encode(self._bytes).decode("ascii")
+        self._text: str | None = None  # base58 costs ~40 µs; DHT replies decode many ids never printed
         self._dht_id: int | None = None
+        self._hash = hash(self._bytes)  # ids are dict keys everywhere in the DHT
 
     @classmethod
     def from_public_key(cls, public_key: bytes) -> PeerID:
@@ -77,6 +78,8 @@ class PeerID:
         return self._bytes
 
     def to_base58(self) -> str:
+        if self._text is None:
+            self._text = base58.b58encode(self._bytes).decode("ascii")
         return self._text
 
     def public_key(self) -> bytes:
@@ -97,10 +100,10 @@ class PeerID:
         return self._dht_id
 
     def __str__(self) -> str:
-        return self._text
+        return self.to_base58()
 
     def __repr__(self) -> str:
-        return f"PeerID({self._text})"
+        return f"PeerID({self.to_base58()})"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, PeerID) and self._bytes == other._bytes
@@ -111,7 +114,7 @@ class PeerID:
         return self._bytes < other._bytes
 
     def __hash__(self) -> int:
-        return hash(self._bytes)
+        return self._hash
 
     def __reduce__(self) -> tuple[type[PeerID], tuple[bytes]]:
         return PeerID, (self._bytes,)

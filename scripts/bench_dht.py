@@ -1,0 +1,428 @@
+"""DHT benchmark: N real nodes on 127.0.0.1 spread over a few worker processes.
+
+Workload (the same for swarm and, with --compare hivemind, for hivemind.DHT):
+1. start N nodes (default 64) over P worker processes (default 4), one after another; each
+   node joins through one random node started before it;
+2. every node stores one key (64 random bytes, expiring in 10 minutes): store latency;
+3. every node gets --gets-per-node random keys stored by others: get latency and success;
+4. resident memory per node: the PSS (proportional set size: shared pages split among the
+   processes that share them) of every process that makes up the nodes, summed, divided by N;
+5. churn: 25% of the nodes, chosen at random, are killed at once (swarm: SIGKILL of whole worker
+   processes, none of their nodes says goodbye; hivemind: SIGKILL of each DHT process and its
+   p2pd), then the survivors immediately get random keys of all N nodes, the dead ones' too.
+Workers run their nodes' operations one at a time, so P operations are in flight at once.
+
+--simulate runs the real DHTNode code over an in-memory network (swarm.dht.simulation) at
+N = 100, 1,000 and 10,000 and prints lookup rounds (hops) and success rates.
+--json prints one JSON object instead of tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import math
+import os
+import random
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+MARK = "BENCH_DHT "
+VALUE_TTL = 600.0
+
+
+def expected_value(key: str) -> bytes:
+    """Every worker can check a get without being told the value."""
+    return hashlib.sha256(key.encode()).digest() * 2
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
+
+
+def pss_mb(pids: list[int]) -> float:
+    import psutil
+
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            total += psutil.Process(pid).memory_full_info().pss
+    return total / 2**20
+
+
+# --- worker processes ------------------------------------------------------------------------
+
+
+class SwarmDHTBackend:
+    """`count` swarm DHTNodes in this process (the same interface as hivemind_dht.HivemindDHTBackend)."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Any] = []
+
+    async def start(self, count: int, initial_peers: list[str], rng: random.Random) -> list[str]:
+        from swarm.dht import DHTNode
+        from swarm.p2p import P2PConfig
+
+        config = P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))
+        maddrs: list[str] = []
+        for _ in range(count):
+            pool = initial_peers + maddrs
+            node = DHTNode(initial_peers=[rng.choice(pool)] if pool else [], p2p_config=config)
+            self.nodes.append(await node.start())
+            maddrs.append(node.visible_maddrs[0])
+        return maddrs
+
+    async def store(self, index: int, key: str, value: bytes, expiration_time: float) -> bool:
+        return await self.nodes[index].store(key, value, expiration_time) > 0
+
+    async def get(self, index: int, key: str) -> bytes | None:
+        found = await self.nodes[index].get(key)
+        return None if found is None else found.value
+
+    def kill(self, indices: list[int]) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)  # the orchestrator kills whole swarm workers instead
+
+    def memory_pids(self) -> list[int]:
+        return [os.getpid()]
+
+    async def close(self) -> None:
+        await asyncio.gather(*(node.close() for node in self.nodes), return_exceptions=True)
+
+
+def make_backend(system: str) -> Any:
+    if system == "swarm":
+        return SwarmDHTBackend()
+    sys.path.insert(0, str(HERE))
+    from hivemind_dht import HivemindDHTBackend
+
+    return HivemindDHTBackend()
+
+
+def reply(obj: dict[str, Any]) -> None:
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+async def worker_main(system: str) -> None:
+    backend = make_backend(system)
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            if not line:
+                return
+            cmd = json.loads(line)
+            op = cmd["op"]
+            if op == "start":
+                rng = random.Random(cmd["seed"])
+                started = time.perf_counter()
+                maddrs = await backend.start(cmd["count"], cmd["initial_peers"], rng)
+                reply({"maddrs": maddrs, "seconds": time.perf_counter() - started})
+            elif op in ("store", "get"):
+                latencies, ok = [], 0
+                expiration = time.time() + VALUE_TTL
+                started = time.perf_counter()
+                for index, key in cmd["ops"]:
+                    t0 = time.perf_counter()
+                    try:
+                        if op == "store":
+                            success = await backend.store(index, key, expected_value(key), expiration)
+                        else:
+                            success = await backend.get(index, key) == expected_value(key)
+                    except Exception as e:  # a failed operation counts as a failure, not a crash
+                        print(f"{op} {key} from node {index} failed: {e!r}", file=sys.stderr)
+                        success = False
+                    latencies.append((time.perf_counter() - t0) * 1e3)
+                    ok += bool(success)
+                reply({"latencies_ms": latencies, "ok": ok, "seconds": time.perf_counter() - started})
+            elif op == "kill":
+                backend.kill(cmd["indices"])
+                reply({})
+            elif op == "pids":
+                reply({"pids": backend.memory_pids()})
+            else:
+                raise ValueError(f"unknown op {op}")
+    finally:
+        await backend.close()
+
+
+class Worker:
+    """One worker process, driven over stdin/stdout with one JSON line per command."""
+
+    def __init__(self, system: str, index: int) -> None:
+        self.index = index
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HIVEMIND_LOGLEVEL": "ERROR"}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--_worker", system],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
+        self.alive = True
+
+    def send(self, cmd: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def receive(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, remaining))
+            if not ready:
+                raise TimeoutError(f"worker {self.index} did not answer within {timeout:.0f}s")
+            line = self.proc.stdout.readline().decode()
+            if not line:
+                raise RuntimeError(f"worker {self.index} exited (code {self.proc.poll()})")
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK) :])
+
+    def kill(self) -> None:
+        self.alive = False
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)  # the worker's own session: its p2pd too
+                self.proc.wait(10)
+
+
+def run_all(workers: list[Worker], cmds: dict[int, dict[str, Any]], timeout: float) -> dict[int, dict[str, Any]]:
+    for index, cmd in cmds.items():
+        workers[index].send(cmd)
+    return {index: workers[index].receive(timeout) for index in cmds}
+
+
+def measure(system: str, n: int, processes: int, gets_per_node: int, churn: float, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    workers = [Worker(system, i) for i in range(processes)]
+    try:
+        counts = [n // processes + (i < n % processes) for i in range(processes)]
+        owners: list[tuple[int, int]] = []  # global node index -> (worker, local index)
+        maddrs: list[str] = []
+        started = time.perf_counter()
+        for w, count in enumerate(counts):  # one after another: each joins the DHT built so far
+            workers[w].send({"op": "start", "count": count, "initial_peers": maddrs, "seed": seed + w})
+            maddrs += workers[w].receive(timeout=60 + 10 * count)["maddrs"]
+            owners += [(w, i) for i in range(count)]
+        start_s = time.perf_counter() - started
+        keys = [f"bench/{seed}/{i}" for i in range(n)]
+
+        def phase(op: str, plan: list[tuple[int, str]]) -> tuple[list[float], int, float]:
+            per_worker: dict[int, list[tuple[int, str]]] = {}
+            for node, key in plan:
+                w, local = owners[node]
+                per_worker.setdefault(w, []).append((local, key))
+            t0 = time.perf_counter()
+            replies = run_all(workers, {w: {"op": op, "ops": ops} for w, ops in per_worker.items()}, 600)
+            wall = time.perf_counter() - t0
+            latencies = [x for r in replies.values() for x in r["latencies_ms"]]
+            return latencies, sum(r["ok"] for r in replies.values()), len(plan) / wall
+
+        store_lat, stored, _ = phase("store", list(enumerate(keys)))
+        others = [[j for j in range(n) if j != node] for node in range(n)]
+        get_plan = [(node, keys[rng.choice(others[node])]) for node in range(n) for _ in range(gets_per_node)]
+        get_lat, got, get_ops = phase("get", get_plan)
+        replies = run_all(workers, {w: {"op": "pids"} for w in range(processes)}, 60)
+        pids = [pid for r in replies.values() for pid in r["pids"]]
+        memory = pss_mb(pids) / n
+
+        # churn: a quarter of the nodes die at once
+        if system == "swarm":  # whole worker processes, SIGKILLed
+            dead_workers = rng.sample(range(processes), max(1, round(processes * churn)))
+            for w in dead_workers:
+                workers[w].kill()
+            dead = {node for node, (w, _) in enumerate(owners) if w in dead_workers}
+        else:
+            dead = set(rng.sample(range(n), round(n * churn)))
+            by_worker: dict[int, list[int]] = {}
+            for node in dead:
+                by_worker.setdefault(owners[node][0], []).append(owners[node][1])
+            run_all(workers, {w: {"op": "kill", "indices": idx} for w, idx in by_worker.items()}, 60)
+        survivors = [node for node in range(n) if node not in dead]
+        churn_plan = [(node, keys[rng.randrange(n)]) for node in survivors for _ in range(gets_per_node)]
+        churn_lat, churn_got, _ = phase("get", churn_plan)
+        return {
+            "n": n,
+            "processes": processes,
+            "start_s_per_node": start_s / n,
+            "store_p50_ms": percentile(store_lat, 50),
+            "store_p99_ms": percentile(store_lat, 99),
+            "store_success": stored / n,
+            "get_p50_ms": percentile(get_lat, 50),
+            "get_p99_ms": percentile(get_lat, 99),
+            "get_success": got / len(get_plan),
+            "get_ops_per_s": get_ops,
+            "rss_MB_per_node": memory,
+            "churn_get_success": churn_got / len(churn_plan),
+            "churn_get_p50_ms": percentile(churn_lat, 50),
+        }
+    finally:
+        for worker in workers:
+            worker.close()
+
+
+def single_node_mb() -> float:
+    """PSS of a process that runs one swarm DHT node: what a lone `swarm-dht serve` costs."""
+    worker = Worker("swarm", 0)
+    try:
+        worker.send({"op": "start", "count": 1, "initial_peers": [], "seed": 0})
+        worker.receive(60)
+        worker.send({"op": "pids"})
+        return pss_mb(worker.receive(60)["pids"])
+    finally:
+        worker.close()
+
+
+def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
+def simulate(sizes: list[int], gets: int) -> list[dict[str, Any]]:
+    from swarm.dht.simulation import simulate as run_simulation
+    from swarm.eventloop import run
+
+    reports = [run(run_simulation(n, gets=gets)) for n in sizes]
+    return [{name: getattr(r, name) for name in r.__slots__} for r in reports]
+
+
+ROWS = [
+    ("get p50 / p99, ms", "get_p50_ms", "get_p99_ms"),
+    ("store p50 / p99, ms", "store_p50_ms", "store_p99_ms"),
+    ("get success", "get_success", None),
+    ("gets per second", "get_ops_per_s", None),
+    ("memory per node, MB (PSS)", "rss_MB_per_node", None),
+    ("get success after 25% churn", "churn_get_success", None),
+    ("start + bootstrap per node, s", "start_s_per_node", None),
+]
+
+
+def fmt(value: float) -> str:
+    if value <= 1.0 and value != 0 and value == value and value > 0.5:
+        return f"{value:.1%}"
+    return f"{value:,.2f}" if value < 100 else f"{value:,.0f}"
+
+
+def print_tables(results: dict[str, dict[str, Any]], sim: list[dict[str, Any]], single_mb: float | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if results:
+        first = next(iter(results.values()))
+        table = Table(title=f"DHT, N={first['n']} nodes on 127.0.0.1 over {first['processes']} processes (medians)")
+        table.add_column("")
+        for system in results:
+            table.add_column(system, justify="right")
+        if len(results) == 2:
+            table.add_column("swarm / hivemind", justify="right")
+        for label, a, b in ROWS:
+            cells = [fmt(r[a]) + (f" / {fmt(r[b])}" if b else "") for r in results.values()]
+            if len(results) == 2:
+                ours, theirs = results["swarm"][a], results["hivemind"][a]
+                cells.append(f"{ours / theirs:.3f}" if theirs else "-")
+            table.add_row(label, *cells)
+        console.print(table)
+        if single_mb is not None:
+            console.print(f"one swarm DHT node alone in a process: {single_mb:.1f} MB (PSS)")
+    if sim:
+        table = Table(title="Simulated DHT (the real node code over an in-memory network)")
+        for column in (
+            "N",
+            "join s",
+            "rounds mean",
+            "rounds p99",
+            "get success",
+            "after 25% churn",
+            "msgs/get",
+            "wall s",
+        ):
+            table.add_column(column, justify="right")
+        for r in sim:
+            table.add_row(
+                f"{r['n']:,}", f"{r['join_s']:.1f}", f"{r['get_rounds_mean']:.2f}", f"{r['get_rounds_p99']:.0f}",
+                f"{r['get_success']:.1%}", f"{r['churn_get_success']:.1%}", f"{r['messages_per_get']:.1f}",
+                f"{r['wall_s']:.1f}",
+            )  # fmt: skip
+        console.print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", "-n", type=int, default=64)
+    parser.add_argument("--processes", type=int, default=4)
+    parser.add_argument("--gets-per-node", type=int, default=8)
+    parser.add_argument("--churn", type=float, default=0.25)
+    parser.add_argument("--repeat", type=int, default=1, help="runs per system; medians are reported")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compare", choices=["hivemind"], help="also run the workload on hivemind.DHT")
+    parser.add_argument("--simulate", action="store_true", help="run the in-memory simulation instead")
+    parser.add_argument("--sim-sizes", default="100,1000,10000")
+    parser.add_argument("--sim-gets", type=int, default=1000)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--_worker", choices=["swarm", "hivemind"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._worker:
+        from swarm.eventloop import run
+
+        run(worker_main(args._worker))
+        return
+    if not 0 < args.churn < 1 or args.nodes < args.processes or args.processes < 1:
+        parser.error("need 0 < --churn < 1 and 1 <= --processes <= --nodes")
+
+    results: dict[str, dict[str, Any]] = {}
+    sim: list[dict[str, Any]] = []
+    single_mb = None
+    if args.simulate:
+        sim = simulate([int(x) for x in args.sim_sizes.split(",")], args.sim_gets)
+    else:
+        systems = ["swarm"] + ([args.compare] if args.compare else [])
+        for system in systems:
+            runs = [
+                measure(system, args.nodes, args.processes, args.gets_per_node, args.churn, args.seed + r)
+                for r in range(args.repeat)
+            ]
+            results[system] = median_of(runs)
+        single_mb = single_node_mb()
+    if args.json:
+        out: dict[str, Any] = {}
+        if results:
+            out.update(results["swarm"])
+            out["rss_MB_single_node_process"] = single_mb
+            if "hivemind" in results:
+                out.update({f"hivemind_{k}": v for k, v in results["hivemind"].items() if k not in ("n", "processes")})
+        if sim:
+            out["simulation"] = sim
+        print(json.dumps(out))
+    else:
+        print_tables(results, sim, single_mb)
+
+
+if __name__ == "__main__":
+    main()

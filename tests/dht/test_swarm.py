@@ -1,0 +1,87 @@
+"""Many real DHT nodes in one process on 127.0.0.1: one swarm (not islands) from a single
+bootstrap node, and gets that survive a quarter of the nodes dying."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from swarm.dht import DHTConfig, DHTNode
+from swarm.p2p import P2PConfig
+
+LOCAL = P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))
+MakeNode = Callable[..., Awaitable[DHTNode]]
+
+
+@pytest.fixture
+async def make_node() -> AsyncIterator[MakeNode]:
+    nodes: list[DHTNode] = []
+
+    async def make(initial_peers: list[str] = (), **kwargs: object) -> DHTNode:  # type: ignore[assignment]
+        node = await DHTNode(initial_peers=initial_peers, p2p_config=LOCAL, **kwargs).start()  # type: ignore[arg-type]
+        nodes.append(node)
+        return node
+
+    yield make
+    await asyncio.gather(*(node.close() for node in nodes))
+
+
+async def get_all(nodes: list[DHTNode], keys: dict[str, int]) -> tuple[int, int]:
+    """(found, asked) over every node getting every key; a wrong value counts as not found."""
+    found = asked = 0
+    for node in nodes:
+        results = await asyncio.gather(*(node.get(key) for key in keys))
+        for (_key, expected), result in zip(keys.items(), results, strict=True):
+            asked += 1
+            found += result is not None and result.value == expected
+    return found, asked
+
+
+async def test_one_swarm_from_a_single_bootstrap_node_even_after_it_leaves(make_node: MakeNode) -> None:
+    bootstrap = await make_node()
+    nodes = [await make_node(bootstrap.visible_maddrs) for _ in range(15)]
+    expiration = time.time() + 120
+    keys = {f"before/{i}": i for i in range(len(nodes))}
+    for node, (key, value) in zip(nodes, keys.items(), strict=True):
+        assert await node.store(key, value, expiration) > 0
+    for node in nodes:
+        assert len(node.table) >= len(nodes) - 1, "every node should know every other one"
+    found, asked = await get_all(nodes, keys)
+    assert found == asked
+
+    await bootstrap.close()
+    later = {f"after/{i}": -i for i in range(len(nodes))}
+    for node, (key, value) in zip(nodes, later.items(), strict=True):
+        assert await node.store(key, value, expiration) > 0
+    found, asked = await get_all(nodes, {**keys, **later})
+    assert found == asked
+    # a newcomer that knows only one of the survivors reaches everything too
+    newcomer = await make_node(nodes[-1].visible_maddrs)
+    found, asked = await get_all([newcomer], {**keys, **later})
+    assert found == asked
+
+
+async def test_gets_survive_a_quarter_of_the_nodes_dying(make_node: MakeNode) -> None:
+    rng = random.Random(7)
+    config = DHTConfig(rpc_timeout=1.0)
+    nodes = [await make_node(config=config)]
+    for _ in range(31):
+        nodes.append(await make_node(rng.choice(nodes).visible_maddrs, config=config))
+    expiration = time.time() + 120
+    keys = {f"value/{i}": i for i in range(len(nodes))}
+    for node, (key, value) in zip(nodes, keys.items(), strict=True):
+        assert await node.store(key, value, expiration) > 0
+    found, asked = await get_all(nodes, keys)
+    assert found == asked
+
+    dead = rng.sample(nodes, len(nodes) // 4)
+    await asyncio.gather(*(node.close() for node in dead))
+    survivors = [node for node in nodes if node not in dead]
+    start = time.perf_counter()
+    found, asked = await get_all(survivors, keys)  # records of the dead live on in their replicas
+    assert found / asked >= 0.99, f"{found}/{asked} gets succeeded after 25% churn"
+    assert time.perf_counter() - start < 30
