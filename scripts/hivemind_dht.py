@@ -4,30 +4,30 @@ The benchmark orchestrator (``scripts/bench_dht.py``) imports this module in a w
 runs an asyncio (uvloop) event loop and drives the nodes with the same operations as our own DHT.
 
 hivemind APIs used, and how:
-- ``hivemind.DHT`` (one per node): a ``multiprocessing`` *fork* process (``DHT`` subclasses
-  ``mp.context.ForkProcess``, whatever the global start method) that runs a ``DHTNode`` whose
-  ``P2P`` starts its own ``p2pd`` child. Created with ``start=False`` and started with
-  ``run_in_background(await_ready=False)`` + ``wait_until_ready(timeout)``: the same thing
-  ``start=True`` does, but the object is registered for cleanup before it forks, so a node that
-  fails to bootstrap still gets its processes killed. Kwargs: ``host_maddrs=["/ip4/127.0.0.1/
-  tcp/0"], nat_port_map=False, auto_nat=False`` (``DHT`` forwards ``**kwargs`` to
-  ``DHTNode.create``, which forwards what it does not know to ``P2P.create``); everything else at
-  hivemind's defaults (e.g. ``num_replicas=5``, ``cache_locally=True``, TLS on). The subclass only
-  adds ``os.setpgid(0, 0)`` at the top of ``run()``, so each DHT process leads its own process
-  group that its p2pd inherits: ``killpg`` then reaches p2pd even after the DHT process is gone.
-- ``DHT.get_visible_maddrs()``: the node's multiaddrs (already ending in ``/p2p/<peer id>``); we
+- ``hivemind.DHT``, one per node: a ``multiprocessing`` *fork* process of the worker (``DHT``
+  subclasses ``mp.context.ForkProcess``, whatever the global start method) that runs a ``DHTNode``,
+  whose ``P2P`` starts its own ``p2pd`` child. Created with ``start=False``, then
+  ``run_in_background(await_ready=False)`` + ``wait_until_ready(timeout)``: what ``start=True`` does,
+  except that the object is registered before it forks and p2pd is looked up while we wait, so a
+  node that fails to start still has all its processes killed. Kwargs:
+  ``host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, auto_nat=False`` (``DHT`` forwards
+  ``**kwargs`` to ``DHTNode.create``, which passes those it does not know on to ``P2P.create``);
+  everything else at hivemind's defaults (``num_replicas=5``, ``cache_locally=True``,
+  ``cache_nearest=1``, ``wait_timeout=3``, TLS on, ...).
+- ``DHT.get_visible_maddrs()``: the node's multiaddrs, already ending in ``/p2p/<peer id>``; we
   return the ``/ip4/127.0.0.1/tcp/...`` one.
 - ``DHT.store(key, value, expiration_time, return_future=True)`` and ``DHT.get(key, latest=False,
-  return_future=True)``: they send the request to the DHT process over a pipe and return an
-  ``MPFuture``, which is awaitable when it was created in the thread that runs the event loop (it
-  captures that loop); ``get`` resolves to a ``ValueWithExpiration`` (we return ``.value``) or None.
-  ``expiration_time`` is absolute, on hivemind's clock: ``hivemind.get_dht_time()`` (= ``time.time()``).
-- ``DHT.shutdown()`` in ``close()`` (hivemind's graceful stop, which terminates p2pd and removes its
-  unix sockets), followed by a SIGKILL sweep of every process we recorded.
+  return_future=True)``: they pipe the request to the DHT process and return an ``MPFuture``, which
+  is awaitable when created in the event loop's thread (it captures the running loop). ``get``
+  resolves to a ``ValueWithExpiration`` (we return ``.value``) or None; ``store`` to a bool.
+  ``expiration_time`` is absolute, on hivemind's clock ``hivemind.utils.get_dht_time()``
+  (= ``time.time()``).
+- ``DHT.shutdown()`` in ``close()`` (hivemind's graceful stop: it terminates p2pd and removes its
+  unix sockets), then SIGKILL of every process we recorded.
 
-Blocking hivemind calls (fork + readiness wait, ``get_visible_maddrs``, ``shutdown``) run in threads
-so that the worker's event loop keeps running. p2pd is found with psutil as a child of the DHT
-process once the DHT is ready; its unix socket paths are read from its ``-listen=`` argument.
+Blocking hivemind calls (import, fork + readiness wait, ``get_visible_maddrs``, ``shutdown``) run in
+threads so that the worker's event loop keeps running. p2pd is found with psutil among the DHT
+process's children; its unix socket paths come from its ``-listen=`` argument.
 
 Smoke test: ``python scripts/hivemind_dht.py --nodes 8`` (prints one JSON line).
 """
@@ -41,7 +41,6 @@ import contextlib
 import json
 import os
 import random
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -59,15 +58,15 @@ DHT_KWARGS: dict[str, Any] = {
 }
 _LOOPBACK_PREFIX = "/ip4/127.0.0.1/tcp/"
 _P2PD_LISTEN_ARG = "-listen=/unix"
+_READY_POLL_S = 0.1
 _REAP_TIMEOUT_S = 5.0
 
 
 @dataclass
 class _Node:
     dht: Any  # hivemind.DHT (imported lazily)
-    pgid: int | None = None  # == the DHT process's pid, once forked
     procs: list[psutil.Process] = field(default_factory=list)  # DHT process first, then p2pd
-    sockets: list[str] = field(default_factory=list)  # p2pd's and the DHT process's unix sockets
+    sockets: list[str] = field(default_factory=list)  # unix socket files of p2pd and of its client
     maddr: str = ""
     alive: bool = True  # False once killed or closed
 
@@ -76,8 +75,7 @@ class HivemindDHTBackend:
     """`count` hivemind.DHT nodes owned by this worker process.
 
     Methods are called one at a time from the worker's event loop. ``start_seconds`` holds, per
-    started node, the seconds from fork to "ready and its maddr known" (fork + p2pd start +
-    bootstrap).
+    started node, the seconds from fork to "ready, maddr known" (fork + p2pd start + bootstrap).
     """
 
     def __init__(
@@ -87,9 +85,8 @@ class HivemindDHTBackend:
         start_timeout_s: float = 60.0,
         op_timeout_s: float = 120.0,
     ) -> None:
-        """dht_kwargs: extra ``hivemind.DHT`` kwargs (override ``DHT_KWARGS``); op_timeout_s bounds one
-        store/get (hivemind's own per-RPC timeout is 3 s, but a future whose DHT process died would
-        never resolve)."""
+        """dht_kwargs: extra ``hivemind.DHT`` kwargs (override ``DHT_KWARGS``). op_timeout_s bounds a
+        store/get: hivemind times out each RPC (3 s) itself, but a dead DHT process never answers."""
         self._dht_kwargs = {**DHT_KWARGS, **(dht_kwargs or {})}
         self._start_timeout_s = start_timeout_s
         self._op_timeout_s = op_timeout_s
@@ -104,11 +101,8 @@ class HivemindDHTBackend:
     async def start(self, count: int, initial_peers: list[str], rng: random.Random) -> list[str]:
         """Start `count` nodes one after another; return their 127.0.0.1 maddrs (with /p2p/<id>).
 
-        Node j bootstraps from ONE maddr chosen with ``rng.choice`` from ``initial_peers`` plus the
-        maddrs of this backend's live nodes (none: it starts a new DHT). A later call continues the
-        indices (its nodes come after those already started)."""
-        if self._dht_cls is None:
-            self._dht_cls = _group_leader_dht_class()
+        Node j bootstraps from ONE maddr, ``rng.choice`` of ``initial_peers`` + the maddrs of this
+        backend's live nodes (none: it starts a new DHT). A second call continues the indices."""
         maddrs = []
         for _ in range(count):
             pool = list(initial_peers) + [n.maddr for n in self._nodes if n.alive]
@@ -123,14 +117,12 @@ class HivemindDHTBackend:
 
     async def store(self, index: int, key: str, value: bytes, expiration_time: float) -> bool:
         """node[index].store(key, value, expiration_time); True when hivemind reports success."""
-        dht = self._live(index).dht
-        future = dht.store(key, value, expiration_time, return_future=True)
+        future = self._live(index).dht.store(key, value, expiration_time, return_future=True)
         return bool(await asyncio.wait_for(_await_mpfuture(future), self._op_timeout_s))
 
     async def get(self, index: int, key: str) -> bytes | None:
         """node[index].get(key) (latest=False); the value, or None when not found."""
-        dht = self._live(index).dht
-        future = dht.get(key, latest=False, return_future=True)
+        future = self._live(index).dht.get(key, latest=False, return_future=True)
         found = await asyncio.wait_for(_await_mpfuture(future), self._op_timeout_s)
         if found is None:
             return None
@@ -139,20 +131,15 @@ class HivemindDHTBackend:
         return found.value
 
     def kill(self, indices: list[int]) -> None:
-        """SIGKILL those nodes' DHT processes and p2pd daemons: no shutdown(), no goodbye."""
-        for index in indices:
-            node = self._nodes[index]
-            if node.alive:
-                node.alive = False
-                self._destroy(node)
+        """SIGKILL those nodes' p2pd and DHT processes: no shutdown(), no goodbye."""
+        nodes = [self._nodes[i] for i in dict.fromkeys(indices) if self._nodes[i].alive]
+        for node in nodes:
+            node.alive = False
+        self._destroy(nodes)
 
     def memory_pids(self) -> list[int]:
         """PIDs of the live nodes' processes: each DHT process and its p2pd (not this worker)."""
-        pids = []
-        for node in self._nodes:
-            if node.alive:
-                pids.extend(p.pid for p in node.procs if _running(p))
-        return pids
+        return [p.pid for node in self._nodes if node.alive for p in node.procs if _running(p)]
 
     async def close(self) -> None:
         """Stop every node (hivemind's shutdown, then SIGKILL whatever is left); safe to call twice."""
@@ -161,7 +148,7 @@ class HivemindDHTBackend:
             with contextlib.suppress(BaseException):
                 await self._starting
             self._starting = None
-        graceful = [n for n in self._owned if n.alive and n.pgid is not None]
+        graceful = [n for n in self._owned if n.alive and n.procs]
         if graceful:
             # one thread per node: DHT.shutdown() blocks for up to its shutdown_timeout (3 s) each
             loop = asyncio.get_running_loop()
@@ -170,7 +157,7 @@ class HivemindDHTBackend:
                 await asyncio.gather(*jobs, return_exceptions=True)
         for node in self._owned:
             node.alive = False
-            self._destroy(node)
+        self._destroy(self._owned)
 
     # ------------------------------------------------------------------ internals
 
@@ -182,21 +169,31 @@ class HivemindDHTBackend:
 
     def _start_node(self, bootstrap: list[str]) -> _Node:
         """Fork one DHT process, wait until it is ready, record its processes (runs in a thread)."""
+        if self._dht_cls is None:  # imported here, off the event loop (hivemind imports torch)
+            from hivemind import DHT
+
+            self._dht_cls = DHT
         t0 = time.perf_counter()
         dht = self._dht_cls(initial_peers=bootstrap or None, start=False, **self._dht_kwargs)
         node = _Node(dht=dht)
         self._owned.append(node)
         try:
             dht.run_in_background(await_ready=False)
-            node.pgid = dht.pid
-            # The child also does this; whichever runs first wins, so p2pd can never miss the group.
-            with contextlib.suppress(OSError):
-                os.setpgid(dht.pid, dht.pid)
             node.procs.append(psutil.Process(dht.pid))
-            dht.wait_until_ready(self._start_timeout_s)
-            children = node.procs[0].children(recursive=True)
-            node.procs.extend(children)
-            node.sockets = _p2pd_sockets(children)
+            deadline = time.monotonic() + self._start_timeout_s
+            while True:
+                # Record p2pd while we wait: after a failed start it may outlive the DHT process
+                # (then it is init's child, out of our sight) or exit leaving its socket file.
+                self._record_children(node)
+                try:
+                    dht.wait_until_ready(min(_READY_POLL_S, max(0.0, deadline - time.monotonic())))
+                    break
+                except concurrent.futures.TimeoutError:  # not yet the builtin TimeoutError on 3.10
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"hivemind DHT not ready in {self._start_timeout_s} s") from None
+            self._record_children(node)
+            if not node.sockets:  # a p2pd we cannot see is a p2pd that kill() and close() would miss
+                raise RuntimeError(f"no p2pd found among the children of hivemind DHT process {dht.pid}")
             visible = [str(m) for m in dht.get_visible_maddrs()]
             loopback = [m for m in visible if m.startswith(_LOOPBACK_PREFIX)]
             if not loopback:
@@ -204,50 +201,63 @@ class HivemindDHTBackend:
             node.maddr = loopback[0]
         except BaseException:
             node.alive = False
-            self._destroy(node)
+            self._destroy([node])
             raise
         self.start_seconds.append(time.perf_counter() - t0)
         return node
 
-    def _destroy(self, node: _Node) -> None:
-        """SIGKILL the node's process group and recorded processes, reap, remove its sockets."""
-        dht = node.dht
-        if node.pgid is not None:
-            # While the DHT process is unreaped its pid (= the pgid) cannot be reused, so killpg is
-            # safe; exitcode polls (and may reap), hence killpg only when it says "not exited".
-            if dht.exitcode is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(node.pgid, signal.SIGKILL)
-            for proc in node.procs:  # psutil refuses to signal a reused pid
-                with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+    @staticmethod
+    def _record_children(node: _Node) -> None:
+        """Add the DHT process's not yet recorded descendants (p2pd) and their socket paths."""
+        with contextlib.suppress(psutil.Error):
+            known = {p.pid for p in node.procs}
+            node.procs.extend(p for p in node.procs[0].children(recursive=True) if p.pid not in known)
+        # cmdlines are read again each time: a child caught between fork and exec still shows ours
+        node.sockets = sorted(set(node.sockets) | set(_p2pd_sockets(node.procs[1:])))
+
+    @staticmethod
+    def _destroy(nodes: list[_Node]) -> None:
+        """SIGKILL the nodes' p2pd, then their DHT processes; reap; remove socket files. Idempotent.
+
+        All nodes at once, so that a kill() of several nodes takes them down together."""
+        p2pds = [p for node in nodes for p in node.procs[1:]]
+        # p2pd first, while its parent still runs and reaps it at once: were the DHT process to die
+        # first, p2pd would be re-parented to init, which may reap it late (here: ~2 s later) or
+        # never. psutil refuses to signal a pid that has been reused.
+        for proc in p2pds:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        deadline = time.monotonic() + 1.0
+        while any(_exists(p) for p in p2pds) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        for node in nodes:
+            for proc in node.procs[:1]:
+                with contextlib.suppress(psutil.Error):
                     proc.kill()
-            dht.join(_REAP_TIMEOUT_S)
-            # p2pd is the DHT process's child: once that dies, init reaps it; wait until it is gone
-            # (or a zombie) so that memory figures and "no process left" checks see it dead.
-            deadline = time.monotonic() + _REAP_TIMEOUT_S
-            while any(_running(p) for p in node.procs[1:]) and time.monotonic() < deadline:
-                time.sleep(0.01)
-        for path in node.sockets:
-            with contextlib.suppress(OSError):
-                os.remove(path)
-
-
-def _group_leader_dht_class() -> Any:
-    """hivemind.DHT whose process leads its own process group (so p2pd, its child, is in it)."""
-    from hivemind import DHT
-
-    class _GroupLeaderDHT(DHT):
-        def run(self) -> None:
-            with contextlib.suppress(OSError):
-                os.setpgid(0, 0)
-            super().run()
-
-    return _GroupLeaderDHT
+        for node in nodes:
+            if node.dht.pid is not None:  # it was forked: reap it
+                node.dht.join(_REAP_TIMEOUT_S)
+        # a p2pd its parent did not reap in time: wait until it is gone or a zombie (no memory)
+        deadline = time.monotonic() + _REAP_TIMEOUT_S
+        while any(_running(p) for p in p2pds) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for node in nodes:
+            for path in node.sockets:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
 
 
 async def _await_mpfuture(future: Any) -> Any:
     """Await a hivemind MPFuture (its __await__ works only in the loop thread that created it)."""
     return await future
+
+
+def _exists(proc: psutil.Process) -> bool:
+    """True while the process exists, zombie or not (False for a pid that has been reused)."""
+    try:
+        return proc.is_running()
+    except psutil.Error:
+        return False
 
 
 def _running(proc: psutil.Process) -> bool:
@@ -359,13 +369,20 @@ async def _smoke(args: argparse.Namespace, backend: HivemindDHTBackend) -> dict[
 
 
 def _leftovers(backend: HivemindDHTBackend) -> dict[str, list[Any]]:
-    """What close() may have left: recorded processes, children of this process, socket files."""
+    """What close() may have left: recorded processes (zombies too), our children, socket files.
+
+    torch_shm_manager is not counted: torch starts one per process that allocates shared memory
+    (hivemind's MPFuture does, in this worker), and it exits with the worker."""
     recorded = [p for node in backend._owned for p in node.procs]
     sockets = [s for node in backend._owned for s in node.sockets]
-    children = psutil.Process().children(recursive=True)
+    children = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if not any("torch_shm_manager" in arg for arg in child.cmdline()[:1]):
+                children.append(f"{child.pid}:{child.name()}:{child.status()}")
     return {
-        "pids": [p.pid for p in recorded if _running(p)],
-        "children": [f"{c.pid}:{c.name()}" for c in children if _running(c)],
+        "pids": [f"{p.pid}:{p.status()}" for p in recorded if _exists(p)],
+        "children": children,
         "sockets": [s for s in sockets if os.path.exists(s)],
     }
 

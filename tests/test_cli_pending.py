@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 
-@pytest.mark.parametrize("command", ["swarm-node", "swarm-sim", "swarm-dht"])
+@pytest.mark.parametrize("command", ["swarm-node", "swarm-sim"])
 def test_pending_commands_exit_nonzero_with_one_line(command: str) -> None:
     beside_python = Path(sys.executable).parent / command  # the venv's scripts, activated or not
     path = str(beside_python) if beside_python.exists() else shutil.which(command)

@@ -208,8 +208,6 @@ def store(key: str, value: str, subkey: str | None, owned: bool, ttl: float, opt
 
     async def op(node: DHTNode) -> int:
         accepted = await node.store(key, item, expiration, subkey)
-        if any(r.subkey == subkey for r in node.storage.get(key, time.time())):
-            accepted -= 1  # the client counted its own storage, which no peer can read
         return accepted
 
     accepted = with_client(opts, op)

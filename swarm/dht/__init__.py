@@ -14,10 +14,11 @@ from swarm.dht.errors import (
     ValueTooLarge,
 )
 from swarm.dht.node import DHTNode
-from swarm.dht.records import Record, ValueWithExpiration, owner_subkey
+from swarm.dht.records import OWNER_PREFIX, Record, ValueWithExpiration, owner_of, owner_subkey
 
 __all__ = [
     "DHT",
+    "OWNER_PREFIX",
     "BadRecord",
     "BadSignature",
     "BootstrapError",
@@ -31,5 +32,6 @@ __all__ = [
     "StorageFull",
     "ValueTooLarge",
     "ValueWithExpiration",
+    "owner_of",
     "owner_subkey",
 ]

@@ -189,7 +189,9 @@ class DHTNode:
         nodes = await asyncio.wait_for(self.find_node(key_id(key)), self.config.lookup_timeout)
         accepted = 0
         target = key_id(key)
-        if len(nodes) < self.config.k or (self.node_id ^ target) < (nodes[-1].node_id ^ target):
+        if not self.client_mode and (
+            len(nodes) < self.config.k or (self.node_id ^ target) < (nodes[-1].node_id ^ target)
+        ):
             nodes = nodes[: self.config.k - 1]  # this node is one of the k replicas
             accepted += any(self._put_local(self.storage, record, now) for record in records)
         wire = [r.to_wire() for r in records]
@@ -234,6 +236,8 @@ class DHTNode:
         args: dict[str, Any] = {"a": self._addrs, "id": id_to_bytes(target)}
         if key is not None:
             args["key"] = key
+            if stop_on_value:
+                args["peers"] = False  # a holder's records end this lookup: its peers would go unread
 
         async def ask(contact: Contact) -> tuple[list[Contact], list[Record]]:
             reply = await self._call(contact.peer_id, contact.maddrs, proto.FIND, args)
@@ -349,9 +353,7 @@ class DHTNode:
             raise BadRequest("find: id is not the id of key")
         if addrs is not None:
             self._heard_from(ctx.peer_id, addrs)
-        reply: dict[str, Any] = {
-            "peers": proto.encode_contacts(self.table.closest(target, self.config.k, exclude=ctx.peer_id))
-        }
+        reply: dict[str, Any] = {}
         if key is not None:
             now = time.time()
             found = RecordStorage(UNBOUNDED, UNBOUNDED)
@@ -359,6 +361,8 @@ class DHTNode:
             records = found.get(key, now)
             if records:
                 reply["records"] = proto.encode_found(records)
+        if "records" not in reply or args.get("peers", True) is not False:
+            reply["peers"] = proto.encode_contacts(self.table.closest(target, self.config.k, exclude=ctx.peer_id))
         return reply
 
     async def _rpc_store(self, ctx: CallContext, args: Any) -> dict[str, Any]:

@@ -6,13 +6,14 @@ authenticated one of the connection, never a field.
 
     dht.ping   {"a": addrs}
            ->  {"a": addrs}
-    dht.find   {"a": addrs, "id": bytes20, "key"?: key}
-           ->  {"peers": [[peer_id_bytes, [maddr...]], ...], "records"?: [[subkey, value, expiration, signature], ...]}
+    dht.find   {"a": addrs, "id": bytes20, "key"?: key, "peers"?: bool}
+           ->  {"peers"?: [[peer_id_bytes, [maddr...]], ...], "records"?: [[subkey, value, expiration, signature], ...]}
     dht.store  {"a": addrs, "records": [[key, subkey, value, expiration, signature], ...], "cache"?: bool}
            ->  {"results": ["ok" | error code, ...]}
 
 find returns up to k peers closest to "id" (never the asker) and, when "key" is given, the live
-records this node holds (or caches) for it. store answers each record on its own: "ok", or the
+records this node holds (or caches) for it; with "peers": false, a node that returns records
+leaves the peers out (the asker stops at the first holder). store answers each record on its own: "ok", or the
 code of the RecordError that refused it (errors.RECORD_ERRORS). Requests of the wrong shape get
 the p2p layer's bad_request error.
 """

@@ -413,11 +413,12 @@ class Connection:
 
     def _on_lost(self, reason: Exception | None) -> None:
         if isinstance(reason, (ProtocolError, MessageTooLarge)):
-            who = self.peer_id if self.authenticated else "an unauthenticated peer"
-            logger.warning("%s: closed connection to %s (%s): %s", self.identity.peer_id, who, self._where(), reason)
+            peer = self.peer_id if self.authenticated else "an unauthenticated peer"
+            logger.warning("%s: closed connection to %s (%s): %s", self.identity.peer_id, peer, self._where(), reason)
         if self._idle_handle is not None:
             self._idle_handle.cancel()
-        error = ConnectionLost(f"connection to {self.peer_id} lost: {reason or 'closed'}")
+        who = self.peer_id if self.authenticated else self._where()
+        error = ConnectionLost(f"connection to {who} lost: {reason or 'closed'}")
         for future, _ in self._pending.values():
             if not future.done():
                 future.set_exception(error)
