@@ -1,0 +1,140 @@
+"""DHTNode behaviours over real sockets on 127.0.0.1: expiry, subkeys from several owners,
+caching on the lookup path, republishing, bucket refresh, client mode, the thread facade, and
+the simulator's hop counts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from swarm.dht import DHT, BadSignature, DHTConfig, DHTNode, owner_subkey
+from swarm.dht.ids import key_id
+from swarm.dht.simulation import simulate
+from swarm.dht.storage import RecordStorage
+from swarm.p2p import P2PConfig
+
+LOCAL = P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))
+MakeNode = Callable[..., Awaitable[DHTNode]]
+
+
+@pytest.fixture
+async def make_node() -> AsyncIterator[MakeNode]:
+    nodes: list[DHTNode] = []
+
+    async def make(initial_peers: list[str] = (), **kwargs: object) -> DHTNode:  # type: ignore[assignment]
+        node = await DHTNode(initial_peers=initial_peers, p2p_config=LOCAL, **kwargs).start()  # type: ignore[arg-type]
+        nodes.append(node)
+        return node
+
+    yield make
+    await asyncio.gather(*(node.close() for node in nodes))
+
+
+async def test_expired_records_are_never_returned(make_node: MakeNode) -> None:
+    a = await make_node()
+    b = await make_node(a.visible_maddrs)
+    await a.store("short", "lived", time.time() + 0.4)
+    found = await b.get("short")
+    assert found is not None and found.value == "lived"
+    await asyncio.sleep(0.5)
+    assert await b.get("short") is None
+    assert await b.get("short", latest=True) is None
+
+
+async def test_subkeys_of_several_owners_merge_and_nobody_writes_anothers(make_node: MakeNode) -> None:
+    a = await make_node()
+    nodes = [a] + [await make_node(a.visible_maddrs) for _ in range(3)]
+    expiration = time.time() + 60
+    for i, node in enumerate(nodes):
+        assert await node.store("run/ready", {"i": i}, expiration, subkey=owner_subkey(node.peer_id))
+    found = await nodes[2].get("run/ready", latest=True)
+    assert found is not None
+    assert {sub: v.value["i"] for sub, v in found.value.items()} == {
+        owner_subkey(node.peer_id): i for i, node in enumerate(nodes)
+    }
+    with pytest.raises(BadSignature):
+        await nodes[1].store("run/ready", {"i": 99}, expiration + 10, subkey=owner_subkey(a.peer_id))
+    # a newer record by the owner replaces its older one everywhere it is asked
+    await a.store("run/ready", {"i": 100}, expiration + 10, subkey=owner_subkey(a.peer_id))
+    found = await nodes[3].get("run/ready", latest=True)
+    assert found is not None and found.value[owner_subkey(a.peer_id)].value == {"i": 100}
+
+
+async def test_a_get_caches_the_value_on_the_closest_node_without_it(make_node: MakeNode) -> None:
+    config = DHTConfig(k=2, alpha=1)
+    first = await make_node(config=config)
+    nodes = [first] + [await make_node(first.visible_maddrs, config=config) for _ in range(7)]
+    for node in nodes:  # everyone knows everyone: lookups go straight to the two replicas
+        await node.find_node(node.node_id)
+    await nodes[0].store("cached", 42, time.time() + 60)
+    holders = [n for n in nodes if n.storage.get("cached", time.time())]
+    assert len(holders) == 2
+    target = key_id("cached")
+    others = sorted((n for n in nodes if n not in holders), key=lambda n: n.node_id ^ target)
+    reader = others[-1]
+    for holder in holders:  # the reader must go through other nodes: the path that gets a copy
+        reader.table.remove(holder.peer_id)
+    result = await reader.lookup_value("cached")
+    assert result.holders and result.records("cached", time.time())[0].value
+    for _ in range(50):  # the cache store is fire-and-forget
+        if any(n.cache.get("cached", time.time()) for n in others):
+            break
+        await asyncio.sleep(0.02)
+    cached_on = [n for n in others if n.cache.get("cached", time.time())]
+    assert cached_on and all(n is not reader for n in cached_on)
+
+
+async def test_owners_republish_records_a_replica_lost(make_node: MakeNode) -> None:
+    config = DHTConfig(republish_interval=0.3, maintenance_jitter=0.0)
+    a = await make_node(config=config)
+    b = await make_node(a.visible_maddrs, config=config)
+    await a.store("kept", "alive", time.time() + 60)
+    assert b.storage.get("kept", time.time())
+    b.storage = RecordStorage(config.max_records, config.max_subkeys_per_key)  # b restarts empty
+    for _ in range(100):
+        if b.storage.get("kept", time.time()):
+            break
+        await asyncio.sleep(0.05)
+    assert b.storage.get("kept", time.time()), "a did not republish its record"
+
+
+async def test_stale_buckets_are_refreshed(make_node: MakeNode) -> None:
+    config = DHTConfig(refresh_interval=0.3, maintenance_jitter=0.0)
+    a = await make_node(config=config)
+    b = await make_node(a.visible_maddrs, config=config)
+    for bucket in b.table.buckets:
+        bucket.last_updated = 0.0
+    await asyncio.sleep(0.6)
+    assert all(bucket.last_updated > 0 for bucket in b.table.buckets)
+    assert a.peer_id in b.table
+
+
+async def test_a_client_mode_node_uses_the_dht_but_is_in_no_routing_table(make_node: MakeNode) -> None:
+    a = await make_node()
+    b = await make_node(a.visible_maddrs)
+    client = await make_node(a.visible_maddrs, client_mode=True)
+    assert await client.store("from-client", 1, time.time() + 60) == 2
+    assert not client.storage.get("from-client", time.time())
+    found = await client.get("from-client")
+    assert found is not None and found.value == 1
+    assert client.peer_id not in a.table and client.peer_id not in b.table
+
+
+def test_the_thread_facade_serves_code_that_is_not_async() -> None:
+    with DHT(p2p_config=LOCAL) as first, DHT(initial_peers=first.visible_maddrs, p2p_config=LOCAL) as second:
+        assert second.store("sync", [1, 2], time.time() + 60) >= 1
+        found = first.get("sync")
+        assert found is not None and found.value == [1, 2]
+        assert second.run_coroutine(lambda node: node.find_node(node.node_id))[0].peer_id == first.peer_id
+
+
+async def test_simulated_lookups_take_few_rounds_and_always_succeed() -> None:
+    small = await simulate(40, keys=20, gets=100)
+    large = await simulate(600, keys=20, gets=100)
+    assert small.get_success == large.get_success == 1.0
+    assert large.churn_get_success >= 0.99
+    assert small.store_replicas_mean == 20
+    assert 1 <= small.get_rounds_mean <= large.get_rounds_mean <= 4
