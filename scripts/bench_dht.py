@@ -55,13 +55,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def pss_mb(pids: list[int]) -> float:
-    import psutil
-
-    total = 0
+    """Summed PSS of live processes, from Linux's /proc/<pid>/smaps_rollup (no psutil needed)."""
+    total_kb = 0
     for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            total += psutil.Process(pid).memory_full_info().pss
-    return total / 2**20
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/smaps_rollup") as f:
+            total_kb += next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+    return total_kb / 1024
 
 
 # --- worker processes ------------------------------------------------------------------------
