@@ -1,0 +1,35 @@
+"""AveragingConfig: group formation and all-reduce parameters, checked when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CODECS = ("int8", "fp16", "none")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AveragingConfig:
+    # matchmaking
+    target_group_size: int = 4  # a larger swarm splits into groups of about this size
+    min_group_size: int = 2  # fewer members (after failures too): the round fails cleanly
+    matchmaking_time: float = 5.0  # how long nodes gather for a step before groups are formed
+    request_timeout: float = 5.0  # one matchmaking request; also how long a leader waits for joins
+    # all-reduce
+    codec: str = "int8"
+    block_size: int = 4096  # int8 codec: elements per scale
+    chunk_elements: int = 1 << 21  # elements per chunk on the wire (2 MiB of int8)
+    bandwidth: float = 100.0  # MB/s this node announces; parts are split in proportion to it
+    client_mode: bool = False  # accepts no inbound connections: owns no part, still contributes
+    part_timeout: float = 60.0  # bound on each wait of the all-reduce (a chunk, a peer's result)
+    max_elements: int = 1 << 33  # largest vector a peer may ask us to reduce
+
+    def __post_init__(self) -> None:
+        if self.codec not in CODECS:
+            raise ValueError(f"AveragingConfig.codec must be one of {CODECS}, got {self.codec!r}")
+        if not 1 <= self.min_group_size <= self.target_group_size:
+            raise ValueError("need 1 <= min_group_size <= target_group_size")
+        for name in ("matchmaking_time", "request_timeout", "part_timeout", "bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"AveragingConfig.{name} must be positive")
+        if self.block_size <= 0 or self.chunk_elements <= 0 or self.chunk_elements % self.block_size:
+            raise ValueError("chunk_elements must be a positive multiple of block_size")

@@ -1,0 +1,103 @@
+"""The averaging protocol's messages: frozen values with explicit msgpack forms and limits.
+
+    MemberInfo  [peer_id bytes, [maddr...], weight, bandwidth, client]
+    GroupInfo   {"v": 1, "id": bytes32, "run": str, "step": int, "m": [MemberInfo...]}
+
+The group id is SHA-256 over the run, the step and the ordered member ids, so every member can
+check that a group message is self-consistent. Decoders raise BadRequest on anything malformed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from swarm.p2p.errors import BadRequest, IdentityError
+from swarm.p2p.peer_id import PeerID
+
+VERSION = 1
+MAX_MEMBERS = 256
+MAX_MADDRS = 8
+MAX_MADDR_CHARS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class MemberInfo:
+    peer_id: PeerID
+    maddrs: tuple[str, ...]
+    weight: float  # this member's contribution weight (tokens processed since the last step)
+    bandwidth: float  # MB/s it announces; its part of the vector is proportional to it
+    client: bool  # accepts no inbound connections: owns no part
+
+    def encode(self) -> list[Any]:
+        return [self.peer_id.to_bytes(), list(self.maddrs), self.weight, self.bandwidth, self.client]
+
+    @classmethod
+    def decode(cls, item: Any) -> MemberInfo:
+        if not isinstance(item, list) or len(item) != 5:
+            raise BadRequest("a member is [peer_id, maddrs, weight, bandwidth, client]")
+        raw_id, maddrs, weight, bandwidth, client = item
+        if not isinstance(raw_id, bytes):
+            raise BadRequest("member peer id must be bytes")
+        try:
+            peer_id = PeerID(raw_id)
+        except IdentityError as e:
+            raise BadRequest(f"bad member peer id: {e}") from None
+        if not isinstance(maddrs, list) or len(maddrs) > MAX_MADDRS:
+            raise BadRequest(f"member maddrs must be a list of at most {MAX_MADDRS}")
+        if not all(isinstance(m, str) and 0 < len(m) <= MAX_MADDR_CHARS for m in maddrs):
+            raise BadRequest("member maddrs must be short strings")
+        for name, value in (("weight", weight), ("bandwidth", bandwidth)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise BadRequest(f"member {name} must be a finite number >= 0")
+        if not isinstance(client, bool):
+            raise BadRequest("member client flag must be a bool")
+        return cls(peer_id, tuple(maddrs), float(weight), float(bandwidth), client)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupInfo:
+    group_id: bytes
+    run_id: str
+    step: int
+    members: tuple[MemberInfo, ...]  # the agreed order: part j belongs to members[j]
+
+    @staticmethod
+    def make_id(run_id: str, step: int, members: tuple[MemberInfo, ...]) -> bytes:
+        digest = hashlib.sha256(f"swarm-group/1\x00{run_id}\x00{step}\x00".encode())
+        for member in members:
+            digest.update(member.peer_id.to_bytes())
+        return digest.digest()
+
+    @classmethod
+    def create(cls, run_id: str, step: int, members: tuple[MemberInfo, ...]) -> GroupInfo:
+        return cls(cls.make_id(run_id, step, members), run_id, step, members)
+
+    def index_of(self, peer_id: PeerID) -> int:
+        for i, member in enumerate(self.members):
+            if member.peer_id == peer_id:
+                return i
+        raise KeyError(peer_id)
+
+    def encode(self) -> dict[str, Any]:
+        return {"v": VERSION, "id": self.group_id, "run": self.run_id, "step": self.step,
+                "m": [m.encode() for m in self.members]}  # fmt: skip
+
+    @classmethod
+    def decode(cls, msg: Any) -> GroupInfo:
+        if not isinstance(msg, dict) or msg.get("v") != VERSION:
+            raise BadRequest(f"a group is a map with v={VERSION}")
+        run_id, step, raw_members = msg.get("run"), msg.get("step"), msg.get("m")
+        if not isinstance(run_id, str) or isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise BadRequest("a group needs a run id and a step >= 0")
+        if not isinstance(raw_members, list) or not 0 < len(raw_members) <= MAX_MEMBERS:
+            raise BadRequest(f"a group has 1 to {MAX_MEMBERS} members")
+        members = tuple(MemberInfo.decode(m) for m in raw_members)
+        if len({m.peer_id for m in members}) != len(members):
+            raise BadRequest("a group lists a member twice")
+        group = cls.create(run_id, step, members)
+        if msg.get("id") != group.group_id:
+            raise BadRequest("group id does not match its run, step and members")
+        return group

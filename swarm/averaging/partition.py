@@ -1,0 +1,52 @@
+"""Pure arithmetic of a round: how the swarm splits into groups, who leads, and which slice of
+the flattened vector each member reduces (its part). No I/O; tested on its own."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+from swarm.p2p.peer_id import PeerID
+
+
+def split_into_groups(peers: Sequence[PeerID], target_size: int, step: int) -> list[list[PeerID]]:
+    """Every node that sees the same ready set computes the same groups. The order is a hash of
+    (step, PeerID), so groups mix from one step to the next; sizes differ by at most one."""
+    ordered = sorted(set(peers), key=lambda p: hashlib.sha256(step.to_bytes(8, "big") + p.to_bytes()).digest())
+    if not ordered:
+        return []
+    count = -(-len(ordered) // target_size)
+    base, extra = divmod(len(ordered), count)
+    groups, start = [], 0
+    for i in range(count):
+        size = base + (i < extra)
+        groups.append(ordered[start : start + size])
+        start += size
+    return groups
+
+
+def part_bounds(numel: int, bandwidths: Sequence[float], block_size: int) -> list[tuple[int, int]]:
+    """Split [0, numel) into one contiguous part per member, in member order, proportional to
+    bandwidth (0 for client-mode members: an empty part), boundaries on multiples of block_size
+    so that every part quantizes exactly like the same slice of the whole vector."""
+    if not bandwidths or any(b < 0 for b in bandwidths) or sum(bandwidths) <= 0:
+        raise ValueError("at least one member must own a part, and bandwidths must be >= 0")
+    blocks = -(-numel // block_size)
+    total = sum(bandwidths)
+    bounds, cumulative, start = [], 0.0, 0
+    for bandwidth in bandwidths:
+        cumulative += bandwidth
+        end_block = round(blocks * cumulative / total)
+        end = min(numel, end_block * block_size)
+        bounds.append((start, max(start, end)))
+        start = max(start, end)
+    last_owner = max(i for i, b in enumerate(bandwidths) if b > 0)
+    lo, _ = bounds[last_owner]
+    bounds[last_owner] = (lo, numel)  # rounding never leaves a tail unowned
+    for i in range(last_owner + 1, len(bounds)):
+        bounds[i] = (numel, numel)
+    return bounds
+
+
+def chunk_bounds(start: int, end: int, chunk_elements: int) -> list[tuple[int, int]]:
+    return [(lo, min(lo + chunk_elements, end)) for lo in range(start, end, chunk_elements)]
