@@ -34,7 +34,6 @@ from swarm.dht.run_keys import ready_key
 from swarm.p2p.connection import CallContext
 from swarm.p2p.errors import BadRequest, P2PError
 from swarm.p2p.host import P2PHost
-from swarm.p2p.maddr import parse_maddr
 from swarm.p2p.peer_id import PeerID
 
 logger = logging.getLogger(__name__)
@@ -161,7 +160,7 @@ class Matchmaker:
             timeout = max(0.1, give_up_at - loop.time())
             args = {"run": self.run_id, "step": step, "member": state.me.encode()}
             try:
-                reply = await self.host.call(_address(leader), JOIN, args, timeout=timeout)
+                reply = await self.host.call(leader.address(), JOIN, args, timeout=timeout)
             except P2PError as e:
                 logger.info("matchmaking leader %s failed: %s", leader.peer_id, e)
                 return leader.peer_id
@@ -220,12 +219,3 @@ class Matchmaker:
 
 def _has(group: GroupInfo, member: MemberInfo) -> bool:
     return any(m.peer_id == member.peer_id for m in group.members)
-
-
-def _address(member: MemberInfo) -> Any:
-    for maddr in member.maddrs:
-        try:
-            return parse_maddr(maddr).with_peer_id(member.peer_id)
-        except ValueError:
-            continue
-    return member.peer_id

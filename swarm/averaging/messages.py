@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.p2p.errors import BadRequest, IdentityError
+from swarm.p2p.maddr import TcpAddress, parse_maddr
 from swarm.p2p.peer_id import PeerID
 
 VERSION = 1
@@ -33,6 +34,16 @@ class MemberInfo:
 
     def encode(self) -> list[Any]:
         return [self.peer_id.to_bytes(), list(self.maddrs), self.weight, self.bandwidth, self.client]
+
+    def address(self) -> TcpAddress | PeerID:
+        """Where to reach this member: its first parsable maddr (with its PeerID), else the
+        PeerID alone (works when a connection to it is already open)."""
+        for maddr in self.maddrs:
+            try:
+                return parse_maddr(maddr).with_peer_id(self.peer_id)
+            except ValueError:
+                continue
+        return self.peer_id
 
     @classmethod
     def decode(cls, item: Any) -> MemberInfo:

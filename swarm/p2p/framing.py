@@ -29,10 +29,21 @@ POOL_BUFFERS = 8 if hasattr(sys, "getrefcount") else 0  # large-frame buffers ke
 FrameHandler = Callable[[dict[str, Any], "bytes | memoryview"], None]
 
 
+class Traffic:
+    """Bytes a host's connections wrote and read on their sockets, frame headers included."""
+
+    __slots__ = ("received", "sent")
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.received = 0
+
+
 class FrameProtocol(asyncio.BufferedProtocol):
     """Reads and writes frames; everything above framing is the owner's (see Connection)."""
 
-    def __init__(self, *, max_head: int, max_body: int, write_buffer_high: int) -> None:
+    def __init__(self, *, max_head: int, max_body: int, write_buffer_high: int, traffic: Traffic | None = None) -> None:
+        self.traffic = traffic or Traffic()
         self.max_head = max_head
         self.max_body = max_body
         self._write_high = write_buffer_high
@@ -74,6 +85,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         return self._view[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.traffic.received += nbytes
         try:
             if self._own is not None:
                 self._own_filled += nbytes
@@ -233,6 +245,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self.transport.write(b"".join((prefix, head, body)))  # type: ignore[arg-type]
         else:
             self.transport.writelines((prefix + head, body))  # type: ignore[arg-type]
+        self.traffic.sent += PREFIX_BYTES + len(head) + body_len
         return PREFIX_BYTES + len(head) + body_len
 
     async def drain(self) -> None:

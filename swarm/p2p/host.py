@@ -21,7 +21,7 @@ from swarm.p2p import handshake as hs
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.connection import CallContext, Connection, Handler, StreamHandler, UnaryHandler
 from swarm.p2p.errors import ConnectionLost, HandshakeError, MultiaddrError, RPCTimeout
-from swarm.p2p.framing import FrameProtocol
+from swarm.p2p.framing import FrameProtocol, Traffic
 from swarm.p2p.identity import Identity
 from swarm.p2p.maddr import TcpAddress, parse_maddr
 from swarm.p2p.peer_id import PeerID
@@ -51,6 +51,7 @@ class P2PHost:
         self._addresses: dict[PeerID, TcpAddress] = {}  # last address each peer was dialed at
         self._peer_at: dict[str, PeerID] = {}  # who answered at a dialed address (for maddrs without /p2p/)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.traffic = Traffic()  # bytes on the wire, all connections together (benchmarks read it)
         self._started = False
         self._closing = False
 
@@ -248,7 +249,10 @@ class P2PHost:
 
     def _new_protocol(self) -> FrameProtocol:
         return FrameProtocol(
-            max_head=hs.PRE_AUTH_MAX_HEAD, max_body=0, write_buffer_high=self.config.write_buffer_high_bytes
+            max_head=hs.PRE_AUTH_MAX_HEAD,
+            max_body=0,
+            write_buffer_high=self.config.write_buffer_high_bytes,
+            traffic=self.traffic,
         )
 
     def _accept(self) -> FrameProtocol:

@@ -1,0 +1,260 @@
+"""All-reduce benchmark: groups of n members, one process each, on 127.0.0.1.
+
+For each group size n (default 2, 4, 8), vector size (16M, 64M fp32 elements) and codec (none,
+fp16, int8): n worker processes each hold a seeded random vector; a group of all of them (equal
+bandwidths, equal weights) runs `--repeats` rounds of swarm's butterfly all-reduce. Reported:
+the round time (median; a round ends when its last member has its result), the bytes each
+member wrote to its sockets (frame headers included; median over members) against the ideal
+2(n-1)/n x the encoded vector, and the relative RMS error of the result against the exact fp32
+mean. Matchmaking is not timed (it is the DHT's cost, measured by bench_dht.py). In the same run:
+the raw loopback throughput (plain Python sockets, as in bench_p2p.py). With --compare hivemind
+the same configurations run on hivemind's DecentralizedAverager (scripts/hivemind_allreduce.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import select
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+MARK = "BENCH_ALLREDUCE "
+BYTES_PER_ELEMENT = {"none": 4, "fp16": 2, "int8": 1}
+
+
+def make_input(seed: int, index: int, elements: int) -> Any:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed * 1000 + index)
+    return torch.randn(elements, generator=gen)
+
+
+def parse_count(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text.rstrip("KMG")) * scale
+
+
+# --- worker process: one group member -----------------------------------------------------------
+
+
+async def worker_main() -> None:
+    import msgpack
+    import torch
+
+    from swarm.averaging.allreduce import AllReduceRound, RoundRegistry
+    from swarm.averaging.config import AveragingConfig
+    from swarm.averaging.messages import GroupInfo
+    from swarm.p2p import P2PConfig, P2PHost
+
+    torch.set_num_threads(1)  # n members share 2 cores
+    loop = asyncio.get_running_loop()
+    config = P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), max_body_bytes=64 << 20, stream_window_bytes=64 << 20)
+    async with P2PHost(config=config) as host:
+        registry: RoundRegistry | None = None
+        reply({"peer_id": host.peer_id.to_bytes().hex(), "maddr": host.visible_maddrs[0]})
+        vector, vector_key = None, None
+        while line := await loop.run_in_executor(None, sys.stdin.readline):
+            cmd = json.loads(line)
+            avg_config = AveragingConfig(codec=cmd["codec"], part_timeout=300.0, request_timeout=30.0)
+            if registry is None:
+                registry = RoundRegistry(host, avg_config)
+            registry.config = avg_config
+            group = GroupInfo.decode(msgpack.unpackb(bytes.fromhex(cmd["group"]), raw=False))
+            key = (cmd["seed"], cmd["elements"])
+            if vector_key != key:
+                vector, vector_key = make_input(cmd["seed"], group.index_of(host.peer_id), cmd["elements"]), key
+            sent_before, received_before = host.traffic.sent, host.traffic.received
+            started = time.perf_counter()
+            result, _ = await AllReduceRound(host, registry, group, vector, avg_config).run()
+            seconds = time.perf_counter() - started
+            answer = {
+                "seconds": seconds,
+                "wire_sent": host.traffic.sent - sent_before,
+                "wire_received": host.traffic.received - received_before,
+                "sha256": hashlib.sha256(result.numpy().tobytes()).hexdigest(),
+            }
+            if cmd.get("save"):
+                torch.save(result, cmd["save"])
+            reply(answer)
+
+
+def reply(obj: dict[str, Any]) -> None:
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+class Worker:
+    def __init__(self) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
+
+    def send(self, cmd: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def receive(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError(f"worker did not answer within {timeout:.0f}s")
+            line = self.proc.stdout.readline().decode()
+            if not line:
+                raise RuntimeError(f"worker exited (code {self.proc.poll()})")
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK) :])
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def measure_swarm(n: int, elements_list: list[int], codecs: list[str], repeats: int, seed: int) -> list[dict[str, Any]]:
+    import msgpack
+    import torch
+
+    from swarm.averaging.messages import GroupInfo, MemberInfo
+    from swarm.p2p import PeerID
+    from swarm_kernels import get_codec
+
+    workers = [Worker() for _ in range(n)]
+    rows = []
+    try:
+        hello = [w.receive(60) for w in workers]
+        members = tuple(
+            MemberInfo(PeerID(bytes.fromhex(h["peer_id"])), (h["maddr"],), 1.0, 100.0, False) for h in hello
+        )
+        step = 0
+        for elements in elements_list:
+            exact = torch.stack([make_input(seed, i, elements) for i in range(n)]).double().mean(0)
+            for codec in codecs:
+                times, sent, hashes = [], [], set()
+                with tempfile.TemporaryDirectory() as tmp:
+                    saved = os.path.join(tmp, "result.pt")
+                    for r in range(repeats):
+                        step += 1
+                        group = GroupInfo.create("bench", step, members)
+                        packed = msgpack.packb(group.encode(), use_bin_type=True).hex()
+                        for i, w in enumerate(workers):
+                            last = r == repeats - 1 and i == 0
+                            w.send({"group": packed, "codec": codec, "seed": seed, "elements": elements,
+                                    "save": saved if last else None})  # fmt: skip
+                        answers = [w.receive(900) for w in workers]
+                        times.append(max(a["seconds"] for a in answers))
+                        sent += [a["wire_sent"] for a in answers]
+                        hashes |= {a["sha256"] for a in answers}  # identical on every member and every run
+                    result = torch.load(saved).double()
+                if len(hashes) != 1:
+                    raise RuntimeError(f"members disagree: {len(hashes)} different results (n={n}, {codec})")
+                payload = get_codec(codec).encoded_nbytes(elements)
+                rows.append({
+                    "impl": "swarm", "n": n, "elements": elements, "codec": codec,
+                    "round_s": statistics.median(times), "round_s_all": times,
+                    "wire_bytes_per_member": statistics.median(sent),
+                    "ideal_bytes_per_member": 2 * (n - 1) / n * payload,
+                    "rel_rms_err": ((result - exact).norm() / exact.norm()).item(),
+                })  # fmt: skip
+    finally:
+        for w in workers:
+            w.close()
+    return rows
+
+
+def loopback_mbps() -> float:
+    sys.path.insert(0, str(HERE))
+    from bench_p2p import measure_raw
+
+    return measure_raw(rpc_calls=10, stream_bytes=256 << 20)["stream_MBps"]
+
+
+def print_table(loopback: float, rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"All-reduce, one process per member on 127.0.0.1 (raw loopback {loopback:,.0f} MB/s)")
+    for column in ("impl", "n", "elements", "codec", "round s", "wire MB / member", "vs ideal", "rel RMS err"):
+        table.add_column(column, justify="right")
+    theirs = {(r["n"], r["elements"], r["codec"]): r for r in rows if r["impl"] == "hivemind"}
+    for row in rows:
+        wire, ideal = row["wire_bytes_per_member"], row["ideal_bytes_per_member"]
+        table.add_row(
+            row["impl"], str(row["n"]), f"{row['elements'] / 2**20:.0f}M", row["codec"], f"{row['round_s']:.2f}",
+            f"{wire / 1e6:,.1f}", f"{wire / ideal:.3f}", f"{row['rel_rms_err']:.2%}",
+        )  # fmt: skip
+    Console().print(table)
+    for row in rows:
+        other = theirs.get((row["n"], row["elements"], row["codec"]))
+        if row["impl"] == "swarm" and other:
+            speedup = other["round_s"] / row["round_s"]
+            error_ratio = row["rel_rms_err"] / other["rel_rms_err"] if other["rel_rms_err"] else float("nan")
+            print(f"n={row['n']} {row['elements'] / 2**20:.0f}M {row['codec']}: hivemind / swarm round time "
+                  f"{speedup:.1f}x, swarm / hivemind error {error_ratio:.2f}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="2,4,8", help="group sizes")
+    parser.add_argument("--elements", default="16M,64M")
+    parser.add_argument("--codecs", default="none,fp16,int8")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compare", choices=["hivemind"])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._worker:
+        from swarm.eventloop import run
+
+        run(worker_main())
+        return
+    sizes = [int(x) for x in args.sizes.split(",")]
+    elements = [parse_count(x) for x in args.elements.split(",")]
+    codecs = args.codecs.split(",")
+    if any(c not in BYTES_PER_ELEMENT for c in codecs) or any(n < 2 for n in sizes):
+        parser.error(f"codecs are {list(BYTES_PER_ELEMENT)}; group sizes are >= 2")
+    rows: list[dict[str, Any]] = []
+    for n in sizes:
+        rows += measure_swarm(n, elements, codecs, args.repeats, args.seed)
+    if args.compare:
+        sys.path.insert(0, str(HERE))
+        from hivemind_allreduce import run_hivemind_allreduce
+
+        for n in sizes:
+            for count in elements:
+                for codec in codecs:
+                    rows.append(run_hivemind_allreduce(n, count, codec, repeats=args.repeats, seed=args.seed))
+    loopback = loopback_mbps()
+    if args.json:
+        print(json.dumps({"loopback_MBps": loopback, "rows": rows}))
+    else:
+        print_table(loopback, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,356 @@
+"""Butterfly all-reduce of one group: every member reduces one part of the flattened vector.
+
+Member i streams part j of its vector, encoded chunk by chunk (the next chunk is encoded in a
+worker thread while this one is on the wire), to member j over one `avg.part` stream; member j
+reduces the part (reduction.py) and writes the same encoded average back to every sender on the
+stream that sender opened, behind a header naming the members the part includes. Every member,
+the owner included, decodes those same bytes, so all hold bit-identical results (DESIGN
+invariant 4). Client-mode members own no part (bandwidth 0) and open every stream themselves.
+
+Faults (DESIGN invariant 5):
+- a sender that dies, stalls or sends a malformed payload is left out of the part; weights
+  renormalise over the members included;
+- a part whose owner dies is taken over by a backup: the next member after the owner in group
+  order that accepts connections (then the next, if that one is dead too). The backup first asks
+  the other members whether one of them already received the owner's average (`avg.fetch`); if
+  so, everybody gets those very bytes. Otherwise it reduces the part itself from its own slice
+  and the contributions the survivors re-send to it;
+- the round fails with AllReduceError (the caller's tensors untouched) when a part ends up with
+  fewer than min_group_size contributions or no member can reduce it. Every wait is bounded.
+
+    avg.part   {"g": group_id, "i": sender index, "p": part}
+               sender -> reducer: the encoded part (raw chunks), then end
+               reducer -> sender: msgpack {"inc": [member indices]}, then the encoded average
+    avg.fetch  {"g": group_id, "p": part}
+               -> msgpack {"inc": [...]} and the encoded average, or {"none": true}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from swarm.averaging.config import AveragingConfig
+from swarm.averaging.messages import GroupInfo
+from swarm.averaging.partition import chunk_bounds, part_bounds
+from swarm.averaging.reduction import PartReduction
+from swarm.p2p.connection import CallContext
+from swarm.p2p.errors import BadRequest, P2PError
+from swarm.p2p.host import P2PHost
+from swarm.p2p.stream import Stream
+from swarm_kernels import MalformedPayload, get_codec
+
+logger = logging.getLogger(__name__)
+
+PART = "avg.part"
+FETCH = "avg.fetch"
+MAX_HEADER_BYTES = 64 * 1024
+MAX_PENDING_GROUPS = 64
+
+Final = tuple[list[int], bytes]  # (member indices included, encoded average)
+
+
+class AllReduceError(Exception):
+    """The round cannot complete: too few contributions to a part, or a part nobody could reduce."""
+
+
+@dataclass
+class RoundReport:
+    group_id: bytes
+    members: list[str]
+    contributions: dict[int, list[int]]  # part index -> indices of the members it includes
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    reduce_s: float = 0.0  # from the start until this member's own part was averaged
+    total_s: float = 0.0
+
+
+class RoundRegistry:
+    """Routes `avg.part` / `avg.fetch` streams to their round (one registry per host). A finished
+    round lingers for part_timeout so that survivors can still fetch what it holds."""
+
+    def __init__(self, host: P2PHost, config: AveragingConfig) -> None:
+        self.host, self.config = host, config
+        self.rounds: dict[bytes, AllReduceRound] = {}
+        self._arrived: dict[bytes, asyncio.Event] = {}
+        self._timers: dict[bytes, asyncio.TimerHandle] = {}
+        host.add_stream_handler(PART, self._rpc_part)
+        host.add_stream_handler(FETCH, self._rpc_fetch)
+
+    def close(self) -> None:
+        self.host.remove_handler(PART)
+        self.host.remove_handler(FETCH)
+        for timer in self._timers.values():
+            timer.cancel()
+
+    def add(self, round_: AllReduceRound) -> None:
+        group_id = round_.group.group_id
+        self.rounds[group_id] = round_
+        self._arrived.setdefault(group_id, asyncio.Event()).set()
+
+    def finished(self, round_: AllReduceRound) -> None:
+        group_id = round_.group.group_id
+        loop = asyncio.get_running_loop()
+        self._timers[group_id] = loop.call_later(self.config.part_timeout, self._forget, group_id)
+
+    def _forget(self, group_id: bytes) -> None:
+        self.rounds.pop(group_id, None)
+        self._arrived.pop(group_id, None)
+        self._timers.pop(group_id, None)
+
+    async def _find(self, args: Any) -> AllReduceRound:
+        if not isinstance(args, dict) or not isinstance(args.get("g"), bytes):
+            raise BadRequest("needs a group id")
+        group_id = args["g"]
+        if group_id not in self.rounds and len(self._arrived) < MAX_PENDING_GROUPS:
+            event = self._arrived.setdefault(group_id, asyncio.Event())  # the caller may be a moment ahead
+            try:
+                await asyncio.wait_for(event.wait(), self.config.request_timeout)
+            except asyncio.TimeoutError:
+                if group_id not in self.rounds:
+                    self._arrived.pop(group_id, None)
+        round_ = self.rounds.get(group_id)
+        if round_ is None:
+            raise BadRequest("no such group here")
+        return round_
+
+    async def _rpc_part(self, ctx: CallContext, args: Any, stream: Stream) -> None:
+        await (await self._find(args)).serve_part(ctx, args, stream)
+
+    async def _rpc_fetch(self, ctx: CallContext, args: Any, stream: Stream) -> None:
+        await (await self._find(args)).serve_fetch(ctx, args, stream)
+
+
+class AllReduceRound:
+    """One member's side of one round: call `run()` once."""
+
+    def __init__(
+        self, host: P2PHost, registry: RoundRegistry, group: GroupInfo, vector: torch.Tensor, config: AveragingConfig
+    ) -> None:
+        if vector.dtype != torch.float32 or vector.dim() != 1 or not vector.is_contiguous():
+            raise ValueError("the all-reduce takes one contiguous 1-D fp32 vector")
+        self.host, self.registry, self.group, self.config = host, registry, group, config
+        self.me = group.index_of(host.peer_id)
+        self.vector = vector
+        self.codec = get_codec(config.codec, block_size=config.block_size)
+        self.weights = [m.weight for m in group.members]
+        bandwidths = [0.0 if m.client else m.bandwidth for m in group.members]
+        self.parts = part_bounds(vector.numel(), bandwidths, config.block_size)
+        self.result = torch.empty_like(vector)
+        self.report = RoundReport(group.group_id, [str(m.peer_id) for m in group.members], {})
+        self.final: dict[int, Final] = {}  # the encoded average of each part, as every member gets it
+        self.reductions: dict[int, PartReduction] = {}
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._started = 0.0
+
+    async def run(self) -> tuple[torch.Tensor, RoundReport]:
+        """The averaged vector (a new tensor) and the report; AllReduceError when the round
+        cannot complete. The input vector is never modified."""
+        self._started = time.perf_counter()
+        self.registry.add(self)
+        parts = [j for j, (lo, hi) in enumerate(self.parts) if hi > lo]
+        tasks = {j: asyncio.ensure_future(self._obtain(j)) for j in parts}
+        try:
+            await asyncio.wait(tasks.values())
+        finally:
+            for task in [*tasks.values(), *self._tasks]:
+                task.cancel()
+            self.registry.finished(self)
+        failed = {j: t.exception() for j, t in tasks.items() if t.cancelled() or t.exception() is not None}
+        if failed:
+            reasons = "; ".join(f"part {j}: {e}" for j, e in failed.items())
+            raise AllReduceError(f"{len(failed)} of {len(parts)} parts could not be averaged ({reasons})")
+        self.report.total_s = time.perf_counter() - self._started
+        return self.result, self.report
+
+    # --- getting each part's average ----------------------------------------------------------
+
+    async def _obtain(self, j: int) -> None:
+        """Get part j's average: reduce it (our own part), or send our slice to its owner and
+        read the average back, or, when the owner is gone, the same with its backups."""
+        n = len(self.group.members)
+        reducers = [j] + [(j + k) % n for k in range(1, n) if not self.group.members[(j + k) % n].client]
+        errors = []
+        for reducer in reducers:
+            try:
+                if reducer == self.me:
+                    reduction = self._reduction(j)
+                    final = await asyncio.wait_for(asyncio.shield(reduction.result), 3 * self.config.part_timeout)
+                else:
+                    final = await self._exchange(reducer, j)
+                break
+            except (P2PError, AllReduceError, MalformedPayload, TimeoutError, ValueError) as e:
+                errors.append(f"{reducer}: {e}")
+                logger.info("round %s: part %d via member %d failed: %s", self._tag(), j, reducer, e)
+        else:
+            raise AllReduceError(f"no member could reduce part {j} ({'; '.join(errors)})")
+        self.final[j] = final
+        lo, hi = self.parts[j]
+        await asyncio.to_thread(self._decode_into, final[1], lo, hi)
+        self.report.contributions[j] = final[0]
+        if j == self.me:
+            self.report.reduce_s = time.perf_counter() - self._started
+
+    def _reduction(self, j: int) -> PartReduction:
+        """The reduction of part j here: our own part, or one we take over from a dead owner."""
+        reduction = self.reductions.get(j)
+        if reduction is None:
+            lo, hi = self.parts[j]
+            expected = {i for i in range(len(self.group.members)) if i not in (j, self.me)}
+            reduction = PartReduction(
+                j, lo, hi, self.me, self.vector[lo:hi], self.weights, expected, self.codec, self.config.chunk_elements
+            )
+            self.reductions[j] = reduction
+            self._tasks.append(asyncio.ensure_future(self._run_reduction(reduction, takeover=j != self.me)))
+        return reduction
+
+    async def _run_reduction(self, reduction: PartReduction, takeover: bool) -> None:
+        if takeover:
+            copy = await self._fetch_from_others(reduction.part)
+            if copy is not None:
+                reduction.settle(copy)
+                return
+        await reduction.reduce(self.config.part_timeout, self.config.min_group_size)
+
+    async def _exchange(self, reducer: int, j: int) -> Final:
+        lo, hi = self.parts[j]
+        timeout = self.config.part_timeout
+        args = {"g": self.group.group_id, "i": self.me, "p": j}
+        member = self.group.members[reducer]
+        async with await self.host.open_stream(member.address(), PART, args, timeout=timeout) as stream:
+            chunks = chunk_bounds(lo, hi, self.config.chunk_elements)
+            encoding = asyncio.ensure_future(asyncio.to_thread(self.codec.encode, self.vector[lo : chunks[0][1]]))
+            try:
+                for c in range(len(chunks)):
+                    payload = await encoding
+                    if c + 1 < len(chunks):  # encode the next chunk while this one is on the wire
+                        a, b = chunks[c + 1]
+                        encoding = asyncio.ensure_future(asyncio.to_thread(self.codec.encode, self.vector[a:b]))
+                    data = memoryview(payload.numpy())
+                    await stream.write(data)
+                    self.report.bytes_sent += len(data)
+            finally:
+                encoding.cancel()
+            await stream.end()
+            return await self._read_final(stream, lo, hi, 2 * timeout)
+
+    async def _read_final(self, stream: Stream, lo: int, hi: int, timeout: float) -> Final:
+        header_raw = await stream.read(timeout=timeout)
+        if header_raw is None or len(header_raw) > MAX_HEADER_BYTES:
+            raise AllReduceError("no result header")
+        try:
+            header = msgpack.unpackb(header_raw, raw=False)
+        except Exception as e:  # msgpack raises several unrelated types on garbage
+            raise AllReduceError(f"unreadable result header: {type(e).__name__}") from None
+        if isinstance(header, dict) and header.get("none"):
+            raise AllReduceError("the peer holds no result for this part")
+        included = header.get("inc") if isinstance(header, dict) else None
+        if not isinstance(included, list) or not all(
+            isinstance(i, int) and 0 <= i < len(self.weights) for i in included
+        ):
+            raise AllReduceError("malformed result header")
+        expected = self._encoded_size(lo, hi)
+        payload = await stream.read_all(max_bytes=expected, timeout=timeout)
+        if len(payload) != expected:
+            raise AllReduceError(f"got {len(payload)} result bytes, expected {expected}")
+        self.report.bytes_received += len(payload) + len(header_raw)
+        return included, bytes(payload)
+
+    async def _fetch_from_others(self, j: int) -> Final | None:
+        """Does a member already hold part j's average from its original owner?"""
+        lo, hi = self.parts[j]
+
+        async def ask(member_index: int) -> Final:
+            member = self.group.members[member_index]
+            args = {"g": self.group.group_id, "p": j}
+            timeout = self.config.request_timeout
+            async with await self.host.open_stream(member.address(), FETCH, args, timeout=timeout) as stream:
+                await stream.end()
+                return await self._read_final(stream, lo, hi, timeout)
+
+        others = [i for i, m in enumerate(self.group.members) if i not in (j, self.me) and not m.client]
+        asks = [asyncio.ensure_future(ask(i)) for i in others]
+        try:
+            for next_done in asyncio.as_completed(asks):
+                try:
+                    return await next_done
+                except (P2PError, AllReduceError, TimeoutError, ValueError):
+                    continue
+        finally:
+            for task in asks:
+                task.cancel()
+        return None
+
+    def _decode_into(self, payload: bytes, lo: int, hi: int) -> None:
+        offset = 0
+        for a, b in chunk_bounds(lo, hi, self.config.chunk_elements):
+            size = self.codec.encoded_nbytes(b - a)
+            self.result[a:b] = self.codec.decode(payload[offset : offset + size], b - a)
+            offset += size
+
+    def _encoded_size(self, lo: int, hi: int) -> int:
+        return sum(self.codec.encoded_nbytes(b - a) for a, b in chunk_bounds(lo, hi, self.config.chunk_elements))
+
+    def _tag(self) -> str:
+        return self.group.group_id.hex()[:8]
+
+    # --- serving -------------------------------------------------------------------------------
+
+    async def serve_part(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
+        index, part = args.get("i"), args.get("p")
+        members = self.group.members
+        if not isinstance(index, int) or not 0 <= index < len(members) or members[index].peer_id != ctx.peer_id:
+            raise BadRequest("avg.part: sender index does not match the caller")
+        if not isinstance(part, int) or not 0 <= part < len(members) or members[self.me].client:
+            raise BadRequest("avg.part: no such part here")
+        if part in self.final and part not in self.reductions:  # we already hold its average
+            while await stream.read(timeout=self.config.part_timeout) is not None:
+                pass
+            await self._reply(stream, self.final[part], index)
+            return
+        reduction = self._reduction(part)
+        try:
+            incoming = reduction.incoming(index)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        try:
+            while (chunk := await stream.read(timeout=self.config.part_timeout)) is not None:
+                incoming.add(chunk)
+                self.report.bytes_received += len(chunk)
+            incoming.finish()
+        except (P2PError, MalformedPayload, TimeoutError) as e:
+            logger.info("round %s: sender %d left out of part %d: %s", self._tag(), index, part, e)
+            incoming.failed = True
+            return
+        finally:
+            reduction.changed.set()
+        final = await asyncio.wait_for(asyncio.shield(reduction.result), 2 * self.config.part_timeout)
+        await self._reply(stream, final, index)
+
+    async def serve_fetch(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
+        part = args.get("p")
+        if not isinstance(part, int) or not 0 <= part < len(self.group.members):
+            raise BadRequest("avg.fetch: no such part")
+        final = self.final.get(part)
+        if final is None:
+            await stream.write(msgpack.packb({"none": True}))
+            await stream.end()
+            return
+        await self._reply(stream, final, None)
+
+    async def _reply(self, stream: Stream, final: Final, index: int | None) -> None:
+        header = msgpack.packb({"inc": final[0]})
+        try:
+            await stream.write(header)
+            await stream.write(memoryview(final[1]))
+            await stream.end()
+        except P2PError as e:  # the caller left before its answer: its loss alone
+            logger.info("round %s: member %s left before its result: %s", self._tag(), index, e)
+            return
+        self.report.bytes_sent += len(header) + len(final[1])

@@ -1,0 +1,100 @@
+"""Averager: what the training code calls once per outer step.
+
+    averager = Averager(dht_node, host, run_id="run1", config=AveragingConfig(target_group_size=4))
+    averaged, report = await averager.step(pseudo_gradients, weight=tokens, step=outer_step)
+
+`step` forms a group for this outer step through the DHT (matchmaking.py), runs the butterfly
+all-reduce of the flattened tensors with it (allreduce.py), and returns new tensors shaped and
+typed like the inputs, plus a GroupReport. With no group (alone, too late, too few peers) it
+returns copies of the inputs and `report.group_id is None`. It raises AllReduceError when a
+group was formed but the round could not complete; the inputs are never modified.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.averaging.allreduce import AllReduceRound, RoundRegistry
+from swarm.averaging.config import AveragingConfig
+from swarm.averaging.matchmaking import Matchmaker
+from swarm.averaging.messages import MemberInfo
+from swarm.dht.node import DHTNode
+from swarm.p2p.host import P2PHost
+
+
+@dataclass
+class GroupReport:
+    group_id: str | None  # hex; None when this step ran alone
+    members: list[str] = field(default_factory=list)  # PeerIDs in the group's order
+    contributions: dict[int, list[int]] = field(default_factory=dict)  # part -> member indices included
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    matchmaking_s: float = 0.0
+    reduce_s: float = 0.0  # round start until our own part was averaged
+    gather_s: float = 0.0  # the rest of the round: receiving the other parts' averages
+
+
+class Averager:
+    def __init__(self, dht: DHTNode, host: P2PHost, run_id: str, config: AveragingConfig | None = None) -> None:
+        self.dht, self.host, self.run_id = dht, host, run_id
+        self.config = config or AveragingConfig()
+        self.matchmaker = Matchmaker(dht, host, run_id, self.config)
+        self.registry = RoundRegistry(host, self.config)
+
+    def close(self) -> None:
+        self.matchmaker.close()
+        self.registry.close()
+
+    def member_info(self, weight: float) -> MemberInfo:
+        client = self.config.client_mode
+        maddrs = () if client else tuple(self.host.visible_maddrs)
+        return MemberInfo(self.host.peer_id, maddrs, float(weight), 0.0 if client else self.config.bandwidth, client)
+
+    async def step(
+        self, tensors: Sequence[torch.Tensor], weight: float, step: int
+    ) -> tuple[list[torch.Tensor], GroupReport]:
+        if not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"weight must be a finite number >= 0, got {weight}")
+        vector = await asyncio.to_thread(_flatten, tensors)  # also refuses non-finite values
+        started = time.perf_counter()
+        group = await self.matchmaker.form_group(step, self.member_info(weight))
+        matchmaking_s = time.perf_counter() - started
+        if group is None or len(group.members) < 2:
+            return [t.detach().clone() for t in tensors], GroupReport(None, matchmaking_s=matchmaking_s)
+        round_ = AllReduceRound(self.host, self.registry, group, vector, self.config)
+        averaged, rr = await round_.run()
+        report = GroupReport(
+            group.group_id.hex(),
+            rr.members,
+            rr.contributions,
+            rr.bytes_sent,
+            rr.bytes_received,
+            matchmaking_s,
+            rr.reduce_s,
+            max(0.0, rr.total_s - rr.reduce_s),
+        )
+        return _unflatten(averaged, tensors), report
+
+
+def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    if not tensors:
+        raise ValueError("nothing to average")
+    vector = torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for t in tensors])
+    if not torch.isfinite(vector).all():
+        raise ValueError("refusing to average non-finite values (NaN or inf)")
+    return vector
+
+
+def _unflatten(vector: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for t in like:
+        n = t.numel()
+        out.append(vector[offset : offset + n].view(t.shape).to(device=t.device, dtype=t.dtype))
+        offset += n
+    return out

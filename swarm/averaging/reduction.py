@@ -1,0 +1,142 @@
+"""PartReduction: one member reducing one part of the vector for its group.
+
+It collects each sender's encoded payload for the part, waits until every expected sender has
+finished or failed (bounded), then sums in member order this member's own exact fp32 slice and
+every complete sender's decoded slice, weighted by the weights agreed at matchmaking, divides by
+the total weight, and encodes the average once. Those bytes, and the list of members they
+include, are `result`: every sender gets exactly them. A payload that fails to decode
+(MalformedPayload) drops its sender and the sum starts over, so a bad sender leaves no trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from swarm.averaging.partition import chunk_bounds
+from swarm_kernels import MalformedPayload
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Incoming:
+    """One sender's payload for this part."""
+
+    index: int
+    buffer: bytearray
+    received: int = 0
+    done: bool = False
+    failed: bool = False
+
+    def add(self, chunk: bytes | memoryview) -> None:
+        end = self.received + len(chunk)
+        if end > len(self.buffer):
+            raise MalformedPayload(f"sender {self.index} sent more than {len(self.buffer)} bytes")
+        self.buffer[self.received : end] = chunk
+        self.received = end
+
+    def finish(self) -> None:
+        if self.received != len(self.buffer):
+            raise MalformedPayload(f"sender {self.index} sent {self.received} of {len(self.buffer)} bytes")
+        self.done = True
+
+
+class PartReduction:
+    def __init__(
+        self,
+        part: int,
+        lo: int,
+        hi: int,
+        own_index: int,
+        own_slice: torch.Tensor,
+        weights: list[float],
+        expected: set[int],
+        codec: object,
+        chunk_elements: int,
+    ) -> None:
+        self.part, self.lo, self.hi = part, lo, hi
+        self.own_index, self.own_slice = own_index, own_slice
+        self.weights, self.expected = weights, expected
+        self.codec, self.chunk_elements = codec, chunk_elements
+        self.senders: dict[int, Incoming] = {}
+        self.changed = asyncio.Event()
+        self.result: asyncio.Future[tuple[list[int], bytes]] = asyncio.get_running_loop().create_future()
+
+    @property
+    def encoded_size(self) -> int:
+        return sum(self.codec.encoded_nbytes(b - a) for a, b in chunk_bounds(self.lo, self.hi, self.chunk_elements))
+
+    def incoming(self, index: int) -> Incoming:
+        """Register a sender; ValueError if it already sent or is not expected."""
+        if index not in self.expected or index in self.senders:
+            raise ValueError(f"sender {index} is not expected for part {self.part} (or sent twice)")
+        incoming = self.senders[index] = Incoming(index, bytearray(self.encoded_size))
+        return incoming
+
+    def settled(self) -> bool:
+        return all(i in self.senders and (self.senders[i].done or self.senders[i].failed) for i in self.expected)
+
+    def settle(self, result: tuple[list[int], bytes]) -> None:
+        """Adopt a result computed elsewhere (the bytes another member already received)."""
+        if not self.result.done():
+            self.result.set_result(result)
+
+    async def reduce(self, timeout: float, min_contributions: int) -> tuple[list[int], bytes]:
+        """Wait for the senders (at most `timeout`), then reduce and encode; sets `result`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not self.settled() and not self.result.done() and loop.time() < deadline:
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                break
+        if self.result.done():  # settled from outside (a copy of the original owner's result)
+            return self.result.result()
+        complete = [i for i in self.expected if i in self.senders and self.senders[i].done]
+        try:
+            included, average = await asyncio.to_thread(self._reduce, complete)
+            if len(included) < min_contributions:
+                raise ValueError(f"part {self.part}: only {len(included)} contributions, need {min_contributions}")
+            payload = await asyncio.to_thread(self._encode, average)
+        except Exception as e:
+            if not self.result.done():
+                self.result.set_exception(e)
+                self.result.exception()  # retrieved: the senders may all be gone
+            raise
+        self.settle((included, payload))
+        return self.result.result()
+
+    def _reduce(self, complete: list[int]) -> tuple[list[int], torch.Tensor]:
+        candidates = sorted({self.own_index, *complete})
+        while True:
+            acc = torch.zeros(self.hi - self.lo, dtype=torch.float32)
+            try:
+                for i in candidates:
+                    if i == self.own_index:
+                        acc.add_(self.own_slice, alpha=self.weights[i])
+                    else:
+                        self._accumulate(acc, self.senders[i].buffer, self.weights[i])
+            except MalformedPayload as e:
+                logger.info("part %d: dropping sender %d, malformed payload: %s", self.part, i, e)
+                candidates.remove(i)
+                continue
+            total = sum(self.weights[i] for i in candidates)
+            if total > 0:
+                acc.mul_(1.0 / total)
+            return candidates, acc
+
+    def _accumulate(self, acc: torch.Tensor, payload: bytearray, weight: float) -> None:
+        view, offset = memoryview(payload), 0
+        for a, b in chunk_bounds(0, acc.numel(), self.chunk_elements):
+            size = self.codec.encoded_nbytes(b - a)
+            self.codec.decode_accumulate(acc[a:b], view[offset : offset + size], weight)
+            offset += size
+
+    def _encode(self, average: torch.Tensor) -> bytes:
+        pieces = [self.codec.encode(average[a:b]) for a, b in chunk_bounds(0, average.numel(), self.chunk_elements)]
+        return b"".join(memoryview(p.numpy()) for p in pieces)

@@ -1,0 +1,163 @@
+"""Butterfly all-reduce of groups in one process over real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from swarm.averaging.allreduce import AllReduceError, AllReduceRound, RoundRegistry
+from swarm.averaging.config import AveragingConfig
+from swarm.averaging.messages import GroupInfo, MemberInfo
+from swarm.p2p import P2PConfig, P2PHost
+
+LOCAL = P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))
+
+
+@dataclass
+class Member:
+    host: P2PHost
+    registry: RoundRegistry
+    config: AveragingConfig
+
+
+MakeGroup = Callable[..., Awaitable[tuple[GroupInfo, list[Member]]]]
+
+
+@pytest.fixture
+async def make_group() -> AsyncIterator[MakeGroup]:
+    members: list[Member] = []
+
+    async def make(n: int, *, clients: int = 0, weights: list[float] | None = None, **overrides: object):
+        made, infos = [], []
+        rng = random.Random(n)
+        for i in range(n):
+            client = i >= n - clients
+            config = AveragingConfig(client_mode=client, part_timeout=10.0, request_timeout=2.0,
+                                     **overrides)  # type: ignore[arg-type]  # fmt: skip
+            host = await P2PHost(config=LOCAL).start()
+            member = Member(host, RoundRegistry(host, config), config)
+            members.append(member)
+            made.append(member)
+            weight = weights[i] if weights else rng.uniform(0.5, 2.0)
+            bandwidth = 0.0 if client else rng.uniform(50, 150)
+            maddrs = () if client else tuple(host.visible_maddrs)
+            infos.append(MemberInfo(host.peer_id, maddrs, weight, bandwidth, client))
+        return GroupInfo.create("run", 0, tuple(infos)), made
+
+    yield make
+    for member in members:
+        member.registry.close()
+    await asyncio.gather(*(m.host.close() for m in members))
+
+
+def inputs(n: int, numel: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(numel, generator=gen) * (i + 1) for i in range(n)]
+
+
+def exact_mean(vectors: list[torch.Tensor], group: GroupInfo, included: list[int] | None = None) -> torch.Tensor:
+    idx = included if included is not None else range(len(vectors))
+    weights = torch.tensor([group.members[i].weight for i in idx], dtype=torch.float64)
+    stacked = torch.stack([vectors[i].double() for i in idx])
+    return (stacked * weights[:, None]).sum(0) / weights.sum()
+
+
+async def run_round(group: GroupInfo, members: list[Member], vectors: list[torch.Tensor]) -> list[object]:
+    rounds = [AllReduceRound(m.host, m.registry, group, v, m.config) for m, v in zip(members, vectors, strict=True)]
+    return await asyncio.gather(*(r.run() for r in rounds), return_exceptions=True)
+
+
+def int8_bound(vectors: list[torch.Tensor], mean: torch.Tensor) -> float:
+    """Each sender's codes are off by at most half a scale (absmax/127), and so is the average's."""
+    return max(v.abs().max().item() for v in vectors) / 127 / 2 + mean.abs().max().item() / 127 / 2 + 1e-6
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
+async def test_int8_rounds_agree_bit_for_bit_and_stay_within_the_error_bound(make_group: MakeGroup, n: int) -> None:
+    group, members = await make_group(n, block_size=1024, chunk_elements=4096)
+    vectors = inputs(n, 50_003)  # not a multiple of the block or the chunk
+    outcomes = await run_round(group, members, vectors)
+    results = [o[0] for o in outcomes]  # type: ignore[index]
+    for result in results[1:]:
+        assert torch.equal(result, results[0]), "members hold different averages"
+    mean = exact_mean(vectors, group)
+    error = (results[0].double() - mean).abs().max().item()
+    assert error <= int8_bound(vectors, mean)
+    assert error > 0  # it really went through int8
+    for _, report in outcomes:  # type: ignore[misc]
+        assert all(inc == list(range(n)) for inc in report.contributions.values())
+        assert report.bytes_sent > 0 and report.bytes_received > 0
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16"])
+async def test_other_codecs(make_group: MakeGroup, codec: str) -> None:
+    group, members = await make_group(3, codec=codec, block_size=1024, chunk_elements=4096)
+    vectors = inputs(3, 10_000)
+    outcomes = await run_round(group, members, vectors)
+    results = [o[0] for o in outcomes]  # type: ignore[index]
+    assert all(torch.equal(r, results[0]) for r in results)
+    tolerance = 1e-5 if codec == "none" else 2e-2
+    assert torch.allclose(results[0].double(), exact_mean(vectors, group), rtol=tolerance, atol=tolerance)
+
+
+async def test_a_client_mode_member_contributes_but_owns_no_part(make_group: MakeGroup) -> None:
+    group, members = await make_group(4, clients=1, block_size=1024, chunk_elements=4096)
+    vectors = inputs(4, 20_000)
+    outcomes = await run_round(group, members, vectors)
+    results = [o[0] for o in outcomes]  # type: ignore[index]
+    assert all(torch.equal(r, results[0]) for r in results)
+    _, report = outcomes[3]  # type: ignore[misc]
+    assert 3 not in report.contributions and len(report.contributions) == 3
+    mean = exact_mean(vectors, group)
+    assert (results[0].double() - mean).abs().max().item() <= int8_bound(vectors, mean)
+
+
+async def test_a_sender_of_garbage_is_dropped_and_the_rest_agree(make_group: MakeGroup) -> None:
+    group, members = await make_group(4, clients=1, block_size=1024, chunk_elements=4096)
+    vectors = inputs(4, 20_000)
+    rounds = [AllReduceRound(m.host, m.registry, group, v, m.config) for m, v in zip(members, vectors, strict=True)]
+    honest_encode = rounds[3].codec.encode
+
+    def garbage(x: torch.Tensor) -> torch.Tensor:
+        payload = honest_encode(x).clone()
+        payload[:4] = torch.tensor(list(b"\x00\x00\xc0\x7f"), dtype=torch.uint8)  # a NaN scale
+        return payload
+
+    rounds[3].codec = type("Bad", (), {"encode": staticmethod(garbage), "encoded_nbytes": honest_encode.__self__.encoded_nbytes,
+                                       "decode": honest_encode.__self__.decode})()  # fmt: skip
+    outcomes = await asyncio.gather(*(r.run() for r in rounds), return_exceptions=True)
+    honest = [o for o in outcomes[:3]]
+    results = [o[0] for o in honest]  # type: ignore[index]
+    assert all(torch.equal(r, results[0]) for r in results)
+    for _, report in honest:  # type: ignore[misc]
+        assert all(inc == [0, 1, 2] for inc in report.contributions.values())
+    mean = exact_mean(vectors, group, [0, 1, 2])
+    assert (results[0].double() - mean).abs().max().item() <= int8_bound(vectors[:3], mean)
+
+
+async def test_a_sender_that_dies_is_dropped_and_the_rest_agree(make_group: MakeGroup) -> None:
+    group, members = await make_group(4, clients=1, block_size=1024, chunk_elements=4096, part_timeout=3.0)
+    vectors = inputs(4, 20_000)
+    rounds = [AllReduceRound(m.host, m.registry, group, v, m.config) for m, v in zip(members, vectors, strict=True)]
+    tasks = [asyncio.ensure_future(r.run()) for r in rounds[:3]]  # member 3 never shows up: dead
+    await members[3].host.close()
+    outcomes = await asyncio.gather(*tasks)
+    results = [o[0] for o in outcomes]
+    assert all(torch.equal(r, results[0]) for r in results)
+    assert all(inc == [0, 1, 2] for _, report in outcomes for inc in report.contributions.values())
+
+
+async def test_too_few_members_left_fails_cleanly(make_group: MakeGroup) -> None:
+    group, members = await make_group(3, clients=1, block_size=1024, chunk_elements=4096, part_timeout=2.0,
+                                      min_group_size=3)  # fmt: skip
+    vectors = inputs(3, 5_000)
+    before = [v.clone() for v in vectors]
+    rounds = [AllReduceRound(m.host, m.registry, group, v, m.config) for m, v in zip(members, vectors, strict=True)]
+    outcomes = await asyncio.gather(*(r.run() for r in rounds[:2]), return_exceptions=True)
+    assert all(isinstance(o, AllReduceError) for o in outcomes)
+    assert all(torch.equal(a, b) for a, b in zip(vectors, before, strict=True))
