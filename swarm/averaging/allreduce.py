@@ -176,6 +176,7 @@ class AllReduceRound:
         read the average back, or, when the owner is gone, the same with its backups."""
         n = len(self.group.members)
         reducers = [j] + [(j + k) % n for k in range(1, n) if not self.group.members[(j + k) % n].client]
+        lo, hi = self.parts[j]
         errors = []
         for reducer in reducers:
             try:
@@ -184,6 +185,7 @@ class AllReduceRound:
                     final = await asyncio.wait_for(asyncio.shield(reduction.result), 3 * self.config.part_timeout)
                 else:
                     final = await self._exchange(reducer, j)
+                await asyncio.to_thread(self._decode_into, final[1], lo, hi)  # a garbage average: next reducer
                 break
             except (P2PError, AllReduceError, MalformedPayload, TimeoutError, ValueError) as e:
                 errors.append(f"{reducer}: {e}")
@@ -191,8 +193,6 @@ class AllReduceRound:
         else:
             raise AllReduceError(f"no member could reduce part {j} ({'; '.join(errors)})")
         self.final[j] = final
-        lo, hi = self.parts[j]
-        await asyncio.to_thread(self._decode_into, final[1], lo, hi)
         self.report.contributions[j] = final[0]
         if j == self.me:
             self.report.reduce_s = time.perf_counter() - self._started

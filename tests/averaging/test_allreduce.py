@@ -14,6 +14,7 @@ from swarm.averaging.allreduce import AllReduceError, AllReduceRound, RoundRegis
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.messages import GroupInfo, MemberInfo
 from swarm.p2p import P2PConfig, P2PHost
+from tests.averaging.faults import garbage_codec
 
 LOCAL = P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))
 
@@ -37,8 +38,8 @@ async def make_group() -> AsyncIterator[MakeGroup]:
         rng = random.Random(n)
         for i in range(n):
             client = i >= n - clients
-            config = AveragingConfig(client_mode=client, part_timeout=10.0, request_timeout=2.0,
-                                     **overrides)  # type: ignore[arg-type]  # fmt: skip
+            settings = {"part_timeout": 10.0, "request_timeout": 2.0, **overrides}
+            config = AveragingConfig(client_mode=client, **settings)  # type: ignore[arg-type]
             host = await P2PHost(config=LOCAL).start()
             member = Member(host, RoundRegistry(host, config), config)
             members.append(member)
@@ -121,15 +122,7 @@ async def test_a_sender_of_garbage_is_dropped_and_the_rest_agree(make_group: Mak
     group, members = await make_group(4, clients=1, block_size=1024, chunk_elements=4096)
     vectors = inputs(4, 20_000)
     rounds = [AllReduceRound(m.host, m.registry, group, v, m.config) for m, v in zip(members, vectors, strict=True)]
-    honest_encode = rounds[3].codec.encode
-
-    def garbage(x: torch.Tensor) -> torch.Tensor:
-        payload = honest_encode(x).clone()
-        payload[:4] = torch.tensor(list(b"\x00\x00\xc0\x7f"), dtype=torch.uint8)  # a NaN scale
-        return payload
-
-    rounds[3].codec = type("Bad", (), {"encode": staticmethod(garbage), "encoded_nbytes": honest_encode.__self__.encoded_nbytes,
-                                       "decode": honest_encode.__self__.decode})()  # fmt: skip
+    rounds[3].codec = garbage_codec(rounds[3].codec)
     outcomes = await asyncio.gather(*(r.run() for r in rounds), return_exceptions=True)
     honest = [o for o in outcomes[:3]]
     results = [o[0] for o in honest]  # type: ignore[index]
