@@ -67,4 +67,8 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    if os.environ.get("SWARM_TEST_LOG"):
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(relativeCreated)6.0f %(process)d %(name)s %(message)s")
     run(main())
