@@ -39,7 +39,7 @@ import torch
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.messages import GroupInfo
 from swarm.averaging.partition import chunk_bounds, part_bounds
-from swarm.averaging.reduction import PartReduction
+from swarm.averaging.reduction import PartReduction, byte_buffer
 from swarm.p2p.connection import CallContext
 from swarm.p2p.errors import BadRequest, P2PError
 from swarm.p2p.host import P2PHost
@@ -53,7 +53,20 @@ FETCH = "avg.fetch"
 MAX_HEADER_BYTES = 64 * 1024
 MAX_PENDING_GROUPS = 64
 
-Final = tuple[list[int], bytes]  # (member indices included, encoded average)
+Final = tuple[list[int], memoryview]  # (member indices included, encoded average)
+
+
+async def read_exactly(stream: Stream, size: int, timeout: float) -> memoryview:
+    """The rest of a stream, which must be `size` bytes, copied once into one buffer."""
+    buffer, got = byte_buffer(size), 0
+    while (chunk := await stream.read(timeout=timeout)) is not None:
+        if got + len(chunk) > size:
+            raise AllReduceError(f"more than the {size} bytes expected")
+        buffer[got : got + len(chunk)] = chunk
+        got += len(chunk)
+    if got != size:
+        raise AllReduceError(f"got {got} bytes, expected {size}")
+    return buffer
 
 
 class AllReduceError(Exception):
@@ -255,12 +268,9 @@ class AllReduceRound:
             isinstance(i, int) and 0 <= i < len(self.weights) for i in included
         ):
             raise AllReduceError("malformed result header")
-        expected = self._encoded_size(lo, hi)
-        payload = await stream.read_all(max_bytes=expected, timeout=timeout)
-        if len(payload) != expected:
-            raise AllReduceError(f"got {len(payload)} result bytes, expected {expected}")
+        payload = await read_exactly(stream, self._encoded_size(lo, hi), timeout)
         self.report.bytes_received += len(payload) + len(header_raw)
-        return included, bytes(payload)
+        return included, payload
 
     async def _fetch_from_others(self, j: int) -> Final | None:
         """Does a member already hold part j's average from its original owner?"""
@@ -287,11 +297,11 @@ class AllReduceRound:
                 task.cancel()
         return None
 
-    def _decode_into(self, payload: bytes, lo: int, hi: int) -> None:
+    def _decode_into(self, payload: memoryview, lo: int, hi: int) -> None:
         offset = 0
         for a, b in chunk_bounds(lo, hi, self.config.chunk_elements):
             size = self.codec.encoded_nbytes(b - a)
-            self.result[a:b] = self.codec.decode(payload[offset : offset + size], b - a)
+            self.codec.decode(payload[offset : offset + size], b - a, out=self.result[a:b])
             offset += size
 
     def _encoded_size(self, lo: int, hi: int) -> int:

@@ -22,12 +22,17 @@ from swarm_kernels import MalformedPayload
 logger = logging.getLogger(__name__)
 
 
+def byte_buffer(size: int) -> memoryview:
+    """A writable buffer without the zero-fill of bytearray(size): it is overwritten anyway."""
+    return memoryview(torch.empty(size, dtype=torch.uint8).numpy())
+
+
 @dataclass
 class Incoming:
     """One sender's payload for this part."""
 
     index: int
-    buffer: bytearray
+    buffer: memoryview
     received: int = 0
     done: bool = False
     failed: bool = False
@@ -64,7 +69,7 @@ class PartReduction:
         self.codec, self.chunk_elements = codec, chunk_elements
         self.senders: dict[int, Incoming] = {}
         self.changed = asyncio.Event()
-        self.result: asyncio.Future[tuple[list[int], bytes]] = asyncio.get_running_loop().create_future()
+        self.result: asyncio.Future[tuple[list[int], memoryview]] = asyncio.get_running_loop().create_future()
 
     @property
     def encoded_size(self) -> int:
@@ -74,18 +79,18 @@ class PartReduction:
         """Register a sender; ValueError if it already sent or is not expected."""
         if index not in self.expected or index in self.senders:
             raise ValueError(f"sender {index} is not expected for part {self.part} (or sent twice)")
-        incoming = self.senders[index] = Incoming(index, bytearray(self.encoded_size))
+        incoming = self.senders[index] = Incoming(index, byte_buffer(self.encoded_size))
         return incoming
 
     def settled(self) -> bool:
         return all(i in self.senders and (self.senders[i].done or self.senders[i].failed) for i in self.expected)
 
-    def settle(self, result: tuple[list[int], bytes]) -> None:
+    def settle(self, result: tuple[list[int], memoryview]) -> None:
         """Adopt a result computed elsewhere (the bytes another member already received)."""
         if not self.result.done():
             self.result.set_result(result)
 
-    async def reduce(self, timeout: float, min_contributions: int) -> tuple[list[int], bytes]:
+    async def reduce(self, timeout: float, min_contributions: int) -> tuple[list[int], memoryview]:
         """Wait for the senders (at most `timeout`), then reduce and encode; sets `result`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -130,13 +135,17 @@ class PartReduction:
                 acc.mul_(1.0 / total)
             return candidates, acc
 
-    def _accumulate(self, acc: torch.Tensor, payload: bytearray, weight: float) -> None:
-        view, offset = memoryview(payload), 0
+    def _accumulate(self, acc: torch.Tensor, payload: memoryview, weight: float) -> None:
+        view, offset = payload, 0
         for a, b in chunk_bounds(0, acc.numel(), self.chunk_elements):
             size = self.codec.encoded_nbytes(b - a)
             self.codec.decode_accumulate(acc[a:b], view[offset : offset + size], weight)
             offset += size
 
-    def _encode(self, average: torch.Tensor) -> bytes:
-        pieces = [self.codec.encode(average[a:b]) for a, b in chunk_bounds(0, average.numel(), self.chunk_elements)]
-        return b"".join(memoryview(p.numpy()) for p in pieces)
+    def _encode(self, average: torch.Tensor) -> memoryview:
+        out, offset = torch.empty(self.encoded_size, dtype=torch.uint8), 0
+        for a, b in chunk_bounds(0, average.numel(), self.chunk_elements):
+            piece = self.codec.encode(average[a:b])
+            out[offset : offset + piece.numel()] = piece
+            offset += piece.numel()
+        return memoryview(out.numpy())
