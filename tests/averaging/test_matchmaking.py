@@ -16,7 +16,7 @@ from swarm.dht import DHTNode
 from swarm.p2p import P2PConfig, P2PHost
 
 LOCAL = P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))
-FAST = {"matchmaking_time": 1.0, "request_timeout": 1.0}
+FAST = {"matchmaking_time": 1.5, "request_timeout": 2.0}
 
 
 @dataclass
