@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
 import json
 import os
-import select
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +26,10 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import worker_process  # noqa: E402  (a sibling script module)
+from worker_process import WorkerProcess  # noqa: E402
+
 MARK = "BENCH_ALLREDUCE "
 BYTES_PER_ELEMENT = {"none": 4, "fp16": 2, "int8": 1}
 
@@ -91,48 +92,7 @@ async def worker_main() -> None:
 
 
 def reply(obj: dict[str, Any]) -> None:
-    sys.stdout.write(MARK + json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
-class Worker:
-    def __init__(self) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--_worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            start_new_session=True,
-        )
-
-    def send(self, cmd: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
-        self.proc.stdin.flush()
-
-    def receive(self, timeout: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while True:
-            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise TimeoutError(f"worker did not answer within {timeout:.0f}s")
-            line = self.proc.stdout.readline().decode()
-            if not line:
-                raise RuntimeError(f"worker exited (code {self.proc.poll()})")
-            if line.startswith(MARK):
-                return json.loads(line[len(MARK) :])
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+    worker_process.reply(MARK, obj)
 
 
 def measure_swarm(n: int, elements_list: list[int], codecs: list[str], repeats: int, seed: int) -> list[dict[str, Any]]:
@@ -143,7 +103,7 @@ def measure_swarm(n: int, elements_list: list[int], codecs: list[str], repeats: 
     from swarm.p2p import PeerID
     from swarm_kernels import get_codec
 
-    workers = [Worker() for _ in range(n)]
+    workers = [WorkerProcess(str(Path(__file__).resolve()), ["--_worker"], MARK, f"member {i}") for i in range(n)]
     rows = []
     try:
         hello = [w.receive(60) for w in workers]
@@ -187,7 +147,6 @@ def measure_swarm(n: int, elements_list: list[int], codecs: list[str], repeats: 
 
 
 def loopback_mbps() -> float:
-    sys.path.insert(0, str(HERE))
     from bench_p2p import measure_raw
 
     return measure_raw(rpc_calls=10, stream_bytes=256 << 20)["stream_MBps"]
@@ -242,7 +201,6 @@ def main() -> None:
     for n in sizes:
         rows += measure_swarm(n, elements, codecs, args.repeats, args.seed)
     if args.compare:
-        sys.path.insert(0, str(HERE))
         from hivemind_allreduce import run_hivemind_allreduce
 
         for n in sizes:

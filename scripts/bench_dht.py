@@ -27,16 +27,18 @@ import json
 import math
 import os
 import random
-import select
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import worker_process  # noqa: E402  (a sibling script module)
+from worker_process import WorkerProcess  # noqa: E402
+
 MARK = "BENCH_DHT "
 VALUE_TTL = 600.0
 
@@ -105,15 +107,17 @@ class SwarmDHTBackend:
 def make_backend(system: str) -> Any:
     if system == "swarm":
         return SwarmDHTBackend()
-    sys.path.insert(0, str(HERE))
     from hivemind_dht import HivemindDHTBackend
 
     return HivemindDHTBackend()
 
 
 def reply(obj: dict[str, Any]) -> None:
-    sys.stdout.write(MARK + json.dumps(obj) + "\n")
-    sys.stdout.flush()
+    worker_process.reply(MARK, obj)
+
+
+def start_worker(system: str, index: int) -> WorkerProcess:
+    return WorkerProcess(str(Path(__file__).resolve()), ["--_worker", system], MARK, f"{system} worker {index}")
 
 
 async def worker_main(system: str) -> None:
@@ -159,60 +163,7 @@ async def worker_main(system: str) -> None:
         await backend.close()
 
 
-class Worker:
-    """One worker process, driven over stdin/stdout with one JSON line per command."""
-
-    def __init__(self, system: str, index: int) -> None:
-        self.index = index
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HIVEMIND_LOGLEVEL": "ERROR"}
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--_worker", system],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            start_new_session=True,
-        )
-        self.alive = True
-
-    def send(self, cmd: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
-        self.proc.stdin.flush()
-
-    def receive(self, timeout: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, remaining))
-            if not ready:
-                raise TimeoutError(f"worker {self.index} did not answer within {timeout:.0f}s")
-            line = self.proc.stdout.readline().decode()
-            if not line:
-                raise RuntimeError(f"worker {self.index} exited (code {self.proc.poll()})")
-            if line.startswith(MARK):
-                return json.loads(line[len(MARK) :])
-
-    def kill(self) -> None:
-        self.alive = False
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
-        self.proc.wait(10)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(OSError):
-                assert self.proc.stdin is not None
-                self.proc.stdin.close()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)  # the worker's own session: its p2pd too
-                self.proc.wait(10)
-
-
-def run_all(workers: list[Worker], cmds: dict[int, dict[str, Any]], timeout: float) -> dict[int, dict[str, Any]]:
+def run_all(workers: list[WorkerProcess], cmds: dict[int, dict[str, Any]], timeout: float) -> dict[int, dict[str, Any]]:
     for index, cmd in cmds.items():
         workers[index].send(cmd)
     return {index: workers[index].receive(timeout) for index in cmds}
@@ -220,7 +171,7 @@ def run_all(workers: list[Worker], cmds: dict[int, dict[str, Any]], timeout: flo
 
 def measure(system: str, n: int, processes: int, gets_per_node: int, churn: float, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
-    workers = [Worker(system, i) for i in range(processes)]
+    workers = [start_worker(system, i) for i in range(processes)]
     try:
         counts = [n // processes + (i < n % processes) for i in range(processes)]
         owners: list[tuple[int, int]] = []  # global node index -> (worker, local index)
@@ -289,7 +240,7 @@ def measure(system: str, n: int, processes: int, gets_per_node: int, churn: floa
 
 def single_node_mb() -> float:
     """PSS of a process that runs one swarm DHT node: what a lone `swarm-dht serve` costs."""
-    worker = Worker("swarm", 0)
+    worker = start_worker("swarm", 0)
     try:
         worker.send({"op": "start", "count": 1, "initial_peers": [], "seed": 0})
         worker.receive(60)

@@ -6,31 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from swarm.dht import DHT, BadSignature, DHTConfig, DHTNode, owner_subkey
+from swarm.dht import DHT, BadSignature, DHTConfig, owner_subkey
 from swarm.dht.ids import key_id
 from swarm.dht.simulation import simulate
 from swarm.dht.storage import RecordStorage
-from swarm.p2p import P2PConfig
-
-LOCAL = P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))
-MakeNode = Callable[..., Awaitable[DHTNode]]
-
-
-@pytest.fixture
-async def make_node() -> AsyncIterator[MakeNode]:
-    nodes: list[DHTNode] = []
-
-    async def make(initial_peers: list[str] = (), **kwargs: object) -> DHTNode:  # type: ignore[assignment]
-        node = await DHTNode(initial_peers=initial_peers, p2p_config=LOCAL, **kwargs).start()  # type: ignore[arg-type]
-        nodes.append(node)
-        return node
-
-    yield make
-    await asyncio.gather(*(node.close() for node in nodes))
+from tests.dht.conftest import LOCAL, MakeNode
 
 
 async def test_expired_records_are_never_returned(make_node: MakeNode) -> None:
