@@ -1,1 +1,10 @@
-"""swarm.model: not built yet (see the open issues)."""
+"""The model, its data and DiLoCo, with no networking (DESIGN.md "Training"):
+
+    llama.py    ModelConfig, Llama, build_model (weights a pure function of the seed), count_parameters
+    presets.py  PRESETS / preset(): tiny, small, 150m, 1b
+    data.py     stdlib_corpus / hf_corpus / load_data -> TokenData; node_generator, sample_batch, eval_windows
+    loss.py     lm_loss, eval_loss, autocast_for
+    diloco.py   DiLoCoConfig, DiLoCo (inner AdamW; pseudo_gradients / apply_outer), tensors_sha256
+
+The averaging is handed in by the caller: nothing here imports swarm.averaging.
+"""

@@ -1,0 +1,177 @@
+"""Training data: token streams, per-node training windows and the shared eval set.
+
+    data = stdlib_corpus()                                   # no download, no token
+    gen = node_generator(peer_id_bytes, step=global_inner_step)
+    inputs, targets = sample_batch(data.train, batch_size=8, seq_len=256, generator=gen)
+    windows = eval_windows(data.eval, seq_len=256)           # the same on every node
+
+The default corpus is the Python standard library's own source files, read from the running
+interpreter (`sysconfig.get_paths()["stdlib"]`; test suites and site-packages left out), in
+sorted order, joined and capped in size, as byte-level tokens (one token per byte, ids 0..255).
+`split_tokens` holds out one block of 16 Ki tokens in 20 as the eval set; training windows never
+touch it. (A window may straddle the seam where a held-out block was cut out: harmless.)
+
+Failure modes: nodes on different Python versions read different corpora (and so different eval
+sets); compare `TokenData.fingerprint` before comparing eval losses across nodes. A Hugging Face
+dataset (`hf_corpus`) needs the `datasets` and `transformers` packages and the network;
+without them it raises DataUnavailableError with the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+BYTE_VOCAB = 256
+DEFAULT_MAX_BYTES = 16 << 20  # about all of the stdlib's non-test source (CPython 3.11: ~12 MB)
+EVAL_BLOCK = 1 << 14  # the token stream is split into train and eval in blocks of this many tokens
+EVAL_SHARE = 20  # one block in EVAL_SHARE goes to the eval set
+_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
+
+
+class DataUnavailableError(RuntimeError):
+    """The requested data or tokenizer cannot be loaded here; the message says why and the fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenData:
+    name: str  # "stdlib" or "hf:<dataset>"
+    train: torch.Tensor  # 1-D token ids (uint8 for bytes, int32 for a tokenizer), on the CPU
+    eval: torch.Tensor  # 1-D, held out: never sampled for training
+    vocab_size: int
+    fingerprint: str  # sha256 over both splits: equal on two nodes => same train and eval tokens
+
+    def __post_init__(self) -> None:
+        for split in (self.train, self.eval):
+            if split.dim() != 1 or split.dtype not in (torch.uint8, torch.int32, torch.int64):
+                raise ValueError("token splits must be 1-D uint8/int32/int64 tensors")
+
+
+def stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> TokenData:
+    """The standard library's source as bytes: deterministic for one Python version and cap."""
+    if max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+    texts, total = [], 0
+    for path in _stdlib_files():
+        texts.append(path.read_bytes()[: max_bytes - total] + b"\n")
+        total += len(texts[-1])
+        if total >= max_bytes:
+            break
+    tokens = torch.frombuffer(bytearray(b"".join(texts)), dtype=torch.uint8)
+    return _token_data("stdlib", *split_tokens(tokens), BYTE_VOCAB)
+
+
+def _stdlib_files() -> Iterator[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise DataUnavailableError(f"this interpreter has no standard library source at {root}")
+    files = []
+    for folder, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIPPED_DIRS]  # prune: never walk the tests
+        for name in filenames:
+            if name.endswith(".py"):
+                path = Path(folder, name)
+                files.append((path.relative_to(root).as_posix(), path))
+    yield from (path for _, path in sorted(files))
+
+
+def split_tokens(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, eval): the stream cut into blocks of EVAL_BLOCK tokens; block 1, then every
+    EVAL_SHARE-th block, is held out (5%). Needs more than one block."""
+    if len(tokens) <= EVAL_BLOCK:
+        raise DataUnavailableError(f"{len(tokens)} tokens are too few to split: need more than {EVAL_BLOCK}")
+    held_out = (torch.arange(len(tokens)) // EVAL_BLOCK) % EVAL_SHARE == 1
+    return tokens[~held_out], tokens[held_out]
+
+
+def _token_data(name: str, train: torch.Tensor, eval_: torch.Tensor, vocab_size: int) -> TokenData:
+    digest = hashlib.sha256(name.encode())
+    for split in (train, eval_):
+        digest.update(len(split).to_bytes(8, "little"))
+        digest.update(split.contiguous().numpy().tobytes())
+    return TokenData(name, train, eval_, vocab_size, digest.hexdigest())
+
+
+def hf_corpus(
+    dataset: str,
+    tokenizer: str,
+    *,
+    config: str | None = None,
+    split: str = "train",
+    text_field: str = "text",
+    max_tokens: int = 50_000_000,
+) -> TokenData:
+    """Up to `max_tokens` tokens of a Hugging Face dataset (streamed, in its own order), each
+    document followed by the tokenizer's EOS, split like the stdlib corpus (`split_tokens`)."""
+    try:
+        import datasets  # optional (a future `hf` extra), so imported only here
+        import transformers
+    except ImportError as e:
+        raise DataUnavailableError(
+            f"--data hf:{dataset} needs the Hugging Face packages: pip install datasets transformers ({e})"
+        ) from e
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
+        stream = datasets.load_dataset(dataset, config, split=split, streaming=True)
+        ids: list[int] = []
+        for row in stream:
+            ids += [*tok(row[text_field])["input_ids"], tok.eos_token_id or 0]
+            if len(ids) >= max_tokens:
+                break
+    except Exception as e:  # hub unreachable, unknown dataset, missing field: all the same to a user
+        raise DataUnavailableError(f"cannot load dataset {dataset!r} with tokenizer {tokenizer!r}: {e}") from e
+    tokens = torch.tensor(ids[:max_tokens], dtype=torch.int32)
+    return _token_data(f"hf:{dataset}", *split_tokens(tokens), len(tok))
+
+
+def load_data(spec: str, *, tokenizer: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> TokenData:
+    """`--data`: "stdlib" (the default corpus), or "hf:<dataset>[:<config>]" with a tokenizer."""
+    if spec == "stdlib":
+        return stdlib_corpus(max_bytes)
+    if spec.startswith("hf:") and len(spec) > 3:
+        if not tokenizer:
+            raise DataUnavailableError(f"--data {spec} needs a tokenizer name (a Hugging Face model id)")
+        dataset, _, config = spec[3:].partition(":")
+        return hf_corpus(dataset, tokenizer, config=config or None)
+    raise ValueError(f"unknown data {spec!r}: use 'stdlib' or 'hf:<dataset>[:<config>]'")
+
+
+def node_generator(peer_id_bytes: bytes, step: int) -> torch.Generator:
+    """The CPU generator a node samples its training windows with at `step`: different for every
+    (PeerID, step), the same whenever the node repeats that step (after a restart, say)."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    digest = hashlib.sha256(b"swarm.data:" + step.to_bytes(8, "little") + bytes(peer_id_bytes)).digest()
+    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def sample_batch(
+    train_tokens: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch_size` random windows of `seq_len + 1` tokens: (inputs, targets), each int64
+    [batch_size, seq_len], on the CPU; targets are the inputs shifted by one token."""
+    if batch_size <= 0 or seq_len <= 0:
+        raise ValueError("batch_size and seq_len must be positive")
+    if len(train_tokens) <= seq_len + 1:
+        raise ValueError(f"{len(train_tokens)} training tokens are too few for windows of {seq_len + 1}")
+    starts = torch.randint(0, len(train_tokens) - seq_len, (batch_size,), generator=generator)
+    windows = train_tokens[starts[:, None] + torch.arange(seq_len + 1)].long()
+    return windows[:, :-1], windows[:, 1:]
+
+
+def eval_windows(eval_tokens: torch.Tensor, seq_len: int, max_windows: int = 64) -> torch.Tensor:
+    """Up to `max_windows` evenly spaced windows of `seq_len + 1` tokens, int64
+    [n, seq_len + 1]: a function of the eval tokens alone, so every node scores the same text."""
+    if seq_len <= 0 or max_windows <= 0:
+        raise ValueError("seq_len and max_windows must be positive")
+    n = min(max_windows, len(eval_tokens) // (seq_len + 1))
+    if n == 0:
+        raise ValueError(f"{len(eval_tokens)} eval tokens are too few for one window of {seq_len + 1}")
+    starts = torch.arange(n) * ((len(eval_tokens) - seq_len - 1) // max(n - 1, 1))
+    return eval_tokens[starts[:, None] + torch.arange(seq_len + 1)].long()

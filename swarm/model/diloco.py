@@ -1,0 +1,262 @@
+"""DiLoCo: many local inner steps, then one outer step on averaged pseudo-gradients.
+
+Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models"
+(Algorithm 1), as run at scale by PRIME (zeroband `Diloco`, INTELLECT-1). The model is wrapped
+from outside; the averaging is handed in, so this module never touches the network:
+
+    diloco = DiLoCo(model, DiLoCoConfig(inner_steps=H))
+    while True:
+        for _ in range(H):
+            inputs, targets = sample_batch(...)
+            stats = diloco.inner_step(inputs, targets)       # AdamW, warmup + cosine, clipping
+        deltas = diloco.pseudo_gradients()                   # Δ = θ_outer - θ_inner, fp32
+        averaged = <average deltas over the group, weighted by diloco.tokens_since_outer>
+        diloco.apply_outer(averaged)                         # Nesterov SGD on θ_outer; θ_inner ← θ_outer
+
+A node with no group this step applies its own pseudo-gradient (`apply_own()`, or
+`apply_outer(deltas)`). `await diloco.average_and_apply(average)` does the last three lines with
+an async (or plain) `average(tensors, weight) -> tensors`, running the tensor work in threads.
+
+Agreement: the outer update is written as single IEEE-754 operations (no fused multiply-adds,
+no `alpha=` scaling), so members that hold the same θ_outer and momentum and apply the same
+averaged tensors end with bit-identical θ_outer (tests/model/test_diloco.py checks it by hash on
+the CPU). The same ops on a GPU round the same way, so a CUDA member and a member with θ_outer
+offloaded to the CPU should agree too; that cross-device claim is not yet pinned by a test.
+
+Precision: θ_outer and the outer momentum are fp32, on the model's device or (offload_outer)
+in CPU memory. On CUDA the inner steps run under bf16 autocast with the fused AdamW; the CPU
+path runs in fp32. The inner AdamW state is local and survives outer steps (as in the paper);
+only the outer state (`state_dict`) is shared with peers.
+
+Not thread-safe: call inner_step, pseudo_gradients and apply_outer from one thread at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import math
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from swarm.model.loss import autocast_for, lm_loss
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+Average = Callable[[list[torch.Tensor], float], "list[torch.Tensor] | Awaitable[list[torch.Tensor]]"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DiLoCoConfig:
+    inner_steps: int = 100  # H: inner steps per outer step
+    # inner AdamW; the schedule runs on the swarm's clock: outer_step * H + inner steps done
+    lr: float = 1e-3  # peak inner learning rate
+    warmup_steps: int = 100  # linear warmup from lr / warmup_steps to lr
+    total_steps: int | None = None  # cosine decay to lr * min_lr_ratio at this step; None: no decay
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1  # on matrices only (not norms)
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float | None = 1.0  # max global gradient norm; None: no clipping
+    # outer SGD (the DiLoCo paper's defaults)
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    offload_outer: bool = False  # keep θ_outer and momentum in CPU memory (saves accelerator memory)
+
+    def __post_init__(self) -> None:
+        if self.inner_steps < 1:
+            raise ValueError(f"DiLoCoConfig.inner_steps must be >= 1, got {self.inner_steps}")
+        for name in ("lr", "outer_lr"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"DiLoCoConfig.{name} must be a positive number, got {getattr(self, name)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"DiLoCoConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.total_steps is not None and self.total_steps <= self.warmup_steps:
+            raise ValueError("DiLoCoConfig.total_steps must exceed warmup_steps (or be None: no decay)")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"DiLoCoConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.weight_decay < 0 or not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
+            raise ValueError("need weight_decay >= 0 and two betas in [0, 1)")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"DiLoCoConfig.grad_clip must be positive or None, got {self.grad_clip}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"DiLoCoConfig.outer_momentum must be in [0, 1), got {self.outer_momentum}")
+
+
+def inner_lr(config: DiLoCoConfig, step: int) -> float:
+    """The inner learning rate for global inner step `step` (0-based): linear warmup, then
+    cosine decay to lr * min_lr_ratio at total_steps (constant after; constant lr when None)."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    if config.total_steps is None:
+        return config.lr
+    progress = min(1.0, (step - config.warmup_steps) / (config.total_steps - config.warmup_steps))
+    return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@dataclass(frozen=True, slots=True)
+class InnerStats:
+    loss: float  # the batch's mean loss before the step
+    grad_norm: float  # global gradient norm before clipping
+    lr: float  # the learning rate the step used
+
+
+class NonFiniteLossError(FloatingPointError):
+    """An inner step met a NaN/inf loss or gradient; it was skipped and θ_inner left unchanged."""
+
+
+class DiLoCo:
+    """Wraps `model` (its parameters are θ_inner) with θ_outer, the outer momentum and the inner
+    AdamW; see the module docstring for the loop."""
+
+    def __init__(self, model: nn.Module, config: DiLoCoConfig, *, loss_fn: LossFn = lm_loss) -> None:
+        self.model, self.config, self.loss_fn = model, config, loss_fn
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameters")
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.device = self.params[0].device
+        outer_device = torch.device("cpu") if config.offload_outer else self.device
+        self.outer_params = [p.detach().to(outer_device, torch.float32, copy=True) for p in self.params]
+        self.outer_momentum = [torch.zeros_like(t) for t in self.outer_params]
+        self.outer_step = 0  # outer steps applied: the swarm's clock
+        self.inner_done = 0  # inner steps since the last outer step
+        self.tokens_since_outer = 0  # target tokens trained on since the last outer step: the averaging weight
+        self.inner_optimizer = _adamw(named, config, fused=self.device.type == "cuda")
+
+    @property
+    def global_inner_step(self) -> int:
+        return self.outer_step * self.config.inner_steps + self.inner_done
+
+    @property
+    def ready_for_outer(self) -> bool:
+        return self.inner_done >= self.config.inner_steps
+
+    def inner_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> InnerStats:
+        """One AdamW step on one batch. Raises RuntimeError after H steps (apply_outer first) and
+        NonFiniteLossError, with nothing changed, when the loss or gradient is not finite."""
+        if self.ready_for_outer:
+            raise RuntimeError(f"{self.config.inner_steps} inner steps done: apply an outer step first")
+        lr = inner_lr(self.config, self.global_inner_step)
+        for group in self.inner_optimizer.param_groups:
+            group["lr"] = lr
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        with autocast_for(self.device):
+            loss = self.loss_fn(self.model, inputs, targets)
+        loss.backward()
+        max_norm = self.config.grad_clip if self.config.grad_clip is not None else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        loss_value, norm_value = torch.stack([loss.detach().float(), norm.float()]).tolist()  # one sync
+        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+            self.inner_optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLossError(f"loss {loss_value}, gradient norm {norm_value} at step {self.global_inner_step}")
+        self.inner_optimizer.step()
+        self.inner_optimizer.zero_grad(set_to_none=True)
+        self.inner_done += 1
+        self.tokens_since_outer += targets.numel()
+        return InnerStats(loss_value, norm_value, lr)
+
+    @torch.no_grad()
+    def pseudo_gradients(self) -> list[torch.Tensor]:
+        """Δ = θ_outer - θ_inner: new fp32 tensors on θ_outer's device, in `self.names` order."""
+        pairs = zip(self.outer_params, self.params, strict=True)
+        return [outer - p.detach().to(outer.device, torch.float32) for outer, p in pairs]
+
+    @torch.no_grad()
+    def apply_outer(self, averaged: Sequence[torch.Tensor]) -> None:
+        """The outer step with the group's averaged Δ: Nesterov SGD on θ_outer, θ_inner ← θ_outer.
+        Raises ValueError, with nothing changed, on a wrong count, shape or a non-finite value."""
+        grads = self._checked(averaged, "averaged pseudo-gradient")
+        lr, mu = self.config.outer_lr, self.config.outer_momentum
+        for theta, m, g in zip(self.outer_params, self.outer_momentum, grads, strict=True):
+            m.mul_(mu).add_(g)  # m ← μ·m + Δ
+            update = torch.mul(m, mu).add_(g) if self.config.nesterov else m.clone()  # Δ + μ·m
+            theta.sub_(update.mul_(lr))  # θ ← θ - η·update
+        self._finish_outer_step()
+
+    def apply_own(self) -> None:
+        """The outer step of a node that found no group: its own pseudo-gradient."""
+        self.apply_outer(self.pseudo_gradients())
+
+    async def average_and_apply(self, average: Average) -> None:
+        """pseudo_gradients → average(Δ, tokens_since_outer) → apply_outer, with the tensor work
+        in worker threads so an event loop stays free; `average` may be sync or async."""
+        deltas = await asyncio.to_thread(self.pseudo_gradients)
+        result = average(deltas, float(self.tokens_since_outer))
+        averaged = await result if inspect.isawaitable(result) else result
+        await asyncio.to_thread(self.apply_outer, averaged)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The outer state a peer needs: {"outer_step", "params", "momentum"} with fp32 tensors by
+        parameter name. The tensors are θ_outer's own (not copies): they change at apply_outer."""
+        return {
+            "outer_step": self.outer_step,
+            "params": dict(zip(self.names, self.outer_params, strict=True)),
+            "momentum": dict(zip(self.names, self.outer_momentum, strict=True)),
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Adopt an outer state (from a checkpoint or a peer) and start a fresh round from it:
+        θ_inner ← θ_outer. Checks names, shapes and finiteness first; on error nothing changes.
+        The local inner AdamW state is kept."""
+        step = state.get("outer_step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"outer_step must be an int >= 0, got {step!r}")
+        loaded = []
+        for key in ("params", "momentum"):
+            tensors = state.get(key)
+            if not isinstance(tensors, dict) or set(tensors) != set(self.names):
+                raise ValueError(f"state[{key!r}] must map exactly this model's parameter names to tensors")
+            loaded.append(self._checked([tensors[name] for name in self.names], f"state[{key!r}]"))
+        for dst, src in zip(self.outer_params + self.outer_momentum, loaded[0] + loaded[1], strict=True):
+            dst.copy_(src)
+        self.outer_step = step
+        self._finish_outer_step(advance=False)
+
+    def outer_sha256(self) -> str:
+        """sha256 of θ_outer (fp32 bytes in name order): equal on two nodes iff bit-identical."""
+        return tensors_sha256(self.outer_params)
+
+    def _finish_outer_step(self, advance: bool = True) -> None:
+        for p, theta in zip(self.params, self.outer_params, strict=True):
+            p.detach().copy_(theta)
+        self.outer_step += int(advance)
+        self.inner_done = 0
+        self.tokens_since_outer = 0
+
+    def _checked(self, tensors: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+        if len(tensors) != len(self.outer_params):
+            raise ValueError(f"{what}: {len(tensors)} tensors for {len(self.outer_params)} parameters")
+        out = []
+        for name, t, like in zip(self.names, tensors, self.outer_params, strict=True):
+            if not isinstance(t, torch.Tensor) or t.shape != like.shape or not t.is_floating_point():
+                raise ValueError(f"{what}: {name} must be a float tensor of shape {tuple(like.shape)}")
+            t = t.detach().to(like.device, torch.float32)
+            if not torch.isfinite(t).all():
+                raise ValueError(f"{what}: {name} has NaN or inf values")
+            out.append(t)
+        return out
+
+
+def tensors_sha256(tensors: Iterable[torch.Tensor]) -> str:
+    """sha256 over the raw bytes of each tensor in turn (moved to the CPU, contiguous)."""
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def _adamw(named: list[tuple[str, nn.Parameter]], config: DiLoCoConfig, fused: bool) -> torch.optim.AdamW:
+    decay = [p for _, p in named if p.dim() >= 2]
+    no_decay = [p for _, p in named if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, fused=fused or None)
