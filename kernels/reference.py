@@ -55,7 +55,7 @@ TINY_BITS = 0x08800000  # fp32 bits of 2**-110
 MIN_SCALE_BITS = 0x00800000  # 2**-126, the smallest normal fp32
 MAX_SCALE_BITS = struct.unpack("<I", struct.pack("<f", MAX_ABS / QMAX))[0]
 MAX_SCALE = struct.unpack("<f", struct.pack("<I", MAX_SCALE_BITS))[0]
-assert MAX_SCALE_BITS == 0x7C010204, "fp32(2**127 / 127)"
+assert MAX_SCALE_BITS == 0x7B810204, "fp32(2**127 / 127)"
 
 
 def to_fp32_weight(weight: float) -> float:
@@ -121,7 +121,7 @@ def check_payload(codes: torch.Tensor, scales: torch.Tensor) -> None:
     ok = (bits == 0) | ((bits >= MIN_SCALE_BITS) & (bits <= MAX_SCALE_BITS))
     if not bool(ok.all()):
         k = int((~ok).nonzero()[0, 0])
-        raise MalformedPayload(f"int8 payload: scale {k} is {float(scales[k])!r} (bits {int(bits[k]) & 0xFFFFFFFF:#010x})")
+        raise MalformedPayload(f"int8 payload: scale {k} is {float(scales[k])!r} (bits {int(bits[k]) & 0xFFFFFFFF:#x})")
     if bool((codes == -128).any()):
         i = int((codes == -128).nonzero()[0, 0])
         raise MalformedPayload(f"int8 payload: code {i} is -128")

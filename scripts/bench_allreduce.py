@@ -58,6 +58,7 @@ async def worker_main() -> None:
     from swarm.averaging.config import AveragingConfig
     from swarm.averaging.messages import GroupInfo
     from swarm.p2p import P2PConfig, P2PHost
+    from swarm_kernels import as_memoryview
 
     torch.set_num_threads(1)  # n members share 2 cores
     loop = asyncio.get_running_loop()
@@ -84,7 +85,7 @@ async def worker_main() -> None:
                 "seconds": seconds,
                 "wire_sent": host.traffic.sent - sent_before,
                 "wire_received": host.traffic.received - received_before,
-                "sha256": hashlib.sha256(result.numpy().tobytes()).hexdigest(),
+                "sha256": hashlib.sha256(as_memoryview(result)).hexdigest(),
             }
             if cmd.get("save"):
                 torch.save(result, cmd["save"])

@@ -44,7 +44,7 @@ from swarm.p2p.connection import CallContext
 from swarm.p2p.errors import BadRequest, P2PError
 from swarm.p2p.host import P2PHost
 from swarm.p2p.stream import Stream
-from swarm_kernels import MalformedPayload, get_codec
+from swarm_kernels import MalformedPayload, as_memoryview, get_codec
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ class AllReduceRound:
                     if c + 1 < len(chunks):  # encode the next chunk while this one is on the wire
                         a, b = chunks[c + 1]
                         encoding = asyncio.ensure_future(asyncio.to_thread(self.codec.encode, self.vector[a:b]))
-                    data = memoryview(payload.numpy())
+                    data = as_memoryview(payload)
                     await stream.write(data)
                     self.report.bytes_sent += len(data)
             finally:

@@ -16,7 +16,7 @@ class AveragingConfig:
     request_timeout: float = 5.0  # one matchmaking request; also how long a leader waits for joins
     # all-reduce
     codec: str = "int8"
-    block_size: int = 4096  # int8 codec: elements per scale
+    block_size: int = 64  # int8 codec: elements per scale (64: 1/4 of hivemind's error for 6% more bytes)
     chunk_elements: int = 1 << 21  # elements per chunk on the wire (2 MiB of int8)
     bandwidth: float = 100.0  # MB/s this node announces; parts are split in proportion to it
     client_mode: bool = False  # accepts no inbound connections: owns no part, still contributes

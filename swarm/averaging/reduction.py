@@ -17,14 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from swarm.averaging.partition import chunk_bounds
-from swarm_kernels import MalformedPayload
+from swarm_kernels import MalformedPayload, as_memoryview
 
 logger = logging.getLogger(__name__)
 
 
 def byte_buffer(size: int) -> memoryview:
     """A writable buffer without the zero-fill of bytearray(size): it is overwritten anyway."""
-    return memoryview(torch.empty(size, dtype=torch.uint8).numpy())
+    return as_memoryview(torch.empty(size, dtype=torch.uint8))
 
 
 @dataclass
@@ -148,4 +148,4 @@ class PartReduction:
             piece = self.codec.encode(average[a:b])
             out[offset : offset + piece.numel()] = piece
             offset += piece.numel()
-        return memoryview(out.numpy())
+        return as_memoryview(out)

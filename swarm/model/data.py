@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from swarm_kernels import as_memoryview
+
 BYTE_VOCAB = 256
 DEFAULT_MAX_BYTES = 16 << 20  # about all of the stdlib's non-test source (CPython 3.11: ~12 MB)
 EVAL_BLOCK = 1 << 14  # the token stream is split into train and eval in blocks of this many tokens
@@ -94,7 +96,7 @@ def _token_data(name: str, train: torch.Tensor, eval_: torch.Tensor, vocab_size:
     digest = hashlib.sha256(name.encode())
     for split in (train, eval_):
         digest.update(len(split).to_bytes(8, "little"))
-        digest.update(split.contiguous().numpy().tobytes())
+        digest.update(as_memoryview(split.contiguous()))
     return TokenData(name, train, eval_, vocab_size, digest.hexdigest())
 
 

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from swarm.model.loss import autocast_for, lm_loss
+from swarm_kernels import as_memoryview
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 Average = Callable[[list[torch.Tensor], float], "list[torch.Tensor] | Awaitable[list[torch.Tensor]]"]
@@ -248,7 +249,7 @@ def tensors_sha256(tensors: Iterable[torch.Tensor]) -> str:
     """sha256 over the raw bytes of each tensor in turn (moved to the CPU, contiguous)."""
     digest = hashlib.sha256()
     for t in tensors:
-        digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        digest.update(as_memoryview(t.detach().cpu().contiguous()))
     return digest.hexdigest()
 
 

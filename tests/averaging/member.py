@@ -24,6 +24,7 @@ from swarm.averaging.config import AveragingConfig
 from swarm.averaging.messages import GroupInfo
 from swarm.eventloop import run
 from swarm.p2p import P2PConfig, P2PHost
+from swarm_kernels import as_memoryview
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from faults import garbage_codec
@@ -60,7 +61,7 @@ async def main() -> None:
         except AllReduceError as e:
             print(json.dumps({"error": str(e)}), flush=True)
         else:
-            digest = hashlib.sha256(result.numpy().tobytes()).hexdigest()
+            digest = hashlib.sha256(as_memoryview(result)).hexdigest()
             print(json.dumps({"sha256": digest, "contributions": report.contributions}), flush=True)
         await loop.run_in_executor(None, sys.stdin.readline)  # stay up (serving fetches) until told
         registry.close()
