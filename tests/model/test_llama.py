@@ -84,6 +84,7 @@ def test_weights_depend_on_the_seed_alone_and_leave_the_global_rng_alone() -> No
 
 _HASH_SCRIPT = """
 import hashlib, sys, torch
+from swarm_kernels import as_memoryview
 torch.set_num_threads(int(sys.argv[2]))
 from swarm.model.llama import build_model
 from swarm.model.presets import preset
@@ -91,7 +92,7 @@ model = build_model(preset("tiny"), seed=int(sys.argv[1]))
 digest = hashlib.sha256()
 for name, tensor in sorted(model.state_dict().items()):
     digest.update(name.encode())
-    digest.update(tensor.contiguous().view(torch.uint8).numpy())
+    digest.update(as_memoryview(tensor.contiguous()))
 print(digest.hexdigest())
 """
 
