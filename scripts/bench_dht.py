@@ -37,7 +37,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import worker_process  # noqa: E402  (a sibling script module)
-from worker_process import WorkerProcess  # noqa: E402
+from worker_process import WorkerProcess, exit_on_sigterm  # noqa: E402
 
 MARK = "BENCH_DHT "
 VALUE_TTL = 600.0
@@ -343,6 +343,7 @@ def main() -> None:
 
         run(worker_main(args._worker))
         return
+    exit_on_sigterm()
     if not 0 < args.churn < 1 or args.nodes < args.processes or args.processes < 1:
         parser.error("need 0 < --churn < 1 and 1 <= --processes <= --nodes")
 

@@ -14,6 +14,11 @@ import time
 from typing import Any
 
 
+def exit_on_sigterm() -> None:
+    """The orchestrator's side: SIGTERM unwinds like Ctrl-C, so `finally` blocks stop workers."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def reply(mark: str, obj: dict[str, Any]) -> None:
     """The worker side: one answer line."""
     sys.stdout.write(mark + json.dumps(obj) + "\n")

@@ -108,6 +108,8 @@ class RoundRegistry:
         self._arrived.setdefault(group_id, asyncio.Event()).set()
 
     def finished(self, round_: AllReduceRound) -> None:
+        """Keep only what a finished round may still serve (its encoded averages), for a while."""
+        round_.release()
         group_id = round_.group.group_id
         loop = asyncio.get_running_loop()
         self._timers[group_id] = loop.call_later(self.config.part_timeout, self._forget, group_id)
@@ -161,6 +163,7 @@ class AllReduceRound:
         self.reductions: dict[int, PartReduction] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self._started = 0.0
+        self.finished = False
 
     async def run(self) -> tuple[torch.Tensor, RoundReport]:
         """The averaged vector (a new tensor) and the report; AllReduceError when the round
@@ -168,6 +171,7 @@ class AllReduceRound:
         self._started = time.perf_counter()
         self.registry.add(self)
         parts = [j for j, (lo, hi) in enumerate(self.parts) if hi > lo]
+        result = self.result  # release() below drops the round's own reference
         tasks = {j: asyncio.ensure_future(self._obtain(j)) for j in parts}
         try:
             await asyncio.wait(tasks.values())
@@ -180,7 +184,13 @@ class AllReduceRound:
             reasons = "; ".join(f"part {j}: {e}" for j, e in failed.items())
             raise AllReduceError(f"{len(failed)} of {len(parts)} parts could not be averaged ({reasons})")
         self.report.total_s = time.perf_counter() - self._started
-        return self.result, self.report
+        return result, self.report
+
+    def release(self) -> None:
+        """Drop the vectors and buffers of a finished round; `final` stays for avg.fetch."""
+        self.finished = True
+        self.reductions.clear()
+        self.vector = self.result = torch.empty(0)
 
     # --- getting each part's average ----------------------------------------------------------
 
@@ -229,7 +239,10 @@ class AllReduceRound:
             if copy is not None:
                 reduction.settle(copy)
                 return
-        await reduction.reduce(self.config.part_timeout, self.config.min_group_size)
+        try:
+            await reduction.reduce(self.config.part_timeout, self.config.min_group_size)
+        except Exception as e:  # reduction.result carries it to everyone waiting for this part
+            logger.info("round %s: part %d cannot be reduced: %s", self._tag(), reduction.part, e)
 
     async def _exchange(self, reducer: int, j: int) -> Final:
         lo, hi = self.parts[j]
@@ -324,6 +337,8 @@ class AllReduceRound:
                 pass
             await self._reply(stream, self.final[part], index)
             return
+        if self.finished:
+            raise BadRequest("avg.part: this member's round is over")
         reduction = self._reduction(part)
         try:
             incoming = reduction.incoming(index)
