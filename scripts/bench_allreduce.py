@@ -73,6 +73,7 @@ async def worker_main() -> None:
             if registry is None:
                 registry = RoundRegistry(host, avg_config)
             registry.config = avg_config
+            registry.forget_finished()  # the orchestrator's barrier: every member is done with them
             group = GroupInfo.decode(msgpack.unpackb(bytes.fromhex(cmd["group"]), raw=False))
             key = (cmd["seed"], cmd["elements"])
             if vector_key != key:

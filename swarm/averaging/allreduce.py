@@ -114,6 +114,12 @@ class RoundRegistry:
         loop = asyncio.get_running_loop()
         self._timers[group_id] = loop.call_later(self.config.part_timeout, self._forget, group_id)
 
+    def forget_finished(self) -> None:
+        """Drop every finished round now (a caller that knows all members are done with them)."""
+        for group_id in [g for g, r in self.rounds.items() if r.finished]:
+            self._timers.pop(group_id).cancel()
+            self._forget(group_id)
+
     def _forget(self, group_id: bytes) -> None:
         self.rounds.pop(group_id, None)
         self._arrived.pop(group_id, None)
