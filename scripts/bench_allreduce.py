@@ -101,6 +101,7 @@ def measure_swarm(n: int, elements_list: list[int], codecs: list[str], repeats: 
     import msgpack
     import torch
 
+    from swarm.averaging.config import AveragingConfig
     from swarm.averaging.messages import GroupInfo, MemberInfo
     from swarm.p2p import PeerID
     from swarm_kernels import get_codec
@@ -137,7 +138,7 @@ def measure_swarm(n: int, elements_list: list[int], codecs: list[str], repeats: 
                     result = torch.load(saved)
                 if len(hashes) != 1:
                     raise RuntimeError(f"members disagree: {len(hashes)} different results (n={n}, {codec})")
-                payload = get_codec(codec).encoded_nbytes(elements)
+                payload = get_codec(codec, block_size=AveragingConfig().block_size).encoded_nbytes(elements)
                 rows.append({
                     "impl": "swarm", "n": n, "elements": elements, "codec": codec,
                     "round_s": statistics.median(times), "round_s_all": times,
