@@ -28,6 +28,7 @@ from typing import Any
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.messages import GroupInfo, MemberInfo
 from swarm.averaging.partition import split_into_groups
+from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
 from swarm.dht.records import owner_of, owner_subkey
 from swarm.dht.run_keys import ready_key
@@ -78,7 +79,10 @@ class Matchmaker:
             gather_until = loop.time() + config.matchmaking_time
             give_up_at = gather_until + 3 * config.request_timeout
             expiration = time.time() + config.matchmaking_time + 4 * config.request_timeout
-            await self.dht.store(ready_key(self.run_id, step), me.encode(), expiration, subkey=owner_subkey(me.peer_id))
+            try:
+                await self.dht.store(ready_key(self.run_id, step), me.encode(), expiration, owner_subkey(me.peer_id))
+            except (P2PError, DHTError, TimeoutError) as e:  # unseen by others; we may still join them
+                logger.warning("could not announce readiness for step %d: %s", step, e)
             await asyncio.sleep(max(0.0, gather_until - loop.time()))
             dead: set[PeerID] = set()
             while loop.time() < give_up_at:
@@ -106,8 +110,12 @@ class Matchmaker:
             self._steps.pop(step, None)
 
     async def _ready_set(self, step: int) -> dict[PeerID, MemberInfo]:
-        found = await self.dht.get(ready_key(self.run_id, step), latest=True)
         ready: dict[PeerID, MemberInfo] = {}
+        try:
+            found = await self.dht.get(ready_key(self.run_id, step), latest=True)
+        except (P2PError, DHTError, TimeoutError) as e:
+            logger.warning("could not read who is ready for step %d: %s", step, e)
+            return ready
         if found is None or not isinstance(found.value, dict):
             return ready
         for subkey, entry in found.value.items():
