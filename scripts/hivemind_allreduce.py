@@ -97,6 +97,7 @@ from typing import Any
 
 import numpy as np
 import psutil
+from worker_process import running  # a sibling script module
 
 # hivemind reads these when it is first imported: keep its INFO logs out of benchmark output.
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
@@ -403,7 +404,7 @@ def _collect(peers: list[_Peer], kind: str, deadline: float) -> dict[int, Any]:
             raise RuntimeError(f"hivemind all-reduce timed out: peers {sorted(pending)} sent no {kind!r} in time")
         for peer in peers:  # a dead p2pd / DHT / averager process stalls hivemind until its timeouts
             for name, proc in peer.watch.items():
-                if not _running(proc):
+                if not running(proc):
                     raise RuntimeError(f"hivemind peer {peer.index}'s {name} (pid {proc.pid}) died before {kind!r}")
         waiting = [by_index[i] for i in sorted(pending)]
         ready = mp_connection.wait(
@@ -547,9 +548,9 @@ def _shutdown(peers: list[_Peer]) -> list[str]:
     end = time.monotonic() + _REAP_TIMEOUT_S
     for peer in peers:
         for proc in peer.procs:
-            while _running(proc) and time.monotonic() < end:
+            while running(proc) and time.monotonic() < end:
                 time.sleep(0.01)
-            if _running(proc):
+            if running(proc):
                 left.append(f"pid {proc.pid}")
         for path in peer.sockets:
             with contextlib.suppress(FileNotFoundError):
@@ -557,13 +558,6 @@ def _shutdown(peers: list[_Peer]) -> list[str]:
         if peer.proc.exitcode is None:
             left.append(f"peer {peer.index} (pid {peer.proc.pid})")
     return left
-
-
-def _running(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def run_hivemind_allreduce(

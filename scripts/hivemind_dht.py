@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
+from worker_process import running  # a sibling script module
 
 # hivemind reads this once, when it is first imported: keep its INFO logs out of benchmark output.
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
@@ -139,7 +140,7 @@ class HivemindDHTBackend:
 
     def memory_pids(self) -> list[int]:
         """PIDs of the live nodes' processes: each DHT process and its p2pd (not this worker)."""
-        return [p.pid for node in self._nodes if node.alive for p in node.procs if _running(p)]
+        return [p.pid for node in self._nodes if node.alive for p in node.procs if running(p)]
 
     async def close(self) -> None:
         """Stop every node (hivemind's shutdown, then SIGKILL whatever is left); safe to call twice."""
@@ -239,7 +240,7 @@ class HivemindDHTBackend:
                 node.dht.join(_REAP_TIMEOUT_S)
         # a p2pd its parent did not reap in time: wait until it is gone or a zombie (no memory)
         deadline = time.monotonic() + _REAP_TIMEOUT_S
-        while any(_running(p) for p in p2pds) and time.monotonic() < deadline:
+        while any(running(p) for p in p2pds) and time.monotonic() < deadline:
             time.sleep(0.01)
         for node in nodes:
             for path in node.sockets:
@@ -256,13 +257,6 @@ def _exists(proc: psutil.Process) -> bool:
     """True while the process exists, zombie or not (False for a pid that has been reused)."""
     try:
         return proc.is_running()
-    except psutil.Error:
-        return False
-
-
-def _running(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 

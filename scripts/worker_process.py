@@ -14,6 +14,16 @@ import time
 from typing import Any
 
 
+def running(proc: Any) -> bool:
+    """A psutil.Process that exists and is not a zombie (False for a pid that has been reused)."""
+    import psutil  # the bench extra: only the hivemind scripts call this
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def exit_on_sigterm() -> None:
     """The orchestrator's side: SIGTERM unwinds like Ctrl-C, so `finally` blocks stop workers."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
