@@ -40,9 +40,9 @@ class WorkerProcess:
 
     def __init__(self, script: str, args: list[str], mark: str, name: str = "worker") -> None:
         self.mark, self.name = mark, name
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HIVEMIND_LOGLEVEL": "ERROR",
+        env = {"OMP_NUM_THREADS": "1", "HIVEMIND_LOGLEVEL": "ERROR",
                # a fixed mmap threshold: glibc returns freed tensor-sized buffers to the OS at once
-               "MALLOC_MMAP_THRESHOLD_": "1048576"}  # fmt: skip
+               "MALLOC_MMAP_THRESHOLD_": "1048576", **os.environ}  # fmt: skip
         self.proc = subprocess.Popen(
             [sys.executable, script, *args],
             stdin=subprocess.PIPE,
