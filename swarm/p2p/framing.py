@@ -89,7 +89,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         try:
             if self._own is not None:
                 self._own_filled += nbytes
-                if self._own_filled == len(self._own):
+                if self._own_filled == len(self._own_view):  # type: ignore[arg-type]
                     self._finish_own_frame()
             else:
                 self._end += nbytes
@@ -166,7 +166,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         own = self._take_buffer(head_len + body_len)
         have = available - PREFIX_BYTES
         own[:have] = self._view[self._start + PREFIX_BYTES : self._end]
-        self._own, self._own_view = own, memoryview(own)
+        self._own, self._own_view = own, memoryview(own)[: head_len + body_len]
         self._own_filled, self._own_head_len = have, head_len
         self._start = self._end = 0
 
@@ -181,8 +181,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         """A buffer for one large frame: a pooled one nobody references any more, or a new one.
         Reusing buffers spares the allocator's zero-fill and page faults on every 4 MiB chunk."""
         for buffer in self._pool:
-            # 3 = the pool's list + this loop variable + getrefcount's argument: no view is alive
-            if len(buffer) == size and sys.getrefcount(buffer) == 3:
+            # 3 = the pool's list + this loop variable + getrefcount's argument: no view is alive.
+            # A larger free buffer serves too (frames vary in size), used through a slice.
+            if size <= len(buffer) <= 2 * size and sys.getrefcount(buffer) == 3:
                 return buffer
         buffer = bytearray(size)
         if len(self._pool) < POOL_BUFFERS:
