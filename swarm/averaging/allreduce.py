@@ -38,7 +38,7 @@ import torch
 
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.messages import GroupInfo
-from swarm.averaging.partition import chunk_bounds, part_bounds
+from swarm.averaging.partition import chunk_bounds, part_bounds, payload_layout, payload_size
 from swarm.averaging.reduction import PartReduction, byte_buffer
 from swarm.p2p.connection import CallContext
 from swarm.p2p.errors import BadRequest, P2PError
@@ -317,14 +317,11 @@ class AllReduceRound:
         return None
 
     def _decode_into(self, payload: memoryview, lo: int, hi: int) -> None:
-        offset = 0
-        for a, b in chunk_bounds(lo, hi, self.config.chunk_elements):
-            size = self.codec.encoded_nbytes(b - a)
-            self.codec.decode(payload[offset : offset + size], b - a, out=self.result[a:b])
-            offset += size
+        for a, b, where in payload_layout(lo, hi, self.config.chunk_elements, self.codec.encoded_nbytes):
+            self.codec.decode(payload[where], b - a, out=self.result[a:b])
 
     def _encoded_size(self, lo: int, hi: int) -> int:
-        return sum(self.codec.encoded_nbytes(b - a) for a, b in chunk_bounds(lo, hi, self.config.chunk_elements))
+        return payload_size(payload_layout(lo, hi, self.config.chunk_elements, self.codec.encoded_nbytes))
 
     def _tag(self) -> str:
         return self.group.group_id.hex()[:8]

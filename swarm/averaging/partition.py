@@ -4,7 +4,7 @@ the flattened vector each member reduces (its part). No I/O; tested on its own."
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from swarm.p2p.peer_id import PeerID
 
@@ -50,3 +50,19 @@ def part_bounds(numel: int, bandwidths: Sequence[float], block_size: int) -> lis
 
 def chunk_bounds(start: int, end: int, chunk_elements: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + chunk_elements, end)) for lo in range(start, end, chunk_elements)]
+
+
+def payload_layout(
+    start: int, end: int, chunk_elements: int, encoded_nbytes: Callable[[int], int]
+) -> list[tuple[int, int, slice]]:
+    """Where each chunk of [start, end) lies in the part's encoded payload: (lo, hi, byte slice)."""
+    layout, offset = [], 0
+    for lo, hi in chunk_bounds(start, end, chunk_elements):
+        size = encoded_nbytes(hi - lo)
+        layout.append((lo, hi, slice(offset, offset + size)))
+        offset += size
+    return layout
+
+
+def payload_size(layout: list[tuple[int, int, slice]]) -> int:
+    return layout[-1][2].stop if layout else 0

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.averaging.partition import chunk_bounds
+from swarm.averaging.partition import payload_layout, payload_size
 from swarm_kernels import MalformedPayload, as_memoryview
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,12 @@ class PartReduction:
 
     @property
     def encoded_size(self) -> int:
-        return sum(self.codec.encoded_nbytes(b - a) for a, b in chunk_bounds(self.lo, self.hi, self.chunk_elements))
+        return payload_size(self.layout)
+
+    @property
+    def layout(self) -> list[tuple[int, int, slice]]:
+        """The part's chunks, relative to the part: (lo, hi, where in the payload)."""
+        return payload_layout(0, self.hi - self.lo, self.chunk_elements, self.codec.encoded_nbytes)
 
     def incoming(self, index: int) -> Incoming:
         """Register a sender; ValueError if it already sent or is not expected."""
@@ -136,16 +141,12 @@ class PartReduction:
             return candidates, acc
 
     def _accumulate(self, acc: torch.Tensor, payload: memoryview, weight: float) -> None:
-        view, offset = payload, 0
-        for a, b in chunk_bounds(0, acc.numel(), self.chunk_elements):
-            size = self.codec.encoded_nbytes(b - a)
-            self.codec.decode_accumulate(acc[a:b], view[offset : offset + size], weight)
-            offset += size
+        for a, b, where in self.layout:
+            self.codec.decode_accumulate(acc[a:b], payload[where], weight)
 
     def _encode(self, average: torch.Tensor) -> memoryview:
-        out, offset = torch.empty(self.encoded_size, dtype=torch.uint8), 0
-        for a, b in chunk_bounds(0, average.numel(), self.chunk_elements):
-            piece = self.codec.encode(average[a:b])
-            out[offset : offset + piece.numel()] = piece
-            offset += piece.numel()
+        layout = self.layout
+        out = torch.empty(payload_size(layout), dtype=torch.uint8)
+        for a, b, where in layout:
+            out[where] = self.codec.encode(average[a:b])
         return as_memoryview(out)

@@ -16,7 +16,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from swarm.dht.errors import Outdated, RecordError
+from swarm.dht.errors import RecordError
 from swarm.dht.ids import Key
 from swarm.dht.records import Record
 from swarm.dht.routing import Contact
@@ -54,8 +54,8 @@ def merge_into(found: RecordStorage, records: list[Record], now: float) -> None:
     for record in records:
         try:
             found.put(record, now)
-        except (Outdated, RecordError):
-            pass  # an older copy than one we already have
+        except RecordError:
+            pass  # Outdated: an older copy than one we already have
 
 
 async def iterative_lookup(

@@ -157,15 +157,19 @@ class DHTNode:
 
     async def lookup_value(self, key: Key, latest: bool = False) -> LookupResult:
         """The lookup behind get(), with its statistics (rounds, holders) for benchmarks."""
-        now = time.time()
-        found = RecordStorage(UNBOUNDED, UNBOUNDED)
-        merge_into(found, self.storage.get(key, now) + self.cache.get(key, now), now)
+        found = self._local_records(key, time.time())
         result = await asyncio.wait_for(
             self._lookup(key_id(key), key, stop_on_value=not latest, found=found), self.config.lookup_timeout
         )
         if result.holders:
             self._cache_on_path(key, result)
         return result
+
+    def _local_records(self, key: Key, now: float) -> RecordStorage:
+        """What this node stores and caches for key, merged by the storage rules."""
+        found = RecordStorage(UNBOUNDED, UNBOUNDED)
+        merge_into(found, self.storage.get(key, now) + self.cache.get(key, now), now)
+        return found
 
     async def find_node(self, target: int) -> list[Contact]:
         """The k nodes closest to target that answered (this node left out)."""
@@ -356,9 +360,7 @@ class DHTNode:
         reply: dict[str, Any] = {}
         if key is not None:
             now = time.time()
-            found = RecordStorage(UNBOUNDED, UNBOUNDED)
-            merge_into(found, self.storage.get(key, now) + self.cache.get(key, now), now)
-            records = found.get(key, now)
+            records = self._local_records(key, now).get(key, now)
             if records:
                 reply["records"] = proto.encode_found(records)
         if "records" not in reply or args.get("peers", True) is not False:
