@@ -8,6 +8,9 @@ all-reduce of the flattened tensors with it (allreduce.py), and returns new tens
 typed like the inputs, plus a GroupReport. With no group (alone, too late, too few peers) it
 returns copies of the inputs and `report.group_id is None`. It raises AllReduceError when a
 group was formed but the round could not complete; the inputs are never modified.
+
+`step` is `form_group` then `run_round`; a trainer calls them apart to form the group while it
+finishes its last inner steps, so matchmaking costs no compute time.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 from swarm.averaging.allreduce import AllReduceRound, RoundRegistry
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.matchmaking import Matchmaker
-from swarm.averaging.messages import MemberInfo
+from swarm.averaging.messages import GroupInfo, MemberInfo
 from swarm.dht.node import DHTNode
 from swarm.p2p.host import P2PHost
 
@@ -59,13 +62,33 @@ class Averager:
     async def step(
         self, tensors: Sequence[torch.Tensor], weight: float, step: int
     ) -> tuple[list[torch.Tensor], GroupReport]:
+        vector = await asyncio.to_thread(_flatten, tensors)  # refuses bad input before matchmaking
+        group, matchmaking_s = await self.form_group(weight, step)
+        return await self._run(group, vector, tensors, matchmaking_s)
+
+    async def form_group(self, weight: float, step: int) -> tuple[GroupInfo | None, float]:
+        """Matchmaking alone: the group for this step (None: alone) and the seconds it took.
+        A trainer may start it before its tensors are ready (hivemind's pre-scheduled step) and
+        hand the group to run_round later; `weight` is what it will contribute."""
         if not math.isfinite(weight) or weight < 0:
             raise ValueError(f"weight must be a finite number >= 0, got {weight}")
-        vector = await asyncio.to_thread(_flatten, tensors)  # also refuses non-finite values
         started = time.perf_counter()
         group = await self.matchmaker.form_group(step, self.member_info(weight))
-        matchmaking_s = time.perf_counter() - started
-        if group is None or len(group.members) < 2:
+        if group is not None and len(group.members) < 2:
+            group = None
+        return group, time.perf_counter() - started
+
+    async def run_round(
+        self, group: GroupInfo | None, tensors: Sequence[torch.Tensor], matchmaking_s: float = 0.0
+    ) -> tuple[list[torch.Tensor], GroupReport]:
+        """The all-reduce of `tensors` with `group` (from form_group); copies when alone."""
+        vector = await asyncio.to_thread(_flatten, tensors)  # also refuses non-finite values
+        return await self._run(group, vector, tensors, matchmaking_s)
+
+    async def _run(
+        self, group: GroupInfo | None, vector: torch.Tensor, tensors: Sequence[torch.Tensor], matchmaking_s: float
+    ) -> tuple[list[torch.Tensor], GroupReport]:
+        if group is None:
             return [t.detach().clone() for t in tensors], GroupReport(None, matchmaking_s=matchmaking_s)
         round_ = AllReduceRound(self.host, self.registry, group, vector, self.config)
         averaged, rr = await round_.run()

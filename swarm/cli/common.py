@@ -60,9 +60,11 @@ class CliError(click.ClickException):
 _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
 
 
-class OneLineErrors(click.Group):
-    """A group whose errors print as one line on stderr, usage errors included (click's
-    default prints the usage and a hint over four lines)."""
+class _OneLineMain:
+    """Errors print as one line on stderr, usage errors included (click's default prints the
+    usage and a hint over four lines)."""
+
+    name: str | None
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:
@@ -89,6 +91,14 @@ class OneLineErrors(click.Group):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(1)
         sys.exit(result if isinstance(result, int) else 0)
+
+
+class OneLineErrors(_OneLineMain, click.Group):
+    """A command group with one-line errors."""
+
+
+class OneLineCommand(_OneLineMain, click.Command):
+    """A single command with one-line errors (use as `@click.command(cls=OneLineCommand)`)."""
 
 
 def one_line(message: str) -> str:

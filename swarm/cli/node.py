@@ -1,5 +1,206 @@
-"""swarm-node: the DiLoCo training node (issue #5)."""
+"""swarm-node: join a run (or start one) and train the shared model with DiLoCo.
 
-from swarm.cli.pending import pending_command
+    swarm-node --run-id demo                                   # the first node of a run
+    swarm-node --run-id demo --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...
 
-main = pending_command("swarm-node", "the DiLoCo training node", 5)
+`--config FILE` reads the same options from TOML (`inner-steps = 50` or `inner_steps = 50`);
+flags on the command line override it. SIGINT or SIGTERM: finish the round under way, leave,
+exit 0; a second signal stops at once (exit 130).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+from swarm.averaging.config import CODECS
+from swarm.cli.common import (
+    CliError,
+    OneLineCommand,
+    identity_option,
+    initial_peers_option,
+    load_identity,
+    maddr_list,
+    run_network,
+    setup_logging,
+    verbose_option,
+)
+from swarm.cli.node_display import MetricsFile, display_for_terminal
+from swarm.model.data import DataUnavailableError
+from swarm.model.presets import PRESETS
+from swarm.node import Event, NodeConfig, NodeError, SwarmNode
+from swarm.p2p.config import P2PConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
+_DEFAULTS = NodeConfig()
+_CONFIG_KEYS = {f.name for f in dataclasses.fields(NodeConfig)} | {
+    "initial_peers", "host_maddrs", "announce_maddrs", "identity", "threads", "metrics_file", "verbose",
+}  # fmt: skip
+
+
+def _read_config(ctx: click.Context, param: click.Parameter, path: Path | None) -> Path | None:
+    """--config: load TOML into click's default_map, so that flags override it."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except OSError as e:
+        raise click.BadParameter(f"cannot read {path}: {e.strerror or e}", ctx, param) from None
+    except tomllib.TOMLDecodeError as e:
+        raise click.BadParameter(f"{path} is not valid TOML: {e}", ctx, param) from None
+    values = {key.replace("-", "_"): value for key, value in table.items()}
+    unknown = sorted(set(values) - _CONFIG_KEYS)
+    if unknown:
+        raise click.BadParameter(f"{path}: unknown option(s) {', '.join(unknown)}", ctx, param)
+    for key in ("initial_peers", "host_maddrs", "announce_maddrs"):
+        if isinstance(values.get(key), str):
+            values[key] = [values[key]]
+    ctx.default_map = {**(ctx.default_map or {}), **values}
+    return path
+
+
+def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
+    default = getattr(_DEFAULTS, name.split("/")[0].replace("-", "_"))
+    return click.option(f"--{name}", type=type_, default=default, show_default=True, help=help, **kwargs)
+
+
+@click.command(cls=OneLineCommand, context_settings={"show_default": True})
+@click.option(
+    "--config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    callback=_read_config,
+    is_eager=True,
+    expose_value=False,
+    help="A TOML file with any of these options; flags override it.",
+)
+@initial_peers_option(help="Multiaddr of any node of the swarm; none: start a new swarm.")
+@click.option("--host-maddrs", multiple=True, metavar="MADDR", callback=maddr_list,
+              help=f"Where to listen (repeatable). Default: {DEFAULT_HOST_MADDRS[0]}.")  # fmt: skip
+@click.option("--announce-maddrs", multiple=True, metavar="MADDR", callback=maddr_list,
+              help="What peers should dial instead of the listen addresses (public IP, forwarded port).")  # fmt: skip
+@identity_option(help="Key file of this node, created if missing; keeps the PeerID across restarts.")
+@_opt("run-id", str, "The training run to join.")
+@_opt("model", click.Choice(list(PRESETS)), "Model preset.")
+@_opt("data", str, "Training data: 'stdlib' (built in) or 'hf:<dataset>[:<config>]' (needs --tokenizer).")
+@_opt("tokenizer", str, "Hugging Face tokenizer for --data hf:...")
+@_opt("seed", click.IntRange(0), "The run's seed: initial weights are a function of it.")
+@_opt("inner-steps", click.IntRange(1), "H: inner steps per outer step.")
+@_opt("batch-size", click.IntRange(1), "Sequences per inner step.")
+@_opt("seq-len", click.IntRange(1), "Tokens per sequence.")
+@_opt("lr", click.FloatRange(0, min_open=True), "Peak inner AdamW learning rate.")
+@_opt("warmup-steps", click.IntRange(0), "Inner learning-rate warmup, in inner steps.")
+@_opt("outer-lr", click.FloatRange(0, min_open=True), "Outer SGD learning rate.")
+@_opt("outer-momentum", click.FloatRange(0, 1, max_open=True), "Outer Nesterov momentum.")
+@_opt("compression", click.Choice(CODECS), "How pseudo-gradients travel.")
+@_opt("target-group-size", click.IntRange(1), "Members per averaging group.")
+@_opt("matchmaking-time", click.FloatRange(0, min_open=True), "Seconds nodes gather before forming groups.")
+@_opt("max-outer-steps", click.IntRange(1), "Stop after this many outer steps (default: run until stopped).")
+@_opt("device", str, "Torch device: auto (cuda when present), cpu, cuda, cuda:1, ...")
+@_opt("offload-outer/--no-offload-outer", bool, "Keep θ_outer and outer momentum in CPU memory.")
+@_opt("client-mode/--no-client-mode", bool, "Accept no inbound connections (behind NAT): trains, serves nothing.")
+@_opt("eval-every", click.IntRange(1), "Outer steps between eval losses.")
+@_opt("eval-windows", click.IntRange(1), "Eval windows of --seq-len tokens.")
+@click.option("--threads", type=click.IntRange(1), default=None, help="Torch CPU threads (default: torch's).")
+@click.option("--metrics-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Append every event (start, progress, outer_step, exit) as a JSON line.")  # fmt: skip
+@verbose_option
+def main(
+    initial_peers: tuple[str, ...],
+    host_maddrs: tuple[str, ...],
+    announce_maddrs: tuple[str, ...],
+    identity: Path | None,
+    threads: int | None,
+    metrics_file: Path | None,
+    verbose: int,
+    **options: Any,
+) -> None:
+    """Train the swarm's model with DiLoCo, averaging with whoever is ready each outer step."""
+    setup_logging(verbose)
+    try:
+        config = NodeConfig(**options)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    node_identity = load_identity(identity)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        p2p_config = P2PConfig(host_maddrs=host_maddrs or DEFAULT_HOST_MADDRS, announce_maddrs=announce_maddrs)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    sinks: list[Any] = []
+    try:
+        if metrics_file is not None:
+            try:
+                sinks.append(MetricsFile(metrics_file))
+            except OSError as e:
+                raise CliError(f"cannot write --metrics-file {metrics_file}: {e.strerror or e}") from None
+        sinks.append(display_for_terminal())
+
+        def on_event(event: Event) -> None:
+            if event["event"] == "start":
+                _print_join_line(event, config)
+            for sink in sinks:
+                sink(event)
+
+        node = SwarmNode(
+            config, identity=node_identity, initial_peers=initial_peers, p2p_config=p2p_config, on_event=on_event
+        )
+        try:
+            run_network(lambda: _run_until_signalled(node))
+        except (NodeError, DataUnavailableError) as e:
+            raise CliError(str(e)) from None
+    finally:
+        for sink in sinks:
+            sink.close()
+
+
+async def _run_until_signalled(node: SwarmNode) -> str:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    main_task = asyncio.current_task()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            logging.getLogger("swarm.node").warning("stopping after the current round (signal again to stop now)")
+            stop.set()
+        elif main_task is not None:
+            main_task.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, on_signal)
+    try:
+        return await node.run(stop)
+    except asyncio.CancelledError:
+        raise click.exceptions.Exit(130) from None
+
+
+def _print_join_line(event: Event, config: NodeConfig) -> None:
+    maddrs = event["maddrs"]
+    where = f"run {config.run_id!r}, model {config.model}, outer step {event['outer_step']}"
+    click.echo(f"swarm-node {event['peer_id']} ({where})")
+    if not maddrs:
+        click.echo("client mode: this node dials out only; peers cannot join through it")
+        return
+    for maddr in maddrs:
+        click.echo(f"listening on {maddr}")
+    join = f"swarm-node --run-id {config.run_id} --model {config.model} --initial-peers {maddrs[0]}"
+    click.echo(f"join with: {join}", color=False)

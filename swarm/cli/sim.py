@@ -1,5 +1,504 @@
-"""swarm-sim: a local training swarm (issue #5)."""
+"""swarm-sim: a training swarm of local processes on 127.0.0.1 (issue #5).
 
-from swarm.cli.pending import pending_command
+    swarm-sim                                     # the demo: 3 tiny nodes, the loss falls in minutes
+    swarm-sim --nodes 4 --outer-steps 20 --kill-every 40 --join-every 60
 
-main = pending_command("swarm-sim", "the local training swarm", 5)
+It starts a bootstrap DHT node (`swarm-dht serve`) and N `swarm-node` processes with the command
+lines a user would type, each in its own session (so a Ctrl+C on the terminal reaches only the
+simulator, which then stops them in order). It follows each node through its --metrics-file,
+shows one table for the whole swarm (a live table on a terminal, log lines otherwise) and, with
+churn, SIGKILLs a random running node or starts a newcomer every so many seconds. At the end, on
+Ctrl+C or on SIGTERM it stops every child (SIGTERM, then SIGKILL after a grace period) and writes
+the metrics JSON and the loss plot (see sim_report.py) from whatever the nodes reported.
+
+Churn keeps at least one node alive and stops once the first node has finished: killing or
+adding nodes during the last outer step measures nothing.
+
+Exit status: 0 when every node that was not killed reached --outer-steps; 1 when a node failed,
+failed to start or the --timeout passed; 2 for a bad command line; 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any, Protocol
+
+import click
+
+from swarm.cli import sim_report
+from swarm.cli.common import CliError, OneLineErrors, positive_seconds
+from swarm.cli.sim_report import ALIVE, DONE, FAILED, KILLED, STARTING, STOPPED, EventTail, NodeRecord
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+POLL_S = 0.25  # how often the simulator reads the metrics files and checks its children
+START_TIMEOUT_S = 180.0  # from spawn to a node's "start" event: imports, corpus, the codec's first build
+BOOTSTRAP_TIMEOUT_S = 30.0
+GRACE_S = 10.0  # between SIGTERM and SIGKILL when stopping the children
+MODELS = ("tiny", "small", "150m", "1b")  # swarm.model.presets; not imported here: it pulls in torch
+
+# The demo (`swarm-sim` with no options), measured on a 2-core laptop CPU: see the README.
+DEFAULT_NODES = 3
+DEFAULT_OUTER_STEPS = 10
+DEFAULT_INNER_STEPS = 20
+DEFAULT_BATCH_SIZE = 8
+DEFAULT_SEQ_LEN = 128
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SimConfig:
+    """One simulation; the click options map 1:1 onto it."""
+
+    nodes: int  # started at once
+    model: str
+    outer_steps: int  # every node runs with --max-outer-steps this
+    inner_steps: int
+    batch_size: int
+    seq_len: int
+    compression: str
+    seed: int  # the model's init seed (the same on every node) and the churn's random choices
+    matchmaking_time: float | None  # None: swarm-node's default
+    target_group_size: int | None
+    kill_every: float | None  # seconds between SIGKILLs of a random running node; None: never
+    join_every: float | None  # seconds between newcomers; None: never
+    threads: int  # torch threads per node
+    run_dir: Path  # node logs and metrics files
+    metrics_out: Path
+    plot_out: Path
+    timeout: float | None  # the whole run; None: until the nodes finish
+    verbose: int
+
+    def __post_init__(self) -> None:
+        if min(self.nodes, self.outer_steps, self.inner_steps, self.batch_size, self.seq_len, self.threads) < 1:
+            raise ValueError("nodes, steps, batch size, sequence length and threads must be >= 1")
+
+
+# --- processes ------------------------------------------------------------------------------
+
+
+def console_script(name: str, module: str) -> list[str]:
+    """The argv prefix that runs an installed command: the console script next to this
+    interpreter (a venv, activated or not), else the same entry point through `python -c`."""
+    beside_python = Path(sys.executable).parent / name
+    if beside_python.exists():
+        return [str(beside_python)]
+    code = f"import sys; from {module} import main; sys.exit(main(prog_name={name!r}))"
+    return [sys.executable, "-c", code]
+
+
+def spawn(argv: Sequence[str], log: Path, stdout: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start a child in its own session (its own process group: signals from the terminal do
+    not reach it, and stopping it by its group also stops anything it started)."""
+    with contextlib.ExitStack() as files:  # the child holds its own copies of the descriptors
+        err = files.enter_context(open(log, "wb"))
+        out = files.enter_context(open(stdout, "wb")) if stdout is not None else err
+        return subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
+
+
+def send(proc: subprocess.Popen[bytes], sig: int) -> None:
+    """Signal a child's process group, only while the child is unreaped (its PID, and so its
+    group id, cannot have been reused yet)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+
+
+def stop_processes(procs: Sequence[subprocess.Popen[bytes]], grace: float = GRACE_S) -> None:
+    """SIGTERM all, wait up to `grace` seconds in total, then SIGKILL whatever still runs."""
+    for proc in procs:
+        send(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            send(proc, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(GRACE_S)
+
+
+def last_line(path: Path) -> str:
+    """The last non-empty line of a log: where a command prints its one-line error."""
+    with contextlib.suppress(OSError):
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+        if lines:
+            return lines[-1][:500]
+    return "(no output)"
+
+
+@dataclasses.dataclass(slots=True)
+class Child:
+    record: NodeRecord
+    proc: subprocess.Popen[bytes]
+    tail: EventTail
+    spawned_at: float  # time.monotonic()
+
+
+class Display(Protocol):
+    def event(self, line: str, *, routine: bool = False) -> None: ...
+    def refresh(self, records: Sequence[NodeRecord]) -> None: ...
+
+
+class Swarm:
+    """The bootstrap DHT node and the training nodes of one simulation, and what they reported."""
+
+    def __init__(self, config: SimConfig, display: Display) -> None:
+        self.config = config
+        self.display = display
+        self.run_id = f"sim-{secrets.token_hex(4)}"  # a fresh run: nothing left over in any DHT matches it
+        self.children: list[Child] = []
+        self.bootstrap: subprocess.Popen[bytes] | None = None
+        self.initial_peers: list[str] = []
+        self.rng = random.Random(config.seed)
+
+    @property
+    def records(self) -> list[NodeRecord]:
+        return [c.record for c in self.children]
+
+    def start_bootstrap(self, stop: StopRequest) -> None:
+        """Start `swarm-dht serve --json` and read its first line: {"peer_id", "maddrs"}."""
+        log, out = self.config.run_dir / "bootstrap.log", self.config.run_dir / "bootstrap.out"
+        argv = [*console_script("swarm-dht", "swarm.cli.dht"), "serve", "--json", "--host-maddrs", LOOPBACK]
+        self.bootstrap = spawn(argv, log, stdout=out)
+        deadline = time.monotonic() + BOOTSTRAP_TIMEOUT_S
+        while not stop.requested:
+            first, newline, _ = out.read_bytes().partition(b"\n")
+            if newline:
+                self.initial_peers = list(json.loads(first)["maddrs"])
+                return
+            if self.bootstrap.poll() is not None or time.monotonic() > deadline:
+                raise CliError(f"the bootstrap DHT node did not start: {last_line(log)} (see {log})")
+            time.sleep(POLL_S / 5)
+
+    def start_node(self) -> Child:
+        index = len(self.children)
+        name = f"node{index}"
+        record = NodeRecord(name=name, log=self.config.run_dir / f"{name}.log")
+        metrics = self.config.run_dir / f"{name}.jsonl"
+        metrics.unlink(missing_ok=True)  # a file left by an earlier run in the same --run-dir
+        proc = spawn(self.node_argv(metrics), record.log)
+        child = Child(record, proc, EventTail(metrics), time.monotonic())
+        self.children.append(child)
+        return child
+
+    def node_argv(self, metrics: Path) -> list[str]:
+        c = self.config
+        argv = [*console_script("swarm-node", "swarm.cli.node")]
+        if os.environ.get("SWARM_SIM_FAKE_NODE"):  # DEV ONLY: remove
+            argv = [sys.executable, os.environ["SWARM_SIM_FAKE_NODE"]]
+        for maddr in self.initial_peers:
+            argv += ["--initial-peers", maddr]
+        argv += ["--host-maddrs", LOOPBACK, "--run-id", self.run_id, "--model", c.model]
+        argv += ["--inner-steps", str(c.inner_steps), "--batch-size", str(c.batch_size), "--seq-len", str(c.seq_len)]
+        argv += ["--compression", c.compression, "--max-outer-steps", str(c.outer_steps), "--seed", str(c.seed)]
+        argv += ["--threads", str(c.threads), "--metrics-file", str(metrics), "--eval-every", "1"]
+        if c.matchmaking_time is not None:
+            argv += ["--matchmaking-time", f"{c.matchmaking_time:g}"]
+        if c.target_group_size is not None:
+            argv += ["--target-group-size", str(c.target_group_size)]
+        return argv + ["-v"] * c.verbose
+
+    def poll(self) -> None:
+        """Read what every node reported since the last poll and note the nodes that exited."""
+        for child in self.children:
+            code = child.proc.poll()  # before reading: an exited node's last events are on disk
+            for event in child.tail.read():
+                line = child.record.apply(event)
+                if line:
+                    self.display.event(line, routine=event.get("event") == "outer_step")
+            if code is not None and child.record.exit_code is None:
+                self._exited(child, code)
+            elif not child.record.started and time.monotonic() - child.spawned_at > START_TIMEOUT_S:
+                raise CliError(f"{child.record.name} did not start within {START_TIMEOUT_S:g}s (see {child.record.log})")
+
+    def _exited(self, child: Child, code: int) -> None:
+        record = child.record
+        record.exit_code = code
+        if record.status == KILLED:
+            return
+        if not record.started:
+            raise CliError(f"{record.name} failed at start (exit {code}): {last_line(record.log)}")
+        record.status = DONE if code == 0 and self.reached_end(record) else FAILED
+        self.display.event(f"{record.label()} exited with code {code} ({record.status})")
+
+    def reached_end(self, record: NodeRecord) -> bool:
+        return record.outer_step is not None and record.outer_step >= self.config.outer_steps - 1
+
+    def running(self) -> list[Child]:
+        return [c for c in self.children if c.record.exit_code is None and c.record.status != KILLED]
+
+    def finished(self) -> bool:
+        return not self.running()
+
+    def winding_down(self) -> bool:
+        """True once any node reached the last outer step or exited: churn stops then."""
+        return any(self.reached_end(c.record) or c.record.exit_code is not None for c in self.children)
+
+    def kill_random(self) -> None:
+        """SIGKILL one random node that has started, unless it is the last one running."""
+        candidates = [c for c in self.running() if c.record.status == ALIVE]
+        if len(candidates) < 2:
+            return
+        victim = self.rng.choice(candidates)
+        send(victim.proc, signal.SIGKILL)
+        victim.record.status = KILLED
+        self.display.event(f"killed {victim.record.label()} (SIGKILL) at outer step {victim.record.outer_step}")
+
+    def close(self) -> None:
+        """Stop every child, then read what the nodes wrote while stopping."""
+        procs = [c.proc for c in self.children] + ([self.bootstrap] if self.bootstrap else [])
+        stop_processes(procs)
+        for child in self.children:
+            for event in child.tail.read():
+                child.record.apply(event)
+            if child.record.exit_code is None:
+                child.record.exit_code = child.proc.poll()
+            if child.record.status in (STARTING, ALIVE):
+                child.record.status = STOPPED
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+class StopRequest:
+    """Set by SIGINT or SIGTERM; the simulator's loop checks it between polls (a flag, not an
+    exception: the children are stopped and the metrics written in order, never half-way)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[StopRequest]:
+    stop = StopRequest()
+    previous = {sig: signal.signal(sig, stop.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def simulate(swarm: Swarm, stop: StopRequest) -> None:
+    """Start the swarm and follow it until every node has exited, churning on the way."""
+    config = swarm.config
+    swarm.start_bootstrap(stop)
+    for _ in range(config.nodes):
+        if not stop.requested:
+            swarm.start_node()
+    start = time.monotonic()
+    next_kill = start + config.kill_every if config.kill_every else None
+    next_join = start + config.join_every if config.join_every else None
+    while not stop.requested:
+        swarm.poll()
+        swarm.display.refresh(swarm.records)
+        if swarm.finished():
+            return
+        now = time.monotonic()
+        if config.timeout is not None and now - start > config.timeout:
+            raise CliError(f"the swarm did not finish within {config.timeout:g}s (see --timeout)")
+        if next_kill is not None and now >= next_kill and not swarm.winding_down():
+            swarm.kill_random()
+            next_kill += config.kill_every or 0
+        if next_join is not None and now >= next_join and not swarm.winding_down():
+            child = swarm.start_node()
+            swarm.display.event(f"{child.record.name} joining")
+            next_join += config.join_every or 0
+        time.sleep(POLL_S)
+
+
+def run(config: SimConfig, display: Display) -> None:
+    """The whole simulation: the children are always stopped and the reports always written;
+    then the first failure (or the interruption) decides the exit status."""
+    swarm = Swarm(config, display)
+    began = time.time()
+    failure: CliError | None = None
+    with stop_on_signals() as stop:
+        try:
+            simulate(swarm, stop)
+        except CliError as e:
+            failure = e
+        finally:
+            swarm.close()
+            display.refresh(swarm.records)
+    write_reports(swarm, time.time() - began, interrupted=stop.requested)
+    if failure is not None:
+        raise failure
+    if stop.requested:
+        raise click.Abort()  # OneLineErrors: "interrupted", exit 130
+    failed = [r for r in swarm.records if r.status not in (DONE, KILLED)]
+    if failed:
+        r = failed[0]
+        raise CliError(
+            f"{len(failed)} node(s) did not reach outer step {config.outer_steps}: {r.label()} {r.status} "
+            f"(exit {r.exit_code}) at outer step {r.outer_step}: {last_line(r.log)}"
+        )
+
+
+def write_reports(swarm: Swarm, wall_s: float, *, interrupted: bool) -> None:
+    c = swarm.config
+    header: dict[str, Any] = {
+        "run_id": swarm.run_id,
+        "model": c.model,
+        "nodes_started": len(swarm.children),
+        "outer_steps": c.outer_steps,
+        "inner_steps": c.inner_steps,
+        "batch_size": c.batch_size,
+        "seq_len": c.seq_len,
+        "compression": c.compression,
+        "wall_s": round(wall_s, 3),
+        "interrupted": interrupted,
+    }
+    title = f"swarm-sim: {len(swarm.children)} nodes, model {c.model}, H={c.inner_steps}"
+    try:
+        sim_report.write_metrics(c.metrics_out, swarm.records, header)
+        sim_report.write_plot(c.plot_out, swarm.records, title)
+    except OSError as e:
+        raise CliError(f"cannot write the metrics: {e}") from None
+    summary = sim_report.loss_summary(swarm.records)
+    click.echo(f"swarm-sim: {len(swarm.children)} nodes in {wall_s:.0f}s; {summary}")
+    click.echo(f"metrics: {c.metrics_out}\nplot: {c.plot_out}\nlogs: {c.run_dir}")
+
+
+# --- displays -------------------------------------------------------------------------------
+
+
+class PlainDisplay:
+    """Log lines on stdout (piped output, CI logs): every start, outer step, kill, join, exit."""
+
+    def __init__(self) -> None:
+        self.began = time.monotonic()
+
+    def event(self, line: str, *, routine: bool = False) -> None:
+        click.echo(f"[{time.monotonic() - self.began:7.1f}s] {line}")
+        sys.stdout.flush()
+
+    def refresh(self, records: Sequence[NodeRecord]) -> None:
+        pass  # the outer-step lines carry the figures
+
+
+class LiveDisplay:
+    """One rich table redrawn in place; the rare events (start, kill, join, exit) print above it."""
+
+    def __init__(self, title: str) -> None:
+        from rich.live import Live
+
+        self.title = title
+        self.live = Live(sim_report.rich_table([], title), refresh_per_second=4, transient=False)
+
+    def __enter__(self) -> LiveDisplay:
+        self.live.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.live.stop()
+
+    def event(self, line: str, *, routine: bool = False) -> None:
+        if not routine:
+            from rich.text import Text
+
+            self.live.console.print(Text(line))
+
+    def refresh(self, records: Sequence[NodeRecord]) -> None:
+        self.live.update(sim_report.rich_table(records, self.title))
+
+
+@contextlib.contextmanager
+def open_display(config: SimConfig) -> Iterator[Display]:
+    if sys.stdout.isatty():
+        with LiveDisplay(f"swarm-sim · model {config.model} · H={config.inner_steps}") as live:
+            yield live
+    else:
+        yield PlainDisplay()
+
+
+# --- command line ---------------------------------------------------------------------------
+
+
+def default_threads(nodes: int) -> int:
+    """Share this machine's CPUs (the ones this process may use) evenly between the nodes."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // nodes)
+
+
+@click.group(
+    cls=OneLineErrors,
+    name="swarm-sim",
+    invoke_without_command=True,
+    subcommand_metavar="",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+@click.option("--nodes", type=click.IntRange(min=1), default=DEFAULT_NODES, show_default=True, help="Nodes at start.")
+@click.option("--model", type=click.Choice(MODELS), default="tiny", show_default=True, help="Model preset.")
+@click.option("--outer-steps", type=click.IntRange(min=1), default=DEFAULT_OUTER_STEPS, show_default=True)
+@click.option("--inner-steps", type=click.IntRange(min=1), default=DEFAULT_INNER_STEPS, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=DEFAULT_BATCH_SIZE, show_default=True)
+@click.option("--seq-len", type=click.IntRange(min=1), default=DEFAULT_SEQ_LEN, show_default=True)
+@click.option("--compression", type=click.Choice(["int8", "fp16", "none"]), default="int8", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Model init seed; also seeds the churn.")
+@click.option("--matchmaking-time", type=float, callback=positive_seconds, metavar="SECONDS", help="Per node.")
+@click.option("--target-group-size", type=click.IntRange(min=1), help="Per node. Default: swarm-node's.")
+@click.option(
+    "--kill-every", type=float, callback=positive_seconds, metavar="SECONDS", help="SIGKILL a random running node."
+)
+@click.option("--join-every", type=float, callback=positive_seconds, metavar="SECONDS", help="Start a newcomer.")
+@click.option("--threads", type=click.IntRange(min=1), help="Torch threads per node. Default: CPUs / --nodes.")
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where node logs and metrics files go. Default: a new temporary directory (kept).",
+)
+@click.option("--metrics-out", type=click.Path(dir_okay=False, path_type=Path), help="Default: RUN_DIR/metrics.json.")
+@click.option("--plot-out", type=click.Path(dir_okay=False, path_type=Path), help="Default: the metrics path, .png.")
+@click.option("--timeout", type=float, callback=positive_seconds, metavar="SECONDS", help="Give up after this long.")
+@click.option("-v", "--verbose", count=True, help="Pass -v to every node (its log is in RUN_DIR).")
+def main(**options: Any) -> None:
+    """Run a training swarm of local swarm-node processes on 127.0.0.1 and show it in one table.
+
+    With no options: the demo, 3 nodes of the tiny model for a few minutes on a laptop CPU;
+    the loss falls. At the end (or on Ctrl+C) writes the metrics JSON and a loss plot.
+    """
+    config = build_config(**options)
+    with open_display(config) as display:
+        run(config, display)
+
+
+def build_config(
+    *, run_dir: Path | None, metrics_out: Path | None, plot_out: Path | None, threads: int | None, **options: Any
+) -> SimConfig:
+    try:
+        if run_dir is None:
+            run_dir = Path(tempfile.mkdtemp(prefix="swarm-sim-"))
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CliError(f"cannot create the run directory {run_dir}: {e.strerror or e}") from None
+    metrics_out = metrics_out or run_dir / "metrics.json"
+    return SimConfig(
+        run_dir=run_dir,
+        metrics_out=metrics_out,
+        plot_out=plot_out or metrics_out.with_suffix(".png"),
+        threads=threads or default_threads(options["nodes"]),
+        **options,
+    )

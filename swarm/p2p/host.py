@@ -18,6 +18,7 @@ import socket
 from typing import Any
 
 from swarm.p2p import handshake as hs
+from swarm.p2p.autonat import DIALBACK, dialback_handler
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.connection import CallContext, Connection, Handler, StreamHandler, UnaryHandler
 from swarm.p2p.errors import ConnectionLost, HandshakeError, MultiaddrError, RPCTimeout
@@ -54,6 +55,7 @@ class P2PHost:
         self.traffic = Traffic()  # bytes on the wire, all connections together (benchmarks read it)
         self._started = False
         self._closing = False
+        self.add_handler(DIALBACK, dialback_handler(self))  # every node helps others test reachability
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -214,7 +216,20 @@ class P2PHost:
         if not dial.cancelled():
             dial.exception()  # retrieved: every caller may have given up (timeout, cancelled lookup)
 
-    async def _dial(self, addr: TcpAddress) -> Connection:
+    async def probe(self, peer: TcpAddress | str, *, timeout: float | None = None) -> PeerID:
+        """Dial `peer` on a fresh connection, authenticate, and close it: proves the address
+        reaches the peer it names (the dial-back of swarm.p2p.autonat). Never reuses or keeps
+        a connection. Raises like connect()."""
+        addr = parse_maddr(peer) if isinstance(peer, str) else peer
+        timeout = self.config.connect_timeout + self.config.handshake_timeout if timeout is None else timeout
+        try:
+            conn = await asyncio.wait_for(self._open_authenticated(addr), timeout)
+        except asyncio.TimeoutError:
+            raise RPCTimeout(f"could not reach {addr} within {timeout:.3g}s") from None
+        conn.close()
+        return conn.peer_id
+
+    async def _open_authenticated(self, addr: TcpAddress) -> Connection:
         loop = asyncio.get_running_loop()
         try:
             _, protocol = await asyncio.wait_for(
@@ -229,8 +244,15 @@ class P2PHost:
         self._handshaking.add(conn)
         try:
             await conn.handshake(addr.peer_id)
+        except BaseException:  # a failed or cancelled handshake leaves no half-open socket
+            conn.close()
+            raise
         finally:
             self._handshaking.discard(conn)
+        return conn
+
+    async def _dial(self, addr: TcpAddress) -> Connection:
+        conn = await self._open_authenticated(addr)
         if self._closing:
             conn.close()
             raise ConnectionLost("host is closing")

@@ -1,0 +1,112 @@
+"""What swarm-node shows while it trains: a live panel on a terminal, plain log lines otherwise.
+Both read the node's events (swarm/node.py), the same ones --metrics-file records."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import click
+
+from swarm.node import Event
+
+
+def _fmt(value: Any, spec: str = ".4f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e6:.2f} MB"
+
+
+class PlainLines:
+    """One line per outer step on stderr (output is not a terminal: logs, CI, swarm-sim)."""
+
+    def __call__(self, event: Event) -> None:
+        kind = event["event"]
+        if kind == "outer_step":
+            line = (
+                f"outer step {event['outer_step']}: train loss {_fmt(event['train_loss'])}, "
+                f"eval loss {_fmt(event['eval_loss'])}, group of {event['group_size']}, "
+                f"sent {_mb(event['bytes_sent'])}, received {_mb(event['bytes_received'])}, "
+                f"{event['tokens_per_s']:.0f} tokens/s, state {event['state_sha256'][:12]}"
+            )
+        elif kind == "exit":
+            line = f"exit ({event['reason']}) with {event['outer_step']} outer steps done"
+        else:
+            return
+        click.echo(f"{time.strftime('%H:%M:%S')} swarm-node: {line}", err=True)
+
+    def close(self) -> None:
+        pass
+
+
+class LivePanel:
+    """A rich Live panel: outer step, the inner-step bar, losses, throughput, group, traffic."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.live import Live
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(
+            TextColumn("outer step {task.fields[step]}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("inner steps"),
+            TimeElapsedColumn(),
+        )
+        self.task = self.progress.add_task("inner", total=1, step=0)
+        self.last: Event = {}
+        self.live = Live(self._render(), console=Console(stderr=True), refresh_per_second=4, transient=False)
+        self.live.start()
+
+    def __call__(self, event: Event) -> None:
+        kind = event["event"]
+        if kind == "progress":
+            self.progress.update(
+                self.task, completed=event["inner_step"], total=event["inner_steps"], step=event["outer_step"]
+            )
+        elif kind == "outer_step":
+            self.last = event
+            self.progress.update(self.task, completed=0, step=event["outer_step"] + 1)
+        self.live.update(self._render())
+
+    def _render(self) -> Any:
+        from rich.console import Group
+        from rich.table import Table
+
+        e = self.last
+        table = Table.grid(padding=(0, 2))
+        table.add_row("train loss", _fmt(e.get("train_loss")), "eval loss", _fmt(e.get("eval_loss")))
+        table.add_row(
+            "tokens/s", _fmt(e.get("tokens_per_s"), ".0f"), "group", str(e.get("group_size", "-")) + " members"
+        )
+        table.add_row("sent", _mb(e.get("bytes_sent")), "received", _mb(e.get("bytes_received")))
+        table.add_row("state", str(e.get("state_sha256", "-"))[:16], "", "")
+        return Group(self.progress, table)
+
+    def close(self) -> None:
+        self.live.stop()
+
+
+class MetricsFile:
+    """--metrics-file: every event as one JSON line, flushed (others tail it while we run)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+
+    def __call__(self, event: Event) -> None:
+        self.file.write(json.dumps(event, separators=(",", ":")) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def display_for_terminal() -> PlainLines | LivePanel:
+    return LivePanel() if sys.stderr.isatty() else PlainLines()

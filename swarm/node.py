@@ -1,0 +1,507 @@
+"""SwarmNode: one training process of the swarm, wiring the layers (DESIGN.md "Training").
+
+    node = SwarmNode(NodeConfig(run_id="demo", model="tiny"), identity=..., initial_peers=[...],
+                     p2p_config=P2PConfig(host_maddrs=(...,)), on_event=print)
+    reason = await node.run(stop_event)
+
+What one outer step does:
+1. Inner steps run in a worker thread (DESIGN invariant 6): the event loop keeps answering DHT,
+   matchmaking and all-reduce calls while the node computes. Batches come from
+   node_generator(PeerID, global inner step), so every node trains on its own windows.
+2. While the inner steps run, the node publishes its progress under `<run>/nodes` and reads its
+   peers' (swarm/progress.py). It starts matchmaking `matchmaking_time` before the slowest live
+   peer of its step should finish (at most max_wait after itself), so the group forms while the
+   last inner steps run and all members are ready together.
+3. Δ = θ_outer - θ_inner is averaged with the group (int8 by default), weighted by tokens; the
+   outer Nesterov step follows. A node with no group, or whose round failed, applies its own Δ.
+4. Eval loss on the shared eval set, the hash of θ_outer, and one `outer_step` event.
+
+Events (`on_event`, called on the event loop; the CLI writes them as JSON lines):
+    {"event": "start", "peer_id", "maddrs", "run_id", "outer_step", "parameters", "client_mode", ...}
+    {"event": "progress", "outer_step", "inner_step", "inner_steps", "train_loss", ...}
+    {"event": "outer_step", "outer_step" (completed, from 0), "train_loss", "eval_loss",
+     "state_sha256", "group_size", "bytes_sent", "bytes_received", "inner_s", "wall_s",
+     "tokens", "tokens_per_s", "rss_bytes", ...}
+    {"event": "exit", "outer_step", "reason"}
+Every event also has "time" (unix) and "peer_id".
+
+Reachability: before joining the DHT a node with initial peers asks one of them to dial it back
+(swarm/p2p/autonat.py). A node nobody can reach runs in client mode: it trains and contributes,
+but owns no part of an all-reduce and serves nothing, so it never stalls a group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import resource
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarm.averaging.allreduce import AllReduceError
+from swarm.averaging.averager import Averager, GroupReport
+from swarm.averaging.config import CODECS, AveragingConfig
+from swarm.averaging.messages import GroupInfo
+from swarm.dht.config import DHTConfig
+from swarm.dht.errors import DHTError
+from swarm.dht.node import DHTNode
+from swarm.dht.records import owner_subkey
+from swarm.dht.run_keys import check_run_id, nodes_key
+from swarm.model.data import TokenData, eval_windows, load_data, node_generator, sample_batch
+from swarm.model.diloco import DiLoCo, DiLoCoConfig, NonFiniteLossError
+from swarm.model.llama import build_model, count_parameters
+from swarm.model.loss import eval_loss
+from swarm.model.presets import PRESETS, preset
+from swarm.p2p.autonat import check_reachability
+from swarm.p2p.config import P2PConfig
+from swarm.p2p.errors import P2PError
+from swarm.p2p.host import P2PHost
+from swarm.p2p.identity import Identity
+from swarm.progress import PeerProgress, decode_progress, latest_finish
+
+logger = logging.getLogger(__name__)
+
+Event = dict[str, Any]
+POLL_SECONDS = 0.2  # how often the loop looks at the trainer's progress
+PROGRESS_EVENT_SECONDS = 2.0
+
+
+class NodeError(RuntimeError):
+    """The node cannot start or go on; the message says why and what to do."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeConfig:
+    run_id: str = "swarm"
+    model: str = "tiny"
+    data: str = "stdlib"
+    tokenizer: str | None = None
+    seed: int = 0  # the run's initial weights are a function of this alone
+    # DiLoCo
+    inner_steps: int = 100
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 1e-3
+    warmup_steps: int = 100
+    total_steps: int | None = None
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    # averaging
+    compression: str = "int8"
+    target_group_size: int = 4
+    matchmaking_time: float = 5.0
+    max_wait: float = 30.0  # longest a node that finished waits for slower peers of its step
+    client_mode: bool = False
+    # run
+    max_outer_steps: int | None = None
+    device: str = "auto"  # "auto": cuda when present
+    offload_outer: bool = False
+    eval_every: int = 1  # outer steps between eval losses (and always at the last one)
+    eval_windows: int = 32
+    publish_interval: float = 3.0  # seconds between progress records in the DHT
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+        if self.model not in PRESETS:
+            raise ValueError(f"unknown model {self.model!r}: choose one of {', '.join(PRESETS)}")
+        if self.compression not in CODECS:
+            raise ValueError(f"compression must be one of {', '.join(CODECS)}, got {self.compression!r}")
+        for name in ("inner_steps", "batch_size", "seq_len", "eval_every", "eval_windows", "target_group_size"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len > PRESETS[self.model].max_seq_len:
+            limit = PRESETS[self.model].max_seq_len
+            raise ValueError(f"seq_len {self.seq_len} exceeds the {self.model} model's {limit}")
+        if self.max_outer_steps is not None and self.max_outer_steps < 1:
+            raise ValueError(f"max_outer_steps must be >= 1, got {self.max_outer_steps}")
+        for name in ("matchmaking_time", "publish_interval"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be a positive number of seconds")
+        if not (math.isfinite(self.max_wait) and self.max_wait >= 0):
+            raise ValueError("max_wait must be a number of seconds >= 0")
+        if self.device != "auto":
+            torch.device(self.device)  # raises on nonsense
+        self.diloco_config()  # checks lr, outer lr and momentum, warmup
+
+    def diloco_config(self) -> DiLoCoConfig:
+        return DiLoCoConfig(
+            inner_steps=self.inner_steps,
+            lr=self.lr,
+            warmup_steps=self.warmup_steps,
+            total_steps=self.total_steps,
+            outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum,
+            offload_outer=self.offload_outer,
+        )
+
+    def averaging_config(self, client_mode: bool) -> AveragingConfig:
+        return AveragingConfig(
+            target_group_size=self.target_group_size,
+            matchmaking_time=self.matchmaking_time,
+            codec=self.compression,
+            client_mode=client_mode,
+        )
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+@dataclass
+class _Progress:
+    """What the trainer thread reports; read by the loop under `lock`."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    inner_done: int = 0
+    sec_per_step: float = 0.0  # moving average
+    losses: list[float] = field(default_factory=list)  # this round's
+    inner_s: float = 0.0  # all rounds
+
+
+class SwarmNode:
+    def __init__(
+        self,
+        config: NodeConfig,
+        *,
+        identity: Identity | None = None,
+        initial_peers: tuple[str, ...] = (),
+        p2p_config: P2PConfig | None = None,
+        on_event: Callable[[Event], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.identity = identity or Identity.generate()
+        self.peer_id = self.identity.peer_id
+        self.initial_peers = initial_peers
+        self.p2p_config = p2p_config or P2PConfig()
+        self.on_event = on_event or (lambda event: None)
+        self.client_mode = config.client_mode
+        self.progress = _Progress()
+        self._stop_training = threading.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="swarm-train")
+        self._peers: list[PeerProgress] = []
+        self._tokens = 0
+        self._last_eval: float | None = None
+        self._last_group = 0
+        self.maddrs: list[str] = []
+        self.diloco: DiLoCo | None = None
+        self.data: TokenData | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> str:
+        """Train until stop is set or max_outer_steps are done; returns why it ended. Raises
+        NodeError (bad data, unreachable peers), DHTError or P2PError when it cannot start."""
+        try:
+            await self._in_thread(self._build)
+            host = P2PHost(self.identity, self.p2p_config)
+            await host.start()
+            try:
+                return await self._run_with(host, stop)
+            finally:
+                await host.close()
+        finally:
+            self._stop_training.set()
+            self._executor.shutdown(wait=True)
+
+    async def _run_with(self, host: P2PHost, stop: asyncio.Event) -> str:
+        if self.initial_peers and not self.client_mode:
+            await self._check_reachability(host)
+        dht = DHTNode(host=host, initial_peers=self.initial_peers, config=DHTConfig(), client_mode=self.client_mode)
+        await dht.start()
+        averager = Averager(dht, host, self.config.run_id, self.config.averaging_config(self.client_mode))
+        assert self.diloco is not None
+        self.maddrs = [] if self.client_mode else host.visible_maddrs
+        self._emit(
+            "start",
+            maddrs=self.maddrs,
+            run_id=self.config.run_id,
+            outer_step=self.diloco.outer_step,
+            parameters=sum(p.numel() for p in self.diloco.params),
+            client_mode=self.client_mode,
+            model=self.config.model,
+            device=str(self.diloco.device),
+        )
+        publisher = asyncio.ensure_future(self._publish_forever(dht))
+        reason = "stopped"
+        try:
+            reason = await self._train(dht, host, averager, stop)
+            return reason
+        finally:
+            publisher.cancel()
+            await asyncio.gather(publisher, return_exceptions=True)
+            averager.close()
+            await dht.close()
+            self._emit("exit", outer_step=self.diloco.outer_step, reason=reason)
+
+    def _build(self) -> None:
+        config = self.config
+        try:
+            self.data = load_data(config.data, tokenizer=config.tokenizer)
+        except ValueError as e:
+            raise NodeError(str(e)) from None
+        device = config.torch_device()
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise NodeError(f"--device {config.device}: no CUDA device here")
+        model_config = preset(config.model, vocab_size=self.data.vocab_size)
+        logger.info("model %s: %d parameters on %s", config.model, count_parameters(model_config), device)
+        model = build_model(model_config, config.seed, device=device)
+        self.diloco = DiLoCo(model, config.diloco_config())
+        self.eval_set = eval_windows(self.data.eval, config.seq_len, config.eval_windows)
+
+    async def _check_reachability(self, host: P2PHost) -> None:
+        result = await check_reachability(host, host.visible_maddrs, self.initial_peers[:3])
+        if result.reachable is False:
+            logger.warning(
+                "peers cannot reach this node at %s (%s): running in client mode (trains, serves nothing). "
+                "To serve, forward the port and pass --announce-maddrs /ip4/<public ip>/tcp/<port>",
+                ", ".join(host.visible_maddrs),
+                result.reason,
+            )
+            self.client_mode = True
+
+    # --- the training loop ------------------------------------------------------------------
+
+    async def _train(self, dht: DHTNode, host: P2PHost, averager: Averager, stop: asyncio.Event) -> str:
+        diloco, config = self.diloco, self.config
+        assert diloco is not None
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            while config.max_outer_steps is None or diloco.outer_step < config.max_outer_steps:
+                if stop.is_set():
+                    return "stopped"
+                step = diloco.outer_step
+                weight = float(config.inner_steps * config.batch_size * config.seq_len)  # tokens this round
+                with self.progress.lock:
+                    self.progress.inner_done, self.progress.losses = diloco.inner_done, []
+                await self._publish(dht)
+                training = loop.run_in_executor(self._executor, self._inner_steps)
+                group_task = await self._train_until_ready(training, stopping, dht, step, weight, averager)
+                if stop.is_set():
+                    self._stop_training.set()
+                    await asyncio.gather(training, return_exceptions=True)
+                    if group_task is not None:
+                        group_task.cancel()
+                        await asyncio.gather(group_task, return_exceptions=True)
+                    return "stopped"
+                self._raise_training_error(training.result())
+                await self._publish(dht)
+                if group_task is None:  # nobody told us to start yet: wait for slower peers, bounded
+                    await self._wait_for_peers(dht, step, stopping)
+                    group_task = asyncio.ensure_future(averager.form_group(weight, step))
+                report = await self._average_and_apply(averager, group_task)
+                await self._after_outer_step(step, report, loop.time() - started)
+            return "finished"
+        finally:
+            stopping.cancel()
+
+    async def _train_until_ready(
+        self,
+        training: asyncio.Future[Any],
+        stopping: asyncio.Future[Any],
+        dht: DHTNode,
+        step: int,
+        weight: float,
+        averager: Averager,
+    ) -> asyncio.Future[tuple[GroupInfo | None, float]] | None:
+        """Wait for the inner steps; start matchmaking early once the group should be ready
+        within matchmaking_time (see the module docstring). Returns the matchmaking task."""
+        group_task = None
+        last_event = 0.0
+        while not training.done() and not stopping.done():
+            await asyncio.wait({training, stopping}, timeout=POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+            now = time.time()
+            if group_task is None and self._time_to_announce(step, now):
+                group_task = asyncio.ensure_future(averager.form_group(weight, step))
+            if now - last_event >= PROGRESS_EVENT_SECONDS:
+                last_event = now
+                self._emit_progress(step)
+        return group_task
+
+    def _time_to_announce(self, step: int, now: float) -> bool:
+        with self.progress.lock:
+            left = self.config.inner_steps - self.progress.inner_done
+            sec = self.progress.sec_per_step
+        if sec <= 0:
+            return False  # no timing yet
+        own_finish = now + left * sec
+        end = latest_finish(self._peers, step, now, self._fresh_for, own_finish, self.config.max_wait)
+        return end - now <= self.config.matchmaking_time
+
+    async def _wait_for_peers(self, dht: DHTNode, step: int, stopping: asyncio.Future[Any]) -> None:
+        now = time.time()
+        await self._refresh_peers(dht)
+        end = latest_finish(self._peers, step, now, self._fresh_for, now, self.config.max_wait)
+        delay = end - now - self.config.matchmaking_time
+        if delay > 0:
+            logger.info("waiting %.1fs for slower peers of step %d", delay, step)
+            await asyncio.wait({stopping}, timeout=delay)
+
+    async def _average_and_apply(
+        self, averager: Averager, group_task: asyncio.Future[tuple[GroupInfo | None, float]]
+    ) -> GroupReport:
+        diloco = self.diloco
+        assert diloco is not None
+        deltas = await self._in_thread(diloco.pseudo_gradients)
+        try:
+            group, matchmaking_s = await group_task
+        except (P2PError, DHTError, TimeoutError) as e:
+            logger.warning("matchmaking failed: %s: applying our own pseudo-gradient", e)
+            group, matchmaking_s = None, 0.0
+        try:
+            averaged, report = await averager.run_round(group, deltas, matchmaking_s)
+        except AllReduceError as e:
+            logger.warning("all-reduce of step %d failed: %s: applying our own pseudo-gradient", diloco.outer_step, e)
+            averaged, report = deltas, GroupReport(None)
+        await self._in_thread(diloco.apply_outer, averaged)
+        return report
+
+    async def _after_outer_step(self, step: int, report: GroupReport, wall_s: float) -> None:
+        diloco, config = self.diloco, self.config
+        assert diloco is not None
+        last = config.max_outer_steps is not None and diloco.outer_step >= config.max_outer_steps
+        evaluate = last or diloco.outer_step % config.eval_every == 0
+        if evaluate:
+            self._last_eval = await self._in_thread(eval_loss, diloco.model, self.eval_set)
+        sha = await self._in_thread(diloco.outer_sha256)
+        with self.progress.lock:
+            losses, inner_s = list(self.progress.losses), self.progress.inner_s
+        self._tokens += config.inner_steps * config.batch_size * config.seq_len
+        self._last_group = len(report.members) if report.group_id is not None else 1
+        self._emit(
+            "outer_step",
+            outer_step=step,
+            train_loss=sum(losses) / len(losses) if losses else None,
+            eval_loss=self._last_eval if evaluate else None,
+            state_sha256=sha,
+            group_size=self._last_group,
+            group_id=report.group_id,
+            bytes_sent=report.bytes_sent,
+            bytes_received=report.bytes_received,
+            matchmaking_s=round(report.matchmaking_s, 4),
+            inner_s=round(inner_s, 4),
+            wall_s=round(wall_s, 4),
+            tokens=self._tokens,
+            tokens_per_s=round(self._tokens / wall_s, 1) if wall_s > 0 else 0.0,
+            rss_bytes=resident_bytes(),
+        )
+
+    # --- the trainer thread -----------------------------------------------------------------
+
+    def _inner_steps(self) -> BaseException | None:
+        """Runs in the worker thread: inner steps until H are done or the node stops."""
+        diloco, config, data, progress = self.diloco, self.config, self.data, self.progress
+        assert diloco is not None and data is not None
+        peer = self.peer_id.to_bytes()
+        while not diloco.ready_for_outer and not self._stop_training.is_set():
+            generator = node_generator(peer, diloco.global_inner_step)
+            inputs, targets = sample_batch(data.train, config.batch_size, config.seq_len, generator)
+            began = time.perf_counter()
+            try:
+                stats = diloco.inner_step(inputs, targets)
+            except NonFiniteLossError as e:
+                return NodeError(f"training diverged ({e}): lower --lr or --outer-lr")
+            took = time.perf_counter() - began
+            with progress.lock:
+                progress.inner_done = diloco.inner_done
+                progress.losses.append(stats.loss)
+                progress.inner_s += took
+                progress.sec_per_step = took if progress.sec_per_step == 0 else 0.8 * progress.sec_per_step + 0.2 * took
+        return None
+
+    def _raise_training_error(self, error: BaseException | None) -> None:
+        if error is not None:
+            raise error
+
+    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # --- progress in the DHT ------------------------------------------------------------------
+
+    @property
+    def _fresh_for(self) -> float:
+        return 3 * self.config.publish_interval + 2.0
+
+    async def _publish_forever(self, dht: DHTNode) -> None:
+        while True:
+            await asyncio.sleep(self.config.publish_interval)
+            await self._publish(dht)
+            await self._refresh_peers(dht)
+
+    async def _publish(self, dht: DHTNode) -> None:
+        diloco = self.diloco
+        assert diloco is not None
+        with self.progress.lock:
+            inner, sec = self.progress.inner_done, self.progress.sec_per_step
+            losses = self.progress.losses[-10:]
+        now = time.time()
+        value = {
+            "maddrs": self.maddrs,
+            "client": self.client_mode,
+            "step": diloco.outer_step,
+            "inner": inner,
+            "H": self.config.inner_steps,
+            "sec_per_step": round(sec, 6),
+            "time": round(now, 3),
+            "train_loss": round(sum(losses) / len(losses), 4) if losses else None,
+            "eval_loss": round(self._last_eval, 4) if self._last_eval is not None else None,
+            "tokens_per_s": round(self.config.batch_size * self.config.seq_len / sec, 1) if sec > 0 else None,
+            "group_size": self._last_group,
+        }
+        expiration = now + 4 * self.config.publish_interval + 10
+        try:
+            await dht.store(nodes_key(self.config.run_id), value, expiration, owner_subkey(self.peer_id))
+        except (P2PError, DHTError, TimeoutError) as e:
+            logger.info("could not publish progress: %s", e)
+
+    async def _refresh_peers(self, dht: DHTNode) -> None:
+        try:
+            found = await dht.get(nodes_key(self.config.run_id), latest=True)
+        except (P2PError, DHTError, TimeoutError) as e:
+            logger.info("could not read peers' progress: %s", e)
+            return
+        peers = []
+        if found is not None and isinstance(found.value, dict):
+            for subkey, entry in found.value.items():
+                progress = decode_progress(subkey, getattr(entry, "value", None))
+                if progress is not None and progress.peer_id != self.peer_id:
+                    peers.append(progress)
+        self._peers = peers
+
+    # --- events ---------------------------------------------------------------------------------
+
+    def _emit_progress(self, step: int) -> None:
+        with self.progress.lock:
+            inner, losses = self.progress.inner_done, self.progress.losses[-10:]
+        self._emit(
+            "progress",
+            outer_step=step,
+            inner_step=inner,
+            inner_steps=self.config.inner_steps,
+            train_loss=sum(losses) / len(losses) if losses else None,
+        )
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        event = {"event": kind, "time": round(time.time(), 3), "peer_id": str(self.peer_id), **fields}
+        try:
+            self.on_event(event)
+        except Exception:  # a display bug must not stop training
+            logger.exception("event handler failed on %s", kind)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux /proc), else its peak (getrusage)."""
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

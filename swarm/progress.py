@@ -1,0 +1,77 @@
+"""Training progress in the DHT: what each node of a run publishes under `<run>/nodes`, and
+when the peers of an outer step will finish their inner steps.
+
+    {"maddrs": [...], "client": bool, "step": outer step, "inner": inner steps done, "H": inner
+     steps per outer step, "sec_per_step": float, "time": unix time of the figures, ...}
+
+plus display fields (`train_loss`, `eval_loss`, `tokens_per_s`, `group_size`) that
+`swarm-dht inspect --run-id` shows. Nodes use the timing fields to enter matchmaking together:
+each node aims to announce `matchmaking_time` before the slowest peer of its step finishes
+(hivemind's progress tracker does the same job with sample counts).
+
+Peer records are untrusted: each field is type- and range-checked, a bad record is ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from swarm.dht.errors import RecordError
+from swarm.dht.records import owner_of
+from swarm.p2p.peer_id import PeerID
+
+MAX_STEP = 1 << 40
+MAX_SEC_PER_STEP = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class PeerProgress:
+    peer_id: PeerID
+    step: int  # outer step it is working on
+    inner: int  # inner steps done in it
+    inner_steps: int  # H
+    sec_per_step: float
+    time: float  # unix time of these figures
+    client: bool
+
+    def finish_time(self) -> float:
+        """Unix time at which it should reach H inner steps (in the past when already there)."""
+        return self.time + max(0, self.inner_steps - self.inner) * self.sec_per_step
+
+
+def decode_progress(subkey: Any, value: Any) -> PeerProgress | None:
+    """A peer's progress record, or None when it is malformed (never raises)."""
+    try:
+        peer = owner_of(subkey)
+    except RecordError:
+        return None
+    if peer is None or not isinstance(value, dict):
+        return None
+    step, inner, h = value.get("step"), value.get("inner"), value.get("H")
+    sec, when = value.get("sec_per_step"), value.get("time")
+    if not all(_int_in(x, 0, MAX_STEP) for x in (step, inner)) or not _int_in(h, 1, MAX_STEP):
+        return None
+    if not all(isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in (sec, when)):
+        return None
+    if not 0 <= sec <= MAX_SEC_PER_STEP:
+        return None
+    return PeerProgress(peer, step, inner, h, float(sec), float(when), value.get("client") is True)
+
+
+def _int_in(x: Any, low: int, high: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and low <= x <= high
+
+
+def latest_finish(peers: list[PeerProgress], step: int, now: float, fresh_for: float, own_finish: float,
+                  max_wait: float) -> float:  # fmt: skip
+    """When the slowest live peer of `step` should finish (unix time), but never later than
+    own_finish + max_wait (a stalled or very slow peer does not hold the group) and never
+    earlier than own_finish. Records older than fresh_for seconds are of dead or stuck peers."""
+    end = own_finish
+    for p in peers:
+        if p.step != step or now - p.time > fresh_for:
+            continue
+        end = max(end, min(p.finish_time(), own_finish + max_wait))
+    return end
