@@ -102,13 +102,18 @@ class Connection:
     # sends right after its AUTH (often in the same TCP segment) are parsed with the limits and
     # the router of an authenticated connection.
 
-    async def handshake(self, expected_peer: PeerID | None = None) -> None:
-        """Prove our key, check theirs; raises HandshakeError (and closes) on any failure."""
+    async def handshake(self, expected_peer: PeerID | None = None, *, probe: bool = False) -> None:
+        """Prove our key, check theirs; raises HandshakeError (and closes) on any failure.
+        probe: tell the listener this connection only tests reachability."""
         self._expected_peer = expected_peer
         self._handshake_done = self._loop.create_future()
         cfg = self.config
         hello, self._my_nonce = hs.make_hello(
-            self.identity, window=cfg.stream_window_bytes, max_head=cfg.max_head_bytes, max_body=cfg.max_body_bytes
+            self.identity,
+            window=cfg.stream_window_bytes,
+            max_head=cfg.max_head_bytes,
+            max_body=cfg.max_body_bytes,
+            probe=probe,
         )
         handle = self._loop.call_later(
             cfg.handshake_timeout, self._handshake_failed, HandshakeError(f"handshake with {self._where()} timed out")
@@ -133,6 +138,11 @@ class Connection:
         except (HandshakeError, ProtocolError, ConnectionLost) as e:
             error = e if isinstance(e, HandshakeError) else HandshakeError(f"handshake with {self._where()}: {e}")
             self._handshake_failed(error)
+
+    @property
+    def remote_hello_probe(self) -> bool:
+        """The peer dialed only to test that it can reach us (see wire.py, HELLO)."""
+        return self._remote_hello is not None and self._remote_hello.probe
 
     def _on_hello(self, remote: hs.Hello) -> None:
         if remote.peer_id == self.identity.peer_id:

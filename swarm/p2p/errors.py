@@ -39,6 +39,11 @@ class ConnectionLost(P2PError, ConnectionError):
     """The connection closed before the call finished."""
 
 
+class ConnectionClosed(ConnectionLost):
+    """The connection was already closed when a message was to be sent: nothing went out, so
+    the call may be retried on another connection."""
+
+
 class RPCTimeout(P2PError, TimeoutError):
     """A call, a stream read or a stream write did not complete within its timeout."""
 

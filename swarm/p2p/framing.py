@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-from swarm.p2p.errors import ConnectionLost, MessageTooLarge, ProtocolError
+from swarm.p2p.errors import ConnectionClosed, ConnectionLost, MessageTooLarge, ProtocolError
 from swarm.p2p.wire import FRAME_PREFIX, PREFIX_BYTES, decode_head
 
 logger = logging.getLogger(__name__)
@@ -234,7 +234,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         """Queue one frame; returns the bytes queued. The body buffer must not change afterwards.
         max_head: the peer's limit on heads (0: no check)."""
         if self.closed or self.transport is None or self.transport.is_closing():
-            raise ConnectionLost("connection is closed")
+            raise ConnectionClosed("connection is closed")
         head = self._packer.pack(fields)
         if max_head and len(head) > max_head:
             raise MessageTooLarge(f"message of {len(head)} bytes exceeds the peer's limit of {max_head}")

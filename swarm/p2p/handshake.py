@@ -29,12 +29,17 @@ class Hello:
     window: int  # per-stream receive window the sender grants
     max_head: int
     max_body: int
+    probe: bool = False  # the dialer only tests reachability: do not keep the connection
 
 
-def make_hello(identity: Identity, *, window: int, max_head: int, max_body: int) -> tuple[dict[str, Any], bytes]:
+def make_hello(
+    identity: Identity, *, window: int, max_head: int, max_body: int, probe: bool = False
+) -> tuple[dict[str, Any], bytes]:
     nonce = os.urandom(NONCE_BYTES)
     key = encode_key_protobuf(KEY_TYPE_ED25519, identity.public_key)
     fields = {"k": Kind.HELLO, "p": PROTOCOL, "key": key, "n": nonce, "w": window, "h": max_head, "b": max_body}
+    if probe:
+        fields["probe"] = True
     return fields, nonce
 
 
@@ -57,7 +62,8 @@ def parse_hello(head: dict[str, Any]) -> Hello:
         raise HandshakeError("malformed HELLO: the nonce must have 32 bytes")
     if window < MIN_WINDOW or max_head < MIN_HEAD or max_body < MIN_BODY:
         raise HandshakeError("HELLO announces limits too small to work with")
-    return Hello(public_key, peer_id, nonce, window, min(max_head, 2**32 - 1), min(max_body, 2**32 - 1))
+    probe = head.get("probe") is True
+    return Hello(public_key, peer_id, nonce, window, min(max_head, 2**32 - 1), min(max_body, 2**32 - 1), probe)
 
 
 def auth_message(role: str, dialer_nonce: bytes, listener_nonce: bytes, dialer: PeerID, listener: PeerID) -> bytes:

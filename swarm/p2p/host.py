@@ -21,7 +21,7 @@ from swarm.p2p import handshake as hs
 from swarm.p2p.autonat import DIALBACK, dialback_handler
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.connection import CallContext, Connection, Handler, StreamHandler, UnaryHandler
-from swarm.p2p.errors import ConnectionLost, HandshakeError, MultiaddrError, RPCTimeout
+from swarm.p2p.errors import ConnectionClosed, ConnectionLost, HandshakeError, MultiaddrError, RPCTimeout
 from swarm.p2p.framing import FrameProtocol, Traffic
 from swarm.p2p.identity import Identity
 from swarm.p2p.maddr import TcpAddress, parse_maddr
@@ -169,11 +169,17 @@ class P2PHost:
         timeout = self.config.call_timeout if timeout is None else timeout
         loop = asyncio.get_running_loop()
         start = loop.time()
-        conn = await self.connect(peer, timeout=timeout)
-        remaining = timeout - (loop.time() - start)
-        if remaining <= 0:
-            raise RPCTimeout(f"{method}: dialing {peer} used up the {timeout:.3g}s timeout")
-        return await conn.call(method, args, remaining)
+        for attempt in range(2):
+            conn = await self.connect(peer, timeout=timeout)
+            remaining = timeout - (loop.time() - start)
+            if remaining <= 0:
+                raise RPCTimeout(f"{method}: dialing {peer} used up the {timeout:.3g}s timeout")
+            try:
+                return await conn.call(method, args, remaining)
+            except ConnectionClosed:  # closed under us (e.g. the peer's own dial-back probe): nothing was sent
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
 
     async def open_stream(
         self, peer: PeerRef, method: str, args: Any = None, *, timeout: float | None = None
@@ -181,7 +187,11 @@ class P2PHost:
         """Start a stream call; `timeout` bounds dialing and then each read/write wait."""
         timeout = self.config.stream_timeout if timeout is None else timeout
         conn = await self.connect(peer, timeout=timeout)
-        return conn.open_stream(method, args, timeout)
+        try:
+            return conn.open_stream(method, args, timeout)
+        except ConnectionClosed:  # as in call(): nothing was sent, one more try
+            conn = await self.connect(peer, timeout=timeout)
+            return conn.open_stream(method, args, timeout)
 
     async def connect(self, peer: PeerRef, *, timeout: float | None = None) -> Connection:
         """The connection to a peer: an open one if any, else a new dial (deduplicated)."""
@@ -223,13 +233,13 @@ class P2PHost:
         addr = parse_maddr(peer) if isinstance(peer, str) else peer
         timeout = self.config.connect_timeout + self.config.handshake_timeout if timeout is None else timeout
         try:
-            conn = await asyncio.wait_for(self._open_authenticated(addr), timeout)
+            conn = await asyncio.wait_for(self._open_authenticated(addr, probe=True), timeout)
         except asyncio.TimeoutError:
             raise RPCTimeout(f"could not reach {addr} within {timeout:.3g}s") from None
         conn.close()
         return conn.peer_id
 
-    async def _open_authenticated(self, addr: TcpAddress) -> Connection:
+    async def _open_authenticated(self, addr: TcpAddress, *, probe: bool = False) -> Connection:
         loop = asyncio.get_running_loop()
         try:
             _, protocol = await asyncio.wait_for(
@@ -243,7 +253,7 @@ class P2PHost:
         conn = Connection(protocol, role=hs.DIALER, identity=self.identity, config=self.config, handlers=self._handlers)
         self._handshaking.add(conn)
         try:
-            await conn.handshake(addr.peer_id)
+            await conn.handshake(addr.peer_id, probe=probe)
         except BaseException:  # a failed or cancelled handshake leaves no half-open socket
             conn.close()
             raise
@@ -317,6 +327,9 @@ class P2PHost:
             return
         finally:
             self._handshaking.discard(conn)
+        if conn.remote_hello_probe:  # a dial-back test: proven reachable, not kept for calls
+            conn.close()
+            return
         self._adopt(conn)
 
     # --- connection pool ----------------------------------------------------------------------

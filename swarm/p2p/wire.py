@@ -21,7 +21,9 @@ Kinds (``k``) and their other keys:
     0  HELLO   handshake, first frame of each side: ``p`` protocol (PROTOCOL), ``key`` libp2p
                protobuf PublicKey (Ed25519), ``n`` 32-byte random nonce, ``w`` the per-stream
                receive window this side grants, ``h`` the largest head it accepts, ``b`` the
-               largest body it accepts.
+               largest body it accepts; optional ``probe`` true from a dialer that only tests
+               whether it can reach the listener (a dial-back, autonat.py): the listener does
+               not keep that connection for calls.
     1  AUTH    handshake, second frame of each side: ``s`` = Ed25519 signature over
                AUTH_CONTEXT + role (b"D" dialer / b"L" listener) + dialer nonce + listener nonce
                + dialer PeerID bytes + listener PeerID bytes. Nothing else is accepted before

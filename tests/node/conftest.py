@@ -1,0 +1,103 @@
+"""swarm-node in real processes on 127.0.0.1: a bootstrap `swarm-dht serve` and nodes, each
+stopped by PID (SIGTERM, then SIGKILL) when the test ends, pass or fail."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+ENV = {k: v for k, v in os.environ.items() if k != "SWARM_INITIAL_PEERS"} | {"OMP_NUM_THREADS": "1"}
+# small and quick: tiny model, short windows, one torch thread per node (2-core machines)
+FAST = ("--model", "tiny", "--batch-size", "2", "--seq-len", "64", "--threads", "1", "--eval-windows", "8")
+
+
+def console_script(name: str) -> str:
+    beside_python = Path(sys.executable).parent / name  # the venv's scripts, activated or not
+    path = str(beside_python) if beside_python.exists() else shutil.which(name)
+    assert path is not None, f"{name} is not installed as a console script"
+    return path
+
+
+class Swarm:
+    """The processes of one test."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: list[subprocess.Popen[str]] = []
+        self.bootstrap: str | None = None
+
+    def start_bootstrap(self) -> str:
+        err = open(self.workdir / "bootstrap.err", "w")  # noqa: SIM115 (the child holds it)
+        proc = subprocess.Popen(
+            [console_script("swarm-dht"), "serve", "--json", "--host-maddrs", LOOPBACK],
+            stdout=subprocess.PIPE, stderr=err, text=True, env=ENV, start_new_session=True,
+        )  # fmt: skip
+        self.procs.append(proc)
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        line = proc.stdout.readline() if ready else ""
+        assert line, f"bootstrap did not start: {(self.workdir / 'bootstrap.err').read_text()}"
+        self.bootstrap = json.loads(line)["maddrs"][0]
+        return self.bootstrap
+
+    def node(self, name: str, *args: str, initial: bool = True) -> subprocess.Popen[str]:
+        """Start `swarm-node` with FAST settings, its metrics in <name>.jsonl, output in <name>.out/.err."""
+        peers = ["--initial-peers", self.bootstrap] if initial and self.bootstrap else []
+        out = open(self.workdir / f"{name}.out", "w")  # noqa: SIM115
+        err = open(self.workdir / f"{name}.err", "w")  # noqa: SIM115
+        command = [console_script("swarm-node"), "--host-maddrs", LOOPBACK, *peers, *FAST,
+                   "--metrics-file", str(self.metrics_path(name)), *args]  # fmt: skip
+        proc = subprocess.Popen(command, stdout=out, stderr=err, text=True, env=ENV, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def metrics_path(self, name: str) -> Path:
+        return self.workdir / f"{name}.jsonl"
+
+    def events(self, name: str, kind: str | None = None) -> list[dict[str, Any]]:
+        path = self.metrics_path(name)
+        if not path.exists():
+            return []
+        events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [e for e in events if kind is None or e["event"] == kind]
+
+    def stderr(self, name: str) -> str:
+        return (self.workdir / f"{name}.err").read_text()
+
+    def wait_for(self, condition: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[Swarm]:
+    s = Swarm(tmp_path)
+    try:
+        yield s
+    finally:
+        s.close()

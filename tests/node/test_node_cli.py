@@ -1,0 +1,162 @@
+"""swarm-node as a volunteer runs it: real processes on 127.0.0.1, through the console script."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from tests.node.conftest import FAST, Swarm, console_script
+
+pytestmark = pytest.mark.swarm
+
+
+def _hashes_by_step(swarm: Swarm, names: list[str]) -> dict[int, dict[str, str]]:
+    by_step: dict[int, dict[str, str]] = defaultdict(dict)
+    for name in names:
+        for e in swarm.events(name, "outer_step"):
+            by_step[e["outer_step"]][name] = e["state_sha256"]
+    return by_step
+
+
+@pytest.mark.timeout(240)
+def test_three_nodes_train_together_with_identical_state(swarm: Swarm) -> None:
+    swarm.start_bootstrap()
+    names = ["a", "b", "c"]
+    args = ("--run-id", "three", "--inner-steps", "8", "--max-outer-steps", "4", "--matchmaking-time", "2")
+    procs = [swarm.node(name, *args) for name in names]
+    for name, proc in zip(names, procs, strict=True):
+        assert proc.wait(200) == 0, swarm.stderr(name)
+    by_step = _hashes_by_step(swarm, names)
+    assert sorted(by_step) == [0, 1, 2, 3]
+    for step, hashes in by_step.items():
+        assert len(set(hashes.values())) == 1, f"outer step {step}: nodes disagree: {hashes}"
+    steps = swarm.events("a", "outer_step")
+    assert all(e["group_size"] == 3 for e in steps), [e["group_size"] for e in steps]
+    assert steps[-1]["eval_loss"] < steps[0]["eval_loss"] - 0.2
+    assert all(e["bytes_sent"] > 0 for e in steps)
+    start = swarm.events("a", "start")[0]
+    assert start["outer_step"] == 0 and start["maddrs"] and start["parameters"] > 1_000_000
+    assert swarm.events("a", "exit")[0]["reason"] == "finished"
+    out = (swarm.workdir / "a.out").read_text()
+    assert "join with: swarm-node" in out and start["maddrs"][0] in out
+
+
+@pytest.mark.timeout(240)
+def test_a_node_killed_mid_run_does_not_stop_the_others(swarm: Swarm) -> None:
+    swarm.start_bootstrap()
+    args = ("--run-id", "kill", "--inner-steps", "6", "--max-outer-steps", "6", "--matchmaking-time", "1.5")
+    a, b, victim = (swarm.node(name, *args) for name in ("a", "b", "victim"))
+    swarm.wait_for(lambda: len(swarm.events("victim", "outer_step")) >= 2, 150, "two outer steps")
+    victim.kill()  # SIGKILL: no goodbye
+    assert a.wait(180) == 0, swarm.stderr("a")
+    assert b.wait(60) == 0, swarm.stderr("b")
+    by_step = _hashes_by_step(swarm, ["a", "b"])
+    assert sorted(by_step) == list(range(6))
+    last = swarm.events("a", "outer_step")[-1]
+    assert last["group_size"] == 2  # the survivors still average together
+    assert by_step[5]["a"] == by_step[5]["b"]
+
+
+@pytest.mark.timeout(120)
+def test_sigint_leaves_cleanly_with_exit_0(swarm: Swarm) -> None:
+    proc = swarm.node("solo", "--run-id", "sigint", "--inner-steps", "4", "--matchmaking-time", "0.5")
+    swarm.wait_for(lambda: len(swarm.events("solo", "outer_step")) >= 1, 90, "an outer step")
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0, swarm.stderr("solo")
+    exit_event = swarm.events("solo", "exit")
+    assert exit_event and exit_event[0]["reason"] == "stopped"
+    assert "Traceback" not in swarm.stderr("solo")
+
+
+def _run(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([console_script("swarm-node"), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _one_error_line(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--inner-steps", "0"], "--inner-steps"),
+        (["--model", "huge"], "--model"),
+        (["--compression", "int4"], "--compression"),
+        (["--initial-peers", "/ip4/1.2.3/tcp/1"], "--initial-peers"),
+        (["--seq-len", "100000"], "seq_len"),
+        (["--outer-momentum", "1.5"], "--outer-momentum"),
+        (["--run-id", "a/b"], "run id"),
+        (["--bogus"], "--bogus"),
+    ],
+)
+def test_bad_flags_give_one_line(args: list[str], expected: str) -> None:
+    line = _one_error_line(_run(*args))
+    assert expected in line and line.startswith("swarm-node")
+
+
+def test_bad_config_file_gives_one_line(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.toml"
+    broken.write_text("inner-steps = [\n")
+    assert "not valid TOML" in _one_error_line(_run("--config", str(broken)))
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text('inner-steps = 5\nlearning-speed = "fast"\n')
+    assert "learning_speed" in _one_error_line(_run("--config", str(unknown)))
+    wrong_type = tmp_path / "wrong.toml"
+    wrong_type.write_text('inner-steps = "many"\n')
+    assert "inner-steps" in _one_error_line(_run("--config", str(wrong_type)))
+    assert "cannot read" in _one_error_line(_run("--config", str(tmp_path / "missing.toml")))
+
+
+def test_config_file_values_apply_and_flags_override_them(tmp_path: Path) -> None:
+    config = tmp_path / "node.toml"
+    config.write_text('run-id = "from-file"\ninner_steps = 2\nmax-outer-steps = 1\nmatchmaking-time = 0.3\n')
+    metrics = tmp_path / "m.jsonl"
+    result = _run("--config", str(config), "--max-outer-steps", "2", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                  *FAST, "--metrics-file", str(metrics), timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "run 'from-file'" in result.stdout
+    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert sum(e["event"] == "outer_step" for e in events) == 2  # the flag overrode the file's 1
+
+
+def test_unreachable_initial_peers_give_one_line() -> None:
+    line = _one_error_line(
+        _run("--initial-peers", "/ip4/127.0.0.1/tcp/9", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *FAST)
+    )
+    assert "/ip4/127.0.0.1/tcp/9" in line
+
+
+@pytest.mark.timeout(180)
+def test_a_node_nobody_can_reach_runs_in_client_mode(swarm: Swarm) -> None:
+    swarm.start_bootstrap()
+    args = ("--run-id", "nat", "--inner-steps", "4", "--max-outer-steps", "2", "--matchmaking-time", "1.5")
+    server = swarm.node("server", *args)
+    # announces an address where nothing listens: the dial-back fails, as behind a NAT
+    natted = swarm.node("natted", *args, "--announce-maddrs", "/ip4/127.0.0.1/tcp/9")
+    assert natted.wait(150) == 0, swarm.stderr("natted")
+    assert server.wait(60) == 0, swarm.stderr("server")
+    assert "client mode" in swarm.stderr("natted") and "--announce-maddrs" in swarm.stderr("natted")
+    start = swarm.events("natted", "start")[0]
+    assert start["client_mode"] is True and start["maddrs"] == []
+    steps = swarm.events("natted", "outer_step")
+    assert [e["group_size"] for e in steps] == [2, 2]  # it still averages, as a client
+    assert steps[-1]["state_sha256"] == swarm.events("server", "outer_step")[-1]["state_sha256"]
+
+
+@pytest.mark.timeout(300)
+def test_resident_memory_does_not_grow_over_outer_steps(swarm: Swarm) -> None:
+    """50 outer steps of tiny (alone, H = 1): resident memory after 50 within 10% of after 5."""
+    proc = swarm.node("mem", "--run-id", "mem", "--inner-steps", "1", "--max-outer-steps", "50",
+                      "--matchmaking-time", "0.1", "--eval-every", "5")  # fmt: skip
+    assert proc.wait(280) == 0, swarm.stderr("mem")
+    rss = {e["outer_step"]: e["rss_bytes"] for e in swarm.events("mem", "outer_step")}
+    assert rss[49] <= 1.10 * rss[4], f"{rss[4] / 2**20:.1f} MiB after 5 outer steps, {rss[49] / 2**20:.1f} after 50"
