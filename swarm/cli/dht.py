@@ -347,7 +347,9 @@ def inspect(run_id: str, opts: ClientOptions) -> None:
         }
         echo_json({"run_id": run_id, "keys": keys, **out})
         return
-    for name, columns in (("nodes", ("step", "client")), ("state", ("step", "manifest"))):
+    shown = {"nodes": ("step", "inner", "train_loss", "eval_loss", "tokens_per_s", "group_size", "client"),
+             "state": ("step", "manifest")}  # fmt: skip
+    for name, columns in shown.items():
         entries = sections[name]
         table = new_table("peer", "maddr", *columns, "expires in", "other", title=f"{keys[name]}: {len(entries)}")
         now = time.time()
