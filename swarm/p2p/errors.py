@@ -81,3 +81,9 @@ class Busy(RPCError):
     """The peer is at a concurrency limit; retry later or elsewhere."""
 
     code = "busy"
+
+
+class NotFound(RPCError):
+    """The peer does not hold what was asked for (any more); ask another."""
+
+    code = "not_found"

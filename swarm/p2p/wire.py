@@ -87,6 +87,7 @@ class ErrorCode:
     UNKNOWN_METHOD = "unknown_method"  # no handler registered under that name
     BAD_REQUEST = "bad_request"  # arguments of the wrong types, sizes or values
     BUSY = "busy"  # the callee is at its limit of concurrent calls
+    NOT_FOUND = "not_found"  # the callee does not hold what was asked for (any more)
     TOO_LARGE = "too_large"  # a reply would exceed the caller's limits
     TIMEOUT = "timeout"  # the callee's own deadline for the handler passed
     CANCELLED = "cancelled"  # the callee is shutting down

@@ -1,1 +1,9 @@
-"""swarm.state: not built yet (see the open issues)."""
+"""State exchange with peers (DESIGN.md "Training", invariants 5-7):
+
+    protocol.py  the wire: `state.manifest` and `state.shard`, their arguments and replies
+    holders.py   who holds which state: advertise in the DHT under `<run>/state`, read, choose
+    server.py    StateServer: serves the last finished outer step's immutable snapshot
+    fetcher.py   fetch_state: a manifest, then verified shards in parallel from several peers
+
+The state's format (manifest + safetensors shards) is swarm/model/checkpoint.py.
+"""

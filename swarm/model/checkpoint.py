@@ -1,0 +1,331 @@
+"""The swarm state on disk and on the wire: safetensors shards plus a JSON manifest.
+
+    snapshot = make_snapshot(diloco.state_dict(), RunInfo(...))   # copies θ_outer + momentum
+    CheckpointDir(path).write(snapshot)                           # atomic; keeps the last two
+    manifest, state = CheckpointDir(path).load_latest(expect=run_info)
+
+State = θ_outer + outer momentum + outer step (DESIGN "Words"). Tensors are named
+`params/<name>` and `momentum/<name>` and packed in name order into shards of about
+`shard_bytes` (64 MiB by default; a tensor is never split). The manifest lists every shard
+(name, tensors, byte length, SHA-256) and the run's identity: run id, outer step, model preset
+and its full config, seed, data name and H. Its own hash (`Manifest.sha256`) is the SHA-256 of
+its canonical JSON; that is what nodes advertise in the DHT and what a fetch is pinned to.
+
+On disk (`--checkpoint-dir`):
+    step-00000012/manifest.json, shard-00000.safetensors, ...
+    LATEST                                   the name of the newest whole step directory
+A write goes to `step-<N>.tmp-<pid>`, every file is fsynced, the directory is renamed into
+place and fsynced, then LATEST is replaced the same way; older steps beyond `keep` are removed.
+A node killed at any instant leaves LATEST naming a whole checkpoint (or nothing yet); loading
+verifies every shard's hash and falls back to the older step when the newest is damaged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
+
+FORMAT = "swarm-state/1"
+DEFAULT_SHARD_BYTES = 64 << 20
+MAX_MANIFEST_BYTES = 4 << 20
+MAX_SHARDS = 65_536
+MAX_SHARD_BYTES = 4 << 30
+_SHARD_NAME = re.compile(r"^shard-\d{5}\.safetensors$")
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+KINDS = ("params", "momentum")
+
+
+class CheckpointError(ValueError):
+    """A manifest or shard that cannot be used: malformed, damaged, or from another run/model.
+    The message says which and why."""
+
+
+class IncompatibleState(CheckpointError):
+    """A whole, valid state of another run or another model than this node's."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    """What must match for a state to be usable by a node: the run and the exact model."""
+
+    run_id: str
+    model: str  # preset name
+    model_config: dict[str, Any]  # dataclasses.asdict(ModelConfig)
+    seed: int = 0
+    data: str = "stdlib"
+    inner_steps: int = 0  # H when the state was made (informational)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardInfo:
+    name: str
+    tensors: tuple[str, ...]
+    nbytes: int
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    run: RunInfo
+    step: int  # outer steps applied to this state
+    shards: tuple[ShardInfo, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+    def to_json(self) -> bytes:
+        """The canonical form (sorted keys, no spaces): equal manifests give equal bytes."""
+        body = {
+            "format": FORMAT,
+            "run_id": self.run.run_id,
+            "step": self.step,
+            "model": self.run.model,
+            "model_config": self.run.model_config,
+            "seed": self.run.seed,
+            "data": self.run.data,
+            "inner_steps": self.run.inner_steps,
+            "shards": [
+                {"name": s.name, "tensors": list(s.tensors), "bytes": s.nbytes, "sha256": s.sha256} for s in self.shards
+            ],
+        }
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.to_json()).hexdigest()
+
+    def shard(self, name: str) -> ShardInfo:
+        for s in self.shards:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def check_usable_by(self, expect: RunInfo) -> None:
+        """Raise CheckpointError unless this state belongs to expect's run and exact model."""
+        if self.run.run_id != expect.run_id:
+            raise IncompatibleState(f"the state is of run {self.run.run_id!r}, not {expect.run_id!r}")
+        if self.run.model != expect.model or self.run.model_config != expect.model_config:
+            raise IncompatibleState(
+                f"the state is of model {self.run.model!r} with another shape than this node's {expect.model!r}"
+            )
+
+
+def parse_manifest(data: bytes) -> Manifest:
+    """A manifest from its JSON, every field checked; raises CheckpointError."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"manifest of {len(data)} bytes exceeds {MAX_MANIFEST_BYTES}")
+    try:
+        body = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"manifest is not JSON: {e}") from None
+    if not isinstance(body, dict) or body.get("format") != FORMAT:
+        raise CheckpointError(f"not a {FORMAT} manifest (an unknown format or another program's file)")
+    run = RunInfo(
+        run_id=_get(body, "run_id", str),
+        model=_get(body, "model", str),
+        model_config=_get(body, "model_config", dict),
+        seed=_get(body, "seed", int),
+        data=_get(body, "data", str),
+        inner_steps=_get(body, "inner_steps", int),
+    )
+    step = _get(body, "step", int)
+    raw_shards = _get(body, "shards", list)
+    if step < 0 or not 1 <= len(raw_shards) <= MAX_SHARDS:
+        raise CheckpointError("manifest: step must be >= 0 and there must be 1 to 65536 shards")
+    shards, seen_names, seen_tensors = [], set(), set()
+    for raw in raw_shards:
+        if not isinstance(raw, dict):
+            raise CheckpointError("manifest: a shard entry is not an object")
+        shard = ShardInfo(
+            _get(raw, "name", str), tuple(_get(raw, "tensors", list)), _get(raw, "bytes", int), _get(raw, "sha256", str)
+        )
+        if not _SHARD_NAME.match(shard.name) or shard.name in seen_names:
+            raise CheckpointError(f"manifest: bad or repeated shard name {shard.name[:64]!r}")
+        if not 0 < shard.nbytes <= MAX_SHARD_BYTES or not _HEX64.match(shard.sha256):
+            raise CheckpointError(f"manifest: shard {shard.name} has a bad size or hash")
+        if not shard.tensors or not all(isinstance(t, str) and t.split("/")[0] in KINDS for t in shard.tensors):
+            raise CheckpointError(f"manifest: shard {shard.name} lists bad tensor names")
+        if seen_tensors & set(shard.tensors):
+            raise CheckpointError(f"manifest: shard {shard.name} repeats a tensor")
+        seen_names.add(shard.name)
+        seen_tensors.update(shard.tensors)
+        shards.append(shard)
+    return Manifest(run, step, tuple(shards))
+
+
+def _get(body: dict[str, Any], key: str, kind: type) -> Any:
+    value = body.get(key)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise CheckpointError(f"manifest: {key!r} must be a {kind.__name__}")
+    return value
+
+
+# --- snapshots --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """An immutable state: the manifest and each shard's bytes (what peers are served)."""
+
+    manifest: Manifest
+    shards: Mapping[str, bytes]
+
+
+def copy_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """CPU copies of a DiLoCo.state_dict(): the only work done while training waits."""
+    return {
+        "outer_step": int(state["outer_step"]),
+        **{kind: {n: t.detach().to("cpu", copy=True).contiguous() for n, t in state[kind].items()} for kind in KINDS},
+    }
+
+
+def make_snapshot(state: Mapping[str, Any], run: RunInfo, shard_bytes: int = DEFAULT_SHARD_BYTES) -> Snapshot:
+    """Serialize a copied state (copy_state) into shards and hash them: run it in a thread."""
+    named = [(f"{kind}/{name}", t) for kind in KINDS for name, t in state[kind].items()]
+    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, tensor))
+        size += nbytes
+    shards: dict[str, bytes] = {}
+    infos = []
+    for i, group in enumerate(groups):
+        name = f"shard-{i:05d}.safetensors"
+        data = safetensors_save(dict(group))
+        shards[name] = data
+        infos.append(ShardInfo(name, tuple(n for n, _ in group), len(data), hashlib.sha256(data).hexdigest()))
+    return Snapshot(Manifest(run, int(state["outer_step"]), tuple(infos)), shards)
+
+
+def state_from_shards(manifest: Manifest, shards: Iterable[bytes]) -> dict[str, Any]:
+    """Rebuild {"outer_step", "params", "momentum"} from verified shard bytes (in manifest order).
+    Raises CheckpointError when a shard's tensors differ from what the manifest lists."""
+    state: dict[str, Any] = {"outer_step": manifest.step, "params": {}, "momentum": {}}
+    for info, data in zip(manifest.shards, shards, strict=True):
+        try:
+            tensors = safetensors_load(bytes(data))
+        except Exception as e:  # safetensors raises its own error types on malformed files
+            raise CheckpointError(f"shard {info.name} is not a readable safetensors file: {e}") from None
+        if set(tensors) != set(info.tensors):
+            raise CheckpointError(f"shard {info.name} holds other tensors than its manifest lists")
+        for full_name, tensor in tensors.items():
+            kind, _, name = full_name.partition("/")
+            state[kind][name] = tensor
+    return state
+
+
+def verify_shard(info: ShardInfo, data: bytes | memoryview) -> None:
+    if len(data) != info.nbytes:
+        raise CheckpointError(f"shard {info.name}: {len(data)} bytes, the manifest says {info.nbytes}")
+    if hashlib.sha256(data).hexdigest() != info.sha256:
+        raise CheckpointError(f"shard {info.name}: SHA-256 does not match the manifest")
+
+
+# --- the checkpoint directory -----------------------------------------------------------------
+
+
+class CheckpointDir:
+    """Local checkpoints: written atomically, the last `keep` kept (see the module docstring).
+    Call write/load from a worker thread: they do disk I/O and hashing."""
+
+    def __init__(self, path: Path | str, keep: int = 2) -> None:
+        if keep < 1:
+            raise ValueError("keep must be >= 1")
+        self.path, self.keep = Path(path), keep
+
+    def write(self, snapshot: Snapshot) -> Path:
+        self.path.mkdir(parents=True, exist_ok=True)
+        final = self.path / f"step-{snapshot.manifest.step:08d}"
+        temp = self.path / f"{final.name}.tmp-{os.getpid()}"
+        shutil.rmtree(temp, ignore_errors=True)
+        temp.mkdir()
+        for name, data in snapshot.shards.items():
+            _write_synced(temp / name, data)
+        _write_synced(temp / "manifest.json", snapshot.manifest.to_json())
+        _fsync_dir(temp)
+        if final.exists():  # the same step written again (after a restart): replace it whole
+            shutil.rmtree(final)
+        os.rename(temp, final)
+        _fsync_dir(self.path)
+        _write_synced(self.path / "LATEST.tmp", final.name.encode())
+        os.replace(self.path / "LATEST.tmp", self.path / "LATEST")
+        _fsync_dir(self.path)
+        self._prune(keep_also=final.name)
+        return final
+
+    def load_latest(self, expect: RunInfo | None = None) -> tuple[Manifest, dict[str, Any]] | None:
+        """The newest whole, verified checkpoint (falling back to older ones), or None when
+        there is none. Raises CheckpointError when one exists but belongs to another run/model."""
+        errors = []
+        for directory in self._candidates():
+            try:
+                manifest = parse_manifest((directory / "manifest.json").read_bytes())
+                if expect is not None:
+                    manifest.check_usable_by(expect)
+                shards = []
+                for info in manifest.shards:
+                    data = (directory / info.name).read_bytes()
+                    verify_shard(info, data)
+                    shards.append(data)
+                return manifest, state_from_shards(manifest, shards)
+            except OSError as e:
+                errors.append(f"{directory.name}: {e.strerror or e}")
+            except IncompatibleState as e:
+                raise IncompatibleState(f"{self.path}: {e}") from None
+            except CheckpointError as e:
+                errors.append(f"{directory.name}: {e}")
+        if errors:
+            raise CheckpointError(f"no whole checkpoint in {self.path}: {'; '.join(errors)}")
+        return None
+
+    def _candidates(self) -> list[Path]:
+        """Step directories, the one LATEST names first, then the others newest first."""
+        if not self.path.is_dir():
+            return []
+        steps = sorted((p for p in self.path.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()), reverse=True)
+        try:
+            latest = (self.path / "LATEST").read_text().strip()
+        except OSError:
+            latest = ""
+        return sorted(steps, key=lambda p: p.name != latest)
+
+    def _prune(self, keep_also: str) -> None:
+        steps = sorted((p for p in self.path.iterdir() if _STEP_DIR.match(p.name)), reverse=True)
+        for old in steps[self.keep :]:
+            if old.name != keep_also:
+                shutil.rmtree(old, ignore_errors=True)
+        for temp in self.path.glob("step-*.tmp-*"):  # left by a killed writer
+            if temp.name.rsplit("-", 1)[-1] != str(os.getpid()):
+                shutil.rmtree(temp, ignore_errors=True)
+
+
+def _write_synced(path: Path, data: bytes | memoryview) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

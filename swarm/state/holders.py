@@ -1,0 +1,98 @@
+"""Who holds which state: records under `<run>/state` in the DHT (run_keys.py).
+
+    {"step": outer steps applied, "manifest": sha256 hex, "maddrs": [...], "bytes": state size}
+
+in a subkey owned (signed) by the holder, refreshed after every outer step and expiring soon
+after a holder stops. A fetcher takes the newest step, and at that step the manifest hash that
+the most peers advertise (ties: the smaller hash, so every fetcher picks the same one).
+Records are untrusted input: malformed ones are skipped, and a manifest is only believed when
+its bytes hash to the advertised value.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from swarm.dht.errors import DHTError, RecordError
+from swarm.dht.node import DHTNode
+from swarm.dht.records import owner_of, owner_subkey
+from swarm.dht.run_keys import state_key
+from swarm.model.checkpoint import Manifest
+from swarm.p2p.errors import P2PError
+from swarm.p2p.maddr import parse_maddr
+from swarm.p2p.peer_id import PeerID
+
+logger = logging.getLogger(__name__)
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+MAX_MADDRS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    peer_id: PeerID
+    step: int
+    manifest: str  # sha256 hex
+    maddrs: tuple[str, ...]
+    nbytes: int
+
+
+async def advertise(dht: DHTNode, run_id: str, manifest: Manifest, maddrs: Sequence[str], expiration: float) -> None:
+    value = {"step": manifest.step, "manifest": manifest.sha256, "maddrs": list(maddrs), "bytes": manifest.total_bytes}
+    try:
+        await dht.store(state_key(run_id), value, expiration, owner_subkey(dht.peer_id))
+    except (P2PError, DHTError, TimeoutError) as e:
+        logger.info("could not advertise state of step %d: %s", manifest.step, e)
+
+
+def decode_holder(subkey: Any, value: Any) -> Holder | None:
+    try:
+        peer = owner_of(subkey)
+    except RecordError:
+        return None
+    if peer is None or not isinstance(value, dict):
+        return None
+    step, sha, maddrs, nbytes = value.get("step"), value.get("manifest"), value.get("maddrs"), value.get("bytes", 0)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return None
+    if not isinstance(sha, str) or not _HEX64.match(sha) or isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        return None
+    if not isinstance(maddrs, list) or not 1 <= len(maddrs) <= MAX_MADDRS:
+        return None
+    good = []
+    for text in maddrs:
+        try:
+            good.append(parse_maddr(text).with_peer_id(peer).to_maddr() if isinstance(text, str) else None)
+        except ValueError:
+            continue
+    good = [m for m in good if m]
+    return Holder(peer, step, sha, tuple(good), nbytes) if good else None
+
+
+async def find_holders(dht: DHTNode, run_id: str) -> list[Holder]:
+    """The live state records of the run (an empty list when none or on a DHT failure)."""
+    try:
+        found = await dht.get(state_key(run_id), latest=True)
+    except (P2PError, DHTError, TimeoutError) as e:
+        logger.info("could not read who holds state: %s", e)
+        return []
+    if found is None or not isinstance(found.value, dict):
+        return []
+    holders = [decode_holder(subkey, getattr(entry, "value", None)) for subkey, entry in found.value.items()]
+    return [h for h in holders if h is not None]
+
+
+def choose_state(holders: Sequence[Holder], exclude: Sequence[PeerID] = ()) -> tuple[int, str, list[Holder]] | None:
+    """(step, manifest sha256, its holders) of the state to fetch, or None when nobody holds one."""
+    usable = [h for h in holders if h.peer_id not in set(exclude)]
+    if not usable:
+        return None
+    step = max(h.step for h in usable)
+    votes = Counter(h.manifest for h in usable if h.step == step)
+    sha = min(votes, key=lambda s: (-votes[s], s))
+    return step, sha, [h for h in usable if h.step == step and h.manifest == sha]

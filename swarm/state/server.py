@@ -1,0 +1,75 @@
+"""StateServer: answers `state.manifest` and `state.shard` (protocol.py) from the snapshot of
+the last finished outer step.
+
+    server = StateServer(host, run_id, max_uploads=4)
+    server.publish(snapshot)     # after each outer step; in-flight uploads keep their own snapshot
+
+Serving never touches the training state: a snapshot is an immutable copy (bytes) made once per
+outer step, and each call holds a reference to the snapshot it started with. At most
+`max_uploads` shards are streamed at once; more callers get `busy` and try another peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from swarm.model.checkpoint import Snapshot
+from swarm.p2p.connection import CallContext
+from swarm.p2p.errors import Busy, NotFound, P2PError
+from swarm.p2p.host import P2PHost
+from swarm.p2p.stream import Stream
+from swarm.state import protocol
+
+logger = logging.getLogger(__name__)
+
+
+class StateServer:
+    def __init__(self, host: P2PHost, run_id: str, *, max_uploads: int = 4, timeout: float = 60.0) -> None:
+        if max_uploads < 1:
+            raise ValueError("max_uploads must be >= 1")
+        self.host, self.run_id, self.max_uploads, self.timeout = host, run_id, max_uploads, timeout
+        self.snapshot: Snapshot | None = None
+        self.uploads = 0
+        self.bytes_sent = 0
+        host.add_handler(protocol.MANIFEST, self._rpc_manifest)
+        host.add_stream_handler(protocol.SHARD, self._rpc_shard)
+
+    def publish(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+
+    def close(self) -> None:
+        self.host.remove_handler(protocol.MANIFEST)
+        self.host.remove_handler(protocol.SHARD)
+
+    async def _rpc_manifest(self, ctx: CallContext, args: Any) -> dict[str, Any]:
+        wanted = protocol.parse_manifest_args(args, self.run_id)
+        snapshot = self._snapshot(wanted)
+        return {"manifest": snapshot.manifest.to_json(), "sha256": snapshot.manifest.sha256}
+
+    async def _rpc_shard(self, ctx: CallContext, args: Any, stream: Stream) -> None:
+        sha, name = protocol.parse_shard_args(args, self.run_id)
+        snapshot = self._snapshot(sha)
+        data = snapshot.shards.get(name)
+        if data is None:
+            raise NotFound(f"{protocol.SHARD}: no shard {name} in state {sha[:12]}")
+        if self.uploads >= self.max_uploads:
+            raise Busy(f"{protocol.SHARD}: {self.uploads} uploads in progress")
+        self.uploads += 1
+        try:
+            await stream.write(memoryview(data), timeout=self.timeout)
+            await stream.end()
+            self.bytes_sent += len(data)
+        except (P2PError, asyncio.TimeoutError) as e:  # the fetcher left or stalled: its loss alone
+            logger.info("upload of %s to %s stopped: %s", name, ctx.peer_id, e)
+        finally:
+            self.uploads -= 1
+
+    def _snapshot(self, sha: str | None) -> Snapshot:
+        snapshot = self.snapshot
+        if snapshot is None:
+            raise NotFound("no state to serve yet")
+        if sha is not None and snapshot.manifest.sha256 != sha:
+            raise NotFound(f"state {sha[:12]} is no longer served (now step {snapshot.manifest.step})")
+        return snapshot

@@ -1,0 +1,243 @@
+"""State exchange over real sockets on 127.0.0.1: StateServer on several hosts, fetch_state
+from all of them, with corrupt, dying, busy and incompatible peers."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarm.dht.records import owner_subkey
+from swarm.model.checkpoint import IncompatibleState, RunInfo, Snapshot, copy_state, make_snapshot
+from swarm.p2p import P2PConfig, P2PHost
+from swarm.p2p.errors import RemoteError
+from swarm.state import protocol
+from swarm.state.fetcher import FetchError, fetch_state
+from swarm.state.holders import Holder, choose_state, decode_holder
+from swarm.state.server import StateServer
+
+RUN = RunInfo(run_id="run", model="tiny", model_config={"dim": 8}, seed=0)
+
+
+def _state(step: int = 3, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    names = [f"layers.{i}.w" for i in range(6)]
+    params = {n: torch.randn(64, 64, generator=gen) for n in names}
+    momentum = {n: torch.randn(64, 64, generator=gen) for n in names}
+    return {"outer_step": step, "params": params, "momentum": momentum}
+
+
+def _snapshot(step: int = 3, run: RunInfo = RUN) -> Snapshot:
+    return make_snapshot(copy_state(_state(step)), run, shard_bytes=40_000)  # 12 tensors of 16 KiB: 6 shards
+
+
+async def _servers(n: int, snapshot: Snapshot, **kwargs) -> tuple[list[P2PHost], list[StateServer]]:
+    hosts = [await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start() for _ in range(n)]
+    servers = [StateServer(h, "run", **kwargs) for h in hosts]
+    for server in servers:
+        server.publish(snapshot)
+    return hosts, servers
+
+
+def _holder(host: P2PHost, snapshot: Snapshot) -> Holder:
+    m = snapshot.manifest
+    return Holder(host.peer_id, m.step, m.sha256, tuple(host.visible_maddrs), m.total_bytes)
+
+
+def _assert_same(state: dict, expected: dict) -> None:
+    assert state["outer_step"] == expected["outer_step"]
+    for kind in ("params", "momentum"):
+        assert state[kind].keys() == expected[kind].keys()
+        assert all(torch.equal(state[kind][n], expected[kind][n]) for n in expected[kind])
+
+
+async def test_fetch_from_three_peers_spreads_shards_and_loads_the_exact_state(tmp_path: Path) -> None:
+    snapshot = _snapshot()
+    assert len(snapshot.manifest.shards) == 6
+    hosts, _ = await _servers(3, snapshot)
+    fetcher = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
+    seen = []
+    try:
+        holders = [_holder(h, snapshot) for h in hosts]
+        manifest, state, report = await fetch_state(
+            fetcher, "run", holders, expect=RUN, dest=tmp_path, streams_per_peer=1, on_progress=seen.append
+        )
+        assert manifest.sha256 == snapshot.manifest.sha256
+        _assert_same(state, _state())
+        assert len(report.bytes_by_peer) == 3  # each peer served some shards
+        assert report.fetched_bytes == snapshot.manifest.total_bytes and not report.corrupt_peers
+        assert seen[-1].done_bytes == seen[-1].total_bytes and seen[-1].shards_done == 6
+        # a second fetch finds every verified shard on disk
+        _, again, report2 = await fetch_state(fetcher, "run", holders, expect=RUN, dest=tmp_path)
+        assert report2.reused_shards == 6 and report2.fetched_bytes == 0
+        _assert_same(again, _state())
+    finally:
+        for h in [*hosts, fetcher]:
+            await h.close()
+
+
+async def test_a_corrupt_peer_is_detected_avoided_and_its_shards_fetched_elsewhere(tmp_path: Path) -> None:
+    good = _snapshot()
+    tampered = {name: bytes(data) for name, data in good.shards.items()}
+    for name in tampered:  # same length, one flipped byte in the tensor data
+        data = bytearray(tampered[name])
+        data[-1] ^= 0xFF
+        tampered[name] = bytes(data)
+    bad = Snapshot(good.manifest, tampered)
+    hosts, servers = await _servers(2, good)
+    servers[0].publish(bad)
+    fetcher = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
+    try:
+        holders = [_holder(h, good) for h in hosts]
+        _, state, report = await fetch_state(fetcher, "run", holders, expect=RUN, dest=tmp_path, streams_per_peer=1)
+        _assert_same(state, _state())
+        assert report.corrupt_peers == [str(hosts[0].peer_id)]
+        assert report.bytes_by_peer == {str(hosts[1].peer_id): good.manifest.total_bytes}
+        assert not await asyncio.to_thread(lambda: list(tmp_path.rglob("*.part*")))  # bad bytes never stay
+    finally:
+        for h in [*hosts, fetcher]:
+            await h.close()
+
+
+async def test_only_corrupt_peers_fail_the_fetch_without_loading(tmp_path: Path) -> None:
+    good = _snapshot()
+    bad = Snapshot(good.manifest, {n: b"\0" * len(d) for n, d in good.shards.items()})
+    hosts, _ = await _servers(1, bad)
+    fetcher = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
+    try:
+        with pytest.raises(FetchError, match="corrupt peers"):
+            await fetch_state(fetcher, "run", [_holder(hosts[0], good)], expect=RUN, dest=tmp_path)
+    finally:
+        for h in [*hosts, fetcher]:
+            await h.close()
+
+
+async def test_a_peer_dying_mid_fetch_is_replaced_by_the_others(tmp_path: Path) -> None:
+    snapshot = _snapshot()
+    hosts, servers = await _servers(3, snapshot)
+    original = servers[0]._rpc_shard
+
+    async def die_after_first_chunk(ctx, args, stream) -> None:  # the peer's process dies mid-upload
+        await stream.write(memoryview(snapshot.shards[args["shard"]])[:1000])
+        asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(hosts[0].close()))
+        await asyncio.sleep(5)
+
+    hosts[0].remove_handler(protocol.SHARD)
+    hosts[0].add_stream_handler(protocol.SHARD, die_after_first_chunk)
+    assert original is not None
+    fetcher = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
+    try:
+        holders = [_holder(h, snapshot) for h in hosts]
+        _, state, report = await fetch_state(
+            fetcher, "run", holders, expect=RUN, dest=tmp_path, streams_per_peer=1, timeout=5
+        )
+        _assert_same(state, _state())
+        assert str(hosts[0].peer_id) in report.failed_peers
+        assert str(hosts[0].peer_id) not in report.bytes_by_peer
+    finally:
+        for h in [*hosts, fetcher]:
+            await h.close()
+
+
+async def test_a_busy_peer_is_asked_again(tmp_path: Path) -> None:
+    snapshot = _snapshot()
+    hosts, _ = await _servers(1, snapshot, max_uploads=1)
+    fetcher = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
+    try:
+        _, state, _ = await fetch_state(
+            fetcher, "run", [_holder(hosts[0], snapshot)], expect=RUN, dest=tmp_path, streams_per_peer=4
+        )
+        _assert_same(state, _state())
+    finally:
+        for h in [*hosts, fetcher]:
+            await h.close()
+
+
+async def test_a_state_of_another_run_or_model_is_refused(tmp_path: Path) -> None:
+    for other in (dataclasses.replace(RUN, run_id="other"), dataclasses.replace(RUN, model_config={"dim": 16})):
+        snapshot = _snapshot(run=other)
+        hosts, _ = await _servers(1, snapshot)
+        fetcher = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
+        try:
+            with pytest.raises(IncompatibleState, match=r"other|model"):
+                await fetch_state(fetcher, "run", [_holder(hosts[0], snapshot)], expect=RUN, dest=tmp_path)
+        finally:
+            for h in [*hosts, fetcher]:
+                await h.close()
+
+
+async def test_a_manifest_that_does_not_hash_to_the_advertised_value_is_not_believed(tmp_path: Path) -> None:
+    snapshot = _snapshot()
+    hosts, _ = await _servers(1, snapshot)
+    fetcher = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
+    try:
+        lie = dataclasses.replace(_holder(hosts[0], snapshot), manifest=hashlib.sha256(b"x").hexdigest())
+        with pytest.raises(FetchError, match="manifest"):
+            await fetch_state(fetcher, "run", [lie], expect=RUN, dest=tmp_path)
+    finally:
+        for h in [*hosts, fetcher]:
+            await h.close()
+
+
+@pytest.mark.parametrize(
+    ("method", "args"),
+    [
+        (protocol.MANIFEST, None),
+        (protocol.MANIFEST, {"run": "other"}),
+        (protocol.MANIFEST, {"run": "run", "sha256": "xyz"}),
+        (protocol.MANIFEST, {"run": "run", "sha256": "0" * 64}),
+        (protocol.SHARD, {"run": "run", "manifest": "0" * 64, "shard": "shard-00000.safetensors"}),
+        (protocol.SHARD, {"run": "run", "manifest": "0" * 64, "shard": "../../etc/passwd"}),
+        (protocol.SHARD, [1, 2]),
+    ],
+)
+async def test_bad_requests_get_typed_errors(method: str, args: object) -> None:
+    snapshot = _snapshot()
+    hosts, _ = await _servers(1, snapshot)
+    client = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
+    try:
+        with pytest.raises(RemoteError) as info:
+            if method == protocol.MANIFEST:
+                await client.call(hosts[0].visible_maddrs[0], method, args, timeout=5)
+            else:
+                async with await client.open_stream(hosts[0].visible_maddrs[0], method, args, timeout=5) as stream:
+                    await stream.end()
+                    while await stream.read(timeout=5) is not None:
+                        pass
+        assert info.value.code in ("bad_request", "not_found")
+    finally:
+        for h in [*hosts, client]:
+            await h.close()
+
+
+def test_holders_are_decoded_strictly_and_the_most_advertised_newest_state_wins() -> None:
+    from swarm.p2p.identity import Identity
+
+    peers = [Identity.from_seed(bytes([i]) * 32).peer_id for i in range(1, 5)]
+    a, b = "a" * 64, "b" * 64
+    maddr = "/ip4/127.0.0.1/tcp/4001"
+    holders = [
+        decode_holder(owner_subkey(peers[0]), {"step": 5, "manifest": b, "maddrs": [maddr], "bytes": 10}),
+        decode_holder(owner_subkey(peers[1]), {"step": 5, "manifest": a, "maddrs": [maddr], "bytes": 10}),
+        decode_holder(owner_subkey(peers[2]), {"step": 5, "manifest": a, "maddrs": [maddr], "bytes": 10}),
+        decode_holder(owner_subkey(peers[3]), {"step": 4, "manifest": b, "maddrs": [maddr], "bytes": 10}),
+    ]
+    assert all(h is not None for h in holders)
+    step, sha, chosen = choose_state(holders)
+    assert (step, sha) == (5, a) and {h.peer_id for h in chosen} == set(peers[1:3])
+    assert str(peers[1]) in chosen[0].maddrs[0] or str(peers[2]) in chosen[0].maddrs[0]
+    assert choose_state([]) is None
+    for bad in (
+        {"step": -1, "manifest": a, "maddrs": [maddr]},
+        {"step": 5, "manifest": "A" * 64, "maddrs": [maddr]},
+        {"step": 5, "manifest": a, "maddrs": []},
+        {"step": 5, "manifest": a, "maddrs": ["nonsense"]},
+        {"step": True, "manifest": a, "maddrs": [maddr]},
+        [1],
+    ):
+        assert decode_holder(owner_subkey(peers[0]), bad) is None
+    assert decode_holder("no-owner", {"step": 5, "manifest": a, "maddrs": [maddr]}) is None
