@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -43,6 +44,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +58,7 @@ from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
 from swarm.dht.records import owner_subkey
 from swarm.dht.run_keys import check_run_id, nodes_key
+from swarm.model.checkpoint import DEFAULT_SHARD_BYTES, CheckpointError, RunInfo
 from swarm.model.data import TokenData, eval_windows, load_data, node_generator, sample_batch
 from swarm.model.diloco import DiLoCo, DiLoCoConfig, NonFiniteLossError
 from swarm.model.llama import build_model, count_parameters
@@ -67,12 +70,19 @@ from swarm.p2p.errors import P2PError
 from swarm.p2p.host import P2PHost
 from swarm.p2p.identity import Identity
 from swarm.progress import PeerProgress, decode_progress, latest_finish
+from swarm.state.fetcher import FetchError, FetchProgress
+from swarm.state.keeper import StateKeeper
 
 logger = logging.getLogger(__name__)
 
 Event = dict[str, Any]
 POLL_SECONDS = 0.2  # how often the loop looks at the trainer's progress
 PROGRESS_EVENT_SECONDS = 2.0
+FINAL_STRETCH = 3.0  # seconds before matchmaking in which peers' progress is read often
+FINAL_REFRESH_SECONDS = 0.5
+ANNOUNCE_MARGIN = 0.3  # seconds a late node keeps for its announcement to reach the DHT
+CATCH_UP_ROUNDS = 6  # fetch attempts while peers' progress says they are ahead
+CATCH_UP_PAUSE = 0.5  # seconds between them (their new state is being advertised)
 
 
 class NodeError(RuntimeError):
@@ -108,6 +118,12 @@ class NodeConfig:
     eval_every: int = 1  # outer steps between eval losses (and always at the last one)
     eval_windows: int = 32
     publish_interval: float = 3.0  # seconds between progress records in the DHT
+    # state
+    checkpoint_dir: str | None = None  # local checkpoints (resume after a crash); None: none
+    checkpoint_every: int = 1  # outer steps between local checkpoints
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+    fetch_timeout: float = 120.0  # one shard's wait, and the manifest's
+    max_uploads: int = 4  # shards served at once
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
@@ -115,7 +131,9 @@ class NodeConfig:
             raise ValueError(f"unknown model {self.model!r}: choose one of {', '.join(PRESETS)}")
         if self.compression not in CODECS:
             raise ValueError(f"compression must be one of {', '.join(CODECS)}, got {self.compression!r}")
-        for name in ("inner_steps", "batch_size", "seq_len", "eval_every", "eval_windows", "target_group_size"):
+        positive = ("inner_steps", "batch_size", "seq_len", "eval_every", "eval_windows", "target_group_size",
+                    "checkpoint_every", "shard_bytes", "max_uploads")  # fmt: skip
+        for name in positive:
             if not getattr(self, name) >= 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.seq_len > PRESETS[self.model].max_seq_len:
@@ -123,7 +141,7 @@ class NodeConfig:
             raise ValueError(f"seq_len {self.seq_len} exceeds the {self.model} model's {limit}")
         if self.max_outer_steps is not None and self.max_outer_steps < 1:
             raise ValueError(f"max_outer_steps must be >= 1, got {self.max_outer_steps}")
-        for name in ("matchmaking_time", "publish_interval"):
+        for name in ("matchmaking_time", "publish_interval", "fetch_timeout"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"{name} must be a positive number of seconds")
         if not (math.isfinite(self.max_wait) and self.max_wait >= 0):
@@ -193,6 +211,10 @@ class SwarmNode:
         self._last_eval: float | None = None
         self._last_group = 0
         self.maddrs: list[str] = []
+        self._last_fetch_event = 0.0
+        self.joined_at = 0
+        self.round_target = config.inner_steps  # inner steps this round: H, fewer to catch up with peers
+        self._late = bool(initial_peers)  # the first round of a joining node, and the round after a fetch
         self.diloco: DiLoCo | None = None
         self.data: TokenData | None = None
 
@@ -214,34 +236,120 @@ class SwarmNode:
             self._executor.shutdown(wait=True)
 
     async def _run_with(self, host: P2PHost, stop: asyncio.Event) -> str:
+        config, diloco = self.config, self.diloco
+        assert diloco is not None
         if self.initial_peers and not self.client_mode:
             await self._check_reachability(host)
         dht = DHTNode(host=host, initial_peers=self.initial_peers, config=DHTConfig(), client_mode=self.client_mode)
         await dht.start()
-        averager = Averager(dht, host, self.config.run_id, self.config.averaging_config(self.client_mode))
-        assert self.diloco is not None
-        self.maddrs = [] if self.client_mode else host.visible_maddrs
-        self._emit(
-            "start",
-            maddrs=self.maddrs,
-            run_id=self.config.run_id,
-            outer_step=self.diloco.outer_step,
-            parameters=sum(p.numel() for p in self.diloco.params),
-            client_mode=self.client_mode,
-            model=self.config.model,
-            device=str(self.diloco.device),
+        averager = Averager(dht, host, config.run_id, config.averaging_config(self.client_mode))
+        keeper = StateKeeper(
+            host,
+            dht,
+            self.run_info,
+            in_trainer=self._in_thread,
+            serve=not self.client_mode,
+            checkpoint_dir=Path(config.checkpoint_dir) if config.checkpoint_dir else None,
+            checkpoint_every=config.checkpoint_every,
+            shard_bytes=config.shard_bytes,
+            max_uploads=config.max_uploads,
+            fetch_timeout=config.fetch_timeout,
+            on_fetch_progress=self._on_fetch_progress,
         )
-        publisher = asyncio.ensure_future(self._publish_forever(dht))
+        publisher: asyncio.Future[None] | None = None
         reason = "stopped"
         try:
-            reason = await self._train(dht, host, averager, stop)
+            await self._resume(keeper)
+            if self.initial_peers:
+                await self._catch_up(keeper, dht, alone=False)
+            self.maddrs = [] if self.client_mode else host.visible_maddrs
+            self.joined_at = diloco.outer_step
+            self._emit(
+                "start",
+                maddrs=self.maddrs,
+                run_id=config.run_id,
+                outer_step=diloco.outer_step,
+                parameters=sum(p.numel() for p in diloco.params),
+                client_mode=self.client_mode,
+                model=config.model,
+                device=str(diloco.device),
+            )
+            if diloco.outer_step > 0:
+                await keeper.publish(diloco, checkpoint=False)  # serve what we hold from the start
+            publisher = asyncio.ensure_future(self._publish_forever(dht))
+            reason = await self._train(dht, averager, keeper, stop)
             return reason
         finally:
-            publisher.cancel()
-            await asyncio.gather(publisher, return_exceptions=True)
+            if publisher is not None:
+                publisher.cancel()
+                await asyncio.gather(publisher, return_exceptions=True)
+            await keeper.close()
             averager.close()
             await dht.close()
-            self._emit("exit", outer_step=self.diloco.outer_step, reason=reason)
+            self._emit("exit", outer_step=diloco.outer_step, reason=reason)
+
+    async def _resume(self, keeper: StateKeeper) -> None:
+        try:
+            step = await keeper.resume_local(self.diloco)  # type: ignore[arg-type]
+        except CheckpointError as e:
+            raise NodeError(f"cannot resume from --checkpoint-dir: {e}") from None
+        if step is not None:
+            self._emit("resume", outer_step=step, checkpoint_dir=self.config.checkpoint_dir)
+
+    async def _catch_up(self, keeper: StateKeeper, dht: DHTNode, *, alone: bool) -> None:
+        """Fetch the swarm's state when we are behind (see swarm/state/keeper.py). Peers that
+        just finished a step advertise its state a moment later: while their progress records
+        say they are ahead, wait for it (bounded) and fetch again."""
+        diloco = self.diloco
+        assert diloco is not None
+        for _ in range(CATCH_UP_ROUNDS):
+            await self._fetch_if_needed(keeper, alone)
+            alone = False
+            await self._refresh_peers(dht)
+            now = time.time()
+            ahead = [p.step for p in self._peers if now - p.time <= self._fresh_for and p.step > diloco.outer_step]
+            if not ahead:
+                return
+            await asyncio.sleep(CATCH_UP_PAUSE)
+
+    async def _fetch_if_needed(self, keeper: StateKeeper, alone: bool) -> None:
+        diloco = self.diloco
+        assert diloco is not None
+        try:
+            fetched = await keeper.catch_up(diloco, alone_last_step=alone)
+        except CheckpointError as e:  # IncompatibleState: the run's state is not for this node
+            raise NodeError(f"cannot use the run's state: {e}") from None
+        except FetchError as e:
+            logger.warning("could not fetch the swarm's state: %s: training on from our own", e)
+            return
+        if fetched is not None:
+            self._late = True  # the peers are already training on this state
+            why, report = fetched
+            self._emit(
+                "fetch",
+                outer_step=diloco.outer_step,
+                reason=why,
+                bytes=report.fetched_bytes,
+                seconds=round(report.elapsed_s, 3),
+                peers=len(report.bytes_by_peer),
+                corrupt_peers=report.corrupt_peers,
+                state_sha256=await self._in_thread(diloco.outer_sha256),
+                MBps=round(report.fetched_bytes / 1e6 / report.elapsed_s, 1) if report.elapsed_s > 0 else None,
+            )
+
+    def _on_fetch_progress(self, progress: FetchProgress) -> None:
+        now = time.monotonic()
+        if now - self._last_fetch_event < 1.0 and progress.done_bytes < progress.total_bytes:
+            return
+        self._last_fetch_event = now
+        self._emit(
+            "fetch_progress",
+            outer_step=progress.step,
+            done_bytes=progress.done_bytes,
+            total_bytes=progress.total_bytes,
+            MBps=round(progress.rate_MBps, 1),
+            peers=progress.peers,
+        )
 
     def _build(self) -> None:
         config = self.config
@@ -256,6 +364,14 @@ class SwarmNode:
         logger.info("model %s: %d parameters on %s", config.model, count_parameters(model_config), device)
         model = build_model(model_config, config.seed, device=device)
         self.diloco = DiLoCo(model, config.diloco_config())
+        self.run_info = RunInfo(
+            run_id=config.run_id,
+            model=config.model,
+            model_config=dataclasses.asdict(model_config),
+            seed=config.seed,
+            data=self.data.name,
+            inner_steps=config.inner_steps,
+        )
         self.eval_set = eval_windows(self.data.eval, config.seq_len, config.eval_windows)
 
     async def _check_reachability(self, host: P2PHost) -> None:
@@ -271,7 +387,7 @@ class SwarmNode:
 
     # --- the training loop ------------------------------------------------------------------
 
-    async def _train(self, dht: DHTNode, host: P2PHost, averager: Averager, stop: asyncio.Event) -> str:
+    async def _train(self, dht: DHTNode, averager: Averager, keeper: StateKeeper, stop: asyncio.Event) -> str:
         diloco, config = self.diloco, self.config
         assert diloco is not None
         loop = asyncio.get_running_loop()
@@ -281,8 +397,19 @@ class SwarmNode:
             while config.max_outer_steps is None or diloco.outer_step < config.max_outer_steps:
                 if stop.is_set():
                     return "stopped"
+                if diloco.outer_step > self.joined_at:  # after our first step here: fell behind? missed a group?
+                    await self._catch_up(keeper, dht, alone=self._last_group == 1)
+                    if config.max_outer_steps is not None and diloco.outer_step >= config.max_outer_steps:
+                        break
                 step = diloco.outer_step
-                weight = float(config.inner_steps * config.batch_size * config.seq_len)  # tokens this round
+                await self._refresh_peers(dht)
+                target = self._plan_round(step) if self._late else config.inner_steps
+                self._late = False
+                if target is None:  # too late for this step's group: take its result instead of going alone
+                    await self._wait_for_next_state(keeper, dht, step)
+                    continue
+                self.round_target = target
+                weight = float(self.round_target * config.batch_size * config.seq_len)  # tokens this round
                 with self.progress.lock:
                     self.progress.inner_done, self.progress.losses = diloco.inner_done, []
                 await self._publish(dht)
@@ -302,6 +429,7 @@ class SwarmNode:
                     group_task = asyncio.ensure_future(averager.form_group(weight, step))
                 report = await self._average_and_apply(averager, group_task)
                 await self._after_outer_step(step, report, loop.time() - started)
+                await keeper.publish(diloco)
             return "finished"
         finally:
             stopping.cancel()
@@ -318,10 +446,18 @@ class SwarmNode:
         """Wait for the inner steps; start matchmaking early once the group should be ready
         within matchmaking_time (see the module docstring). Returns the matchmaking task."""
         group_task = None
-        last_event = 0.0
+        last_event = last_refresh = 0.0
+        timed = False
         while not training.done() and not stopping.done():
             await asyncio.wait({training, stopping}, timeout=POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
             now = time.time()
+            if not timed and self.progress.inner_done > 0:  # peers learn our pace at once, not at the next tick
+                timed = True
+                await self._publish(dht)
+            final_stretch = self._seconds_left() <= self.config.matchmaking_time + FINAL_STRETCH
+            if group_task is None and final_stretch and now - last_refresh >= FINAL_REFRESH_SECONDS:
+                last_refresh = now  # read peers' progress often now: a late peer's record must not be missed
+                await self._refresh_peers(dht)
             if group_task is None and self._time_to_announce(step, now):
                 group_task = asyncio.ensure_future(averager.form_group(weight, step))
             if now - last_event >= PROGRESS_EVENT_SECONDS:
@@ -329,15 +465,59 @@ class SwarmNode:
                 self._emit_progress(step)
         return group_task
 
+    def _plan_round(self, step: int) -> int | None:
+        """For a node that joined or fetched while its peers were training: H, or fewer inner
+        steps, just enough to finish with the peers of this step (its contribution is weighted
+        by the tokens it trained on; hivemind lets late peers join with the samples they have in
+        the same way). None when the peers' group is already forming: too late for this step."""
+        h = self.config.inner_steps
+        now = time.time()
+        same = [p for p in self._peers if p.step == step and now - p.time <= self._fresh_for]
+        if any(p.inner >= p.inner_steps for p in same):  # they are done and averaging: too late
+            return None
+        started = [p for p in same if p.inner > 0]
+        sec = self.progress.sec_per_step or _median([p.sec_per_step for p in started])
+        if not started or sec <= 0:
+            return h
+        peers_end = max(p.finish_time() for p in started)
+        if peers_end - now < ANNOUNCE_MARGIN:
+            return None
+        # announce a little before they read who is ready; no inner step at all when they are about to
+        target = max(0, min(h, int((peers_end - now - ANNOUNCE_MARGIN) / sec)))
+        if target < h:
+            logger.info("step %d: peers started before us: %d of %d inner steps, to finish with them", step, target, h)
+        return target
+
+    async def _wait_for_next_state(self, keeper: StateKeeper, dht: DHTNode, step: int) -> None:
+        """Wait (bounded by max_wait) for the peers to finish `step`, then fetch its result."""
+        diloco = self.diloco
+        assert diloco is not None
+        logger.info("step %d: the peers' group is already forming; waiting for its result", step)
+        deadline = time.monotonic() + max(self.config.max_wait, 1.0)
+        while diloco.outer_step == step and time.monotonic() < deadline:
+            await asyncio.sleep(CATCH_UP_PAUSE)
+            await self._catch_up(keeper, dht, alone=False)
+
+    def _seconds_left(self) -> float:
+        """Our own estimate of the time to finish this round's inner steps (inf: no timing yet)."""
+        with self.progress.lock:
+            left = self.round_target - self.progress.inner_done
+            sec = self.progress.sec_per_step
+        return left * sec if sec > 0 else math.inf
+
     def _time_to_announce(self, step: int, now: float) -> bool:
         with self.progress.lock:
-            left = self.config.inner_steps - self.progress.inner_done
+            left = self.round_target - self.progress.inner_done
             sec = self.progress.sec_per_step
         if sec <= 0:
             return False  # no timing yet
         own_finish = now + left * sec
         end = latest_finish(self._peers, step, now, self._fresh_for, own_finish, self.config.max_wait)
-        return end - now <= self.config.matchmaking_time
+        if end - now > self.config.matchmaking_time:
+            return False
+        logger.info("step %d: matchmaking now; we finish in %.1fs, the last peer in %.1fs (%d peers known)",
+                    step, own_finish - now, end - now, len(self._peers))  # fmt: skip
+        return True
 
     async def _wait_for_peers(self, dht: DHTNode, step: int, stopping: asyncio.Future[Any]) -> None:
         now = time.time()
@@ -377,7 +557,7 @@ class SwarmNode:
         sha = await self._in_thread(diloco.outer_sha256)
         with self.progress.lock:
             losses, inner_s = list(self.progress.losses), self.progress.inner_s
-        self._tokens += config.inner_steps * config.batch_size * config.seq_len
+        self._tokens += self.round_target * config.batch_size * config.seq_len
         self._last_group = len(report.members) if report.group_id is not None else 1
         self._emit(
             "outer_step",
@@ -404,7 +584,7 @@ class SwarmNode:
         diloco, config, data, progress = self.diloco, self.config, self.data, self.progress
         assert diloco is not None and data is not None
         peer = self.peer_id.to_bytes()
-        while not diloco.ready_for_outer and not self._stop_training.is_set():
+        while diloco.inner_done < self.round_target and not self._stop_training.is_set():
             generator = node_generator(peer, diloco.global_inner_step)
             inputs, targets = sample_batch(data.train, config.batch_size, config.seq_len, generator)
             began = time.perf_counter()
@@ -446,12 +626,14 @@ class SwarmNode:
             inner, sec = self.progress.inner_done, self.progress.sec_per_step
             losses = self.progress.losses[-10:]
         now = time.time()
+        if sec <= 0:  # no step timed yet (a newcomer): assume the peers' pace until we know ours
+            sec = _median([p.sec_per_step for p in self._peers])
         value = {
             "maddrs": self.maddrs,
             "client": self.client_mode,
             "step": diloco.outer_step,
             "inner": inner,
-            "H": self.config.inner_steps,
+            "H": self.round_target,
             "sec_per_step": round(sec, 6),
             "time": round(now, 3),
             "train_loss": round(sum(losses) / len(losses), 4) if losses else None,
@@ -471,8 +653,10 @@ class SwarmNode:
         except (P2PError, DHTError, TimeoutError) as e:
             logger.info("could not read peers' progress: %s", e)
             return
+        if found is None:  # nothing found this time: keep what we knew (freshness ages it out)
+            return
         peers = []
-        if found is not None and isinstance(found.value, dict):
+        if isinstance(found.value, dict):
             for subkey, entry in found.value.items():
                 progress = decode_progress(subkey, getattr(entry, "value", None))
                 if progress is not None and progress.peer_id != self.peer_id:
@@ -498,6 +682,11 @@ class SwarmNode:
             self.on_event(event)
         except Exception:  # a display bug must not stop training
             logger.exception("event handler failed on %s", kind)
+
+
+def _median(values: list[float]) -> float:
+    positive = sorted(v for v in values if v > 0)
+    return positive[len(positive) // 2] if positive else 0.0
 
 
 def resident_bytes() -> int:

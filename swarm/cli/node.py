@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import signal
 import sys
@@ -47,9 +46,6 @@ else:  # pragma: no cover
 
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
 _DEFAULTS = NodeConfig()
-_CONFIG_KEYS = {f.name for f in dataclasses.fields(NodeConfig)} | {
-    "initial_peers", "host_maddrs", "announce_maddrs", "identity", "threads", "metrics_file", "verbose",
-}  # fmt: skip
 
 
 def _read_config(ctx: click.Context, param: click.Parameter, path: Path | None) -> Path | None:
@@ -64,7 +60,7 @@ def _read_config(ctx: click.Context, param: click.Parameter, path: Path | None) 
     except tomllib.TOMLDecodeError as e:
         raise click.BadParameter(f"{path} is not valid TOML: {e}", ctx, param) from None
     values = {key.replace("-", "_"): value for key, value in table.items()}
-    unknown = sorted(set(values) - _CONFIG_KEYS)
+    unknown = sorted(set(values) - {p.name for p in ctx.command.params if p.name and p.name != "config"})
     if unknown:
         raise click.BadParameter(f"{path}: unknown option(s) {', '.join(unknown)}", ctx, param)
     for key in ("initial_peers", "host_maddrs", "announce_maddrs"):
@@ -113,6 +109,10 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
 @_opt("device", str, "Torch device: auto (cuda when present), cpu, cuda, cuda:1, ...")
 @_opt("offload-outer/--no-offload-outer", bool, "Keep θ_outer and outer momentum in CPU memory.")
 @_opt("client-mode/--no-client-mode", bool, "Accept no inbound connections (behind NAT): trains, serves nothing.")
+@_opt("checkpoint-dir", click.Path(file_okay=False), "Checkpoint the state here (and resume from it).")
+@_opt("checkpoint-every", click.IntRange(1), "Outer steps between local checkpoints.")
+@click.option("--shard-mb", type=click.FloatRange(0.001), default=_DEFAULTS.shard_bytes / 2**20, show_default=True,
+              help="Size of the state's shards (checkpoints and peers fetching from this node), MiB.")  # fmt: skip
 @_opt("eval-every", click.IntRange(1), "Outer steps between eval losses.")
 @_opt("eval-windows", click.IntRange(1), "Eval windows of --seq-len tokens.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="Torch CPU threads (default: torch's).")
@@ -126,13 +126,14 @@ def main(
     identity: Path | None,
     threads: int | None,
     metrics_file: Path | None,
+    shard_mb: float,
     verbose: int,
     **options: Any,
 ) -> None:
     """Train the swarm's model with DiLoCo, averaging with whoever is ready each outer step."""
     setup_logging(verbose)
     try:
-        config = NodeConfig(**options)
+        config = NodeConfig(**options, shard_bytes=max(1, int(shard_mb * 2**20)))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     node_identity = load_identity(identity)

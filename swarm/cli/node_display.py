@@ -36,12 +36,30 @@ class PlainLines:
             )
         elif kind == "exit":
             line = f"exit ({event['reason']}) with {event['outer_step']} outer steps done"
+        elif kind in ("resume", "fetch", "fetch_progress"):
+            line = state_line(event)
         else:
             return
         click.echo(f"{time.strftime('%H:%M:%S')} swarm-node: {line}", err=True)
 
     def close(self) -> None:
         pass
+
+
+def state_line(event: Event) -> str:
+    """A resume, fetch or fetch-progress event in words."""
+    kind = event["event"]
+    if kind == "resume":
+        return f"resumed from the checkpoint of outer step {event['outer_step']} in {event['checkpoint_dir']}"
+    if kind == "fetch":
+        return (
+            f"fetched the swarm's state of outer step {event['outer_step']} ({event['reason']}): "
+            f"{_mb(event['bytes'])} from {event['peers']} peers in {event['seconds']:.2f}s ({event['MBps']} MB/s)"
+        )
+    return (
+        f"fetching the state of outer step {event['outer_step']}: {_mb(event['done_bytes'])} of "
+        f"{_mb(event['total_bytes'])} at {event['MBps']} MB/s from {event['peers']} peers"
+    )
 
 
 class LivePanel:
@@ -61,6 +79,7 @@ class LivePanel:
         )
         self.task = self.progress.add_task("inner", total=1, step=0)
         self.last: Event = {}
+        self.fetch_task: Any = None
         self.live = Live(self._render(), console=Console(stderr=True), refresh_per_second=4, transient=False)
         self.live.start()
 
@@ -73,6 +92,15 @@ class LivePanel:
         elif kind == "outer_step":
             self.last = event
             self.progress.update(self.task, completed=0, step=event["outer_step"] + 1)
+        elif kind == "fetch_progress":
+            if self.fetch_task is None:
+                self.fetch_task = self.progress.add_task("fetch", total=event["total_bytes"], step="(fetching)")
+            self.progress.update(self.fetch_task, completed=event["done_bytes"], total=event["total_bytes"])
+        elif kind in ("resume", "fetch"):
+            if self.fetch_task is not None:
+                self.progress.remove_task(self.fetch_task)
+                self.fetch_task = None
+            self.live.console.print(state_line(event))
         self.live.update(self._render())
 
     def _render(self) -> Any:

@@ -222,7 +222,7 @@ class _ShardFetch:
             except CorruptShard as e:
                 logger.warning("peer %s sent a corrupt %s: %s; avoiding it", peer.peer_id, info.name, e)
                 self._give_back(index, peer, avoid=True)
-                self.report.corrupt_peers.append(str(peer.peer_id))
+                _add_once(self.report.corrupt_peers, str(peer.peer_id))
                 return
             except RemoteError as e:
                 if e.code == "busy" and busy < MAX_BUSY:
@@ -249,7 +249,7 @@ class _ShardFetch:
 
     def _fail(self, index: int, peer: Holder, error: BaseException) -> None:
         logger.info("peer %s failed to send a shard: %s", peer.peer_id, error)
-        self.report.failed_peers.append(str(peer.peer_id))
+        _add_once(self.report.failed_peers, str(peer.peer_id))
         self._give_back(index, peer, avoid=True)
 
     def _give_back(self, index: int, peer: Holder, *, avoid: bool) -> None:
@@ -302,6 +302,11 @@ class _ShardFetch:
                     len(self.peers) - len(self.avoided),
                 )
             )
+
+
+def _add_once(items: list[str], item: str) -> None:
+    if item not in items:
+        items.append(item)
 
 
 def _write_and_hash(file: IO[bytes], hasher: Any, chunk: Any) -> None:

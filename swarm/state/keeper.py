@@ -1,0 +1,170 @@
+"""StateKeeper: a training node's side of the swarm state (DESIGN invariants 5-7).
+
+    keeper = StateKeeper(host, dht, run_info, in_trainer=..., ...)
+    await keeper.resume_local(diloco)          # from --checkpoint-dir, after a crash
+    await keeper.catch_up(diloco, ...)         # fetch from peers when they are ahead
+    await keeper.publish(diloco)               # after each outer step: serve, advertise, checkpoint
+
+After an outer step the state is copied once, in the trainer's thread (the only moment training
+waits); serializing, hashing, serving and the checkpoint write happen from that copy in other
+threads while the next inner steps run. A node fetches instead of training on when
+- it starts and the run already has a newer state than its own (a newcomer, or a restart), or
+- peers advertise a newer outer step than its own (it was slow or partitioned), or
+- it averaged alone last step while two or more peers of that step agree on another state
+  (it missed its group: it adopts the group's state instead of drifting on its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from swarm.dht.node import DHTNode
+from swarm.model.checkpoint import CheckpointDir, Manifest, RunInfo, Snapshot, copy_state, make_snapshot
+from swarm.model.diloco import DiLoCo
+from swarm.p2p.host import P2PHost
+from swarm.state.fetcher import FetchProgress, FetchReport, fetch_state, remove_fetch_dir
+from swarm.state.holders import advertise, choose_state, find_holders
+from swarm.state.server import StateServer
+
+logger = logging.getLogger(__name__)
+
+InTrainer = Callable[..., Awaitable[Any]]
+
+
+class StateKeeper:
+    def __init__(
+        self,
+        host: P2PHost,
+        dht: DHTNode,
+        run: RunInfo,
+        *,
+        in_trainer: InTrainer,
+        serve: bool,
+        checkpoint_dir: Path | None,
+        checkpoint_every: int = 1,
+        shard_bytes: int,
+        max_uploads: int = 4,
+        fetch_timeout: float = 120.0,
+        advertise_ttl: float = 60.0,
+        on_fetch_progress: Callable[[FetchProgress], None] | None = None,
+    ) -> None:
+        self.host, self.dht, self.run = host, dht, run
+        self.in_trainer = in_trainer
+        self.server = StateServer(host, run.run_id, max_uploads=max_uploads) if serve else None
+        self.checkpoints = CheckpointDir(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_every, self.shard_bytes = checkpoint_every, shard_bytes
+        self.fetch_timeout, self.advertise_ttl = fetch_timeout, advertise_ttl
+        self.on_fetch_progress = on_fetch_progress
+        self.current: Snapshot | None = None
+        self._publishing: asyncio.Task[None] | None = None
+        self._refresher: asyncio.Task[None] | None = None
+
+    async def close(self) -> None:
+        if self._publishing is not None:
+            await asyncio.gather(self._publishing, return_exceptions=True)
+        if self._refresher is not None:
+            self._refresher.cancel()
+            await asyncio.gather(self._refresher, return_exceptions=True)
+        if self.server is not None:
+            self.server.close()
+
+    # --- getting a state -------------------------------------------------------------------------
+
+    async def resume_local(self, diloco: DiLoCo) -> int | None:
+        """Load the newest whole local checkpoint; returns its step, or None when there is none.
+        Raises CheckpointError (IncompatibleState) for a checkpoint of another run or model."""
+        if self.checkpoints is None:
+            return None
+        found = await asyncio.to_thread(self.checkpoints.load_latest, self.run)
+        if found is None:
+            return None
+        manifest, state = found
+        await self.in_trainer(diloco.load_state_dict, state)
+        logger.info("resumed from the checkpoint of outer step %d in %s", manifest.step, self.checkpoints.path)
+        return manifest.step
+
+    async def catch_up(self, diloco: DiLoCo, *, alone_last_step: bool) -> tuple[str, FetchReport] | None:
+        """Fetch and load the swarm's state when this node should (see the module docstring).
+        Returns (why, report) after a fetch, None when the node's own state is right. Raises
+        FetchError or IncompatibleState when a needed fetch fails."""
+        holders = [h for h in await find_holders(self.dht, self.run.run_id) if h.peer_id != self.host.peer_id]
+        chosen = choose_state(holders)
+        if chosen is None:
+            return None
+        step, sha, agreeing = chosen
+        if step > diloco.outer_step:
+            why = "behind"
+        elif (
+            alone_last_step
+            and step == diloco.outer_step
+            and len(agreeing) >= 2
+            and (self.current is None or self.current.manifest.sha256 != sha)
+        ):
+            why = "missed its group"
+        else:
+            return None
+        dest = self.checkpoints.path if self.checkpoints is not None else Path(tempfile.gettempdir()) / "swarm-fetch"
+        manifest, state, report = await fetch_state(
+            self.host,
+            self.run.run_id,
+            holders,
+            expect=self.run,
+            dest=dest,
+            timeout=self.fetch_timeout,
+            on_progress=self.on_fetch_progress,
+        )
+        await self.in_trainer(diloco.load_state_dict, state)
+        await asyncio.to_thread(remove_fetch_dir, dest, manifest)
+        logger.info("fetched the state of outer step %d (%s): %.1f MB from %d peers in %.2fs", manifest.step, why,
+                    report.total_bytes / 1e6, len(report.bytes_by_peer), report.elapsed_s)  # fmt: skip
+        await self.publish(diloco, checkpoint=True)
+        return why, report
+
+    # --- holding a state --------------------------------------------------------------------------
+
+    async def publish(self, diloco: DiLoCo, *, checkpoint: bool | None = None) -> None:
+        """Copy the state now (in the trainer's thread); serve, advertise and checkpoint it in
+        the background. A previous publication still under way is finished first."""
+        if self._publishing is not None:
+            await asyncio.gather(self._publishing, return_exceptions=True)
+        copied = await self.in_trainer(lambda: copy_state(diloco.state_dict()))
+        if checkpoint is None:
+            checkpoint = copied["outer_step"] % self.checkpoint_every == 0
+        self._publishing = asyncio.ensure_future(self._publish(copied, checkpoint))
+
+    async def _publish(self, copied: dict[str, Any], checkpoint: bool) -> None:
+        try:
+            snapshot = await asyncio.to_thread(make_snapshot, copied, self.run, self.shard_bytes)
+            del copied
+            self.current = snapshot
+            if self.server is not None:
+                self.server.publish(snapshot)
+                await self._advertise(snapshot.manifest)
+                if self._refresher is None:
+                    self._refresher = asyncio.ensure_future(self._refresh_forever())
+            if checkpoint and self.checkpoints is not None:
+                started = time.perf_counter()
+                where = await asyncio.to_thread(self.checkpoints.write, snapshot)
+                logger.info("checkpoint of outer step %d written to %s in %.2fs", snapshot.manifest.step, where,
+                            time.perf_counter() - started)  # fmt: skip
+        except OSError as e:  # a full disk must not stop training: say so, try again next step
+            logger.error("could not write the checkpoint: %s", e)
+        except Exception:
+            logger.exception("could not publish the state")
+
+    async def _advertise(self, manifest: Manifest) -> None:
+        maddrs = self.host.visible_maddrs
+        await advertise(self.dht, self.run.run_id, manifest, maddrs, time.time() + self.advertise_ttl)
+
+    async def _refresh_forever(self) -> None:
+        """Keep the advertisement alive between outer steps (it expires soon after we stop)."""
+        while True:
+            await asyncio.sleep(self.advertise_ttl / 3)
+            if self.current is not None:
+                await self._advertise(self.current.manifest)
