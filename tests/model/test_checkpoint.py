@@ -1,0 +1,151 @@
+"""The state's format and the local checkpoint directory (swarm/model/checkpoint.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarm.model.checkpoint import (
+    CheckpointDir,
+    CheckpointError,
+    IncompatibleState,
+    RunInfo,
+    copy_state,
+    make_snapshot,
+    parse_manifest,
+    state_from_shards,
+    verify_shard,
+)
+from swarm.model.diloco import DiLoCo, DiLoCoConfig
+from swarm.model.llama import build_model
+from swarm.model.presets import preset
+
+RUN = RunInfo(run_id="r", model="tiny", model_config=dataclasses.asdict(preset("tiny")), seed=0, inner_steps=5)
+
+
+def _diloco(step: int = 0) -> DiLoCo:
+    d = DiLoCo(build_model(preset("tiny"), 0), DiLoCoConfig(inner_steps=1))
+    gen = torch.Generator().manual_seed(step)
+    for m in d.outer_momentum:
+        m.copy_(torch.randn(m.shape, generator=gen))
+    d.outer_step = step
+    return d
+
+
+def test_snapshot_roundtrip_is_exact_and_shards_follow_the_size() -> None:
+    d = _diloco(3)
+    snap = make_snapshot(copy_state(d.state_dict()), RUN, shard_bytes=1 << 20)
+    manifest = snap.manifest
+    assert manifest.step == 3 and len(manifest.shards) > 5
+    assert all(s.nbytes <= (1 << 20) + (1 << 19) for s in manifest.shards[:-1])  # about the size, tensors whole
+    assert sum(len(s.tensors) for s in manifest.shards) == 2 * len(d.names)
+    for info in manifest.shards:
+        verify_shard(info, snap.shards[info.name])
+    state = state_from_shards(manifest, [snap.shards[s.name] for s in manifest.shards])
+    other = _diloco(0)
+    other.load_state_dict(state)
+    assert other.outer_step == 3 and other.outer_sha256() == d.outer_sha256()
+    assert all(torch.equal(a, b) for a, b in zip(other.outer_momentum, d.outer_momentum, strict=True))
+
+
+def test_the_manifest_hash_is_canonical_and_pins_every_field() -> None:
+    snap = make_snapshot(copy_state(_diloco(1).state_dict()), RUN, shard_bytes=4 << 20)
+    again = make_snapshot(copy_state(_diloco(1).state_dict()), RUN, shard_bytes=4 << 20)
+    assert snap.manifest.to_json() == again.manifest.to_json() and snap.manifest.sha256 == again.manifest.sha256
+    parsed = parse_manifest(snap.manifest.to_json())
+    assert parsed == snap.manifest
+    moved = make_snapshot(copy_state(_diloco(2).state_dict()), RUN, shard_bytes=4 << 20)
+    assert moved.manifest.sha256 != snap.manifest.sha256
+
+
+def _mutated(field: str, value: object) -> bytes:
+    snap = make_snapshot(copy_state(_diloco(1).state_dict()), RUN, shard_bytes=4 << 20)
+    body = json.loads(snap.manifest.to_json())
+    if field.startswith("shards."):
+        body["shards"][0][field.split(".", 1)[1]] = value
+    else:
+        body[field] = value
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("format", "other/1"), ("step", -1), ("step", "3"), ("run_id", 5), ("model_config", []), ("shards", []),
+        ("shards.name", "../../x"), ("shards.bytes", 0), ("shards.bytes", True), ("shards.sha256", "ab"),
+        ("shards.tensors", []), ("shards.tensors", ["weights/x"]), ("seed", None),
+    ],
+)  # fmt: skip
+def test_malformed_manifests_are_refused(field: str, value: object) -> None:
+    with pytest.raises(CheckpointError):
+        parse_manifest(_mutated(field, value))
+
+
+def test_garbage_and_oversize_manifests_are_refused() -> None:
+    for data in (b"", b"\xff\xfe", b"[1, 2]", b"{", b" " * (5 << 20)):
+        with pytest.raises(CheckpointError):
+            parse_manifest(data)
+
+
+def test_a_state_for_another_run_or_model_is_incompatible() -> None:
+    snap = make_snapshot(copy_state(_diloco(1).state_dict()), RUN)
+    snap.manifest.check_usable_by(RUN)
+    with pytest.raises(IncompatibleState, match="run"):
+        snap.manifest.check_usable_by(dataclasses.replace(RUN, run_id="other"))
+    small = RunInfo(run_id="r", model="small", model_config=dataclasses.asdict(preset("small")))
+    with pytest.raises(IncompatibleState, match="model"):
+        snap.manifest.check_usable_by(small)
+
+
+def test_a_shard_with_other_tensors_than_listed_is_refused() -> None:
+    a = make_snapshot(copy_state(_diloco(1).state_dict()), RUN, shard_bytes=1 << 20)
+    first, second = a.manifest.shards[:2]
+    with pytest.raises(CheckpointError, match="other tensors"):
+        state_from_shards(a.manifest, [a.shards[second.name], *[a.shards[s.name] for s in a.manifest.shards[1:]]])
+    with pytest.raises(CheckpointError, match=r"SHA-256|bytes"):
+        verify_shard(first, a.shards[second.name])
+    with pytest.raises(CheckpointError, match="readable"):
+        state_from_shards(a.manifest, [b"not safetensors"] + [a.shards[s.name] for s in a.manifest.shards[1:]])
+
+
+def test_checkpoint_dir_keeps_the_last_two_and_loads_the_newest(tmp_path: Path) -> None:
+    ckpt = CheckpointDir(tmp_path)
+    assert ckpt.load_latest(RUN) is None
+    for step in (1, 2, 3):
+        ckpt.write(make_snapshot(copy_state(_diloco(step).state_dict()), RUN, shard_bytes=2 << 20))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-00000002", "step-00000003"]
+    manifest, state = ckpt.load_latest(RUN)
+    assert manifest.step == 3 and state["outer_step"] == 3
+    with pytest.raises(IncompatibleState):
+        ckpt.load_latest(dataclasses.replace(RUN, run_id="other"))
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path) -> None:
+    ckpt = CheckpointDir(tmp_path)
+    for step in (4, 5):
+        ckpt.write(make_snapshot(copy_state(_diloco(step).state_dict()), RUN, shard_bytes=2 << 20))
+    shard = next((tmp_path / "step-00000005").glob("shard-*"))
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 1
+    shard.write_bytes(bytes(data))
+    manifest, _ = ckpt.load_latest(RUN)
+    assert manifest.step == 4
+    # a writer killed mid-write: a temporary directory and no LATEST update; it is ignored and cleaned
+    partial = tmp_path / f"step-00000006.tmp-{os.getpid() + 1}"
+    partial.mkdir()
+    (partial / "shard-00000.safetensors").write_bytes(b"half")
+    assert ckpt.load_latest(RUN)[0].step == 4
+    ckpt.write(make_snapshot(copy_state(_diloco(6).state_dict()), RUN, shard_bytes=2 << 20))
+    assert not partial.exists() and ckpt.load_latest(RUN)[0].step == 6
+
+
+def test_nothing_whole_is_an_error_that_says_why(tmp_path: Path) -> None:
+    (tmp_path / "step-00000001").mkdir()
+    (tmp_path / "step-00000001" / "manifest.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="no whole checkpoint"):
+        CheckpointDir(tmp_path).load_latest(RUN)
