@@ -32,6 +32,13 @@ def test_three_nodes_train_together_with_identical_state(swarm: Swarm) -> None:
     names = ["a", "b", "c"]
     args = ("--run-id", "three", "--inner-steps", "8", "--max-outer-steps", "4", "--matchmaking-time", "2")
     procs = [swarm.node(name, *args) for name in names]
+    swarm.wait_for(lambda: len(swarm.events("c", "outer_step")) >= 1, 150, "an outer step")
+    command = [console_script("swarm-dht"), "inspect", "--run-id", "three", "--initial-peers", str(swarm.bootstrap)]
+    inspect = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=60)
+    assert inspect.returncode == 0, inspect.stderr
+    published = {e["peer_id"]: e["value"] for e in json.loads(inspect.stdout)["nodes"]}
+    assert len(published) == 3 and all(v["step"] >= 1 and v["eval_loss"] for v in published.values()), published
+    assert len(json.loads(inspect.stdout)["state"]) == 3  # each holds the state of its last outer step
     for name, proc in zip(names, procs, strict=True):
         assert proc.wait(200) == 0, swarm.stderr(name)
     by_step = _hashes_by_step(swarm, names)
@@ -166,3 +173,34 @@ def test_resident_memory_does_not_grow_over_outer_steps(swarm: Swarm) -> None:
     assert proc.wait(280) == 0, swarm.stderr("mem")
     rss = {e["outer_step"]: e["rss_bytes"] for e in swarm.events("mem", "outer_step")}
     assert rss[49] <= 1.10 * rss[4], f"{rss[4] / 2**20:.1f} MiB after 5 outer steps, {rss[49] / 2**20:.1f} after 50"
+
+
+@pytest.mark.timeout(120)
+def test_on_a_terminal_it_shows_a_live_panel(tmp_path: Path) -> None:
+    """stderr on a pseudo-terminal: the rich panel (progress bar, losses) instead of log lines."""
+    import os
+    import pty
+
+    controller, terminal = pty.openpty()
+    command = [console_script("swarm-node"), "--run-id", "tty", "--inner-steps", "3", "--max-outer-steps", "2",
+               "--matchmaking-time", "0.2", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *FAST]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=terminal, start_new_session=True)
+    os.close(terminal)
+    shown = b""
+    try:
+        while True:
+            try:
+                chunk = os.read(controller, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            shown += chunk
+        assert proc.wait(90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        os.close(controller)
+    text = shown.decode(errors="replace")
+    assert "inner steps" in text and "eval loss" in text and "\x1b[" in text  # drawn, not logged
