@@ -11,8 +11,10 @@ churn, SIGKILLs a random running node or starts a newcomer every so many seconds
 Ctrl+C or on SIGTERM it stops every child (SIGTERM, then SIGKILL after a grace period) and writes
 the metrics JSON and the loss plot (see sim_report.py) from whatever the nodes reported.
 
-Churn keeps at least one node alive and stops once the first node has finished: killing or
-adding nodes during the last outer step measures nothing.
+Churn starts when the first node has started, keeps at least one node alive, and stops once any
+node reaches the last outer step or exits (killing or adding nodes then measures nothing);
+newcomers still starting at that point are cancelled (SIGKILL) and count as neither success nor
+failure.
 
 Exit status: 0 when every node that was not killed reached --outer-steps; 1 when a node failed,
 failed to start or the --timeout passed; 2 for a bad command line; 130 when interrupted.
@@ -34,27 +36,41 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any, Protocol
+from typing import Any
 
 import click
 
 from swarm.cli import sim_report
-from swarm.cli.common import CliError, OneLineErrors, positive_seconds
-from swarm.cli.sim_report import ALIVE, DONE, FAILED, KILLED, STARTING, STOPPED, EventTail, NodeRecord
+from swarm.cli.common import CliError, OneLineCommand, positive_seconds
+from swarm.cli.sim_report import (
+    ALIVE,
+    CANCELLED,
+    DONE,
+    FAILED,
+    KILLED,
+    STARTING,
+    STOPPED,
+    Display,
+    EventTail,
+    NodeRecord,
+)
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 POLL_S = 0.25  # how often the simulator reads the metrics files and checks its children
 START_TIMEOUT_S = 180.0  # from spawn to a node's "start" event: imports, corpus, the codec's first build
 BOOTSTRAP_TIMEOUT_S = 30.0
 GRACE_S = 10.0  # between SIGTERM and SIGKILL when stopping the children
-MODELS = ("tiny", "small", "150m", "1b")  # swarm.model.presets; not imported here: it pulls in torch
+# swarm.model.presets.PRESETS and swarm.averaging.config.CODECS, written out: importing either pulls in
+# torch, seconds before a bad flag can be answered (tests/cli/test_sim.py checks that they match)
+MODELS = ("tiny", "small", "150m", "1b")
+CODECS = ("int8", "fp16", "none")
 
 # The demo (`swarm-sim` with no options), measured on a 2-core laptop CPU: see the README.
 DEFAULT_NODES = 3
 DEFAULT_OUTER_STEPS = 10
 DEFAULT_INNER_STEPS = 20
 DEFAULT_BATCH_SIZE = 8
-DEFAULT_SEQ_LEN = 128
+DEFAULT_SEQ_LEN = 64
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,6 +85,8 @@ class SimConfig:
     seq_len: int
     compression: str
     seed: int  # the model's init seed (the same on every node) and the churn's random choices
+    lr: float | None  # None: swarm-node's default
+    warmup_steps: int | None  # None: swarm-node's default
     matchmaking_time: float | None  # None: swarm-node's default
     target_group_size: int | None
     kill_every: float | None  # seconds between SIGKILLs of a random running node; None: never
@@ -146,11 +164,6 @@ class Child:
     spawned_at: float  # time.monotonic()
 
 
-class Display(Protocol):
-    def event(self, line: str, *, routine: bool = False) -> None: ...
-    def refresh(self, records: Sequence[NodeRecord]) -> None: ...
-
-
 class Swarm:
     """The bootstrap DHT node and the training nodes of one simulation, and what they reported."""
 
@@ -171,6 +184,7 @@ class Swarm:
         """Start `swarm-dht serve --json` and read its first line: {"peer_id", "maddrs"}."""
         log, out = self.config.run_dir / "bootstrap.log", self.config.run_dir / "bootstrap.out"
         argv = [*console_script("swarm-dht", "swarm.cli.dht"), "serve", "--json", "--host-maddrs", LOOPBACK]
+        argv += ["-v"] * self.config.verbose
         self.bootstrap = spawn(argv, log, stdout=out)
         deadline = time.monotonic() + BOOTSTRAP_TIMEOUT_S
         while not stop.requested:
@@ -196,14 +210,16 @@ class Swarm:
     def node_argv(self, metrics: Path) -> list[str]:
         c = self.config
         argv = [*console_script("swarm-node", "swarm.cli.node")]
-        if os.environ.get("SWARM_SIM_FAKE_NODE"):  # DEV ONLY: remove
-            argv = [sys.executable, os.environ["SWARM_SIM_FAKE_NODE"]]
         for maddr in self.initial_peers:
             argv += ["--initial-peers", maddr]
         argv += ["--host-maddrs", LOOPBACK, "--run-id", self.run_id, "--model", c.model]
         argv += ["--inner-steps", str(c.inner_steps), "--batch-size", str(c.batch_size), "--seq-len", str(c.seq_len)]
         argv += ["--compression", c.compression, "--max-outer-steps", str(c.outer_steps), "--seed", str(c.seed)]
         argv += ["--threads", str(c.threads), "--metrics-file", str(metrics), "--eval-every", "1"]
+        if c.lr is not None:
+            argv += ["--lr", f"{c.lr:g}"]
+        if c.warmup_steps is not None:
+            argv += ["--warmup-steps", str(c.warmup_steps)]
         if c.matchmaking_time is not None:
             argv += ["--matchmaking-time", f"{c.matchmaking_time:g}"]
         if c.target_group_size is not None:
@@ -221,12 +237,14 @@ class Swarm:
             if code is not None and child.record.exit_code is None:
                 self._exited(child, code)
             elif not child.record.started and time.monotonic() - child.spawned_at > START_TIMEOUT_S:
-                raise CliError(f"{child.record.name} did not start within {START_TIMEOUT_S:g}s (see {child.record.log})")
+                raise CliError(
+                    f"{child.record.name} did not start within {START_TIMEOUT_S:g}s (see {child.record.log})"
+                )
 
     def _exited(self, child: Child, code: int) -> None:
         record = child.record
         record.exit_code = code
-        if record.status == KILLED:
+        if record.status in (KILLED, CANCELLED):  # we did it
             return
         if not record.started:
             raise CliError(f"{record.name} failed at start (exit {code}): {last_line(record.log)}")
@@ -237,14 +255,14 @@ class Swarm:
         return record.outer_step is not None and record.outer_step >= self.config.outer_steps - 1
 
     def running(self) -> list[Child]:
-        return [c for c in self.children if c.record.exit_code is None and c.record.status != KILLED]
+        return [c for c in self.children if c.record.exit_code is None and c.record.status not in (KILLED, CANCELLED)]
 
     def finished(self) -> bool:
         return not self.running()
 
     def winding_down(self) -> bool:
-        """True once any node reached the last outer step or exited: churn stops then."""
-        return any(self.reached_end(c.record) or c.record.exit_code is not None for c in self.children)
+        """True once any node reached the last outer step or exited on its own: churn stops then."""
+        return any(self.reached_end(c.record) or c.record.status in (DONE, FAILED) for c in self.children)
 
     def kill_random(self) -> None:
         """SIGKILL one random node that has started, unless it is the last one running."""
@@ -256,6 +274,23 @@ class Swarm:
         victim.record.status = KILLED
         self.display.event(f"killed {victim.record.label()} (SIGKILL) at outer step {victim.record.outer_step}")
 
+    def join(self) -> None:
+        """Start a newcomer, unless the last one is still starting: on a small machine, starts
+        that pile up (each imports torch and reads the corpus) would starve the training nodes."""
+        if any(c.record.status == STARTING for c in self.running()):
+            return
+        child = self.start_node()
+        self.display.event(f"{child.record.name} joining")
+
+    def cancel_starting(self) -> None:
+        """SIGKILL the newcomers that have not started yet: the swarm they meant to join is
+        finishing. Nothing of theirs is lost: they have not trained."""
+        for child in self.running():
+            if child.record.status == STARTING:
+                send(child.proc, signal.SIGKILL)
+                child.record.status = CANCELLED
+                self.display.event(f"{child.record.name} cancelled: the swarm is finishing")
+
     def close(self) -> None:
         """Stop every child, then read what the nodes wrote while stopping."""
         procs = [c.proc for c in self.children] + ([self.bootstrap] if self.bootstrap else [])
@@ -263,18 +298,20 @@ class Swarm:
         for child in self.children:
             for event in child.tail.read():
                 child.record.apply(event)
-            if child.record.exit_code is None:
-                child.record.exit_code = child.proc.poll()
-            if child.record.status in (STARTING, ALIVE):
-                child.record.status = STOPPED
+            record = child.record
+            if record.exit_code is None:
+                record.exit_code = child.proc.poll()
+            if record.status in (STARTING, ALIVE):  # a node that finished just now still counts as done
+                record.status = DONE if record.exit_code == 0 and self.reached_end(record) else STOPPED
 
 
 # --- the run ----------------------------------------------------------------------------------
 
 
 class StopRequest:
-    """Set by SIGINT or SIGTERM; the simulator's loop checks it between polls (a flag, not an
-    exception: the children are stopped and the metrics written in order, never half-way)."""
+    """Set by SIGINT, SIGTERM or SIGHUP (the terminal closed); the simulator's loop checks it
+    between polls. A flag, not an exception: the children are stopped and the metrics written in
+    order, never half-way, and a second signal while stopping cannot cut that short."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -290,12 +327,43 @@ class StopRequest:
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[StopRequest]:
     stop = StopRequest()
-    previous = {sig: signal.signal(sig, stop.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signals = [signal.SIGINT, signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])]
+    previous = {sig: signal.signal(sig, stop.handle) for sig in signals}
     try:
         yield stop
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@dataclasses.dataclass(slots=True)
+class Churn:
+    """When to kill a node and when to add one: every kill_every / join_every seconds, counted
+    from the first node's start (before that there is no swarm to churn), until the swarm winds
+    down (see Swarm.winding_down)."""
+
+    kill_every: float | None
+    join_every: float | None
+    next_kill: float = float("inf")
+    next_join: float = float("inf")
+    armed: bool = False
+
+    def tick(self, swarm: Swarm, now: float) -> None:
+        if swarm.winding_down():
+            swarm.cancel_starting()
+            return
+        if not self.armed:
+            if not any(r.started for r in swarm.records):
+                return
+            self.armed = True
+            self.next_kill = now + self.kill_every if self.kill_every else float("inf")
+            self.next_join = now + self.join_every if self.join_every else float("inf")
+        if now >= self.next_kill:
+            swarm.kill_random()
+            self.next_kill += self.kill_every or 0
+        if now >= self.next_join:
+            swarm.join()
+            self.next_join += self.join_every or 0
 
 
 def simulate(swarm: Swarm, stop: StopRequest) -> None:
@@ -306,8 +374,7 @@ def simulate(swarm: Swarm, stop: StopRequest) -> None:
         if not stop.requested:
             swarm.start_node()
     start = time.monotonic()
-    next_kill = start + config.kill_every if config.kill_every else None
-    next_join = start + config.join_every if config.join_every else None
+    churn = Churn(kill_every=config.kill_every, join_every=config.join_every)
     while not stop.requested:
         swarm.poll()
         swarm.display.refresh(swarm.records)
@@ -316,23 +383,18 @@ def simulate(swarm: Swarm, stop: StopRequest) -> None:
         now = time.monotonic()
         if config.timeout is not None and now - start > config.timeout:
             raise CliError(f"the swarm did not finish within {config.timeout:g}s (see --timeout)")
-        if next_kill is not None and now >= next_kill and not swarm.winding_down():
-            swarm.kill_random()
-            next_kill += config.kill_every or 0
-        if next_join is not None and now >= next_join and not swarm.winding_down():
-            child = swarm.start_node()
-            swarm.display.event(f"{child.record.name} joining")
-            next_join += config.join_every or 0
+        churn.tick(swarm, now)
         time.sleep(POLL_S)
 
 
-def run(config: SimConfig, display: Display) -> None:
+def run(config: SimConfig) -> None:
     """The whole simulation: the children are always stopped and the reports always written;
     then the first failure (or the interruption) decides the exit status."""
-    swarm = Swarm(config, display)
     began = time.time()
     failure: CliError | None = None
-    with stop_on_signals() as stop:
+    title = f"swarm-sim · model {config.model} · H={config.inner_steps}"
+    with stop_on_signals() as stop, sim_report.open_display(title) as display:
+        swarm = Swarm(config, display)
         try:
             simulate(swarm, stop)
         except CliError as e:
@@ -340,12 +402,12 @@ def run(config: SimConfig, display: Display) -> None:
         finally:
             swarm.close()
             display.refresh(swarm.records)
-    write_reports(swarm, time.time() - began, interrupted=stop.requested)
+    write_reports(swarm, time.time() - began, interrupted=stop.requested)  # after the live table: no redraws
     if failure is not None:
         raise failure
     if stop.requested:
-        raise click.Abort()  # OneLineErrors: "interrupted", exit 130
-    failed = [r for r in swarm.records if r.status not in (DONE, KILLED)]
+        raise click.Abort()  # OneLineCommand: "swarm-sim: interrupted", exit 130
+    failed = [r for r in swarm.records if r.status not in (DONE, KILLED, CANCELLED)]
     if failed:
         r = failed[0]
         raise CliError(
@@ -379,58 +441,6 @@ def write_reports(swarm: Swarm, wall_s: float, *, interrupted: bool) -> None:
     click.echo(f"metrics: {c.metrics_out}\nplot: {c.plot_out}\nlogs: {c.run_dir}")
 
 
-# --- displays -------------------------------------------------------------------------------
-
-
-class PlainDisplay:
-    """Log lines on stdout (piped output, CI logs): every start, outer step, kill, join, exit."""
-
-    def __init__(self) -> None:
-        self.began = time.monotonic()
-
-    def event(self, line: str, *, routine: bool = False) -> None:
-        click.echo(f"[{time.monotonic() - self.began:7.1f}s] {line}")
-        sys.stdout.flush()
-
-    def refresh(self, records: Sequence[NodeRecord]) -> None:
-        pass  # the outer-step lines carry the figures
-
-
-class LiveDisplay:
-    """One rich table redrawn in place; the rare events (start, kill, join, exit) print above it."""
-
-    def __init__(self, title: str) -> None:
-        from rich.live import Live
-
-        self.title = title
-        self.live = Live(sim_report.rich_table([], title), refresh_per_second=4, transient=False)
-
-    def __enter__(self) -> LiveDisplay:
-        self.live.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.live.stop()
-
-    def event(self, line: str, *, routine: bool = False) -> None:
-        if not routine:
-            from rich.text import Text
-
-            self.live.console.print(Text(line))
-
-    def refresh(self, records: Sequence[NodeRecord]) -> None:
-        self.live.update(sim_report.rich_table(records, self.title))
-
-
-@contextlib.contextmanager
-def open_display(config: SimConfig) -> Iterator[Display]:
-    if sys.stdout.isatty():
-        with LiveDisplay(f"swarm-sim · model {config.model} · H={config.inner_steps}") as live:
-            yield live
-    else:
-        yield PlainDisplay()
-
-
 # --- command line ---------------------------------------------------------------------------
 
 
@@ -443,21 +453,17 @@ def default_threads(nodes: int) -> int:
     return max(1, cpus // nodes)
 
 
-@click.group(
-    cls=OneLineErrors,
-    name="swarm-sim",
-    invoke_without_command=True,
-    subcommand_metavar="",
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
+@click.command(cls=OneLineCommand, name="swarm-sim", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--nodes", type=click.IntRange(min=1), default=DEFAULT_NODES, show_default=True, help="Nodes at start.")
 @click.option("--model", type=click.Choice(MODELS), default="tiny", show_default=True, help="Model preset.")
 @click.option("--outer-steps", type=click.IntRange(min=1), default=DEFAULT_OUTER_STEPS, show_default=True)
 @click.option("--inner-steps", type=click.IntRange(min=1), default=DEFAULT_INNER_STEPS, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=DEFAULT_BATCH_SIZE, show_default=True)
 @click.option("--seq-len", type=click.IntRange(min=1), default=DEFAULT_SEQ_LEN, show_default=True)
-@click.option("--compression", type=click.Choice(["int8", "fp16", "none"]), default="int8", show_default=True)
+@click.option("--compression", type=click.Choice(CODECS), default="int8", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Model init seed; also seeds the churn.")
+@click.option("--lr", type=click.FloatRange(0, min_open=True), help="Peak inner learning rate. Default: swarm-node's.")
+@click.option("--warmup-steps", type=click.IntRange(min=0), help="Inner warmup steps. Default: swarm-node's.")
 @click.option("--matchmaking-time", type=float, callback=positive_seconds, metavar="SECONDS", help="Per node.")
 @click.option("--target-group-size", type=click.IntRange(min=1), help="Per node. Default: swarm-node's.")
 @click.option(
@@ -480,25 +486,26 @@ def main(**options: Any) -> None:
     With no options: the demo, 3 nodes of the tiny model for a few minutes on a laptop CPU;
     the loss falls. At the end (or on Ctrl+C) writes the metrics JSON and a loss plot.
     """
-    config = build_config(**options)
-    with open_display(config) as display:
-        run(config, display)
+    run(build_config(**options))
 
 
 def build_config(
     *, run_dir: Path | None, metrics_out: Path | None, plot_out: Path | None, threads: int | None, **options: Any
 ) -> SimConfig:
+    """The config, with the folders made now: a path that cannot be written fails before any
+    node has trained, not after."""
     try:
-        if run_dir is None:
-            run_dir = Path(tempfile.mkdtemp(prefix="swarm-sim-"))
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = Path(tempfile.mkdtemp(prefix="swarm-sim-")) if run_dir is None else run_dir
+        metrics_out = metrics_out or run_dir / "metrics.json"
+        plot_out = plot_out or metrics_out.with_suffix(".png")
+        for folder in (run_dir, metrics_out.parent, plot_out.parent):
+            folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise CliError(f"cannot create the run directory {run_dir}: {e.strerror or e}") from None
-    metrics_out = metrics_out or run_dir / "metrics.json"
+        raise CliError(f"cannot create {e.filename or run_dir}: {e.strerror or e}") from None
     return SimConfig(
         run_dir=run_dir,
         metrics_out=metrics_out,
-        plot_out=plot_out or metrics_out.with_suffix(".png"),
+        plot_out=plot_out,
         threads=threads or default_threads(options["nodes"]),
         **options,
     )

@@ -1,5 +1,5 @@
-"""What swarm-sim knows about each node, and how it shows it: the live table, plain log lines,
-the metrics JSON and the loss plot.
+"""What swarm-sim knows about each node, and how it shows it: the live table (rich, on a
+terminal), plain log lines (otherwise), the metrics JSON and the loss plot.
 
 A node reports through its `--metrics-file` (JSON lines, see swarm-node's help): one "start",
 "progress" events while it trains, one "outer_step" per completed outer step, one "exit".
@@ -8,23 +8,34 @@ simulator adds what only it knows (the node was killed, or exited with a code).
 
 The metrics JSON:
 
-    {"run_id", "model", "outer_steps", "inner_steps", "wall_s",
+    {"run_id", "model", "nodes_started", "outer_steps", "inner_steps", "batch_size", "seq_len",
+     "compression", "wall_s", "interrupted",
      "nodes": [{"name", "peer_id", "joined_at_step", "status", "exit_code",
                 "steps": [{"outer_step", "train_loss", "eval_loss", "state_sha256",
-                           "group_size", "bytes_sent"}]}]}
+                           "group_size", "bytes_sent", "group_id", "tokens_per_s"}]}]}
+
+joined_at_step is the first outer step the node trained: the step of its "start" event, or
+the step whose state it fetched from peers before its first outer step (a newcomer catching up).
+train_loss is null for a round whose loss the node did not report; eval_loss for a step it
+did not evaluate (see swarm-node --eval-every); group_id is null for a node that averaged alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import sys
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+import click
 
 if TYPE_CHECKING:  # rich is imported only for a terminal
     from rich.table import Table
@@ -32,9 +43,12 @@ if TYPE_CHECKING:  # rich is imported only for a terminal
 logger = logging.getLogger(__name__)
 
 STEP_KEYS = ("outer_step", "train_loss", "eval_loss", "state_sha256", "group_size", "bytes_sent")
+EXTRA_STEP_KEYS = ("group_id", "tokens_per_s")  # kept too: which nodes averaged together, and how fast
 
-# status of a node, as the table shows it
+# status of a node, as the table shows it; "cancelled": a newcomer stopped before it started,
+# because the swarm had finished meanwhile
 STARTING, ALIVE, DONE, KILLED, FAILED, STOPPED = "starting", "alive", "done", "killed", "failed", "stopped"
+CANCELLED = "cancelled"
 
 
 @dataclass(slots=True)
@@ -77,13 +91,21 @@ class NodeRecord:
             return None
         if kind == "outer_step":
             return self._outer_step(event)
+        if kind == "fetch":  # state exchange: a newcomer, or a node that fell behind, caught up
+            if not self.steps:  # a newcomer joins the swarm at the step it fetched, not at its own 0
+                self.joined_at_step = _int(event.get("outer_step"))
+            size = (_int(event.get("bytes")) or 0) / 1e6
+            return (
+                f"{self.label()} fetched the state of outer step {event.get('outer_step')} "
+                f"({size:.1f} MB from {event.get('peers')} peer(s), {event.get('reason')})"
+            )
         if kind == "exit":
             self.exit_reason = str(event.get("reason"))
             return f"{self.label()} exiting at outer step {event.get('outer_step')}: {self.exit_reason}"
         return None  # an event kind this simulator does not know: newer nodes may add some
 
     def _outer_step(self, event: dict[str, Any]) -> str:
-        step = {key: event.get(key) for key in STEP_KEYS}
+        step = {key: event.get(key) for key in (*STEP_KEYS, *EXTRA_STEP_KEYS)}
         self.steps.append(step)
         self.outer_step = _int(step["outer_step"])
         self.train_loss = _float(step["train_loss"])
@@ -150,6 +172,64 @@ def _parse(line: bytes, path: Path) -> dict[str, Any] | None:
 # --- display --------------------------------------------------------------------------------
 
 COLUMNS = ("node", "peer", "outer step", "inner", "train loss", "eval loss", "group", "tok/s", "state", "status")
+
+
+class Display(Protocol):
+    def event(self, line: str, *, routine: bool = False) -> None:
+        """A line worth showing; routine ones (an outer step) only where no table shows them."""
+
+    def refresh(self, records: Sequence[NodeRecord]) -> None:
+        """The latest figures of every node."""
+
+
+class PlainDisplay:
+    """Log lines on stdout (piped output, CI logs): every start, outer step, kill, join, exit."""
+
+    def __init__(self) -> None:
+        self.began = time.monotonic()
+
+    def event(self, line: str, *, routine: bool = False) -> None:
+        click.echo(f"[{time.monotonic() - self.began:7.1f}s] {line}")
+        sys.stdout.flush()
+
+    def refresh(self, records: Sequence[NodeRecord]) -> None:
+        pass  # the outer-step lines carry the figures
+
+
+class LiveDisplay:
+    """One rich table redrawn in place; the rare events (start, kill, join, exit) print above it."""
+
+    def __init__(self, title: str) -> None:
+        from rich.live import Live
+
+        self.title = title
+        self.live = Live(rich_table([], title), refresh_per_second=4, transient=False)
+
+    def __enter__(self) -> LiveDisplay:
+        self.live.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.live.stop()
+
+    def event(self, line: str, *, routine: bool = False) -> None:
+        if not routine:
+            from rich.text import Text
+
+            self.live.console.print(Text(line))
+
+    def refresh(self, records: Sequence[NodeRecord]) -> None:
+        self.live.update(rich_table(records, self.title))
+
+
+@contextlib.contextmanager
+def open_display(title: str) -> Iterator[Display]:
+    """The live table on a terminal, log lines otherwise."""
+    if sys.stdout.isatty():
+        with LiveDisplay(title) as live:
+            yield live
+    else:
+        yield PlainDisplay()
 
 
 def table_rows(records: Sequence[NodeRecord]) -> list[tuple[str, ...]]:

@@ -1,0 +1,273 @@
+"""swarm-sim as a user runs it: the installed console script, real swarm-node and swarm-dht
+processes on 127.0.0.1. The simulator must stop every child it started, pass or fail; each test
+that starts one checks that no process naming its run directory is left.
+
+The pieces with no processes (the metrics-file reader, the report files) are tested directly."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from swarm.cli.sim_report import STEP_KEYS, EventTail, NodeRecord, loss_summary, write_metrics, write_plot
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+ENV = {k: v for k, v in os.environ.items() if k != "SWARM_INITIAL_PEERS"}
+# small and quick on 2 cores: a few short rounds of the tiny model
+QUICK = (
+    "--outer-steps", "4", "--inner-steps", "8", "--batch-size", "2", "--seq-len", "64",
+    "--matchmaking-time", "2", "--warmup-steps", "10", "--timeout", "200",
+)  # fmt: skip
+
+
+def _script() -> str:
+    beside_python = Path(sys.executable).parent / "swarm-sim"  # the venv's scripts, activated or not
+    path = str(beside_python) if beside_python.exists() else shutil.which("swarm-sim")
+    assert path is not None, "swarm-sim is not installed as a console script"
+    return path
+
+
+def _start(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [_script(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True
+    )
+
+
+def _finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str, str]:
+    """Wait for swarm-sim; if it overruns, SIGTERM it (it stops its children), then SIGKILL."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        pytest.fail(f"swarm-sim did not finish within {timeout}s:\n{out}\n{err}")
+    return proc.returncode, out, err
+
+
+def _run(*args: str, timeout: float = 240) -> tuple[int, str, str]:
+    proc = _start(*args)
+    try:
+        return _finish(proc, timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _leftovers(run_dir: Path) -> list[str]:
+    """Command lines of live processes that name run_dir: children swarm-sim failed to stop."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+            if str(run_dir) in cmdline:
+                found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+def _assert_no_leftovers(run_dir: Path) -> None:
+    deadline = time.monotonic() + 5  # a SIGKILLed child may take a moment to be reaped
+    while (left := _leftovers(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"child processes left running: {left}"
+
+
+# --- a whole swarm ----------------------------------------------------------------------------
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(300)
+def test_swarm_trains_agrees_and_reports(tmp_path: Path) -> None:
+    run_dir, metrics = tmp_path / "run", tmp_path / "out" / "metrics.json"
+    code, out, err = _run("--nodes", "2", *QUICK, "--run-dir", str(run_dir), "--metrics-out", str(metrics))
+    assert code == 0, f"{out}\n{err}"
+    _assert_no_leftovers(run_dir)
+
+    nodes = json.loads(metrics.read_text())["nodes"]
+    assert len(nodes) == 2
+    # the swarm's first eval loss: a node that starts after the other's first step fetches the
+    # swarm's state and joins there, so its own first figure may come from an already trained model
+    first = next(s["eval_loss"] for s in sorted((s for n in nodes for s in n["steps"]), key=lambda s: s["outer_step"]))
+    for node in nodes:
+        numbers = [s["outer_step"] for s in node["steps"]]
+        assert node["peer_id"].startswith("12D3KooW") and 0 <= node["joined_at_step"] <= 3
+        assert numbers == list(range(node["joined_at_step"], 4)), numbers
+        for step in node["steps"]:
+            assert set(STEP_KEYS) <= set(step)
+            assert isinstance(step["state_sha256"], str) and len(step["state_sha256"]) == 64
+            assert step["group_size"] >= 1 and step["bytes_sent"] >= 0
+            assert step["train_loss"] is None or math.isfinite(step["train_loss"])  # None: see swarm-node
+            assert math.isfinite(step["eval_loss"])
+        last = node["steps"][-1]["eval_loss"]
+        assert last < first, f"eval loss did not fall: {first} -> {last}"
+
+    # DESIGN.md invariant 4: members of one group that held the same θ_outer before the outer step
+    # hold bit-identical θ_outer after it. Before the first step both hold the same state: the
+    # seed's weights, or the verified copy a newcomer fetched.
+    by_step = [{s["outer_step"]: s for s in node["steps"]} for node in nodes]
+    common = sorted(set(by_step[0]) & set(by_step[1]))
+    checked, same_before = 0, True
+    for n in common:
+        steps = [steps_of[n] for steps_of in by_step]
+        one_group = len({s["group_id"] for s in steps}) == 1 and all(s["group_size"] == 2 for s in steps)
+        same_after = len({s["state_sha256"] for s in steps}) == 1
+        if same_before and one_group:
+            assert same_after, f"one group, the same state before, different states after step {n}: {steps}"
+            checked += 1
+        same_before = same_after
+    assert checked, f"the two nodes never averaged together: {nodes}"
+
+    assert metrics.with_suffix(".png").read_bytes().startswith(PNG_SIGNATURE)
+    assert "eval loss" in out and "outer step 3" in out
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(300)
+def test_churn_kills_and_joins_and_survivors_finish(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ("--outer-steps", "10", "--kill-every", "8", "--join-every", "8", "--seed", "1")
+    code, out, err = _run("--nodes", "2", *QUICK, *args, "--run-dir", str(run_dir))
+    assert code == 0, f"{out}\n{err}"
+    _assert_no_leftovers(run_dir)
+    nodes = json.loads((run_dir / "metrics.json").read_text())["nodes"]
+    statuses = [node["status"] for node in nodes]
+    assert "killed" in statuses and all(s in ("done", "killed") for s in statuses), statuses
+    assert "killed node" in out and "node2 joining" in out
+
+
+# --- stopping -------------------------------------------------------------------------------
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(180)
+def test_sigint_stops_every_child_and_still_writes_the_metrics(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = _start("--nodes", "2", *QUICK, "--outer-steps", "1000", "--run-dir", str(run_dir))
+    try:
+        deadline = time.monotonic() + 120
+        while not _has_outer_step(run_dir / "node0.jsonl") and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        code, out, err = _finish(proc, timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 130, f"{out}\n{err}"
+    assert err.strip().splitlines()[-1] == "swarm-sim: interrupted"
+    _assert_no_leftovers(run_dir)
+    doc = json.loads((run_dir / "metrics.json").read_text())
+    assert doc["interrupted"] is True
+    assert any(node["steps"] for node in doc["nodes"])
+    assert {node["status"] for node in doc["nodes"]} == {"stopped"}
+
+
+def _has_outer_step(path: Path) -> bool:
+    return any(event.get("event") == "outer_step" for event in EventTail(path).read())
+
+
+# --- errors: one line, non-zero exit ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--nodes", "0"),
+        ("--bogus",),
+        ("--model", "huge"),
+        ("--kill-every", "-1"),
+        ("--outer-steps", "x"),
+        ("extra",),
+    ],
+)
+def test_bad_flags_give_one_line_and_exit_2(args: tuple[str, ...]) -> None:
+    code, out, err = _run(*args, timeout=60)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("swarm-sim: error:"), err
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(180)
+def test_a_node_that_fails_at_start_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    code, out, err = _run("--nodes", "2", "--seq-len", "100000", "--run-dir", str(run_dir), timeout=150)
+    assert code == 1, f"{out}\n{err}"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "failed at start" in lines[0] and "seq_len" in lines[0], err
+    _assert_no_leftovers(run_dir)
+
+
+# --- the pieces ----------------------------------------------------------------------------
+
+
+def test_the_choices_match_what_swarm_node_accepts() -> None:
+    from swarm.averaging.config import CODECS
+    from swarm.cli import sim
+    from swarm.model.presets import PRESETS
+
+    assert (tuple(PRESETS), tuple(CODECS)) == (sim.MODELS, sim.CODECS)
+
+
+def _event(kind: str, **fields: Any) -> bytes:
+    return (json.dumps({"event": kind, "time": 0.0, "peer_id": "12D3KooWabcdefgh", **fields}) + "\n").encode()
+
+
+def _step(n: int, loss: float) -> bytes:
+    return _event(
+        "outer_step", outer_step=n, train_loss=loss + 0.1, eval_loss=loss, state_sha256=f"{n:064x}",
+        group_size=2, bytes_sent=10, bytes_received=10, tokens_per_s=99.0,
+    )  # fmt: skip
+
+
+def test_event_tail_reads_whole_lines_only_and_skips_garbage(tmp_path: Path) -> None:
+    path = tmp_path / "node.jsonl"
+    tail = EventTail(path)
+    assert tail.read() == []  # not created yet
+    line = _event("start", outer_step=0)
+    path.write_bytes(line[:10])
+    assert tail.read() == []  # half a line: wait for the rest
+    with open(path, "ab") as f:
+        f.write(line[10:] + b"not json\n[1, 2]\n" + _step(0, 3.0))
+    events = tail.read()
+    assert [e["event"] for e in events] == ["start", "outer_step"]
+    assert tail.read() == []
+
+
+def test_record_folds_events_and_writes_reports(tmp_path: Path) -> None:
+    record = NodeRecord(name="node0", log=tmp_path / "node0.log")
+    events = [_event("start", outer_step=0), _step(0, 3.0), _step(1, 2.5), _event("exit", reason="done")]
+    lines = [record.apply(json.loads(e)) for e in [*events, _event("a_future_kind", outer_step=1)]]
+    assert lines[0] == "node0 (…cdefgh) started at outer step 0" and lines[-1] is None
+    assert record.status == "alive" and record.outer_step == 1 and record.eval_loss == 2.5
+    assert [s["outer_step"] for s in record.steps] == [0, 1] and set(STEP_KEYS) <= set(record.steps[0])
+    newcomer = NodeRecord(name="node2", log=tmp_path / "node2.log")
+    for line in (_event("start", outer_step=0), _event("fetch", outer_step=5, bytes=10**6, peers=2, reason="behind")):
+        newcomer.apply(json.loads(line))
+    assert newcomer.joined_at_step == 5  # it joined where the swarm was, not at its own step 0
+    never_started = NodeRecord(name="node1", log=tmp_path / "node1.log")
+    assert loss_summary([record, never_started]) == "eval loss 3.000 at outer step 0 -> 2.500 at outer step 1"
+
+    write_metrics(tmp_path / "m.json", [record, never_started], {"run_id": "r"})
+    doc = json.loads((tmp_path / "m.json").read_text())
+    assert doc["run_id"] == "r" and [n["name"] for n in doc["nodes"]] == ["node0"]  # no PeerID: left out
+    write_plot(tmp_path / "m.png", [record, never_started], "title")
+    assert (tmp_path / "m.png").read_bytes().startswith(PNG_SIGNATURE)
