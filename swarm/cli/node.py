@@ -36,7 +36,8 @@ from swarm.cli.common import (
 from swarm.cli.node_display import MetricsFile, display_for_terminal
 from swarm.model.data import DataUnavailableError
 from swarm.model.presets import PRESETS
-from swarm.node import Event, NodeConfig, NodeError, SwarmNode
+from swarm.node import Event, NodeError, SwarmNode
+from swarm.node_config import NodeConfig
 from swarm.p2p.config import P2PConfig
 
 if sys.version_info >= (3, 11):

@@ -1,0 +1,100 @@
+"""NodeConfig: everything a training node is told (swarm-node's flags), checked when built."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from swarm.averaging.config import CODECS, AveragingConfig
+from swarm.dht.run_keys import check_run_id
+from swarm.model.checkpoint import DEFAULT_SHARD_BYTES
+from swarm.model.diloco import DiLoCoConfig
+from swarm.model.presets import PRESETS
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeConfig:
+    run_id: str = "swarm"
+    model: str = "tiny"
+    data: str = "stdlib"
+    tokenizer: str | None = None
+    seed: int = 0  # the run's initial weights are a function of this alone
+    # DiLoCo
+    inner_steps: int = 100
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 1e-3
+    warmup_steps: int = 100
+    total_steps: int | None = None
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    # averaging
+    compression: str = "int8"
+    target_group_size: int = 4
+    matchmaking_time: float = 5.0
+    max_wait: float = 30.0  # longest a node that finished waits for slower peers of its step
+    client_mode: bool = False
+    # run
+    max_outer_steps: int | None = None
+    device: str = "auto"  # "auto": cuda when present
+    offload_outer: bool = False
+    eval_every: int = 1  # outer steps between eval losses (and always at the last one)
+    eval_windows: int = 32
+    publish_interval: float = 3.0  # seconds between progress records in the DHT
+    # state
+    checkpoint_dir: str | None = None  # local checkpoints (resume after a crash); None: none
+    checkpoint_every: int = 1  # outer steps between local checkpoints
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+    fetch_timeout: float = 120.0  # one shard's wait, and the manifest's
+    max_uploads: int = 4  # shards served at once
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+        if self.model not in PRESETS:
+            raise ValueError(f"unknown model {self.model!r}: choose one of {', '.join(PRESETS)}")
+        if self.compression not in CODECS:
+            raise ValueError(f"compression must be one of {', '.join(CODECS)}, got {self.compression!r}")
+        positive = ("inner_steps", "batch_size", "seq_len", "eval_every", "eval_windows", "target_group_size",
+                    "checkpoint_every", "shard_bytes", "max_uploads")  # fmt: skip
+        for name in positive:
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len > PRESETS[self.model].max_seq_len:
+            limit = PRESETS[self.model].max_seq_len
+            raise ValueError(f"seq_len {self.seq_len} exceeds the {self.model} model's {limit}")
+        if self.max_outer_steps is not None and self.max_outer_steps < 1:
+            raise ValueError(f"max_outer_steps must be >= 1, got {self.max_outer_steps}")
+        for name in ("matchmaking_time", "publish_interval", "fetch_timeout"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be a positive number of seconds")
+        if not (math.isfinite(self.max_wait) and self.max_wait >= 0):
+            raise ValueError("max_wait must be a number of seconds >= 0")
+        if self.device != "auto":
+            torch.device(self.device)  # raises on nonsense
+        self.diloco_config()  # checks lr, outer lr and momentum, warmup
+
+    def diloco_config(self) -> DiLoCoConfig:
+        return DiLoCoConfig(
+            inner_steps=self.inner_steps,
+            lr=self.lr,
+            warmup_steps=self.warmup_steps,
+            total_steps=self.total_steps,
+            outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum,
+            offload_outer=self.offload_outer,
+        )
+
+    def averaging_config(self, client_mode: bool) -> AveragingConfig:
+        return AveragingConfig(
+            target_group_size=self.target_group_size,
+            matchmaking_time=self.matchmaking_time,
+            codec=self.compression,
+            client_mode=client_mode,
+        )
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
