@@ -1,0 +1,663 @@
+"""State-exchange benchmark (issue 6): how fast a newcomer fetches and verifies the swarm state
+from 1, 2, 4 local peers, how much memory that takes, and how close it comes to the loopback limit.
+
+    python scripts/bench_state.py --model small --peers 1,2           # quick (25.8M params, 206 MB)
+    python scripts/bench_state.py --model 150m --repeat 3 --compare hivemind --json
+
+Workload. A `swarm-dht serve` bootstrap node, then up to max(--peers) donors started one after the
+other (scripts/state_seeder.py: the `--model` preset's deterministic state, θ_outer + outer
+momentum in fp32, in shards of --shard-bytes, served by the real StateServer). For each n in
+--peers (ascending; the n first donors), --repeat newcomers, each a fresh child process that starts
+a P2PHost and a client-mode DHTNode bootstrapped from the bootstrap node, waits until
+holders.find_holders lists its n donors, and calls fetcher.fetch_state (streams_per_peer 2, the
+default) into a fresh directory under --dest, deleted after the run.
+
+Timed: fetch_state alone: the manifest, every shard streamed to disk while it is hashed, its
+verification, and the load into tensors (state_from_shards). The DHT lookup before it is not
+timed (hivemind's load_state_from_peers includes one DHT get; tens of ms). Checked outside the
+timed span: the loaded θ_outer hashes to the donors' `state_sha256`. Memory: the newcomer's peak
+resident set (VmHWM of its whole process at the end: Python, torch, its DHT node and the fetch),
+its resident set just before the fetch, and the peak of each phase (download + verify, load),
+sampled every 10 ms. MB = 1e6 bytes; MB/s = state bytes / fetch seconds; figures are medians.
+
+In the same run: the raw loopback limit (plain sockets between two processes on 127.0.0.1: a TCP
+transfer of the state's byte count, sendall from a 64 MiB buffer, recv_into a 4 MiB one; one at
+the start and one just before each newcomer, so that the median sees the machine's load of the
+fetches: these machines are shared and noisy), and, to show where a fetch's time goes, this
+machine's SHA-256 and file-write rates in --dest (4 MiB blocks, as the fetcher writes); in each
+newcomer, the seconds its fetcher threads spent hashing and writing chunks. Targets (issue 6):
+fetch >= 50% of the loopback limit; the newcomer's peak RSS <= 1.5x the state.
+
+--compare hivemind: hivemind 1.1.12's DecentralizedAverager.load_state_from_peers of the same
+tensors from one donor averager (it never downloads from more than one; see
+scripts/hivemind_state.py), timed and checked the same way.
+
+Memory: a 150m donor holds about 2.4x the state (its tensors, its serialized snapshot, torch) and
+peaks near 3x while it builds them; hivemind's donor and newcomer ~2.5x each. The run refuses to
+start a process that would not fit in MemAvailable. Cost (150m, --repeat 1, hivemind included):
+about 4 minutes and 12 GB at the peak (4 donors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import hashlib
+import json
+import os
+import resource
+import select
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # hivemind_state.py beside this file
+SEEDER = HERE / "state_seeder.py"
+MARK = "BENCH_STATE "
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+RUN_ID = "bench"
+SEED = 0
+STEP = 5
+INNER_STEPS = 100  # state_seeder's default: part of the manifest's run info
+MB = 1e6
+MiB = 1 << 20
+SEND_BLOCK = 64 * MiB
+RECV_BLOCK = 4 * MiB
+ENV = {k: v for k, v in os.environ.items() if k != "SWARM_INITIAL_PEERS"} | {"OMP_NUM_THREADS": "1"}
+# memory estimates (bytes per state byte, measured on small and 150m): refuse to start what won't fit
+DONOR_PEAK_PER_STATE_BYTE = 3.2
+NEWCOMER_PEAK_PER_STATE_BYTE = 1.3
+PROCESS_FIXED_BYTES = 600 * MiB
+TARGET_OF_LOOPBACK = 0.5
+TARGET_RSS_OF_STATE = 1.5
+
+
+# --- the newcomer: a child process that fetches once ---------------------------------------------
+
+
+def _status_kib(field: str, pid: int | str = "self") -> int:
+    """A `VmRSS:`-style field of /proc/<pid>/status, in KiB (0 when the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class RssSampler:
+    """Samples this process's VmRSS every `period` seconds in a thread; keeps the peak per phase."""
+
+    def __init__(self, period: float = 0.01) -> None:
+        self.period = period
+        self.phase = "download"
+        self.peaks: dict[str, int] = {}  # phase -> KiB
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            rss = _status_kib("VmRSS")
+            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
+            if self._stop.wait(self.period):
+                return
+
+
+def run_info(model: str) -> Any:
+    """The RunInfo state_seeder.py writes into its manifest for these arguments."""
+    from swarm.model.checkpoint import RunInfo
+    from swarm.model.presets import preset
+
+    config = dataclasses.asdict(preset(model))
+    return RunInfo(run_id=RUN_ID, model=model, model_config=config, seed=SEED, data="stdlib", inner_steps=INNER_STEPS)
+
+
+def param_names(model: str) -> list[str]:
+    """θ_outer's tensor names in the model's order (the order state_sha256 hashes them in)."""
+    from swarm.model.llama import build_model
+    from swarm.model.presets import preset
+
+    return [name for name, _ in build_model(preset(model), SEED, device="meta").named_parameters()]
+
+
+async def _wait_for_holders(dht: Any, wanted: set[str], timeout: float) -> list[Any]:
+    from swarm.state.holders import find_holders
+
+    deadline = time.monotonic() + timeout
+    while True:
+        holders = [h for h in await find_holders(dht, RUN_ID) if str(h.peer_id) in wanted]
+        if len(holders) == len(wanted):
+            return holders
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the DHT lists {len(holders)} of the {len(wanted)} donors after {timeout:.0f}s")
+        await asyncio.sleep(0.2)
+
+
+class ChunkTimer:
+    """Times the fetcher's per-chunk work (hash, then file write; it runs in worker threads) by
+    standing in for fetcher._write_and_hash, whose two lines it repeats. Seconds are summed over
+    threads, so with several streams they can exceed the wall time."""
+
+    def __init__(self) -> None:
+        self.hash_s = self.write_s = 0.0
+        self.chunks = self.nbytes = 0
+        self._lock = threading.Lock()
+
+    def install(self) -> None:
+        from swarm.state import fetcher
+
+        if not callable(getattr(fetcher, "_write_and_hash", None)):
+            raise RuntimeError("swarm.state.fetcher._write_and_hash is gone: update bench_state.ChunkTimer")
+        fetcher._write_and_hash = self  # type: ignore[assignment]
+
+    def __call__(self, file: IO[bytes], hasher: Any, chunk: Any) -> None:
+        t0 = time.perf_counter()
+        hasher.update(chunk)
+        t1 = time.perf_counter()
+        file.write(chunk)
+        t2 = time.perf_counter()
+        with self._lock:
+            self.hash_s += t1 - t0
+            self.write_s += t2 - t1
+            self.chunks += 1
+            self.nbytes += len(chunk)
+
+
+async def newcomer_main(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from swarm.dht.node import DHTNode
+    from swarm.model.diloco import tensors_sha256
+    from swarm.p2p import P2PConfig, P2PHost
+    from swarm.state.fetcher import FetchProgress, fetch_state, remove_fetch_dir
+
+    torch.set_num_threads(1)
+    expect = run_info(args.model)
+    names = param_names(args.model)
+    marks: dict[str, float] = {}
+    timer = ChunkTimer()
+    timer.install()
+    async with P2PHost(config=P2PConfig(host_maddrs=(LOOPBACK,))) as host:
+        dht = await DHTNode(host=host, initial_peers=[args.bootstrap], client_mode=True).start()
+        try:
+            holders = await _wait_for_holders(dht, set(args.holders.split(",")), args.timeout)
+            with RssSampler() as sampler:
+
+                def on_progress(p: FetchProgress) -> None:
+                    if p.done_bytes and "first" not in marks:
+                        marks["first"] = time.perf_counter()
+                    if p.shards_done == p.shards_total and "shards" not in marks:
+                        marks["shards"] = time.perf_counter()
+                        sampler.phase = "load"  # fetch_state now reads the shards back into tensors
+
+                baseline_kib = _status_kib("VmRSS")
+                cpu_before = resource.getrusage(resource.RUSAGE_SELF)
+                started = time.perf_counter()
+                manifest, state, report = await fetch_state(
+                    host, RUN_ID, holders, expect=expect, dest=Path(args.fetch_dest),
+                    streams_per_peer=args.streams_per_peer, timeout=args.timeout, on_progress=on_progress,
+                )  # fmt: skip
+                finished = time.perf_counter()
+                cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+        finally:
+            await dht.close()
+    peak_kib = _status_kib("VmHWM")
+    got_sha = await asyncio.to_thread(tensors_sha256, [state["params"][n] for n in names])  # not timed
+    await asyncio.to_thread(remove_fetch_dir, Path(args.fetch_dest), manifest)
+    cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
+    return {
+        "seconds": finished - started,
+        "bytes": manifest.total_bytes,
+        "fetched_bytes": report.fetched_bytes,
+        "shards": len(manifest.shards),
+        "bytes_by_peer": report.bytes_by_peer,
+        "first_chunk_s": marks.get("first", finished) - started,  # the manifest, then the first 4 MiB
+        "download_s": marks.get("shards", finished) - started,  # every shard on disk and verified
+        "load_s": finished - marks.get("shards", finished),  # state_from_shards
+        "cpu_s": cpu,
+        "hash_s": timer.hash_s,  # summed over the fetcher's threads
+        "write_s": timer.write_s,
+        "chunks": timer.chunks,
+        "chunk_bytes_mean": timer.nbytes / max(1, timer.chunks),
+        "state_sha256": got_sha,
+        "step": manifest.step,
+        "baseline_rss_MB": baseline_kib * 1024 / MB,
+        "peak_rss_MB": peak_kib * 1024 / MB,
+        "peak_rss_download_MB": sampler.peaks.get("download", 0) * 1024 / MB,
+        "peak_rss_load_MB": sampler.peaks.get("load", 0) * 1024 / MB,
+        "corrupt_peers": report.corrupt_peers,
+        "failed_peers": report.failed_peers,
+    }
+
+
+def reply(obj: dict[str, Any]) -> None:
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+# --- the raw loopback limit ------------------------------------------------------------------------
+
+
+def sink_main(transfers: int) -> None:
+    """Child process: accept `transfers` connections; on each, an 8-byte length, then that many
+    bytes recv_into() one reused buffer; answer with the count."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    reply({"port": listener.getsockname()[1]})
+    view = memoryview(bytearray(RECV_BLOCK))
+    for _ in range(transfers):
+        conn, _ = listener.accept()
+        with conn:
+            total = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "big")
+            got = 0
+            while got < total:
+                n = conn.recv_into(view[: min(len(view), total - got)])
+                if not n:
+                    break
+                got += n
+            conn.sendall(got.to_bytes(8, "big"))
+
+
+class LoopbackProbe:
+    """The raw loopback limit: plain-socket transfers of `nbytes` to a sink child process, one per
+    measure() call, spread over the run so that they see the same machine load as the fetches."""
+
+    def __init__(self, children: Children, nbytes: int, transfers: int) -> None:
+        self.children, self.nbytes = children, nbytes
+        self.proc = children.start("sink", [sys.executable, __file__, "--_sink", str(transfers)])
+        self.port = children.first_line(self.proc, "sink", 60)["port"]
+        self.block = memoryview(bytes(range(256)) * (SEND_BLOCK // 256))  # real pages, not the shared zero page
+        self.rates: list[float] = []
+
+    def measure(self) -> float:
+        with socket.create_connection(("127.0.0.1", self.port)) as sock:
+            started = time.perf_counter()
+            sock.sendall(self.nbytes.to_bytes(8, "big"))
+            left = self.nbytes
+            while left:
+                piece = self.block[: min(left, len(self.block))]
+                sock.sendall(piece)
+                left -= len(piece)
+            got = int.from_bytes(sock.recv(8, socket.MSG_WAITALL), "big")
+            rate = self.nbytes / (time.perf_counter() - started) / MB
+        if got != self.nbytes:
+            raise RuntimeError(f"loopback sink received {got} of {self.nbytes} bytes")
+        self.rates.append(rate)
+        return rate
+
+
+def machine_rates(dest: Path, nbytes: int = 256 * MiB) -> dict[str, float]:
+    """SHA-256 and file-write throughput (MB/s) in 4 MiB blocks: what the fetcher does per chunk."""
+    block = bytes(range(256)) * (RECV_BLOCK // 256)
+    count = nbytes // len(block)
+    started = time.perf_counter()
+    digest = hashlib.sha256()
+    for _ in range(count):
+        digest.update(block)
+    sha = nbytes / (time.perf_counter() - started) / MB
+    path = dest / f"bench_state_write_{os.getpid()}.tmp"
+    try:
+        started = time.perf_counter()
+        with open(path, "wb") as f:
+            for _ in range(count):
+                f.write(block)
+        write = nbytes / (time.perf_counter() - started) / MB
+    finally:
+        path.unlink(missing_ok=True)
+    return {"sha256_MBps": sha, "write_MBps": write}
+
+
+# --- processes -------------------------------------------------------------------------------------
+
+
+class Children:
+    """The processes of one run, each in its own session with its stderr in `<workdir>/<name>.err`;
+    stop() ends one by its pid (SIGTERM, then SIGKILL), close() all that are left."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._logs: list[IO[bytes]] = []
+
+    def start(self, name: str, command: list[str]) -> subprocess.Popen[bytes]:
+        err = open(self.workdir / f"{name}.err", "wb")  # noqa: SIM115 (closed in close())
+        self._logs.append(err)
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, env=ENV, start_new_session=True,
+                                preexec_fn=_die_with_parent)  # fmt: skip
+        self.procs.append(proc)
+        return proc
+
+    def first_line(self, proc: subprocess.Popen[bytes], name: str, timeout: float) -> dict[str, Any]:
+        """The JSON object of the process's first stdout line (after MARK when it has one)."""
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        line = proc.stdout.readline().decode() if ready else ""
+        if not line:
+            raise RuntimeError(f"{name} did not start in {timeout:.0f}s (exit code {proc.poll()}): {self.tail(name)}")
+        return json.loads(line.removeprefix(MARK))
+
+    def tail(self, name: str, chars: int = 2000) -> str:
+        path = self.workdir / f"{name}.err"
+        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+    def stop(self, proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            self.stop(proc)
+        for log in self._logs:
+            log.close()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the benchmark dies, even by SIGKILL (PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def require_memory(need: float, what: str) -> None:
+    available = mem_available()
+    if need > available:
+        raise RuntimeError(f"{what} needs ~{need / 2**30:.1f} GiB, only {available / 2**30:.1f} GiB available")
+
+
+def estimated_state_bytes(model: str) -> int:
+    """θ_outer + momentum in fp32 (the shards' headers add a few KB)."""
+    from swarm.model.llama import build_model
+    from swarm.model.presets import preset
+
+    return 2 * 4 * sum(p.numel() for p in build_model(preset(model), SEED, device="meta").parameters())
+
+
+def command(name: str) -> str:
+    beside_python = Path(sys.executable).parent / name  # the venv's console scripts
+    path = str(beside_python) if beside_python.exists() else shutil.which(name)
+    if path is None:
+        raise RuntimeError(f"{name} is not installed (pip install -e .)")
+    return path
+
+
+# --- the swarm side --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Options:
+    model: str
+    peers: list[int]
+    repeat: int
+    shard_bytes: int
+    streams_per_peer: int
+    timeout: float
+    dest: Path
+
+
+def run_newcomer(children: Children, opts: Options, bootstrap: str, donors: list[dict[str, Any]], name: str) -> Any:
+    fetch_dest = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=opts.dest))
+    try:
+        proc = children.start(name, [
+            sys.executable, __file__, "--_newcomer", "--model", opts.model, "--bootstrap", bootstrap,
+            "--holders", ",".join(d["peer_id"] for d in donors), "--fetch-dest", str(fetch_dest),
+            "--streams-per-peer", str(opts.streams_per_peer), "--timeout", str(opts.timeout),
+        ])  # fmt: skip
+        try:
+            out, _ = proc.communicate(timeout=opts.timeout * 10)
+        except subprocess.TimeoutExpired:
+            children.stop(proc)
+            raise RuntimeError(f"{name} did not finish in {opts.timeout * 10:.0f}s: {children.tail(name)}") from None
+        lines = [line for line in out.decode().splitlines() if line.startswith(MARK)]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"{name} failed (exit code {proc.returncode}): {children.tail(name)}")
+        result = json.loads(lines[-1].removeprefix(MARK))
+    finally:
+        shutil.rmtree(fetch_dest, ignore_errors=True)
+    if result["state_sha256"] != donors[0]["state_sha256"]:
+        raise RuntimeError(f"{name} loaded θ_outer {result['state_sha256'][:12]}, the donors hold "
+                           f"{donors[0]['state_sha256'][:12]}")  # fmt: skip
+    return result
+
+
+def measure_swarm(
+    children: Children, opts: Options, state_bytes: int, probe: LoopbackProbe
+) -> dict[int, list[dict[str, Any]]]:
+    """{n: [one newcomer's result per repeat]} (see the module docstring); a loopback transfer
+    (probe) just before each newcomer."""
+    boot = children.start("bootstrap", [command("swarm-dht"), "serve", "--host-maddrs", LOOPBACK, "--json"])
+    bootstrap = children.first_line(boot, "bootstrap", 60)["maddrs"][0]
+    donors: list[dict[str, Any]] = []
+    runs: dict[int, list[dict[str, Any]]] = {}
+    for n in opts.peers:
+        while len(donors) < n:  # one after the other: each builds its state (CPU and ~3x the state in memory)
+            name = f"donor{len(donors)}"
+            require_memory(DONOR_PEAK_PER_STATE_BYTE * state_bytes + PROCESS_FIXED_BYTES, f"{name} ({opts.model})")
+            proc = children.start(name, [
+                sys.executable, str(SEEDER), "--initial-peers", bootstrap, "--run-id", RUN_ID, "--model", opts.model,
+                "--seed", str(SEED), "--step", str(STEP), "--inner-steps", str(INNER_STEPS),
+                "--shard-bytes", str(opts.shard_bytes),
+            ])  # fmt: skip
+            donors.append(children.first_line(proc, name, 1800))
+            rss = _status_kib("VmRSS", proc.pid) * 1024
+            log(f"{name} serves {donors[-1]['state_bytes'] / MB:,.0f} MB, its RSS {rss / MB:,.0f} MB "
+                f"({mem_available() / 2**30:.1f} GiB available)")  # fmt: skip
+        require_memory(NEWCOMER_PEAK_PER_STATE_BYTE * state_bytes + PROCESS_FIXED_BYTES, "a newcomer")
+        runs[n] = []
+        for r in range(opts.repeat):
+            loopback = probe.measure()
+            result = run_newcomer(children, opts, bootstrap, donors[:n], f"newcomer-n{n}-r{r}")
+            result["loopback_MBps"] = loopback  # measured just before
+            log(f"n={n} run {r}: {result['bytes'] / MB / result['seconds']:,.0f} MB/s (loopback just before "
+                f"{loopback:,.0f} MB/s), peak RSS {result['peak_rss_MB']:,.0f} MB")  # fmt: skip
+            runs[n].append(result)
+    return runs
+
+
+def log(text: str) -> None:
+    print(f"[bench_state] {text}", file=sys.stderr, flush=True)
+
+
+# --- report ----------------------------------------------------------------------------------------
+
+
+def summarize(
+    opts: Options, state_bytes: int, loopback: list[float], rates: dict[str, float],
+    runs: dict[int, list[dict[str, Any]]], hivemind: dict[str, Any] | None,
+) -> dict[str, Any]:  # fmt: skip
+    med = statistics.median
+    out: dict[str, Any] = {
+        "model": opts.model,
+        "state_MB": state_bytes / MB,
+        "loopback_MBps": med(loopback),
+        "repeat": opts.repeat,
+        "sha256_MBps": rates["sha256_MBps"],
+        "write_MBps": rates["write_MBps"],
+    }
+    for n, results in runs.items():
+        out[f"fetch_MBps_{n}"] = med(r["bytes"] / MB / r["seconds"] for r in results)
+        out[f"peak_rss_MB_{n}"] = med(r["peak_rss_MB"] for r in results)
+        out[f"added_rss_MB_{n}"] = med(r["peak_rss_MB"] - r["baseline_rss_MB"] for r in results)
+    if hivemind is not None:
+        out["hivemind_fetch_MBps"] = hivemind["fetch_MBps"]
+        out["hivemind_peak_rss_MB"] = hivemind["peak_rss_MB"]
+    targets = {f"fetch_{n}_of_loopback": out[f"fetch_MBps_{n}"] / out["loopback_MBps"] for n in runs}
+    targets |= {f"peak_rss_{n}_of_state": out[f"peak_rss_MB_{n}"] / out["state_MB"] for n in runs}
+    out["targets"] = targets
+    out["detail"] = {
+        "loopback_MBps_all": loopback,
+        "shard_bytes": opts.shard_bytes,
+        "streams_per_peer": opts.streams_per_peer,
+        "runs": {str(n): results for n, results in runs.items()},
+        "hivemind": hivemind,
+    }
+    return out
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    med = statistics.median
+    runs = {int(n): results for n, results in summary["detail"]["runs"].items()}
+    state_MB, loopback = summary["state_MB"], summary["loopback_MBps"]
+    table = Table(title=f"State fetch, {summary['model']} ({state_MB:,.0f} MB), 127.0.0.1, median of "
+                        f"{summary['repeat']} (raw loopback {loopback:,.0f} MB/s)")  # fmt: skip
+    columns = ("impl", "peers", "fetch s", "MB/s", "of loopback", "download s", "hash s", "write s", "load s",
+               "CPU s", "RSS before MB", "peak RSS MB", "x state", "added x state")  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="right")
+    for n, results in runs.items():
+        seconds, rate = med(r["seconds"] for r in results), summary[f"fetch_MBps_{n}"]
+        peak, added = summary[f"peak_rss_MB_{n}"], summary[f"added_rss_MB_{n}"]
+        cells = [med(r[key] for r in results) for key in ("download_s", "hash_s", "write_s", "load_s", "cpu_s")]
+        table.add_row(
+            "swarm", str(n), f"{seconds:.2f}", f"{rate:,.0f}", f"{rate / loopback:.0%}", *(f"{c:.2f}" for c in cells),
+            f"{med(r['baseline_rss_MB'] for r in results):,.0f}", f"{peak:,.0f}", f"{peak / state_MB:.2f}",
+            f"{added / state_MB:.2f}",
+        )  # fmt: skip
+    hm = summary["detail"]["hivemind"]
+    if hm is not None:
+        rate, peak, before = hm["fetch_MBps"], hm["peak_rss_MB"], hm["baseline_rss_MB"]
+        table.add_row(
+            "hivemind", "1", f"{hm['seconds']:.2f}", f"{rate:,.0f}", f"{rate / loopback:.0%}", "", "", "", "", "",
+            f"{before:,.0f}", f"{peak:,.0f}", f"{peak / state_MB:.2f}", "",
+        )  # fmt: skip
+    Console(width=None if sys.stdout.isatty() else 180).print(table)
+    print(f"this machine: SHA-256 {summary['sha256_MBps']:,.0f} MB/s, file writes in the fetch directory "
+          f"{summary['write_MBps']:,.0f} MB/s (4 MiB blocks, page cache). hash s / write s: summed over the "
+          "fetcher's threads. added: peak RSS - RSS before the fetch")  # fmt: skip
+    for n, results in runs.items():
+        rate, peak = summary[f"fetch_MBps_{n}"], summary[f"peak_rss_MB_{n}"]
+        ok_rate = rate >= TARGET_OF_LOOPBACK * loopback
+        ok_rss = peak <= TARGET_RSS_OF_STATE * state_MB
+        phases = (f"RSS peak while downloading {med(r['peak_rss_download_MB'] for r in results):,.0f} MB, "
+                  f"while loading {med(r['peak_rss_load_MB'] for r in results):,.0f} MB")  # fmt: skip
+        print(
+            f"n={n}: throughput {rate / loopback:.0%} of loopback ({'ok' if ok_rate else 'MISSED'}: >= 50%), "
+            f"peak RSS {peak / state_MB:.2f}x the state ({'ok' if ok_rss else 'MISSED'}: <= 1.5x); {phases}"
+        )
+    if hm is not None:
+        best = max(summary[f"fetch_MBps_{n}"] for n in runs)
+        one = summary.get("fetch_MBps_1")
+        vs_one = f", from 1 peer {one / hm['fetch_MBps']:.1f}x" if one else ""
+        print(f"swarm / hivemind fetch throughput: best {best / hm['fetch_MBps']:.1f}x{vs_one}; hivemind's newcomer "
+              f"peak RSS: caller {hm['caller_peak_rss_MB']:,.0f} MB + averager process "
+              f"{hm['averager_peak_rss_MB']:,.0f} MB + p2pd {hm['p2pd_peak_rss_MB']:,.0f} MB")  # fmt: skip
+
+
+# --- main ------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="150m", help="preset: tiny, small, 150m")
+    parser.add_argument("--peers", default="1,2,4", help="numbers of serving peers")
+    parser.add_argument("--repeat", type=int, default=3, help="newcomers per number of peers (median)")
+    parser.add_argument("--shard-bytes", type=int, default=64 * MiB)
+    parser.add_argument("--streams-per-peer", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=120.0, help="fetch_state's per-read timeout, seconds")
+    parser.add_argument("--dest", type=Path, default=Path(tempfile.gettempdir()), help="where newcomers write")
+    parser.add_argument("--compare", choices=["hivemind"])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--table-from", type=Path, help="print the table of a saved --json output and exit")
+    # child roles
+    parser.add_argument("--_newcomer", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--_sink", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--bootstrap", help=argparse.SUPPRESS)
+    parser.add_argument("--holders", help=argparse.SUPPRESS)
+    parser.add_argument("--fetch-dest", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._sink is not None:
+        sink_main(args._sink)
+        return
+    if args._newcomer:
+        from swarm.eventloop import run
+
+        reply(run(newcomer_main(args)))
+        return
+    if args.table_from is not None:
+        print_table(json.loads(args.table_from.read_text()))
+        return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind through `finally`: children stop
+    peers = sorted({int(x) for x in args.peers.split(",")})
+    if not peers or peers[0] < 1 or args.repeat < 1:
+        parser.error("--peers are >= 1 and --repeat >= 1")
+    opts = Options(args.model, peers, args.repeat, args.shard_bytes, args.streams_per_peer, args.timeout, args.dest)
+    summary = bench(opts, args.compare)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print_table(summary)
+
+
+def bench(opts: Options, compare: str | None) -> dict[str, Any]:
+    """The whole benchmark; returns the summary --json prints (every newcomer's result in "detail")."""
+    state_bytes = estimated_state_bytes(opts.model)
+    with workdir(opts.dest) as work:
+        children = Children(work)
+        try:
+            probe = LoopbackProbe(children, state_bytes, transfers=1 + len(opts.peers) * opts.repeat)
+            log(f"raw loopback: {probe.measure():,.0f} MB/s")
+            rates = machine_rates(opts.dest)
+            runs = measure_swarm(children, opts, state_bytes, probe)
+            loopback = probe.rates
+        finally:
+            children.close()
+        state_bytes = runs[opts.peers[0]][0]["bytes"]  # exact: the manifest's total
+        hivemind = None
+        if compare == "hivemind":
+            from hivemind_state import run_hivemind_state
+
+            require_memory((DONOR_PEAK_PER_STATE_BYTE + 2.5) * state_bytes + 3 * PROCESS_FIXED_BYTES, "hivemind")
+            hivemind = run_hivemind_state(opts.model, repeat=opts.repeat, timeout=opts.timeout, workdir=work)
+    return summarize(opts, state_bytes, loopback, rates, runs, hivemind)
+
+
+@contextlib.contextmanager
+def workdir(dest: Path) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="bench_state_", dir=dest))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
