@@ -12,8 +12,10 @@ a P2PHost and a client-mode DHTNode bootstrapped from the bootstrap node, waits 
 holders.find_holders lists its n donors, and calls fetcher.fetch_state (streams_per_peer 2, the
 default) into a fresh directory under --dest, deleted after the run.
 
-Timed: fetch_state alone: the manifest, every shard streamed to disk while it is hashed, its
-verification, and the load into tensors (state_from_shards). The DHT lookup before it is not
+Timed: fetch_state alone: the manifest, every shard streamed into memory and hashed, its
+verification, and the load into tensors (zero-copy views of the received shards); with
+--to-disk each verified shard is also kept on disk by a writer thread (what lets an interrupted
+fetch resume; a node does it when it has a --checkpoint-dir). The DHT lookup before it is not
 timed (hivemind's load_state_from_peers includes one DHT get; tens of ms). Checked outside the
 timed span: the loaded θ_outer hashes to the donors' `state_sha256`. Memory: the newcomer's peak
 resident set (VmHWM of its whole process at the end: Python, torch, its DHT node and the fetch),
@@ -157,33 +159,40 @@ async def _wait_for_holders(dht: Any, wanted: set[str], timeout: float) -> list[
 
 
 class ChunkTimer:
-    """Times the fetcher's per-chunk work (hash, then file write; it runs in worker threads) by
-    standing in for fetcher._write_and_hash, whose two lines it repeats. Seconds are summed over
-    threads, so with several streams they can exceed the wall time."""
+    """Times the fetcher's per-shard work in its worker threads (the SHA-256 of each received
+    shard; with --to-disk, keeping it on disk) by wrapping fetcher._sha256 and fetcher._keep.
+    Seconds are summed over threads, so with several streams they can exceed the wall time."""
 
     def __init__(self) -> None:
         self.hash_s = self.write_s = 0.0
-        self.chunks = self.nbytes = 0
+        self.chunks = self.nbytes = 0  # shards hashed, and their bytes
         self._lock = threading.Lock()
 
     def install(self) -> None:
         from swarm.state import fetcher
 
-        if not callable(getattr(fetcher, "_write_and_hash", None)):
-            raise RuntimeError("swarm.state.fetcher._write_and_hash is gone: update bench_state.ChunkTimer")
-        fetcher._write_and_hash = self  # type: ignore[assignment]
+        for name in ("_sha256", "_keep"):
+            if not callable(getattr(fetcher, name, None)):
+                raise RuntimeError(f"swarm.state.fetcher.{name} is gone: update bench_state.ChunkTimer")
+        sha256, keep = fetcher._sha256, fetcher._keep
 
-    def __call__(self, file: IO[bytes], hasher: Any, chunk: Any) -> None:
-        t0 = time.perf_counter()
-        hasher.update(chunk)
-        t1 = time.perf_counter()
-        file.write(chunk)
-        t2 = time.perf_counter()
-        with self._lock:
-            self.hash_s += t1 - t0
-            self.write_s += t2 - t1
-            self.chunks += 1
-            self.nbytes += len(chunk)
+        def timed_sha256(data: bytearray) -> str:
+            t0 = time.perf_counter()
+            digest = sha256(data)
+            with self._lock:
+                self.hash_s += time.perf_counter() - t0
+                self.chunks += 1
+                self.nbytes += len(data)
+            return digest
+
+        def timed_keep(path: Path, data: bytearray) -> None:
+            t0 = time.perf_counter()
+            keep(path, data)
+            with self._lock:
+                self.write_s += time.perf_counter() - t0
+
+        fetcher._sha256 = timed_sha256  # type: ignore[assignment]
+        fetcher._keep = timed_keep  # type: ignore[assignment]
 
 
 async def newcomer_main(args: argparse.Namespace) -> dict[str, Any]:
@@ -217,7 +226,7 @@ async def newcomer_main(args: argparse.Namespace) -> dict[str, Any]:
                 cpu_before = resource.getrusage(resource.RUSAGE_SELF)
                 started = time.perf_counter()
                 manifest, state, report = await fetch_state(
-                    host, RUN_ID, holders, expect=expect, dest=Path(args.fetch_dest),
+                    host, RUN_ID, holders, expect=expect, dest=Path(args.fetch_dest) if args.fetch_dest else None,
                     streams_per_peer=args.streams_per_peer, timeout=args.timeout, on_progress=on_progress,
                 )  # fmt: skip
                 finished = time.perf_counter()
@@ -226,7 +235,8 @@ async def newcomer_main(args: argparse.Namespace) -> dict[str, Any]:
             await dht.close()
     peak_kib = _status_kib("VmHWM")
     got_sha = await asyncio.to_thread(tensors_sha256, [state["params"][n] for n in names])  # not timed
-    await asyncio.to_thread(remove_fetch_dir, Path(args.fetch_dest), manifest)
+    if args.fetch_dest:
+        await asyncio.to_thread(remove_fetch_dir, Path(args.fetch_dest), manifest)
     cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
     return {
         "seconds": finished - started,
@@ -429,6 +439,7 @@ class Options:
     streams_per_peer: int
     timeout: float
     dest: Path
+    to_disk: bool
 
 
 def run_newcomer(children: Children, opts: Options, bootstrap: str, donors: list[dict[str, Any]], name: str) -> Any:
@@ -436,8 +447,9 @@ def run_newcomer(children: Children, opts: Options, bootstrap: str, donors: list
     try:
         proc = children.start(name, [
             sys.executable, __file__, "--_newcomer", "--model", opts.model, "--bootstrap", bootstrap,
-            "--holders", ",".join(d["peer_id"] for d in donors), "--fetch-dest", str(fetch_dest),
+            "--holders", ",".join(d["peer_id"] for d in donors),
             "--streams-per-peer", str(opts.streams_per_peer), "--timeout", str(opts.timeout),
+            *(["--fetch-dest", str(fetch_dest)] if opts.to_disk else []),
         ])  # fmt: skip
         try:
             out, _ = proc.communicate(timeout=opts.timeout * 10)
@@ -594,6 +606,11 @@ def main() -> None:
     parser.add_argument("--streams-per-peer", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=120.0, help="fetch_state's per-read timeout, seconds")
     parser.add_argument("--dest", type=Path, default=Path(tempfile.gettempdir()), help="where newcomers write")
+    parser.add_argument(
+        "--to-disk",
+        action="store_true",
+        help="newcomers also keep each verified shard in --dest (what makes a fetch resumable)",
+    )
     parser.add_argument("--compare", choices=["hivemind"])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--table-from", type=Path, help="print the table of a saved --json output and exit")
@@ -619,7 +636,9 @@ def main() -> None:
     peers = sorted({int(x) for x in args.peers.split(",")})
     if not peers or peers[0] < 1 or args.repeat < 1:
         parser.error("--peers are >= 1 and --repeat >= 1")
-    opts = Options(args.model, peers, args.repeat, args.shard_bytes, args.streams_per_peer, args.timeout, args.dest)
+    opts = Options(
+        args.model, peers, args.repeat, args.shard_bytes, args.streams_per_peer, args.timeout, args.dest, args.to_disk
+    )
     summary = bench(opts, args.compare)
     if args.json:
         print(json.dumps(summary))

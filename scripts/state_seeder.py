@@ -26,7 +26,7 @@ import torch
 
 from swarm import eventloop
 from swarm.dht.node import DHTNode
-from swarm.model.checkpoint import RunInfo, Snapshot, copy_state, make_snapshot
+from swarm.model.checkpoint import RunInfo, Snapshot, make_snapshot
 from swarm.model.diloco import tensors_sha256
 from swarm.model.llama import build_model
 from swarm.model.presets import preset
@@ -86,7 +86,9 @@ class SlowOrBadServer(StateServer):
 
 async def serve(args: argparse.Namespace) -> None:
     state = make_state(args.model, args.seed, args.step)
-    snapshot: Snapshot = await asyncio.to_thread(make_snapshot, copy_state(state), run_info(args), args.shard_bytes)
+    state_sha256 = tensors_sha256(state["params"].values())
+    snapshot: Snapshot = await asyncio.to_thread(make_snapshot, state, run_info(args), args.shard_bytes)
+    del state  # only the serialized snapshot is served: a donor holds the state once
     host = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
     dht = DHTNode(host=host, initial_peers=args.initial_peers)
     server = SlowOrBadServer(host, args.run_id, upload_delay=args.upload_delay, corrupt=args.corrupt,
@@ -102,7 +104,7 @@ async def serve(args: argparse.Namespace) -> None:
             "peer_id": str(host.peer_id),
             "maddrs": host.visible_maddrs,
             "manifest": snapshot.manifest.sha256,
-            "state_sha256": tensors_sha256(state["params"].values()),
+            "state_sha256": state_sha256,
             "state_bytes": snapshot.manifest.total_bytes,
         }
         sys.stdout.write(json.dumps(line) + "\n")

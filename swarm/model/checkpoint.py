@@ -24,16 +24,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 FORMAT = "swarm-state/1"
@@ -214,14 +215,17 @@ def make_snapshot(state: Mapping[str, Any], run: RunInfo, shard_bytes: int = DEF
     return Snapshot(Manifest(run, int(state["outer_step"]), tuple(infos)), shards)
 
 
-def state_from_shards(manifest: Manifest, shards: Iterable[bytes]) -> dict[str, Any]:
+def state_from_shards(manifest: Manifest, shards: Iterable[bytearray]) -> dict[str, Any]:
     """Rebuild {"outer_step", "params", "momentum"} from verified shard bytes (in manifest order).
-    Raises CheckpointError when a shard's tensors differ from what the manifest lists."""
+    The tensors are views of those buffers (no copy). Raises CheckpointError when a shard is
+    malformed or holds other tensors than the manifest lists."""
     state: dict[str, Any] = {"outer_step": manifest.step, "params": {}, "momentum": {}}
     for info, data in zip(manifest.shards, shards, strict=True):
+        if not isinstance(data, bytearray):  # views of immutable bytes would be read-only
+            data = bytearray(data)
         try:
-            tensors = safetensors_load(bytes(data))
-        except Exception as e:  # safetensors raises its own error types on malformed files
+            tensors = tensors_in_safetensors(data)
+        except CheckpointError as e:
             raise CheckpointError(f"shard {info.name} is not a readable safetensors file: {e}") from None
         if set(tensors) != set(info.tensors):
             raise CheckpointError(f"shard {info.name} holds other tensors than its manifest lists")
@@ -231,7 +235,57 @@ def state_from_shards(manifest: Manifest, shards: Iterable[bytes]) -> dict[str, 
     return state
 
 
-def verify_shard(info: ShardInfo, data: bytes | memoryview) -> None:
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+
+
+def tensors_in_safetensors(data: bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in `data`, as views of it: a verified shard becomes
+    the state without another copy (safetensors' own loader copies twice). Every header field
+    is checked against the buffer; raises CheckpointError."""
+    if len(data) < 8:
+        raise CheckpointError("shorter than its header length")
+    size = int.from_bytes(data[:8], "little")
+    if not 2 <= size <= min(MAX_HEADER_BYTES, len(data) - 8):
+        raise CheckpointError("bad header length")
+    try:
+        header = json.loads(bytes(data[8 : 8 + size]))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError("header is not an object")
+    body = 8 + size
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict) or entry.get("dtype") not in _DTYPES:
+            raise CheckpointError(f"{name[:64]!r}: unknown dtype")
+        dtype, shape, offsets = _DTYPES[entry["dtype"]], entry.get("shape"), entry.get("data_offsets")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise CheckpointError(f"{name[:64]!r}: bad shape")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise CheckpointError(f"{name[:64]!r}: bad data offsets")
+        begin, end = offsets
+        count = math.prod(shape)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if not 0 <= begin <= end <= len(data) - body or end - begin != count * itemsize:
+            raise CheckpointError(f"{name[:64]!r}: data offsets do not match its shape or the file")
+        if count == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        with warnings.catch_warnings():  # a bytes object is read-only: torch warns; a bytearray is not
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(data, dtype=dtype, count=count, offset=body + begin)
+        out[name] = flat.view(shape)
+    return out
+
+
+def verify_shard(info: ShardInfo, data: bytes | bytearray | memoryview) -> None:
     if len(data) != info.nbytes:
         raise CheckpointError(f"shard {info.name}: {len(data)} bytes, the manifest says {info.nbytes}")
     if hashlib.sha256(data).hexdigest() != info.sha256:
@@ -281,7 +335,7 @@ class CheckpointDir:
                     manifest.check_usable_by(expect)
                 shards = []
                 for info in manifest.shards:
-                    data = (directory / info.name).read_bytes()
+                    data = read_file(directory / info.name)
                     verify_shard(info, data)
                     shards.append(data)
                 return manifest, state_from_shards(manifest, shards)
@@ -316,7 +370,17 @@ class CheckpointDir:
                 shutil.rmtree(temp, ignore_errors=True)
 
 
-def _write_synced(path: Path, data: bytes | memoryview) -> None:
+def read_file(path: Path) -> bytearray:
+    """A whole file in a bytearray of its size (one copy, writable: tensors can view it)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        data = bytearray(size)
+        if f.readinto(data) != size:
+            raise CheckpointError(f"{path} changed while it was read")
+    return data
+
+
+def _write_synced(path: Path, data: bytes | bytearray | memoryview) -> None:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()

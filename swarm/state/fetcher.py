@@ -9,13 +9,17 @@
 3. Shards, in parallel: `streams_per_peer` downloads per holder at a time. Shard i prefers
    holder (i + r) mod n for a random r, so each shard comes from a different peer where possible
    and many newcomers spread over all holders; an idle holder takes any shard still waiting.
-   Each shard streams to `<dest>/fetch-<sha>/<shard>.part` while it is hashed (in a thread:
-   the event loop never blocks), and is renamed into place only when its length and SHA-256
+   Each shard streams into a buffer of its size, is hashed in a thread (the event loop never
+   blocks; other shards keep arriving meanwhile) and is kept only when its length and SHA-256
    match the manifest. A shard that fails verification marks its peer as corrupt (avoided for
    the rest of the fetch); a peer that dies or moves on to a newer state is dropped; either
    way the shard goes back to the queue for another peer. A busy peer is retried after a pause.
-4. Load: only when every shard is verified; an interrupted fetch (crash, timeout) finds its
-   verified shards on disk and fetches only the rest.
+   With `dest`, each verified shard is also written to `<dest>/fetch-<sha>/` by a writer thread,
+   off the download's path, so that an interrupted fetch (crash, timeout) resumes with the
+   shards it has; without it nothing touches the disk.
+4. Load: only when every shard is verified. The tensors are views of the received buffers
+   (checkpoint.tensors_in_safetensors): the newcomer holds the state once, plus the shards in
+   flight.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from swarm.model.checkpoint import (
     CheckpointError,
@@ -37,6 +42,7 @@ from swarm.model.checkpoint import (
     RunInfo,
     ShardInfo,
     parse_manifest,
+    read_file,
     state_from_shards,
 )
 from swarm.p2p.errors import P2PError, RemoteError
@@ -93,7 +99,7 @@ async def fetch_state(
     holders: Sequence[Holder],
     *,
     expect: RunInfo,
-    dest: Path,
+    dest: Path | None = None,
     streams_per_peer: int = 2,
     timeout: float = 60.0,
     on_progress: Callable[[FetchProgress], None] | None = None,
@@ -108,11 +114,17 @@ async def fetch_state(
     _, sha, peers = chosen
     rng.shuffle(peers)
     manifest = await _fetch_manifest(host, run_id, peers, sha, expect, timeout)
-    directory = Path(dest) / f"fetch-{sha[:16]}"
-    await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
+    directory = None
+    if dest is not None:
+        directory = Path(dest) / f"fetch-{sha[:16]}"
+        await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
     fetch = _ShardFetch(host, run_id, manifest, peers, directory, streams_per_peer, timeout, on_progress, rng)
-    await fetch.run()
-    state = await asyncio.to_thread(_load, manifest, directory)
+    try:
+        await fetch.run()
+    finally:
+        await fetch.writes_done()
+    shards = [fetch.buffers[i] for i in range(len(manifest.shards))]
+    state = await asyncio.to_thread(state_from_shards, manifest, shards)
     fetch.report.elapsed_s = time.perf_counter() - fetch.started
     return manifest, state, fetch.report
 
@@ -144,7 +156,7 @@ class _ShardFetch:
         run_id: str,
         manifest: Manifest,
         peers: list[Holder],
-        directory: Path,
+        directory: Path | None,
         streams_per_peer: int,
         timeout: float,
         on_progress: Callable[[FetchProgress], None] | None,
@@ -164,10 +176,25 @@ class _ShardFetch:
         self.done_shards = 0
         self.started = time.perf_counter()
         self.report = FetchReport(manifest.step, manifest.sha256, manifest.total_bytes)
+        self.buffers: dict[int, bytearray] = {}  # verified shards
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="swarm-fetch-write") if directory else None
+        self._writes: list[asyncio.Future[None]] = []
+
+    async def writes_done(self) -> None:
+        """Wait for the shards queued for disk (a failed write only costs resuming)."""
+        results = await asyncio.gather(*self._writes, return_exceptions=True)
+        for error in (r for r in results if isinstance(r, BaseException)):
+            logger.warning("could not keep a fetched shard on disk: %s", error)
+        if self._writer is not None:
+            self._writer.shutdown(wait=False)
 
     async def run(self) -> None:
         for i, info in enumerate(self.manifest.shards):
-            if await asyncio.to_thread(_verified_on_disk, self.directory / info.name, info):
+            kept = None
+            if self.directory is not None:
+                kept = await asyncio.to_thread(_verified_on_disk, self.directory / info.name, info)
+            if kept is not None:
+                self.buffers[i] = kept
                 self.done_bytes += info.nbytes
                 self.done_shards += 1
                 self.report.reused_shards += 1
@@ -218,7 +245,7 @@ class _ShardFetch:
             info = self.manifest.shards[index]
             self.in_flight += 1
             try:
-                await self._download(peer, info)
+                self.buffers[index] = await self._download(peer, info)
             except CorruptShard as e:
                 logger.warning("peer %s sent a corrupt %s: %s; avoiding it", peer.peer_id, info.name, e)
                 self._give_back(index, peer, avoid=True)
@@ -259,35 +286,35 @@ class _ShardFetch:
         self.pending.insert(0, index)
         self.changed.set()
 
-    async def _download(self, peer: Holder, info: ShardInfo) -> None:
-        part = self.directory / f"{info.name}.part.{id(asyncio.current_task())}"
+    async def _download(self, peer: Holder, info: ShardInfo) -> bytearray:
+        """One shard from one peer, verified; queued for disk when there is a directory."""
         args = protocol.shard_args(self.run_id, self.manifest.sha256, info.name)
-        hasher = hashlib.sha256()
-        received = counted = 0
-        file = await asyncio.to_thread(open, part, "wb")
+        buffer = bytearray(info.nbytes)
+        view = memoryview(buffer)
+        received = 0
         try:
             opened = await self.host.open_stream(peer.maddrs[0], protocol.SHARD, args, timeout=self.timeout)
             async with opened as stream:
                 await stream.end()
                 while (chunk := await stream.read(timeout=self.timeout)) is not None:
-                    received += len(chunk)
-                    if received > info.nbytes:
+                    end = received + len(chunk)
+                    if end > info.nbytes:
                         raise CorruptShard(f"more than the {info.nbytes} bytes the manifest lists")
-                    await asyncio.to_thread(_write_and_hash, file, hasher, chunk)
+                    view[received:end] = chunk  # a memcpy of one chunk: cheap on the loop
+                    received = end
                     self.streaming += len(chunk)
-                    counted += len(chunk)
                     self._progress()
-            await asyncio.to_thread(file.close)
-            if received != info.nbytes:
-                raise CorruptShard(f"{received} bytes, the manifest lists {info.nbytes}")
-            if hasher.hexdigest() != info.sha256:
-                raise CorruptShard("SHA-256 does not match the manifest")
-            await asyncio.to_thread(part.replace, self.directory / info.name)
-        except BaseException:
-            await asyncio.to_thread(_discard, file, part)
-            raise
         finally:
-            self.streaming -= counted
+            self.streaming -= received
+            view.release()
+        if received != info.nbytes:
+            raise CorruptShard(f"{received} bytes, the manifest lists {info.nbytes}")
+        if await asyncio.to_thread(_sha256, buffer) != info.sha256:
+            raise CorruptShard("SHA-256 does not match the manifest")
+        if self._writer is not None and self.directory is not None:
+            loop = asyncio.get_running_loop()
+            self._writes.append(loop.run_in_executor(self._writer, _keep, self.directory / info.name, buffer))
+        return buffer
 
     def _progress(self) -> None:
         if self.on_progress is not None:
@@ -309,32 +336,27 @@ def _add_once(items: list[str], item: str) -> None:
         items.append(item)
 
 
-def _write_and_hash(file: IO[bytes], hasher: Any, chunk: Any) -> None:
-    hasher.update(chunk)
-    file.write(chunk)
+def _sha256(data: bytearray) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
-def _discard(file: IO[bytes], part: Path) -> None:
-    file.close()
-    part.unlink(missing_ok=True)
+def _keep(path: Path, data: bytearray) -> None:
+    """Write a verified shard under a temporary name, then rename: never a partial shard file."""
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as f:
+        f.write(data)
+    part.replace(path)
 
 
-def _verified_on_disk(path: Path, info: ShardInfo) -> bool:
+def _verified_on_disk(path: Path, info: ShardInfo) -> bytearray | None:
+    """The shard kept by an earlier, interrupted fetch, if it is whole and verifies."""
     try:
         if path.stat().st_size != info.nbytes:
-            return False
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while block := f.read(8 << 20):
-                digest.update(block)
-        return digest.hexdigest() == info.sha256
-    except OSError:
-        return False
-
-
-def _load(manifest: Manifest, directory: Path) -> dict[str, Any]:
-    state = state_from_shards(manifest, ((directory / info.name).read_bytes() for info in manifest.shards))
-    return state
+            return None
+        data = read_file(path)
+    except (OSError, CheckpointError):
+        return None
+    return data if _sha256(data) == info.sha256 else None
 
 
 def remove_fetch_dir(dest: Path, manifest: Manifest) -> None:

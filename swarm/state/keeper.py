@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -109,7 +108,7 @@ class StateKeeper:
             why = "missed its group"
         else:
             return None
-        dest = self.checkpoints.path if self.checkpoints is not None else Path(tempfile.gettempdir()) / "swarm-fetch"
+        dest = self.checkpoints.path if self.checkpoints is not None else None  # resumable only with a checkpoint dir
         manifest, state, report = await fetch_state(
             self.host,
             self.run.run_id,
@@ -120,7 +119,8 @@ class StateKeeper:
             on_progress=self.on_fetch_progress,
         )
         await self.in_trainer(diloco.load_state_dict, state)
-        await asyncio.to_thread(remove_fetch_dir, dest, manifest)
+        if dest is not None:
+            await asyncio.to_thread(remove_fetch_dir, dest, manifest)
         logger.info("fetched the state of outer step %d (%s): %.1f MB from %d peers in %.2fs", manifest.step, why,
                     report.total_bytes / 1e6, len(report.bytes_by_peer), report.elapsed_s)  # fmt: skip
         await self.publish(diloco, checkpoint=True)

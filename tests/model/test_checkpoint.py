@@ -149,3 +149,35 @@ def test_nothing_whole_is_an_error_that_says_why(tmp_path: Path) -> None:
     (tmp_path / "step-00000001" / "manifest.json").write_text("{}")
     with pytest.raises(CheckpointError, match="no whole checkpoint"):
         CheckpointDir(tmp_path).load_latest(RUN)
+
+
+def _safetensors(header: dict, body: bytes) -> bytearray:
+    raw = json.dumps(header).encode()
+    return bytearray(len(raw).to_bytes(8, "little") + raw + body)
+
+
+def test_shards_load_as_views_of_their_bytes_and_bad_headers_are_refused() -> None:
+    from safetensors.torch import save
+
+    from swarm.model.checkpoint import tensors_in_safetensors
+
+    data = bytearray(save({"params/w": torch.arange(6, dtype=torch.float32).view(2, 3)}))
+    tensors = tensors_in_safetensors(data)
+    assert torch.equal(tensors["params/w"], torch.arange(6, dtype=torch.float32).view(2, 3))
+    data[-4:] = torch.tensor([42.0]).view(torch.uint8).tolist()  # no copy: the tensor sees the buffer
+    assert tensors["params/w"][1, 2] == 42.0
+    body = bytes(24)
+    for header, payload in (
+        ({"w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 20]}}, body),  # size mismatch
+        ({"w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [8, 32]}}, body),  # past the end
+        ({"w": {"dtype": "Q4", "shape": [6], "data_offsets": [0, 24]}}, body),  # unknown dtype
+        ({"w": {"dtype": "F32", "shape": [-6], "data_offsets": [0, 24]}}, body),
+        ({"w": {"dtype": "F32", "shape": [6], "data_offsets": [0]}}, body),
+        ({"w": [1]}, body),
+        ([1, 2], body),
+    ):
+        with pytest.raises(CheckpointError):
+            tensors_in_safetensors(_safetensors(header, payload))  # type: ignore[arg-type]
+    for raw in (bytearray(b"\x01"), bytearray((10**9).to_bytes(8, "little")), bytearray(b"\x02" + bytes(7) + b"{x")):
+        with pytest.raises(CheckpointError):
+            tensors_in_safetensors(raw)

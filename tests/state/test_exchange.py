@@ -241,3 +241,17 @@ def test_holders_are_decoded_strictly_and_the_most_advertised_newest_state_wins(
     ):
         assert decode_holder(owner_subkey(peers[0]), bad) is None
     assert decode_holder("no-owner", {"step": 5, "manifest": a, "maddrs": [maddr]}) is None
+
+
+async def test_without_a_directory_nothing_touches_the_disk(tmp_path: Path) -> None:
+    snapshot = _snapshot()
+    hosts, _ = await _servers(2, snapshot)
+    fetcher = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
+    try:
+        holders = [_holder(h, snapshot) for h in hosts]
+        _, state, report = await fetch_state(fetcher, "run", holders, expect=RUN, dest=None)
+        _assert_same(state, _state())
+        assert report.fetched_bytes == snapshot.manifest.total_bytes and report.reused_shards == 0
+    finally:
+        for h in [*hosts, fetcher]:
+            await h.close()

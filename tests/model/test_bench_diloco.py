@@ -1,0 +1,91 @@
+"""The DiLoCo sweep's simulation and baselines (scripts/diloco_sweep.py), and the pure parts of
+scripts/bench_diloco.py, on a workload small enough for a unit test."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import bench_diloco  # a script module (scripts/ is not a package)
+import diloco_sweep as sweep
+
+TINY = sweep.Workload(workers=2, steps=6, batch_size=1, seq_len=16, eval_windows=2)
+
+
+def test_h_schedule_grows_to_its_target() -> None:
+    assert [sweep.HSchedule(target=50).at(k) for k in range(3)] == [50, 50, 50]
+    assert [sweep.HSchedule(target=100, start=10).at(k) for k in range(6)] == [10, 20, 40, 80, 100, 100]
+    assert sweep.parse_h("10x3-100") == sweep.HSchedule(target=100, start=10, factor=3.0)
+    with pytest.raises(ValueError):
+        sweep.HSchedule(target=10, start=20)
+
+
+def test_average_is_the_exact_weighted_mean() -> None:
+    a, b = [torch.tensor([1.0, 2.0])], [torch.tensor([3.0, 6.0])]
+    assert sweep.average_deltas([a, b], [1.0, 3.0])[0].tolist() == [2.5, 5.0]
+
+
+def test_identities_are_fixed_and_distinct() -> None:
+    peers = sweep.worker_peers(TINY)
+    assert peers == sweep.worker_peers(TINY) and len(set(peers)) == TINY.workers
+    assert sweep.worker_peers(dataclasses.replace(TINY, seed=1)) != peers
+
+
+def test_one_worker_with_plain_averaging_is_the_node_alone() -> None:
+    """DiLoCo with one worker, outer lr 1 and no momentum reproduces the lone node's run: same
+    windows, same clock (a growing H included), same optimizer."""
+    data = sweep.load_corpus()
+    one = dataclasses.replace(TINY, workers=1)
+    config = sweep.inner_config(lr=3e-3, warmup_steps=2)
+    alone = sweep.train_data_parallel(data, one, sweep.worker_peers(one), config)
+    for h in (sweep.HSchedule(target=3), sweep.HSchedule(target=4, start=1)):
+        setting = sweep.Setting(
+            name="plain", h=h, outer_lr=1.0, outer_momentum=0.0, nesterov=False, lr=3e-3, warmup_steps=2
+        )
+        diloco = sweep.train_diloco(data, one, setting)
+        assert diloco.eval_loss == pytest.approx(alone.eval_loss, abs=1e-4)
+        assert diloco.outer_steps == (2 if h.constant else 3)  # 3 + 3; 1 + 2 + 3 (the last cut to fit)
+
+
+def test_runs_are_deterministic_and_ddp_sees_every_worker() -> None:
+    data = sweep.load_corpus()
+    config = sweep.inner_config(lr=3e-3, warmup_steps=2)
+    peers = sweep.worker_peers(TINY)
+    ddp = sweep.train_data_parallel(data, TINY, peers, config)
+    assert sweep.train_data_parallel(data, TINY, peers, config).sha256 == ddp.sha256
+    assert sweep.train_data_parallel(data, TINY, peers[:1], config).sha256 != ddp.sha256
+    setting = sweep.Setting(name="s", h=sweep.HSchedule(target=3), lr=3e-3, warmup_steps=2)
+    first, second = sweep.train_diloco(data, TINY, setting), sweep.train_diloco(data, TINY, setting)
+    assert first.sha256 == second.sha256 and first.eval_loss == second.eval_loss
+
+
+def test_gap_closed() -> None:
+    assert sweep.gap_closed(alone=2.0, ddp=1.0, diloco=1.25) == pytest.approx(0.75)
+
+
+def test_bench_configs_and_ring_bytes() -> None:
+    assert bench_diloco.SwarmConfig.parse("H100_none") == bench_diloco.SwarmConfig("H100_none", 100, "none")
+    for bad in ("H0_int8", "50_int8", "H50_int4"):
+        with pytest.raises(ValueError):
+            bench_diloco.SwarmConfig.parse(bad)
+    assert bench_diloco.ring_allreduce_bytes(nodes=4, parameters=1000, steps=10) == 1.5 * 4 * 1000 * 10
+
+
+def test_bench_summary_of_metrics_events() -> None:
+    def step(k: int, group: int, sent: int) -> dict[str, object]:
+        return {
+            "event": "outer_step", "outer_step": k, "eval_loss": 1.5 if k == 1 else None, "state_sha256": "ab",
+            "group_size": group, "bytes_sent": sent, "bytes_received": sent, "inner_s": 8.0, "wall_s": 10.0,
+            "tokens_per_s": 100.0,
+        }  # fmt: skip
+
+    nodes = [[{"event": "start"}, step(0, 2, 10), step(1, 2, 20), {"event": "exit"}], [step(0, 1, 5), step(1, 2, 30)]]
+    summary = bench_diloco.summarize(bench_diloco.SwarmConfig.parse("H50_int8"), nodes)
+    assert summary["eval_loss"] == 1.5 and summary["states_agree"] and summary["outer_steps"] == [2, 2]
+    assert summary["bytes_sent"] == [30, 35] and summary["utilization"] == [0.8, 0.8]
+    assert summary["full_group_share"] == 0.75
