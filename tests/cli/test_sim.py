@@ -152,6 +152,27 @@ def test_churn_kills_and_joins_and_survivors_finish(tmp_path: Path) -> None:
     assert "killed node" in out and "node2 joining" in out
 
 
+@pytest.mark.swarm
+@pytest.mark.timeout(300)
+def test_newcomers_fetch_the_state_and_agree_from_their_first_outer_step(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ("--outer-steps", "14", "--join-every", "12", "--seed", "2")
+    code, out, err = _run("--nodes", "2", *QUICK, *args, "--run-dir", str(run_dir), timeout=280)
+    assert code == 0, f"{out}\n{err}"
+    nodes = json.loads((run_dir / "metrics.json").read_text())["nodes"]
+    by_step: dict[int, set[str]] = {}
+    for node in nodes:
+        for step in node["steps"]:
+            by_step.setdefault(step["outer_step"], set()).add(step["state_sha256"])
+    newcomers = [n for n in nodes if n["joined_at_step"] > 0 and n["steps"]]
+    assert newcomers, [(n["peer_id"][-6:], n["joined_at_step"], n["status"]) for n in nodes]
+    for node in newcomers:
+        first = node["steps"][0]["outer_step"]
+        assert first >= node["joined_at_step"]
+        for step in node["steps"]:  # one θ_outer per outer step across the swarm, newcomers included
+            assert len(by_step[step["outer_step"]]) == 1, (node["peer_id"][-6:], step["outer_step"])
+
+
 # --- stopping -------------------------------------------------------------------------------
 
 
