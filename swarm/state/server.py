@@ -2,7 +2,7 @@
 the last finished outer step.
 
     server = StateServer(host, run_id, max_uploads=4)
-    server.publish(snapshot)     # after each outer step; in-flight uploads keep their own snapshot
+    server.publish(snapshot)     # after each outer step; the previous one stays for `grace` seconds
 
 Serving never touches the training state: a snapshot is an immutable copy (bytes) made once per
 outer step, and each call holds a reference to the snapshot it started with. At most
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from swarm.model.checkpoint import Snapshot
@@ -26,17 +27,26 @@ logger = logging.getLogger(__name__)
 
 
 class StateServer:
-    def __init__(self, host: P2PHost, run_id: str, *, max_uploads: int = 4, timeout: float = 60.0) -> None:
+    def __init__(
+        self, host: P2PHost, run_id: str, *, max_uploads: int = 4, timeout: float = 60.0, grace: float = 30.0
+    ) -> None:
         if max_uploads < 1:
             raise ValueError("max_uploads must be >= 1")
         self.host, self.run_id, self.max_uploads, self.timeout = host, run_id, max_uploads, timeout
+        self.grace = grace
         self.snapshot: Snapshot | None = None
+        self.previous: Snapshot | None = None
+        self.previous_until = 0.0
         self.uploads = 0
         self.bytes_sent = 0
         host.add_handler(protocol.MANIFEST, self._rpc_manifest)
         host.add_stream_handler(protocol.SHARD, self._rpc_shard)
 
     def publish(self, snapshot: Snapshot) -> None:
+        """Serve `snapshot` from now on; the one it replaces stays available for `grace` seconds,
+        so that fetches that picked it just before this outer step can finish."""
+        if self.snapshot is not None:
+            self.previous, self.previous_until = self.snapshot, time.monotonic() + self.grace
         self.snapshot = snapshot
 
     def close(self) -> None:
@@ -70,6 +80,10 @@ class StateServer:
         snapshot = self.snapshot
         if snapshot is None:
             raise NotFound("no state to serve yet")
-        if sha is not None and snapshot.manifest.sha256 != sha:
-            raise NotFound(f"state {sha[:12]} is no longer served (now step {snapshot.manifest.step})")
-        return snapshot
+        if sha is None or snapshot.manifest.sha256 == sha:
+            return snapshot
+        previous = self.previous
+        if previous is not None and previous.manifest.sha256 == sha and time.monotonic() < self.previous_until:
+            return previous
+        self.previous = None if time.monotonic() >= self.previous_until else self.previous  # let it go
+        raise NotFound(f"state {sha[:12]} is no longer served (now step {snapshot.manifest.step})")

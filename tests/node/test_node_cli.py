@@ -151,7 +151,7 @@ def test_unreachable_initial_peers_give_one_line() -> None:
 @pytest.mark.timeout(180)
 def test_a_node_nobody_can_reach_runs_in_client_mode(swarm: Swarm) -> None:
     swarm.start_bootstrap()
-    args = ("--run-id", "nat", "--inner-steps", "4", "--max-outer-steps", "2", "--matchmaking-time", "1.5")
+    args = ("--run-id", "nat", "--inner-steps", "4", "--max-outer-steps", "5", "--matchmaking-time", "1.5")
     server = swarm.node("server", *args)
     # announces an address where nothing listens: the dial-back fails, as behind a NAT
     natted = swarm.node("natted", *args, "--announce-maddrs", "/ip4/127.0.0.1/tcp/9")
@@ -161,8 +161,9 @@ def test_a_node_nobody_can_reach_runs_in_client_mode(swarm: Swarm) -> None:
     start = swarm.events("natted", "start")[0]
     assert start["client_mode"] is True and start["maddrs"] == []
     steps = swarm.events("natted", "outer_step")
-    assert [e["group_size"] for e in steps] == [2, 2]  # it still averages, as a client
+    assert 2 in [e["group_size"] for e in steps]  # it still averages, as a client
     assert steps[-1]["state_sha256"] == swarm.events("server", "outer_step")[-1]["state_sha256"]
+    assert not swarm.events("natted", "fetch") or swarm.events("natted", "fetch")[0]["peers"] == 1  # from the server
 
 
 @pytest.mark.timeout(300)

@@ -255,3 +255,20 @@ async def test_without_a_directory_nothing_touches_the_disk(tmp_path: Path) -> N
     finally:
         for h in [*hosts, fetcher]:
             await h.close()
+
+
+async def test_a_replaced_state_is_still_served_for_a_grace_period() -> None:
+    old, new = _snapshot(3), _snapshot(4)
+    hosts, servers = await _servers(1, old)
+    client = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
+    try:
+        servers[0].publish(new)
+        maddr = hosts[0].visible_maddrs[0]
+        reply = await client.call(maddr, protocol.MANIFEST, protocol.manifest_args("run", old.manifest.sha256))
+        assert reply["sha256"] == old.manifest.sha256  # a fetch that picked it a moment ago can finish
+        servers[0].previous_until = 0.0  # the grace period is over
+        with pytest.raises(RemoteError, match="no longer served"):
+            await client.call(maddr, protocol.MANIFEST, protocol.manifest_args("run", old.manifest.sha256))
+    finally:
+        for h in [*hosts, client]:
+            await h.close()
