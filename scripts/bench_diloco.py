@@ -1,0 +1,406 @@
+"""DiLoCo benchmark (issue #5): a swarm of `swarm-node`s on 127.0.0.1 against data parallelism.
+
+One workload for everything (`diloco_sweep.Workload`: model tiny, the built-in corpus, 2 sequences
+of 256 tokens per node and inner step, 1,000 inner steps per node by default):
+
+    swarm   4 `swarm-node` processes (fixed identities, one torch thread each) and a bootstrap
+            `swarm-dht serve`, for each configuration: H 50 / 100 x int8 / fp32 (`--compression
+            none`) pseudo-gradients; every node runs --steps / H outer steps, then exits
+    ddp     one process, the same AdamW, the 4 nodes' batches concatenated (global batch 8):
+            what an ideal data-parallel run sees for the same number of optimizer steps
+    alone   one process, node 0's batches alone
+
+Node i samples its windows with node_generator(PeerID_i, global inner step), so the baselines
+replay the same windows (`diloco_sweep.train_data_parallel`, run in this process).
+
+Reported per configuration: the final eval loss (the same 64 windows of the held-out split;
+the nodes' θ must end bit-identical, checked by their state hashes), its ratio to DDP's, the share
+of the DDP/alone gap it closes, (L_alone - L_diloco) / (L_alone - L_ddp); the bytes each node sent
+in its all-reduce rounds (summed over the run; mean over nodes; DHT and matchmaking traffic are
+not in the nodes' metrics) against a data-parallel fp32 ring all-reduce of the gradients at every
+optimizer step, 2(n-1)/n x 4 bytes x parameters x steps (the reduction factor; INTELLECT-1
+reports 400x at H 100 with int8); the compute utilization, inner-step seconds / training wall
+seconds from each node's metrics (mean over nodes); and the share of outer steps that every node
+spent in a full group (a node alone for a step applies its own pseudo-gradient).
+With --repeat R each swarm configuration runs R times and the medians are reported (the swarm is
+not deterministic: group timing varies); the baselines are deterministic and run once.
+
+    python scripts/bench_diloco.py                        # all four configurations, 1,000 steps
+    python scripts/bench_diloco.py --steps 100 --configs H50_int8 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import select
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from diloco_sweep import Cache, Workload, gap_closed, node_identity, run_baselines  # noqa: E402  (a sibling script)
+
+CONFIGS = ("H50_int8", "H50_none", "H100_int8", "H100_none")
+COMPRESSIONS = ("int8", "fp16", "none")
+STOP_GRACE_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class SwarmConfig:
+    name: str  # "H50_int8": H and --compression
+    inner_steps: int
+    compression: str
+
+    @classmethod
+    def parse(cls, name: str) -> SwarmConfig:
+        h, _, compression = name.partition("_")
+        if not (h.startswith("H") and h[1:].isdigit() and int(h[1:]) > 0 and compression in COMPRESSIONS):
+            raise ValueError(
+                f"bad configuration {name!r}: use H<inner steps>_<{'|'.join(COMPRESSIONS)}>, e.g. H50_int8"
+            )
+        return cls(name, int(h[1:]), compression)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeOptions:
+    """What every node of a run gets besides its identity (the inner optimizer matches the baselines)."""
+
+    lr: float
+    warmup_steps: int
+    outer_lr: float | None  # None: the node's default
+    outer_momentum: float | None
+    matchmaking_time: float | None  # None: the node's default
+    verbose: bool
+
+
+# --- processes ----------------------------------------------------------------------------------
+
+
+def command(name: str) -> str:
+    """A console script of this environment (next to its python), else from PATH."""
+    local = Path(sys.executable).parent / name
+    found = str(local) if local.exists() else shutil.which(name)
+    if found is None:
+        raise RuntimeError(f"{name} is not installed: pip install -e . in this environment")
+    return found
+
+
+def spawn(args: list[str], log: IO[bytes] | None, stdout: int | IO[bytes] | None = None) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        args, stdout=stdout if stdout is not None else log, stderr=log, env=env, start_new_session=True
+    )
+
+
+def stop(procs: Sequence[subprocess.Popen[bytes]], grace: float = STOP_GRACE_S) -> None:
+    """SIGTERM each process still running, then SIGKILL those alive after `grace` seconds."""
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait(10)
+
+
+def read_json_line(proc: subprocess.Popen[bytes], timeout: float) -> dict[str, Any]:
+    """The first line of `proc`'s stdout that parses as a JSON object."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while True:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise TimeoutError(f"no JSON line from {proc.args} within {timeout:.0f}s")
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{proc.args} exited (code {proc.poll()}) before printing its address")
+        with contextlib.suppress(ValueError):
+            obj = json.loads(line)
+            if isinstance(obj, dict):
+                return obj
+
+
+def node_args(
+    workload: Workload, config: SwarmConfig, options: NodeOptions, workdir: Path, index: int, peers: Sequence[str]
+) -> list[str]:
+    args = [
+        command("swarm-node"),
+        *(arg for maddr in peers for arg in ("--initial-peers", maddr)),
+        "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+        "--identity", str(workdir / f"node{index}.key"),
+        "--run-id", f"bench-diloco-{config.name}",
+        "--model", workload.model,
+        "--inner-steps", str(config.inner_steps),
+        "--batch-size", str(workload.batch_size),
+        "--seq-len", str(workload.seq_len),
+        "--lr", repr(options.lr),
+        "--warmup-steps", str(options.warmup_steps),
+        "--compression", config.compression,
+        "--target-group-size", str(workload.workers),
+        "--max-outer-steps", str(workload.steps // config.inner_steps),
+        "--seed", str(workload.seed),
+        "--threads", "1",
+        "--metrics-file", str(workdir / f"node{index}.jsonl"),
+        "--eval-every", str(workload.steps // config.inner_steps),
+        "--eval-windows", str(workload.eval_windows),
+    ]  # fmt: skip
+    if options.outer_lr is not None:
+        args += ["--outer-lr", repr(options.outer_lr)]
+    if options.outer_momentum is not None:
+        args += ["--outer-momentum", repr(options.outer_momentum)]
+    if options.matchmaking_time is not None:
+        args += ["--matchmaking-time", repr(options.matchmaking_time)]
+    return args + (["-v"] if options.verbose else [])
+
+
+def run_swarm(
+    workload: Workload, config: SwarmConfig, options: NodeOptions, timeout: float, keep: Path | None
+) -> dict[str, Any]:
+    """One swarm run: a bootstrap DHT node and `workers` training nodes until they exit; the
+    summary of their metrics files."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"bench_diloco_{config.name}_", dir=keep))
+    for index in range(workload.workers):
+        node_identity(index, workload.seed).save(workdir / f"node{index}.key")
+    procs: list[subprocess.Popen[bytes]] = []
+    logs: list[IO[bytes]] = []
+    started = time.monotonic()
+    try:
+        logs.append(open(workdir / "bootstrap.log", "wb"))  # noqa: SIM115  (closed in finally)
+        dht_args = [command("swarm-dht"), "serve", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--json"]
+        procs.append(spawn(dht_args, logs[0], stdout=subprocess.PIPE))
+        bootstrap = read_json_line(procs[0], timeout=60)["maddrs"]
+        for index in range(workload.workers):
+            logs.append(open(workdir / f"node{index}.log", "wb"))  # noqa: SIM115
+            procs.append(spawn(node_args(workload, config, options, workdir, index, bootstrap), logs[-1]))
+        deadline = time.monotonic() + timeout
+        for index, proc in enumerate(procs[1:]):
+            try:
+                code = proc.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(
+                    f"{config.name}: node {index} still running after {timeout:.0f}s ({workdir})"
+                ) from None
+            if code != 0:
+                tail = (workdir / f"node{index}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{config.name}: node {index} exited with code {code} ({workdir}); log:\n{tail}")
+        wall = time.monotonic() - started
+    finally:
+        stop(procs)
+        for f in logs:
+            f.close()
+    summary = summarize(config, [read_metrics(workdir / f"node{i}.jsonl") for i in range(workload.workers)])
+    summary["run_s"] = wall
+    if keep is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        summary["workdir"] = str(workdir)
+    return summary
+
+
+# --- metrics ------------------------------------------------------------------------------------
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        raise RuntimeError(f"{path} was not written")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summarize(config: SwarmConfig, per_node: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Final eval loss, bytes and utilization of one run, from each node's metrics events
+    (`bytes_sent` of an outer_step event is that round's all-reduce traffic: summed here)."""
+    finals, group_sizes, sent, received = [], [], [], []
+    for index, events in enumerate(per_node):
+        steps = [e for e in events if e.get("event") == "outer_step"]
+        if not steps:
+            raise RuntimeError(f"{config.name}: node {index} recorded no outer step")
+        finals.append(steps[-1])
+        group_sizes.append([e["group_size"] for e in steps])
+        sent.append(sum(e["bytes_sent"] for e in steps))
+        received.append(sum(e["bytes_received"] for e in steps))
+    hashes = {f["state_sha256"] for f in finals}
+    losses = [f["eval_loss"] for f in finals]
+    if any(loss is None for loss in losses):
+        raise RuntimeError(f"{config.name}: a node has no eval loss at its last outer step: {losses}")
+    n = len(per_node)
+    return {
+        "config": config.name,
+        "outer_steps": [f["outer_step"] + 1 for f in finals],
+        "eval_loss": statistics.fmean(losses),
+        "eval_losses": losses,
+        "states_agree": len(hashes) == 1,
+        "full_group_share": statistics.fmean(sum(s == n for s in sizes) / len(sizes) for sizes in group_sizes),
+        "bytes_sent": sent,
+        "bytes_received": received,
+        "matchmaking_s": [
+            sum(e.get("matchmaking_s", 0.0) for e in s if e.get("event") == "outer_step") for s in per_node
+        ],
+        "utilization": [f["inner_s"] / f["wall_s"] for f in finals],
+        "tokens_per_s": [f["tokens_per_s"] for f in finals],
+    }
+
+
+def ring_allreduce_bytes(nodes: int, parameters: int, steps: int) -> float:
+    """What each member of an fp32 ring all-reduce sends for `steps` gradient averagings."""
+    return 2 * (nodes - 1) / nodes * 4 * parameters * steps
+
+
+def results(workload: Workload, baselines: dict[str, float], runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    from swarm.model.llama import count_parameters
+    from swarm.model.presets import preset
+
+    ddp, alone = baselines["ddp"], baselines["alone"]
+    ring = ring_allreduce_bytes(workload.workers, count_parameters(preset(workload.model)), workload.steps)
+    out: dict[str, Any] = {
+        "workload": dataclasses.asdict(workload),
+        "ddp_eval_loss": ddp,
+        "alone_eval_loss": alone,
+        "ring_allreduce_bytes_per_node": ring,
+    }
+    keys = ("diloco_eval_loss", "ratio_to_ddp", "gap_closed", "bytes_sent_per_node", "reduction_factor")
+    for key in (*keys, "utilization", "full_group_share", "states_agree"):
+        out[key] = {}
+    for name, repeats in runs.items():
+        loss = statistics.median(r["eval_loss"] for r in repeats)
+        sent = statistics.median(statistics.fmean(r["bytes_sent"]) for r in repeats)
+        out["diloco_eval_loss"][name] = loss
+        out["ratio_to_ddp"][name] = loss / ddp
+        out["gap_closed"][name] = gap_closed(alone, ddp, loss)
+        out["bytes_sent_per_node"][name] = sent
+        out["reduction_factor"][name] = ring / sent
+        out["utilization"][name] = statistics.median(statistics.fmean(r["utilization"]) for r in repeats)
+        out["full_group_share"][name] = min(r["full_group_share"] for r in repeats)
+        out["states_agree"][name] = all(r["states_agree"] for r in repeats)
+    out["runs"] = runs
+    return out
+
+
+def print_table(res: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    w = res["workload"]
+    table = Table(
+        title=f"DiLoCo on 127.0.0.1: {w['workers']} nodes, {w['model']}, {w['steps']} inner steps, "
+        f"batch {w['batch_size']} x seq {w['seq_len']} per node"
+    )
+    columns = (
+        "run",
+        "eval loss",
+        "/ DDP",
+        "gap closed",
+        "MB sent / node",
+        "vs fp32 ring",
+        "utilization",
+        "full groups",
+    )
+    for column in columns:
+        table.add_column(column, justify="right")
+    table.add_row("DDP (global batch)", f"{res['ddp_eval_loss']:.4f}", "1.000", "100%", "", "", "", "")
+    alone_gap = f"{res['alone_eval_loss'] / res['ddp_eval_loss']:.3f}"
+    table.add_row("one node alone", f"{res['alone_eval_loss']:.4f}", alone_gap, "0%", "", "", "", "")
+    for name, loss in res["diloco_eval_loss"].items():
+        agree = "" if res["states_agree"][name] else " (states differ!)"
+        table.add_row(
+            f"DiLoCo {name}{agree}", f"{loss:.4f}", f"{res['ratio_to_ddp'][name]:.3f}",
+            f"{res['gap_closed'][name]:.1%}", f"{res['bytes_sent_per_node'][name] / 1e6:,.2f}",
+            f"{res['reduction_factor'][name]:,.0f}x", f"{res['utilization'][name]:.1%}",
+            f"{res['full_group_share'][name]:.0%}",
+        )  # fmt: skip
+    Console(width=160).print(table)
+    print(
+        f"fp32 ring all-reduce at every step would send {res['ring_allreduce_bytes_per_node'] / 1e6:,.1f} MB per node"
+    )
+
+
+def main() -> None:
+    defaults = Workload()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="inner steps per node (a multiple of each H)")
+    parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per node and step")
+    parser.add_argument("--nodes", type=int, default=defaults.workers)
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
+    parser.add_argument("--repeat", type=int, default=1, help="swarm runs per configuration (medians reported)")
+    parser.add_argument("--seed", type=int, default=0, help="model weights and node identities")
+    parser.add_argument("--lr", type=float, help="inner learning rate (default: DiLoCoConfig's)")
+    parser.add_argument("--warmup-steps", type=int, help="default: DiLoCoConfig's")
+    parser.add_argument("--outer-lr", type=float, help="default: the node's")
+    parser.add_argument("--outer-momentum", type=float, help="default: the node's")
+    parser.add_argument("--matchmaking-time", type=float, help="seconds nodes gather for a group (default: the node's)")
+    parser.add_argument("--timeout", type=float, help="seconds per swarm run (default: from --steps)")
+    parser.add_argument("--cache", help="JSON-lines file that keeps the baselines' results between runs")
+    parser.add_argument("--keep", help="keep each run's folder (keys, logs, metrics) under this directory")
+    parser.add_argument("--skip-baselines", action="store_true", help="swarm runs only (no ratios)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="nodes log at INFO")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    import torch
+
+    from swarm.model.diloco import DiLoCoConfig
+
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: `finally` stops the nodes
+    try:
+        configs = [SwarmConfig.parse(name) for name in args.configs.split(",")]
+        workload = Workload(steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, workers=args.nodes,
+                            seed=args.seed)  # fmt: skip
+    except ValueError as e:
+        parser.error(str(e))
+    if bad := [c.name for c in configs if workload.steps % c.inner_steps]:
+        parser.error(f"--steps {workload.steps} is not a multiple of H for {', '.join(bad)}")
+    inner = DiLoCoConfig()
+    options = NodeOptions(
+        lr=args.lr if args.lr is not None else inner.lr,
+        warmup_steps=args.warmup_steps if args.warmup_steps is not None else inner.warmup_steps,
+        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, matchmaking_time=args.matchmaking_time,
+        verbose=args.verbose,
+    )  # fmt: skip
+    timeout = args.timeout or 180 + workload.steps * workload.workers * 0.5
+    keep = Path(args.keep) if args.keep else None
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for config in configs:
+        for attempt in range(args.repeat):
+            log(f"swarm {config.name} run {attempt + 1}/{args.repeat} ...")
+            summary = run_swarm(workload, config, options, timeout, keep)
+            runs.setdefault(config.name, []).append(summary)
+            log(f"  eval {summary['eval_loss']:.4f}, sent {statistics.fmean(summary['bytes_sent']) / 1e6:.2f} MB/node, "
+                f"utilization {statistics.fmean(summary['utilization']):.1%}, {summary['run_s']:.0f}s")  # fmt: skip
+    if args.skip_baselines:
+        baselines = {"ddp": float("nan"), "alone": float("nan")}
+    else:
+        baselines = run_baselines(Cache(args.cache), workload, options.lr, options.warmup_steps, log)
+    res = results(workload, baselines, runs)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print_table(res)
+
+
+if __name__ == "__main__":
+    main()
