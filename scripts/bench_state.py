@@ -67,6 +67,8 @@ from typing import IO, Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # hivemind_state.py beside this file
+from worker_process import status_kib  # noqa: E402  (a sibling script)
+
 SEEDER = HERE / "state_seeder.py"
 MARK = "BENCH_STATE "
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -90,18 +92,6 @@ TARGET_RSS_OF_STATE = 1.5
 # --- the newcomer: a child process that fetches once ---------------------------------------------
 
 
-def _status_kib(field: str, pid: int | str = "self") -> int:
-    """A `VmRSS:`-style field of /proc/<pid>/status, in KiB (0 when the process is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
 class RssSampler:
     """Samples this process's VmRSS every `period` seconds in a thread; keeps the peak per phase."""
 
@@ -122,7 +112,7 @@ class RssSampler:
 
     def _run(self) -> None:
         while True:
-            rss = _status_kib("VmRSS")
+            rss = status_kib("VmRSS")
             self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
             if self._stop.wait(self.period):
                 return
@@ -222,7 +212,7 @@ async def newcomer_main(args: argparse.Namespace) -> dict[str, Any]:
                         marks["shards"] = time.perf_counter()
                         sampler.phase = "load"  # fetch_state now reads the shards back into tensors
 
-                baseline_kib = _status_kib("VmRSS")
+                baseline_kib = status_kib("VmRSS")
                 cpu_before = resource.getrusage(resource.RUSAGE_SELF)
                 started = time.perf_counter()
                 manifest, state, report = await fetch_state(
@@ -233,7 +223,7 @@ async def newcomer_main(args: argparse.Namespace) -> dict[str, Any]:
                 cpu_after = resource.getrusage(resource.RUSAGE_SELF)
         finally:
             await dht.close()
-    peak_kib = _status_kib("VmHWM")
+    peak_kib = status_kib("VmHWM")
     got_sha = await asyncio.to_thread(tensors_sha256, [state["params"][n] for n in names])  # not timed
     if args.fetch_dest:
         await asyncio.to_thread(remove_fetch_dir, Path(args.fetch_dest), manifest)
@@ -487,7 +477,7 @@ def measure_swarm(
                 "--shard-bytes", str(opts.shard_bytes),
             ])  # fmt: skip
             donors.append(children.first_line(proc, name, 1800))
-            rss = _status_kib("VmRSS", proc.pid) * 1024
+            rss = status_kib("VmRSS", proc.pid) * 1024
             log(f"{name} serves {donors[-1]['state_bytes'] / MB:,.0f} MB, its RSS {rss / MB:,.0f} MB "
                 f"({mem_available() / 2**30:.1f} GiB available)")  # fmt: skip
         require_memory(NEWCOMER_PEAK_PER_STATE_BYTE * state_bytes + PROCESS_FIXED_BYTES, "a newcomer")

@@ -51,6 +51,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from worker_process import status_kib  # beside this file
+
 MARK = "HIVEMIND_STATE "
 SEED = 0
 STEP = 5
@@ -65,18 +67,6 @@ _POLL_S = 0.05
 
 
 # ----------------------------------------------------------------------------- child processes
-
-
-def _status_kib(field: str, pid: int | str = "self") -> int:
-    """A `VmHWM:`-style field of /proc/<pid>/status, in KiB (0 when the process is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def _reply(obj: dict[str, Any]) -> None:
@@ -211,16 +201,16 @@ def newcomer_main(prefix: str, initial_peers: list[str], timeout: float) -> None
         _wait_for_record(dht, prefix, None, timeout)
         sockets = _socket_files()
         p2pd = [p.pid for p in _descendants() if p.name() == "p2pd"]
-        baseline_kib = _status_kib("VmRSS")
+        baseline_kib = status_kib("VmRSS")
         started = time.perf_counter()
         loaded = averager.load_state_from_peers(timeout=timeout)
         seconds = time.perf_counter() - started
         result = {
             "seconds": seconds,
             "baseline_rss_MB": baseline_kib * 1024 / MB,
-            "caller_peak_rss_MB": _status_kib("VmHWM") * 1024 / MB,
-            "averager_peak_rss_MB": _status_kib("VmHWM", averager.pid) * 1024 / MB,
-            "p2pd_peak_rss_MB": sum(_status_kib("VmHWM", pid) for pid in p2pd) * 1024 / MB,
+            "caller_peak_rss_MB": status_kib("VmHWM") * 1024 / MB,
+            "averager_peak_rss_MB": status_kib("VmHWM", averager.pid) * 1024 / MB,
+            "p2pd_peak_rss_MB": sum(status_kib("VmHWM", pid) for pid in p2pd) * 1024 / MB,
             "sockets": sockets,
         }
         if loaded is None:

@@ -24,6 +24,18 @@ def running(proc: Any) -> bool:
         return False
 
 
+def status_kib(field: str, pid: int | str = "self") -> int:
+    """A `VmRSS:`-style field of /proc/<pid>/status, in KiB (0 when the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def exit_on_sigterm() -> None:
     """The orchestrator's side: SIGTERM unwinds like Ctrl-C, so `finally` blocks stop workers."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
