@@ -18,8 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.dht.errors import RecordError
-from swarm.dht.records import owner_of
+from swarm.dht.run_keys import owned_map
 from swarm.p2p.peer_id import PeerID
 
 MAX_STEP = 1 << 40
@@ -43,12 +42,10 @@ class PeerProgress:
 
 def decode_progress(subkey: Any, value: Any) -> PeerProgress | None:
     """A peer's progress record, or None when it is malformed (never raises)."""
-    try:
-        peer = owner_of(subkey)
-    except RecordError:
+    owned = owned_map(subkey, value)
+    if owned is None:
         return None
-    if peer is None or not isinstance(value, dict):
-        return None
+    peer, value = owned
     step, inner, h = value.get("step"), value.get("inner"), value.get("H")
     sec, when = value.get("sec_per_step"), value.get("time")
     if not all(_int_in(x, 0, MAX_STEP) for x in (step, inner)) or not _int_in(h, 1, MAX_STEP):

@@ -10,7 +10,25 @@ Each value is a map; later layers may add fields, and readers ignore fields they
 
 from __future__ import annotations
 
+from typing import Any
+
+from swarm.dht.errors import RecordError
+from swarm.dht.records import owner_of
+from swarm.p2p.peer_id import PeerID
+
 MAX_RUN_ID_CHARS = 128
+
+
+def owned_map(subkey: Any, value: Any) -> tuple[PeerID, dict[str, Any]] | None:
+    """(owner, value) of a run record: a map under an [owner:<PeerID>] subkey; None otherwise
+    (records are peers' input: a malformed one is skipped, never raised on)."""
+    try:
+        peer = owner_of(subkey)
+    except RecordError:
+        return None
+    if peer is None or not isinstance(value, dict):
+        return None
+    return peer, value
 
 
 def check_run_id(run_id: str) -> str:

@@ -18,10 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.dht.errors import DHTError, RecordError
+from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
-from swarm.dht.records import owner_of, owner_subkey
-from swarm.dht.run_keys import state_key
+from swarm.dht.records import owner_subkey
+from swarm.dht.run_keys import owned_map, state_key
 from swarm.model.checkpoint import Manifest
 from swarm.p2p.errors import P2PError
 from swarm.p2p.maddr import parse_maddr
@@ -51,12 +51,10 @@ async def advertise(dht: DHTNode, run_id: str, manifest: Manifest, maddrs: Seque
 
 
 def decode_holder(subkey: Any, value: Any) -> Holder | None:
-    try:
-        peer = owner_of(subkey)
-    except RecordError:
+    owned = owned_map(subkey, value)
+    if owned is None:
         return None
-    if peer is None or not isinstance(value, dict):
-        return None
+    peer, value = owned
     step, sha, maddrs, nbytes = value.get("step"), value.get("manifest"), value.get("maddrs"), value.get("bytes", 0)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         return None

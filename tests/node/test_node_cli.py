@@ -34,11 +34,16 @@ def test_three_nodes_train_together_with_identical_state(swarm: Swarm) -> None:
     procs = [swarm.node(name, *args) for name in names]
     swarm.wait_for(lambda: len(swarm.events("c", "outer_step")) >= 1, 150, "an outer step")
     command = [console_script("swarm-dht"), "inspect", "--run-id", "three", "--initial-peers", str(swarm.bootstrap)]
-    inspect = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=60)
-    assert inspect.returncode == 0, inspect.stderr
-    published = {e["peer_id"]: e["value"] for e in json.loads(inspect.stdout)["nodes"]}
-    assert len(published) == 3 and all(v["step"] >= 1 and v["eval_loss"] for v in published.values()), published
-    assert len(json.loads(inspect.stdout)["state"]) == 3  # each holds the state of its last outer step
+
+    def whole_run_published() -> bool:  # records refresh every few seconds: ask until all three show it
+        inspect = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=60)
+        assert inspect.returncode == 0, inspect.stderr
+        shown = json.loads(inspect.stdout)
+        published = {e["peer_id"]: e["value"] for e in shown["nodes"]}
+        done = len(published) == 3 and all(v["step"] >= 1 and v["eval_loss"] for v in published.values())
+        return done and len(shown["state"]) == 3  # each holds the state of its last outer step
+
+    swarm.wait_for(whole_run_published, 60, "swarm-dht inspect to show all three nodes past step 0")
     for name, proc in zip(names, procs, strict=True):
         assert proc.wait(200) == 0, swarm.stderr(name)
     by_step = _hashes_by_step(swarm, names)
