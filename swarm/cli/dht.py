@@ -54,7 +54,7 @@ from swarm.cli.common import (
 from swarm.dht import run_keys
 from swarm.dht.config import DHTConfig
 from swarm.dht.errors import RecordError
-from swarm.dht.node import DHTNode
+from swarm.dht.node import DHTNode, user_value
 from swarm.dht.records import OWNER_PREFIX, Record, ValueWithExpiration, owner_of, owner_subkey
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.identity import Identity
@@ -334,7 +334,12 @@ def inspect(run_id: str, opts: ClientOptions) -> None:
     keys = {"nodes": run_keys.nodes_key(run_id), "state": run_keys.state_key(run_id)}
 
     async def op(node: DHTNode) -> list[ValueWithExpiration | None]:
-        return list(await asyncio.gather(*(node.get(k, latest=True) for k in keys.values())))
+        results = await asyncio.gather(*(node.lookup_value(k, latest=True) for k in keys.values()))
+        if not any(r.closest for r in results):  # not "nothing published": nobody answered in time
+            asked = sum(r.asked for r in results)
+            raise CliError(f"no DHT node answered the lookups for run {run_id!r} ({asked} asked); try again")
+        now = time.time()
+        return [user_value(r.records(k, now)) for r, k in zip(results, keys.values(), strict=True)]
 
     found = dict(zip(keys, with_client(opts, op), strict=True))
     sections = {name: run_entries(value) for name, value in found.items()}

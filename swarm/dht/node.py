@@ -153,7 +153,7 @@ class DHTNode:
         that holds it unless `latest`, which asks all k closest nodes and merges their answers.
         For a key with subkeys the value is {subkey: ValueWithExpiration}."""
         result = await self.lookup_value(key, latest=latest)
-        return _user_value(result.records(key, time.time()))
+        return user_value(result.records(key, time.time()))
 
     async def lookup_value(self, key: Key, latest: bool = False) -> LookupResult:
         """The lookup behind get(), with its statistics (rounds, holders) for benchmarks."""
@@ -389,7 +389,8 @@ class DHTNode:
         return {"results": results}
 
 
-def _user_value(records: list[Record]) -> ValueWithExpiration | None:
+def user_value(records: list[Record]) -> ValueWithExpiration | None:
+    """What get() returns for a lookup's records: the value, or {subkey: value} for subkeys."""
     if not records:
         return None
     if len(records) == 1 and records[0].subkey is None:

@@ -7,6 +7,7 @@ import signal
 import subprocess
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,30 +31,40 @@ def _hashes_by_step(swarm: Swarm, names: list[str]) -> dict[int, dict[str, str]]
 def test_three_nodes_train_together_with_identical_state(swarm: Swarm) -> None:
     swarm.start_bootstrap()
     names = ["a", "b", "c"]
-    args = ("--run-id", "three", "--inner-steps", "8", "--max-outer-steps", "4", "--matchmaking-time", "2")
+    args = ("--run-id", "three", "--inner-steps", "8", "--max-outer-steps", "6", "--matchmaking-time", "2")
     procs = [swarm.node(name, *args) for name in names]
     swarm.wait_for(lambda: len(swarm.events("c", "outer_step")) >= 1, 150, "an outer step")
     command = [console_script("swarm-dht"), "inspect", "--run-id", "three", "--initial-peers", str(swarm.bootstrap)]
 
+    last_shown: list[Any] = []
+
     def whole_run_published() -> bool:  # records refresh every few seconds: ask until all three show it
         inspect = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=60)
-        assert inspect.returncode == 0, inspect.stderr
+        last_shown[:] = [inspect.stdout or inspect.stderr]
+        if inspect.returncode != 0:  # a lookup on a starved machine can miss: ask again, say it if it lasts
+            return False
         shown = json.loads(inspect.stdout)
         published = {e["peer_id"]: e["value"] for e in shown["nodes"]}
         done = len(published) == 3 and all(v["step"] >= 1 and v["eval_loss"] for v in published.values())
         return done and len(shown["state"]) == 3  # each holds the state of its last outer step
 
-    swarm.wait_for(whole_run_published, 60, "swarm-dht inspect to show all three nodes past step 0")
+    try:
+        swarm.wait_for(whole_run_published, 60, "swarm-dht inspect to show all three nodes past step 0")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; last shown: {last_shown}; steps: {_hashes_by_step(swarm, names)}") from None
     for name, proc in zip(names, procs, strict=True):
         assert proc.wait(200) == 0, swarm.stderr(name)
     by_step = _hashes_by_step(swarm, names)
-    assert sorted(by_step) == [0, 1, 2, 3]
+    assert sorted(by_step) == list(range(6))
     for step, hashes in by_step.items():
         assert len(set(hashes.values())) == 1, f"outer step {step}: nodes disagree: {hashes}"
     steps = swarm.events("a", "outer_step")
-    assert all(e["group_size"] == 3 for e in steps), [e["group_size"] for e in steps]
+    # on a starved machine a node may start too late for the first groups; it fetches their
+    # state (the hashes above agree) and averages with the others from then on
+    sizes = [e["group_size"] for e in steps]
+    assert sizes[-3:] == [3, 3, 3], sizes
     assert steps[-1]["eval_loss"] < steps[0]["eval_loss"] - 0.2
-    assert all(e["bytes_sent"] > 0 for e in steps)
+    assert all(e["bytes_sent"] > 0 for e in steps if e["group_size"] > 1)
     start = swarm.events("a", "start")[0]
     assert start["outer_step"] == 0 and start["maddrs"] and start["parameters"] > 1_000_000
     assert swarm.events("a", "exit")[0]["reason"] == "finished"
