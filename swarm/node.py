@@ -69,7 +69,7 @@ from swarm.p2p.config import P2PConfig
 from swarm.p2p.errors import P2PError
 from swarm.p2p.host import P2PHost
 from swarm.p2p.identity import Identity
-from swarm.progress import PeerProgress, decode_progress, latest_finish
+from swarm.progress import PeerProgress, decode_progress, latest_finish, median_pace, plan_late_round
 from swarm.state.fetcher import FetchError, FetchProgress
 from swarm.state.keeper import StateKeeper
 
@@ -380,25 +380,12 @@ class SwarmNode:
         return group_task
 
     def _plan_round(self, step: int) -> int | None:
-        """For a node that joined or fetched while its peers were training: H, or fewer inner
-        steps, just enough to finish with the peers of this step (its contribution is weighted
-        by the tokens it trained on; hivemind lets late peers join with the samples they have in
-        the same way). None when the peers' group is already forming: too late for this step."""
+        """Inner steps for a node that joined or fetched while its peers were training
+        (swarm/progress.py: plan_late_round); None: too late for this step's group."""
         h = self.config.inner_steps
-        now = time.time()
-        same = [p for p in self._peers if p.step == step and now - p.time <= self._fresh_for]
-        if any(p.inner >= p.inner_steps for p in same):  # they are done and averaging: too late
-            return None
-        started = [p for p in same if p.inner > 0]
-        sec = self.progress.sec_per_step or _median([p.sec_per_step for p in started])
-        if not started or sec <= 0:
-            return h
-        peers_end = max(p.finish_time() for p in started)
-        if peers_end - now < ANNOUNCE_MARGIN:
-            return None
-        # announce a little before they read who is ready; no inner step at all when they are about to
-        target = max(0, min(h, int((peers_end - now - ANNOUNCE_MARGIN) / sec)))
-        if target < h:
+        target = plan_late_round(self._peers, step, time.time(), self._fresh_for, h,
+                                 self.progress.sec_per_step, ANNOUNCE_MARGIN)  # fmt: skip
+        if target is not None and target < h:
             logger.info("step %d: peers started before us: %d of %d inner steps, to finish with them", step, target, h)
         return target
 
@@ -544,7 +531,7 @@ class SwarmNode:
             losses = self.progress.losses[-10:]
         now = time.time()
         if sec <= 0:  # no step timed yet (a newcomer): assume the peers' pace until we know ours
-            sec = _median([p.sec_per_step for p in self._peers])
+            sec = median_pace(self._peers)
         value = {
             "maddrs": self.maddrs,
             "client": self.client_mode,
@@ -599,11 +586,6 @@ class SwarmNode:
             self.on_event(event)
         except Exception:  # a display bug must not stop training
             logger.exception("event handler failed on %s", kind)
-
-
-def _median(values: list[float]) -> float:
-    positive = sorted(v for v in values if v > 0)
-    return positive[len(positive) // 2] if positive else 0.0
 
 
 def resident_bytes() -> int:

@@ -72,3 +72,30 @@ def latest_finish(peers: list[PeerProgress], step: int, now: float, fresh_for: f
             continue
         end = max(end, min(p.finish_time(), own_finish + max_wait))
     return end
+
+
+def median_pace(peers: list[PeerProgress]) -> float:
+    """The median seconds per inner step of the peers that have timed one (0.0: none has)."""
+    positive = sorted(p.sec_per_step for p in peers if p.sec_per_step > 0)
+    return positive[len(positive) // 2] if positive else 0.0
+
+
+def plan_late_round(peers: list[PeerProgress], step: int, now: float, fresh_for: float, h: int,
+                    own_sec: float, margin: float) -> int | None:  # fmt: skip
+    """Inner steps for a node that joined or fetched while the peers of `step` were training:
+    H, or fewer, just enough to finish with them (its contribution is weighted by the tokens it
+    trained on; hivemind lets late peers join with the samples they have in the same way), and
+    announce `margin` seconds before they read who is ready. None when a group is already
+    forming: too late for this step. Only a server can lead a group and serve its result, so a
+    node never waits on peers that are all clients: they wait for it."""
+    same = [p for p in peers if p.step == step and now - p.time <= fresh_for]
+    if any(p.inner >= p.inner_steps and not p.client for p in same):
+        return None
+    started = [p for p in same if 0 < p.inner < p.inner_steps]
+    sec = own_sec if own_sec > 0 else median_pace(started)
+    if not started or sec <= 0:
+        return h
+    peers_end = max(p.finish_time() for p in started)
+    if peers_end - now < margin:
+        return None
+    return max(0, min(h, int((peers_end - now - margin) / sec)))  # 0: announce at once

@@ -11,7 +11,8 @@ threads while the next inner steps run. A node fetches instead of training on wh
 - it starts and the run already has a newer state than its own (a newcomer, or a restart), or
 - peers advertise a newer outer step than its own (it was slow or partitioned), or
 - it averaged alone last step while two or more peers of that step agree on another state
-  (it missed its group: it adopts the group's state instead of drifting on its own).
+  (it missed its group: it adopts the group's state instead of drifting on its own); a client
+  follows even one peer, since a state that nobody can fetch from it can never be the swarm's.
 """
 
 from __future__ import annotations
@@ -97,16 +98,10 @@ class StateKeeper:
         if chosen is None:
             return None
         step, sha, agreeing = chosen
-        if step > diloco.outer_step:
-            why = "behind"
-        elif (
-            alone_last_step
-            and step == diloco.outer_step
-            and len(agreeing) >= 2
-            and (self.current is None or self.current.manifest.sha256 != sha)
-        ):
-            why = "missed its group"
-        else:
+        own_sha = self.current.manifest.sha256 if self.current is not None else None
+        why = fetch_reason(step, sha, len(agreeing), diloco.outer_step, own_sha,
+                           alone_last_step=alone_last_step, client=self.server is None)  # fmt: skip
+        if why is None:
             return None
         dest = self.checkpoints.path if self.checkpoints is not None else None  # resumable only with a checkpoint dir
         manifest, state, report = await fetch_state(
@@ -168,3 +163,15 @@ class StateKeeper:
             await asyncio.sleep(self.advertise_ttl / 3)
             if self.current is not None:
                 await self._advertise(self.current.manifest)
+
+
+def fetch_reason(step: int, sha: str, holders: int, own_step: int, own_sha: str | None, *,
+                 alone_last_step: bool, client: bool) -> str | None:  # fmt: skip
+    """Why a node should fetch the swarm's chosen state (`step`, `sha`, advertised by `holders`
+    peers), or None when its own state is right (see the module docstring)."""
+    if step > own_step:
+        return "behind"
+    agreed = holders >= (1 if client else 2)  # a client's own state can never be served: it follows
+    if alone_last_step and step == own_step and agreed and own_sha != sha:
+        return "missed its group"
+    return None

@@ -7,7 +7,7 @@ import pytest
 
 from swarm.dht.records import owner_subkey
 from swarm.p2p.identity import Identity
-from swarm.progress import PeerProgress, decode_progress, latest_finish
+from swarm.progress import PeerProgress, decode_progress, latest_finish, median_pace, plan_late_round
 
 PEER = Identity.from_seed(b"\x01" * 32).peer_id
 GOOD = {"step": 3, "inner": 40, "H": 50, "sec_per_step": 0.5, "time": 1000.0, "client": False, "maddrs": []}
@@ -37,8 +37,8 @@ def test_records_not_under_an_owner_or_not_maps_are_ignored() -> None:
     assert decode_progress(owner_subkey(PEER), [1, 2]) is None
 
 
-def _peer(step: int, inner: int, when: float, sec: float = 1.0) -> PeerProgress:
-    return PeerProgress(PEER, step, inner, 10, sec, when, False)
+def _peer(step: int, inner: int, when: float, sec: float = 1.0, client: bool = False) -> PeerProgress:
+    return PeerProgress(PEER, step, inner, 10, sec, when, client)
 
 
 def test_latest_finish_waits_for_the_slowest_live_peer_of_the_step_bounded() -> None:
@@ -49,3 +49,31 @@ def test_latest_finish_waits_for_the_slowest_live_peer_of_the_step_bounded() -> 
     assert latest_finish(peers, 5, now, fresh_for=10, own_finish=now + 2, max_wait=3) == now + 5  # capped
     assert latest_finish(peers, 5, now, fresh_for=10, own_finish=now + 9, max_wait=30) == now + 9  # we are slowest
     assert latest_finish([], 5, now, fresh_for=10, own_finish=now, max_wait=30) == now
+
+
+def _plan(peers: list[PeerProgress], own_sec: float = 0.0) -> int | None:
+    return plan_late_round(peers, 5, 100.0, fresh_for=10, h=10, own_sec=own_sec, margin=0.3)
+
+
+def test_a_late_node_trains_just_enough_to_finish_with_its_peers() -> None:
+    assert _plan([]) == 10  # nobody to catch up with: a whole round
+    assert _plan([_peer(5, 0, 100.0)]) == 10  # they have not started either
+    assert _plan([_peer(5, 4, 100.0)]) == 5  # 6 s left at their 1 s per step, 0.3 s to announce
+    assert _plan([_peer(5, 4, 100.0)], own_sec=2.0) == 2  # we are slower: fewer steps
+    assert _plan([_peer(5, 4, 100.0), _peer(5, 8, 100.0)]) == 5  # the slowest sets the end
+    assert _plan([_peer(5, 9, 100.0, sec=0.5)]) == 0  # they finish in 0.5 s: announce at once
+    assert _plan([_peer(5, 9, 100.0, sec=0.2)]) is None  # they finish before we could announce
+    assert _plan([_peer(6, 4, 100.0), _peer(5, 4, 80.0)]) == 10  # another step, a stale record: ignored
+
+
+def test_a_forming_group_is_too_late_unless_only_clients_are_in_it() -> None:
+    assert _plan([_peer(5, 10, 100.0)]) is None  # a server is done and averaging: wait for its result
+    assert _plan([_peer(5, 10, 100.0, client=True)]) == 10  # clients cannot lead: they wait for us
+    assert _plan([_peer(5, 10, 100.0, client=True), _peer(5, 4, 100.0)]) == 5
+    assert _plan([_peer(5, 10, 100.0, client=True), _peer(5, 10, 100.0)]) is None
+
+
+def test_median_pace_ignores_peers_without_timing() -> None:
+    assert median_pace([]) == 0.0
+    assert median_pace([_peer(5, 0, 100.0, sec=0.0)]) == 0.0
+    assert median_pace([_peer(5, 1, 100.0, sec=s) for s in (0.0, 3.0, 1.0, 2.0)]) == 2.0

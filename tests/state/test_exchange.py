@@ -18,6 +18,7 @@ from swarm.p2p.errors import RemoteError
 from swarm.state import protocol
 from swarm.state.fetcher import FetchError, fetch_state
 from swarm.state.holders import Holder, choose_state, decode_holder
+from swarm.state.keeper import fetch_reason
 from swarm.state.server import StateServer
 
 RUN = RunInfo(run_id="run", model="tiny", model_config={"dim": 8}, seed=0)
@@ -272,3 +273,22 @@ async def test_a_replaced_state_is_still_served_for_a_grace_period() -> None:
     finally:
         for h in [*hosts, client]:
             await h.close()
+
+
+@pytest.mark.parametrize(
+    ("step", "holders", "own_step", "own_sha", "alone", "client", "expected"),
+    [
+        (7, 1, 5, "mine", False, False, "behind"),  # peers are ahead: always fetch
+        (5, 1, 5, "mine", False, False, None),  # averaged in a group: our state is the group's
+        (5, 2, 5, "theirs", True, False, None),  # alone, but we already hold their state
+        (5, 2, 5, "mine", True, False, "missed its group"),  # alone while two agree on another
+        (5, 1, 5, "mine", True, False, None),  # one server against one: no majority to follow
+        (5, 1, 5, "mine", True, True, "missed its group"),  # a client follows even one server
+        (4, 3, 5, "mine", True, True, None),  # an older state is never taken
+    ],
+)
+def test_when_a_node_fetches(
+    step: int, holders: int, own_step: int, own_sha: str, alone: bool, client: bool, expected: str | None
+) -> None:
+    why = fetch_reason(step, "theirs", holders, own_step, own_sha, alone_last_step=alone, client=client)
+    assert why == expected
