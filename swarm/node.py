@@ -83,6 +83,7 @@ FINAL_REFRESH_SECONDS = 0.5
 ANNOUNCE_MARGIN = 0.3  # seconds a late node keeps for its announcement to reach the DHT
 CATCH_UP_ROUNDS = 6  # fetch attempts while peers' progress says they are ahead
 CATCH_UP_PAUSE = 0.5  # seconds between them (their new state is being advertised)
+LATE_GATHER = 0.3  # seconds a node joining an already gathering group waits before reading it
 
 
 class NodeError(RuntimeError):
@@ -319,8 +320,9 @@ class SwarmNode:
                 await self._refresh_peers(dht)
                 target = self._plan_round(step) if self._late else config.inner_steps
                 self._late = False
-                if target is None:  # too late for this step's group: take its result instead of going alone
-                    await self._wait_for_next_state(keeper, dht, step)
+                if target is None:  # the peers' group is forming: join it as it is, or take its result
+                    if not await self._join_forming_group(averager, keeper, step, started):
+                        await self._wait_for_next_state(keeper, dht, step)
                     continue
                 self.round_target = target
                 weight = float(self.round_target * config.batch_size * config.seq_len)  # tokens this round
@@ -388,6 +390,32 @@ class SwarmNode:
         if target is not None and target < h:
             logger.info("step %d: peers started before us: %d of %d inner steps, to finish with them", step, target, h)
         return target
+
+    async def _join_forming_group(self, averager: Averager, keeper: StateKeeper, step: int, started: float) -> bool:
+        """The peers of `step` are already matchmaking: announce at once with no inner steps of
+        ours (weight 0), gather only briefly, and take the group's average as our outer step.
+        Without this, a node whose peers gather for most of each step (short rounds) would chase
+        them forever: fetch, find their next group forming, wait, fetch again. False when the
+        group formed without us."""
+        diloco = self.diloco
+        assert diloco is not None
+        self.round_target = 0
+        with self.progress.lock:
+            self.progress.inner_done, self.progress.losses = diloco.inner_done, []
+        try:
+            group, matchmaking_s = await averager.form_group(0.0, step, gather=LATE_GATHER)
+        except (P2PError, DHTError, TimeoutError) as e:
+            logger.info("step %d: could not join the peers' forming group: %s", step, e)
+            return False
+        if group is None:
+            return False
+        logger.info("step %d: joined the peers' group as it formed, with no inner steps of ours", step)
+        formed: asyncio.Future[tuple[GroupInfo | None, float]] = asyncio.get_running_loop().create_future()
+        formed.set_result((group, matchmaking_s))
+        report = await self._average_and_apply(averager, formed)
+        await self._after_outer_step(step, report, asyncio.get_running_loop().time() - started)
+        await keeper.publish(diloco)
+        return True
 
     async def _wait_for_next_state(self, keeper: StateKeeper, dht: DHTNode, step: int) -> None:
         """Wait (bounded by max_wait) for the peers to finish `step`, then fetch its result."""
@@ -537,7 +565,7 @@ class SwarmNode:
             "client": self.client_mode,
             "step": diloco.outer_step,
             "inner": inner,
-            "H": self.round_target,
+            "H": max(1, self.round_target),  # 0 while it joins a forming group; records need H >= 1
             "sec_per_step": round(sec, 6),
             "time": round(now, 3),
             "train_loss": round(sum(losses) / len(losses), 4) if losses else None,

@@ -66,14 +66,17 @@ class Averager:
         group, matchmaking_s = await self.form_group(weight, step)
         return await self._run(group, vector, tensors, matchmaking_s)
 
-    async def form_group(self, weight: float, step: int) -> tuple[GroupInfo | None, float]:
+    async def form_group(self, weight: float, step: int, gather: float | None = None) -> tuple[GroupInfo | None, float]:
         """Matchmaking alone: the group for this step (None: alone) and the seconds it took.
         A trainer may start it before its tensors are ready (hivemind's pre-scheduled step) and
-        hand the group to run_round later; `weight` is what it will contribute."""
+        hand the group to run_round later; `weight` is what it will contribute (0: it only
+        takes the average). `gather`: seconds to gather, when not matchmaking_time."""
         if not math.isfinite(weight) or weight < 0:
             raise ValueError(f"weight must be a finite number >= 0, got {weight}")
+        if gather is not None and not (math.isfinite(gather) and gather >= 0):
+            raise ValueError(f"gather must be a finite number of seconds >= 0, got {gather}")
         started = time.perf_counter()
-        group = await self.matchmaker.form_group(step, self.member_info(weight))
+        group = await self.matchmaker.form_group(step, self.member_info(weight), gather)
         if group is not None and len(group.members) < 2:
             group = None
         return group, time.perf_counter() - started

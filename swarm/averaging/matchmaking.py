@@ -70,13 +70,14 @@ class Matchmaker:
             if not state.result.done():
                 state.result.set_result(None)
 
-    async def form_group(self, step: int, me: MemberInfo) -> GroupInfo | None:
-        """Announce, gather, and return the agreed group for this step, or None."""
+    async def form_group(self, step: int, me: MemberInfo, gather: float | None = None) -> GroupInfo | None:
+        """Announce, gather, and return the agreed group for this step, or None. `gather`
+        (default matchmaking_time) is shorter for a node joining peers already gathering."""
         config = self.config
         loop = asyncio.get_running_loop()
         state = self._steps[step] = _StepState(me)
         try:
-            gather_until = loop.time() + config.matchmaking_time
+            gather_until = loop.time() + (config.matchmaking_time if gather is None else gather)
             give_up_at = gather_until + 3 * config.request_timeout
             expiration = time.time() + config.matchmaking_time + 4 * config.request_timeout
             try:

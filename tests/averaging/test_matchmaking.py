@@ -94,6 +94,16 @@ async def test_a_late_node_goes_to_the_next_step(make_peers: MakePeers) -> None:
     assert late is None
 
 
+async def test_a_node_that_arrives_while_the_others_gather_joins_their_group(make_peers: MakePeers) -> None:
+    peers = await make_peers(4)
+    on_time = [asyncio.ensure_future(p.matchmaker.form_group(6, p.me())) for p in peers[:3]]
+    await asyncio.sleep(0.7)  # well inside their 1.5 s window: a short gather lands in their view
+    late = await peers[3].matchmaker.form_group(6, peers[3].me(), gather=0.2)
+    groups = await asyncio.gather(*on_time)
+    formed = check_agreement([*groups, late], peers)
+    assert len(formed) == 1 and len(formed[0].members) == 4
+
+
 async def test_a_leader_that_dies_mid_matchmaking_is_replaced(make_peers: MakePeers) -> None:
     peers = await make_peers(4)
     tasks = [asyncio.ensure_future(p.matchmaker.form_group(3, p.me())) for p in peers]
