@@ -14,6 +14,9 @@
    match the manifest. A shard that fails verification marks its peer as corrupt (avoided for
    the rest of the fetch); a peer that dies or moves on to a newer state is dropped; either
    way the shard goes back to the queue for another peer. A busy peer is retried after a pause.
+   With `find_holders`, the holders are read again every `recruit_every` seconds while shards
+   are missing: peers that advertise the same state later (they finished the outer step a
+   moment after the first ones) join the fetch.
    With `dest`, each verified shard is also written to `<dest>/fetch-<sha>/` by a writer thread,
    off the download's path, so that an interrupted fetch (crash, timeout) resumes with the
    shards it has; without it nothing touches the disk.
@@ -30,12 +33,13 @@ import logging
 import random
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from swarm.dht.errors import DHTError
 from swarm.model.checkpoint import (
     CheckpointError,
     Manifest,
@@ -104,6 +108,8 @@ async def fetch_state(
     timeout: float = 60.0,
     on_progress: Callable[[FetchProgress], None] | None = None,
     rng: random.Random | None = None,
+    find_holders: Callable[[], Awaitable[Sequence[Holder]]] | None = None,
+    recruit_every: float = 2.0,
 ) -> tuple[Manifest, dict[str, Any], FetchReport]:
     """Fetch, verify and load the state to use (see the module docstring). Raises FetchError,
     or IncompatibleState for a state of another run or model."""
@@ -120,7 +126,7 @@ async def fetch_state(
         await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
     fetch = _ShardFetch(host, run_id, manifest, peers, directory, streams_per_peer, timeout, on_progress, rng)
     try:
-        await fetch.run()
+        await fetch.run(find_holders, recruit_every)
     finally:
         await fetch.writes_done()
     shards = [fetch.buffers[i] for i in range(len(manifest.shards))]
@@ -188,7 +194,7 @@ class _ShardFetch:
         if self._writer is not None:
             self._writer.shutdown(wait=False)
 
-    async def run(self) -> None:
+    async def run(self, find_holders: Callable[[], Awaitable[Sequence[Holder]]] | None, recruit_every: float) -> None:
         for i, info in enumerate(self.manifest.shards):
             kept = None
             if self.directory is not None:
@@ -203,20 +209,50 @@ class _ShardFetch:
         self._progress()
         if not self.pending:
             return
-        workers = [
-            asyncio.ensure_future(self._worker(peer)) for peer in self.peers for _ in range(self.streams_per_peer)
-        ]
+        workers: set[asyncio.Future[None]] = set()
+        for peer in self.peers:
+            self._start_workers(peer, workers)
+        recruiter = None
+        if find_holders is not None:
+            recruiter = asyncio.ensure_future(self._recruit(find_holders, recruit_every, workers))
         try:
-            await asyncio.gather(*workers)
+            while workers:  # the recruiter may add some meanwhile
+                done, _ = await asyncio.wait(set(workers), return_when=asyncio.FIRST_COMPLETED)
+                workers -= done
+                for worker in done:
+                    worker.result()
         finally:
-            for worker in workers:
-                worker.cancel()
+            for task in [*workers, *([recruiter] if recruiter is not None else [])]:
+                task.cancel()
         if self.pending:
             names = ", ".join(self.manifest.shards[i].name for i in self.pending[:3])
             raise FetchError(
                 f"could not fetch {len(self.pending)} shard(s) of step {self.manifest.step} ({names}): "
                 f"corrupt peers {self.report.corrupt_peers}, failed peers {self.report.failed_peers}"
             )
+
+    def _start_workers(self, peer: Holder, workers: set[asyncio.Future[None]]) -> None:
+        for _ in range(self.streams_per_peer):
+            workers.add(asyncio.ensure_future(self._worker(peer)))
+
+    async def _recruit(
+        self, find_holders: Callable[[], Awaitable[Sequence[Holder]]], every: float, workers: set[asyncio.Future[None]]
+    ) -> None:
+        """Add the peers that advertise this state after the fetch started."""
+        while self.pending or self.in_flight:
+            await asyncio.sleep(every)
+            try:
+                found = await asyncio.wait_for(find_holders(), self.timeout)
+            except (P2PError, DHTError, TimeoutError) as e:
+                logger.info("could not read the state's holders again: %s", e)
+                continue
+            known = {p.peer_id for p in self.peers} | self.avoided
+            for holder in found:
+                if holder.manifest == self.manifest.sha256 and holder.peer_id not in known and holder.maddrs:
+                    known.add(holder.peer_id)
+                    self.peers.append(holder)
+                    self._start_workers(holder, workers)
+                    logger.info("peer %s now also serves this fetch", holder.peer_id)
 
     def _pick(self, peer: Holder) -> int | None:
         """A pending shard for this peer: its own first, then any it has not tried."""

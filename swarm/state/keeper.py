@@ -29,7 +29,7 @@ from swarm.model.checkpoint import CheckpointDir, Manifest, RunInfo, Snapshot, c
 from swarm.model.diloco import DiLoCo
 from swarm.p2p.host import P2PHost
 from swarm.state.fetcher import FetchProgress, FetchReport, fetch_state, remove_fetch_dir
-from swarm.state.holders import advertise, choose_state, find_holders
+from swarm.state.holders import Holder, advertise, choose_state, find_holders
 from swarm.state.server import StateServer
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class StateKeeper:
         """Fetch and load the swarm's state when this node should (see the module docstring).
         Returns (why, report) after a fetch, None when the node's own state is right. Raises
         FetchError or IncompatibleState when a needed fetch fails."""
-        holders = [h for h in await find_holders(self.dht, self.run.run_id) if h.peer_id != self.host.peer_id]
+        holders = await self._holders()
         chosen = choose_state(holders)
         if chosen is None:
             return None
@@ -112,6 +112,7 @@ class StateKeeper:
             dest=dest,
             timeout=self.fetch_timeout,
             on_progress=self.on_fetch_progress,
+            find_holders=self._holders,
         )
         await self.in_trainer(diloco.load_state_dict, state)
         if dest is not None:
@@ -120,6 +121,9 @@ class StateKeeper:
                     report.total_bytes / 1e6, len(report.bytes_by_peer), report.elapsed_s)  # fmt: skip
         await self.publish(diloco, checkpoint=True)
         return why, report
+
+    async def _holders(self) -> list[Holder]:
+        return [h for h in await find_holders(self.dht, self.run.run_id) if h.peer_id != self.host.peer_id]
 
     # --- holding a state --------------------------------------------------------------------------
 

@@ -144,6 +144,39 @@ async def test_a_peer_dying_mid_fetch_is_replaced_by_the_others(tmp_path: Path) 
             await h.close()
 
 
+async def test_peers_that_advertise_the_state_later_join_the_fetch() -> None:
+    snapshot = _snapshot()
+    hosts, servers = await _servers(3, snapshot)
+    first = servers[0]._rpc_shard
+
+    async def slow_shard(ctx, args, stream) -> None:  # the first holder alone would take 6 x 0.4 s
+        await asyncio.sleep(0.4)
+        await first(ctx, args, stream)
+
+    hosts[0].remove_handler(protocol.SHARD)
+    hosts[0].add_stream_handler(protocol.SHARD, slow_shard)
+    fetcher = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
+    asked = 0
+
+    async def find_holders() -> list[Holder]:  # the DHT, read again: the other two advertise by now
+        nonlocal asked
+        asked += 1
+        other = _holder(hosts[2], _snapshot(step=4))  # another state: never recruited
+        return [_holder(h, snapshot) for h in hosts[:2]] + [other]
+
+    try:
+        _, state, report = await fetch_state(
+            fetcher, "run", [_holder(hosts[0], snapshot)], expect=RUN, streams_per_peer=1, timeout=5,
+            find_holders=find_holders, recruit_every=0.1,
+        )  # fmt: skip
+        _assert_same(state, _state())
+        assert asked >= 1
+        assert set(report.bytes_by_peer) == {str(hosts[0].peer_id), str(hosts[1].peer_id)}, report.bytes_by_peer
+    finally:
+        for h in [*hosts, fetcher]:
+            await h.close()
+
+
 async def test_a_busy_peer_is_asked_again(tmp_path: Path) -> None:
     snapshot = _snapshot()
     hosts, _ = await _servers(1, snapshot, max_uploads=1)
