@@ -106,6 +106,19 @@ def serve_swarm() -> None:
     run(main())
 
 
+def sink_one_transfer(conn: socket.socket, view: memoryview) -> None:
+    """The raw loopback sink: an 8-byte length, then that many bytes recv_into() one reused
+    buffer; answers with the count received."""
+    total = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "big")
+    got = 0
+    while got < total:
+        n = conn.recv_into(view[: min(len(view), total - got)])
+        if not n:
+            break
+        got += n
+    conn.sendall(got.to_bytes(8, "big"))
+
+
 def serve_raw() -> None:
     """Plain sockets: a ping-pong responder and a sink that recv_into()s a whole buffer."""
     listener = socket.create_server(("127.0.0.1", 0))
@@ -118,15 +131,8 @@ def serve_raw() -> None:
         if kind == b"p":  # ping-pong: echo fixed-size messages until the client hangs up
             while msg := conn.recv(len(PAYLOAD), socket.MSG_WAITALL):
                 conn.sendall(msg)
-        else:  # sink: an 8-byte length, then that many bytes, recv_into() one reused buffer
-            total = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "big")
-            got = 0
-            while got < total:
-                n = conn.recv_into(view[: min(len(view), total - got)])
-                if not n:
-                    break
-                got += n
-            conn.sendall(got.to_bytes(8, "big"))
+        else:
+            sink_one_transfer(conn, view)
         conn.close()
     _wait_for_stdin_eof()
 

@@ -67,7 +67,8 @@ from typing import IO, Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # hivemind_state.py beside this file
-from worker_process import status_kib  # noqa: E402  (a sibling script)
+from bench_p2p import sink_one_transfer  # noqa: E402  (sibling scripts)
+from worker_process import status_kib  # noqa: E402
 
 SEEDER = HERE / "state_seeder.py"
 MARK = "BENCH_STATE "
@@ -262,22 +263,14 @@ def reply(obj: dict[str, Any]) -> None:
 
 
 def sink_main(transfers: int) -> None:
-    """Child process: accept `transfers` connections; on each, an 8-byte length, then that many
-    bytes recv_into() one reused buffer; answer with the count."""
+    """Child process: accept `transfers` connections and sink one transfer on each."""
     listener = socket.create_server(("127.0.0.1", 0))
     reply({"port": listener.getsockname()[1]})
     view = memoryview(bytearray(RECV_BLOCK))
     for _ in range(transfers):
         conn, _ = listener.accept()
         with conn:
-            total = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "big")
-            got = 0
-            while got < total:
-                n = conn.recv_into(view[: min(len(view), total - got)])
-                if not n:
-                    break
-                got += n
-            conn.sendall(got.to_bytes(8, "big"))
+            sink_one_transfer(conn, view)
 
 
 class LoopbackProbe:
