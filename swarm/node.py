@@ -393,17 +393,23 @@ class SwarmNode:
 
     async def _join_forming_group(self, averager: Averager, keeper: StateKeeper, step: int, started: float) -> bool:
         """The peers of `step` are already matchmaking: announce at once with no inner steps of
-        ours (weight 0), gather only briefly, and take the group's average as our outer step.
+        ours (weight 0), as a client member, gather only briefly, and take the group's average
+        as our outer step; only while all of them fit in one group, so that we change neither
+        their split nor their leader.
         Without this, a node whose peers gather for most of each step (short rounds) would chase
         them forever: fetch, find their next group forming, wait, fetch again. False when the
         group formed without us."""
         diloco = self.diloco
         assert diloco is not None
+        now = time.time()
+        gathering = [p for p in self._peers if p.step == step and now - p.time <= self._fresh_for]
+        if len(gathering) + 1 > self.config.target_group_size:
+            return False  # we would change how they split into groups, and so their groups themselves
         self.round_target = 0
         with self.progress.lock:
             self.progress.inner_done, self.progress.losses = diloco.inner_done, []
-        try:
-            group, matchmaking_s = await averager.form_group(0.0, step, gather=LATE_GATHER)
+        try:  # as a client member: whoever they picked to lead stays their leader
+            group, matchmaking_s = await averager.form_group(0.0, step, gather=LATE_GATHER, as_client=True)
         except (P2PError, DHTError, TimeoutError) as e:
             logger.info("step %d: could not join the peers' forming group: %s", step, e)
             return False

@@ -54,8 +54,8 @@ class Averager:
         self.matchmaker.close()
         self.registry.close()
 
-    def member_info(self, weight: float) -> MemberInfo:
-        client = self.config.client_mode
+    def member_info(self, weight: float, *, as_client: bool = False) -> MemberInfo:
+        client = self.config.client_mode or as_client
         maddrs = () if client else tuple(self.host.visible_maddrs)
         return MemberInfo(self.host.peer_id, maddrs, float(weight), 0.0 if client else self.config.bandwidth, client)
 
@@ -66,17 +66,21 @@ class Averager:
         group, matchmaking_s = await self.form_group(weight, step)
         return await self._run(group, vector, tensors, matchmaking_s)
 
-    async def form_group(self, weight: float, step: int, gather: float | None = None) -> tuple[GroupInfo | None, float]:
+    async def form_group(
+        self, weight: float, step: int, gather: float | None = None, *, as_client: bool = False
+    ) -> tuple[GroupInfo | None, float]:
         """Matchmaking alone: the group for this step (None: alone) and the seconds it took.
         A trainer may start it before its tensors are ready (hivemind's pre-scheduled step) and
         hand the group to run_round later; `weight` is what it will contribute (0: it only
-        takes the average). `gather`: seconds to gather, when not matchmaking_time."""
+        takes the average). `gather`: seconds to gather, when not matchmaking_time.
+        `as_client`: take part as a client-mode member (never leads, owns no part), so that a
+        node joining a group already gathering cannot change who leads it."""
         if not math.isfinite(weight) or weight < 0:
             raise ValueError(f"weight must be a finite number >= 0, got {weight}")
         if gather is not None and not (math.isfinite(gather) and gather >= 0):
             raise ValueError(f"gather must be a finite number of seconds >= 0, got {gather}")
         started = time.perf_counter()
-        group = await self.matchmaker.form_group(step, self.member_info(weight), gather)
+        group = await self.matchmaker.form_group(step, self.member_info(weight, as_client=as_client), gather)
         if group is not None and len(group.members) < 2:
             group = None
         return group, time.perf_counter() - started

@@ -4,6 +4,7 @@ dies mid-matchmaking, client-mode members."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -98,7 +99,8 @@ async def test_a_node_that_arrives_while_the_others_gather_joins_their_group(mak
     peers = await make_peers(4)
     on_time = [asyncio.ensure_future(p.matchmaker.form_group(6, p.me())) for p in peers[:3]]
     await asyncio.sleep(0.7)  # well inside their 1.5 s window: a short gather lands in their view
-    late = await peers[3].matchmaker.form_group(6, peers[3].me(), gather=0.2)
+    as_client = dataclasses.replace(peers[3].me(), maddrs=(), bandwidth=0.0, client=True)  # as swarm-node joins
+    late = await peers[3].matchmaker.form_group(6, as_client, gather=0.2)
     groups = await asyncio.gather(*on_time)
     formed = check_agreement([*groups, late], peers)
     assert len(formed) == 1 and len(formed[0].members) == 4
