@@ -69,7 +69,14 @@ from swarm.p2p.config import P2PConfig
 from swarm.p2p.errors import P2PError
 from swarm.p2p.host import P2PHost
 from swarm.p2p.identity import Identity
-from swarm.progress import PeerProgress, decode_progress, latest_finish, median_pace, plan_late_round
+from swarm.progress import (
+    PeerProgress,
+    decode_progress,
+    latest_finish,
+    median_pace,
+    plan_late_round,
+    servers_behind,
+)
 from swarm.state.fetcher import FetchError, FetchProgress
 from swarm.state.keeper import StateKeeper
 
@@ -124,10 +131,9 @@ class SwarmNode:
         self._peers: list[PeerProgress] = []
         self._tokens = 0
         self._last_eval: float | None = None
-        self._last_group = 0
+        self._last_group = 0  # size of our last group; 0: no outer step done here yet
         self.maddrs: list[str] = []
         self._last_fetch_event = 0.0
-        self.joined_at = 0
         self.round_target = config.inner_steps  # inner steps this round: H, fewer to catch up with peers
         self._late = bool(initial_peers)  # the first round of a joining node, and the round after a fetch
         self.diloco: DiLoCo | None = None
@@ -178,7 +184,6 @@ class SwarmNode:
             if self.initial_peers:
                 await self._catch_up(keeper, dht, alone=False)
             self.maddrs = [] if self.client_mode else host.visible_maddrs
-            self.joined_at = diloco.outer_step
             self._emit(
                 "start",
                 maddrs=self.maddrs,
@@ -189,8 +194,9 @@ class SwarmNode:
                 model=config.model,
                 device=str(diloco.device),
             )
-            if diloco.outer_step > 0:
-                await keeper.publish(diloco, checkpoint=False)  # serve what we hold from the start
+            # serve what we hold from the start, step 0 too: a client that trained alone ahead of
+            # every server follows the servers' state (swarm/state/keeper.py)
+            await keeper.publish(diloco, checkpoint=False)
             publisher = asyncio.ensure_future(self._publish_forever(dht))
             reason = await self._train(dht, averager, keeper, stop)
             return reason
@@ -222,8 +228,8 @@ class SwarmNode:
             alone = False
             await self._refresh_peers(dht)
             now = time.time()
-            ahead = [p.step for p in self._peers if now - p.time <= self._fresh_for and p.step > diloco.outer_step]
-            if not ahead:
+            servers = [p for p in self._peers if not p.client]  # only a server's newer state can be fetched
+            if not any(now - p.time <= self._fresh_for and p.step > diloco.outer_step for p in servers):
                 return
             await asyncio.sleep(CATCH_UP_PAUSE)
 
@@ -231,7 +237,8 @@ class SwarmNode:
         diloco = self.diloco
         assert diloco is not None
         try:
-            fetched = await keeper.catch_up(diloco, alone_last_step=alone)
+            behind = servers_behind(self._peers, diloco.outer_step, time.time(), self._fresh_for)
+            fetched = await keeper.catch_up(diloco, alone_last_step=alone, servers_behind=behind)
         except CheckpointError as e:  # IncompatibleState: the run's state is not for this node
             raise NodeError(f"cannot use the run's state: {e}") from None
         except FetchError as e:
@@ -312,7 +319,7 @@ class SwarmNode:
             while config.max_outer_steps is None or diloco.outer_step < config.max_outer_steps:
                 if stop.is_set():
                     return "stopped"
-                if diloco.outer_step > self.joined_at:  # after our first step here: fell behind? missed a group?
+                if self._last_group > 0:  # after our first step here: fell behind? missed a group?
                     await self._catch_up(keeper, dht, alone=self._last_group == 1)
                     if config.max_outer_steps is not None and diloco.outer_step >= config.max_outer_steps:
                         break

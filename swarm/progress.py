@@ -99,3 +99,11 @@ def plan_late_round(peers: list[PeerProgress], step: int, now: float, fresh_for:
     if peers_end - now < margin:
         return None
     return max(0, min(h, int((peers_end - now - margin) / sec)))  # 0: announce at once
+
+
+def servers_behind(peers: list[PeerProgress], own_step: int, now: float, fresh_for: float) -> bool:
+    """Every live server works on an earlier outer step than `own_step`, and none has finished
+    the inner steps that would bring its next state to ours (a server in matchmaking at
+    own_step - 1 is about to publish own_step). False when no server is live."""
+    servers = [p for p in peers if not p.client and now - p.time <= fresh_for]
+    return bool(servers) and all(p.step + (p.inner >= p.inner_steps) < own_step for p in servers)

@@ -13,6 +13,8 @@
    silent leader is left out and the group is split again without it, until the matchmaking
    window closes. A node that finds no group (too late, too few) gets None and goes on alone;
    nothing waits on any particular peer (DESIGN invariant 1).
+5. Done: a node whose group is formed (or that went alone) overwrites its announcement with
+   FORMED, so that a node arriving later at that step neither counts it nor waits for its join.
 
 Client-mode nodes take part the same way; they only never lead.
 """
@@ -41,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 JOIN = "avg.join"
 MAX_JOINERS = 256
+FORMED = "formed"  # replaces a ready announcement once its node is done with matchmaking
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Matchmaker:
         self.dht, self.host, self.run_id, self.config = dht, host, run_id, config
         self.peer_id = host.peer_id
         self._steps: dict[int, _StepState] = {}
+        self._withdrawals: set[asyncio.Task[None]] = set()
         if not config.client_mode:
             host.add_handler(JOIN, self._rpc_join)
 
@@ -69,6 +73,8 @@ class Matchmaker:
         for state in self._steps.values():
             if not state.result.done():
                 state.result.set_result(None)
+        for task in self._withdrawals:
+            task.cancel()
 
     async def form_group(self, step: int, me: MemberInfo, gather: float | None = None) -> GroupInfo | None:
         """Announce, gather, and return the agreed group for this step, or None. `gather`
@@ -76,12 +82,14 @@ class Matchmaker:
         config = self.config
         loop = asyncio.get_running_loop()
         state = self._steps[step] = _StepState(me)
+        announced: float | None = None
         try:
             gather_until = loop.time() + (config.matchmaking_time if gather is None else gather)
             give_up_at = gather_until + 3 * config.request_timeout
             expiration = time.time() + config.matchmaking_time + 4 * config.request_timeout
             try:
                 await self.dht.store(ready_key(self.run_id, step), me.encode(), expiration, owner_subkey(me.peer_id))
+                announced = expiration
             except (P2PError, DHTError, TimeoutError) as e:  # unseen by others; we may still join them
                 logger.warning("could not announce readiness for step %d: %s", step, e)
             await asyncio.sleep(max(0.0, gather_until - loop.time()))
@@ -109,6 +117,17 @@ class Matchmaker:
                 state.result.set_result(None)
             state.role_known.set()
             self._steps.pop(step, None)
+            if announced is not None:
+                task = asyncio.ensure_future(self._withdraw(step, announced))
+                self._withdrawals.add(task)
+                task.add_done_callback(self._withdrawals.discard)
+
+    async def _withdraw(self, step: int, announced: float) -> None:
+        """Replace our ready announcement with FORMED (a later expiration wins in the DHT)."""
+        try:
+            await self.dht.store(ready_key(self.run_id, step), FORMED, announced + 0.001, owner_subkey(self.peer_id))
+        except (P2PError, DHTError, TimeoutError) as e:  # late nodes wait for us once, as before
+            logger.info("could not withdraw our ready announcement for step %d: %s", step, e)
 
     async def _ready_set(self, step: int) -> dict[PeerID, MemberInfo]:
         ready: dict[PeerID, MemberInfo] = {}
@@ -120,6 +139,8 @@ class Matchmaker:
         if found is None or not isinstance(found.value, dict):
             return ready
         for subkey, entry in found.value.items():
+            if entry.value == FORMED:
+                continue
             try:
                 member = MemberInfo.decode(entry.value)
                 if owner_of(subkey) != member.peer_id:

@@ -12,7 +12,9 @@ threads while the next inner steps run. A node fetches instead of training on wh
 - peers advertise a newer outer step than its own (it was slow or partitioned), or
 - it averaged alone last step while two or more peers of that step agree on another state
   (it missed its group: it adopts the group's state instead of drifting on its own); a client
-  follows even one peer, since a state that nobody can fetch from it can never be the swarm's.
+  follows even one peer, since a state that nobody can fetch from it can never be the swarm's;
+- it is a client that trained alone ahead of every server (it started before them): its steps
+  can never be served, so it takes the servers' state, even an older one, and trains with them.
 """
 
 from __future__ import annotations
@@ -89,7 +91,9 @@ class StateKeeper:
         logger.info("resumed from the checkpoint of outer step %d in %s", manifest.step, self.checkpoints.path)
         return manifest.step
 
-    async def catch_up(self, diloco: DiLoCo, *, alone_last_step: bool) -> tuple[str, FetchReport] | None:
+    async def catch_up(
+        self, diloco: DiLoCo, *, alone_last_step: bool, servers_behind: bool = False
+    ) -> tuple[str, FetchReport] | None:
         """Fetch and load the swarm's state when this node should (see the module docstring).
         Returns (why, report) after a fetch, None when the node's own state is right. Raises
         FetchError or IncompatibleState when a needed fetch fails."""
@@ -100,7 +104,8 @@ class StateKeeper:
         step, sha, agreeing = chosen
         own_sha = self.current.manifest.sha256 if self.current is not None else None
         why = fetch_reason(step, sha, len(agreeing), diloco.outer_step, own_sha,
-                           alone_last_step=alone_last_step, client=self.server is None)  # fmt: skip
+                           alone_last_step=alone_last_step, client=self.server is None,
+                           servers_behind=servers_behind)  # fmt: skip
         if why is None:
             return None
         dest = self.checkpoints.path if self.checkpoints is not None else None  # resumable only with a checkpoint dir
@@ -170,12 +175,15 @@ class StateKeeper:
 
 
 def fetch_reason(step: int, sha: str, holders: int, own_step: int, own_sha: str | None, *,
-                 alone_last_step: bool, client: bool) -> str | None:  # fmt: skip
+                 alone_last_step: bool, client: bool, servers_behind: bool = False) -> str | None:  # fmt: skip
     """Why a node should fetch the swarm's chosen state (`step`, `sha`, advertised by `holders`
-    peers), or None when its own state is right (see the module docstring)."""
+    peers), or None when its own state is right (see the module docstring). servers_behind:
+    every live server is at an earlier step, and none is about to publish ours."""
     if step > own_step:
         return "behind"
     agreed = holders >= (1 if client else 2)  # a client's own state can never be served: it follows
     if alone_last_step and step == own_step and agreed and own_sha != sha:
         return "missed its group"
+    if client and alone_last_step and servers_behind and step < own_step:
+        return "ahead of every server"
     return None

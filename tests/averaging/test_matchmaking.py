@@ -95,6 +95,21 @@ async def test_a_late_node_goes_to_the_next_step(make_peers: MakePeers) -> None:
     assert late is None
 
 
+async def test_nodes_done_with_a_step_do_not_hold_a_later_node(make_peers: MakePeers) -> None:
+    """Their announcements are withdrawn (FORMED): the later node neither counts them nor
+    waits request_timeout for their joins; it goes alone right after its own window."""
+    peers = await make_peers(3, min_group_size=1)
+    first = await asyncio.gather(*(p.matchmaker.form_group(9, p.me()) for p in peers[:2]))
+    assert len(check_agreement(list(first), peers[:2])[0].members) == 2
+    await asyncio.sleep(0.5)  # the withdrawals are stored in the background
+    assert set(await peers[2].matchmaker._ready_set(9)) == set()
+    started = asyncio.get_running_loop().time()
+    late = await peers[2].matchmaker.form_group(9, peers[2].me())
+    took = asyncio.get_running_loop().time() - started
+    assert late is not None and [m.peer_id for m in late.members] == [peers[2].host.peer_id]
+    assert took < FAST["matchmaking_time"] + 0.5 * FAST["request_timeout"], took
+
+
 async def test_a_node_that_arrives_while_the_others_gather_joins_their_group(make_peers: MakePeers) -> None:
     peers = await make_peers(4)
     on_time = [asyncio.ensure_future(p.matchmaker.form_group(6, p.me())) for p in peers[:3]]

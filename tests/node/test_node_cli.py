@@ -182,6 +182,26 @@ def test_a_node_nobody_can_reach_runs_in_client_mode(swarm: Swarm) -> None:
     assert not swarm.events("natted", "fetch") or swarm.events("natted", "fetch")[0]["peers"] == 1  # from the server
 
 
+@pytest.mark.timeout(180)
+def test_a_client_that_trained_alone_takes_the_state_of_a_server_that_comes_later(swarm: Swarm) -> None:
+    """Nobody can fetch a client's steps: once a server is up (at an earlier step), the client
+    takes the server's state and they average together from then on."""
+    swarm.start_bootstrap()
+    args = ("--run-id", "nat-first", "--inner-steps", "4", "--matchmaking-time", "1.5")
+    natted = swarm.node("natted", *args, "--max-outer-steps", "8", "--announce-maddrs", "/ip4/127.0.0.1/tcp/9")
+    swarm.wait_for(lambda: bool(swarm.events("natted", "outer_step")), 90, "the client's first step alone")
+    server = swarm.node("server", *args, "--max-outer-steps", "5")
+    assert server.wait(150) == 0, swarm.stderr("server")
+    assert natted.wait(120) == 0, swarm.stderr("natted")
+    fetches = swarm.events("natted", "fetch")
+    assert fetches and fetches[0]["reason"] == "ahead of every server", (fetches, swarm.stderr("natted"))
+    assert fetches[0]["peers"] == 1
+    by_step = {e["outer_step"]: e for e in swarm.events("natted", "outer_step")}  # the last of each step
+    server_steps = swarm.events("server", "outer_step")
+    assert by_step[4]["state_sha256"] == server_steps[-1]["state_sha256"]
+    assert 2 in [e["group_size"] for e in server_steps]
+
+
 @pytest.mark.timeout(300)
 def test_resident_memory_does_not_grow_over_outer_steps(swarm: Swarm) -> None:
     """50 outer steps of tiny (alone, H = 1): resident memory after 50 within 10% of after 5."""

@@ -7,7 +7,14 @@ import pytest
 
 from swarm.dht.records import owner_subkey
 from swarm.p2p.identity import Identity
-from swarm.progress import PeerProgress, decode_progress, latest_finish, median_pace, plan_late_round
+from swarm.progress import (
+    PeerProgress,
+    decode_progress,
+    latest_finish,
+    median_pace,
+    plan_late_round,
+    servers_behind,
+)
 
 PEER = Identity.from_seed(b"\x01" * 32).peer_id
 GOOD = {"step": 3, "inner": 40, "H": 50, "sec_per_step": 0.5, "time": 1000.0, "client": False, "maddrs": []}
@@ -77,3 +84,19 @@ def test_median_pace_ignores_peers_without_timing() -> None:
     assert median_pace([]) == 0.0
     assert median_pace([_peer(5, 0, 100.0, sec=0.0)]) == 0.0
     assert median_pace([_peer(5, 1, 100.0, sec=s) for s in (0.0, 3.0, 1.0, 2.0)]) == 2.0
+
+
+def test_servers_behind_only_when_every_live_server_is_at_an_earlier_step() -> None:
+    now = 100.0
+
+    def behind(*peers: PeerProgress) -> bool:
+        return servers_behind(list(peers), 5, now, fresh_for=10)
+
+    assert behind(_peer(2, 4, now)) and behind(_peer(2, 4, now), _peer(3, 10, now))
+    assert not behind()  # no server at all: nobody whose state we could take
+    assert not behind(_peer(2, 4, now), _peer(5, 0, now))  # one server is with us
+    assert not behind(_peer(4, 10, now))  # done with step 4: it publishes step 5 in a moment
+    assert behind(_peer(4, 9, now))  # still training step 4
+    assert not behind(_peer(2, 4, now - 60))  # a stale record: that server is gone
+    assert not behind(_peer(2, 4, now, client=True))  # clients do not count
+    assert behind(_peer(2, 4, now), _peer(7, 4, now, client=True))

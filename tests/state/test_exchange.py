@@ -317,11 +317,24 @@ async def test_a_replaced_state_is_still_served_for_a_grace_period() -> None:
         (5, 2, 5, "mine", True, False, "missed its group"),  # alone while two agree on another
         (5, 1, 5, "mine", True, False, None),  # one server against one: no majority to follow
         (5, 1, 5, "mine", True, True, "missed its group"),  # a client follows even one server
-        (4, 3, 5, "mine", True, True, None),  # an older state is never taken
+        (4, 3, 5, "mine", True, True, None),  # an older state is taken only when every server is behind
     ],
 )
 def test_when_a_node_fetches(
     step: int, holders: int, own_step: int, own_sha: str, alone: bool, client: bool, expected: str | None
 ) -> None:
     why = fetch_reason(step, "theirs", holders, own_step, own_sha, alone_last_step=alone, client=client)
+    assert why == expected
+
+
+@pytest.mark.parametrize(
+    ("alone", "client", "expected"),
+    [
+        (True, True, "ahead of every server"),  # its steps alone can never be served: it follows them
+        (False, True, None),  # it averaged with a server: that server is about to publish our step
+        (True, False, None),  # a server's own state can be fetched: the others catch up with it
+    ],
+)
+def test_a_client_ahead_of_every_server_takes_their_state(alone: bool, client: bool, expected: str | None) -> None:
+    why = fetch_reason(2, "theirs", 1, 5, "mine", alone_last_step=alone, client=client, servers_behind=True)
     assert why == expected
