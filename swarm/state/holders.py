@@ -11,10 +11,12 @@ its bytes hash to the advertised value.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,3 +96,19 @@ def choose_state(holders: Sequence[Holder], exclude: Sequence[PeerID] = ()) -> t
     votes = Counter(h.manifest for h in usable if h.step == step)
     sha = min(votes, key=lambda s: (-votes[s], s))
     return step, sha, [h for h in usable if h.step == step and h.manifest == sha]
+
+
+SETTLE_SECONDS = 1.0  # longest wait for peers advertising an older step to advertise the chosen one
+SETTLE_POLL = 0.2
+
+
+async def settled_holders(holders: list[Holder], step: int, find: Callable[[], Awaitable[list[Holder]]], *,
+                          within: float = SETTLE_SECONDS, poll: float = SETTLE_POLL) -> list[Holder]:  # fmt: skip
+    """Peers that finished a step together advertise its state a moment apart: a fetch that
+    started at the first advertisement would take it all from one donor. Read the holders
+    again (for at most `within` seconds) until none advertises a step older than `step`."""
+    deadline = time.monotonic() + within
+    while any(h.step < step for h in holders) and time.monotonic() < deadline:
+        await asyncio.sleep(poll)
+        holders = await find() or holders  # a failed lookup: keep what we knew
+    return holders

@@ -31,7 +31,7 @@ from swarm.model.checkpoint import CheckpointDir, Manifest, RunInfo, Snapshot, c
 from swarm.model.diloco import DiLoCo
 from swarm.p2p.host import P2PHost
 from swarm.state.fetcher import FetchProgress, FetchReport, fetch_state, remove_fetch_dir
-from swarm.state.holders import Holder, advertise, choose_state, find_holders
+from swarm.state.holders import Holder, advertise, choose_state, find_holders, settled_holders
 from swarm.state.server import StateServer
 
 logger = logging.getLogger(__name__)
@@ -108,6 +108,7 @@ class StateKeeper:
                            servers_behind=servers_behind)  # fmt: skip
         if why is None:
             return None
+        holders = await settled_holders(holders, step, self._holders)  # spread the fetch over all donors
         dest = self.checkpoints.path if self.checkpoints is not None else None  # resumable only with a checkpoint dir
         manifest, state, report = await fetch_state(
             self.host,

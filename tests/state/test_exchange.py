@@ -15,9 +15,10 @@ from swarm.dht.records import owner_subkey
 from swarm.model.checkpoint import IncompatibleState, RunInfo, Snapshot, copy_state, make_snapshot
 from swarm.p2p import P2PConfig, P2PHost
 from swarm.p2p.errors import RemoteError
+from swarm.p2p.identity import Identity
 from swarm.state import protocol
 from swarm.state.fetcher import FetchError, fetch_state
-from swarm.state.holders import Holder, choose_state, decode_holder
+from swarm.state.holders import Holder, choose_state, decode_holder, settled_holders
 from swarm.state.keeper import fetch_reason
 from swarm.state.server import StateServer
 
@@ -175,6 +176,27 @@ async def test_peers_that_advertise_the_state_later_join_the_fetch() -> None:
     finally:
         for h in [*hosts, fetcher]:
             await h.close()
+
+
+async def test_a_fetch_waits_briefly_for_peers_still_advertising_the_previous_step() -> None:
+    peers = [Identity.from_seed(bytes([i]) * 32).peer_id for i in range(1, 4)]
+
+    def holders(steps: list[int]) -> list[Holder]:
+        return [Holder(p, s, f"sha{s}", ("/ip4/127.0.0.1/tcp/1",), 100) for p, s in zip(peers, steps, strict=True)]
+
+    reads = [holders([6, 5, 5]), [], holders([6, 6, 5]), holders([6, 6, 6])]  # [] : a failed lookup
+
+    async def find() -> list[Holder]:
+        return reads.pop(0)
+
+    settled = await settled_holders(holders([6, 5, 5]), 6, find, within=5.0, poll=0.01)
+    assert [h.step for h in settled] == [6, 6, 6] and not reads
+    gone = await settled_holders(holders([6, 5, 5]), 6, lambda: _same(holders([6, 5, 5])), within=0.1, poll=0.01)
+    assert [h.step for h in gone] == [6, 5, 5]  # a peer that never advertises it costs `within` at most
+
+
+async def _same(holders: list[Holder]) -> list[Holder]:
+    return holders
 
 
 async def test_a_busy_peer_is_asked_again(tmp_path: Path) -> None:
