@@ -243,7 +243,7 @@ class _ShardFetch:
             await asyncio.sleep(every)
             try:
                 found = await asyncio.wait_for(find_holders(), self.timeout)
-            except (P2PError, DHTError, TimeoutError) as e:
+            except (P2PError, DHTError, asyncio.TimeoutError) as e:  # asyncio's: not the builtin on 3.10
                 logger.info("could not read the state's holders again: %s", e)
                 continue
             known = {p.peer_id for p in self.peers} | self.avoided
