@@ -32,7 +32,7 @@ class NodeConfig:
     outer_momentum: float = 0.9
     # averaging
     compression: str = "int8"
-    target_group_size: int = 4
+    max_group_size: int = 64  # largest flat all-reduce; beyond it the one group averages hierarchically
     matchmaking_time: float = 5.0
     max_wait: float = 30.0  # longest a node that finished waits for slower peers of its step
     client_mode: bool = False
@@ -56,7 +56,7 @@ class NodeConfig:
             raise ValueError(f"unknown model {self.model!r}: choose one of {', '.join(PRESETS)}")
         if self.compression not in CODECS:
             raise ValueError(f"compression must be one of {', '.join(CODECS)}, got {self.compression!r}")
-        positive = ("inner_steps", "batch_size", "seq_len", "eval_every", "eval_windows", "target_group_size",
+        positive = ("inner_steps", "batch_size", "seq_len", "eval_every", "eval_windows", "max_group_size",
                     "checkpoint_every", "shard_bytes", "max_uploads")  # fmt: skip
         for name in positive:
             if not getattr(self, name) >= 1:
@@ -88,7 +88,7 @@ class NodeConfig:
 
     def averaging_config(self, client_mode: bool) -> AveragingConfig:
         return AveragingConfig(
-            target_group_size=self.target_group_size,
+            max_group_size=self.max_group_size,
             matchmaking_time=self.matchmaking_time,
             codec=self.compression,
             client_mode=client_mode,

@@ -10,16 +10,26 @@ each node aims to announce `matchmaking_time` before the slowest peer of its ste
 (hivemind's progress tracker does the same job with sample counts).
 
 Peer records are untrusted: each field is type- and range-checked, a bad record is ignored.
+ProgressBook is the one owner of these records: it encodes and publishes ours, reads and
+decodes the peers'.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from swarm.dht.run_keys import owned_map
+from swarm.dht.errors import DHTError
+from swarm.dht.node import DHTNode
+from swarm.dht.records import owner_subkey
+from swarm.dht.run_keys import nodes_key, owned_map
+from swarm.p2p.errors import P2PError
 from swarm.p2p.peer_id import PeerID
+
+logger = logging.getLogger(__name__)
 
 MAX_STEP = 1 << 40
 MAX_SEC_PER_STEP = 3600.0
@@ -61,49 +71,67 @@ def _int_in(x: Any, low: int, high: int) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and low <= x <= high
 
 
-def latest_finish(peers: list[PeerProgress], step: int, now: float, fresh_for: float, own_finish: float,
-                  max_wait: float) -> float:  # fmt: skip
-    """When the slowest live peer of `step` should finish (unix time), but never later than
-    own_finish + max_wait (a stalled or very slow peer does not hold the group) and never
-    earlier than own_finish. Records older than fresh_for seconds are of dead or stuck peers."""
-    end = own_finish
-    for p in peers:
-        if p.step != step or now - p.time > fresh_for:
-            continue
-        end = max(end, min(p.finish_time(), own_finish + max_wait))
-    return end
+@dataclass(frozen=True, slots=True)
+class OwnProgress:
+    """The record a node publishes about itself."""
+
+    maddrs: list[str]
+    client: bool
+    step: int
+    inner: int
+    H: int
+    sec_per_step: float
+    train_loss: float | None
+    eval_loss: float | None
+    tokens_per_s: float | None
+    group_size: int
+
+    def encode(self, now: float) -> dict[str, Any]:
+        value = asdict(self)
+        value["H"] = max(1, self.H)  # 0 while it joins a forming group; records need H >= 1
+        value["sec_per_step"] = round(self.sec_per_step, 6)
+        for name in ("train_loss", "eval_loss"):
+            value[name] = round(value[name], 4) if value[name] is not None else None
+        value["time"] = round(now, 3)
+        return value
 
 
-def median_pace(peers: list[PeerProgress]) -> float:
-    """The median seconds per inner step of the peers that have timed one (0.0: none has)."""
-    positive = sorted(p.sec_per_step for p in peers if p.sec_per_step > 0)
-    return positive[len(positive) // 2] if positive else 0.0
+class ProgressBook:
+    """`<run>/nodes`: publishes this node's progress and holds its peers' (`peers`, refreshed by
+    `refresh`). A failed read keeps what was known: freshness ages the records out."""
 
+    def __init__(self, dht: DHTNode, run_id: str, publish_interval: float) -> None:
+        self.dht, self.key, self.publish_interval = dht, nodes_key(run_id), publish_interval
+        self.peers: tuple[PeerProgress, ...] = ()
 
-def plan_late_round(peers: list[PeerProgress], step: int, now: float, fresh_for: float, h: int,
-                    own_sec: float, margin: float) -> int | None:  # fmt: skip
-    """Inner steps for a node that joined or fetched while the peers of `step` were training:
-    H, or fewer, just enough to finish with them (its contribution is weighted by the tokens it
-    trained on; hivemind lets late peers join with the samples they have in the same way), and
-    announce `margin` seconds before they read who is ready. None when a group is already
-    forming: too late for this step. Only a server can lead a group and serve its result, so a
-    node never waits on peers that are all clients: they wait for it."""
-    same = [p for p in peers if p.step == step and now - p.time <= fresh_for]
-    if any(p.inner >= p.inner_steps and not p.client for p in same):
-        return None
-    started = [p for p in same if 0 < p.inner < p.inner_steps]
-    sec = own_sec if own_sec > 0 else median_pace(started)
-    if not started or sec <= 0:
-        return h
-    peers_end = max(p.finish_time() for p in started)
-    if peers_end - now < margin:
-        return None
-    return max(0, min(h, int((peers_end - now - margin) / sec)))  # 0: announce at once
+    @property
+    def fresh_for(self) -> float:
+        """A record older than this is of a dead or stuck peer (it misses three refreshes)."""
+        return 3 * self.publish_interval + 2.0
 
+    async def publish(self, own: OwnProgress) -> bool:
+        now = time.time()
+        expiration = now + 4 * self.publish_interval + 10
+        try:
+            accepted = await self.dht.store(self.key, own.encode(now), expiration, owner_subkey(self.dht.peer_id))
+        except (P2PError, DHTError, TimeoutError) as e:
+            logger.warning("could not publish progress: %s", e)
+            return False
+        if accepted == 0:
+            logger.warning("could not publish progress: no DHT node accepted the record")
+        return accepted > 0
 
-def servers_behind(peers: list[PeerProgress], own_step: int, now: float, fresh_for: float) -> bool:
-    """Every live server works on an earlier outer step than `own_step`, and none has finished
-    the inner steps that would bring its next state to ours (a server in matchmaking at
-    own_step - 1 is about to publish own_step). False when no server is live."""
-    servers = [p for p in peers if not p.client and now - p.time <= fresh_for]
-    return bool(servers) and all(p.step + (p.inner >= p.inner_steps) < own_step for p in servers)
+    async def refresh(self) -> None:
+        try:
+            found = await self.dht.get(self.key, latest=True)
+        except (P2PError, DHTError, TimeoutError) as e:
+            logger.info("could not read peers' progress: %s", e)
+            return
+        if found is None or not isinstance(found.value, dict):  # nothing found this time: keep what we knew
+            return
+        peers = []
+        for subkey, entry in found.value.items():
+            progress = decode_progress(subkey, getattr(entry, "value", None))
+            if progress is not None and progress.peer_id != self.dht.peer_id:
+                peers.append(progress)
+        self.peers = tuple(peers)

@@ -50,6 +50,11 @@ logger = logging.getLogger(__name__)
 
 PART = "avg.part"
 FETCH = "avg.fetch"
+# Every stream method a round may serve, and the round's method serving it: the flat round
+# serves the first two, hierarchical.py's grid round the last three; a round asked for a method
+# it does not serve answers BadRequest.
+SERVED = {PART: "serve_part", FETCH: "serve_fetch", "avg.row": "serve_row", "avg.col": "serve_col",
+          "avg.down": "serve_down"}  # fmt: skip
 MAX_HEADER_BYTES = 64 * 1024
 MAX_PENDING_GROUPS = 64
 
@@ -73,6 +78,43 @@ class AllReduceError(Exception):
     """The round cannot complete: too few contributions to a part, or a part nobody could reduce."""
 
 
+async def write_encoded(stream: Stream, codec: Any, vector: torch.Tensor, lo: int, hi: int, chunk_elements: int) -> int:
+    """Stream vector[lo:hi] encoded chunk by chunk (chunk i+1 is encoded in a worker thread
+    while chunk i is on the wire), as payload_layout(lo, hi) lays it out; the bytes written."""
+    chunks = chunk_bounds(lo, hi, chunk_elements)
+    sent = 0
+    encoding = asyncio.ensure_future(asyncio.to_thread(codec.encode, vector[lo : chunks[0][1]]))
+    try:
+        for c in range(len(chunks)):
+            payload = await encoding
+            if c + 1 < len(chunks):
+                a, b = chunks[c + 1]
+                encoding = asyncio.ensure_future(asyncio.to_thread(codec.encode, vector[a:b]))
+            data = as_memoryview(payload)
+            await stream.write(data)
+            sent += len(data)
+    finally:
+        encoding.cancel()
+    return sent
+
+
+async def read_header(stream: Stream, timeout: float) -> tuple[dict[str, Any], int]:
+    """The msgpack map that heads a result (and its size); AllReduceError on anything else,
+    including {"none": true} (the peer holds no result)."""
+    header_raw = await stream.read(timeout=timeout)
+    if header_raw is None or len(header_raw) > MAX_HEADER_BYTES:
+        raise AllReduceError("no result header")
+    try:
+        header = msgpack.unpackb(header_raw, raw=False)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise AllReduceError(f"unreadable result header: {type(e).__name__}") from None
+    if not isinstance(header, dict):
+        raise AllReduceError("malformed result header")
+    if header.get("none"):
+        raise AllReduceError("the peer holds no result for this part")
+    return header, len(header_raw)
+
+
 @dataclass
 class RoundReport:
     group_id: bytes
@@ -90,24 +132,24 @@ class RoundRegistry:
 
     def __init__(self, host: P2PHost, config: AveragingConfig) -> None:
         self.host, self.config = host, config
-        self.rounds: dict[bytes, AllReduceRound] = {}
+        self.rounds: dict[bytes, Any] = {}  # an AllReduceRound or a hierarchical GridRound
         self._arrived: dict[bytes, asyncio.Event] = {}
         self._timers: dict[bytes, asyncio.TimerHandle] = {}
-        host.add_stream_handler(PART, self._rpc_part)
-        host.add_stream_handler(FETCH, self._rpc_fetch)
+        for method, serve in SERVED.items():
+            host.add_stream_handler(method, self._route(method, serve))
 
     def close(self) -> None:
-        self.host.remove_handler(PART)
-        self.host.remove_handler(FETCH)
+        for method in SERVED:
+            self.host.remove_handler(method)
         for timer in self._timers.values():
             timer.cancel()
 
-    def add(self, round_: AllReduceRound) -> None:
+    def add(self, round_: Any) -> None:
         group_id = round_.group.group_id
         self.rounds[group_id] = round_
         self._arrived.setdefault(group_id, asyncio.Event()).set()
 
-    def finished(self, round_: AllReduceRound) -> None:
+    def finished(self, round_: Any) -> None:
         """Keep only what a finished round may still serve (its encoded averages), for a while."""
         round_.release()
         group_id = round_.group.group_id
@@ -125,7 +167,7 @@ class RoundRegistry:
         self._arrived.pop(group_id, None)
         self._timers.pop(group_id, None)
 
-    async def _find(self, args: Any) -> AllReduceRound:
+    async def _find(self, args: Any) -> Any:
         if not isinstance(args, dict) or not isinstance(args.get("g"), bytes):
             raise BadRequest("needs a group id")
         group_id = args["g"]
@@ -141,11 +183,14 @@ class RoundRegistry:
             raise BadRequest("no such group here")
         return round_
 
-    async def _rpc_part(self, ctx: CallContext, args: Any, stream: Stream) -> None:
-        await (await self._find(args)).serve_part(ctx, args, stream)
+    def _route(self, method: str, serve: str) -> Any:
+        async def handler(ctx: CallContext, args: Any, stream: Stream) -> None:
+            serving = getattr(await self._find(args), serve, None)
+            if serving is None:
+                raise BadRequest(f"{method}: this group's round does not serve it")
+            await serving(ctx, args, stream)
 
-    async def _rpc_fetch(self, ctx: CallContext, args: Any, stream: Stream) -> None:
-        await (await self._find(args)).serve_fetch(ctx, args, stream)
+        return handler
 
 
 class AllReduceRound:
@@ -256,39 +301,20 @@ class AllReduceRound:
         args = {"g": self.group.group_id, "i": self.me, "p": j}
         member = self.group.members[reducer]
         async with await self.host.open_stream(member.address(), PART, args, timeout=timeout) as stream:
-            chunks = chunk_bounds(lo, hi, self.config.chunk_elements)
-            encoding = asyncio.ensure_future(asyncio.to_thread(self.codec.encode, self.vector[lo : chunks[0][1]]))
-            try:
-                for c in range(len(chunks)):
-                    payload = await encoding
-                    if c + 1 < len(chunks):  # encode the next chunk while this one is on the wire
-                        a, b = chunks[c + 1]
-                        encoding = asyncio.ensure_future(asyncio.to_thread(self.codec.encode, self.vector[a:b]))
-                    data = as_memoryview(payload)
-                    await stream.write(data)
-                    self.report.bytes_sent += len(data)
-            finally:
-                encoding.cancel()
+            sent = await write_encoded(stream, self.codec, self.vector, lo, hi, self.config.chunk_elements)
+            self.report.bytes_sent += sent  # not `+= await ...`: that reads the total before the await
             await stream.end()
             return await self._read_final(stream, lo, hi, 2 * timeout)
 
     async def _read_final(self, stream: Stream, lo: int, hi: int, timeout: float) -> Final:
-        header_raw = await stream.read(timeout=timeout)
-        if header_raw is None or len(header_raw) > MAX_HEADER_BYTES:
-            raise AllReduceError("no result header")
-        try:
-            header = msgpack.unpackb(header_raw, raw=False)
-        except Exception as e:  # msgpack raises several unrelated types on garbage
-            raise AllReduceError(f"unreadable result header: {type(e).__name__}") from None
-        if isinstance(header, dict) and header.get("none"):
-            raise AllReduceError("the peer holds no result for this part")
-        included = header.get("inc") if isinstance(header, dict) else None
+        header, header_size = await read_header(stream, timeout)
+        included = header.get("inc")
         if not isinstance(included, list) or not all(
             isinstance(i, int) and 0 <= i < len(self.weights) for i in included
         ):
             raise AllReduceError("malformed result header")
         payload = await read_exactly(stream, self._encoded_size(lo, hi), timeout)
-        self.report.bytes_received += len(payload) + len(header_raw)
+        self.report.bytes_received += len(payload) + header_size
         return included, payload
 
     async def _fetch_from_others(self, j: int) -> Final | None:

@@ -1,13 +1,14 @@
 """Averager: what the training code calls once per outer step.
 
-    averager = Averager(dht_node, host, run_id="run1", config=AveragingConfig(target_group_size=4))
+    averager = Averager(dht_node, host, run_id="run1", config=AveragingConfig())
     averaged, report = await averager.step(pseudo_gradients, weight=tokens, step=outer_step)
 
-`step` forms a group for this outer step through the DHT (matchmaking.py), runs the butterfly
-all-reduce of the flattened tensors with it (allreduce.py), and returns new tensors shaped and
-typed like the inputs, plus a GroupReport. With no group (alone, too late, too few peers) it
-returns copies of the inputs and `report.group_id is None`. It raises AllReduceError when a
-group was formed but the round could not complete; the inputs are never modified.
+`step` forms the group of this outer step through the DHT (matchmaking.py: every ready node of
+the same state), runs the butterfly all-reduce of the flattened tensors with it (allreduce.py;
+hierarchical.py beyond max_group_size), and returns new tensors shaped and typed like the
+inputs, plus a GroupReport. With no group (alone, late, of another state) it returns copies of
+the inputs and `report.group_id is None`. It raises AllReduceError when a group was formed but
+the round could not complete; the inputs are never modified.
 
 `step` is `form_group` then `run_round`; a trainer calls them apart to form the group while it
 finishes its last inner steps, so matchmaking costs no compute time.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -25,10 +25,12 @@ import torch
 
 from swarm.averaging.allreduce import AllReduceRound, RoundRegistry
 from swarm.averaging.config import AveragingConfig
-from swarm.averaging.matchmaking import Matchmaker
+from swarm.averaging.hierarchical import GridRound
+from swarm.averaging.matchmaking import Matchmade, Matchmaker
 from swarm.averaging.messages import GroupInfo, MemberInfo
 from swarm.dht.node import DHTNode
 from swarm.p2p.host import P2PHost
+from swarm.p2p.peer_id import PeerID
 
 
 @dataclass
@@ -54,36 +56,49 @@ class Averager:
         self.matchmaker.close()
         self.registry.close()
 
-    def member_info(self, weight: float, *, as_client: bool = False) -> MemberInfo:
+    def member_info(self, weight: float, state: bytes = b"", *, as_client: bool = False) -> MemberInfo:
         client = self.config.client_mode or as_client
         maddrs = () if client else tuple(self.host.visible_maddrs)
-        return MemberInfo(self.host.peer_id, maddrs, float(weight), 0.0 if client else self.config.bandwidth, client)
+        bandwidth = 0.0 if client else self.config.bandwidth
+        return MemberInfo(self.host.peer_id, maddrs, float(weight), bandwidth, client, state)
 
     async def step(
-        self, tensors: Sequence[torch.Tensor], weight: float, step: int
+        self, tensors: Sequence[torch.Tensor], weight: float, step: int, state: bytes = b""
     ) -> tuple[list[torch.Tensor], GroupReport]:
         vector = await asyncio.to_thread(_flatten, tensors)  # refuses bad input before matchmaking
-        group, matchmaking_s = await self.form_group(weight, step)
-        return await self._run(group, vector, tensors, matchmaking_s)
+        found = await self.form_group(weight, step, state)
+        return await self._run(found.group, vector, tensors, found.seconds)
 
     async def form_group(
-        self, weight: float, step: int, gather: float | None = None, *, as_client: bool = False
-    ) -> tuple[GroupInfo | None, float]:
-        """Matchmaking alone: the group for this step (None: alone) and the seconds it took.
-        A trainer may start it before its tensors are ready (hivemind's pre-scheduled step) and
-        hand the group to run_round later; `weight` is what it will contribute (0: it only
-        takes the average). `gather`: seconds to gather, when not matchmaking_time.
-        `as_client`: take part as a client-mode member (never leads, owns no part), so that a
-        node joining a group already gathering cannot change who leads it."""
+        self,
+        weight: float,
+        step: int,
+        state: bytes = b"",
+        *,
+        gather: float | None = None,
+        expected: frozenset[PeerID] | None = None,
+        as_client: bool = False,
+    ) -> Matchmade:
+        """Matchmaking alone: the group for this step, or why there is none. A trainer may start
+        it before its tensors are ready (hivemind's pre-scheduled step) and hand the group to
+        run_round later; `weight` is what it will contribute (0: it only takes the average),
+        `state` the sha256 of the state it starts from. `gather`: the longest wait for the
+        `expected` peers (default matchmaking_time). `as_client`: take part as a client-mode
+        member (never leads, owns no part), so that a node joining a group already gathering
+        cannot change who leads it."""
         if not math.isfinite(weight) or weight < 0:
             raise ValueError(f"weight must be a finite number >= 0, got {weight}")
         if gather is not None and not (math.isfinite(gather) and gather >= 0):
             raise ValueError(f"gather must be a finite number of seconds >= 0, got {gather}")
-        started = time.perf_counter()
-        group = await self.matchmaker.form_group(step, self.member_info(weight, as_client=as_client), gather)
-        if group is not None and len(group.members) < 2:
-            group = None
-        return group, time.perf_counter() - started
+        me = self.member_info(weight, state, as_client=as_client)
+        found = await self.matchmaker.form_group(step, me, gather, expected)
+        if found.group is not None and len(found.group.members) < 2:
+            return Matchmade(None, found.seconds)
+        return found
+
+    def round_failed(self, step: int) -> None:
+        """The round of `step` failed: the step may be matchmade again (see matchmaking.py)."""
+        self.matchmaker.round_failed(step)
 
     async def run_round(
         self, group: GroupInfo | None, tensors: Sequence[torch.Tensor], matchmaking_s: float = 0.0
@@ -97,8 +112,10 @@ class Averager:
     ) -> tuple[list[torch.Tensor], GroupReport]:
         if group is None:
             return [t.detach().clone() for t in tensors], GroupReport(None, matchmaking_s=matchmaking_s)
-        round_ = AllReduceRound(self.host, self.registry, group, vector, self.config)
-        averaged, rr = await round_.run()
+        # Beyond max_group_size the hierarchical butterfly: the same average, about 2*sqrt(n) peers each.
+        flat = len(group.members) <= self.config.max_group_size
+        kind = AllReduceRound if flat else GridRound
+        averaged, rr = await kind(self.host, self.registry, group, vector, self.config).run()
         report = GroupReport(
             group.group_id.hex(),
             rr.members,

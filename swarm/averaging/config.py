@@ -10,7 +10,10 @@ CODECS = ("int8", "fp16", "none")
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AveragingConfig:
     # matchmaking
-    target_group_size: int = 4  # a larger swarm splits into groups of about this size
+    # Every node ready for a step averages in one group (one swarm, one state). A group larger than
+    # max_group_size averages through the hierarchical butterfly (rows of at most this many
+    # members, then columns): the same bytes per member, about 2*sqrt(n) peers each.
+    max_group_size: int = 64
     min_group_size: int = 2  # fewer members (after failures too): the round fails cleanly
     matchmaking_time: float = 5.0  # how long nodes gather for a step before groups are formed
     request_timeout: float = 5.0  # one matchmaking request; also how long a leader waits for joins
@@ -26,8 +29,10 @@ class AveragingConfig:
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
             raise ValueError(f"AveragingConfig.codec must be one of {CODECS}, got {self.codec!r}")
-        if not 1 <= self.min_group_size <= self.target_group_size:
-            raise ValueError("need 1 <= min_group_size <= target_group_size")
+        if not 1 <= self.min_group_size <= self.max_group_size:
+            raise ValueError("need 1 <= min_group_size <= max_group_size")
+        if self.max_group_size < 2:
+            raise ValueError("AveragingConfig.max_group_size must be >= 2")
         for name in ("matchmaking_time", "request_timeout", "part_timeout", "bandwidth"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"AveragingConfig.{name} must be positive")

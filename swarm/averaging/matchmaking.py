@@ -1,22 +1,28 @@
-"""Matchmaking: the nodes ready for outer step N of a run form groups through the DHT.
+"""Matchmaking: every node ready for outer step N of a run forms one group through the DHT.
 
-1. Announce: each node stores its MemberInfo under `<run>/ready/<N>`, in a subkey owned (signed)
-   by its PeerID, then gathers for `matchmaking_time`.
-2. Split: each node reads the ready set and splits it with `split_into_groups` (a hash of step
-   and PeerID orders it, so nodes that see the same set compute the same groups, and groups mix
-   across steps). A group's leader is its first member that accepts inbound connections.
-3. Join: every member calls `avg.join` on its leader. The leader holds each call open until it
-   has heard from every member it expects (or `request_timeout` passed), then answers all of
-   them with the same GroupInfo: members, their order and the group id. A node joins one leader
-   at a time and leads only when it joined nobody, so no node ends up in two groups.
-4. Failures: a node whose view differs is redirected to the leader its callee joined; a dead or
-   silent leader is left out and the group is split again without it, until the matchmaking
-   window closes. A node that finds no group (too late, too few) gets None and goes on alone;
-   nothing waits on any particular peer (DESIGN invariant 1).
-5. Done: a node whose group is formed (or that went alone) overwrites its announcement with
-   FORMED, so that a node arriving later at that step neither counts it nor waits for its join.
+1. Announce: each node stores its MemberInfo (with the hash of the state it starts from) under
+   `<run>/ready/<N>`, in a subkey owned (signed) by its PeerID: nobody can announce for another
+   node or fake its state.
+2. Gather until everyone is in: the node reads the ready set every `POLL` seconds until every
+   peer it expects at this step (the live peers of its step, from their progress records) has
+   announced, or the window (`matchmaking_time`) closes: the window only bounds the wait for
+   the missing ones.
+3. Decide (ready.py, pure): late (a group of our state already formed), of another state (fetch
+   the swarm's first), or one group of every ready member of the swarm's state, led by its first
+   member in hash order that accepts connections.
+4. Join: every member calls `avg.join` on the leader. The leader holds each call open until every
+   member it saw has joined (or `request_timeout` passed), reads the ready set once more, and
+   answers all of them with the same GroupInfo, unless a group of its state formed meanwhile or
+   it gathered fewer than half of that state's announced members (then it is the late one:
+   nobody gets a group). A node whose view differs is redirected to the leader its callee
+   joined; a dead or silent leader is left out and the decision is taken again without it.
+5. Done: a node in a group overwrites its announcement with a FORMED marker naming its state
+   (a node arriving later at this step is late), a node without one with DONE (not counted).
+   A node whose round then fails overwrites FORMED with DONE, so that the step can be retried.
 
-Client-mode nodes take part the same way; they only never lead.
+Client-mode nodes take part the same way; they only never lead. A node finds no group when it
+is alone, late, of another state, or the leader gave up: the caller decides what follows (the
+training node fetches the swarm's state; swarm/plan.py).
 """
 
 from __future__ import annotations
@@ -28,11 +34,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swarm.averaging.config import AveragingConfig
-from swarm.averaging.messages import GroupInfo, MemberInfo
-from swarm.averaging.partition import split_into_groups
+from swarm.averaging.messages import MAX_MEMBERS, GroupInfo, MemberInfo
+from swarm.averaging.ready import DONE, ReadyView, decide, decode_view, formed_marker, may_finalize
 from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
-from swarm.dht.records import owner_of, owner_subkey
+from swarm.dht.records import owner_subkey
 from swarm.dht.run_keys import ready_key
 from swarm.p2p.connection import CallContext
 from swarm.p2p.errors import BadRequest, P2PError
@@ -42,8 +48,19 @@ from swarm.p2p.peer_id import PeerID
 logger = logging.getLogger(__name__)
 
 JOIN = "avg.join"
-MAX_JOINERS = 256
-FORMED = "formed"  # replaces a ready announcement once its node is done with matchmaking
+POLL = 0.15  # seconds between reads of the ready set while peers are still missing
+
+
+@dataclass(frozen=True, slots=True)
+class Matchmade:
+    """What matchmaking found for one step. group None: no group (alone, late, of another
+    state, or the leader gave up); swarm_state: the state the swarm starts this step from, when
+    it differs from ours (we must fetch it before we can contribute)."""
+
+    group: GroupInfo | None
+    seconds: float
+    late: bool = False  # a group of our state formed without us
+    swarm_state: bytes | None = None
 
 
 @dataclass
@@ -63,7 +80,8 @@ class Matchmaker:
         self.dht, self.host, self.run_id, self.config = dht, host, run_id, config
         self.peer_id = host.peer_id
         self._steps: dict[int, _StepState] = {}
-        self._withdrawals: set[asyncio.Task[None]] = set()
+        self._stored: dict[int, float] = {}  # step -> expiration of our last record (later wins)
+        self._markers: set[asyncio.Task[None]] = set()
         if not config.client_mode:
             host.add_handler(JOIN, self._rpc_join)
 
@@ -73,89 +91,114 @@ class Matchmaker:
         for state in self._steps.values():
             if not state.result.done():
                 state.result.set_result(None)
-        for task in self._withdrawals:
+        for task in self._markers:
             task.cancel()
 
-    async def form_group(self, step: int, me: MemberInfo, gather: float | None = None) -> GroupInfo | None:
-        """Announce, gather, and return the agreed group for this step, or None. `gather`
-        (default matchmaking_time) is shorter for a node joining peers already gathering."""
+    async def form_group(
+        self, step: int, me: MemberInfo, gather: float | None = None, expected: frozenset[PeerID] | None = None
+    ) -> Matchmade:
+        """Announce, gather until every `expected` peer is in (at most `gather`, default
+        matchmaking_time, seconds; None: not known, gather the whole window), and return what
+        this step's matchmaking found."""
         config = self.config
         loop = asyncio.get_running_loop()
+        started = loop.time()
         state = self._steps[step] = _StepState(me)
-        announced: float | None = None
+        outcome: Matchmade | None = None
         try:
-            gather_until = loop.time() + (config.matchmaking_time if gather is None else gather)
+            gather_until = started + (config.matchmaking_time if gather is None else gather)
             give_up_at = gather_until + 3 * config.request_timeout
-            expiration = time.time() + config.matchmaking_time + 4 * config.request_timeout
-            try:
-                await self.dht.store(ready_key(self.run_id, step), me.encode(), expiration, owner_subkey(me.peer_id))
-                announced = expiration
-            except (P2PError, DHTError, TimeoutError) as e:  # unseen by others; we may still join them
-                logger.warning("could not announce readiness for step %d: %s", step, e)
-            await asyncio.sleep(max(0.0, gather_until - loop.time()))
+            announced = await self._store(step, me.encode(), config.matchmaking_time + 4 * config.request_timeout)
+            if not announced:  # unseen by others; we may still join them
+                logger.warning("could not announce readiness for step %d", step)
+            view = await self._gather(step, None if expected is None else expected - {me.peer_id}, gather_until)
             dead: set[PeerID] = set()
             while loop.time() < give_up_at:
-                ready = await self._ready_set(step)
-                ready[me.peer_id] = me
                 for peer in dead:
-                    ready.pop(peer, None)
-                group = self._my_group(ready, step)
-                leader = next((m for m in group if not m.client), None)
-                if leader is None:
-                    return None
-                if leader.peer_id == self.peer_id:
-                    return await self._lead(state, group, step, give_up_at)
-                outcome = await self._join(state, leader, step, give_up_at)
-                if isinstance(outcome, GroupInfo) or outcome is None:
+                    view.ready.pop(peer, None)
+                decision = decide(view, me, step)
+                if decision.kind in ("late", "other_state", "alone"):
+                    logger.info("step %d: no group: %s", step, decision.kind.replace("_", " "))
+                    outcome = Matchmade(None, loop.time() - started, decision.kind == "late",
+                                        decision.swarm_state if decision.kind == "other_state" else None)  # fmt: skip
                     return outcome
-                dead.add(outcome)  # the leader failed: split again without it
+                if decision.kind == "lead":
+                    group = await self._lead(state, list(decision.members), step, give_up_at)
+                    outcome = Matchmade(group, loop.time() - started, late=group is None)
+                    return outcome
+                assert decision.leader is not None
+                joined = await self._join(state, decision.leader, step, give_up_at)
+                if isinstance(joined, GroupInfo) or joined is None:
+                    outcome = Matchmade(joined, loop.time() - started)
+                    return outcome
+                dead.add(joined)  # the leader failed: decide again without it
                 state.leader = None
                 state.role_known.clear()
-            return None
+                view = await self._read(step)
+            outcome = Matchmade(None, loop.time() - started)
+            return outcome
         finally:
             if not state.result.done():
                 state.result.set_result(None)
             state.role_known.set()
             self._steps.pop(step, None)
-            if announced is not None:
-                task = asyncio.ensure_future(self._withdraw(step, announced))
-                self._withdrawals.add(task)
-                task.add_done_callback(self._withdrawals.discard)
+            group = outcome.group if outcome is not None else None
+            self._mark(step, formed_marker(me.state, group.group_id) if group is not None else DONE)
 
-    async def _withdraw(self, step: int, announced: float) -> None:
-        """Replace our ready announcement with FORMED (a later expiration wins in the DHT)."""
+    def round_failed(self, step: int) -> None:
+        """Our group of `step` could not average: withdraw its FORMED marker, so that the step
+        can be tried again (by us and by the nodes that waited for its result)."""
+        self._mark(step, DONE)
+
+    def _mark(self, step: int, marker: Any) -> None:
+        """Replace our announcement for `step` in the background (a later expiration wins)."""
+        if step not in self._stored:
+            return
+
+        async def store() -> None:
+            if not await self._store(step, marker, self.config.matchmaking_time + 4 * self.config.request_timeout):
+                logger.info("could not withdraw our ready announcement for step %d", step)
+
+        task = asyncio.ensure_future(store())
+        self._markers.add(task)
+        task.add_done_callback(self._markers.discard)
+
+    async def _store(self, step: int, value: Any, ttl: float) -> bool:
+        expiration = max(time.time() + ttl, self._stored.get(step, 0.0) + 0.001)
+        self._stored[step] = expiration
+        if len(self._stored) > 16:  # keep the last steps only
+            del self._stored[min(self._stored)]
         try:
-            await self.dht.store(ready_key(self.run_id, step), FORMED, announced + 0.001, owner_subkey(self.peer_id))
-        except (P2PError, DHTError, TimeoutError) as e:  # late nodes wait for us once, as before
-            logger.info("could not withdraw our ready announcement for step %d: %s", step, e)
+            accepted = await self.dht.store(ready_key(self.run_id, step), value, expiration, owner_subkey(self.peer_id))
+        except (P2PError, DHTError, TimeoutError) as e:
+            logger.warning("could not store our matchmaking record for step %d: %s", step, e)
+            return False
+        return accepted > 0
 
-    async def _ready_set(self, step: int) -> dict[PeerID, MemberInfo]:
-        ready: dict[PeerID, MemberInfo] = {}
+    async def _gather(self, step: int, expected: frozenset[PeerID] | None, until: float) -> ReadyView:
+        """Read the ready set until it holds every expected peer (or a group of the step has
+        formed already), or `until` passes; returns the last view."""
+        loop = asyncio.get_running_loop()
+        while True:
+            view = await self._read(step)
+            if view.formed or (expected is not None and expected <= view.seen()):
+                return view
+            if loop.time() >= until:
+                return view
+            await asyncio.sleep(min(POLL, max(0.0, until - loop.time())))
+
+    async def _read(self, step: int) -> ReadyView:
         try:
             found = await self.dht.get(ready_key(self.run_id, step), latest=True)
         except (P2PError, DHTError, TimeoutError) as e:
             logger.warning("could not read who is ready for step %d: %s", step, e)
-            return ready
+            return ReadyView()
         if found is None or not isinstance(found.value, dict):
-            return ready
-        for subkey, entry in found.value.items():
-            if entry.value == FORMED:
-                continue
-            try:
-                member = MemberInfo.decode(entry.value)
-                if owner_of(subkey) != member.peer_id:
-                    raise BadRequest("announcement not under its owner's subkey")
-            except (BadRequest, ValueError) as e:
-                logger.info("ignoring a bad ready announcement for step %d: %s", step, e)
-                continue
-            ready[member.peer_id] = member
-        return ready
-
-    def _my_group(self, ready: dict[PeerID, MemberInfo], step: int) -> list[MemberInfo]:
-        for group in split_into_groups(list(ready), self.config.target_group_size, step):
-            if self.peer_id in group:
-                return [ready[p] for p in group]
-        raise AssertionError("a node is always in its own ready set")
+            return ReadyView()
+        view, skipped = decode_view({k: getattr(v, "value", None) for k, v in found.value.items()})
+        for reason in skipped:
+            logger.info("step %d: ignoring %s", step, reason)
+        return view
 
     async def _lead(self, state: _StepState, group: list[MemberInfo], step: int, give_up_at: float) -> GroupInfo | None:
         loop = asyncio.get_running_loop()
@@ -174,7 +217,11 @@ class Matchmaker:
         members.sort(key=lambda m: (order.get(m.peer_id, len(order)), m.peer_id.to_bytes()))
         result = None
         if len(members) >= self.config.min_group_size:
-            result = GroupInfo.create(self.run_id, step, tuple(members))
+            final_view = (await self._read(step)).with_member(state.me)
+            if may_finalize(len(members), final_view, state.me.state):
+                result = GroupInfo.create(self.run_id, step, tuple(members))
+            else:
+                logger.info("step %d: not leading a group of %d: another formed, or we are late", step, len(members))
         state.result.set_result(result)
         return result
 
@@ -229,7 +276,9 @@ class Matchmaker:
         deadline = loop.time() + self.config.matchmaking_time + 2 * self.config.request_timeout
         while (state := self._steps.get(step)) is not None and not state.result.done():
             if state.leading:
-                if len(state.joiners) >= MAX_JOINERS:
+                if member.state != state.me.state:
+                    return {"none": "of another state"}
+                if len(state.joiners) >= MAX_MEMBERS - 1:
                     return {"none": "group is full"}
                 state.joiners[member.peer_id] = member
                 state.joined.set()

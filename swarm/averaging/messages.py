@@ -1,10 +1,13 @@
 """The averaging protocol's messages: frozen values with explicit msgpack forms and limits.
 
-    MemberInfo  [peer_id bytes, [maddr...], weight, bandwidth, client]
-    GroupInfo   {"v": 1, "id": bytes32, "run": str, "step": int, "m": [MemberInfo...]}
+    MemberInfo  [peer_id bytes, [maddr...], weight, bandwidth, client, state]
+    GroupInfo   {"v": 2, "id": bytes32, "run": str, "step": int, "m": [MemberInfo...]}
 
-The group id is SHA-256 over the run, the step and the ordered member ids, so every member can
-check that a group message is self-consistent. Decoders raise BadRequest on anything malformed.
+`state` is the SHA-256 (32 bytes) of the state a member starts the step from (θ_outer, outer
+momentum, outer step): only members of equal state average together (b"": not given, only in
+tests of the all-reduce alone). The group id is SHA-256 over the run, the step and the ordered
+member ids and states, so every member can check that a group message is self-consistent.
+Decoders raise BadRequest on anything malformed.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from swarm.p2p.errors import BadRequest, IdentityError
 from swarm.p2p.maddr import TcpAddress, parse_maddr
 from swarm.p2p.peer_id import PeerID
 
-VERSION = 1
-MAX_MEMBERS = 256
+VERSION = 2
+MAX_MEMBERS = 4096  # beyond max_group_size the hierarchical butterfly averages them
 MAX_MADDRS = 8
 MAX_MADDR_CHARS = 256
 
@@ -31,9 +34,10 @@ class MemberInfo:
     weight: float  # this member's contribution weight (tokens processed since the last step)
     bandwidth: float  # MB/s it announces; its part of the vector is proportional to it
     client: bool  # accepts no inbound connections: owns no part
+    state: bytes = b""  # sha256 of the state it starts the step from (see the module docstring)
 
     def encode(self) -> list[Any]:
-        return [self.peer_id.to_bytes(), list(self.maddrs), self.weight, self.bandwidth, self.client]
+        return [self.peer_id.to_bytes(), list(self.maddrs), self.weight, self.bandwidth, self.client, self.state]
 
     def address(self) -> TcpAddress | PeerID:
         """Where to reach this member: its first parsable maddr (with its PeerID), else the
@@ -47,9 +51,9 @@ class MemberInfo:
 
     @classmethod
     def decode(cls, item: Any) -> MemberInfo:
-        if not isinstance(item, list) or len(item) != 5:
-            raise BadRequest("a member is [peer_id, maddrs, weight, bandwidth, client]")
-        raw_id, maddrs, weight, bandwidth, client = item
+        if not isinstance(item, list) or len(item) != 6:
+            raise BadRequest("a member is [peer_id, maddrs, weight, bandwidth, client, state]")
+        raw_id, maddrs, weight, bandwidth, client, state = item
         if not isinstance(raw_id, bytes):
             raise BadRequest("member peer id must be bytes")
         try:
@@ -65,7 +69,9 @@ class MemberInfo:
                 raise BadRequest(f"member {name} must be a finite number >= 0")
         if not isinstance(client, bool):
             raise BadRequest("member client flag must be a bool")
-        return cls(peer_id, tuple(maddrs), float(weight), float(bandwidth), client)
+        if not isinstance(state, bytes) or len(state) not in (0, 32):
+            raise BadRequest("member state must be a 32-byte sha256 (or empty)")
+        return cls(peer_id, tuple(maddrs), float(weight), float(bandwidth), client, state)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +83,10 @@ class GroupInfo:
 
     @staticmethod
     def make_id(run_id: str, step: int, members: tuple[MemberInfo, ...]) -> bytes:
-        digest = hashlib.sha256(f"swarm-group/1\x00{run_id}\x00{step}\x00".encode())
+        digest = hashlib.sha256(f"swarm-group/2\x00{run_id}\x00{step}\x00".encode())
         for member in members:
             digest.update(member.peer_id.to_bytes())
+            digest.update(len(member.state).to_bytes(1, "big") + member.state)
         return digest.digest()
 
     @classmethod

@@ -6,6 +6,9 @@ every complete sender's decoded slice, weighted by the weights agreed at matchma
 the total weight, and encodes the average once. Those bytes, and the list of members they
 include, are `result`: every sender gets exactly them. A payload that fails to decode
 (MalformedPayload) drops its sender and the sum starts over, so a bad sender leaves no trace.
+
+RowReduction and ColReduction are the two stages of the hierarchical round (hierarchical.py):
+the same arithmetic over a row's members, then over the rows' partials.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -150,3 +154,43 @@ class PartReduction:
         for a, b, where in layout:
             out[where] = self.codec.encode(average[a:b])
         return as_memoryview(out)
+
+
+class RowReduction(PartReduction):
+    """Stage 1 at (r, c): the row's weighted mean of part c, encoded sub-part by sub-part (each
+    sub-part's bytes go to its own owner); `average` keeps the fp32 mean."""
+
+    def __init__(self, subs: list[tuple[int, int]], *args: Any) -> None:
+        super().__init__(*args)
+        self.subs = subs  # relative to the part
+        self.average = torch.empty(0)
+
+    def _encode(self, average: torch.Tensor) -> memoryview:
+        self.average = average
+        pieces = []
+        for lo, hi in self.subs:
+            layout = payload_layout(lo, hi, self.chunk_elements, self.codec.encoded_nbytes)
+            out = torch.empty(payload_size(layout), dtype=torch.uint8)
+            for a, b, where in layout:
+                out[where] = self.codec.encode(average[a:b])
+            pieces.append(out)
+        return as_memoryview(torch.cat(pieces))
+
+
+class ColReduction(PartReduction):
+    """Stage 2: sub-part s from the rows' partials. Indices are rows; a row's weight is the sum of
+    the agreed weights of the members its partial includes (set as its stream arrives); the
+    result's `included` lists those members."""
+
+    def __init__(self, member_weights: list[float], *args: Any) -> None:
+        super().__init__(*args)
+        self.member_weights = member_weights
+        self.row_members: dict[int, list[int]] = {}
+
+    def set_row(self, row: int, members: list[int]) -> None:
+        self.row_members[row] = members
+        self.weights[row] = sum(self.member_weights[i] for i in members)
+
+    def _reduce(self, complete: list[int]) -> tuple[list[int], torch.Tensor]:
+        rows, acc = super()._reduce(complete)
+        return sorted(i for r in rows for i in self.row_members[r]), acc

@@ -88,7 +88,7 @@ class SimConfig:
     lr: float | None  # None: swarm-node's default
     warmup_steps: int | None  # None: swarm-node's default
     matchmaking_time: float | None  # None: swarm-node's default
-    target_group_size: int | None
+    max_group_size: int | None
     kill_every: float | None  # seconds between SIGKILLs of a random running node; None: never
     join_every: float | None  # seconds between newcomers; None: never
     threads: int  # torch threads per node
@@ -222,8 +222,8 @@ class Swarm:
             argv += ["--warmup-steps", str(c.warmup_steps)]
         if c.matchmaking_time is not None:
             argv += ["--matchmaking-time", f"{c.matchmaking_time:g}"]
-        if c.target_group_size is not None:
-            argv += ["--target-group-size", str(c.target_group_size)]
+        if c.max_group_size is not None:
+            argv += ["--max-group-size", str(c.max_group_size)]
         return argv + ["-v"] * c.verbose
 
     def poll(self) -> None:
@@ -465,7 +465,7 @@ def default_threads(nodes: int) -> int:
 @click.option("--lr", type=click.FloatRange(0, min_open=True), help="Peak inner learning rate. Default: swarm-node's.")
 @click.option("--warmup-steps", type=click.IntRange(min=0), help="Inner warmup steps. Default: swarm-node's.")
 @click.option("--matchmaking-time", type=float, callback=positive_seconds, metavar="SECONDS", help="Per node.")
-@click.option("--target-group-size", type=click.IntRange(min=1), help="Per node. Default: swarm-node's.")
+@click.option("--max-group-size", type=click.IntRange(min=1), help="Per node. Default: swarm-node's.")
 @click.option(
     "--kill-every", type=float, callback=positive_seconds, metavar="SECONDS", help="SIGKILL a random running node."
 )

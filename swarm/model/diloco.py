@@ -224,6 +224,14 @@ class DiLoCo:
         """sha256 of θ_outer (fp32 bytes in name order): equal on two nodes iff bit-identical."""
         return tensors_sha256(self.outer_params)
 
+    def state_sha256(self) -> str:
+        """sha256 of the whole outer state (outer step, θ_outer, outer momentum): two nodes
+        hold the same swarm state iff these are equal."""
+        digest = hashlib.sha256(b"swarm-state/1" + self.outer_step.to_bytes(8, "big"))
+        for t in [*self.outer_params, *self.outer_momentum]:
+            digest.update(as_memoryview(t.detach().cpu().contiguous()))
+        return digest.hexdigest()
+
     def _finish_outer_step(self, advance: bool = True) -> None:
         for p, theta in zip(self.params, self.outer_params, strict=True):
             p.detach().copy_(theta)

@@ -13,6 +13,8 @@ threads while the next inner steps run. A node fetches instead of training on wh
 - it averaged alone last step while two or more peers of that step agree on another state
   (it missed its group: it adopts the group's state instead of drifting on its own); a client
   follows even one peer, since a state that nobody can fetch from it can never be the swarm's;
+- matchmaking found that most nodes of its step start from another state (an old checkpoint,
+  a fork): it takes theirs before it contributes;
 - it is a client that trained alone ahead of every server (it started before them): its steps
   can never be served, so it takes the servers' state, even an older one, and trains with them.
 """
@@ -92,7 +94,7 @@ class StateKeeper:
         return manifest.step
 
     async def catch_up(
-        self, diloco: DiLoCo, *, alone_last_step: bool, servers_behind: bool = False
+        self, diloco: DiLoCo, *, alone_last_step: bool, servers_behind: bool = False, other_state: bool = False
     ) -> tuple[str, FetchReport] | None:
         """Fetch and load the swarm's state when this node should (see the module docstring).
         Returns (why, report) after a fetch, None when the node's own state is right. Raises
@@ -105,7 +107,7 @@ class StateKeeper:
         own_sha = self.current.manifest.sha256 if self.current is not None else None
         why = fetch_reason(step, sha, len(agreeing), diloco.outer_step, own_sha,
                            alone_last_step=alone_last_step, client=self.server is None,
-                           servers_behind=servers_behind)  # fmt: skip
+                           servers_behind=servers_behind, other_state=other_state)  # fmt: skip
         if why is None:
             return None
         holders = await settled_holders(holders, step, self._holders)  # spread the fetch over all donors
@@ -176,12 +178,16 @@ class StateKeeper:
 
 
 def fetch_reason(step: int, sha: str, holders: int, own_step: int, own_sha: str | None, *,
-                 alone_last_step: bool, client: bool, servers_behind: bool = False) -> str | None:  # fmt: skip
+                 alone_last_step: bool, client: bool, servers_behind: bool = False,
+                 other_state: bool = False) -> str | None:  # fmt: skip
     """Why a node should fetch the swarm's chosen state (`step`, `sha`, advertised by `holders`
     peers), or None when its own state is right (see the module docstring). servers_behind:
-    every live server is at an earlier step, and none is about to publish ours."""
+    every live server is at an earlier step, and none is about to publish ours. other_state:
+    matchmaking found that the swarm starts our step from another state than ours."""
     if step > own_step:
         return "behind"
+    if other_state and step == own_step and own_sha != sha:
+        return "not the swarm's state"
     agreed = holders >= (1 if client else 2)  # a client's own state can never be served: it follows
     if alone_last_step and step == own_step and agreed and own_sha != sha:
         return "missed its group"

@@ -3,79 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import random
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 
 import pytest
 import torch
 
-from swarm.averaging.allreduce import AllReduceError, AllReduceRound, RoundRegistry
-from swarm.averaging.config import AveragingConfig
-from swarm.averaging.messages import GroupInfo, MemberInfo
-from swarm.p2p import P2PConfig, P2PHost
+from swarm.averaging.allreduce import AllReduceError, AllReduceRound
+from swarm.averaging.messages import GroupInfo
 from tests.averaging.faults import garbage_codec
-
-LOCAL = P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))
-
-
-@dataclass
-class Member:
-    host: P2PHost
-    registry: RoundRegistry
-    config: AveragingConfig
-
-
-MakeGroup = Callable[..., Awaitable[tuple[GroupInfo, list[Member]]]]
-
-
-@pytest.fixture
-async def make_group() -> AsyncIterator[MakeGroup]:
-    members: list[Member] = []
-
-    async def make(n: int, *, clients: int = 0, weights: list[float] | None = None, **overrides: object):
-        made, infos = [], []
-        rng = random.Random(n)
-        for i in range(n):
-            client = i >= n - clients
-            settings = {"part_timeout": 10.0, "request_timeout": 2.0, **overrides}
-            config = AveragingConfig(client_mode=client, **settings)  # type: ignore[arg-type]
-            host = await P2PHost(config=LOCAL).start()
-            member = Member(host, RoundRegistry(host, config), config)
-            members.append(member)
-            made.append(member)
-            weight = weights[i] if weights else rng.uniform(0.5, 2.0)
-            bandwidth = 0.0 if client else rng.uniform(50, 150)
-            maddrs = () if client else tuple(host.visible_maddrs)
-            infos.append(MemberInfo(host.peer_id, maddrs, weight, bandwidth, client))
-        return GroupInfo.create("run", 0, tuple(infos)), made
-
-    yield make
-    for member in members:
-        member.registry.close()
-    await asyncio.gather(*(m.host.close() for m in members))
-
-
-def inputs(n: int, numel: int, seed: int = 0) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(numel, generator=gen) * (i + 1) for i in range(n)]
-
-
-def exact_mean(vectors: list[torch.Tensor], group: GroupInfo, included: list[int] | None = None) -> torch.Tensor:
-    idx = included if included is not None else range(len(vectors))
-    weights = torch.tensor([group.members[i].weight for i in idx], dtype=torch.float64)
-    stacked = torch.stack([vectors[i].double() for i in idx])
-    return (stacked * weights[:, None]).sum(0) / weights.sum()
+from tests.averaging.rounds import MakeGroup, Member, exact_mean, inputs, int8_bound
 
 
 async def run_round(group: GroupInfo, members: list[Member], vectors: list[torch.Tensor]) -> list[object]:
     rounds = [AllReduceRound(m.host, m.registry, group, v, m.config) for m, v in zip(members, vectors, strict=True)]
     return await asyncio.gather(*(r.run() for r in rounds), return_exceptions=True)
-
-
-def int8_bound(vectors: list[torch.Tensor], mean: torch.Tensor) -> float:
-    """Each sender's codes are off by at most half a scale (absmax/127), and so is the average's."""
-    return max(v.abs().max().item() for v in vectors) / 127 / 2 + mean.abs().max().item() / 127 / 2 + 1e-6
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 8])

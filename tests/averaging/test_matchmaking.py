@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import pytest
 
 from swarm.averaging.config import AveragingConfig
-from swarm.averaging.matchmaking import Matchmaker
+from swarm.averaging.matchmaking import Matchmade, Matchmaker
 from swarm.averaging.messages import GroupInfo, MemberInfo
+from swarm.averaging.ready import group_order
 from swarm.dht import DHTNode
 from swarm.p2p import P2PConfig, P2PHost
 
@@ -74,40 +75,53 @@ def check_agreement(groups: list[GroupInfo | None], peers: list[Peer]) -> list[G
     return list(distinct.values())
 
 
-async def test_eight_nodes_with_target_four_form_two_agreed_groups(make_peers: MakePeers) -> None:
-    peers = await make_peers(8, target_group_size=4)
-    groups = await asyncio.gather(*(p.matchmaker.form_group(0, p.me()) for p in peers))
-    distinct = check_agreement(list(groups), peers)
-    assert sorted(len(g.members) for g in distinct) == [4, 4]
-    # groups mix across steps
-    groups = await asyncio.gather(*(p.matchmaker.form_group(1, p.me()) for p in peers))
-    assert len(check_agreement(list(groups), peers)) == 2
+async def form(peers: list[Peer], step: int, **kwargs: object) -> list[Matchmade]:
+    return list(await asyncio.gather(*(p.matchmaker.form_group(step, p.me(), **kwargs) for p in peers)))
 
 
-async def test_a_late_node_goes_to_the_next_step(make_peers: MakePeers) -> None:
+async def test_eight_nodes_form_one_group_and_stop_gathering_once_everyone_is_in(make_peers: MakePeers) -> None:
+    peers = await make_peers(8, matchmaking_time=20.0)
+    everyone = frozenset(p.host.peer_id for p in peers)
+    started = asyncio.get_running_loop().time()
+    found = await form(peers, 0, expected=everyone)
+    took = asyncio.get_running_loop().time() - started
+    formed = check_agreement([f.group for f in found], peers)
+    assert len(formed) == 1 and len(formed[0].members) == 8
+    assert took < 5.0, f"waited {took:.1f}s though everyone was in (window 20 s)"
+    found = await form(peers, 1, expected=everyone)  # the leader changes from step to step
+    assert len(check_agreement([f.group for f in found], peers)) == 1
+
+
+async def test_a_late_node_takes_no_part_and_knows_it(make_peers: MakePeers) -> None:
     peers = await make_peers(4)
     on_time = [asyncio.ensure_future(p.matchmaker.form_group(5, p.me())) for p in peers[:3]]
-    await asyncio.sleep(2.5)  # past the others' gathering window and the leader's wait
-    late = await peers[3].matchmaker.form_group(5, peers[3].me())
     groups = await asyncio.gather(*on_time)
-    formed = check_agreement([*groups, late], peers)
+    late = await peers[3].matchmaker.form_group(5, peers[3].me(), expected=frozenset())
+    formed = check_agreement([*(g.group for g in groups), late.group], peers)
     assert len(formed) == 1 and len(formed[0].members) == 3
-    assert late is None
+    assert late.group is None and late.late
 
 
-async def test_nodes_done_with_a_step_do_not_hold_a_later_node(make_peers: MakePeers) -> None:
-    """Their announcements are withdrawn (FORMED): the later node neither counts them nor
-    waits request_timeout for their joins; it goes alone right after its own window."""
-    peers = await make_peers(3, min_group_size=1)
-    first = await asyncio.gather(*(p.matchmaker.form_group(9, p.me()) for p in peers[:2]))
-    assert len(check_agreement(list(first), peers[:2])[0].members) == 2
-    await asyncio.sleep(0.5)  # the withdrawals are stored in the background
-    assert set(await peers[2].matchmaker._ready_set(9)) == set()
-    started = asyncio.get_running_loop().time()
-    late = await peers[2].matchmaker.form_group(9, peers[2].me())
-    took = asyncio.get_running_loop().time() - started
-    assert late is not None and [m.peer_id for m in late.members] == [peers[2].host.peer_id]
-    assert took < FAST["matchmaking_time"] + 0.5 * FAST["request_timeout"], took
+async def test_late_nodes_never_form_a_second_group_of_the_same_state(make_peers: MakePeers) -> None:
+    """Two nodes arriving after the group formed must not average with each other: a second
+    group of the same state would apply another update and fork the model."""
+    peers = await make_peers(5)
+    groups = await form(peers[:3], 7)
+    assert len(check_agreement([g.group for g in groups], peers[:3])) == 1
+    late = await form(peers[3:], 7)
+    assert all(f.group is None and f.late for f in late)
+
+
+async def test_members_of_another_state_are_not_mixed_in(make_peers: MakePeers) -> None:
+    peers = await make_peers(4)
+    ours, theirs = bytes(32), b"\x01" * 32
+    states = [ours, ours, ours, theirs]
+    found = await asyncio.gather(
+        *(p.matchmaker.form_group(2, dataclasses.replace(p.me(), state=s)) for p, s in zip(peers, states, strict=True))
+    )
+    formed = check_agreement([f.group for f in found[:3]], peers[:3])
+    assert len(formed) == 1 and {m.peer_id for m in formed[0].members} == {p.host.peer_id for p in peers[:3]}
+    assert found[3].group is None and found[3].swarm_state == ours
 
 
 async def test_a_node_that_arrives_while_the_others_gather_joins_their_group(make_peers: MakePeers) -> None:
@@ -117,28 +131,38 @@ async def test_a_node_that_arrives_while_the_others_gather_joins_their_group(mak
     as_client = dataclasses.replace(peers[3].me(), maddrs=(), bandwidth=0.0, client=True)  # as swarm-node joins
     late = await peers[3].matchmaker.form_group(6, as_client, gather=0.2)
     groups = await asyncio.gather(*on_time)
-    formed = check_agreement([*groups, late], peers)
+    formed = check_agreement([*(g.group for g in groups), late.group], peers)
     assert len(formed) == 1 and len(formed[0].members) == 4
 
 
 async def test_a_leader_that_dies_mid_matchmaking_is_replaced(make_peers: MakePeers) -> None:
     peers = await make_peers(4)
     tasks = [asyncio.ensure_future(p.matchmaker.form_group(3, p.me())) for p in peers]
-    await asyncio.sleep(0.6)  # all announced; nobody has split yet
-    ready = await peers[0].matchmaker._ready_set(3)
-    leader = peers[0].matchmaker._my_group(ready, 3)[0].peer_id
+    await asyncio.sleep(0.6)  # all announced; nobody has decided yet
+    view = await peers[0].matchmaker._read(3)
+    leader = group_order(list(view.ready), 3)[0]
     dying = next(p for p in peers if p.host.peer_id == leader)
     tasks[peers.index(dying)].cancel()
     await dying.close()
     survivors = [p for p in peers if p is not dying]
     groups = await asyncio.gather(*(tasks[peers.index(p)] for p in survivors))
-    formed = check_agreement(list(groups), survivors)
+    formed = check_agreement([g.group for g in groups], survivors)
     assert len(formed) == 1 and {m.peer_id for m in formed[0].members} == {p.host.peer_id for p in survivors}
 
 
 async def test_client_mode_nodes_join_but_never_lead(make_peers: MakePeers) -> None:
     peers = await make_peers(2, clients=2)
-    groups = await asyncio.gather(*(p.matchmaker.form_group(0, p.me()) for p in peers))
-    formed = check_agreement(list(groups), peers)
+    found = await form(peers, 0)
+    formed = check_agreement([f.group for f in found], peers)
     assert len(formed) == 1 and len(formed[0].members) == 4
     assert sum(m.client for m in formed[0].members) == 2
+
+
+async def test_a_failed_round_lets_the_step_be_matchmade_again(make_peers: MakePeers) -> None:
+    peers = await make_peers(3)
+    assert len(check_agreement([f.group for f in await form(peers, 4)], peers)) == 1
+    for p in peers:
+        p.matchmaker.round_failed(4)
+    await asyncio.sleep(0.5)  # the DONE markers are stored in the background
+    again = await form(peers, 4)
+    assert len(check_agreement([f.group for f in again], peers)) == 1

@@ -1,0 +1,482 @@
+"""Hierarchical butterfly all-reduce: a group larger than max_group_size averages over a grid.
+
+The grid (grid.py): owner (r, c) in row r, column c; passengers (client-mode members and owners
+left over) ride in a row and own nothing. Part c of the vector belongs to column c; sub-part
+(r, c), a block-aligned slice of part c, to owner (r, c). For a member x of row r:
+
+1. rows (avg.row): x streams its slice of every part c, encoded, to (r, c); the owner of column c
+   keeps its own slice exact. (r, c) reduces its row (reduction.PartReduction): the weighted mean
+   of the complete payloads, the members included, and so the row's weight (the sum of their
+   agreed weights). It encodes this row partial ONCE, sub-part by sub-part, in the round's codec:
+   row partials travel in the precision members send in (int8 blockwise, fp16 or fp32), which
+   keeps the bytes exactly those of the flat round; it keeps the fp32 partial for its own use.
+2. columns (avg.col): (r, c) streams sub-part r' of its row partial, with the members it
+   includes, to (r', c). (r', c) sums its own exact partial and every complete row partial, rows
+   in order, each weighted by its row's weight (the receiver computes it from the agreed member
+   weights), divides by the total and ENCODES THE FINAL SUB-PART ONCE.
+3. back: (r', c) answers each avg.col stream with the final sub-part; once it holds every
+   sub-part of part c it answers each avg.row stream of its row with the whole final part c:
+   the bytes it received, never re-encoded. Every member decodes the very same bytes for every
+   sub-part, so all hold bit-identical results (DESIGN invariant 4).
+
+Cost: with equal bandwidths, E the encoded vector and n = rows*cols, (r, c) sends E - E/C
+(stage 1) + (C-1)E/C (row answers) + E/C - E/n (stage 2) + (R-1)E/n (column answers)
+= 2(n-1)/n E, exactly the flat round, and receives as much; it talks to about row size + rows
+peers instead of n.
+
+    avg.row   {"g": group id, "i": sender index, "p": column}
+              sender -> (r, p): its encoded slice of part p, then end
+              (r, p) -> sender: {"inc": [[member indices] per sub-part, in row order]}, then the
+              final part p (the sub-parts' payloads in row order)
+    avg.col   {"g", "i": sender index, "p": column, "s": sub-part row, "inc": [member indices]}
+              (r, p) -> the reducer of sub-part s: its row partial's sub-part s, then end
+              reducer -> sender: {"inc": [member indices]}, then the final sub-part s
+    avg.down  {"g", "p": column, "s": sub-part row, or -1 for the whole part}
+              -> {"inc": [...]} and the final sub-part s if held now, else {"none": true};
+              s = -1: waits (bounded) for the whole final part p, answered as on avg.row
+
+Faults (DESIGN invariant 5):
+- a row member that dies, stalls or sends garbage is left out of its row's partial; a row
+  partial that does not arrive whole or does not decode leaves its row out of that sub-part
+  (weights renormalise; the header names the members included);
+- owner (r, c) dying: sub-part (r, c) is taken over by (r+1, c), then (r+2, c)..., as in the
+  flat round: the backup first asks column c (avg.down) whether an owner already holds (r, c)'s
+  final sub-part, and if so everyone gets those bytes; otherwise it reduces it from the row
+  partials the column re-sends to it (row r's partial died with its owner). The members of row r
+  whose avg.row stream fails fetch final part c from (r+1, c), (r+2, c)... (avg.down, s = -1):
+  their part-c slices are lost, and the part's headers say so. Survivors stay bit-identical;
+- a sub-part with fewer than min_group_size members, or that no owner of its column could
+  reduce, fails the round with AllReduceError (the caller's tensors untouched) for every member
+  that needs it, i.e. every member that did not already receive it.
+Every wait is bounded by part_timeout (a chunk, a sender, a row), a few of them end to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import msgpack
+import torch
+
+from swarm.averaging.allreduce import (
+    AllReduceError,
+    Final,
+    RoundRegistry,
+    RoundReport,
+    read_exactly,
+    read_header,
+    write_encoded,
+)
+from swarm.averaging.config import AveragingConfig
+from swarm.averaging.grid import make_grid
+from swarm.averaging.messages import GroupInfo
+from swarm.averaging.partition import payload_layout, payload_size
+from swarm.averaging.reduction import ColReduction, RowReduction
+from swarm.p2p.connection import CallContext
+from swarm.p2p.errors import BadRequest, NotFound, P2PError
+from swarm.p2p.host import P2PHost
+from swarm.p2p.stream import Stream
+from swarm_kernels import MalformedPayload, get_codec
+
+logger = logging.getLogger(__name__)
+
+ROW, COL, DOWN = "avg.row", "avg.col", "avg.down"
+FAILURES = (P2PError, AllReduceError, MalformedPayload, TimeoutError, ValueError)
+
+
+def _fail(future: asyncio.Future[Any], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+        future.exception()  # retrieved: nobody may be waiting any more
+
+
+class GridRound:
+    """One member's side of one hierarchical round: call `run()` once (as AllReduceRound)."""
+
+    def __init__(
+        self, host: P2PHost, registry: RoundRegistry, group: GroupInfo, vector: torch.Tensor, config: AveragingConfig
+    ) -> None:
+        if vector.dtype != torch.float32 or vector.dim() != 1 or not vector.is_contiguous():
+            raise ValueError("the all-reduce takes one contiguous 1-D fp32 vector")
+        self.host, self.registry, self.group, self.config = host, registry, group, config
+        self.me = group.index_of(host.peer_id)
+        self.vector = vector
+        self.codec = get_codec(config.codec, block_size=config.block_size)
+        self.weights = [m.weight for m in group.members]
+        bandwidths = [0.0 if m.client else m.bandwidth for m in group.members]
+        self.grid = make_grid(bandwidths, vector.numel(), config.max_group_size, config.block_size)
+        self.row, self.col = self.grid.row_of[self.me], self.grid.col_of[self.me]
+        self.peers = {m.peer_id for m in group.members}
+        self.result = torch.empty_like(vector)
+        self.report = RoundReport(group.group_id, [str(m.peer_id) for m in group.members], {})
+        self.final: dict[tuple[int, int], Final] = {}  # (column, sub-part row) -> as every member gets it
+        self.part_done: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # our column
+        self.row_reduction: RowReduction | None = None  # None: a passenger
+        if self.col >= 0:
+            lo, hi = self.grid.parts[self.col]
+            subs = [(a - lo, b - lo) for a, b in self.grid.subs[self.col]]
+            expected = set(self.grid.row_members[self.row]) - {self.me}
+            self.row_reduction = RowReduction(subs, self.col, lo, hi, self.me, vector[lo:hi], self.weights,
+                                              expected, self.codec, config.chunk_elements)  # fmt: skip
+        self.col_reductions: dict[int, ColReduction] = {}
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._answering: set[asyncio.Task[Any]] = set()  # answers being written
+        self._started = 0.0
+        self.finished = False
+
+    async def run(self) -> tuple[torch.Tensor, RoundReport]:
+        """The averaged vector (a new tensor) and the report; AllReduceError when the round
+        cannot complete. The input vector is never modified."""
+        self._started = time.perf_counter()
+        self.registry.add(self)
+        result = self.result  # release() drops the round's own reference
+        live = [c for c, (lo, hi) in enumerate(self.grid.parts) if hi > lo]
+        jobs = {c: self._own_part() if c == self.col else self._via_row(c) for c in live}
+        tasks = {c: asyncio.ensure_future(job) for c, job in jobs.items()}
+        try:
+            await asyncio.wait(tasks.values())
+            if self._answering:  # so that the report counts the answers we owe (bounded)
+                await asyncio.wait(set(self._answering), timeout=self.config.part_timeout)
+        finally:
+            for task in [*tasks.values(), *self._tasks]:
+                task.cancel()
+            self.registry.finished(self)
+        failed = {c: t.exception() for c, t in tasks.items() if t.cancelled() or t.exception() is not None}
+        if failed:
+            reasons = "; ".join(f"part {c}: {e}" for c, e in failed.items())
+            raise AllReduceError(f"{len(failed)} of {len(live)} parts could not be averaged ({reasons})")
+        self.report.total_s = time.perf_counter() - self._started
+        return result, self.report
+
+    def release(self) -> None:
+        """Drop the vectors and buffers of a finished round; `final` stays for avg.down."""
+        self.finished = True
+        self.col_reductions.clear()
+        if self.row_reduction is not None:
+            self.row_reduction.senders.clear()
+            self.row_reduction.own_slice = self.row_reduction.average = torch.empty(0)
+        self.vector = self.result = torch.empty(0)
+
+    # --- our own column: row partial, then every sub-part of it ----------------------------------
+
+    async def _own_part(self) -> None:
+        assert self.row_reduction is not None  # an owner has one
+        self._tasks.append(asyncio.ensure_future(self._reduce_row(self.row_reduction)))
+        live = [s for s, (lo, hi) in enumerate(self.grid.subs[self.col]) if hi > lo]
+        tasks = [asyncio.ensure_future(self._obtain_sub(s)) for s in live]
+        try:
+            await asyncio.wait(tasks)
+            for task in tasks:
+                task.result()  # the first failure, if any
+        except Exception as e:
+            _fail(self.part_done, e)
+            raise
+        finally:
+            for task in tasks:
+                task.cancel()
+        self.part_done.set_result(None)
+
+    async def _reduce_row(self, reduction: RowReduction) -> None:
+        try:
+            await reduction.reduce(self.config.part_timeout, 1)
+        except Exception as e:  # reduction.result carries it to whoever waits for the partial
+            logger.info("round %s: row partial of part %d failed: %s", self._tag(), self.col, e)
+
+    async def _row_partial(self) -> tuple[list[int], memoryview, torch.Tensor]:
+        assert self.row_reduction is not None
+        inc, payload = await asyncio.wait_for(asyncio.shield(self.row_reduction.result), 2 * self.config.part_timeout)
+        return inc, payload, self.row_reduction.average
+
+    async def _obtain_sub(self, s: int) -> None:
+        """Sub-part s of our column: reduce it (ours), or send our row partial of it to its owner
+        and read the final back, or, when that owner is gone, the same with its backups."""
+        rows = self.grid.rows
+        reducers = [s] if s == self.row else [(s + k) % rows for k in range(rows)]
+        errors = []
+        for reducer in reducers:
+            try:
+                if reducer == self.row:
+                    reduction = self._col_reduction(s)
+                    final = await asyncio.wait_for(asyncio.shield(reduction.result), 4 * self.config.part_timeout)
+                else:
+                    final = await self._exchange_col(reducer, s)
+                await asyncio.to_thread(self._decode, self.col, s, final[1])  # garbage: the next reducer
+                break
+            except FAILURES as e:
+                errors.append(f"{reducer}: {e}")
+                logger.info("round %s: sub-part %d/%d via row %d failed: %s", self._tag(), self.col, s, reducer, e)
+        else:
+            raise AllReduceError(f"no owner could reduce sub-part {s} of part {self.col} ({'; '.join(errors)})")
+        self._store(self.col, s, final)
+        if s == self.row:
+            self.report.reduce_s = time.perf_counter() - self._started
+
+    def _col_reduction(self, s: int) -> ColReduction:
+        """The reduction of sub-part s here: our own, or one we take over from a dead owner."""
+        reduction = self.col_reductions.get(s)
+        if reduction is None:
+            lo, hi = self.grid.subs[self.col][s]
+            expected = set(range(self.grid.rows)) - {s, self.row}
+            reduction = ColReduction(self.weights, s, lo, hi, self.row, torch.empty(0), [0.0] * self.grid.rows,
+                                     expected, self.codec, self.config.chunk_elements)  # fmt: skip
+            self.col_reductions[s] = reduction
+            self._tasks.append(asyncio.ensure_future(self._reduce_col(reduction, takeover=s != self.row)))
+        return reduction
+
+    async def _reduce_col(self, reduction: ColReduction, takeover: bool) -> None:
+        try:
+            if takeover and (copy := await self._fetch_sub_from_column(reduction.part)) is not None:
+                reduction.settle(copy)
+                return
+            inc, _, average = await self._row_partial()
+            part_lo = self.grid.parts[self.col][0]
+            reduction.own_slice = average[reduction.lo - part_lo : reduction.hi - part_lo]
+            reduction.set_row(self.row, inc)
+            await reduction.reduce(self.config.part_timeout, self.config.min_group_size)
+        except Exception as e:  # reduction.result carries it to everyone waiting for the sub-part
+            _fail(reduction.result, e)
+            logger.info("round %s: sub-part %d/%d cannot be reduced: %s", self._tag(), self.col, reduction.part, e)
+
+    async def _exchange_col(self, reducer: int, s: int) -> Final:
+        inc, payload, _ = await self._row_partial()
+        offsets = [0]
+        for lo, hi in self.grid.subs[self.col]:
+            offsets.append(offsets[-1] + self._encoded_size(lo, hi))
+        args = {"g": self.group.group_id, "i": self.me, "p": self.col, "s": s, "inc": inc}
+        owner = self.group.members[self.grid.owners[reducer][self.col]]
+        timeout = self.config.part_timeout
+        async with await self.host.open_stream(owner.address(), COL, args, timeout=timeout) as stream:
+            await stream.write(payload[offsets[s] : offsets[s + 1]])
+            self.report.bytes_sent += offsets[s + 1] - offsets[s]
+            await stream.end()
+            header, size = await read_header(stream, 3 * timeout)
+            return self._checked_members(header.get("inc")), await self._read_payload(stream, self.col, [s], size)
+
+    async def _fetch_sub_from_column(self, s: int) -> Final | None:
+        """Does an owner of our column already hold sub-part s's final, from its original owner?"""
+        others = [r for r in range(self.grid.rows) if r not in (s, self.row)]
+        asks = [asyncio.ensure_future(self._ask_down(r, self.col, s)) for r in others]
+        try:
+            for next_done in asyncio.as_completed(asks):
+                try:
+                    return (await next_done)[0]
+                except FAILURES:
+                    continue
+        finally:
+            for task in asks:
+                task.cancel()
+        return None
+
+    # --- another column's part: through our row's owner of it, else another row's ---------------
+
+    async def _via_row(self, c: int) -> None:
+        owner = self.group.members[self.grid.owners[self.row][c]]
+        timeout = self.config.part_timeout
+        try:
+            args = {"g": self.group.group_id, "i": self.me, "p": c}
+            async with await self.host.open_stream(owner.address(), ROW, args, timeout=timeout) as stream:
+                lo, hi = self.grid.parts[c]
+                sent = await write_encoded(stream, self.codec, self.vector, lo, hi, self.config.chunk_elements)
+                self.report.bytes_sent += sent  # not `+= await ...`: that reads the total before the await
+                await stream.end()
+                finals = await self._read_part(stream, c, 4 * timeout)
+            await self._decode_part(c, finals)
+            return
+        except FAILURES as e:
+            errors = [f"{self.row}: {e}"]
+            logger.info("round %s: part %d via row %d failed: %s", self._tag(), c, self.row, e)
+        for k in range(1, self.grid.rows):  # our slice is lost: fetch the part another row holds
+            row = (self.row + k) % self.grid.rows
+            try:
+                await self._decode_part(c, await self._ask_down(row, c, -1))
+                return
+            except FAILURES as e:
+                errors.append(f"{row}: {e}")
+        raise AllReduceError(f"no owner of column {c} gave its final part ({'; '.join(errors)})")
+
+    async def _ask_down(self, row: int, c: int, s: int) -> list[Final]:
+        owner = self.group.members[self.grid.owners[row][c]]
+        timeout = self.config.part_timeout
+        args = {"g": self.group.group_id, "p": c, "s": s}
+        async with await self.host.open_stream(owner.address(), DOWN, args, timeout=timeout) as stream:
+            await stream.end()
+            if s >= 0:
+                header, size = await read_header(stream, timeout)
+                return [(self._checked_members(header.get("inc")), await self._read_payload(stream, c, [s], size))]
+            return await self._read_part(stream, c, 4 * timeout)
+
+    async def _decode_part(self, c: int, finals: list[Final]) -> None:
+        for s, final in enumerate(finals):
+            if final[1]:
+                await asyncio.to_thread(self._decode, c, s, final[1])
+        for s, final in enumerate(finals):
+            if final[1]:
+                self._store(c, s, final)
+
+    # --- reading and checking what peers send ------------------------------------------------
+
+    async def _read_part(self, stream: Stream, c: int, timeout: float) -> list[Final]:
+        header, size = await read_header(stream, timeout)
+        members = header.get("inc")
+        if not isinstance(members, list) or len(members) != self.grid.rows:
+            raise AllReduceError("malformed part header")
+        members = [self._checked_members(m) for m in members]
+        payload = await self._read_payload(stream, c, list(range(self.grid.rows)), size)
+        finals, offset = [], 0
+        for s, (lo, hi) in enumerate(self.grid.subs[c]):
+            end = offset + self._encoded_size(lo, hi)
+            finals.append((members[s], payload[offset:end]))
+            offset = end
+        return finals
+
+    async def _read_payload(self, stream: Stream, c: int, subs: list[int], header_size: int) -> memoryview:
+        size = sum(self._encoded_size(*self.grid.subs[c][s]) for s in subs)
+        payload = await read_exactly(stream, size, self.config.part_timeout)
+        self.report.bytes_received += size + header_size
+        return payload
+
+    def _checked_members(self, members: Any) -> list[int]:
+        n = len(self.group.members)
+        if not isinstance(members, list) or not all(isinstance(i, int) and 0 <= i < n for i in members):
+            raise AllReduceError("malformed member list")
+        return members
+
+    def _decode(self, c: int, s: int, payload: memoryview) -> None:
+        lo, hi = self.grid.subs[c][s]
+        for a, b, where in payload_layout(lo, hi, self.config.chunk_elements, self.codec.encoded_nbytes):
+            self.codec.decode(payload[where], b - a, out=self.result[a:b])
+
+    def _store(self, c: int, s: int, final: Final) -> None:
+        self.final[(c, s)] = final
+        self.report.contributions[c * self.grid.rows + s] = final[0]
+
+    def _encoded_size(self, lo: int, hi: int) -> int:
+        return payload_size(payload_layout(lo, hi, self.config.chunk_elements, self.codec.encoded_nbytes))
+
+    def _tag(self) -> str:
+        return self.group.group_id.hex()[:8]
+
+    # --- serving -------------------------------------------------------------------------------
+
+    def _sender(self, ctx: CallContext, args: dict[str, Any], method: str) -> int:
+        index, part = args.get("i"), args.get("p")
+        members = self.group.members
+        if not isinstance(index, int) or not 0 <= index < len(members) or members[index].peer_id != ctx.peer_id:
+            raise BadRequest(f"{method}: sender index does not match the caller")
+        if not isinstance(part, int) or part != self.col or part < 0 or index == self.me:
+            raise BadRequest(f"{method}: no such part here")
+        return index
+
+    async def _drain(self, stream: Stream, incoming: Any) -> bool:
+        """Read a sender's payload into `incoming`; False (sender left out) if it breaks."""
+        try:
+            while (chunk := await stream.read(timeout=self.config.part_timeout)) is not None:
+                incoming.add(chunk)
+                self.report.bytes_received += len(chunk)
+            incoming.finish()
+            return True
+        except (P2PError, MalformedPayload, TimeoutError) as e:
+            logger.info("round %s: sender %d left out of a partial: %s", self._tag(), incoming.index, e)
+            incoming.failed = True
+            return False
+
+    async def serve_row(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
+        index = self._sender(ctx, args, ROW)
+        if self.grid.row_of[index] != self.row or self.row_reduction is None:
+            raise BadRequest("avg.row: the sender is not in this row")
+        if self.finished and not self.part_done.done():
+            raise BadRequest("avg.row: this member's round is over")
+        try:
+            incoming = self.row_reduction.incoming(index)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        try:
+            if not await self._drain(stream, incoming):
+                return
+        finally:
+            self.row_reduction.changed.set()
+        await self._answer_part(stream)
+
+    async def serve_col(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
+        index = self._sender(ctx, args, COL)
+        s, members, row = args.get("s"), args.get("inc"), self.grid.row_of[index]
+        if self.grid.col_of[index] != self.col or not isinstance(s, int) or not 0 <= s < self.grid.rows or s == row:
+            raise BadRequest("avg.col: no such sub-part for this sender")
+        if (
+            not isinstance(members, list)
+            or not members
+            or not all(isinstance(i, int) for i in members)
+            or members != sorted(set(members))
+            or not set(members) <= set(self.grid.row_members[row])
+        ):
+            raise BadRequest("avg.col: the partial's members must be its row's, sorted")
+        if (self.col, s) in self.final and s not in self.col_reductions:  # we already hold it
+            while await stream.read(timeout=self.config.part_timeout) is not None:
+                pass
+            await self._answer(stream, [self.final[(self.col, s)]])
+            return
+        if self.finished:
+            raise BadRequest("avg.col: this member's round is over")
+        reduction = self._col_reduction(s)
+        try:
+            incoming = reduction.incoming(row)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        reduction.set_row(row, members)
+        try:
+            if not await self._drain(stream, incoming):
+                return
+        finally:
+            reduction.changed.set()
+        try:
+            final = await asyncio.wait_for(asyncio.shield(reduction.result), 4 * self.config.part_timeout)
+        except FAILURES as e:  # the sender tries the next reducer
+            raise NotFound(f"avg.col: sub-part {s} could not be reduced here: {e}") from None
+        await self._answer(stream, [final])
+
+    async def serve_down(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
+        part, s = args.get("p"), args.get("s")
+        if ctx.peer_id not in self.peers:
+            raise BadRequest("avg.down: only members of the group")
+        if not isinstance(part, int) or part != self.col or part < 0:
+            raise BadRequest("avg.down: no such part here")
+        if not isinstance(s, int) or not -1 <= s < self.grid.rows:
+            raise BadRequest("avg.down: no such sub-part")
+        if s >= 0:
+            final = self.final.get((part, s))
+            if final is None:
+                await stream.write(msgpack.packb({"none": True}))
+                return
+            await self._answer(stream, [final])
+            return
+        await self._answer_part(stream)
+
+    async def _answer_part(self, stream: Stream) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(self.part_done), 4 * self.config.part_timeout)
+        except FAILURES as e:  # the sender asks another row for the part
+            raise NotFound(f"part {self.col} could not be averaged here: {e}") from None
+        empty: Final = ([], memoryview(b""))  # a sub-part too small to own any block
+        await self._answer(stream, [self.final.get((self.col, s), empty) for s in range(self.grid.rows)], whole=True)
+
+    async def _answer(self, stream: Stream, finals: list[Final], whole: bool = False) -> None:
+        header = msgpack.packb({"inc": [f[0] for f in finals] if whole else finals[0][0]})
+        size = len(header) + sum(len(f[1]) for f in finals)
+        self.report.bytes_sent += size  # counted as it starts, so that run() sees it (see run)
+        answering = asyncio.current_task()
+        if answering is not None:
+            self._answering.add(answering)
+        try:
+            await stream.write(header)
+            for _, payload in finals:
+                if payload:
+                    await stream.write(memoryview(payload))
+            await stream.end()
+        except P2PError as e:  # the caller left before its answer: its loss alone
+            logger.info("round %s: a member left before its result: %s", self._tag(), e)
+            self.report.bytes_sent -= size
+        finally:
+            self._answering.discard(answering)  # type: ignore[arg-type]

@@ -1,0 +1,145 @@
+"""Who is ready for an outer step, and what one node does about it: pure, no I/O.
+
+Matchmaking (matchmaking.py) reads `<run>/ready/<N>` into a ReadyView and hands it to `decide`,
+which every node evaluates on its own view. The rules, in order:
+
+1. **Late.** Someone already formed a group from our state at this step (a FORMED marker that
+   names our state): this step's average is being computed without us. We take no part; the
+   node fetches the result (one swarm, one state: a second group of the same state would apply
+   a different update).
+2. **The swarm's state.** Among the members in view (ready or formed), the state held by the
+   most of them is the swarm's (ties: the smaller hash, so every node picks the same one). A
+   member of another state does not average: it fetches the swarm's state first.
+3. **One group.** Every ready member of the swarm's state is in the one group, in an order
+   fixed by a hash of (step, PeerID); its leader is the first member that accepts inbound
+   connections (a client cannot lead). No server in view: no group.
+
+    ready value:   MemberInfo.encode()               (an announcement: "I am ready")
+    FORMED marker: {"formed": state, "group": id}     (done: in a group of that state)
+    DONE marker:   "done"                             (done without a group: do not count me)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from swarm.averaging.messages import MemberInfo
+from swarm.dht.errors import RecordError
+from swarm.dht.records import owner_of
+from swarm.p2p.errors import BadRequest
+from swarm.p2p.peer_id import PeerID
+
+DONE = "done"
+
+
+def formed_marker(state: bytes, group_id: bytes) -> dict[str, bytes]:
+    return {"formed": state, "group": group_id}
+
+
+@dataclass(frozen=True, slots=True)
+class ReadyView:
+    """What one read of `<run>/ready/<N>` showed."""
+
+    ready: dict[PeerID, MemberInfo] = field(default_factory=dict)  # announced, not yet done
+    formed: dict[PeerID, bytes] = field(default_factory=dict)  # done, in a group: the state it averaged
+    done: frozenset[PeerID] = frozenset()  # done without a group
+
+    def seen(self) -> set[PeerID]:
+        return set(self.ready) | set(self.formed) | set(self.done)
+
+    def with_member(self, me: MemberInfo) -> ReadyView:
+        return ReadyView({**self.ready, me.peer_id: me}, self.formed, self.done)
+
+
+def decode_view(entries: dict[Any, Any]) -> tuple[ReadyView, list[str]]:
+    """A view from the raw subkey -> value map; also the reasons for each entry skipped (peers'
+    records are untrusted: a malformed one is skipped, never raised on)."""
+    ready: dict[PeerID, MemberInfo] = {}
+    formed: dict[PeerID, bytes] = {}
+    done: set[PeerID] = set()
+    skipped = []
+    for subkey, value in entries.items():
+        try:
+            owner = owner_of(subkey)
+        except RecordError:
+            owner = None
+        if owner is None:
+            skipped.append("an announcement not under an owner's subkey")
+            continue
+        if value == DONE:
+            done.add(owner)
+        elif isinstance(value, dict):
+            state = value.get("formed")
+            if not isinstance(state, bytes) or len(state) not in (0, 32):
+                skipped.append("a malformed FORMED marker")
+                continue
+            formed[owner] = state
+        else:
+            try:
+                member = MemberInfo.decode(value)
+            except (BadRequest, ValueError) as e:
+                skipped.append(f"a bad announcement: {e}")
+                continue
+            if member.peer_id != owner:
+                skipped.append("an announcement not under its owner's subkey")
+                continue
+            ready[owner] = member
+    return ReadyView(ready, formed, frozenset(done)), skipped
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What `decide` tells one node. kind: "lead" | "join" | "alone" | "other_state" | "late"."""
+
+    kind: str
+    members: tuple[MemberInfo, ...] = ()  # the group as this node sees it (lead, join)
+    leader: MemberInfo | None = None  # join
+    swarm_state: bytes = b""  # the state of the swarm at this step (always set)
+
+
+def swarm_state(view: ReadyView) -> bytes | None:
+    """The state most members in view start from (ties: the smaller hash); None: nobody."""
+    votes = Counter(m.state for m in view.ready.values())
+    votes.update(view.formed.values())
+    if not votes:
+        return None
+    return min(votes, key=lambda s: (-votes[s], s))
+
+
+def group_order(peers: list[PeerID], step: int) -> list[PeerID]:
+    """A hash of (step, PeerID) orders the group: the leader changes from step to step."""
+    return sorted(set(peers), key=lambda p: hashlib.sha256(step.to_bytes(8, "big") + p.to_bytes()).digest())
+
+
+def decide(view: ReadyView, me: MemberInfo, step: int) -> Decision:
+    """This node's part in step `step`, by the rules in the module docstring. `view` need not
+    contain `me`: it is added."""
+    view = view.with_member(me)
+    if me.state in view.formed.values():
+        return Decision("late", swarm_state=me.state)
+    chosen = swarm_state(view)
+    assert chosen is not None  # we are in the view
+    if chosen != me.state:
+        return Decision("other_state", swarm_state=chosen)
+    order = group_order([p for p, m in view.ready.items() if m.state == chosen], step)
+    members = tuple(view.ready[p] for p in order)
+    leader = next((m for m in members if not m.client), None)
+    if leader is None:
+        return Decision("alone", members, swarm_state=chosen)
+    if leader.peer_id == me.peer_id:
+        return Decision("lead", members, swarm_state=chosen)
+    return Decision("join", members, leader, swarm_state=chosen)
+
+
+def may_finalize(group_size: int, final_view: ReadyView, state: bytes) -> bool:
+    """May a leader finalize a group of `group_size` (itself included) of `state`? Not when a
+    group of this state has formed meanwhile elsewhere (a second group would fork the model),
+    and not with fewer than half of the members of this state still announced: then the
+    leader is the late one, seeing announcements the others have not withdrawn yet."""
+    if state in final_view.formed.values():
+        return False
+    announced = sum(1 for m in final_view.ready.values() if m.state == state)
+    return 2 * group_size > announced

@@ -1,0 +1,131 @@
+"""What a training node does at each outer step: pure functions of the facts, no I/O.
+
+The node (swarm/node.py) gathers the facts (its own step and pace, its peers' progress records,
+the time), asks these functions, and executes the plan. The rule they keep (README, "One
+swarm, one state"): a node never goes on with a state of its own while live peers work on its
+outer step or a later one. It either averages with every ready node of its step, or fetches the
+swarm's result; it applies its own pseudo-gradient only when no live peer could give it one.
+
+    plan_step(facts)            -> at the start of a step: fetch | train k | join the forming group
+    plan_without_group(...)     -> matchmaking found no group: fetch | await the result | retry |
+                                   apply our own Δ
+    expected_peers(facts, ...)  -> whom matchmaking waits for
+    matchmaking_start(...)      -> when to start matchmaking while the last inner steps run
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swarm.p2p.peer_id import PeerID
+from swarm.progress import PeerProgress
+
+FETCH = "fetch"  # the swarm's state is newer than ours, or not ours: fetch it first
+TRAIN = "train"  # train `inner_steps` inner steps, then matchmake
+JOIN_FORMING = "join_forming"  # the peers of our step are matchmaking: join now with weight 0
+AWAIT_RESULT = "await_result"  # a group of our step formed without us: wait for its result, then fetch it
+RETRY = "retry"  # no group yet, but live peers of our step will be ready: matchmake again
+APPLY_OWN = "apply_own"  # no live peer at our step or beyond: our own Δ is the swarm's step
+
+
+@dataclass(frozen=True, slots=True)
+class Facts:
+    """What a node knows when it decides."""
+
+    step: int  # the outer step it works on (outer steps applied to the state it holds)
+    inner_steps: int  # H
+    own_sec: float  # its seconds per inner step (0.0: not timed yet)
+    client: bool  # it accepts no inbound connections: it can neither lead nor serve
+    peers: tuple[PeerProgress, ...]  # its peers' latest progress records
+    now: float  # unix time
+    fresh_for: float  # records older than this are of dead or stuck peers
+    late: bool = False  # its first step after joining or fetching: its peers may have started before it
+    margin: float = 0.3  # seconds it keeps for its announcement to reach the DHT
+
+    def live(self) -> list[PeerProgress]:
+        return [p for p in self.peers if self.now - p.time <= self.fresh_for]
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    action: str  # one of the constants above
+    why: str
+    inner_steps: int = 0  # TRAIN: how many
+
+
+def plan_step(f: Facts) -> StepPlan:
+    """At the start of outer step f.step (the node holds its state, no inner step done)."""
+    live = f.live()
+    if any(p.step > f.step and not p.client for p in live):  # only a server's state can be fetched
+        return StepPlan(FETCH, "peers are at a later outer step")
+    same = [p for p in live if p.step == f.step]
+    if any(p.inner >= p.inner_steps and not p.client for p in same):
+        return StepPlan(JOIN_FORMING, "the peers of our step are matchmaking")
+    h = f.inner_steps
+    started = [p for p in same if 0 < p.inner < p.inner_steps and not p.client]  # clients wait for servers
+    if not f.late or not started:
+        return StepPlan(TRAIN, "a whole step" if same else "no live peer at our step", h)
+    sec = f.own_sec if f.own_sec > 0 else median_pace(started)
+    if sec <= 0:
+        return StepPlan(TRAIN, "no pace known yet", h)
+    # trained on fewer tokens, weighted by them (hivemind lets late peers join with the samples they have)
+    left = max(p.finish_time() for p in started) - f.now - f.margin
+    steps = min(h, int(left / sec)) if left > 0 else 0
+    if steps <= 0:
+        return StepPlan(JOIN_FORMING, "the peers of our step finish before we could train")
+    return StepPlan(TRAIN, "the peers started before us: finish with them", steps)
+
+
+def plan_without_group(f: Facts, *, late: bool, other_state: bool, waited: float, max_wait: float) -> StepPlan:
+    """Matchmaking of f.step ended without a group. `late`: a group of our state formed without
+    us; `other_state`: the swarm starts this step from another state; `waited`: seconds since
+    our first matchmaking of this step ended without a group."""
+    if other_state:
+        return StepPlan(FETCH, "our state is not the swarm's")
+    live = f.live()
+    if any(p.step > f.step and not p.client for p in live):
+        return StepPlan(FETCH, "the step's result is out")
+    # a client can only average with a server; a server with anyone (clients join it)
+    same = [p for p in live if p.step == f.step and not (f.client and p.client)]
+    if not same:
+        return StepPlan(APPLY_OWN, "no live peer at our step: ours is the swarm's state")
+    if (late or any(p.inner >= p.inner_steps for p in same)) and waited < max_wait:
+        return StepPlan(AWAIT_RESULT, "a group of our step formed or is forming without us")
+    return StepPlan(RETRY, "live peers of our step have no result yet: matchmake again")
+
+
+def expected_peers(f: Facts, own_finish: float, max_wait: float) -> frozenset[PeerID]:
+    """The live peers of our step that should be ready by own_finish + max_wait: matchmaking
+    ends as soon as all of them have announced (the window bounds the wait for the rest)."""
+    bound = own_finish + max_wait
+    return frozenset(p.peer_id for p in f.live() if p.step == f.step and p.finish_time() <= bound)
+
+
+def latest_finish(f: Facts, own_finish: float, max_wait: float) -> float:
+    """When the slowest live peer of our step should finish (unix time), never later than
+    own_finish + max_wait (a stalled or very slow peer does not hold the group) and never
+    earlier than own_finish."""
+    end = own_finish
+    for p in f.live():
+        if p.step == f.step:
+            end = max(end, min(p.finish_time(), own_finish + max_wait))
+    return end
+
+
+def matchmaking_start(f: Facts, own_finish: float, matchmaking_time: float, max_wait: float) -> float:
+    """When to announce: matchmaking_time before the slowest live peer of our step should finish,
+    so that the group forms while the last inner steps run."""
+    return latest_finish(f, own_finish, max_wait) - matchmaking_time
+
+
+def median_pace(peers: list[PeerProgress]) -> float:
+    """The median seconds per inner step of the peers that have timed one (0.0: none has)."""
+    positive = sorted(p.sec_per_step for p in peers if p.sec_per_step > 0)
+    return positive[len(positive) // 2] if positive else 0.0
+
+
+def servers_behind(f: Facts) -> bool:
+    """Every live server works on an earlier outer step than ours, and none has finished the
+    inner steps that would bring its next state to ours. False when no server is live."""
+    servers = [p for p in f.live() if not p.client]
+    return bool(servers) and all(p.step + (p.inner >= p.inner_steps) < f.step for p in servers)

@@ -1,0 +1,43 @@
+"""What the all-reduce tests share: a group member on 127.0.0.1, inputs, the exact mean, bounds.
+The make_group fixture that builds members lives in conftest.py."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import torch
+
+from swarm.averaging.allreduce import RoundRegistry
+from swarm.averaging.config import AveragingConfig
+from swarm.averaging.messages import GroupInfo
+from swarm.p2p import P2PConfig, P2PHost
+
+LOCAL = P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))
+
+
+@dataclass
+class Member:
+    host: P2PHost
+    registry: RoundRegistry
+    config: AveragingConfig
+
+
+MakeGroup = Callable[..., Awaitable[tuple[GroupInfo, list[Member]]]]
+
+
+def inputs(n: int, numel: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(numel, generator=gen) * (i + 1) for i in range(n)]
+
+
+def exact_mean(vectors: list[torch.Tensor], group: GroupInfo, included: list[int] | None = None) -> torch.Tensor:
+    idx = included if included is not None else range(len(vectors))
+    weights = torch.tensor([group.members[i].weight for i in idx], dtype=torch.float64)
+    stacked = torch.stack([vectors[i].double() for i in idx])
+    return (stacked * weights[:, None]).sum(0) / weights.sum()
+
+
+def int8_bound(vectors: list[torch.Tensor], mean: torch.Tensor) -> float:
+    """Each sender's codes are off by at most half a scale (absmax/127), and so is the average's."""
+    return max(v.abs().max().item() for v in vectors) / 127 / 2 + mean.abs().max().item() / 127 / 2 + 1e-6

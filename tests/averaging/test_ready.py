@@ -1,0 +1,101 @@
+"""The matchmaking decision (swarm/averaging/ready.py) on a table of views: pure, no I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm.averaging.messages import MemberInfo
+from swarm.averaging.ready import DONE, Decision, ReadyView, decide, decode_view, group_order, may_finalize
+from swarm.dht.records import owner_subkey
+from swarm.p2p.identity import Identity
+
+IDS = [Identity.generate().peer_id for _ in range(6)]
+A, B = bytes(32), b"\x01" * 32  # two states
+
+
+def member(i: int, state: bytes = A, client: bool = False) -> MemberInfo:
+    maddrs = () if client else (f"/ip4/127.0.0.1/tcp/{4000 + i}",)
+    return MemberInfo(IDS[i], maddrs, 1.0, 0.0 if client else 100.0, client, state)
+
+
+def view(*members: MemberInfo, formed: dict[int, bytes] | None = None, done: tuple[int, ...] = ()) -> ReadyView:
+    return ReadyView({m.peer_id: m for m in members}, {IDS[i]: s for i, s in (formed or {}).items()},
+                     frozenset(IDS[i] for i in done))  # fmt: skip
+
+
+def leader_of(ids: list[int], step: int = 0) -> int:
+    return IDS.index(group_order([IDS[i] for i in ids], step)[0])
+
+
+CASES = [
+    # (what, view, me, expected kind)
+    ("alone in the swarm", view(), member(0), "lead"),
+    ("everyone of one state: one group", view(*(member(i) for i in range(1, 6))), member(0), None),
+    ("a group of our state formed: late", view(member(1), formed={2: A}), member(0), "late"),
+    ("the majority holds another state", view(member(1, B), member(2, B)), member(0), "other_state"),
+    ("a tie between states: the smaller hash", view(member(1, B)), member(0, A), None),
+    ("a tie, from the larger hash", view(member(1, A)), member(0, B), "other_state"),
+    ("formed members vote for their state", view(member(1), formed={2: B, 3: B, 4: B}), member(0), "other_state"),
+    ("only clients: nobody can lead", view(member(1, client=True)), member(0, client=True), "alone"),
+    ("done markers are not counted", view(member(1, B), done=(2, 3)), member(0, A), None),
+]
+
+
+@pytest.mark.parametrize(("what", "seen", "me", "kind"), CASES, ids=[c[0] for c in CASES])
+def test_decide(what: str, seen: ReadyView, me: MemberInfo, kind: str | None) -> None:
+    decision = decide(seen, me, 0)
+    if kind is None:  # lead or join: the one group of everyone of the swarm's state
+        everyone = [i for i in range(6) if IDS[i] in {*seen.ready, me.peer_id}]
+        state = min(m.state for m in [*seen.ready.values(), me])
+        everyone = [i for i in everyone if (seen.ready.get(IDS[i]) or me).state == state]
+        leader = leader_of(everyone)
+        assert decision.kind == ("lead" if IDS[leader] == me.peer_id else "join")
+        assert {m.peer_id for m in decision.members} == {IDS[i] for i in everyone}
+        assert decision.kind == "lead" or decision.leader == member(leader)
+    else:
+        assert decision.kind == kind
+
+
+def test_every_node_of_a_state_sees_the_same_group_and_leader() -> None:
+    members = [member(i) for i in range(6)]
+    decisions = [decide(view(*members), m, 3) for m in members]
+    assert len({d.members for d in decisions}) == 1
+    assert sum(d.kind == "lead" for d in decisions) == 1
+    leaders = {d.leader for d in decisions if d.kind == "join"}
+    assert leaders == {next(d for d in decisions if d.kind == "lead").members[0]} or len(leaders) == 1
+
+
+def test_a_client_never_leads() -> None:
+    members = [member(i, client=i != 5) for i in range(6)]
+    decisions = [decide(view(*members), m, 0) for m in members]
+    assert [d.kind for d in decisions] == ["join"] * 5 + ["lead"]
+
+
+@pytest.mark.parametrize(
+    ("size", "final", "ok"),
+    [
+        (3, view(member(0), member(1), member(2)), True),
+        (3, view(member(0), member(1), member(2), member(3)), True),  # one died after announcing
+        (2, view(member(0), member(1), member(2), member(3)), False),  # half: we may be the late ones
+        (3, view(member(0), member(1), member(2), formed={4: A}), False),  # a group of our state formed
+        (3, view(member(0), member(1), member(2), formed={4: B}), True),
+    ],
+)
+def test_a_leader_finalizes_only_a_majority_and_only_one_group(size: int, final: ReadyView, ok: bool) -> None:
+    assert may_finalize(size, final, A) is ok
+
+
+def test_decode_view_skips_bad_records() -> None:
+    entries = {
+        owner_subkey(IDS[0]): member(0).encode(),
+        owner_subkey(IDS[1]): member(2).encode(),  # under another's subkey
+        owner_subkey(IDS[2]): {"formed": A, "group": b"g"},
+        owner_subkey(IDS[3]): DONE,
+        owner_subkey(IDS[4]): {"formed": b"short"},
+        "not an owner": member(5).encode(),
+        owner_subkey(IDS[5]): [1, 2, 3],
+    }
+    seen, skipped = decode_view(entries)
+    assert set(seen.ready) == {IDS[0]} and seen.formed == {IDS[2]: A} and seen.done == {IDS[3]}
+    assert len(skipped) == 4
+    assert isinstance(decide(seen, member(0), 0), Decision)
