@@ -139,38 +139,28 @@ def test_swarm_trains_agrees_and_reports(tmp_path: Path) -> None:
 
 
 @pytest.mark.swarm
-@pytest.mark.timeout(300)
-def test_churn_kills_and_joins_and_survivors_finish(tmp_path: Path) -> None:
+@pytest.mark.timeout(420)
+def test_eight_nodes_with_churn_hold_one_state_at_every_outer_step(tmp_path: Path) -> None:
+    """Issue 11's invariant through the real CLI: 8 swarm-node processes, one killed and one
+    newcomer every 20 s; for every outer step, every node that reports it reports one state."""
     run_dir = tmp_path / "run"
-    args = ("--outer-steps", "10", "--kill-every", "8", "--join-every", "8", "--seed", "1")
-    code, out, err = _run("--nodes", "2", *QUICK, *args, "--run-dir", str(run_dir))
+    args = ("--outer-steps", "8", "--kill-every", "20", "--join-every", "20", "--seed", "1", "--timeout", "360")
+    code, out, err = _run("--nodes", "8", *QUICK[:-2], *args, "--run-dir", str(run_dir), timeout=400)
     assert code == 0, f"{out}\n{err}"
     _assert_no_leftovers(run_dir)
     nodes = json.loads((run_dir / "metrics.json").read_text())["nodes"]
     statuses = [node["status"] for node in nodes]
     assert "killed" in statuses and all(s in ("done", "killed") for s in statuses), statuses
-    assert "killed node" in out and "node2 joining" in out
-
-
-@pytest.mark.swarm
-@pytest.mark.timeout(300)
-def test_newcomers_fetch_the_state_and_agree_from_their_first_outer_step(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    args = ("--outer-steps", "14", "--join-every", "12", "--seed", "2")
-    code, out, err = _run("--nodes", "2", *QUICK, *args, "--run-dir", str(run_dir), timeout=280)
-    assert code == 0, f"{out}\n{err}"
-    nodes = json.loads((run_dir / "metrics.json").read_text())["nodes"]
+    assert "killed node" in out and "node8 joining" in out
     by_step: dict[int, set[str]] = {}
     for node in nodes:
         for step in node["steps"]:
             by_step.setdefault(step["outer_step"], set()).add(step["state_sha256"])
+    forks = {step: len(states) for step, states in by_step.items() if len(states) > 1}
+    assert not forks, f"outer steps with more than one state: {forks}"
     newcomers = [n for n in nodes if n["joined_at_step"] > 0 and n["steps"]]
     assert newcomers, [(n["peer_id"][-6:], n["joined_at_step"], n["status"]) for n in nodes]
-    for node in newcomers:
-        first = node["steps"][0]["outer_step"]
-        assert first >= node["joined_at_step"]
-        for step in node["steps"]:  # one θ_outer per outer step across the swarm, newcomers included
-            assert len(by_step[step["outer_step"]]) == 1, (node["peer_id"][-6:], step["outer_step"])
+    assert max(s["group_size"] for n in nodes for s in n["steps"]) >= 7  # one group, not groups of 4
 
 
 # --- stopping -------------------------------------------------------------------------------

@@ -1,0 +1,120 @@
+"""The node's decisions (swarm/plan.py) on tables of situations: pure, no I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm.p2p.identity import Identity
+from swarm.plan import (
+    APPLY_OWN,
+    AWAIT_RESULT,
+    FETCH,
+    JOIN_FORMING,
+    RETRY,
+    TRAIN,
+    Facts,
+    expected_peers,
+    latest_finish,
+    median_pace,
+    plan_step,
+    plan_without_group,
+    servers_behind,
+)  # fmt: skip
+from swarm.progress import PeerProgress
+
+NOW, H = 100.0, 10
+IDS = [Identity.generate().peer_id for _ in range(4)]
+
+
+def peer(step: int, inner: int, *, age: float = 0.0, sec: float = 1.0, client: bool = False,
+         i: int = 0) -> PeerProgress:  # fmt: skip
+    return PeerProgress(IDS[i], step, inner, H, sec, NOW - age, client)
+
+
+def facts(*peers: PeerProgress, step: int = 5, late: bool = False, own_sec: float = 0.0, client: bool = False) -> Facts:
+    return Facts(step=step, inner_steps=H, own_sec=own_sec, client=client, peers=peers, now=NOW, fresh_for=10.0,
+                 late=late)  # fmt: skip
+
+
+STEP_CASES = [
+    # (situation, facts, action, inner steps when TRAIN)
+    ("the first node of a run", facts(), TRAIN, H),
+    ("peers in step with us, none started", facts(peer(5, 0), peer(5, 0, i=1)), TRAIN, H),
+    ("in step, peers a few inner steps ahead (not late): a whole step", facts(peer(5, 3)), TRAIN, H),
+    ("a newcomer mid-step: just enough to finish with them", facts(peer(5, 4), late=True), TRAIN, 5),
+    ("a newcomer slower than its peers: fewer steps", facts(peer(5, 4), late=True, own_sec=2.0), TRAIN, 2),
+    ("the slowest peer sets the end", facts(peer(5, 4), peer(5, 8, i=1), late=True), TRAIN, 5),
+    ("a newcomer while the group forms: join with weight 0", facts(peer(5, H), late=True), JOIN_FORMING, 0),
+    ("peers about to finish: join with weight 0", facts(peer(5, 9, sec=0.2), late=True), JOIN_FORMING, 0),
+    ("a straggler: peers at a later step", facts(peer(6, 2)), FETCH, 0),
+    ("only a client is ahead: its state cannot be fetched", facts(peer(6, 2, client=True)), TRAIN, H),
+    ("a peer that vanished (stale record) is ignored", facts(peer(6, 2, age=60)), TRAIN, H),
+    ("peers behind us do not hold us", facts(peer(3, 4)), TRAIN, H),
+    ("all peers clients, matchmaking: they wait for a server", facts(peer(5, H, client=True), late=True), TRAIN, H),
+    ("no pace known yet: a whole step", facts(peer(5, 4, sec=0.0), late=True), TRAIN, H),
+]
+
+
+@pytest.mark.parametrize(("what", "f", "action", "steps"), STEP_CASES, ids=[c[0] for c in STEP_CASES])
+def test_plan_step(what: str, f: Facts, action: str, steps: int) -> None:
+    plan = plan_step(f)
+    assert plan.action == action, plan.why
+    assert plan.inner_steps == steps
+
+
+GROUPLESS_CASES = [
+    # (situation, facts, late, other state, seconds waited, action)
+    ("alone in the swarm: our step is the swarm's", facts(), False, False, 0.0, APPLY_OWN),
+    ("peers only behind us", facts(peer(3, 4)), False, False, 0.0, APPLY_OWN),
+    ("our state is not the swarm's", facts(peer(5, H)), False, True, 0.0, FETCH),
+    ("the step's result is out", facts(peer(6, 0)), True, False, 0.0, FETCH),
+    ("late: the group formed without us", facts(peer(5, H)), True, False, 1.0, AWAIT_RESULT),
+    ("peers matchmaking without us", facts(peer(5, H)), False, False, 1.0, AWAIT_RESULT),
+    ("waited long enough: matchmake again", facts(peer(5, H)), True, False, 31.0, RETRY),
+    ("peers of our step still training: wait and matchmake again", facts(peer(5, 4)), False, False, 0.0, RETRY),
+    ("the peers vanished meanwhile", facts(peer(5, H, age=60)), True, False, 5.0, APPLY_OWN),
+    ("a client whose peers are all clients", facts(peer(5, H, client=True), client=True), False, False, 0.0,
+     APPLY_OWN),
+    ("a server with a client peer training", facts(peer(5, 4, client=True)), False, False, 0.0, RETRY),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "f", "late", "other", "waited", "action"), GROUPLESS_CASES,
+                         ids=[c[0] for c in GROUPLESS_CASES])  # fmt: skip
+def test_plan_without_group(what: str, f: Facts, late: bool, other: bool, waited: float, action: str) -> None:
+    plan = plan_without_group(f, late=late, other_state=other, waited=waited, max_wait=30.0)
+    assert plan.action == action, plan.why
+
+
+def test_matchmaking_expects_the_live_peers_of_our_step_that_finish_in_time() -> None:
+    f = facts(peer(5, 4, i=0), peer(5, 0, sec=100.0, i=1), peer(6, 0, i=2), peer(5, 4, age=60, i=3))
+    assert expected_peers(f, own_finish=NOW + 1, max_wait=30) == {IDS[0]}
+
+
+def test_latest_finish_waits_for_the_slowest_live_peer_of_the_step_bounded() -> None:
+    f = facts(peer(5, 4), peer(5, 8, age=1, i=1), peer(6, 0, i=2), peer(5, 0, age=60, i=3))
+    # the first peer needs 6 more seconds; the step-6 peer and the stale one do not count
+    assert latest_finish(f, own_finish=NOW + 2, max_wait=30) == NOW + 6
+    assert latest_finish(f, own_finish=NOW + 2, max_wait=3) == NOW + 5  # capped
+    assert latest_finish(f, own_finish=NOW + 9, max_wait=30) == NOW + 9  # we are slowest
+    assert latest_finish(facts(), own_finish=NOW, max_wait=30) == NOW
+
+
+def test_median_pace_ignores_peers_without_timing() -> None:
+    assert median_pace([]) == 0.0
+    assert median_pace([peer(5, 0, sec=0.0)]) == 0.0
+    assert median_pace([peer(5, 1, sec=s) for s in (0.0, 3.0, 1.0, 2.0)]) == 2.0
+
+
+def test_servers_behind_only_when_every_live_server_is_at_an_earlier_step() -> None:
+    def behind(*peers: PeerProgress) -> bool:
+        return servers_behind(facts(*peers))
+
+    assert behind(peer(2, 4)) and behind(peer(2, 4), peer(3, 10, i=1))
+    assert not behind()  # no server at all: nobody whose state we could take
+    assert not behind(peer(2, 4), peer(5, 0, i=1))  # one server is with us
+    assert not behind(peer(4, 10))  # done with step 4: it publishes step 5 in a moment
+    assert behind(peer(4, 9))  # still training step 4
+    assert not behind(peer(2, 4, age=60))  # a stale record: that server is gone
+    assert not behind(peer(2, 4, client=True))  # clients do not count
+    assert behind(peer(2, 4), peer(7, 4, client=True, i=1))
