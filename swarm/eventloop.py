@@ -45,3 +45,16 @@ async def _cancel_leftovers_after(main: Coroutine[Any, Any, T]) -> T:
         for task in leftovers:
             task.cancel()
         await asyncio.gather(*leftovers, return_exceptions=True)
+
+
+async def cancel_and_wait(task: asyncio.Future[Any], *, timeout: float = 10.0) -> None:
+    """Cancel a long-lived task and wait until it is done. Cancels again while it runs: on
+    Python < 3.12 asyncio.wait_for can swallow a cancellation that arrives as its inner future
+    completes, and a loop around it then goes on forever. Gives up (with the task still
+    running) after `timeout` seconds. A task that had failed is not re-raised here: its
+    done-callback reports it when it happens."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not task.done() and loop.time() < deadline:
+        task.cancel()
+        await asyncio.wait({task}, timeout=min(0.5, max(0.0, deadline - loop.time())))

@@ -51,6 +51,7 @@ from swarm.averaging.matchmaking import Matchmade
 from swarm.dht.config import DHTConfig
 from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
+from swarm.eventloop import cancel_and_wait
 from swarm.model.checkpoint import CheckpointError, RunInfo
 from swarm.model.data import TokenData, eval_windows, load_data
 from swarm.model.diloco import DiLoCo
@@ -188,8 +189,7 @@ class SwarmNode:
             return reason
         finally:
             if publisher is not None:
-                publisher.cancel()
-                await asyncio.gather(publisher, return_exceptions=True)  # a crash was logged when it happened
+                await cancel_and_wait(publisher)
             await keeper.close()
             averager.close()
             await dht.close()
@@ -220,7 +220,8 @@ class SwarmNode:
         pace = self.inner.snapshot().sec_per_step
         return Facts(step=self.diloco.outer_step, inner_steps=self.config.inner_steps, own_sec=pace,
                      client=self.client_mode, peers=book.peers, now=time.time(), fresh_for=book.fresh_for,
-                     late=self._late)  # fmt: skip
+                     late=self._late, watched_for=time.time() - book.first_read,
+                     sees_peers=book.read_ok)  # fmt: skip
 
     async def _train(self, averager: Averager, keeper: StateKeeper, book: ProgressBook, stop: asyncio.Event) -> str:
         config, diloco = self.config, self.diloco
@@ -250,7 +251,7 @@ class SwarmNode:
                 found = await self._train_and_matchmake(averager, book, step, plan.inner_steps, stop)
                 if found is None:
                     return "stopped"
-            await self._finish_step(averager, keeper, book, step, found)
+            await self._finish_step(averager, keeper, book, step, found, stop)
         return "finished"
 
     async def _train_and_matchmake(
@@ -319,13 +320,14 @@ class SwarmNode:
             return Matchmade(None, 0.0)
 
     async def _finish_step(
-        self, averager: Averager, keeper: StateKeeper, book: ProgressBook, step: int, found: Matchmade
+        self, averager: Averager, keeper: StateKeeper, book: ProgressBook, step: int, found: Matchmade,
+        stop: asyncio.Event,
     ) -> None:
         """The end of outer step `step`, whatever happened: average and apply with the group, or
         (plan_without_group) take the swarm's result, matchmake again, or apply our own Δ."""
         diloco, loop = self.diloco, asyncio.get_running_loop()
         without_group_since: float | None = None
-        while diloco.outer_step == step:
+        while diloco.outer_step == step and not stop.is_set():
             if found.group is not None:
                 report = await self._average(averager, found)
                 if report is not None:
@@ -348,10 +350,14 @@ class SwarmNode:
                     return
                 found = Matchmade(None, found.seconds, found.late)  # nothing to fetch yet: look again
                 await asyncio.sleep(RESULT_POLL)
-            elif plan.action == AWAIT_RESULT:
+            elif plan.action == AWAIT_RESULT:  # the holders may show the result before the records do
+                if await self._fetch(keeper, book, alone=False):
+                    self._late = True
+                    return
                 await asyncio.sleep(RESULT_POLL)
             else:  # RETRY
                 logger.info("step %d: %s", step, plan.why)
+                await asyncio.sleep(RESULT_POLL)
                 await self._wait_for_peers(book, loop.create_future())
                 found = await self._matchmake(averager, book, step, float(diloco.tokens_since_outer))
                 without_group_since = None if found.group is not None else loop.time()

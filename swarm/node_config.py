@@ -34,6 +34,7 @@ class NodeConfig:
     compression: str = "int8"
     max_group_size: int = 64  # largest flat all-reduce; beyond it the one group averages hierarchically
     matchmaking_time: float = 5.0
+    part_timeout: float = 60.0  # longest wait for a member's slice (a member that died before sending)
     max_wait: float = 30.0  # longest a node that finished waits for slower peers of its step
     client_mode: bool = False
     # run
@@ -66,7 +67,7 @@ class NodeConfig:
             raise ValueError(f"seq_len {self.seq_len} exceeds the {self.model} model's {limit}")
         if self.max_outer_steps is not None and self.max_outer_steps < 1:
             raise ValueError(f"max_outer_steps must be >= 1, got {self.max_outer_steps}")
-        for name in ("matchmaking_time", "publish_interval", "fetch_timeout"):
+        for name in ("matchmaking_time", "publish_interval", "fetch_timeout", "part_timeout"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"{name} must be a positive number of seconds")
         if not (math.isfinite(self.max_wait) and self.max_wait >= 0):
@@ -90,6 +91,7 @@ class NodeConfig:
         return AveragingConfig(
             max_group_size=self.max_group_size,
             matchmaking_time=self.matchmaking_time,
+            part_timeout=self.part_timeout,
             codec=self.compression,
             client_mode=client_mode,
         )

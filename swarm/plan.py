@@ -40,6 +40,8 @@ class Facts:
     now: float  # unix time
     fresh_for: float  # records older than this are of dead or stuck peers
     late: bool = False  # its first step after joining or fetching: its peers may have started before it
+    watched_for: float = float("inf")  # seconds since it first read its peers' records
+    sees_peers: bool = True  # its last read of the records got an answer (it is not cut off)
     margin: float = 0.3  # seconds it keeps for its announcement to reach the DHT
 
     def live(self) -> list[PeerProgress]:
@@ -79,7 +81,10 @@ def plan_step(f: Facts) -> StepPlan:
 def plan_without_group(f: Facts, *, late: bool, other_state: bool, waited: float, max_wait: float) -> StepPlan:
     """Matchmaking of f.step ended without a group. `late`: a group of our state formed without
     us; `other_state`: the swarm starts this step from another state; `waited`: seconds since
-    our first matchmaking of this step ended without a group."""
+    our first matchmaking of this step ended without a group. A node never applies its own Δ
+    while a group of its state formed without it (`late`: its result will come), nor before it
+    has watched its peers' records for a whole freshness window (a peer that started with it
+    may not have published yet)."""
     if other_state:
         return StepPlan(FETCH, "our state is not the swarm's")
     live = f.live()
@@ -87,11 +92,15 @@ def plan_without_group(f: Facts, *, late: bool, other_state: bool, waited: float
         return StepPlan(FETCH, "the step's result is out")
     # a client can only average with a server; a server with anyone (clients join it)
     same = [p for p in live if p.step == f.step and not (f.client and p.client)]
-    if not same:
-        return StepPlan(APPLY_OWN, "no live peer at our step: ours is the swarm's state")
-    if (late or any(p.inner >= p.inner_steps for p in same)) and waited < max_wait:
-        return StepPlan(AWAIT_RESULT, "a group of our step formed or is forming without us")
-    return StepPlan(RETRY, "live peers of our step have no result yet: matchmake again")
+    if late or same:
+        if (late or any(p.inner >= p.inner_steps for p in same)) and waited < max_wait:
+            return StepPlan(AWAIT_RESULT, "a group of our step formed or is forming without us")
+        return StepPlan(RETRY, "live peers of our step have no result yet: matchmake again")
+    if f.watched_for < f.fresh_for:  # a peer that just started may not have published yet
+        return StepPlan(RETRY, "no live peer seen yet: waiting to hear from any that just started")
+    if not f.sees_peers:  # not seeing anyone is not knowing that nobody is there
+        return StepPlan(RETRY, "cannot read the peers' records: not going on alone")
+    return StepPlan(APPLY_OWN, "no live peer at our step: ours is the swarm's state")
 
 
 def expected_peers(f: Facts, own_finish: float, max_wait: float) -> frozenset[PeerID]:

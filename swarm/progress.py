@@ -103,6 +103,9 @@ class ProgressBook:
     def __init__(self, dht: DHTNode, run_id: str, publish_interval: float) -> None:
         self.dht, self.key, self.publish_interval = dht, nodes_key(run_id), publish_interval
         self.peers: tuple[PeerProgress, ...] = ()
+        self.first_read = time.time()  # set again at the first read: how long we have watched
+        self._read_once = False
+        self.read_ok = False  # the last read got an answer (an empty one too)
 
     @property
     def fresh_for(self) -> float:
@@ -122,11 +125,15 @@ class ProgressBook:
         return accepted > 0
 
     async def refresh(self) -> None:
+        if not self._read_once:
+            self._read_once, self.first_read = True, time.time()
         try:
             found = await self.dht.get(self.key, latest=True)
         except (P2PError, DHTError, TimeoutError) as e:
             logger.info("could not read peers' progress: %s", e)
+            self.read_ok = False
             return
+        self.read_ok = True
         if found is None or not isinstance(found.value, dict):  # nothing found this time: keep what we knew
             return
         peers = []

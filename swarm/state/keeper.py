@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm.dht.node import DHTNode
+from swarm.eventloop import cancel_and_wait
 from swarm.model.checkpoint import CheckpointDir, Manifest, RunInfo, Snapshot, copy_state, make_snapshot
 from swarm.model.diloco import DiLoCo
 from swarm.p2p.host import P2PHost
@@ -73,8 +74,7 @@ class StateKeeper:
         if self._publishing is not None:
             await asyncio.gather(self._publishing, return_exceptions=True)
         if self._refresher is not None:
-            self._refresher.cancel()
-            await asyncio.gather(self._refresher, return_exceptions=True)
+            await cancel_and_wait(self._refresher)
         if self.server is not None:
             self.server.close()
 

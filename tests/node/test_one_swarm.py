@@ -36,7 +36,10 @@ async def local(data: TokenData) -> AsyncIterator[LocalSwarm]:
 def assert_one_state(local: LocalSwarm) -> dict[int, set[str]]:
     by_step = local.by_step()
     forks = {step: len(hashes) for step, hashes in by_step.items() if len(hashes) != 1}
-    assert not forks, f"outer steps with more than one state (step: states): {forks}"
+    seen = [(str(n.node.peer_id)[-6:], [(e["outer_step"], e["state_sha256"][:6], e.get("group_size"))
+                                         for e in n.events if e["event"] in ("outer_step", "fetch")])
+            for n in local.nodes]  # fmt: skip
+    assert not forks, f"outer steps with more than one state (step: states): {forks}; nodes: {seen}"
     return by_step
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from swarm.p2p.identity import Identity
@@ -65,6 +67,9 @@ def test_plan_step(what: str, f: Facts, action: str, steps: int) -> None:
 GROUPLESS_CASES = [
     # (situation, facts, late, other state, seconds waited, action)
     ("alone in the swarm: our step is the swarm's", facts(), False, False, 0.0, APPLY_OWN),
+    ("alone, but watching only briefly", dataclasses.replace(facts(), watched_for=1.0), False, False, 0.0, RETRY),
+    ("alone, but cut off from the DHT", dataclasses.replace(facts(), sees_peers=False), False, False, 0.0, RETRY),
+    ("late, peers vanished: the result will come", facts(peer(5, H, age=60)), True, False, 5.0, AWAIT_RESULT),
     ("peers only behind us", facts(peer(3, 4)), False, False, 0.0, APPLY_OWN),
     ("our state is not the swarm's", facts(peer(5, H)), False, True, 0.0, FETCH),
     ("the step's result is out", facts(peer(6, 0)), True, False, 0.0, FETCH),
@@ -72,7 +77,7 @@ GROUPLESS_CASES = [
     ("peers matchmaking without us", facts(peer(5, H)), False, False, 1.0, AWAIT_RESULT),
     ("waited long enough: matchmake again", facts(peer(5, H)), True, False, 31.0, RETRY),
     ("peers of our step still training: wait and matchmake again", facts(peer(5, 4)), False, False, 0.0, RETRY),
-    ("the peers vanished meanwhile", facts(peer(5, H, age=60)), True, False, 5.0, APPLY_OWN),
+    ("the peers vanished meanwhile", facts(peer(5, H, age=60)), False, False, 5.0, APPLY_OWN),
     ("a client whose peers are all clients", facts(peer(5, H, client=True), client=True), False, False, 0.0,
      APPLY_OWN),
     ("a server with a client peer training", facts(peer(5, 4, client=True)), False, False, 0.0, RETRY),

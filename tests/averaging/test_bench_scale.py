@@ -1,0 +1,29 @@
+"""scripts/bench_scale.py end to end, small: two worker processes, n = 4 and 8, both paths. Every
+row must hold bit-identical results of the whole swarm's group, within the int8 bound and within
+5% of the ideal bytes per member."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.bench_scale import run_bench
+
+pytestmark = pytest.mark.swarm
+
+
+@pytest.mark.timeout(180)
+def test_small_swarm_rows_are_identical_and_near_the_ideal_bytes() -> None:
+    rows = run_bench([4, 8], cap=4, elements=1 << 16, repeats=1, processes=2, seed=3)
+    assert [(r["n"], r["path"], r["max_group_size"]) for r in rows] == [
+        (4, "flat", 4),
+        (4, "hierarchical", 2),
+        (8, "flat", 8),
+        (8, "hierarchical", 4),
+    ]
+    for row in rows:
+        assert row["identical"], row.get("error")
+        assert "error" not in row
+        assert row["max_abs_err"] <= row["err_bound"]
+        assert row["wire_bytes_per_member"] <= 1.05 * row["ideal_bytes_per_member"], row
+        assert row["wire_bytes_per_member"] >= row["ideal_bytes_per_member"], row  # headers only add bytes
+        assert row["matchmaking_s"] > 0 and row["round_s"] > 0
