@@ -327,6 +327,7 @@ class SwarmNode:
         (plan_without_group) take the swarm's result, matchmake again, or apply our own Δ."""
         diloco, loop = self.diloco, asyncio.get_running_loop()
         without_group_since: float | None = None
+        late = False  # a group of our state formed without us at this step: its result exists
         while diloco.outer_step == step and not stop.is_set():
             if found.group is not None:
                 report = await self._average(averager, found)
@@ -336,9 +337,10 @@ class SwarmNode:
                 found = Matchmade(None, found.seconds)
             if without_group_since is None:
                 without_group_since = loop.time()
+            late = late or found.late
             await book.refresh()
             waited = loop.time() - without_group_since
-            plan = plan_without_group(self._facts(book), late=found.late, other_state=found.swarm_state is not None,
+            plan = plan_without_group(self._facts(book), late=late, other_state=found.swarm_state is not None,
                                       waited=waited, max_wait=self.config.max_wait)  # fmt: skip
             if plan.action == APPLY_OWN:
                 await self.inner.call(diloco.apply_own)
@@ -348,7 +350,7 @@ class SwarmNode:
                 if await self._fetch(keeper, book, alone=False, other_state=found.swarm_state is not None):
                     self._late = True  # the peers are already training on it
                     return
-                found = Matchmade(None, found.seconds, found.late)  # nothing to fetch yet: look again
+                found = Matchmade(None, found.seconds)  # nothing to fetch yet: look again
                 await asyncio.sleep(RESULT_POLL)
             elif plan.action == AWAIT_RESULT:  # the holders may show the result before the records do
                 if await self._fetch(keeper, book, alone=False):
@@ -356,7 +358,8 @@ class SwarmNode:
                     return
                 await asyncio.sleep(RESULT_POLL)
             else:  # RETRY
-                logger.info("step %d: %s", step, plan.why)
+                logger.info("step %d: %s%s", step, plan.why,
+                            " (the step's result was computed without us; its holders may have left)" if late else "")
                 await asyncio.sleep(RESULT_POLL)
                 await self._wait_for_peers(book, loop.create_future())
                 found = await self._matchmake(averager, book, step, float(diloco.tokens_since_outer))

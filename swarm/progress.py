@@ -105,7 +105,7 @@ class ProgressBook:
         self.peers: tuple[PeerProgress, ...] = ()
         self.first_read = time.time()  # set again at the first read: how long we have watched
         self._read_once = False
-        self.read_ok = False  # the last read got an answer (an empty one too)
+        self.read_ok = False  # the last read found records (ours at least, once published)
 
     @property
     def fresh_for(self) -> float:
@@ -133,8 +133,9 @@ class ProgressBook:
             logger.info("could not read peers' progress: %s", e)
             self.read_ok = False
             return
-        self.read_ok = True
-        if found is None or not isinstance(found.value, dict):  # nothing found this time: keep what we knew
+        # not even our own record: the DHT did not answer, which is not knowing that nobody is there
+        self.read_ok = found is not None and isinstance(found.value, dict)
+        if not self.read_ok:  # nothing found this time: keep what we knew (freshness ages it out)
             return
         peers = []
         for subkey, entry in found.value.items():

@@ -58,18 +58,26 @@ async def test_sixteen_nodes_hold_one_state_after_every_step(local: LocalSwarm) 
 async def test_past_the_cap_one_state_through_the_grid_even_when_a_member_dies_mid_round(
     local: LocalSwarm, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """12 nodes with max_group_size 4: the grid butterfly. One member's host closes 50 ms into
-    the round of step 1: the survivors of that step still hold one state, and train on."""
+    """12 nodes with max_group_size 4: the grid butterfly. One member dies 50 ms into the round
+    of step 1 (its host closes, its node stops at once, as under SIGKILL): the survivors of that
+    step still hold one state, and train on."""
     bootstrap = await local.start_bootstrap()
     nodes = [local.start((bootstrap,), max_outer_steps=3, max_group_size=4) for _ in range(12)]
     victim = nodes[5].node.peer_id
     run = GridRound.run
     killed = asyncio.Event()
+    killing: list[asyncio.Future[None]] = []
 
     async def run_or_die(self: GridRound) -> object:
         if self.host.peer_id == victim and self.group.step == 1 and not killed.is_set():
             killed.set()
-            asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(self.host.close()))
+            host = self.host
+
+            def die() -> None:
+                killing.append(asyncio.ensure_future(host.close()))
+                nodes[5].task.cancel()
+
+            asyncio.get_running_loop().call_later(0.05, die)
         return await run(self)
 
     monkeypatch.setattr(GridRound, "run", run_or_die)
@@ -84,14 +92,15 @@ async def test_past_the_cap_one_state_through_the_grid_even_when_a_member_dies_m
 
 async def test_a_node_of_another_state_is_not_mixed_in_it_fetches_the_swarms_and_agrees(local: LocalSwarm) -> None:
     bootstrap = await local.start_bootstrap()
-    honest = [local.start((bootstrap,), max_outer_steps=2) for _ in range(3)]
+    # the honest nodes train a step longer: the odd one must find their state still served
+    honest = [local.start((bootstrap,), max_outer_steps=3) for _ in range(3)]
     odd = local.start((bootstrap,), max_outer_steps=2)
     with torch.no_grad():  # the same step, another θ_outer: as after a partition that applied its own Δ
         for theta in odd.node.diloco.outer_params:
             theta.add_(0.01)
     assert await local.finish(150) == ["finished"] * 4
     by_step = assert_one_state(local)
-    assert set(by_step) == {0, 1}
+    assert set(by_step) == {0, 1, 2}
     fetches = [e for e in odd.events if e["event"] == "fetch"]
     assert fetches and fetches[0]["reason"] in ("not the swarm's state", "behind"), fetches
     assert all(not [e for e in n.events if e["event"] == "fetch"] for n in honest)
