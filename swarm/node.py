@@ -35,6 +35,7 @@ but owns no part of an all-reduce and serves nothing, so it never stalls a group
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -238,7 +239,8 @@ class SwarmNode:
             step = diloco.outer_step
             if plan.action == FETCH:
                 if not await self._fetch(keeper, book, alone=False):
-                    await asyncio.wait({asyncio.ensure_future(stop.wait())}, timeout=RESULT_POLL)
+                    with contextlib.suppress(asyncio.TimeoutError):  # look again soon, unless stopped
+                        await asyncio.wait_for(stop.wait(), RESULT_POLL)
                 continue
             if plan.action == JOIN_FORMING:
                 logger.info("step %d: %s: joining with no inner steps of ours", step, plan.why)

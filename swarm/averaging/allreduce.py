@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,30 @@ async def read_exactly(stream: Stream, size: int, timeout: float) -> memoryview:
 
 class AllReduceError(Exception):
     """The round cannot complete: too few contributions to a part, or a part nobody could reduce."""
+
+
+async def await_parts(
+    tasks: dict[int, asyncio.Future[Any]],
+    helpers: list[asyncio.Task[Any]],
+    finished: Callable[[], None],
+    answering: set[asyncio.Future[Any]] | None = None,
+    answer_timeout: float = 0.0,
+) -> None:
+    """Wait for every part's task of a round (and, bounded, for the answers it still owes),
+    then cancel the round's helper tasks and call `finished`; AllReduceError names the parts
+    that could not be averaged."""
+    try:
+        await asyncio.wait(tasks.values())
+        if answering:  # so that the report counts the answers we owe
+            await asyncio.wait(set(answering), timeout=answer_timeout)
+    finally:
+        for task in [*tasks.values(), *helpers]:
+            task.cancel()
+        finished()
+    failed = {j: t.exception() for j, t in tasks.items() if t.cancelled() or t.exception() is not None}
+    if failed:
+        reasons = "; ".join(f"part {j}: {e}" for j, e in failed.items())
+        raise AllReduceError(f"{len(failed)} of {len(tasks)} parts could not be averaged ({reasons})")
 
 
 async def write_encoded(stream: Stream, codec: Any, vector: torch.Tensor, lo: int, hi: int, chunk_elements: int) -> int:
@@ -224,16 +249,7 @@ class AllReduceRound:
         parts = [j for j, (lo, hi) in enumerate(self.parts) if hi > lo]
         result = self.result  # release() below drops the round's own reference
         tasks = {j: asyncio.ensure_future(self._obtain(j)) for j in parts}
-        try:
-            await asyncio.wait(tasks.values())
-        finally:
-            for task in [*tasks.values(), *self._tasks]:
-                task.cancel()
-            self.registry.finished(self)
-        failed = {j: t.exception() for j, t in tasks.items() if t.cancelled() or t.exception() is not None}
-        if failed:
-            reasons = "; ".join(f"part {j}: {e}" for j, e in failed.items())
-            raise AllReduceError(f"{len(failed)} of {len(parts)} parts could not be averaged ({reasons})")
+        await await_parts(tasks, self._tasks, lambda: self.registry.finished(self))
         self.report.total_s = time.perf_counter() - self._started
         return result, self.report
 

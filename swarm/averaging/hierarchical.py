@@ -66,6 +66,7 @@ from swarm.averaging.allreduce import (
     Final,
     RoundRegistry,
     RoundReport,
+    await_parts,
     read_exactly,
     read_header,
     write_encoded,
@@ -136,18 +137,8 @@ class GridRound:
         live = [c for c, (lo, hi) in enumerate(self.grid.parts) if hi > lo]
         jobs = {c: self._own_part() if c == self.col else self._via_row(c) for c in live}
         tasks = {c: asyncio.ensure_future(job) for c, job in jobs.items()}
-        try:
-            await asyncio.wait(tasks.values())
-            if self._answering:  # so that the report counts the answers we owe (bounded)
-                await asyncio.wait(set(self._answering), timeout=self.config.part_timeout)
-        finally:
-            for task in [*tasks.values(), *self._tasks]:
-                task.cancel()
-            self.registry.finished(self)
-        failed = {c: t.exception() for c, t in tasks.items() if t.cancelled() or t.exception() is not None}
-        if failed:
-            reasons = "; ".join(f"part {c}: {e}" for c, e in failed.items())
-            raise AllReduceError(f"{len(failed)} of {len(live)} parts could not be averaged ({reasons})")
+        await await_parts(tasks, self._tasks, lambda: self.registry.finished(self), self._answering,
+                          self.config.part_timeout)  # fmt: skip
         self.report.total_s = time.perf_counter() - self._started
         return result, self.report
 

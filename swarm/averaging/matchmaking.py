@@ -123,8 +123,8 @@ class Matchmaker:
                                         decision.swarm_state if decision.kind == "other_state" else None)  # fmt: skip
                     return outcome
                 if decision.kind == "lead":
-                    group = await self._lead(state, list(decision.members), step, give_up_at)
-                    outcome = Matchmade(group, loop.time() - started, late=group is None)
+                    group, late = await self._lead(state, list(decision.members), step, give_up_at)
+                    outcome = Matchmade(group, loop.time() - started, late=late)
                     return outcome
                 assert decision.leader is not None
                 joined = await self._join(state, decision.leader, step, give_up_at)
@@ -200,7 +200,11 @@ class Matchmaker:
             logger.info("step %d: ignoring %s", step, reason)
         return view
 
-    async def _lead(self, state: _StepState, group: list[MemberInfo], step: int, give_up_at: float) -> GroupInfo | None:
+    async def _lead(
+        self, state: _StepState, group: list[MemberInfo], step: int, give_up_at: float
+    ) -> tuple[GroupInfo | None, bool]:
+        """The group we lead (None: too few joined, or we may not finalize) and whether we found
+        ourselves late (a group of our state formed elsewhere, or most of it is not with us)."""
         loop = asyncio.get_running_loop()
         state.leading, state.leader = True, None
         state.expected = {m.peer_id for m in group if m.peer_id != self.peer_id}
@@ -215,15 +219,16 @@ class Matchmaker:
         members = [state.me, *state.joiners.values()]
         order = {m.peer_id: i for i, m in enumerate(group)}
         members.sort(key=lambda m: (order.get(m.peer_id, len(order)), m.peer_id.to_bytes()))
-        result = None
+        result, late = None, False
         if len(members) >= self.config.min_group_size:
             final_view = (await self._read(step)).with_member(state.me)
             if may_finalize(len(members), final_view, state.me.state):
                 result = GroupInfo.create(self.run_id, step, tuple(members))
             else:
+                late = True
                 logger.info("step %d: not leading a group of %d: another formed, or we are late", step, len(members))
         state.result.set_result(result)
-        return result
+        return result, late
 
     async def _join(
         self, state: _StepState, leader: MemberInfo, step: int, give_up_at: float

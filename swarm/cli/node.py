@@ -159,10 +159,10 @@ def main(
             for sink in sinks:
                 sink(event)
 
-        node = SwarmNode(
-            config, identity=node_identity, initial_peers=initial_peers, p2p_config=p2p_config, on_event=on_event
-        )
         try:
+            node = SwarmNode(
+                config, identity=node_identity, initial_peers=initial_peers, p2p_config=p2p_config, on_event=on_event
+            )
             run_network(lambda: _run_until_signalled(node))
         except (NodeError, DataUnavailableError) as e:
             raise CliError(str(e)) from None

@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # rich is imported only for a terminal
 logger = logging.getLogger(__name__)
 
 STEP_KEYS = ("outer_step", "train_loss", "eval_loss", "state_sha256", "group_size", "bytes_sent")
-EXTRA_STEP_KEYS = ("group_id", "tokens_per_s")  # kept too: which nodes averaged together, and how fast
+EXTRA_STEP_KEYS = ("group_id", "tokens_per_s", "matchmaking_s")  # kept too: who averaged together, how fast
 
 # status of a node, as the table shows it; "cancelled": a newcomer stopped before it started,
 # because the swarm had finished meanwhile

@@ -335,3 +335,25 @@ def test_error_codes_are_distinct_and_travel_on_the_wire() -> None:
     assert set(RECORD_ERRORS) == {"bad_record", "too_large", "bad_expiration", "bad_signature", "full", "outdated"}
     for code, cls in RECORD_ERRORS.items():
         assert cls.code == code and issubclass(cls, RecordError)
+
+
+def test_a_record_seen_again_is_verified_once_and_a_forgery_never_passes(
+    alice: Identity, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from swarm.dht import records
+
+    checks: list[bytes] = []
+    real = records.verify_signature
+
+    def counting(public_key: object, signature: bytes, message: bytes) -> bool:
+        checks.append(signature)
+        return real(public_key, signature, message)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(records, "verify_signature", counting)
+    record = owned(alice, value={"seen": "twice"})
+    record.validate(CONFIG, NOW)
+    record.validate(CONFIG, NOW)  # every holder of a key returns the same record
+    assert len(checks) == 1
+    refused(dataclasses.replace(record, value=pack_value({"seen": "forged"})), BadSignature)
+    refused(dataclasses.replace(record, value=pack_value({"seen": "forged"})), BadSignature)
+    assert len(checks) == 3  # a record that failed is checked every time
