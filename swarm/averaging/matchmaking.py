@@ -151,12 +151,19 @@ class Matchmaker:
         self._mark(step, DONE)
 
     def _mark(self, step: int, marker: Any) -> None:
-        """Replace our announcement for `step` in the background (a later expiration wins)."""
+        """Replace our announcement for `step` in the background (a later expiration wins). A
+        FORMED marker lives as long as its round may last: while it is there, nodes arriving
+        at the step know they are late (were it to expire mid-round, two of them could form a
+        second group of the same state and fork the model)."""
         if step not in self._stored:
             return
+        config = self.config
+        ttl = config.matchmaking_time + 4 * config.request_timeout
+        if marker != DONE:
+            ttl += 4 * config.part_timeout  # the longest a round waits (allreduce.py: each wait is bounded)
 
         async def store() -> None:
-            if not await self._store(step, marker, self.config.matchmaking_time + 4 * self.config.request_timeout):
+            if not await self._store(step, marker, ttl):
                 logger.info("could not withdraw our ready announcement for step %d", step)
 
         task = asyncio.ensure_future(store())

@@ -50,6 +50,7 @@ from swarm.cli.sim_report import (
     KILLED,
     STARTING,
     STOPPED,
+    STRANDED,
     Display,
     EventTail,
     NodeRecord,
@@ -236,7 +237,7 @@ class Swarm:
                     self.display.event(line, routine=event.get("event") == "outer_step")
             if code is not None and child.record.exit_code is None:
                 self._exited(child, code)
-            elif not child.record.started and time.monotonic() - child.spawned_at > START_TIMEOUT_S:
+            elif child.record.status == STARTING and time.monotonic() - child.spawned_at > START_TIMEOUT_S:
                 raise CliError(
                     f"{child.record.name} did not start within {START_TIMEOUT_S:g}s (see {child.record.log})"
                 )
@@ -244,7 +245,7 @@ class Swarm:
     def _exited(self, child: Child, code: int) -> None:
         record = child.record
         record.exit_code = code
-        if record.status in (KILLED, CANCELLED):  # we did it
+        if record.status in (KILLED, CANCELLED, STRANDED):  # we did it
             return
         if not record.started:
             raise CliError(f"{record.name} failed at start (exit {code}): {last_line(record.log)}")
@@ -255,7 +256,8 @@ class Swarm:
         return record.outer_step is not None and record.outer_step >= self.config.outer_steps - 1
 
     def running(self) -> list[Child]:
-        return [c for c in self.children if c.record.exit_code is None and c.record.status not in (KILLED, CANCELLED)]
+        gone = (KILLED, CANCELLED, STRANDED)
+        return [c for c in self.children if c.record.exit_code is None and c.record.status not in gone]
 
     def finished(self) -> bool:
         return not self.running()
@@ -281,6 +283,17 @@ class Swarm:
             return
         child = self.start_node()
         self.display.event(f"{child.record.name} joining")
+
+    def strand_latecomers(self) -> None:
+        """Once every node that reached the last outer step has left, a node still behind can
+        never finish: the state it would fetch left with them (a node never goes on with a
+        state of its own while the swarm's result exists). Stop it (SIGTERM)."""
+        if not self.winding_down() or any(self.reached_end(c.record) for c in self.running()):
+            return
+        for child in self.running():
+            send(child.proc, signal.SIGTERM)
+            child.record.status = STRANDED
+            self.display.event(f"{child.record.label()} stopped: the swarm finished before it caught up")
 
     def cancel_starting(self) -> None:
         """SIGKILL the newcomers that have not started yet: the swarm they meant to join is
@@ -351,6 +364,7 @@ class Churn:
     def tick(self, swarm: Swarm, now: float) -> None:
         if swarm.winding_down():
             swarm.cancel_starting()
+            swarm.strand_latecomers()
             return
         if not self.armed:
             if not any(r.started for r in swarm.records):
@@ -407,7 +421,7 @@ def run(config: SimConfig) -> None:
         raise failure
     if stop.requested:
         raise click.Abort()  # OneLineCommand: "swarm-sim: interrupted", exit 130
-    failed = [r for r in swarm.records if r.status not in (DONE, KILLED, CANCELLED)]
+    failed = [r for r in swarm.records if r.status not in (DONE, KILLED, CANCELLED, STRANDED)]
     if failed:
         r = failed[0]
         raise CliError(

