@@ -5,7 +5,7 @@
 It builds a deterministic state (the model's seed weights, moved by a seeded random step, plus a
 seeded momentum), joins the DHT, advertises the state under `<run>/state` and serves it with the
 real StateServer until SIGTERM. Its first stdout line is JSON:
-{"peer_id", "maddrs", "manifest", "state_sha256" (θ_outer as DiLoCo.outer_sha256 hashes it),
+{"peer_id", "maddrs", "manifest", "state_sha256" (as DiLoCo.state_sha256 hashes it),
 "state_bytes"}. Tests and scripts/bench_state.py use it as a donor they can slow down, corrupt
 or kill; `--upload-delay` sleeps between chunks, `--corrupt` flips one byte of every shard it
 sends, `--claim-run`/`--claim-model` write another run id or model into its manifest.
@@ -27,7 +27,7 @@ import torch
 from swarm import eventloop
 from swarm.dht.node import DHTNode
 from swarm.model.checkpoint import RunInfo, Snapshot, make_snapshot
-from swarm.model.diloco import tensors_sha256
+from swarm.model.diloco import state_sha256
 from swarm.model.llama import build_model
 from swarm.model.presets import preset
 from swarm.p2p.config import P2PConfig
@@ -86,7 +86,7 @@ class SlowOrBadServer(StateServer):
 
 async def serve(args: argparse.Namespace) -> None:
     state = make_state(args.model, args.seed, args.step)
-    state_sha256 = tensors_sha256(state["params"].values())
+    state_hash = state_sha256(state)
     snapshot: Snapshot = await asyncio.to_thread(make_snapshot, state, run_info(args), args.shard_bytes)
     del state  # only the serialized snapshot is served: a donor holds the state once
     host = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
@@ -104,7 +104,7 @@ async def serve(args: argparse.Namespace) -> None:
             "peer_id": str(host.peer_id),
             "maddrs": host.visible_maddrs,
             "manifest": snapshot.manifest.sha256,
-            "state_sha256": state_sha256,
+            "state_sha256": state_hash,
             "state_bytes": snapshot.manifest.total_bytes,
         }
         sys.stdout.write(json.dumps(line) + "\n")

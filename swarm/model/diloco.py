@@ -227,10 +227,7 @@ class DiLoCo:
     def state_sha256(self) -> str:
         """sha256 of the whole outer state (outer step, θ_outer, outer momentum): two nodes
         hold the same swarm state iff these are equal."""
-        digest = hashlib.sha256(b"swarm-state/1" + self.outer_step.to_bytes(8, "big"))
-        for t in [*self.outer_params, *self.outer_momentum]:
-            digest.update(as_memoryview(t.detach().cpu().contiguous()))
-        return digest.hexdigest()
+        return state_sha256(self.state_dict())
 
     def _finish_outer_step(self, advance: bool = True) -> None:
         for p, theta in zip(self.params, self.outer_params, strict=True):
@@ -251,6 +248,15 @@ class DiLoCo:
                 raise ValueError(f"{what}: {name} has NaN or inf values")
             out.append(t)
         return out
+
+
+def state_sha256(state: dict[str, Any]) -> str:
+    """sha256 of an outer state as DiLoCo.state_dict() gives it: step, then θ_outer and the
+    momentum in name order."""
+    digest = hashlib.sha256(b"swarm-state/1" + int(state["outer_step"]).to_bytes(8, "big"))
+    for t in [*state["params"].values(), *state["momentum"].values()]:
+        digest.update(as_memoryview(t.detach().cpu().contiguous()))
+    return digest.hexdigest()
 
 
 def tensors_sha256(tensors: Iterable[torch.Tensor]) -> str:
