@@ -218,8 +218,9 @@ class RoundRegistry:
         return handler
 
 
-class AllReduceRound:
-    """One member's side of one round: call `run()` once."""
+class RoundMember:
+    """What every kind of round knows of itself: the group, our index in it, our vector, the
+    codec, the members' weights and bandwidths (0 for clients: they own nothing)."""
 
     def __init__(
         self, host: P2PHost, registry: RoundRegistry, group: GroupInfo, vector: torch.Tensor, config: AveragingConfig
@@ -231,15 +232,24 @@ class AllReduceRound:
         self.vector = vector
         self.codec = get_codec(config.codec, block_size=config.block_size)
         self.weights = [m.weight for m in group.members]
-        bandwidths = [0.0 if m.client else m.bandwidth for m in group.members]
-        self.parts = part_bounds(vector.numel(), bandwidths, config.block_size)
+        self.bandwidths = [0.0 if m.client else m.bandwidth for m in group.members]
         self.result = torch.empty_like(vector)
         self.report = RoundReport(group.group_id, [str(m.peer_id) for m in group.members], {})
-        self.final: dict[int, Final] = {}  # the encoded average of each part, as every member gets it
-        self.reductions: dict[int, PartReduction] = {}
-        self._tasks: list[asyncio.Task[Any]] = []
+        self._tasks: list[asyncio.Task[Any]] = []  # helpers, cancelled when the round ends
         self._started = 0.0
         self.finished = False
+
+
+class AllReduceRound(RoundMember):
+    """One member's side of one round: call `run()` once."""
+
+    def __init__(
+        self, host: P2PHost, registry: RoundRegistry, group: GroupInfo, vector: torch.Tensor, config: AveragingConfig
+    ) -> None:
+        super().__init__(host, registry, group, vector, config)
+        self.parts = part_bounds(vector.numel(), self.bandwidths, config.block_size)
+        self.final: dict[int, Final] = {}  # the encoded average of each part, as every member gets it
+        self.reductions: dict[int, PartReduction] = {}
 
     async def run(self) -> tuple[torch.Tensor, RoundReport]:
         """The averaged vector (a new tensor) and the report; AllReduceError when the round

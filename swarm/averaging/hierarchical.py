@@ -64,6 +64,7 @@ import torch
 from swarm.averaging.allreduce import (
     AllReduceError,
     Final,
+    RoundMember,
     RoundRegistry,
     RoundReport,
     await_parts,
@@ -80,7 +81,7 @@ from swarm.p2p.connection import CallContext
 from swarm.p2p.errors import BadRequest, NotFound, P2PError
 from swarm.p2p.host import P2PHost
 from swarm.p2p.stream import Stream
-from swarm_kernels import MalformedPayload, get_codec
+from swarm_kernels import MalformedPayload
 
 logger = logging.getLogger(__name__)
 
@@ -94,25 +95,16 @@ def _fail(future: asyncio.Future[Any], error: BaseException) -> None:
         future.exception()  # retrieved: nobody may be waiting any more
 
 
-class GridRound:
+class GridRound(RoundMember):
     """One member's side of one hierarchical round: call `run()` once (as AllReduceRound)."""
 
     def __init__(
         self, host: P2PHost, registry: RoundRegistry, group: GroupInfo, vector: torch.Tensor, config: AveragingConfig
     ) -> None:
-        if vector.dtype != torch.float32 or vector.dim() != 1 or not vector.is_contiguous():
-            raise ValueError("the all-reduce takes one contiguous 1-D fp32 vector")
-        self.host, self.registry, self.group, self.config = host, registry, group, config
-        self.me = group.index_of(host.peer_id)
-        self.vector = vector
-        self.codec = get_codec(config.codec, block_size=config.block_size)
-        self.weights = [m.weight for m in group.members]
-        bandwidths = [0.0 if m.client else m.bandwidth for m in group.members]
-        self.grid = make_grid(bandwidths, vector.numel(), config.max_group_size, config.block_size)
+        super().__init__(host, registry, group, vector, config)
+        self.grid = make_grid(self.bandwidths, vector.numel(), config.max_group_size, config.block_size)
         self.row, self.col = self.grid.row_of[self.me], self.grid.col_of[self.me]
         self.peers = {m.peer_id for m in group.members}
-        self.result = torch.empty_like(vector)
-        self.report = RoundReport(group.group_id, [str(m.peer_id) for m in group.members], {})
         self.final: dict[tuple[int, int], Final] = {}  # (column, sub-part row) -> as every member gets it
         self.part_done: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # our column
         self.row_reduction: RowReduction | None = None  # None: a passenger
@@ -123,10 +115,7 @@ class GridRound:
             self.row_reduction = RowReduction(subs, self.col, lo, hi, self.me, vector[lo:hi], self.weights,
                                               expected, self.codec, config.chunk_elements)  # fmt: skip
         self.col_reductions: dict[int, ColReduction] = {}
-        self._tasks: list[asyncio.Task[Any]] = []
         self._answering: set[asyncio.Task[Any]] = set()  # answers being written
-        self._started = 0.0
-        self.finished = False
 
     async def run(self) -> tuple[torch.Tensor, RoundReport]:
         """The averaged vector (a new tensor) and the report; AllReduceError when the round
