@@ -154,7 +154,6 @@ def node_args(
         "--lr", repr(options.lr),
         "--warmup-steps", str(options.warmup_steps),
         "--compression", config.compression,
-        "--target-group-size", str(workload.workers),
         "--max-outer-steps", str(workload.steps // config.inner_steps),
         "--seed", str(workload.seed),
         "--threads", "1",

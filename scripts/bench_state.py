@@ -17,7 +17,7 @@ verification, and the load into tensors (zero-copy views of the received shards)
 --to-disk each verified shard is also kept on disk by a writer thread (what lets an interrupted
 fetch resume; a node does it when it has a --checkpoint-dir). The DHT lookup before it is not
 timed (hivemind's load_state_from_peers includes one DHT get; tens of ms). Checked outside the
-timed span: the loaded θ_outer hashes to the donors' `state_sha256`. Memory: the newcomer's peak
+timed span: the loaded state (step, θ_outer, momentum) hashes to the donors' `state_sha256`. Memory: the newcomer's peak
 resident set (VmHWM of its whole process at the end: Python, torch, its DHT node and the fetch),
 its resident set just before the fetch, and the peak of each phase (download + verify, load),
 sampled every 10 ms. MB = 1e6 bytes; MB/s = state bytes / fetch seconds; figures are medians.
@@ -129,7 +129,7 @@ def run_info(model: str) -> Any:
 
 
 def param_names(model: str) -> list[str]:
-    """θ_outer's tensor names in the model's order (the order state_sha256 hashes them in)."""
+    """The model's tensor names in its order (the order state_sha256 hashes them in)."""
     from swarm.model.llama import build_model
     from swarm.model.presets import preset
 
@@ -190,7 +190,7 @@ async def newcomer_main(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from swarm.dht.node import DHTNode
-    from swarm.model.diloco import tensors_sha256
+    from swarm.model.diloco import state_sha256
     from swarm.p2p import P2PConfig, P2PHost
     from swarm.state.fetcher import FetchProgress, fetch_state, remove_fetch_dir
 
@@ -225,7 +225,9 @@ async def newcomer_main(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             await dht.close()
     peak_kib = status_kib("VmHWM")
-    got_sha = await asyncio.to_thread(tensors_sha256, [state["params"][n] for n in names])  # not timed
+    in_model_order = {"outer_step": state["outer_step"], **{key: {n: state[key][n] for n in names}
+                                                             for key in ("params", "momentum")}}  # fmt: skip
+    got_sha = await asyncio.to_thread(state_sha256, in_model_order)  # not timed
     if args.fetch_dest:
         await asyncio.to_thread(remove_fetch_dir, Path(args.fetch_dest), manifest)
     cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
@@ -446,7 +448,7 @@ def run_newcomer(children: Children, opts: Options, bootstrap: str, donors: list
     finally:
         shutil.rmtree(fetch_dest, ignore_errors=True)
     if result["state_sha256"] != donors[0]["state_sha256"]:
-        raise RuntimeError(f"{name} loaded θ_outer {result['state_sha256'][:12]}, the donors hold "
+        raise RuntimeError(f"{name} loaded the state {result['state_sha256'][:12]}, the donors hold "
                            f"{donors[0]['state_sha256'][:12]}")  # fmt: skip
     return result
 

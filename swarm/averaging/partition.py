@@ -1,28 +1,10 @@
-"""Pure arithmetic of a round: how the swarm splits into groups, who leads, and which slice of
-the flattened vector each member reduces (its part). No I/O; tested on its own."""
+"""Pure arithmetic of a round: which slice of the flattened vector each member reduces (its
+part), and how a part travels in chunks. No I/O; tested on its own. (Who is in the group and
+who leads it: ready.py.)"""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
-
-from swarm.p2p.peer_id import PeerID
-
-
-def split_into_groups(peers: Sequence[PeerID], target_size: int, step: int) -> list[list[PeerID]]:
-    """Every node that sees the same ready set computes the same groups. The order is a hash of
-    (step, PeerID), so groups mix from one step to the next; sizes differ by at most one."""
-    ordered = sorted(set(peers), key=lambda p: hashlib.sha256(step.to_bytes(8, "big") + p.to_bytes()).digest())
-    if not ordered:
-        return []
-    count = -(-len(ordered) // target_size)
-    base, extra = divmod(len(ordered), count)
-    groups, start = [], 0
-    for i in range(count):
-        size = base + (i < extra)
-        groups.append(ordered[start : start + size])
-        start += size
-    return groups
 
 
 def part_bounds(numel: int, bandwidths: Sequence[float], block_size: int) -> list[tuple[int, int]]:
