@@ -93,8 +93,9 @@ def plan_without_group(f: Facts, *, late: bool, other_state: bool, waited: float
     # a client can only average with a server; a server with anyone (clients join it)
     same = [p for p in live if p.step == f.step and not (f.client and p.client)]
     if late or same:
-        if (late or any(p.inner >= p.inner_steps for p in same)) and waited < max_wait:
-            return StepPlan(AWAIT_RESULT, "a group of our step formed or is forming without us")
+        if late and waited < max_wait:
+            return StepPlan(AWAIT_RESULT, "a group of our step formed without us")
+        # peers that are done training wait for a group too: matchmaking again at once meets them
         return StepPlan(RETRY, "live peers of our step have no result yet: matchmake again")
     if f.watched_for < f.fresh_for:  # a peer that just started may not have published yet
         return StepPlan(RETRY, "no live peer seen yet: waiting to hear from any that just started")

@@ -74,7 +74,7 @@ GROUPLESS_CASES = [
     ("our state is not the swarm's", facts(peer(5, H)), False, True, 0.0, FETCH),
     ("the step's result is out", facts(peer(6, 0)), True, False, 0.0, FETCH),
     ("late: the group formed without us", facts(peer(5, H)), True, False, 1.0, AWAIT_RESULT),
-    ("peers matchmaking without us", facts(peer(5, H)), False, False, 1.0, AWAIT_RESULT),
+    ("peers done training, no group yet: meet them", facts(peer(5, H)), False, False, 1.0, RETRY),
     ("waited long enough: matchmake again", facts(peer(5, H)), True, False, 31.0, RETRY),
     ("peers of our step still training: wait and matchmake again", facts(peer(5, 4)), False, False, 0.0, RETRY),
     ("the peers vanished meanwhile", facts(peer(5, H, age=60)), False, False, 5.0, APPLY_OWN),
