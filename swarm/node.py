@@ -302,13 +302,16 @@ class SwarmNode:
             if matchmaking is not None and not matchmaking.done() and stop.is_set():
                 matchmaking.cancel()
 
-    async def _wait_for_peers(self, book: ProgressBook, stopping: asyncio.Future[Any]) -> None:
+    async def _wait_for_peers(self, book: ProgressBook, stopping: asyncio.Future[Any] | None = None) -> None:
         await book.refresh()
         now = time.time()
         delay = matchmaking_start(self._facts(book), now, self.config.matchmaking_time, self.config.max_wait) - now
         if delay > 0:
             logger.info("waiting %.1fs for slower peers of step %d", delay, self.diloco.outer_step)
-            await asyncio.wait({stopping}, timeout=delay)
+            if stopping is None:
+                await asyncio.sleep(delay)
+            else:
+                await asyncio.wait({stopping}, timeout=delay)
 
     async def _matchmake(self, averager: Averager, book: ProgressBook, step: int, weight: float, *,
                          gather: float | None = None, joining: bool = False) -> Matchmade:  # fmt: skip
@@ -363,7 +366,7 @@ class SwarmNode:
                 logger.info("step %d: %s%s", step, plan.why,
                             " (the step's result was computed without us; its holders may have left)" if late else "")
                 await asyncio.sleep(RESULT_POLL)
-                await self._wait_for_peers(book, loop.create_future())
+                await self._wait_for_peers(book)
                 found = await self._matchmake(averager, book, step, float(diloco.tokens_since_outer))
                 without_group_since = None if found.group is not None else loop.time()
 
