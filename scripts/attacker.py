@@ -1,0 +1,25 @@
+"""A malicious swarm-node: `python -m scripts.attacker ATTACK [swarm-node options...]`.
+
+The real node (swarm/cli/node.py) with the methods of one attack of scripts/attacks.py changed
+in this process only. Test and benchmark use only: it attacks the swarm it joins.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from scripts.attacks import ATTACKS
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ATTACKS:
+        print(f"usage: python -m scripts.attacker {{{','.join(ATTACKS)}}} [swarm-node options...]", file=sys.stderr)
+        return 2
+    ATTACKS[argv[0]]()
+    from swarm.cli.node import main as node_main
+
+    return node_main(args=argv[1:], prog_name="swarm-node (attacker)")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
