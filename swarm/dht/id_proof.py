@@ -7,7 +7,7 @@ lands next to a chosen key: 21,000 keys in 3 s). It is
 
 and it is valid only if SHA-256(node_id) starts with `bits` zero bits (DHTConfig.id_bits). Each
 nonce tried costs two SHA-256 of a few dozen bytes, so a valid id costs 2^bits tries on
-average (bits = 18: about a second of one core with hashlib), while checking one costs two
+average (bits = 20: about a second of one core with hashlib), while checking one costs two
 hashes (a few microseconds). Because the id is the hash, an attacker cannot pick where a valid
 id lands: an id within b bits of a target key costs 2^(b + bits) tries instead of 2^b.
 (Baumgart and Mies, "S/Kademlia: A practicable approach towards secure key-based routing",
