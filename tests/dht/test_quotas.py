@@ -147,7 +147,7 @@ def test_fair_share_victim(by_source: dict[PeerID | None, int], newcomer: PeerID
 
 @pytest.mark.parametrize(
     ("key", "kind", "cap"),
-    [("run/nodes", "nodes", 900.0), ("run/state", "state", 900.0), ("run/ready/12", "ready", 3600.0),
+    [("run/nodes", "nodes", 900.0), ("run/state", "state", 3600.0), ("run/ready/12", "ready", 3600.0),
      ("run/ready/x", None, 7 * 24 * 3600.0), ("run/nodes/x", None, 7 * 24 * 3600.0), ("nodes", None, 7 * 24 * 3600.0),
      ("/nodes", None, 7 * 24 * 3600.0), (b"run/nodes", None, 7 * 24 * 3600.0), ("a/b/state", None, 7 * 24 * 3600.0)],
 )  # fmt: skip
