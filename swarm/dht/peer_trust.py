@@ -24,7 +24,9 @@ from swarm.p2p.peer_id import PeerID
 logger = logging.getLogger(__name__)
 
 MAX_LOGGED_PEERS = 4096  # peers whose bad proof was logged: each is named once, then counted
-_SOLVED: dict[tuple[PeerID, int], bytes] = {}  # proofs found in this process (a node restarted)
+_SOLVED: dict[tuple[PeerID, int], bytes] = {}  # costly proofs found in this process (a node restarted)
+_MAX_SOLVED = 1024
+_CACHE_FROM_BITS = 12  # cheaper proofs are solved again (a simulation makes 10,000 of them)
 _SOLVED_LOCK = threading.Lock()
 
 
@@ -97,6 +99,9 @@ class PeerTrust:
             elapsed = time.perf_counter() - started
             if elapsed > 0.1:
                 logger.info("found a DHT id proof of %d bits in %.1f s", bits, elapsed)
-            with _SOLVED_LOCK:
-                _SOLVED[(self.peer_id, bits)] = nonce
+            if bits >= _CACHE_FROM_BITS:
+                with _SOLVED_LOCK:
+                    if len(_SOLVED) >= _MAX_SOLVED:
+                        _SOLVED.pop(next(iter(_SOLVED)))
+                    _SOLVED[(self.peer_id, bits)] = nonce
         return nonce
