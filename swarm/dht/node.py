@@ -9,12 +9,10 @@ from p2p_config), shares one handed in with `host=` (a training node shares it w
 or runs over any Transport (the in-memory one of the simulator). client_mode: the node asks but
 never serves; peers do not add it to their routing tables (for nodes nobody can dial).
 
-Sybil and eclipse defences (S/Kademlia; issue 13): the node's Kademlia id carries a proof of
-work bound to its PeerID (id_proof.py), found at start in a worker thread or read from
-`id_proof_path` (next to the identity file); a client solves one too, so its records rank with
-costly identities (quotas.py). Every contact a peer names is checked before it is trusted;
-lookups run over DHTConfig.disjoint_paths disjoint paths and stores go to every path's k
-closest (lookup.py); storage and cache charge each record to its sender (quotas.py).
+S/Kademlia (issue 13): the node id carries a proof of work bound to the PeerID (id_proof.py),
+solved at start in a worker thread or read from `id_proof_path`; clients solve one too, so their
+records rank as costly identities (quotas.py, which also charges each record to its sender).
+Lookups run over disjoint paths and stores go to every path's k closest (lookup.py).
 """
 
 from __future__ import annotations
@@ -81,9 +79,9 @@ class DHTNode(DHTServing):
         if identity is not None and identity.peer_id != self.peer_id:
             raise ValueError("identity does not match the transport's PeerID")
         self.trust = PeerTrust(self.peer_id, self.config, id_proof_path)
-        quotas, standing = self.trust.quotas, self.trust.standings
-        self.storage = RecordStorage(self.config.max_records, self.config.max_subkeys_per_key, quotas, standing)
-        self.cache = RecordStorage(self.config.max_cache_records, self.config.max_subkeys_per_key, quotas, standing)
+        trust, per_key = self.trust, self.config.max_subkeys_per_key
+        self.storage = RecordStorage(self.config.max_records, per_key, trust.quotas, trust.standings)
+        self.cache = RecordStorage(self.config.max_cache_records, per_key, trust.cache_quotas, trust.standings)
         self._own_records: dict[tuple[Key, Key | None], Record] = {}  # what we republish
         self._tasks: set[asyncio.Task[Any]] = set()
         self._maintenance: asyncio.Task[None] | None = None

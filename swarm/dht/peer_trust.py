@@ -8,6 +8,7 @@ quotas.py ranks stored entries by it), and a log of bad id proofs that names eac
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -36,6 +37,8 @@ class PeerTrust:
         self.config = config
         self.id_proof_path = Path(id_proof_path) if id_proof_path is not None else None
         self.quotas = Quotas.from_config(config)
+        # a cache store is one lookup's records for one key, from one peer: up to a batch of them
+        self.cache_quotas = dataclasses.replace(self.quotas, max_per_source=config.max_store_batch)
         self.standings = PeerStandings()
         self.bad_proofs = 0  # contacts and senders dropped for a bad id proof
         self._logged: OrderedDict[PeerID, None] = OrderedDict()
