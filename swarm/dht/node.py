@@ -219,8 +219,9 @@ class DHTNode(DHTServing):
         found = await asyncio.wait_for(self._lookup(target, None, stop_on_value=False), self.config.lookup_timeout)
         now = time.time()
         nodes, accepted = found.replicas(), 0
-        if not self.client_mode and (len(found.closest) < self.config.k or self._closer_than_kth(target, found)):
-            nodes = nodes[: len(nodes) - (len(found.closest) >= self.config.k)]  # this node is a replica
+        full = len(found.closest) >= self.config.k  # else this node is among the k closest anyway
+        if not self.client_mode and (not full or (self.node_id ^ target) < (found.closest[-1].node_id ^ target)):
+            nodes = nodes[: len(nodes) - full]  # this node is a replica: the farthest one is not
             accepted += any(self._put_local(self.storage, record, now) for record in records)
         wire = [r.to_wire() for r in records]
         args = {**self._sender, "records": wire}
@@ -238,10 +239,6 @@ class DHTNode(DHTServing):
         if not accepted:
             logger.debug("store of %r accepted by no node (%d asked; refusals %s)", key, len(nodes), reasons)
         return accepted
-
-    def _closer_than_kth(self, target: int, found: LookupResult) -> bool:
-        """Whether this node is among the k closest to target of those the lookup found."""
-        return (self.node_id ^ target) < (found.closest[-1].node_id ^ target)
 
     def _put_local(self, storage: RecordStorage, record: Record, now: float) -> bool:
         try:
