@@ -318,10 +318,11 @@ class DHTNode(DHTServing):
 
     # --- routing table upkeep ---------------------------------------------------------------
 
-    def _heard_from(self, contact: Contact) -> None:
+    def _heard_from(self, contact: Contact, own_word: bool = False) -> None:
+        """contact answered us (own_word: it named its id itself, in a request or a ping reply)."""
         self.trust.heard_from(contact.peer_id, proven=True)
-        now = asyncio.get_running_loop().time()
-        stale = self.table.add(contact.peer_id, contact.maddrs, now, node_id=contact.node_id, nonce=contact.nonce)
+        proof = {"node_id": contact.node_id, "nonce": contact.nonce, "own_word": own_word}
+        stale = self.table.add(contact.peer_id, contact.maddrs, asyncio.get_running_loop().time(), **proof)
         if stale is not None and not self._closed:
             self._spawn(self._check_stale(stale))
 
@@ -340,7 +341,7 @@ class DHTNode(DHTServing):
             return
         if not contact.maddrs and fallback_maddr is not None:
             contact.maddrs = (fallback_maddr,)
-        self._heard_from(contact)
+        self._heard_from(contact, own_word=True)
 
     async def _check_stale(self, stale: Contact) -> None:
         """Ping the least recently seen contact of a full bucket; replace it only if it fails."""

@@ -88,16 +88,20 @@ class RoutingTable:
         *,
         node_id: int | None = None,
         nonce: bytes = b"",
+        own_word: bool = True,
     ) -> Contact | None:
         """Record that we heard from peer_id at node_id (its proof already checked by the
         caller; None: the plain hash PeerID.dht_id, for tables outside a DHT). Returns a stale
         contact the caller should ping (then call ping_failed or ping_succeeded), or None. A
-        known peer that shows up with another id loses its old place."""
+        known peer that announces another id itself (own_word) moves there; another peer's word
+        (a find reply) cannot move it: a proof solved for someone else's PeerID moves nothing."""
         node_id = peer_id.dht_id if node_id is None else node_id
         if node_id == self.own_id:
             return None
         known = self._ids.get(peer_id)
         if known is not None and known != node_id:
+            if not own_word:
+                return None
             self.remove(peer_id)
         now = time.monotonic() if now is None else now
         while True:

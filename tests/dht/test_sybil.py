@@ -23,7 +23,7 @@ from swarm.dht.id_proof import BadIdProof, leading_zero_bits, load_or_solve, nod
 from swarm.dht.ids import key_id
 from swarm.dht.lookup import iterative_lookup
 from swarm.dht.records import Record
-from swarm.dht.routing import Contact
+from swarm.dht.routing import Contact, RoutingTable
 from swarm.dht.run_keys import state_key
 from swarm.dht.storage import RecordStorage
 from swarm.p2p import CallContext, Identity, P2PConfig, P2PHost, PeerID
@@ -165,7 +165,7 @@ async def test_values_survive_20_ids_that_sit_closest_to_the_key_and_drop_stores
     honest: list[DHTNode] = []
     attackers: list[DroppingNode] = []
     try:
-        for i in range(24):
+        for _ in range(24):
             initial = [honest[0].visible_maddrs[0]] if honest else []
             honest.append(await DHTNode(initial_peers=initial, config=CONFIG, p2p_config=on("127.0.0.1")).start())
         nearest_honest = min(n.node_id ^ target for n in honest)
@@ -241,3 +241,23 @@ async def test_disjoint_paths_ask_each_node_once_and_route_around_a_bad_group() 
     path_sets = [{c.peer_id for c in path} for path in result.path_closest]
     assert all(not (a & b) for i, a in enumerate(path_sets) for b in path_sets[i + 1 :])
     assert len(result.replicas()) == sum(map(len, path_sets)) > 10
+
+
+def test_another_peers_word_cannot_move_a_known_peers_id() -> None:
+    """A find reply may name a known PeerID with another valid proof (solved for that PeerID by
+    someone else): the table keeps the id the peer announced itself; the peer's own word moves it."""
+    own, peer = Identity.generate().peer_id, Identity.generate().peer_id
+    table = RoutingTable(verify(own, solve(own, 4), 4), 20)
+    first, other = solve(peer, 4), next(n for i in range(1 << 12) if verify_ok(peer, n := i.to_bytes(8, "big")))
+    assert first != other
+    table.add(peer, ("/a",), 1.0, node_id=node_id_of(peer, first), nonce=first)
+    assert table.add(peer, ("/b",), 2.0, node_id=node_id_of(peer, other), nonce=other, own_word=False) is None
+    assert table.get(peer).node_id == node_id_of(peer, first) and table.get(peer).maddrs == ("/a",)
+    table.add(peer, ("/c",), 3.0, node_id=node_id_of(peer, other), nonce=other)
+    assert table.get(peer).node_id == node_id_of(peer, other) and table.node_id_of(peer) == node_id_of(peer, other)
+    assert len(table) == 1
+
+
+def verify_ok(peer: PeerID, nonce: bytes) -> bool:
+    """A valid 4-bit proof other than the first one solve() finds."""
+    return leading_zero_bits(node_id_of(peer, nonce)) >= 4 and nonce != solve(peer, 4)
