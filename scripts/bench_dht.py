@@ -12,6 +12,13 @@ Workload (the same for swarm and, with --compare hivemind, for hivemind.DHT):
    p2pd), then the survivors immediately get random keys of all N nodes, the dead ones' too.
 Workers run their nodes' operations one at a time, so P operations are in flight at once.
 
+swarm's nodes run with S/Kademlia's defences (issue 13): ids with a proof of work, solved before
+the timed start (--id-bits; get and store latency do not depend on it: a proof is checked in
+microseconds whatever its difficulty), and lookups over --disjoint-paths disjoint paths (a
+comma-separated list runs swarm once per value: "1,3" shows what the extra paths cost). The
+identity-making time (median of 5 proofs at DHTConfig's default difficulty, one core, hashlib)
+and the time to check one proof are measured in the same run.
+
 --simulate runs the real DHTNode code over an in-memory network (swarm.dht.simulation) at
 N = 100, 1,000 and 10,000 and prints lookup rounds (hops) and success rates.
 --json prints one JSON object instead of tables.
@@ -27,8 +34,10 @@ import json
 import math
 import os
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -72,6 +81,22 @@ class SwarmDHTBackend:
 
     def __init__(self) -> None:
         self.nodes: list[Any] = []
+        self.prepared: list[tuple[Any, Path]] = []  # identities whose id proofs are solved
+        self.config: Any = None
+        self.proof_dir = Path(tempfile.mkdtemp(prefix="bench-dht-"))
+
+    def prepare(self, count: int, id_bits: int, disjoint_paths: int) -> None:
+        """Make identities and solve their id proofs (untimed: identity making is measured alone)."""
+        from swarm.dht import DHTConfig
+        from swarm.dht.id_proof import load_or_solve
+        from swarm.p2p import Identity
+
+        self.config = DHTConfig(id_bits=id_bits, disjoint_paths=disjoint_paths)
+        for _ in range(count):
+            identity = Identity.generate()
+            path = self.proof_dir / f"{identity.peer_id}.dht-id"
+            load_or_solve(path, identity.peer_id, id_bits)
+            self.prepared.append((identity, path))
 
     async def start(self, count: int, initial_peers: list[str], rng: random.Random) -> list[str]:
         from swarm.dht import DHTNode
@@ -79,9 +104,10 @@ class SwarmDHTBackend:
 
         config = P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))
         maddrs: list[str] = []
-        for _ in range(count):
+        for identity, proof in self.prepared[:count]:
             pool = initial_peers + maddrs
-            node = DHTNode(initial_peers=[rng.choice(pool)] if pool else [], p2p_config=config)
+            initial = [rng.choice(pool)] if pool else []
+            node = DHTNode(identity, initial, config=self.config, p2p_config=config, id_proof_path=proof)
             self.nodes.append(await node.start())
             maddrs.append(node.visible_maddrs[0])
         return maddrs
@@ -101,6 +127,7 @@ class SwarmDHTBackend:
 
     async def close(self) -> None:
         await asyncio.gather(*(node.close() for node in self.nodes), return_exceptions=True)
+        shutil.rmtree(self.proof_dir, ignore_errors=True)
 
 
 def make_backend(system: str) -> Any:
@@ -129,7 +156,11 @@ async def worker_main(system: str) -> None:
                 return
             cmd = json.loads(line)
             op = cmd["op"]
-            if op == "start":
+            if op == "prepare":
+                if system == "swarm":
+                    await asyncio.to_thread(backend.prepare, cmd["count"], cmd["id_bits"], cmd["disjoint_paths"])
+                reply({})
+            elif op == "start":
                 rng = random.Random(cmd["seed"])
                 started = time.perf_counter()
                 maddrs = await backend.start(cmd["count"], cmd["initial_peers"], rng)
@@ -168,11 +199,14 @@ def run_all(workers: list[WorkerProcess], cmds: dict[int, dict[str, Any]], timeo
     return {index: workers[index].receive(timeout) for index in cmds}
 
 
-def measure(system: str, n: int, processes: int, gets_per_node: int, churn: float, seed: int) -> dict[str, Any]:
+def measure(
+    system: str, n: int, processes: int, gets_per_node: int, churn: float, seed: int, dht: dict[str, int]
+) -> dict[str, Any]:
     rng = random.Random(seed)
     workers = [start_worker(system, i) for i in range(processes)]
     try:
         counts = [n // processes + (i < n % processes) for i in range(processes)]
+        run_all(workers, {w: {"op": "prepare", "count": c, **dht} for w, c in enumerate(counts)}, 60 + 30 * n)
         owners: list[tuple[int, int]] = []  # global node index -> (worker, local index)
         maddrs: list[str] = []
         started = time.perf_counter()
@@ -237,16 +271,47 @@ def measure(system: str, n: int, processes: int, gets_per_node: int, churn: floa
             worker.close()
 
 
-def single_node_mb() -> float:
+def single_node_mb(dht: dict[str, int]) -> float:
     """PSS of a process that runs one swarm DHT node: what a lone `swarm-dht serve` costs."""
     worker = start_worker("swarm", 0)
     try:
+        worker.send({"op": "prepare", "count": 1, **dht})
+        worker.receive(600)
         worker.send({"op": "start", "count": 1, "initial_peers": [], "seed": 0})
         worker.receive(60)
         worker.send({"op": "pids"})
         return pss_mb(worker.receive(60)["pids"])
     finally:
         worker.close()
+
+
+def identity_making(runs: int = 5) -> dict[str, float]:
+    """Seconds to solve one id proof at DHTConfig's default difficulty (median of `runs` fresh
+    identities, one core) and microseconds to check one."""
+    from swarm.dht.config import DEFAULT_ID_BITS
+    from swarm.dht.id_proof import solve, verify
+    from swarm.p2p import Identity
+
+    times, tries = [], 0
+    for _ in range(runs):
+        peer = Identity.generate().peer_id
+        t0 = time.perf_counter()
+        nonce = solve(peer, DEFAULT_ID_BITS)
+        times.append(time.perf_counter() - t0)
+        tries += int.from_bytes(nonce, "big") + 1  # solve() tries nonces 0, 1, 2, ...
+    t0 = time.perf_counter()
+    for _ in range(10_000):
+        verify(peer, nonce, DEFAULT_ID_BITS)
+    verify_us = (time.perf_counter() - t0) / 10_000 * 1e6
+    rate = tries / sum(times)
+    return {
+        "id_bits": DEFAULT_ID_BITS,
+        "id_making_s_median": statistics.median(times),
+        "id_making_s_max": max(times),
+        "id_tries_per_s": rate,
+        "id_making_s_expected": 2**DEFAULT_ID_BITS / rate,
+        "id_verify_us": verify_us,
+    }
 
 
 def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -278,7 +343,9 @@ def fmt(value: float) -> str:
     return f"{value:,.2f}" if value < 100 else f"{value:,.0f}"
 
 
-def print_tables(results: dict[str, dict[str, Any]], sim: list[dict[str, Any]], single_mb: float | None) -> None:
+def print_tables(
+    results: dict[str, dict[str, Any]], sim: list[dict[str, Any]], single_mb: float | None, ids: dict[str, float] | None
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -289,17 +356,23 @@ def print_tables(results: dict[str, dict[str, Any]], sim: list[dict[str, Any]], 
         table.add_column("")
         for system in results:
             table.add_column(system, justify="right")
-        if len(results) == 2:
+        if "hivemind" in results:
             table.add_column("swarm / hivemind", justify="right")
         for label, a, b in ROWS:
             cells = [fmt(r[a]) + (f" / {fmt(r[b])}" if b else "") for r in results.values()]
-            if len(results) == 2:
+            if "hivemind" in results:
                 ours, theirs = results["swarm"][a], results["hivemind"][a]
                 cells.append(f"{ours / theirs:.3f}" if theirs else "-")
             table.add_row(label, *cells)
         console.print(table)
         if single_mb is not None:
             console.print(f"one swarm DHT node alone in a process: {single_mb:.1f} MB (PSS)")
+    if ids:
+        console.print(
+            f"DHT id proof of {ids['id_bits']} bits: made in {ids['id_making_s_median']:.2f} s (median of 5, "
+            f"max {ids['id_making_s_max']:.2f} s, one core; expected {ids['id_making_s_expected']:.2f} s at "
+            f"{ids['id_tries_per_s'] / 1e6:.2f} M tries/s), checked in {ids['id_verify_us']:.1f} us"
+        )
     if sim:
         table = Table(title="Simulated DHT (the real node code over an in-memory network)")
         for column in (
@@ -334,6 +407,11 @@ def main() -> None:
     parser.add_argument("--simulate", action="store_true", help="run the in-memory simulation instead")
     parser.add_argument("--sim-sizes", default="100,1000,10000")
     parser.add_argument("--sim-gets", type=int, default=1000)
+    parser.add_argument("--disjoint-paths", default="3", help="lookup paths of swarm's nodes; a list runs each")
+    parser.add_argument(
+        "--id-bits", type=int, default=None, help="difficulty of the nodes' id proofs (default: DHTConfig's)"
+    )
+    parser.add_argument("--no-id-making", action="store_true", help="skip the identity-making measurement")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--_worker", choices=["swarm", "hivemind"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -346,32 +424,49 @@ def main() -> None:
     if not 0 < args.churn < 1 or args.nodes < args.processes or args.processes < 1:
         parser.error("need 0 < --churn < 1 and 1 <= --processes <= --nodes")
 
+    from swarm.dht.config import DEFAULT_ID_BITS
+
     results: dict[str, dict[str, Any]] = {}
     sim: list[dict[str, Any]] = []
     single_mb = None
+    ids = None
+    paths = [int(x) for x in args.disjoint_paths.split(",")]
+    dht = {"id_bits": DEFAULT_ID_BITS if args.id_bits is None else args.id_bits, "disjoint_paths": paths[-1]}
     if args.simulate:
         sim = simulate([int(x) for x in args.sim_sizes.split(",")], args.sim_gets)
     else:
-        systems = ["swarm"] + ([args.compare] if args.compare else [])
-        for system in systems:
+        # the last --disjoint-paths value is "swarm"; the others are labelled with their path count
+        systems = [(f"swarm, {p} path{'s' * (p != 1)}", "swarm", p) for p in paths[:-1]]
+        systems += [("swarm", "swarm", paths[-1])] + ([(args.compare, args.compare, 0)] if args.compare else [])
+        for label, system, p in systems:
+            config = {**dht, "disjoint_paths": p or paths[-1]}
             runs = [
-                measure(system, args.nodes, args.processes, args.gets_per_node, args.churn, args.seed + r)
+                measure(system, args.nodes, args.processes, args.gets_per_node, args.churn, args.seed + r, config)
                 for r in range(args.repeat)
             ]
-            results[system] = median_of(runs)
-        single_mb = single_node_mb()
+            results[label] = median_of(runs)
+        single_mb = single_node_mb(dht)
+    if not args.no_id_making:
+        ids = identity_making()
     if args.json:
         out: dict[str, Any] = {}
         if results:
             out.update(results["swarm"])
             out["rss_MB_single_node_process"] = single_mb
+            out["disjoint_paths"], out["node_id_bits"] = dht["disjoint_paths"], dht["id_bits"]
+            for label, result in results.items():
+                if label.startswith("swarm, "):  # "swarm, 1 path" -> paths1_get_p50_ms, ...
+                    prefix = f"paths{label.split()[1]}"
+                    out.update({f"{prefix}_{k}": v for k, v in result.items() if k not in ("n", "processes")})
             if "hivemind" in results:
                 out.update({f"hivemind_{k}": v for k, v in results["hivemind"].items() if k not in ("n", "processes")})
+        if ids:
+            out.update(ids)
         if sim:
             out["simulation"] = sim
         print(json.dumps(out))
     else:
-        print_tables(results, sim, single_mb)
+        print_tables(results, sim, single_mb, ids)
 
 
 if __name__ == "__main__":

@@ -5,12 +5,18 @@ exception nobody awaited, a callback that crashed)."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from swarm.dht.config import ID_BITS_ENV
 from swarm.eventloop import loop_factory
+
+# DHT ids cost 2^id_bits hashes (swarm/dht/id_proof.py): ~1 s each by default, 1 ms in tests.
+# Set before any DHTConfig is built; subprocesses (swarm-node, swarm-dht) inherit it.
+os.environ.setdefault(ID_BITS_ENV, "8")
 
 _loop_errors: list[dict[str, Any]] = []
 

@@ -54,6 +54,7 @@ from swarm.cli.common import (
 from swarm.dht import run_keys
 from swarm.dht.config import DHTConfig
 from swarm.dht.errors import RecordError
+from swarm.dht.id_proof import proof_path_for
 from swarm.dht.node import DHTNode, user_value
 from swarm.dht.records import OWNER_PREFIX, Record, ValueWithExpiration, owner_of, owner_subkey
 from swarm.p2p.config import P2PConfig
@@ -112,7 +113,8 @@ def serve(
 
     async def run() -> None:
         p2p_config = P2PConfig(host_maddrs=host_maddrs or SERVE_HOST_MADDRS, announce_maddrs=announce_maddrs)
-        node = DHTNode(node_identity, initial_peers, p2p_config=p2p_config)
+        proof_path = proof_path_for(identity) if identity is not None else None  # the id proof, kept with the key
+        node = DHTNode(node_identity, initial_peers, p2p_config=p2p_config, id_proof_path=proof_path)
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
@@ -39,11 +40,15 @@ class DHT:
         client_mode: bool = False,
         start_timeout: float = 60.0,
         use_uvloop: bool = True,
+        id_proof_path: str | os.PathLike[str] | None = None,
     ) -> None:
         self._loop = loop_factory(use_uvloop)()
         self._thread = threading.Thread(target=self._loop.run_forever, name="swarm-dht", daemon=True)
         self._thread.start()
-        self.node = DHTNode(identity, initial_peers, config=config, p2p_config=p2p_config, client_mode=client_mode)
+        self.node = DHTNode(
+            identity, initial_peers, config=config, p2p_config=p2p_config, client_mode=client_mode,
+            id_proof_path=id_proof_path,
+        )  # fmt: skip
         try:
             self._submit(self.node.start(), start_timeout)
         except BaseException:

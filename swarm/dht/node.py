@@ -8,6 +8,11 @@ With no initial peers the node is the first of a new DHT. A node either owns its
 from p2p_config), shares one handed in with `host=` (a training node shares it with averaging),
 or runs over any Transport (the in-memory one of the simulator). client_mode: the node asks but
 never serves; peers do not add it to their routing tables (for nodes nobody can dial).
+
+S/Kademlia (issue 13): the node id carries a proof of work bound to the PeerID (id_proof.py),
+solved at start in a worker thread or read from `id_proof_path`; clients solve one too, so their
+records rank as costly identities (quotas.py, which also charges each record to its sender).
+Lookups run over disjoint paths and stores go to every path's k closest (lookup.py).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import time
 from collections.abc import Iterable
@@ -23,14 +29,16 @@ from typing import Any
 from swarm.dht import protocol as proto
 from swarm.dht.config import DHTConfig
 from swarm.dht.errors import BootstrapError, RecordError
+from swarm.dht.id_proof import BadIdProof
 from swarm.dht.ids import Key, id_to_bytes, key_id, random_id_between
 from swarm.dht.lookup import LookupResult, iterative_lookup, merge_into
+from swarm.dht.peer_trust import PeerTrust
 from swarm.dht.records import Record, ValueWithExpiration, unpack_value
 from swarm.dht.routing import Contact, RoutingTable
+from swarm.dht.serving import DHTServing
 from swarm.dht.storage import RecordStorage
 from swarm.dht.transport import P2PTransport, Transport
 from swarm.p2p.config import P2PConfig
-from swarm.p2p.connection import CallContext
 from swarm.p2p.errors import BadRequest, P2PError
 from swarm.p2p.host import P2PHost
 from swarm.p2p.identity import Identity
@@ -41,7 +49,7 @@ logger = logging.getLogger(__name__)
 UNBOUNDED = 1 << 62  # merge containers for one lookup's results: bounded by the replies' own limits
 
 
-class DHTNode:
+class DHTNode(DHTServing):
     def __init__(
         self,
         identity: Identity | None = None,
@@ -52,6 +60,7 @@ class DHTNode:
         host: P2PHost | None = None,
         transport: Transport | None = None,
         client_mode: bool = False,
+        id_proof_path: str | os.PathLike[str] | None = None,
     ) -> None:
         if sum(x is not None for x in (p2p_config, host, transport)) > 1:
             raise ValueError("pass at most one of p2p_config, host and transport")
@@ -69,16 +78,26 @@ class DHTNode:
         self.peer_id: PeerID = transport.peer_id
         if identity is not None and identity.peer_id != self.peer_id:
             raise ValueError("identity does not match the transport's PeerID")
-        self.node_id = self.peer_id.dht_id
-        self.table = RoutingTable(self.node_id, self.config.k)
-        self.storage = RecordStorage(self.config.max_records, self.config.max_subkeys_per_key)
-        self.cache = RecordStorage(self.config.max_cache_records, self.config.max_subkeys_per_key)
+        self.trust = PeerTrust(self.peer_id, self.config, id_proof_path)
+        trust, per_key = self.trust, self.config.max_subkeys_per_key
+        self.storage = RecordStorage(self.config.max_records, per_key, trust.quotas, trust.standings)
+        self.cache = RecordStorage(self.config.max_cache_records, per_key, trust.cache_quotas, trust.standings)
         self._own_records: dict[tuple[Key, Key | None], Record] = {}  # what we republish
         self._tasks: set[asyncio.Task[Any]] = set()
         self._maintenance: asyncio.Task[None] | None = None
         self._started = False
         self._closed = False
         self._addrs: tuple[str, ...] | None = None
+        self._sender: dict[str, Any] = {}  # "a" and "n" of every request (protocol.py)
+
+    @property
+    def node_id(self) -> int:
+        """This node's Kademlia id (id_proof.py), known once start() found its proof."""
+        return self.trust.node_id
+
+    @property
+    def table(self) -> RoutingTable:
+        return self.trust.table
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -86,9 +105,15 @@ class DHTNode:
         if self._started:
             return self
         self._started = True
+        try:
+            await self.trust.prove_own_id()
+        except BaseException:
+            await self.close()
+            raise
         if self._own_host is not None:
             await self._own_host.start()
         self._addrs = None if self.client_mode else tuple(self.transport.visible_maddrs())
+        self._sender = {"a": self._addrs, "n": self.trust.nonce}
         if not self.client_mode:
             self.transport.add_handler(proto.PING, self._rpc_ping)
             self.transport.add_handler(proto.FIND, self._rpc_find)
@@ -115,10 +140,11 @@ class DHTNode:
         if self._closed:
             return
         self._closed = True
+        self.trust.stop_solving()
         for task in [*self._tasks, *([self._maintenance] if self._maintenance else [])]:
             task.cancel()
         await asyncio.gather(*self._tasks, *([self._maintenance] if self._maintenance else []), return_exceptions=True)
-        if not self.client_mode:
+        if not self.client_mode and self._addrs is not None:
             for method in (proto.PING, proto.FIND, proto.STORE):
                 self.transport.remove_handler(method)
         if self._own_host is not None:
@@ -173,36 +199,33 @@ class DHTNode:
 
     async def find_node(self, target: int) -> list[Contact]:
         """The k nodes closest to target that answered (this node left out)."""
-        result = await self._lookup(target, None, stop_on_value=False, found=RecordStorage(1, 1))
+        result = await self._lookup(target, None, stop_on_value=False)
         return result.closest
 
     async def ping(self, maddr: str) -> tuple[PeerID, float]:
         """Ping whoever answers at maddr and add it to the routing table; (PeerID, seconds)."""
         start = time.perf_counter()
-        peer, reply = await self.transport.call_maddr(maddr, proto.PING, {"a": self._addrs}, self.config.rpc_timeout)
+        peer, reply = await self.transport.call_maddr(maddr, proto.PING, self._sender, self.config.rpc_timeout)
         rtt = time.perf_counter() - start
-        addrs = proto.parse_addrs(reply, self.config)
-        if addrs is not None:
-            self._heard_from(peer, addrs or (maddr,))
+        self._heard_from_sender(peer, reply, fallback_maddr=maddr)
         return peer, rtt
 
     # --- storing ----------------------------------------------------------------------------
 
     async def _store_records(self, key: Key, records: list[Record]) -> int:
-        now = time.time()
-        nodes = await asyncio.wait_for(self.find_node(key_id(key)), self.config.lookup_timeout)
-        accepted = 0
+        """Store on the k closest of every disjoint path (LookupResult.replicas): m nodes that
+        sit closest to the key and drop what they get hold every copy only if m >= paths * k."""
         target = key_id(key)
-        if not self.client_mode and (
-            len(nodes) < self.config.k or (self.node_id ^ target) < (nodes[-1].node_id ^ target)
-        ):
-            nodes = nodes[: self.config.k - 1]  # this node is one of the k replicas
+        found = await asyncio.wait_for(self._lookup(target, None, stop_on_value=False), self.config.lookup_timeout)
+        now = time.time()
+        nodes, accepted = found.replicas(), 0
+        full = len(found.closest) >= self.config.k  # else this node is among the k closest anyway
+        if not self.client_mode and (not full or (self.node_id ^ target) < (found.closest[-1].node_id ^ target)):
+            nodes = nodes[: len(nodes) - full]  # this node is a replica: the farthest one is not
             accepted += any(self._put_local(self.storage, record, now) for record in records)
         wire = [r.to_wire() for r in records]
-        replies = await asyncio.gather(
-            *(self._call(c.peer_id, c.maddrs, proto.STORE, {"a": self._addrs, "records": wire}) for c in nodes),
-            return_exceptions=True,
-        )
+        args = {**self._sender, "records": wire}
+        replies = await asyncio.gather(*(self._call(c, proto.STORE, args) for c in nodes), return_exceptions=True)
         reasons: dict[str, int] = {}
         for reply in replies:
             if isinstance(reply, BaseException):
@@ -230,25 +253,27 @@ class DHTNode:
             if contact.peer_id not in result.holders:
                 records = [r.to_wire() for r in result.records(key, time.time())][: self.config.max_store_batch]
                 if records:
-                    args = {"a": self._addrs, "records": records, "cache": True}
+                    args = {**self._sender, "records": records, "cache": True}
                     self._spawn(self._call_quietly(contact, proto.STORE, args))
                 return
 
     # --- lookups ----------------------------------------------------------------------------
 
-    async def _lookup(self, target: int, key: Key | None, *, stop_on_value: bool, found: RecordStorage) -> LookupResult:
-        args: dict[str, Any] = {"a": self._addrs, "id": id_to_bytes(target)}
+    async def _lookup(
+        self, target: int, key: Key | None, *, stop_on_value: bool, found: RecordStorage | None = None
+    ) -> LookupResult:
+        args: dict[str, Any] = {**self._sender, "id": id_to_bytes(target)}
         if key is not None:
             args["key"] = key
             if stop_on_value:
                 args["peers"] = False  # a holder's records end this lookup: its peers would go unread
 
         async def ask(contact: Contact) -> tuple[list[Contact], list[Record]]:
-            reply = await self._call(contact.peer_id, contact.maddrs, proto.FIND, args)
+            reply = await self._call(contact, proto.FIND, args)
             try:
                 if not isinstance(reply, dict):
                     raise BadRequest("a find reply must be a map")
-                peers = proto.decode_contacts(reply.get("peers", []), self.config)
+                peers, dropped = proto.decode_contacts(reply.get("peers", []), self.config)
                 records = (
                     proto.decode_found(key, reply["records"], self.config, time.time())
                     if key is not None and "records" in reply
@@ -258,7 +283,9 @@ class DHTNode:
                 logger.info("bad find reply from %s: %s", contact.peer_id, e)
                 self.table.remove(contact.peer_id)
                 raise
-            return [Contact(p, a) for p, a in peers], records
+            for peer, reason in dropped:
+                self.trust.bad_proof(peer, reason, via=contact.peer_id)
+            return peers, records
 
         initial = self.table.closest(target, self.config.k)
         return await iterative_lookup(
@@ -269,36 +296,57 @@ class DHTNode:
             k=self.config.k,
             alpha=self.config.alpha,
             stop_on_value=stop_on_value,
-            found=found,
+            found=RecordStorage(1, 1) if found is None else found,
             now=time.time,
+            paths=self.config.disjoint_paths,
         )
 
-    async def _call(self, peer: PeerID, maddrs: tuple[str, ...], method: str, args: Any) -> Any:
-        """A request to a peer; success refreshes it in the routing table, failure removes it."""
+    async def _call(self, contact: Contact, method: str, args: Any) -> Any:
+        """A request to a contact (its id proof checked when we learned it); success refreshes
+        it in the routing table, failure removes it."""
         try:
-            reply = await self.transport.call(peer, maddrs, method, args, self.config.rpc_timeout)
+            reply = await self.transport.call(contact.peer_id, contact.maddrs, method, args, self.config.rpc_timeout)
         except P2PError:
-            self.table.remove(peer)
+            self.table.remove(contact.peer_id)
             raise
-        self._heard_from(peer, maddrs)
+        self._heard_from(contact)
         return reply
 
     async def _call_quietly(self, contact: Contact, method: str, args: Any) -> None:
         with contextlib.suppress(P2PError):
-            await self._call(contact.peer_id, contact.maddrs, method, args)
+            await self._call(contact, method, args)
 
     # --- routing table upkeep ---------------------------------------------------------------
 
-    def _heard_from(self, peer: PeerID, addrs: tuple[str, ...]) -> None:
-        stale = self.table.add(peer, addrs, asyncio.get_running_loop().time())
+    def _heard_from(self, contact: Contact, own_word: bool = False) -> None:
+        """contact answered us (own_word: it named its id itself, in a request or a ping reply)."""
+        self.trust.heard_from(contact.peer_id, proven=True)
+        proof = {"node_id": contact.node_id, "nonce": contact.nonce, "own_word": own_word}
+        stale = self.table.add(contact.peer_id, contact.maddrs, asyncio.get_running_loop().time(), **proof)
         if stale is not None and not self._closed:
             self._spawn(self._check_stale(stale))
+
+    def _heard_from_sender(self, peer: PeerID, args: Any, fallback_maddr: str | None = None) -> None:
+        """A request (or ping reply) from peer: note its standing; add it to the routing table
+        when it serves and its id proof checks out (else drop it, logged once)."""
+        try:
+            contact = proto.parse_sender_id(args, peer, self.config)
+        except BadIdProof as e:
+            self.trust.heard_from(peer, proven=False)
+            self.trust.bad_proof(peer, str(e))
+            return
+        if contact is None:  # client mode: still proven if its nonce checks out
+            proven = isinstance(args, dict) and proto.proves_id(args.get("n"), peer, self.config)
+            self.trust.heard_from(peer, proven=proven)
+            return
+        if not contact.maddrs and fallback_maddr is not None:
+            contact.maddrs = (fallback_maddr,)
+        self._heard_from(contact, own_word=True)
 
     async def _check_stale(self, stale: Contact) -> None:
         """Ping the least recently seen contact of a full bucket; replace it only if it fails."""
         try:
-            args = {"a": self._addrs}
-            await self.transport.call(stale.peer_id, stale.maddrs, proto.PING, args, self.config.ping_timeout)
+            await self.transport.call(stale.peer_id, stale.maddrs, proto.PING, self._sender, self.config.ping_timeout)
         except P2PError:
             self.table.ping_failed(stale.peer_id)
         else:
@@ -341,52 +389,6 @@ class DHTNode:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    # --- RPC handlers -----------------------------------------------------------------------
-
-    async def _rpc_ping(self, ctx: CallContext, args: Any) -> dict[str, Any]:
-        addrs = proto.parse_addrs(args, self.config)
-        if addrs is not None:
-            self._heard_from(ctx.peer_id, addrs)
-        return {"a": self._addrs}
-
-    async def _rpc_find(self, ctx: CallContext, args: Any) -> dict[str, Any]:
-        addrs = proto.parse_addrs(args, self.config)
-        target, key = proto.parse_find(args, self.config)
-        if key is not None and key_id(key) != target:
-            raise BadRequest("find: id is not the id of key")
-        if addrs is not None:
-            self._heard_from(ctx.peer_id, addrs)
-        reply: dict[str, Any] = {}
-        if key is not None:
-            now = time.time()
-            records = self._local_records(key, now).get(key, now)
-            if records:
-                reply["records"] = proto.encode_found(records)
-        if "records" not in reply or args.get("peers", True) is not False:
-            reply["peers"] = proto.encode_contacts(self.table.closest(target, self.config.k, exclude=ctx.peer_id))
-        return reply
-
-    async def _rpc_store(self, ctx: CallContext, args: Any) -> dict[str, Any]:
-        addrs = proto.parse_addrs(args, self.config)
-        items, cache = proto.parse_store(args, self.config)
-        if addrs is not None:
-            self._heard_from(ctx.peer_id, addrs)
-        now = time.time()
-        results = []
-        storage = self.cache if cache else self.storage
-        for item in items:
-            try:
-                record = Record.from_wire(item)
-                record.validate(self.config, now)
-                storage.put(record, now)
-            except RecordError as e:
-                if e.code != "outdated":
-                    logger.info("refused a record from %s: [%s] %s", ctx.peer_id, e.code, e.message)
-                results.append(e.code)
-            else:
-                results.append(proto.OK)
-        return {"results": results}
 
 
 def user_value(records: list[Record]) -> ValueWithExpiration | None:

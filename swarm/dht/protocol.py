@@ -1,14 +1,18 @@
 """The DHT's RPCs, as a spec: method names, argument and reply shapes, and their parsers.
 
 Every request carries "a": the sender's announced multiaddrs, or None for a node in client mode
-(it asks but does not serve; nobody adds it to a routing table). The sender's PeerID is the
-authenticated one of the connection, never a field.
+(it asks but does not serve; nobody adds it to a routing table), and "n": the 8-byte nonce that
+proves the sender's DHT id (id_proof.py: node_id = SHA-256(domain || PeerID || nonce)[:20],
+valid when SHA-256(node_id) has DHTConfig.id_bits leading zero bits). The sender's PeerID is the
+authenticated one of the connection, never a field. A contact (a peer as the DHT passes it on)
+is [peer_id_bytes, [maddr...], nonce].
 
-    dht.ping   {"a": addrs}
-           ->  {"a": addrs}
-    dht.find   {"a": addrs, "id": bytes20, "key"?: key, "peers"?: bool}
-           ->  {"peers"?: [[peer_id_bytes, [maddr...]], ...], "records"?: [[subkey, value, expiration, signature], ...]}
-    dht.store  {"a": addrs, "records": [[key, subkey, value, expiration, signature], ...], "cache"?: bool}
+    dht.ping   {"a": addrs, "n": nonce}
+           ->  {"a": addrs, "n": nonce}
+    dht.find   {"a": addrs, "n": nonce, "id": bytes20, "key"?: key, "peers"?: bool}
+           ->  {"peers"?: [[peer_id_bytes, [maddr...], nonce], ...],
+                "records"?: [[subkey, value, expiration, signature], ...]}
+    dht.store  {"a": addrs, "n": nonce, "records": [[key, subkey, value, expiration, signature], ...], "cache"?: bool}
            ->  {"results": ["ok" | error code, ...]}
 
 find returns up to k peers closest to "id" (never the asker) and, when "key" is given, the live
@@ -16,6 +20,11 @@ records this node holds (or caches) for it; with "peers": false, a node that ret
 leaves the peers out (the asker stops at the first holder). store answers each record on its own: "ok", or the
 code of the RecordError that refused it (errors.RECORD_ERRORS). Requests of the wrong shape get
 the p2p layer's bad_request error.
+
+Proofs are checked by every receiver before it trusts an id: a sender whose "n" is missing or
+does not prove an id is served but never added to a routing table, and a contact in a find
+reply whose nonce does not prove its id is dropped (the rest of the reply is kept) and logged
+once per peer. Nodes of one DHT must agree on id_bits: a node refuses ids weaker than its own.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from typing import Any
 
 from swarm.dht.config import DHTConfig
 from swarm.dht.errors import RecordError
+from swarm.dht.id_proof import BadIdProof, verify
 from swarm.dht.ids import ID_BYTES, Key, id_from_bytes
 from swarm.dht.records import Record
 from swarm.dht.routing import Contact
@@ -46,6 +56,24 @@ def parse_addrs(args: Any, config: DHTConfig) -> tuple[str, ...] | None:
     return check_maddrs(addrs, config)
 
 
+def parse_sender_id(args: dict[str, Any], peer_id: PeerID, config: DHTConfig) -> Contact | None:
+    """The sender of a request (or of a ping reply) as a contact whose id proof checks out;
+    None for a node in client mode. BadIdProof when it announces addresses without a valid proof."""
+    addrs = parse_addrs(args, config)
+    if addrs is None:
+        return None
+    nonce = args.get("n")
+    return Contact(peer_id, addrs, verify(peer_id, nonce, config.id_bits), nonce)
+
+
+def proves_id(nonce: Any, peer_id: PeerID, config: DHTConfig) -> bool:
+    try:
+        verify(peer_id, nonce, config.id_bits)
+    except BadIdProof:
+        return False
+    return True
+
+
 def check_maddrs(addrs: Any, config: DHTConfig) -> tuple[str, ...]:
     if not isinstance(addrs, list | tuple) or len(addrs) > config.max_maddrs_per_peer:
         raise BadRequest(f"addresses must be a list of at most {config.max_maddrs_per_peer}")
@@ -66,23 +94,30 @@ def parse_find(args: dict[str, Any], config: DHTConfig) -> tuple[int, Key | None
 
 
 def encode_contacts(contacts: list[Contact]) -> list[list[Any]]:
-    return [[c.peer_id.to_bytes(), list(c.maddrs)] for c in contacts]
+    return [[c.peer_id.to_bytes(), list(c.maddrs), c.nonce] for c in contacts]
 
 
-def decode_contacts(items: Any, config: DHTConfig) -> list[tuple[PeerID, tuple[str, ...]]]:
-    """Peers from a find reply; malformed entries are a bad reply (ProtocolError upstream)."""
+def decode_contacts(items: Any, config: DHTConfig) -> tuple[list[Contact], list[tuple[PeerID, str]]]:
+    """Peers from a find reply: (contacts whose id proofs check out, [(peer, why) dropped]).
+    A malformed entry makes the whole reply bad (BadRequest, ProtocolError upstream)."""
     if not isinstance(items, list) or len(items) > config.k:
         raise BadRequest(f"peers must be a list of at most k={config.k}")
-    peers = []
+    contacts, dropped = [], []
     for item in items:
-        if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], bytes):
-            raise BadRequest("a peer is [peer_id_bytes, [maddr...]]")
+        if not isinstance(item, list) or len(item) != 3 or not isinstance(item[0], bytes):
+            raise BadRequest("a peer is [peer_id_bytes, [maddr...], nonce]")
         try:
             peer_id = PeerID(item[0])
         except IdentityError as e:
             raise BadRequest(f"bad peer id: {e}") from None
-        peers.append((peer_id, check_maddrs(item[1], config)))
-    return peers
+        maddrs = check_maddrs(item[1], config)
+        try:
+            node_id = verify(peer_id, item[2], config.id_bits)
+        except BadIdProof as e:
+            dropped.append((peer_id, str(e)))
+            continue
+        contacts.append(Contact(peer_id, maddrs, node_id, item[2]))
+    return contacts, dropped
 
 
 def encode_found(records: list[Record]) -> list[list[Any]]:

@@ -22,6 +22,7 @@ import msgpack
 from swarm.dht.config import DHTConfig
 from swarm.dht.errors import BadRecord, BadSignature, ExpirationOutOfRange, ValueTooLarge
 from swarm.dht.ids import Key
+from swarm.dht.ttl_caps import max_ttl_for
 from swarm.p2p.errors import IdentityError
 from swarm.p2p.identity import Identity, verify_signature
 from swarm.p2p.peer_id import PeerID
@@ -131,8 +132,9 @@ class Record:
             raise BadRecord(f"value is not valid msgpack: {type(e).__name__}") from None
         if not math.isfinite(self.expiration) or self.expiration <= now:
             raise ExpirationOutOfRange("record is already expired")
-        if self.expiration > now + config.max_ttl + config.max_clock_skew:
-            raise ExpirationOutOfRange(f"expiration more than {config.max_ttl:.0f}s ahead")
+        max_ttl = max_ttl_for(self.key, config)
+        if self.expiration > now + max_ttl + config.max_clock_skew:
+            raise ExpirationOutOfRange(f"expiration more than {max_ttl:.0f}s ahead")
         owner = record_owner(self.key, self.subkey)
         if owner is None:
             if self.signature is not None:

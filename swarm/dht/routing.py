@@ -22,13 +22,14 @@ from swarm.p2p.peer_id import PeerID
 
 @dataclass(slots=True)
 class Contact:
+    """A peer as the DHT knows it: its PeerID, addresses, and its Kademlia id with the nonce
+    that proves it (id_proof.py; checked before a contact is built from a peer's word)."""
+
     peer_id: PeerID
     maddrs: tuple[str, ...]
+    node_id: int
+    nonce: bytes = b""
     last_seen: float = 0.0
-
-    @property
-    def node_id(self) -> int:
-        return self.peer_id.dht_id
 
 
 @dataclass(slots=True)
@@ -54,15 +55,21 @@ class RoutingTable:
         self.k = k
         self.buckets: list[KBucket] = [KBucket(0, ID_SPACE)]
         self._lows: list[int] = [0]  # bucket lower bounds, sorted, for bisect
+        self._ids: dict[PeerID, int] = {}  # node id of every peer in a bucket or its replacements
 
     def __len__(self) -> int:
         return sum(len(b.contacts) for b in self.buckets)
 
     def __contains__(self, peer_id: PeerID) -> bool:
-        return peer_id in self.bucket_for(peer_id.dht_id).contacts
+        return self.get(peer_id) is not None
 
     def get(self, peer_id: PeerID) -> Contact | None:
-        return self.bucket_for(peer_id.dht_id).contacts.get(peer_id)
+        node_id = self._ids.get(peer_id)
+        return None if node_id is None else self.bucket_for(node_id).contacts.get(peer_id)
+
+    def node_id_of(self, peer_id: PeerID) -> int | None:
+        """The id this table holds for peer_id (a contact or a replacement), if any."""
+        return self._ids.get(peer_id)
 
     def bucket_index(self, node_id: int) -> int:
         return bisect.bisect_right(self._lows, node_id) - 1
@@ -73,12 +80,29 @@ class RoutingTable:
     def contacts(self) -> list[Contact]:
         return [c for bucket in self.buckets for c in bucket.contacts.values()]
 
-    def add(self, peer_id: PeerID, maddrs: tuple[str, ...], now: float | None = None) -> Contact | None:
-        """Record that we heard from peer_id. Returns a stale contact the caller should ping
-        (then call ping_failed or ping_succeeded), or None."""
-        node_id = peer_id.dht_id
+    def add(
+        self,
+        peer_id: PeerID,
+        maddrs: tuple[str, ...],
+        now: float | None = None,
+        *,
+        node_id: int | None = None,
+        nonce: bytes = b"",
+        own_word: bool = True,
+    ) -> Contact | None:
+        """Record that we heard from peer_id at node_id (its proof already checked by the
+        caller; None: the plain hash PeerID.dht_id, for tables outside a DHT). Returns a stale
+        contact the caller should ping (then call ping_failed or ping_succeeded), or None. A
+        known peer that announces another id itself (own_word) moves there; another peer's word
+        (a find reply) cannot move it: a proof solved for someone else's PeerID moves nothing."""
+        node_id = peer_id.dht_id if node_id is None else node_id
         if node_id == self.own_id:
             return None
+        known = self._ids.get(peer_id)
+        if known is not None and known != node_id:
+            if not own_word:
+                return None
+            self.remove(peer_id)
         now = time.monotonic() if now is None else now
         while True:
             bucket = self.bucket_for(node_id)
@@ -91,17 +115,20 @@ class RoutingTable:
                 bucket.last_updated = now
                 return None
             if len(bucket.contacts) < self.k:
-                bucket.contacts[peer_id] = Contact(peer_id, maddrs, now)
+                bucket.contacts[peer_id] = Contact(peer_id, maddrs, node_id, nonce, now)
                 bucket.replacements.pop(peer_id, None)
                 bucket.last_updated = now
+                self._ids[peer_id] = node_id
                 return None
             if bucket.covers(self.own_id):
                 self._split(bucket)
                 continue
             bucket.replacements.pop(peer_id, None)
-            bucket.replacements[peer_id] = Contact(peer_id, maddrs, now)
+            bucket.replacements[peer_id] = Contact(peer_id, maddrs, node_id, nonce, now)
+            self._ids[peer_id] = node_id
             while len(bucket.replacements) > self.k:
-                bucket.replacements.popitem(last=False)
+                dropped, _ = bucket.replacements.popitem(last=False)
+                self._ids.pop(dropped, None)
             if bucket.pinging is not None:
                 return None
             stale = next(iter(bucket.contacts.values()))
@@ -109,7 +136,10 @@ class RoutingTable:
             return stale
 
     def ping_succeeded(self, peer_id: PeerID, now: float | None = None) -> None:
-        bucket = self.bucket_for(peer_id.dht_id)
+        node_id = self._ids.get(peer_id)
+        if node_id is None:
+            return
+        bucket = self.bucket_for(node_id)
         if bucket.pinging == peer_id:
             bucket.pinging = None
         contact = bucket.contacts.get(peer_id)
@@ -118,14 +148,22 @@ class RoutingTable:
             bucket.contacts.move_to_end(peer_id)
 
     def ping_failed(self, peer_id: PeerID) -> None:
-        bucket = self.bucket_for(peer_id.dht_id)
+        node_id = self._ids.get(peer_id)
+        if node_id is None:
+            return
+        bucket = self.bucket_for(node_id)
         if bucket.pinging == peer_id:
             bucket.pinging = None
         self.remove(peer_id)
 
     def remove(self, peer_id: PeerID) -> bool:
         """Drop a peer that failed; its bucket's most recent replacement takes the slot."""
-        bucket = self.bucket_for(peer_id.dht_id)
+        node_id = self._ids.pop(peer_id, None)
+        if node_id is None:
+            return False
+        bucket = self.bucket_for(node_id)
+        if bucket.pinging == peer_id:
+            bucket.pinging = None
         bucket.replacements.pop(peer_id, None)
         if bucket.contacts.pop(peer_id, None) is None:
             return False
@@ -151,7 +189,7 @@ class RoutingTable:
             chosen.extend(c for c in bucket.contacts.values() if c.peer_id != exclude)
             if len(chosen) >= count:
                 break
-        return heapq.nsmallest(count, chosen, key=lambda c: c.peer_id.dht_id ^ target)
+        return heapq.nsmallest(count, chosen, key=lambda c: c.node_id ^ target)
 
     def stale_buckets(self, now: float, interval: float) -> list[KBucket]:
         return [b for b in self.buckets if now - b.last_updated >= interval]

@@ -229,7 +229,7 @@ def test_inspect_shows_the_nodes_and_state_holders_of_a_run(lone_node: dict[str,
     record = {"maddrs": ["/ip4/127.0.0.1/tcp/1"], "step": 7, "client": False, "added_later": {"x": 1}}
     stored = dht_json(
         "store", run_keys.nodes_key(run), json.dumps(record), "--owned", "--identity", str(tmp_path / "alice.key"),
-        "--initial-peers", maddr,
+        "--initial-peers", maddr, "--ttl", "600",  # <run>/nodes records live minutes (DHTConfig.ttl_caps)
     )  # fmt: skip
     assert stored["accepted"] == 1 and stored["subkey"] == owner_subkey(alice.peer_id)
 

@@ -47,7 +47,7 @@ async def test_subkeys_of_several_owners_merge_and_nobody_writes_anothers(make_n
 
 
 async def test_a_get_caches_the_value_on_the_closest_node_without_it(make_node: MakeNode) -> None:
-    config = DHTConfig(k=2, alpha=1)
+    config = DHTConfig(k=2, alpha=1, disjoint_paths=1)  # the paper's single lookup: k replicas
     first = await make_node(config=config)
     nodes = [first] + [await make_node(first.visible_maddrs, config=config) for _ in range(7)]
     for node in nodes:  # everyone knows everyone: lookups go straight to the two replicas
@@ -119,5 +119,5 @@ async def test_simulated_lookups_take_few_rounds_and_always_succeed() -> None:
     large = await simulate(600, keys=20, gets=100)
     assert small.get_success == large.get_success == 1.0
     assert large.churn_get_success >= 0.99
-    assert small.store_replicas_mean == 20
+    assert 20 <= small.store_replicas_mean <= 3 * 20  # k on each of the 3 disjoint paths, at most
     assert 1 <= small.get_rounds_mean <= large.get_rounds_mean <= 4

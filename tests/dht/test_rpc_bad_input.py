@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 
 from swarm.dht import DHTConfig, DHTNode, Record, owner_subkey
 from swarm.dht.errors import RECORD_ERRORS
+from swarm.dht.id_proof import solve
 from swarm.dht.ids import ID_BYTES, id_to_bytes, key_id
+from swarm.dht.protocol import proves_id
 from swarm.dht.records import pack_value, signing_message
 from swarm.p2p import CallContext, Identity, P2PConfig, P2PError, P2PHost, PeerID, RemoteError
 
@@ -107,7 +109,7 @@ async def test_ping_with_malformed_arguments(node: DHTNode, attacker: P2PHost) -
     for addrs in BAD_ADDRS:
         await assert_bad_request(attacker, node, "dht.ping", {"a": addrs})
     assert attacker.peer_id not in node.table
-    assert await call(attacker, node, "dht.ping", {"a": None}) == {"a": node.visible_maddrs}
+    assert await call(attacker, node, "dht.ping", {"a": None}) == {"a": node.visible_maddrs, "n": node.trust.nonce}
     assert attacker.peer_id not in node.table  # client mode: asks, is not added
     await honest_peer_still_served(node)
 
@@ -288,7 +290,7 @@ class FakeDHTPeer:
         host.add_handler("dht.find", self.find)
 
     async def ping(self, ctx: CallContext, args: Any) -> Any:
-        return {"a": self.host.visible_maddrs}
+        return {"a": self.host.visible_maddrs, "n": solve(self.host.peer_id, CONFIG.id_bits)}
 
     async def find(self, ctx: CallContext, args: Any) -> Any:
         self.finds += 1
@@ -298,8 +300,15 @@ class FakeDHTPeer:
         return self.reply
 
 
+def failing_nonce(peer: PeerID) -> bytes:
+    """A nonce that does not prove an id of CONFIG.id_bits for peer."""
+    return next(n for i in range(1000) if not proves_id(n := i.to_bytes(8, "big"), peer, CONFIG))
+
+
 def fake_peers(count: int, addrs: list[str] | None = None) -> list[list[Any]]:
-    return [[Identity.generate().peer_id.to_bytes(), addrs or [REFUSED]] for _ in range(count)]
+    """Contacts with valid id proofs (so they are tried, and fail to answer)."""
+    peers = [Identity.generate().peer_id for _ in range(count)]
+    return [[peer.to_bytes(), addrs or [REFUSED], solve(peer, CONFIG.id_bits)] for peer in peers]
 
 
 async def look_up_through(node: DHTNode, fake: FakeDHTPeer, key: str, reply: Any) -> Any:
@@ -349,8 +358,9 @@ async def test_garbage_find_replies_do_not_break_lookups(node: DHTNode, attacker
         {"peers": []},
         {"peers": fake_peers(CONFIG.k)},  # k peers nobody can reach
         {"peers": fake_peers(3, ["/not/a/multiaddr", "/ip4/127.0.0.1/tcp/99999"])},
-        {"peers": [[node.peer_id.to_bytes(), node.visible_maddrs]]},  # the node itself
-        {"peers": [[attacker.peer_id.to_bytes(), [REFUSED]]]},  # the attacker again, elsewhere
+        {"peers": [[node.peer_id.to_bytes(), node.visible_maddrs, node.trust.nonce]]},  # the node itself
+        {"peers": [[attacker.peer_id.to_bytes(), [REFUSED], solve(attacker.peer_id, CONFIG.id_bits)]]},  # elsewhere
+        {"peers": [[some_id, [REFUSED], failing_nonce(PeerID(some_id))], [some_id, [REFUSED], b"short"]]},  # bad proofs
         {"peers": [], "records": [[5, pack_value(1), now + 60, None]]},  # bad subkey type
         {"peers": [], "records": [[None, "str", now + 60, None]]},
         {"peers": [], "records": [[None, pack_value(1), now - 1, None]]},  # expired
