@@ -240,9 +240,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._opening = True  # nothing is read or delivered until this body is open
         assert self.transport is not None
         self.transport.pause_reading()
-        opened = asyncio.get_running_loop().run_in_executor(
-            crypto_pool(), open_into, aead, nonce, record, prefix, body
-        )
+        opened = asyncio.get_running_loop().run_in_executor(crypto_pool(), open_into, aead, nonce, record, prefix, body)
         opened.add_done_callback(lambda done: self._guarded(self._body_opened, done, head, body))
 
     def _body_opened(self, done: asyncio.Future[None], head: dict[str, Any], body: memoryview) -> None:
@@ -342,7 +340,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 self._write(first, sealer.seal(body, prefix))
             else:  # sealed in a worker thread; the backlog keeps it and what follows in order
                 aead, nonce = sealer.reserve(len(body))
-                out = bytearray(len(body) + TAG_BYTES)
+                out = memoryview(self._take_buffer(len(body) + TAG_BYTES))[: len(body) + TAG_BYTES]
                 sealing = asyncio.get_running_loop().run_in_executor(
                     crypto_pool(), seal_into, aead, nonce, body, prefix, out
                 )
