@@ -41,12 +41,12 @@ class CipherState:
 
     __slots__ = ("_aead", "_key", "_rekey_bytes", "_since_rekey", "counter")
 
-    def __init__(self, key: bytes, *, counter: int = 0, rekey_bytes: int = REKEY_BYTES) -> None:
+    def __init__(self, key: bytes, *, counter: int = 0, rekey_bytes: int | None = None) -> None:
         if len(key) != 32:
             raise ValueError("an AES-256-GCM key has 32 bytes")
         self._key = key
         self._aead = AESGCM(key)
-        self._rekey_bytes = rekey_bytes
+        self._rekey_bytes = REKEY_BYTES if rekey_bytes is None else rekey_bytes
         self._since_rekey = 0
         self.counter = counter
 
