@@ -61,7 +61,9 @@ def test_the_counter_never_reaches_its_last_value() -> None:
 
 
 def hello(**changes: object) -> hs.Hello:
-    base = hs.Hello(b"k" * 32, Identity.generate().peer_id, b"n" * 32, b"e" * 32, "aes256gcm", 1 << 20, 1 << 20, 1 << 24)
+    base = hs.Hello(
+        b"k" * 32, Identity.generate().peer_id, b"n" * 32, b"e" * 32, "aes256gcm", 1 << 20, 1 << 20, 1 << 24
+    )
     return dataclasses.replace(base, **changes)
 
 
