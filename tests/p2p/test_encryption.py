@@ -16,7 +16,7 @@ import msgpack
 import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from swarm.p2p import CallContext, ConnectionLost, HandshakeError, P2PError, P2PHost, Stream, secure
+from swarm.p2p import CallContext, ConnectionLost, HandshakeError, P2PError, Stream, secure
 from swarm.p2p.wire import FRAME_PREFIX, PREFIX_BYTES, TAG_BYTES
 from tests.p2p.relay import DOWN, UP, FrameRelay
 
