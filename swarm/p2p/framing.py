@@ -6,8 +6,9 @@ frames land in one reusable scratch buffer (many per recv call), and a large fra
 buffer of its own that the kernel fills directly, which is then handed on without another copy.
 Encrypted, a large frame's body is opened from that buffer into a second pooled one, which is
 handed on: the decryption is the only pass over the bytes. Bodies of OFFLOAD_BYTES or more are
-sealed and opened in worker threads, and nothing overtakes them: reading pauses while a body is
-opened, and frames sent while a body is sealed wait in a backlog behind it.
+opened in a worker thread, and nothing overtakes them: reading pauses until the body is open.
+Sending encrypted goes through an Outbox (outbox.py), which keeps the same order for bodies
+sealed in worker threads.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import msgpack
 
 from swarm.p2p.errors import ConnectionClosed, ConnectionLost, MessageTooLarge, ProtocolError
-from swarm.p2p.secure import OFFLOAD_BYTES, CipherState, crypto_pool, open_into, seal_into
+from swarm.p2p.outbox import COALESCE_BELOW, Outbox
+from swarm.p2p.secure import OFFLOAD_BYTES, CipherState, crypto_pool, open_into
 from swarm.p2p.wire import FRAME_PREFIX, PREFIX_BYTES, TAG_BYTES, decode_head
 
 logger = logging.getLogger(__name__)
@@ -30,12 +31,9 @@ logger = logging.getLogger(__name__)
 SCRATCH_START_BYTES = 8 * 1024  # most connections (DHT) only ever see small frames: start small
 SCRATCH_BYTES = 256 * 1024  # and grow up to this when frames or bursts need it
 OWN_BUFFER_ABOVE = 64 * 1024  # frames larger than this are read into a buffer of their own
-COALESCE_BELOW = 64 * 1024  # bodies smaller than this are joined with their head in one write
 POOL_BUFFERS = 8 if hasattr(sys, "getrefcount") else 0  # large-frame buffers kept for reuse
 
 FrameHandler = Callable[[dict[str, Any], "bytes | memoryview"], None]
-Buffer = bytes | bytearray | memoryview
-Outgoing = tuple[bytes, Buffer | None, "asyncio.Future[None] | None"]  # prefix+head, body, sealing
 
 
 class Traffic:
@@ -73,11 +71,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._own_filled = 0
         self._own_head_len = 0
         self._own_body_len = 0
-        self._sealer: CipherState | None = None  # seals what we send, from our AUTH on
+        self._outbox: Outbox | None = None  # seals what we send, from our AUTH on
         self._opener: CipherState | None = None  # opens what we receive, from the peer's AUTH on
         self._opening = False  # a body is being opened in a worker thread: deliveries wait
-        self._backlog: deque[Outgoing] = deque()  # frames queued behind a body being sealed
-        self._backlog_bytes = 0
         self._close_when_flushed = False
         self._packer = msgpack.Packer(use_bin_type=True)  # one per connection: reused, loop-thread only
         self._write_paused = False
@@ -132,8 +128,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
             if not waiter.done():
                 waiter.set_exception(ConnectionLost(f"connection lost: {reason or 'closed'}"))
         self._drain_waiters.clear()
-        self._backlog.clear()
-        self._backlog_bytes = 0
+        if self._outbox is not None:
+            self._outbox.drop()
         self._release_buffers()
         if self.on_lost is not None:
             self.on_lost(reason)
@@ -149,7 +145,14 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     def seal_sent_frames(self, cipher: CipherState) -> None:
         """Encrypt every frame sent from now on (the handshake calls it right after our AUTH)."""
-        self._sealer = cipher
+        assert self.transport is not None
+        self._outbox = Outbox(
+            self.transport,
+            cipher,
+            take_buffer=self._take_buffer,
+            on_flushed=self._backlog_flushed,
+            on_failed=self.abort,
+        )
 
     def open_received_frames(self, cipher: CipherState) -> None:
         """Decrypt every frame received from now on (called when the peer's AUTH verified, in
@@ -316,8 +319,14 @@ class FrameProtocol(asyncio.BufferedProtocol):
             raise MessageTooLarge(f"message of {len(head)} bytes exceeds the peer's limit of {max_head}")
         body_len = 0 if body is None else len(body)
         prefix = FRAME_PREFIX.pack(len(head), body_len)
-        if self._sealer is not None:
-            return self._send_sealed(prefix, head, body)
+        if self._outbox is not None:
+            try:
+                sent = self._outbox.send(prefix, head, body)
+            except ProtocolError as e:  # the record counter ran out: close rather than reuse a nonce
+                self.abort(e)
+                raise ConnectionClosed(str(e)) from None
+            self.traffic.sent += sent
+            return sent
         if body_len == 0:
             self.transport.write(prefix + head)
         elif body_len < COALESCE_BELOW:
@@ -327,67 +336,13 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.traffic.sent += PREFIX_BYTES + len(head) + body_len
         return PREFIX_BYTES + len(head) + body_len
 
-    def _send_sealed(self, prefix: bytes, head: bytes, body: Buffer | None) -> int:
-        sealer = self._sealer
-        assert sealer is not None and self.transport is not None
-        try:
-            first = prefix + sealer.seal(head, prefix)
-            if not body:
-                self._write(first, None)
-            elif len(body) < COALESCE_BELOW:
-                self._write(first + sealer.seal(body, prefix), None)
-            elif len(body) < OFFLOAD_BYTES:
-                self._write(first, sealer.seal(body, prefix))
-            else:  # sealed in a worker thread; the backlog keeps it and what follows in order
-                aead, nonce = sealer.reserve(len(body))
-                out = memoryview(self._take_buffer(len(body) + TAG_BYTES))[: len(body) + TAG_BYTES]
-                sealing = asyncio.get_running_loop().run_in_executor(
-                    crypto_pool(), seal_into, aead, nonce, body, prefix, out
-                )
-                self._backlog.append((first, out, sealing))
-                self._backlog_bytes += len(first) + len(out)
-                sealing.add_done_callback(self._flush_backlog)
-        except ProtocolError as e:  # the record counter ran out: close rather than reuse a nonce
-            self.abort(e)
-            raise ConnectionClosed(str(e)) from None
-        sent = len(first) + (len(body) + TAG_BYTES if body else 0)
-        self.traffic.sent += sent
-        return sent
-
-    def _write(self, first: bytes, second: Buffer | None) -> None:
-        if self._backlog:  # a body ahead of this frame is still being sealed
-            self._backlog.append((first, second, None))
-            self._backlog_bytes += len(first) + (len(second) if second is not None else 0)
-        elif second is None:
-            self.transport.write(first)  # type: ignore[union-attr]
-        else:
-            self.transport.writelines((first, second))  # type: ignore[union-attr]
-
-    def _flush_backlog(self, _sealed: object = None) -> None:
-        """Write the backlog's frames up to the first body still being sealed."""
-        if self.closed or self.transport is None:
-            return  # connection_lost dropped the backlog
-        while self._backlog:
-            first, second, sealing = self._backlog[0]
-            if sealing is not None:
-                if not sealing.done():
-                    break
-                if sealing.cancelled() or sealing.exception() is not None:
-                    logger.error("sealing a frame failed: %r; closing the connection", sealing)
-                    self.abort(ProtocolError("a frame could not be sealed"))
-                    return
-            self._backlog.popleft()
-            self._backlog_bytes -= len(first) + (len(second) if second is not None else 0)
-            if second is None:
-                self.transport.write(first)
-            else:
-                self.transport.writelines((first, second))  # type: ignore[arg-type]
+    def _backlog_flushed(self) -> None:
         self._wake_writers()
-        if not self._backlog and self._close_when_flushed:
-            self.transport.close()
+        if self._close_when_flushed and self._outbox is not None and self._outbox.empty:
+            self.close()
 
     def _wake_writers(self) -> None:
-        if self._write_paused or self._backlog_bytes > self._write_high:
+        if self._write_paused or (self._outbox is not None and self._outbox.backlog_bytes > self._write_high):
             return
         for waiter in self._drain_waiters:
             if not waiter.done():
@@ -399,7 +354,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         sealed, is above the high-water mark."""
         if self.closed:
             raise ConnectionLost("connection is closed")
-        if not self._write_paused and self._backlog_bytes <= self._write_high:
+        if not self._write_paused and (self._outbox is None or self._outbox.backlog_bytes <= self._write_high):
             return
         waiter = asyncio.get_running_loop().create_future()
         self._drain_waiters.append(waiter)
@@ -414,8 +369,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.closed = True  # stop parsing now; connection_lost follows from the loop
 
     def close(self) -> None:
-        """Close once every queued frame is written (the backlog's too)."""
-        if self._backlog and not self.closed:
+        """Close once every queued frame is written (the Outbox's backlog too)."""
+        if self._outbox is not None and not self._outbox.empty and not self.closed:
             self._close_when_flushed = True
         elif self.transport is not None and not self.transport.is_closing():
             self.transport.close()

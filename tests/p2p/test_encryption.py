@@ -306,8 +306,9 @@ async def test_the_record_counter_never_wraps(make_host) -> None:
     assert await client.call(server.visible_maddrs[0], "t.echo", 1) == 1
     first = client._connections[server.peer_id][0]
     (server_side,) = server._connections[client.peer_id]
-    assert first.protocol._sealer is not None and server_side.protocol._opener is not None
-    first.protocol._sealer.counter = server_side.protocol._opener.counter = secure.LAST_COUNTER
+    sealer, opener = first.protocol._outbox._sealer, server_side.protocol._opener  # type: ignore[union-attr]
+    assert opener is not None and sealer.counter == opener.counter
+    sealer.counter = opener.counter = secure.LAST_COUNTER
     assert await client.call(server.peer_id, "t.echo", 2) == 2  # sealed under the last counter
     assert await client.call(server.peer_id, "t.echo", 3) == 3  # no nonce left: a new connection
     await asyncio.wait_for(first.wait_closed(), 5)
