@@ -75,10 +75,12 @@ Nonce: 4 zero bytes || u64 big-endian record counter. Each direction counts its 
 (head record, then body record, frame after frame), so the receiver knows the one nonce the
 next record must have: a record modified, replayed, reordered or dropped fails to open, the
 receiver logs a ProtocolError and closes the connection, and no byte of it reaches a handler.
-A counter never reaches 2**64 - 1: the connection closes first. After REKEY_BYTES of plaintext
-under one key, both ends replace it by HMAC-SHA256(key, REKEY_INFO) (the counter runs on);
-they count the same records, so they switch in lockstep. Bodies of OFFLOAD_BYTES (secure.py) or more
-are sealed and opened in worker threads, in wire order. Frame limits apply to the plaintext lengths.
+A counter never reaches 2**64 - 1: the sender closes the connection first. Once the records
+sealed under one key hold REKEY_BYTES of plaintext or more, the next record uses
+HMAC-SHA256(key, REKEY_INFO) as its key (the counter runs on); both ends count the same
+records, so they switch in lockstep. Frame limits apply to the plaintext lengths. Bodies of
+OFFLOAD_BYTES (secure.py) or more are sealed and opened in worker threads, in wire order.
+Left visible to an observer: both PeerIDs (HELLO), frame lengths and timing.
 
 Errors: a frame that cannot be parsed, an unknown kind, a missing or mistyped key, a frame over
 the announced size limits, a record that fails authentication, or DATA beyond the granted window

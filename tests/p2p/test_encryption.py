@@ -326,3 +326,21 @@ async def test_keys_roll_over_in_lockstep_on_a_live_connection(make_host, monkey
         await stream.end()
         assert await stream.read_all(max_bytes=len(data)) == data
     assert await client.call(server.peer_id, "t.echo", "after") == "after"
+
+
+async def test_a_graceful_close_still_sends_what_waits_behind_a_body_being_sealed(make_host) -> None:
+    server, client = await make_host(), await make_host()
+    received: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+    async def sink(ctx: CallContext, args: Any, stream: Stream) -> None:
+        received.set_result(bytes(await stream.read_all(max_bytes=8 * MiB)))
+
+    server.add_stream_handler("t.sink", sink)
+    data = os.urandom(4 * MiB)
+    stream = await client.open_stream(server.visible_maddrs[0], "t.sink")
+    (conn,) = client._connections[server.peer_id]
+    await stream.write(data)  # sealed in a worker thread; nothing here yields to the loop
+    await stream.end()  # so this END waits in the backlog behind it
+    conn.close()  # before either is written
+    assert await asyncio.wait_for(received, 10) == data
+    await asyncio.wait_for(conn.wait_closed(), 5)
