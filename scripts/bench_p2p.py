@@ -10,9 +10,11 @@ machine's limit (plain Python sockets between two processes) measured in the sam
 Workloads (the same for every system): ``--rpc-calls`` sequential echo calls of a 24-byte
 payload after 100 warm-up calls (p50/p99 round trip), and one stream of ``--stream-mib`` MiB
 written in 4 MiB chunks to a handler that reads it all and answers with the byte count (timed
-from opening the stream to that answer; MB = 1e6 bytes). swarm and the raw-socket limit each run
-three transfers on a warm process and count the best; hivemind_p2p.py runs one warm-up stream
-and one timed stream (its start-up costs ~10 s a run).
+from opening the stream to that answer; MB = 1e6 bytes). swarm (both ways) and the raw-socket
+limit each run three transfers on a warm process and count the best; hivemind_p2p.py runs one
+warm-up stream and one timed stream (its start-up costs ~10 s a run). The systems take turns
+within each repeat, so a busy phase of the machine hits all of them alike. JSON keys: ``stream_MBps``
+and ``rpc_p50_us`` are swarm encrypted; ``plaintext_*`` with encryption off.
 """
 
 from __future__ import annotations
