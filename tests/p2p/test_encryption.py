@@ -10,13 +10,14 @@ import asyncio
 import hashlib
 import logging
 import os
+import threading
 from typing import Any
 
 import msgpack
 import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from swarm.p2p import CallContext, ConnectionLost, HandshakeError, P2PError, Stream, secure
+from swarm.p2p import CallContext, ConnectionLost, HandshakeError, P2PError, Stream, framing, outbox, secure
 from swarm.p2p.wire import FRAME_PREFIX, PREFIX_BYTES, TAG_BYTES
 from tests.p2p.relay import DOWN, UP, FrameRelay
 
@@ -344,3 +345,36 @@ async def test_a_graceful_close_still_sends_what_waits_behind_a_body_being_seale
     conn.close()  # before either is written
     assert await asyncio.wait_for(received, 10) == data
     await asyncio.wait_for(conn.wait_closed(), 5)
+
+
+async def test_big_bodies_are_sealed_and_opened_off_the_event_loop(make_host, monkeypatch) -> None:
+    """Invariant 6: the loop never blocks on the crypto of a big body; small ones stay inline."""
+    seen: list[tuple[str, int, str]] = []  # (what, bytes, thread name)
+    real_seal, real_open = outbox.seal_into, framing.open_into
+
+    def seal_into(aead: Any, nonce: bytes, data: Any, ad: bytes, out: Any) -> None:
+        seen.append(("seal", len(data), threading.current_thread().name))
+        real_seal(aead, nonce, data, ad, out)
+
+    def open_into(aead: Any, nonce: bytes, record: Any, ad: bytes, out: Any) -> None:
+        seen.append(("open", len(out), threading.current_thread().name))
+        real_open(aead, nonce, record, ad, out)
+
+    monkeypatch.setattr(outbox, "seal_into", seal_into)
+    monkeypatch.setattr(framing, "open_into", open_into)
+    server, client = await make_host(), await make_host()
+    server.add_stream_handler("t.echo", echo_chunks)
+    async with await client.open_stream(server.visible_maddrs[0], "t.echo") as stream:
+        for size in (100 * KiB, secure.OFFLOAD_BYTES, 4 * MiB):
+            await stream.write(bytes(size))
+            got = 0
+            while got < size:
+                got += len(await stream.read())
+        await stream.end()
+    main = threading.current_thread().name
+    big = {secure.OFFLOAD_BYTES, 4 * MiB}  # sealed by seal_into; 100 KiB by AESGCM.encrypt, inline
+    assert {(what, size) for what, size, _ in seen} == {("seal", n) for n in big} | {("open", n) for n in big} | {
+        ("open", 100 * KiB)  # into a buffer of its own, inline
+    }
+    for what, size, thread in seen:
+        assert (thread != main) == (size >= secure.OFFLOAD_BYTES), (what, size, thread)
