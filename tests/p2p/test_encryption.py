@@ -114,7 +114,7 @@ def _flip_length(frame: bytes) -> list[bytes]:
     return [FRAME_PREFIX.pack(head_len, body_len - 1) + frame[PREFIX_BYTES:]]
 
 
-N_CHUNKS, CHUNK = 8, 512 * KiB
+N_CHUNKS = 8
 FIRST_DATA = 3  # up frames: 0 HELLO, 1 AUTH, 2 CALL, then DATA 0, 1, ...
 TARGET = FIRST_DATA + 2  # the frame carrying chunk 2
 
@@ -128,7 +128,7 @@ def tamper_with(kind: str) -> Any:
         head_len = FRAME_PREFIX.unpack_from(frame)[0]
         if index == TARGET:
             if kind == "flip a body bit":
-                return _flip(frame, PREFIX_BYTES + head_len + TAG_BYTES + 1000)
+                return _flip(frame, PREFIX_BYTES + head_len + TAG_BYTES + 1000)  # chunks are >= 16 KiB
             if kind == "flip a head bit":
                 return _flip(frame, PREFIX_BYTES + 1)
             if kind == "flip a tag bit":
@@ -153,8 +153,9 @@ def tamper_with(kind: str) -> Any:
     "kind",
     ["flip a body bit", "flip a head bit", "flip a tag bit", "change the length", "drop", "replay", "reorder"],
 )
+@pytest.mark.parametrize("chunk", [16 * KiB, 128 * KiB, 512 * KiB], ids=["scratch", "own-buffer", "worker-thread"])
 async def test_a_tampered_frame_closes_the_connection_and_never_reaches_the_handler(
-    make_host, caplog: pytest.LogCaptureFixture, kind: str
+    make_host, caplog: pytest.LogCaptureFixture, kind: str, chunk: int
 ) -> None:
     server, client = await make_host(), await make_host()
     received: list[bytes] = []
@@ -169,7 +170,7 @@ async def test_a_tampered_frame_closes_the_connection_and_never_reaches_the_hand
 
     server.add_stream_handler("t.collect", collect)
     server.add_handler("t.echo", echo)
-    chunks = [bytes([i + 1]) * CHUNK for i in range(N_CHUNKS)]
+    chunks = [bytes([i + 1]) * chunk for i in range(N_CHUNKS)]
     with caplog.at_level(logging.WARNING, logger="swarm.p2p"):
         async with FrameRelay(server, tamper_with(kind)) as relay:
             with pytest.raises(P2PError):
