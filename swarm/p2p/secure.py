@@ -1,14 +1,13 @@
 """Session encryption: the key schedule and the AEAD records of wire.py ("Encryption").
 
-Pure and synchronous. framing.py decides where the records go on the wire and which of them are
-sealed or opened in a worker thread; this module owns the keys and the nonce discipline: one
-counter per direction, one nonce per record, never reused, the connection closed before it
-could wrap, and the key replaced after REKEY_BYTES.
+Pure and synchronous. framing.py (receiving) and outbox.py (sending) decide where the records go
+on the wire and which of them are sealed or opened in a worker thread; this module owns the keys
+and the nonce discipline: one counter per direction, one nonce per record, never reused, the
+connection closed before it could wrap, and the key replaced after REKEY_BYTES.
 
 AES-256-GCM rather than ChaCha20-Poly1305: on this project's CPUs (AES-NI, VAES) `cryptography`
-seals a 4 MiB record at 4.8 GB/s and opens it at 9.3 GB/s, against 3.0 and 3.7 GB/s for
-ChaCha20-Poly1305, and a 64-byte record in 0.45 µs against 1.0 µs.
-"""
+seals and opens 4 MiB records into a buffer at 12.5 and 13.5 GB/s on one core, against 4.2 and
+4.2 GB/s for ChaCha20-Poly1305, and a 64-byte record in 0.45 µs against 1.0 µs."""
 
 from __future__ import annotations
 
