@@ -97,7 +97,7 @@ class Outbox:
 
     def _flush(self, _sealed: object = None) -> None:
         """Write the backlog's frames up to the first body still being sealed."""
-        if self._dropped:
+        if self._dropped or self._transport.is_closing():  # aborted: uvloop refuses writes now
             return
         while self._backlog:
             first, second, sealing = self._backlog[0]
