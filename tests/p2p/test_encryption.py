@@ -35,15 +35,17 @@ async def echo_chunks(ctx: CallContext, args: Any, stream: Stream) -> None:
         await stream.write(bytes(chunk))  # a copy: the received buffer is reused once released
 
 
-async def test_every_record_size_round_trips(make_host) -> None:
+async def test_every_record_size_round_trips_and_none_is_in_the_clear(make_host) -> None:
     """Sizes around each path: scratch buffer, own buffer opened inline, worker-thread records."""
-    server = await make_host(chunk_bytes=16 * MiB)
-    client = await make_host(chunk_bytes=16 * MiB)
+    server = await make_host(chunk_bytes=16 * MiB, encryption=True)
+    client = await make_host(chunk_bytes=16 * MiB, encryption=True)
     server.add_stream_handler("t.echo", echo_chunks)
     sizes = [1, 1000, 64 * KiB - 1, 64 * KiB, 256 * KiB - 1, 256 * KiB, 4 * MiB + 3, 16 * MiB]
-    async with await client.open_stream(server.visible_maddrs[0], "t.echo") as stream:
+    samples = []
+    async with FrameRelay(server) as relay, await client.open_stream(relay.maddr, "t.echo") as stream:
         for size in sizes:
             data = os.urandom(size)
+            samples.append(data[-16:])
             await stream.write(data)
             got = bytearray()
             while len(got) < size:
@@ -51,11 +53,13 @@ async def test_every_record_size_round_trips(make_host) -> None:
             assert got == data, size
         await stream.end()
         assert await stream.read() is None
+    wire = bytes(relay.captured[UP] + relay.captured[DOWN])
+    assert not [sample for sample in samples[2:] if sample in wire]  # (1 and 1000 bytes: too short to tell)
 
 
 async def test_big_streams_both_ways_with_calls_in_between(make_host) -> None:
     """Frames sealed in worker threads and small ones sealed inline keep their order."""
-    server, client = await make_host(), await make_host()
+    server, client = await make_host(encryption=True), await make_host(encryption=True)
     payload = os.urandom(8 * MiB) * 8  # 64 MiB
     digest = hashlib.sha256(payload).digest()
 
@@ -331,7 +335,7 @@ async def test_keys_roll_over_in_lockstep_on_a_live_connection(make_host, monkey
 
 
 async def test_a_graceful_close_still_sends_what_waits_behind_a_body_being_sealed(make_host) -> None:
-    server, client = await make_host(), await make_host()
+    server, client = await make_host(encryption=True), await make_host(encryption=True)
     received: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
 
     async def sink(ctx: CallContext, args: Any, stream: Stream) -> None:
