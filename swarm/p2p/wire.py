@@ -1,6 +1,8 @@
-"""The swarm wire protocol, version 1. This module is the spec; the code follows it.
+"""The swarm wire protocol, version 2. This module is the spec; the code follows it.
 
-Transport: one TCP connection per pair of peers (TCP_NODELAY), multiplexing many calls.
+Transport: one TCP connection per pair of peers (TCP_NODELAY), multiplexing many calls. The
+first frames (HELLO, AUTH) are in the clear; every frame after a side's AUTH is encrypted and
+authenticated (see "Encryption" below) unless both peers turned encryption off.
 
 Frame (every byte on the wire after the TCP connect is part of a frame)::
 
@@ -18,16 +20,18 @@ says whose call it belongs to and both sides can call each other on one connecti
 
 Kinds (``k``) and their other keys:
 
-    0  HELLO   handshake, first frame of each side: ``p`` protocol (PROTOCOL), ``key`` libp2p
-               protobuf PublicKey (Ed25519), ``n`` 32-byte random nonce, ``w`` the per-stream
-               receive window this side grants, ``h`` the largest head it accepts, ``b`` the
-               largest body it accepts; optional ``probe`` true from a dialer that only tests
-               whether it can reach the listener (a dial-back, autonat.py): the listener does
-               not keep that connection for calls.
-    1  AUTH    handshake, second frame of each side: ``s`` = Ed25519 signature over
-               AUTH_CONTEXT + role (b"D" dialer / b"L" listener) + dialer nonce + listener nonce
-               + dialer PeerID bytes + listener PeerID bytes. Nothing else is accepted before
-               both AUTH frames verify; a HELLO/AUTH after that is a protocol error.
+    0  HELLO   handshake, first frame of each side, in the clear: ``p`` protocol (PROTOCOL),
+               ``key`` libp2p protobuf PublicKey (Ed25519), ``n`` 32-byte random nonce, ``e``
+               32-byte X25519 public key made for this connection only, ``c`` cipher
+               ("aes256gcm", or "none" from a peer with encryption off: both must say the
+               same), ``w`` the per-stream receive window this side grants, ``h`` the largest
+               head it accepts, ``b`` the largest body it accepts; optional ``probe`` true from
+               a dialer that only tests whether it can reach the listener (a dial-back,
+               autonat.py): the listener does not keep that connection for calls.
+    1  AUTH    handshake, second frame of each side, in the clear: ``s`` = Ed25519 signature
+               over AUTH_CONTEXT + role (b"D" dialer / b"L" listener) + TH (below). Nothing else
+               is accepted before the peer's AUTH verifies; a HELLO/AUTH after that is a
+               protocol error.
     2  CALL    start a call: ``m`` method name (str, e.g. ``dht.find``), ``a`` arguments (any
                msgpack value), ``s`` true for a stream call (both sides may then send DATA and
                END), false for a unary call (answered by one REPLY or ERROR).
@@ -42,10 +46,47 @@ Kinds (``k``) and their other keys:
     8  CREDIT  flow control: ``n`` more body bytes the sender of CREDIT is ready to receive on
                this stream. Each side starts with the window the other announced in HELLO.
 
+Handshake and keys. Both sides send HELLO at once and AUTH as soon as they hold the other's
+HELLO: one round trip. This follows Noise XX as libp2p uses it (ephemeral X25519 agreement,
+identity keys signing the handshake), with the identities in the clear (a dialer names the
+PeerID it dials anyway) and signatures over the whole transcript instead of Noise's hash chain::
+
+    hello_bytes = n (32) || e (32) || u64 w || u64 h || u64 b || u8 probe || u8 len(c) || c
+                  || u8 len(peer) || peer      (peer: the PeerID's bytes, from ``key``;
+                                                h and b capped at 2**32 - 1 as both sides read them)
+    TH          = SHA-256(TRANSCRIPT_CONTEXT || hello_bytes(dialer) || hello_bytes(listener))
+    shared      = X25519(own ephemeral private key, peer's ``e``)   (all-zero result: refused)
+    k_dl || k_ld = HKDF-SHA256(salt=TH, ikm=shared, info=KEYS_INFO, length=64)
+
+k_dl protects what the dialer sends, k_ld what the listener sends. Each AUTH signs TH, so a
+changed nonce, ephemeral key, limit, cipher or PeerID on the way fails the peer's AUTH check
+(the man in the middle cannot sign for either identity); the role byte stops reflection, the
+fresh nonces and ephemeral keys stop replay. The ephemeral private keys are dropped once the
+keys are derived: traffic recorded today stays secret if an identity key leaks later.
+
+Encryption. Every frame a side sends after its own AUTH is one or two AES-256-GCM records; the
+8-byte prefix stays in the clear (with the plaintext lengths) and is each record's associated
+data::
+
+    prefix (8) || seal(head) (H + 16) || seal(body) (B + 16, only when B > 0)
+
+seal(x) = AES-256-GCM(key, nonce, x, associated data = prefix): ciphertext then 16-byte tag.
+Nonce: 4 zero bytes || u64 big-endian record counter. Each direction counts its records from 0
+(head record, then body record, frame after frame), so the receiver knows the one nonce the
+next record must have: a record modified, replayed, reordered or dropped fails to open, the
+receiver logs a ProtocolError and closes the connection, and no byte of it reaches a handler.
+A counter never reaches 2**64 - 1: the sender closes the connection first. Once the records
+sealed under one key hold REKEY_BYTES of plaintext or more, the next record uses
+HMAC-SHA256(key, REKEY_INFO) as its key (the counter runs on); both ends count the same
+records, so they switch in lockstep. Frame limits apply to the plaintext lengths. Bodies of
+OFFLOAD_BYTES (secure.py) or more are sealed and opened in worker threads, in wire order.
+Left visible to an observer: both PeerIDs (HELLO), frame lengths and timing.
+
 Errors: a frame that cannot be parsed, an unknown kind, a missing or mistyped key, a frame over
-the announced size limits, or DATA beyond the granted window is a protocol violation: the
-receiver logs it and closes the connection. A bad *request* (unknown method, arguments of the
-wrong types) is answered with an ERROR frame and the connection stays up.
+the announced size limits, a record that fails authentication, or DATA beyond the granted window
+is a protocol violation: the receiver logs it and closes the connection. A bad *request*
+(unknown method, arguments of the wrong types) is answered with an ERROR frame and the
+connection stays up.
 """
 
 from __future__ import annotations
@@ -58,9 +99,18 @@ import msgpack
 
 from swarm.p2p.errors import ProtocolError
 
-PROTOCOL = "swarm/1"
-AUTH_CONTEXT = b"swarm/1 handshake auth\x00"
+PROTOCOL = "swarm/2"
+AUTH_CONTEXT = b"swarm/2 handshake auth\x00"
+TRANSCRIPT_CONTEXT = b"swarm/2 handshake transcript\x00"
+KEYS_INFO = b"swarm/2 session keys"
+REKEY_INFO = b"swarm/2 rekey"
 NONCE_BYTES = 32
+EPHEMERAL_KEY_BYTES = 32  # X25519 public key
+TAG_BYTES = 16  # AES-GCM tag at the end of each record
+NONCE_PAD = bytes(4)  # the record nonce: these 4 zero bytes, then the u64 big-endian counter
+CIPHER_AES256GCM = "aes256gcm"  # the HELLO ``c`` of a peer that encrypts (the default)
+CIPHER_NONE = "none"  # the HELLO ``c`` of a peer with P2PConfig(encryption=False)
+REKEY_BYTES = 2**32  # plaintext bytes under one key (AES-GCM stays far inside its usage bounds)
 
 FRAME_PREFIX = struct.Struct(">II")  # head_len, body_len
 PREFIX_BYTES = FRAME_PREFIX.size

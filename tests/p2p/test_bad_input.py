@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from swarm.p2p import CallContext, ErrorCode, Identity, P2PHost
-from swarm.p2p.wire import FRAME_PREFIX, Kind
+from swarm.p2p.wire import FRAME_PREFIX, Kind, encode_head
 from tests.p2p.conftest import local_config
 from tests.p2p.rawpeer import RawPeer, frame
 
@@ -69,21 +70,23 @@ async def test_forged_signature_is_refused(server: P2PHost, caplog) -> None:
 
 
 async def test_valid_handshake_then_garbage_frames(server: P2PHost, caplog) -> None:
-    bad_frames = [
-        os.urandom(64),  # garbage prefix and head
-        FRAME_PREFIX.pack(5, 0) + b"\xc1\xc1\xc1\xc1\xc1",  # not msgpack
-        frame({"k": 99, "i": 2}),  # unknown kind
-        frame({"k": Kind.CALL, "i": 2}),  # CALL without a method (and from the wrong id range)
-        frame({"k": Kind.CALL, "i": 1, "m": 5, "a": None}),  # method of the wrong type
-        frame({"k": Kind.HELLO, "i": 0}),  # a second handshake
-        frame({"k": Kind.CREDIT, "i": 1, "n": -5}),  # nonsense credit
-        FRAME_PREFIX.pack(0, 0),  # empty head
-        frame(["not", "a", "map"]),  # type: ignore[arg-type]
+    bad_frames: list[Callable[[RawPeer], bytes]] = [  # each one properly encrypted unless said
+        lambda p: os.urandom(64),  # garbage prefix and head (fails authentication)
+        lambda p: p.seal(b"\xc1\xc1\xc1\xc1\xc1"),  # not msgpack
+        lambda p: p.seal({"k": 99, "i": 2}),  # unknown kind
+        lambda p: p.seal({"k": Kind.CALL, "i": 2}),  # CALL without a method (and from the wrong id range)
+        lambda p: p.seal({"k": Kind.CALL, "i": 1, "m": 5, "a": None}),  # method of the wrong type
+        lambda p: p.seal({"k": Kind.HELLO, "i": 0}),  # a second handshake
+        lambda p: p.seal({"k": Kind.CREDIT, "i": 1, "n": -5}),  # nonsense credit
+        lambda p: FRAME_PREFIX.pack(0, 0),  # empty head
+        lambda p: p.seal(encode_head(["not", "a", "map"])),  # type: ignore[arg-type]
+        lambda p: frame({"k": Kind.CALL, "i": 1, "m": "t.echo", "a": None, "s": False}) + bytes(16),  # clear, fake tag
     ]
     with caplog.at_level(logging.WARNING, logger="swarm.p2p"):
-        for data in bad_frames:
+        for make_frame in bad_frames:
             peer = await RawPeer.connect(server.visible_maddrs[0])
             assert (await peer.handshake())["k"] == Kind.AUTH
+            data = make_frame(peer)
             peer.send(data)
             assert await peer.closed_by_peer(), data
             await peer.close()
@@ -105,7 +108,7 @@ async def test_frame_over_the_size_limit_closes_the_connection(server: P2PHost, 
 async def test_truncated_frame_then_hang_up(server: P2PHost) -> None:
     peer = await RawPeer.connect(server.visible_maddrs[0])
     await peer.handshake()
-    whole = frame({"k": Kind.CALL, "i": 1, "m": "t.echo", "a": "x", "s": False})
+    whole = peer.seal({"k": Kind.CALL, "i": 1, "m": "t.echo", "a": "x", "s": False})
     peer.send(whole[: len(whole) // 2])
     await peer.close()
     await still_serves(server)
@@ -119,9 +122,9 @@ async def test_data_beyond_the_window_is_a_protocol_violation(server: P2PHost, c
     with caplog.at_level(logging.WARNING, logger="swarm.p2p"):
         peer = await RawPeer.connect(server.visible_maddrs[0])
         await peer.handshake()
-        peer.send(frame({"k": Kind.CALL, "i": 1, "m": "t.sink", "a": None, "s": True}))
+        peer.send_frame({"k": Kind.CALL, "i": 1, "m": "t.sink", "a": None, "s": True})
         for _ in range(2 * (1 << 20) // (1 << 18) + 1):  # the window is 1 MiB; send 2 MiB+
-            peer.send(frame({"k": Kind.DATA, "i": 1}, bytes(1 << 18)))
+            peer.send_frame({"k": Kind.DATA, "i": 1}, bytes(1 << 18))
         assert await peer.closed_by_peer()
         await peer.close()
     assert "beyond the stream window" in caplog.text
@@ -139,10 +142,10 @@ async def test_wrong_payload_types_get_bad_request_not_a_crash(server: P2PHost) 
     peer = await RawPeer.connect(server.visible_maddrs[0])
     await peer.handshake()
     for call_id, args in enumerate([None, "ab", [1], [1, "2"], {"a": 1}, [1.5, 2]], start=0):
-        peer.send(frame({"k": Kind.CALL, "i": 2 * call_id + 1, "m": "t.add", "a": args, "s": False}))
+        peer.send_frame({"k": Kind.CALL, "i": 2 * call_id + 1, "m": "t.add", "a": args, "s": False})
         head, _ = await peer.read_frame()
         assert head["k"] == Kind.ERROR and head["c"] == ErrorCode.BAD_REQUEST, args
-    peer.send(frame({"k": Kind.CALL, "i": 99, "m": "t.add", "a": [2, 3], "s": False}))
+    peer.send_frame({"k": Kind.CALL, "i": 99, "m": "t.add", "a": [2, 3], "s": False})
     assert (await peer.read_frame())[0]["r"] == 5
     await peer.close()
 
@@ -176,7 +179,7 @@ async def test_hundreds_of_requests_from_one_peer_are_bounded(make_host) -> None
     peer = await RawPeer.connect(server.visible_maddrs[0])
     await peer.handshake()
     for i in range(500):
-        peer.send(frame({"k": Kind.CALL, "i": 2 * i + 1, "m": "t.wait", "a": None, "s": False}))
+        peer.send_frame({"k": Kind.CALL, "i": 2 * i + 1, "m": "t.wait", "a": None, "s": False})
     busy = 0
     for _ in range(500 - 16):
         head, _ = await peer.read_frame()
@@ -187,10 +190,9 @@ async def test_hundreds_of_requests_from_one_peer_are_bounded(make_host) -> None
     await peer.close()
 
 
-frames_strategy = st.one_of(
+frames_strategy = st.one_of(  # raw bytes are sent as they are, (head, body) pairs as frames
     st.binary(min_size=1, max_size=300),
-    st.builds(
-        frame,
+    st.tuples(
         st.dictionaries(
             st.sampled_from(["k", "i", "m", "a", "s", "n", "c", "e", "r"]),
             st.one_of(
@@ -210,13 +212,18 @@ frames_strategy = st.one_of(
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.lists(frames_strategy, min_size=1, max_size=6), authenticate=st.booleans())
-async def test_random_frames_never_break_the_server(server: P2PHost, data: list[bytes], authenticate: bool) -> None:
+async def test_random_frames_never_break_the_server(
+    server: P2PHost, data: list[bytes | tuple[dict[str, Any], bytes]], authenticate: bool
+) -> None:
     peer = await RawPeer.connect(server.visible_maddrs[0])
     try:
         if authenticate:
             await peer.handshake()
         for chunk in data:
-            peer.send(chunk)
+            if isinstance(chunk, bytes):
+                peer.send(chunk)
+            else:  # a frame, encrypted once the handshake is done: the fuzz reaches the router
+                peer.send(peer.seal(*chunk) if authenticate else frame(*chunk))
         await asyncio.sleep(0.01)
     except (ConnectionError, asyncio.IncompleteReadError):
         pass
@@ -228,8 +235,8 @@ async def test_random_frames_never_break_the_server(server: P2PHost, data: list[
 async def test_call_in_the_same_segment_as_auth_is_served(server: P2PHost) -> None:
     """Regression: frames right behind AUTH must be parsed as an authenticated connection's."""
     peer = await RawPeer.connect(server.visible_maddrs[0])
-    call = frame({"k": Kind.CALL, "i": 1, "m": "t.echo", "a": "same segment", "s": False})
-    assert (await peer.handshake(then=call))["k"] == Kind.AUTH
+    call = {"k": Kind.CALL, "i": 1, "m": "t.echo", "a": "same segment", "s": False}
+    assert (await peer.handshake(then=[call]))["k"] == Kind.AUTH
     head, _ = await peer.read_frame()
     assert head["k"] == Kind.REPLY and head["r"] == "same segment"
     await peer.close()
@@ -243,7 +250,7 @@ async def test_close_does_not_hang_on_a_peer_that_stops_reading(make_host) -> No
 
     host.add_stream_handler("t.flood", flood)
     peer = await RawPeer.connect(host.visible_maddrs[0])
-    await peer.handshake(window=2**31, then=frame({"k": Kind.CALL, "i": 1, "m": "t.flood", "a": None, "s": True}))
+    await peer.handshake(window=2**31, then=[{"k": Kind.CALL, "i": 1, "m": "t.flood", "a": None, "s": True}])
     await asyncio.sleep(0.5)  # the host fills the socket buffers and waits to drain; we never read
     loop = asyncio.get_running_loop()
     start = loop.time()
