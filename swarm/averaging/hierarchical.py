@@ -113,7 +113,8 @@ class GridRound(RoundMember):
             subs = [(a - lo, b - lo) for a, b in self.grid.subs[self.col]]
             expected = set(self.grid.row_members[self.row]) - {self.me}
             self.row_reduction = RowReduction(subs, self.col, lo, hi, self.me, vector[lo:hi], self.weights,
-                                              expected, self.codec, config.chunk_elements)  # fmt: skip
+                                              expected, self.codec, config.chunk_elements,
+                                              aggregator=config.aggregator)  # fmt: skip
         self.col_reductions: dict[int, ColReduction] = {}
         self._answering: set[asyncio.Task[Any]] = set()  # answers being written
 
@@ -164,6 +165,7 @@ class GridRound(RoundMember):
             await reduction.reduce(self.config.part_timeout, 1)
         except Exception as e:  # reduction.result carries it to whoever waits for the partial
             logger.info("round %s: row partial of part %d failed: %s", self._tag(), self.col, e)
+        self.note_fates(self.col * self.grid.rows + self.row, {i: (i, f) for i, f in reduction.touched().items()})
 
     async def _row_partial(self) -> tuple[list[int], memoryview, torch.Tensor]:
         assert self.row_reduction is not None
@@ -201,7 +203,8 @@ class GridRound(RoundMember):
             lo, hi = self.grid.subs[self.col][s]
             expected = set(range(self.grid.rows)) - {s, self.row}
             reduction = ColReduction(self.weights, s, lo, hi, self.row, torch.empty(0), [0.0] * self.grid.rows,
-                                     expected, self.codec, self.config.chunk_elements)  # fmt: skip
+                                     expected, self.codec, self.config.chunk_elements,
+                                     aggregator=self.config.aggregator)  # fmt: skip
             self.col_reductions[s] = reduction
             self._tasks.append(asyncio.ensure_future(self._reduce_col(reduction, takeover=s != self.row)))
         return reduction
@@ -219,6 +222,8 @@ class GridRound(RoundMember):
         except Exception as e:  # reduction.result carries it to everyone waiting for the sub-part
             _fail(reduction.result, e)
             logger.info("round %s: sub-part %d/%d cannot be reduced: %s", self._tag(), self.col, reduction.part, e)
+        owners = {r: (self.grid.owners[r][self.col], f) for r, f in reduction.touched().items()}  # rows' partials
+        self.note_fates(self.col * self.grid.rows + reduction.part, owners)
 
     async def _exchange_col(self, reducer: int, s: int) -> Final:
         inc, payload, _ = await self._row_partial()

@@ -1,11 +1,18 @@
 """PartReduction: one member reducing one part of the vector for its group.
 
 It collects each sender's encoded payload for the part, waits until every expected sender has
-finished or failed (bounded), then sums in member order this member's own exact fp32 slice and
-every complete sender's decoded slice, weighted by the weights agreed at matchmaking, divides by
-the total weight, and encodes the average once. Those bytes, and the list of members they
-include, are `result`: every sender gets exactly them. A payload that fails to decode
-(MalformedPayload) drops its sender and the sum starts over, so a bad sender leaves no trace.
+finished or failed (bounded), then reduces this member's own exact fp32 slice and every complete
+sender's decoded slice, weighted by the weights agreed at matchmaking, with the configured
+aggregator, and encodes the result once. Those bytes, and the list of members they include, are
+`result`: every sender gets exactly them. A payload that fails to decode (MalformedPayload) drops
+its sender, so a bad sender leaves no trace.
+
+Aggregators (AveragingConfig.aggregator):
+- "robust" (default): robust.py's CenteredClip over the contributions (each sender's payload is
+  decoded into its own buffer for the Gram matrix); non-finite and absurd contributions are
+  dropped (left out of `included`), far ones clipped; `fates` says what happened to whom. The
+  result is sum_k a_k x_k, accumulated in member order with the codec's fused kernel;
+- "mean": the exact weighted mean, summed in member order, then divided by the total weight.
 
 RowReduction and ColReduction are the two stages of the hierarchical round (hierarchical.py):
 the same arithmetic over a row's members, then over the rows' partials.
@@ -21,6 +28,7 @@ from typing import Any
 import torch
 
 from swarm.averaging.partition import payload_layout, payload_size
+from swarm.averaging.robust import Fate, gram_matrix, robust_coefficients
 from swarm_kernels import MalformedPayload, as_memoryview
 
 logger = logging.getLogger(__name__)
@@ -66,11 +74,15 @@ class PartReduction:
         expected: set[int],
         codec: object,
         chunk_elements: int,
+        *,
+        aggregator: str = "robust",
     ) -> None:
         self.part, self.lo, self.hi = part, lo, hi
         self.own_index, self.own_slice = own_index, own_slice
         self.weights, self.expected = weights, expected
         self.codec, self.chunk_elements = codec, chunk_elements
+        self.aggregator = aggregator
+        self.fates: dict[int, Fate] = {}  # contribution index -> what the robust rule did with it
         self.senders: dict[int, Incoming] = {}
         self.changed = asyncio.Event()
         self.result: asyncio.Future[tuple[list[int], memoryview]] = asyncio.get_running_loop().create_future()
@@ -125,7 +137,47 @@ class PartReduction:
         self.settle((included, payload))
         return self.result.result()
 
+    def touched(self) -> dict[int, Fate]:
+        """The contributions the robust rule dropped or clipped (after reduce)."""
+        return {i: f for i, f in self.fates.items() if f.touched}
+
     def _reduce(self, complete: list[int]) -> tuple[list[int], torch.Tensor]:
+        if self.aggregator == "mean":
+            return self._mean(complete)
+        return self._robust(complete)
+
+    def _robust(self, complete: list[int]) -> tuple[list[int], torch.Tensor]:
+        values: dict[int, torch.Tensor] = {}
+        for i in sorted({self.own_index, *complete}):
+            if i == self.own_index:
+                values[i] = self.own_slice
+                continue
+            try:
+                values[i] = self._decode(self.senders[i].buffer)
+            except MalformedPayload as e:
+                logger.info("part %d: dropping sender %d, malformed payload: %s", self.part, i, e)
+        order = sorted(values)
+        gram = gram_matrix([values[i] for i in order])
+        values.clear()  # the decoded copies: the sum below reads the payloads again
+        coefficients, fates = robust_coefficients(gram, [self.weights[i] for i in order])
+        self.fates = dict(zip(order, fates))
+        acc = torch.zeros(self.hi - self.lo, dtype=torch.float32)
+        for i, coefficient in zip(order, coefficients):
+            if coefficient == 0.0:
+                continue
+            if i == self.own_index:
+                acc.add_(self.own_slice * coefficient)  # a multiply, then an add: never fused
+            else:
+                self._accumulate(acc, self.senders[i].buffer, coefficient)
+        return [i for i in order if self.fates[i].dropped is None], acc
+
+    def _decode(self, payload: memoryview) -> torch.Tensor:
+        out = torch.empty(self.hi - self.lo, dtype=torch.float32)
+        for a, b, where in self.layout:
+            self.codec.decode(payload[where], b - a, out=out[a:b])
+        return out
+
+    def _mean(self, complete: list[int]) -> tuple[list[int], torch.Tensor]:
         candidates = sorted({self.own_index, *complete})
         while True:
             acc = torch.zeros(self.hi - self.lo, dtype=torch.float32)
@@ -160,8 +212,8 @@ class RowReduction(PartReduction):
     """Stage 1 at (r, c): the row's weighted mean of part c, encoded sub-part by sub-part (each
     sub-part's bytes go to its own owner); `average` keeps the fp32 mean."""
 
-    def __init__(self, subs: list[tuple[int, int]], *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, subs: list[tuple[int, int]], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.subs = subs  # relative to the part
         self.average = torch.empty(0)
 
@@ -182,8 +234,8 @@ class ColReduction(PartReduction):
     the agreed weights of the members its partial includes (set as its stream arrives); the
     result's `included` lists those members."""
 
-    def __init__(self, member_weights: list[float], *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, member_weights: list[float], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.member_weights = member_weights
         self.row_members: dict[int, list[int]] = {}
 
