@@ -75,7 +75,7 @@ def on_the_wire(x: torch.Tensor) -> torch.Tensor:
 
 def mean(xs: list[torch.Tensor], w: list[float]) -> torch.Tensor:
     acc = torch.zeros_like(xs[0])
-    for x, wk in zip(xs, w):
+    for x, wk in zip(xs, w, strict=True):
         acc.add_(x, alpha=wk)
     return acc / sum(w)
 
@@ -103,7 +103,7 @@ def clip_trimmed_mean(xs: list[torch.Tensor], w: list[float], kappa: float = 2.0
     trim = 1 if len(kept) >= 3 else 0
     out = torch.empty_like(xs[0])
     for lo in range(0, out.numel(), chunk):
-        block = torch.stack([xs[k][lo : lo + chunk] * s for k, s in zip(kept, scales)])
+        block = torch.stack([xs[k][lo : lo + chunk] * s for k, s in zip(kept, scales, strict=True)])
         ordered = block.sort(dim=0).values
         out[lo : lo + chunk] = ordered[trim : len(kept) - trim].mean(0)
     return out

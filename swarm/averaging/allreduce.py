@@ -248,7 +248,7 @@ class RoundMember:
     def note_fates(self, part: int, touched: dict[int, tuple[int, Fate]]) -> None:
         """Log and report the contributions a robust reduction of `part` dropped or clipped:
         contribution index -> (the member who sent it, its fate)."""
-        for index, (member, fate) in sorted(touched.items()):
+        for _, (member, fate) in sorted(touched.items()):
             peer = self.group.members[member].peer_id
             what = f"dropped ({fate.dropped})" if fate.dropped else f"clipped to {fate.clip:.3g} of its distance"
             logger.warning("round %s: part %d: the contribution of member %d (%s) was %s",

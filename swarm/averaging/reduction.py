@@ -160,9 +160,9 @@ class PartReduction:
         gram = gram_matrix([values[i] for i in order])
         values.clear()  # the decoded copies: the sum below reads the payloads again
         coefficients, fates = robust_coefficients(gram, [self.weights[i] for i in order])
-        self.fates = dict(zip(order, fates))
+        self.fates = dict(zip(order, fates, strict=True))
         acc = torch.zeros(self.hi - self.lo, dtype=torch.float32)
-        for i, coefficient in zip(order, coefficients):
+        for i, coefficient in zip(order, coefficients, strict=True):
             if coefficient == 0.0:
                 continue
             if i == self.own_index:

@@ -101,7 +101,11 @@ def robust_aggregate(
 
 
 def robust_coefficients(
-    gram: list[list[float]], weights: list[float], *, tau_factor: float = TAU_FACTOR, absurd_factor: float = ABSURD_FACTOR
+    gram: list[list[float]],
+    weights: list[float],
+    *,
+    tau_factor: float = TAU_FACTOR,
+    absurd_factor: float = ABSURD_FACTOR,
 ) -> tuple[list[float], list[Fate]]:
     """The rule on the Gram matrix alone: coefficients a_k of the aggregate sum_k a_k x_k."""
     n = len(gram)
@@ -182,10 +186,10 @@ def geometric_median(g: list[list[float]], w: list[float]) -> list[float]:
         if scale == 0:
             return a
         floor = scale * 1e-9  # a point at the median itself: Weiszfeld's 1/d would blow up
-        inv = [wk / max(dk, floor) for wk, dk in zip(w, d)]
+        inv = [wk / max(dk, floor) for wk, dk in zip(w, d, strict=True)]
         norm = math.fsum(inv)
         new = [v / norm for v in inv]
-        if max(abs(x - y) for x, y in zip(a, new)) < CONVERGED:
+        if max(abs(x - y) for x, y in zip(a, new, strict=True)) < CONVERGED:
             return new
         a = new
     return a
@@ -202,7 +206,7 @@ def centered_clip(g: list[list[float]], w: list[float], a: list[float], tau: flo
         step = [w[k] * clips[k] / total for k in range(m)]
         moved = math.fsum(step)
         new = [a[i] * (1 - moved) + step[i] for i in range(m)]  # v + sum_k step_k (x_k - v)
-        if max(abs(x - y) for x, y in zip(a, new)) < CONVERGED:
+        if max(abs(x - y) for x, y in zip(a, new, strict=True)) < CONVERGED:
             a = new
             break
         a = new
@@ -257,7 +261,7 @@ def combine(xs: list[torch.Tensor], coefficients: list[float]) -> torch.Tensor:
     """sum_k fp32(a_k) * x_k, in index order, a multiply and an add per term (never fused)."""
     numel = xs[0].numel()
     out = torch.zeros(numel, dtype=torch.float32)
-    terms = [(x, torch.tensor(c, dtype=torch.float32)) for x, c in zip(xs, coefficients) if c != 0.0]
+    terms = [(x, torch.tensor(c, dtype=torch.float32)) for x, c in zip(xs, coefficients, strict=True) if c != 0.0]
     if not terms:
         return out
     scratch = torch.empty(min(CHUNK, numel), dtype=torch.float32)
