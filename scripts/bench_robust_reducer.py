@@ -40,24 +40,26 @@ import torch
 from swarm.averaging import robust
 from swarm_kernels import get_codec
 
-ATTACKS = ("none", "x1e4", "1e30", "sign-flip", "nan", "inf")
+ATTACKS = ("none", "none-uneq", "x1e4", "x30", "1e30", "sign-flip", "nan", "inf")
+NOISE = (0.5, 1.0, 1.5, 2.0, 1.0)  # "none-uneq": honest noise levels and weights differ
+UNEQUAL_WEIGHTS = [1.0, 1.5, 2.0, 0.5, 1.0]
 HONEST = 4
 
 Aggregator = Callable[[list[torch.Tensor], list[float]], torch.Tensor]
 
 
-def honest_deltas(n: int, numel: int, seed: int) -> list[torch.Tensor]:
+def honest_deltas(n: int, numel: int, seed: int, noise: tuple[float, ...] = (1.0,) * 5) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     shared = torch.randn(numel, generator=gen) * 1e-3
-    return [shared + torch.randn(numel, generator=gen) * 1e-3 for _ in range(n)]
+    return [shared + torch.randn(numel, generator=gen) * 1e-3 * noise[i] for i in range(n)]
 
 
 def attacker(attack: str, honest: list[torch.Tensor]) -> torch.Tensor | None:
     mean = torch.stack(honest).mean(0)
-    if attack == "none":
+    if attack.startswith("none"):
         return None
-    if attack == "x1e4":
-        return honest[0] * 1e4
+    if attack in ("x1e4", "x30"):
+        return honest[0] * float(attack[1:])
     if attack == "1e30":
         return torch.full_like(mean, 1e30)
     if attack == "sign-flip":
@@ -120,17 +122,23 @@ AGGREGATORS: dict[str, Aggregator] = {
 
 
 def relative_errors(numel: int, seed: int) -> dict[str, dict[str, float]]:
-    honest = honest_deltas(HONEST + 1, numel, seed)
     errors: dict[str, dict[str, float]] = {name: {} for name in AGGREGATORS}
     for attack in ATTACKS:
+        unequal = attack == "none-uneq"
+        honest = honest_deltas(HONEST + 1, numel, seed, NOISE if unequal else (1.0,) * 5)
+        weights = UNEQUAL_WEIGHTS if unequal else [1.0] * (HONEST + 1)
         bad = attacker(attack, honest[:HONEST])
-        truth = torch.stack(honest if bad is None else honest[:HONEST]).double().mean(0)
-        xs = [on_the_wire(x) for x in (honest if bad is None else [*honest[:HONEST], bad])]
+        if bad is not None:
+            honest, weights = honest[:HONEST], weights[:HONEST]
+        w = torch.tensor(weights, dtype=torch.float64)[:, None]
+        truth = (torch.stack(honest).double() * w).sum(0) / w.sum()
+        xs = [on_the_wire(x) for x in (honest if bad is None else [*honest, bad])]
+        weights = weights if bad is None else [*weights, 1.0]
         for name, aggregate in AGGREGATORS.items():
             if name == "mean" and attack in ("nan", "inf"):
                 errors[name][attack] = math.nan  # the codec refuses it; an own slice would poison
                 continue
-            out = aggregate(xs, [1.0] * len(xs)).double()
+            out = aggregate(xs, weights).double()
             errors[name][attack] = float((out - truth).norm() / truth.norm())
     return errors
 
