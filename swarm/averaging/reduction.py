@@ -8,10 +8,10 @@ aggregator, and encodes the result once. Those bytes, and the list of members th
 its sender, so a bad sender leaves no trace.
 
 Aggregators (AveragingConfig.aggregator):
-- "robust" (default): robust.py's CenteredClip over the contributions (each sender's payload is
-  decoded into its own buffer for the Gram matrix); non-finite and absurd contributions are
-  dropped (left out of `included`), far ones clipped; `fates` says what happened to whom. The
-  result is sum_k a_k x_k, accumulated in member order with the codec's fused kernel;
+- "robust" (default): robust.py's CenteredClip over the contributions, decoded one wire chunk
+  at a time (one pass for the Gram matrix and the weighted mean; a second only when someone is
+  dropped or clipped); non-finite and absurd contributions are dropped (left out of
+  `included`), far ones clipped; `fates` says what happened to whom;
 - "mean": the exact weighted mean, summed in member order, then divided by the total weight.
 
 RowReduction and ColReduction are the two stages of the hierarchical round (hierarchical.py):
@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from swarm.averaging.partition import payload_layout, payload_size
-from swarm.averaging.robust import Fate, gram_matrix, robust_coefficients
+from swarm.averaging.robust import Blocks, Fate, robust_reduce
 from swarm_kernels import MalformedPayload, as_memoryview
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,14 @@ logger = logging.getLogger(__name__)
 def byte_buffer(size: int) -> memoryview:
     """A writable buffer without the zero-fill of bytearray(size): it is overwritten anyway."""
     return as_memoryview(torch.empty(size, dtype=torch.uint8))
+
+
+class SenderMalformed(Exception):
+    """A sender's payload failed to decode during a robust reduction."""
+
+    def __init__(self, index: int, error: MalformedPayload) -> None:
+        super().__init__(f"sender {index}: {error}")
+        self.index, self.error = index, error
 
 
 @dataclass
@@ -147,35 +156,38 @@ class PartReduction:
         return self._robust(complete)
 
     def _robust(self, complete: list[int]) -> tuple[list[int], torch.Tensor]:
-        values: dict[int, torch.Tensor] = {}
-        for i in sorted({self.own_index, *complete}):
-            if i == self.own_index:
-                values[i] = self.own_slice
-                continue
+        order = sorted({self.own_index, *complete})
+        while True:
             try:
-                values[i] = self._decode(self.senders[i].buffer)
-            except MalformedPayload as e:
-                logger.info("part %d: dropping sender %d, malformed payload: %s", self.part, i, e)
-        order = sorted(values)
-        gram = gram_matrix([values[i] for i in order])
-        values.clear()  # the decoded copies: the sum below reads the payloads again
-        coefficients, fates = robust_coefficients(gram, [self.weights[i] for i in order])
-        self.fates = dict(zip(order, fates, strict=True))
-        acc = torch.zeros(self.hi - self.lo, dtype=torch.float32)
-        for i, coefficient in zip(order, coefficients, strict=True):
-            if coefficient == 0.0:
+                blocks = self._blocks(order)
+                average, fates = robust_reduce(blocks, self.hi - self.lo, [self.weights[i] for i in order])
+            except SenderMalformed as e:  # found in the first pass: start over without it
+                logger.info("part %d: dropping sender %d, malformed payload: %s", self.part, e.index, e.error)
+                order.remove(e.index)
                 continue
-            if i == self.own_index:
-                acc.add_(self.own_slice * coefficient)  # a multiply, then an add: never fused
-            else:
-                self._accumulate(acc, self.senders[i].buffer, coefficient)
-        return [i for i in order if self.fates[i].dropped is None], acc
+            self.fates = dict(zip(order, fates, strict=True))
+            return [i for i in order if self.fates[i].dropped is None], average
 
-    def _decode(self, payload: memoryview) -> torch.Tensor:
-        out = torch.empty(self.hi - self.lo, dtype=torch.float32)
-        for a, b, where in self.layout:
-            self.codec.decode(payload[where], b - a, out=out[a:b])
-        return out
+    def _blocks(self, order: list[int]) -> Blocks:
+        """The contributions of `order`, one wire chunk at a time: our own slice and each sender's
+        payload decoded into one reused (n, chunk) buffer."""
+
+        def blocks() -> Iterator[tuple[int, torch.Tensor]]:
+            layout = self.layout
+            buffer = torch.empty(len(order), max(b - a for a, b, _ in layout), dtype=torch.float32)
+            for a, b, where in layout:
+                block = buffer[:, : b - a]
+                for row, i in zip(block, order, strict=True):
+                    if i == self.own_index:
+                        row.copy_(self.own_slice[a:b])
+                        continue
+                    try:
+                        self.codec.decode(self.senders[i].buffer[where], b - a, out=row)
+                    except MalformedPayload as e:
+                        raise SenderMalformed(i, e) from None
+                yield a, block
+
+        return blocks
 
     def _mean(self, complete: list[int]) -> tuple[list[int], torch.Tensor]:
         candidates = sorted({self.own_index, *complete})

@@ -3,62 +3,90 @@
     aggregate, fates = robust_aggregate([x_0, x_1, ...], [w_0, w_1, ...])
 
 The rule (CenteredClip, Karimireddy, He & Jaggi 2021, as used by Gorbunov et al. 2022,
-"Secure Distributed Training at Scale", with a screen and a radius chosen from the data):
+"Secure Distributed Training at Scale", with a screen, and a radius chosen from the data):
 
 1. Screen. A contribution whose squared norm is NaN or inf (a NaN/inf element, or elements
    beyond ~1.8e19 whose squares overflow fp32) is dropped ("not finite"). So is one whose norm
    exceeds ABSURD_FACTOR x the weighted median norm ("absurd": a 1e4-scaled or 1e30 delta).
-2. Centre. Start from the weighted geometric median of the kept contributions (Weiszfeld's
+2. Radius. tau = TAU_FACTOR x the spread: for each kept contribution the weighted median of its
+   distances to the others, then the weighted median of those. It is the honest majority's
+   pairwise distance, whatever the scale of the pseudo-gradients (two contributions: their
+   distance, so two members are never clipped against each other).
+3. Centre. Start from the weighted geometric median of the kept contributions (Weiszfeld's
    iteration), whose breakdown point is 1/2 of the weight.
-3. Radius. tau = TAU_FACTOR x the weighted median distance of the kept contributions to that
-   centre: the spread of the honest majority, whatever the scale of the pseudo-gradients.
 4. Clip. CenteredClip to its fixed point: v <- v + sum_k w_k min(1, tau/|x_k - v|)(x_k - v) / W.
    A contribution within tau of the result counts fully; one beyond counts as if it sat at
    distance tau. With nobody beyond tau (no outlier) the fixed point IS the weighted mean.
 
-Influence and breakdown point: as long as the contributions of weight fraction delta < 1/2 are
-malicious, the median norm, the geometric median and the median distance are set by the honest
-majority, and a malicious contribution moves the result by at most about
-(its weight / W) x tau, i.e. a fraction of the honest spread, whatever it sends. At delta >= 1/2
-(a majority of the weight, e.g. 1 of 2 equal members) no rule can tell who is honest: the
-screen then keeps the smaller norms (lower weighted median), and nothing else is promised.
+Influence and breakdown point: while the malicious contributions hold a weight fraction
+delta < 1/2, the median norm, the geometric median and the spread are set by the honest
+majority: a contribution that is not dropped moves the result by at most about
+(its weight / W) x tau, a fraction of the honest spread, whatever it sends. At delta >= 1/2
+(a majority of the weight, e.g. 1 of 2 equal members) nothing can tell who is honest: the screen
+keeps the smaller norms (lower weighted median) and nothing else is promised
+(tests/averaging/test_robust.py pins both sides).
 
-Measured (scripts/bench_robust_reducer.py, honest = shared direction + per-node noise of the
-same norm, 4 honest + 1 attacker of equal weight): see that script's docstring for the table.
-CenteredClip here was chosen over norm clipping + a coordinate-wise trimmed mean because it adds
-no bias when nobody is an outlier (the trimmed mean of non-iid deltas is a different vector than
-their mean), bounds a sign-flipped delta of ordinary norm as well, and costs less: everything
-after the Gram matrix runs on n x n numbers.
+Measured (python -m scripts.bench_robust_reducer; 4 honest = shared direction + per-node noise
+of the same norm, through the int8 codec, + 1 attacker of the same weight; relative error to the
+honest mean; "none-uneq": 5 honest, noise 0.5x..2x, weights 0.5..2; ms per 16M-element part, 5
+contributions, one thread, a loaded 2-core machine):
+
+    rule              none   none-uneq  x1e4    x30    1e30     sign-flip  NaN/inf   ms
+    mean              0.003  0.004      2.5e3   7.4    1.8e32   0.45       (poison)  ~200*
+    cclip (tau x1)    0.003  0.010      0.004   0.32   0.004    0.32       0.004     ~370
+    cclip tau x0.5    0.003  0.080      0.004   0.25   0.004    0.20       0.004     ~340
+    cclip tau x2      0.003  0.004      0.004   0.63   0.004    0.45       0.004     ~300
+    geometric median  0.003  0.108      0.26    0.26   0.004    0.20       0.004     ~230
+    clip + trim. mean 0.15   0.29       0.31    0.31   0.33     0.30       0.20      ~1670
+    (* the bench's plain torch mean; the reduction's own mean is the fused int8 kernel)
+
+CenteredClip with tau = 1 x the spread is the choice: no bias when nobody is an outlier (1% with
+unequal honest norms and weights, against 8-11% for a smaller radius or the geometric median and
+15-29% for the trimmed mean, which cannot use weights and is the median-like vector of non-iid
+deltas, not their mean), the attacks that can be told apart (x1e4, 1e30, NaN, inf) leave only
+the codec's error, and one that cannot (an ordinary-norm sign flip, or x30) is bounded at its
+weight share of the spread (0.32 vs the mean's 0.45 and 7.4). Coordinate-wise trimming costs a
+sort per coordinate (4-5x slower) and was worse on every column.
 
 How it is computed: every candidate point (weighted mean, geometric median, CenteredClip
 iterate) is a linear combination sum_k a_k x_k of the contributions, so all distances follow
 from the Gram matrix G_ij = <x_i, x_j>. The Gram matrix is the only pass over the data besides
 the final combination: cost ~ n(n+1)/2 + n multiply-add passes over the part.
 
-Determinism (all members and auditors must get the same bits):
+Determinism (all members and auditors must get the same bits). Members agree by construction
+(one owner reduces, everyone gets its bytes); an auditor re-running the reduction needs the same
+bits from the same inputs:
 - the Gram matrix: fp32 products (elementwise: exactly rounded, the same on every machine),
-  summed in float64 per fixed row of GRAM_ROW elements (each row is summed by one thread, so
-  the thread count does not matter), rows summed with math.fsum (correctly rounded, so their
-  order does not matter), then each entry snapped to a grid of 2**-SNAP_BITS x sqrt(G_ii G_jj):
-  a float64 row sum that differs in its last bits on another CPU (SIMD width) lands on the same
-  grid point unless it sits within ~1e-13 of a grid boundary (probability ~1e-5 per entry);
+  summed in fp32 per fixed row of GRAM_ROW elements (torch reduces each row in one thread, so
+  the thread count does not matter), rows summed with math.fsum (correctly rounded: their order
+  does not matter), then each entry snapped to a grid of 2**-SNAP_BITS x sqrt(G_ii G_jj). The
+  fp32 row sums are the one step whose order torch picks by CPU (SIMD width): on another CPU an
+  entry can differ in its last bits, which the snap absorbs unless it sits within ~1e-9
+  (relative) of a grid boundary, about 1e-3 per entry. Cross-CPU agreement is therefore likely,
+  not proven; an exact integer Gram over the int8 codes would make it so (not done: the owner's
+  own slice is fp32);
 - the iterations: plain Python float arithmetic in a fixed order (IEEE, the same everywhere);
-- the result: sum_k fp32(a_k) * x_k in member order, as separate multiply and add kernels (no
-  fused multiply-add), chunk by chunk: elementwise, hence independent of threads and SIMD.
+- the result: sum_k fp32(a_k) * x_k in member order, a multiply and an add per term (never a
+  fused multiply-add; reduction.py uses the codec's fused-kernel spec, which has no FMA either):
+  elementwise, hence independent of threads.
 Tested bit-identical across torch.set_num_threads(1) and (2).
+
+Cost: n(n+1)/2 product-and-sum passes over the part (the Gram matrix; 15 for 5 members), then
+the combination. The decoded contributions are kept (n x part fp32) until the Gram is done.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 ABSURD_FACTOR = 100.0  # a norm beyond this many median norms is dropped
 TAU_FACTOR = 1.0  # clipping radius, in units of the spread (median pairwise distance)
-GRAM_ROW = 4096  # elements per float64 partial sum of a Gram entry
-CHUNK = 1 << 18  # elements per cache-sized chunk of the passes over the data
+BLOCK = 1 << 21  # elements per block that robust_aggregate stacks (the wire's chunk size)
+CHUNK = 1 << 16  # elements per cache-sized piece of a block (one Gram update, one combine)
 SNAP_BITS = 20  # Gram entries are snapped to 2**-SNAP_BITS of their Cauchy-Schwarz bound
 WEISZFELD_ITERATIONS = 64
 CLIP_ITERATIONS = 64
@@ -78,6 +106,9 @@ class Fate:
         return self.dropped is not None or self.clip < 1.0
 
 
+Blocks = Callable[[], Iterator[tuple[int, torch.Tensor]]]
+
+
 def robust_aggregate(
     contributions: list[torch.Tensor],
     weights: list[float],
@@ -95,9 +126,51 @@ def robust_aggregate(
     numel = contributions[0].numel()
     if any(x.dtype != torch.float32 or x.dim() != 1 or x.numel() != numel for x in contributions):
         raise ValueError("contributions must be 1-D fp32 tensors of equal length")
-    gram = gram_matrix(contributions)
+    return robust_reduce(stacked(contributions), numel, weights, tau_factor=tau_factor, absurd_factor=absurd_factor)
+
+
+def robust_reduce(
+    blocks: Blocks,
+    numel: int,
+    weights: list[float],
+    *,
+    tau_factor: float = TAU_FACTOR,
+    absurd_factor: float = ABSURD_FACTOR,
+) -> tuple[torch.Tensor, list[Fate]]:
+    """robust_aggregate over contributions given block by block: `blocks()` yields (lo, block),
+    block an (n, width) fp32 tensor (contribution k's elements [lo, lo + width) in row k), in
+    order, covering [0, numel). One pass computes the Gram matrix and the weighted mean; a second
+    call of `blocks()` happens only when the rule drops or clips someone."""
+    mean = mean_coefficients(weights)
+    out = torch.empty(numel, dtype=torch.float32)
+    gram = data_pass(blocks, numel, len(weights), out, mean, gram=True)
     coefficients, fates = robust_coefficients(gram, weights, tau_factor=tau_factor, absurd_factor=absurd_factor)
-    return combine(contributions, coefficients), fates
+    if coefficients != mean:
+        data_pass(blocks, numel, len(weights), out, coefficients, gram=False)
+    return out, fates
+
+
+def stacked(xs: list[torch.Tensor]) -> Blocks:
+    """Blocks over separate contributions: BLOCK elements of each, copied into one buffer."""
+
+    def blocks() -> Iterator[tuple[int, torch.Tensor]]:
+        numel = xs[0].numel()
+        buffer = torch.empty(len(xs), min(BLOCK, numel), dtype=torch.float32)
+        for lo in range(0, numel, BLOCK):
+            hi = min(lo + BLOCK, numel)
+            block = buffer[:, : hi - lo]
+            for row, x in zip(block, xs, strict=True):
+                row.copy_(x[lo:hi])
+            yield lo, block
+
+    return blocks
+
+
+def mean_coefficients(weights: list[float]) -> list[float]:
+    """w_k / W: the coefficients of the weighted mean (a bad weight counts as 0)."""
+    usable = [w if math.isfinite(w) and w >= 0 else 0.0 for w in weights]
+    total = math.fsum(usable)
+    return [w / total if total > 0 else 0.0 for w in usable]
 
 
 def robust_coefficients(
@@ -132,11 +205,15 @@ def robust_coefficients(
     g = [[gram[i][j] for j in kept] for i in kept]
     tau = tau_factor * spread(g, w)
     a, clips = centered_clip(g, w, geometric_median(g, w), tau)
+    final = [
+        f if f is not None else Fate(clip=clips[kept.index(k)]) if k in kept else Fate() for k, f in enumerate(fates)
+    ]
+    if not any(f.touched for f in final):  # nobody dropped or clipped: exactly the weighted mean
+        return mean_coefficients(weights), final
     coefficients = [0.0] * n
     for slot, k in enumerate(kept):
         coefficients[k] = a[slot]
-        fates[k] = Fate(clip=clips[slot])
-    return coefficients, [f if f is not None else Fate() for f in fates]  # zero weights: kept, unused
+    return coefficients, final
 
 
 def weighted_median(values: list[float], weights: list[float]) -> float:
@@ -214,38 +291,51 @@ def centered_clip(g: list[list[float]], w: list[float], a: list[float], tau: flo
     return a, [1.0 if dk <= tau else tau / dk for dk in d]
 
 
+def data_pass(
+    blocks: Blocks, numel: int, n: int, out: torch.Tensor, coefficients: list[float], *, gram: bool
+) -> list[list[float]]:
+    """One pass over the blocks: out = sum_k fp32(c_k) * x_k (member order, a multiply and an
+    add per term, never fused) and, if asked, the Gram matrix (see the module docstring)."""
+    scale = [torch.tensor(c, dtype=torch.float32) for c in coefficients]
+    terms = [k for k in range(n) if coefficients[k] != 0.0]
+    total = torch.zeros(n, n, dtype=torch.float64)
+    scratch = torch.empty(min(CHUNK, max(numel, 1)), dtype=torch.float32)
+    covered = 0
+    for lo, block in blocks():
+        if lo != covered or block.shape[0] != n:
+            raise ValueError(f"blocks must cover the part in order: block at {lo}, expected {covered}")
+        width = block.shape[1]
+        for start in range(0, width, CHUNK):
+            piece = block[:, start : start + CHUNK]
+            if gram:
+                total += torch.mm(piece, piece.t()).double()
+            target = out[lo + start : lo + start + piece.shape[1]]
+            if not terms:
+                target.zero_()
+                continue
+            torch.mul(piece[terms[0]], scale[terms[0]], out=target)
+            tmp = scratch[: piece.shape[1]]
+            for k in terms[1:]:
+                torch.mul(piece[k], scale[k], out=tmp)
+                target.add_(tmp)
+        covered = lo + width
+    if covered != numel:
+        raise ValueError(f"blocks covered {covered} of {numel} elements")
+    raw = total.tolist()
+    return [[_snap(raw[i][j], raw[i][i], raw[j][j]) for j in range(n)] for i in range(n)]
+
+
 def gram_matrix(xs: list[torch.Tensor]) -> list[list[float]]:
-    """G_ij = <x_i, x_j> (see the module docstring: deterministic, snapped); inf or NaN where the
-    fp32 products overflow or an element is not finite."""
-    n, numel = len(xs), xs[0].numel()
-    rows = numel // GRAM_ROW * GRAM_ROW  # the whole rows; the tail is summed on its own
-    partials: list[list[list[float]]] = [[[] for _ in range(n)] for _ in range(n)]
-    product = torch.empty(min(CHUNK, max(numel, 1)), dtype=torch.float32)
-    bounds = [(lo, min(lo + CHUNK, rows)) for lo in range(0, rows, CHUNK)]
-    if rows < numel:
-        bounds.append((rows, numel))
-    for lo, hi in bounds:
-        chunks = [x[lo:hi] for x in xs]
-        out = product[: hi - lo]
-        for i in range(n):
-            for j in range(i, n):
-                torch.mul(chunks[i], chunks[j], out=out)
-                width = GRAM_ROW if hi - lo >= GRAM_ROW else hi - lo
-                partials[i][j] += out.view(-1, width).sum(dim=1).tolist()
-    gram = [[0.0] * n for _ in range(n)]
-    for i in range(n):
-        for j in range(i, n):
-            gram[i][j] = gram[j][i] = _fsum(partials[i][j])
-    return [[_snap(gram[i][j], gram[i][i], gram[j][j]) for j in range(n)] for i in range(n)]
+    """G_ij = <x_i, x_j>, as robust_aggregate computes it (inf or NaN where fp32 overflows)."""
+    numel = xs[0].numel()
+    return data_pass(stacked(xs), numel, len(xs), torch.empty(numel), [0.0] * len(xs), gram=True)
 
 
-def _fsum(values: list[float]) -> float:
-    if any(math.isnan(v) for v in values):
-        return math.nan
-    try:
-        return math.fsum(values)
-    except (OverflowError, ValueError):  # inf + -inf, or an intermediate overflow
-        return math.nan
+def combine(xs: list[torch.Tensor], coefficients: list[float]) -> torch.Tensor:
+    """sum_k fp32(a_k) * x_k, as robust_aggregate computes it."""
+    out = torch.empty(xs[0].numel(), dtype=torch.float32)
+    data_pass(stacked(xs), out.numel(), len(xs), out, coefficients, gram=False)
+    return out
 
 
 def _snap(value: float, gii: float, gjj: float) -> float:
@@ -255,21 +345,3 @@ def _snap(value: float, gii: float, gjj: float) -> float:
         return value
     exponent = math.frexp(math.sqrt(gii) * math.sqrt(gjj))[1] - SNAP_BITS
     return math.ldexp(round(math.ldexp(value, -exponent)), exponent)
-
-
-def combine(xs: list[torch.Tensor], coefficients: list[float]) -> torch.Tensor:
-    """sum_k fp32(a_k) * x_k, in index order, a multiply and an add per term (never fused)."""
-    numel = xs[0].numel()
-    out = torch.zeros(numel, dtype=torch.float32)
-    terms = [(x, torch.tensor(c, dtype=torch.float32)) for x, c in zip(xs, coefficients, strict=True) if c != 0.0]
-    if not terms:
-        return out
-    scratch = torch.empty(min(CHUNK, numel), dtype=torch.float32)
-    for lo in range(0, numel, CHUNK):
-        hi = min(lo + CHUNK, numel)
-        acc, tmp = out[lo:hi], scratch[: hi - lo]
-        torch.mul(terms[0][0][lo:hi], terms[0][1], out=acc)
-        for x, c in terms[1:]:
-            torch.mul(x[lo:hi], c, out=tmp)
-            acc.add_(tmp)
-    return out
