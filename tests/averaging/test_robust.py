@@ -13,6 +13,7 @@ import torch
 from swarm.averaging import robust
 from swarm.averaging.allreduce import AllReduceRound
 from swarm.averaging.hierarchical import GridRound
+from tests.averaging.faults import garbage_codec
 from tests.averaging.rounds import MakeGroup
 
 HONEST_WEIGHTS = [1.0, 1.5, 2.0, 0.5]
@@ -86,6 +87,14 @@ def test_one_attacker_is_dropped_or_bounded(kind: str) -> None:
         assert relative_error(result, truth) < 0.8 * relative_error(plain.float(), truth)
 
 
+def test_nobody_touched_is_the_weighted_mean_bit_for_bit() -> None:
+    xs = honest_deltas(4, 3 * robust.BLOCK + 777)  # whole blocks and a short one
+    weights = HONEST_WEIGHTS
+    result, fates = robust.robust_aggregate(xs, weights)
+    assert not any(f.touched for f in fates)
+    assert torch.equal(result, robust.combine(xs, robust.mean_coefficients(weights)))
+
+
 def test_the_attacker_may_sit_anywhere_in_member_order() -> None:
     honest = honest_deltas(4, 20_000)
     truth = weighted_mean(honest, [1.0] * 4)
@@ -147,7 +156,7 @@ def test_bit_identical_across_thread_counts() -> None:
     threads = torch.get_num_threads()
     outcomes = []
     try:
-        for count in (1, 2, 1, 2):
+        for count in (1, 2, 4, 1):
             torch.set_num_threads(count)
             outcomes.append(robust.robust_aggregate(xs, weights))
     finally:
@@ -174,6 +183,20 @@ async def test_a_flat_round_with_one_attacker_stays_with_the_honest_mean(make_gr
     for part, (_, report) in enumerate(outcomes):
         assert all(inc == [0, 1, 2, 3] for inc in report.contributions.values())
         assert report.clipped == {part: [4]}
+
+
+async def test_a_flat_round_drops_a_sender_of_garbage_and_an_attacker(make_group: MakeGroup) -> None:
+    group, members = await make_group(5, weights=[1.0] * 5, block_size=1024, chunk_elements=4096)
+    honest = honest_deltas(3, 40_000)
+    vectors = [*honest, honest[0].clone(), attack("x1e4", honest)]
+    rounds = [AllReduceRound(m.host, m.registry, group, v, m.config) for m, v in zip(members, vectors, strict=True)]
+    rounds[3].codec = garbage_codec(rounds[3].codec)  # NaN scales: malformed on arrival
+    outcomes = await asyncio.gather(*(r.run() for r in rounds), return_exceptions=True)
+    agreeing = [o for i, o in enumerate(outcomes) if i != 3]
+    assert all(not isinstance(o, BaseException) for o in agreeing), agreeing
+    results = [o[0] for o in agreeing]  # type: ignore[index]
+    assert all(torch.equal(r, results[0]) for r in results)
+    assert relative_error(results[0], weighted_mean(honest, [1.0] * 3)) <= 0.01
 
 
 async def test_a_grid_round_with_one_attacker_stays_with_the_honest_mean(make_group: MakeGroup) -> None:
