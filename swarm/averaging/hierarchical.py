@@ -5,15 +5,21 @@ left over) ride in a row and own nothing. Part c of the vector belongs to column
 (r, c), a block-aligned slice of part c, to owner (r, c). For a member x of row r:
 
 1. rows (avg.row): x streams its slice of every part c, encoded, to (r, c); the owner of column c
-   keeps its own slice exact. (r, c) reduces its row (reduction.PartReduction): the weighted mean
-   of the complete payloads, the members included, and so the row's weight (the sum of their
-   agreed weights). It encodes this row partial ONCE, sub-part by sub-part, in the round's codec:
-   row partials travel in the precision members send in (int8 blockwise, fp16 or fp32), which
-   keeps the bytes exactly those of the flat round; it keeps the fp32 partial for its own use.
+   keeps its own slice exact. (r, c) reduces its row (reduction.PartReduction, with the
+   configured aggregator: robust.py by default): the reduction of the complete payloads, the
+   members included, and so the row's weight (the sum of their agreed weights). It encodes this
+   row partial ONCE, sub-part by sub-part, in the round's codec: row partials travel in the
+   precision members send in (int8 blockwise, fp16 or fp32), which keeps the bytes exactly
+   those of the flat round; it keeps the fp32 partial for its own use.
 2. columns (avg.col): (r, c) streams sub-part r' of its row partial, with the members it
-   includes, to (r', c). (r', c) sums its own exact partial and every complete row partial, rows
-   in order, each weighted by its row's weight (the receiver computes it from the agreed member
-   weights), divides by the total and ENCODES THE FINAL SUB-PART ONCE.
+   includes, to (r', c). (r', c) reduces its own exact partial and every complete row partial,
+   rows in order, each weighted by its row's weight (the receiver computes it from the agreed
+   member weights), with the same aggregator, and ENCODES THE FINAL SUB-PART ONCE. Robust here
+   too, because a row partial is whatever its row owner (any member) chose to send: with 3 or
+   more rows a bad partial is dropped or bounded like a bad member. Honest partials (means of
+   whole rows) lie closer together than members do, so the rule leaves them alone (exactly the
+   weighted mean), and it costs a Gram matrix of rows x rows over one sub-part. With 2 rows
+   there is no majority: nothing is clipped, only a non-finite or absurd partial is dropped.
 3. back: (r', c) answers each avg.col stream with the final sub-part; once it holds every
    sub-part of part c it answers each avg.row stream of its row with the whole final part c:
    the bytes it received, never re-encoded. Every member decodes the very same bytes for every

@@ -174,7 +174,7 @@ class PartReduction:
 
         def blocks() -> Iterator[tuple[int, torch.Tensor]]:
             layout = self.layout
-            buffer = torch.empty(len(order), max(b - a for a, b, _ in layout), dtype=torch.float32)
+            buffer = torch.empty(len(order), max((b - a for a, b, _ in layout), default=0), dtype=torch.float32)
             for a, b, where in layout:
                 block = buffer[:, : b - a]
                 for row, i in zip(block, order, strict=True):
@@ -221,8 +221,8 @@ class PartReduction:
 
 
 class RowReduction(PartReduction):
-    """Stage 1 at (r, c): the row's weighted mean of part c, encoded sub-part by sub-part (each
-    sub-part's bytes go to its own owner); `average` keeps the fp32 mean."""
+    """Stage 1 at (r, c): the row's reduction of part c (the configured aggregator), encoded
+    sub-part by sub-part (each sub-part's bytes go to its own owner); `average` keeps it in fp32."""
 
     def __init__(self, subs: list[tuple[int, int]], *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -294,9 +294,11 @@ def centered_clip(g: list[list[float]], w: list[float], a: list[float], tau: flo
 def data_pass(
     blocks: Blocks, numel: int, n: int, out: torch.Tensor, coefficients: list[float], *, gram: bool
 ) -> list[list[float]]:
-    """One pass over the blocks: out = sum_k fp32(c_k) * x_k (member order, a multiply and an
-    add per term, never fused) and, if asked, the Gram matrix (see the module docstring)."""
-    scale = [torch.tensor(c, dtype=torch.float32) for c in coefficients]
+    """One pass over the blocks: out = sum_k fp32(c_k) * x_k and, if asked, the Gram matrix (see
+    the module docstring). With every c_k nonzero (every row finite, or the result is thrown
+    away) the sum is one matrix-vector product (piece^T c) per piece; otherwise the nonzero terms,
+    in member order, a multiply and an add each (a dropped row may hold NaN: 0 * NaN is NaN)."""
+    row = torch.tensor(coefficients, dtype=torch.float32)
     terms = [k for k in range(n) if coefficients[k] != 0.0]
     total = torch.zeros(n, n, dtype=torch.float64)
     scratch = torch.empty(min(CHUNK, max(numel, 1)), dtype=torch.float32)
@@ -310,14 +312,16 @@ def data_pass(
             if gram:
                 total += torch.mm(piece, piece.t()).double()
             target = out[lo + start : lo + start + piece.shape[1]]
-            if not terms:
+            if len(terms) == n:
+                torch.mv(piece.t(), row, out=target)
+            elif not terms:
                 target.zero_()
-                continue
-            torch.mul(piece[terms[0]], scale[terms[0]], out=target)
-            tmp = scratch[: piece.shape[1]]
-            for k in terms[1:]:
-                torch.mul(piece[k], scale[k], out=tmp)
-                target.add_(tmp)
+            else:
+                torch.mul(piece[terms[0]], row[terms[0]], out=target)
+                tmp = scratch[: piece.shape[1]]
+                for k in terms[1:]:
+                    torch.mul(piece[k], row[k], out=tmp)
+                    target.add_(tmp)
         covered = lo + width
     if covered != numel:
         raise ValueError(f"blocks covered {covered} of {numel} elements")
