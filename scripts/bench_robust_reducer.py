@@ -22,7 +22,10 @@ Aggregators:
 
 Reported: relative error |aggregate - honest mean| / |honest mean| (honest mean: the exact fp32
 mean of the honest contributions), at --elements (default 1M), and ms per --time-elements
-(default 16M) part with 5 contributions, median of --repeat runs, on this process's threads.
+(default 16M) part with 5 contributions, median of --repeat runs, on --threads threads, without
+an attacker and with the sign-flipping one (cclip then makes its second pass). The swarm's own
+reduction (reduction.py) decodes int8 payloads instead of stacking fp32 inputs; its cost against
+the plain mean is in `python -m scripts.bench_allreduce --aggregators mean,robust`.
 """
 
 from __future__ import annotations
@@ -143,23 +146,27 @@ def relative_errors(numel: int, seed: int) -> dict[str, dict[str, float]]:
     return errors
 
 
-def timings(numel: int, seed: int, repeat: int) -> dict[str, float]:
-    xs = [on_the_wire(x) for x in honest_deltas(HONEST + 1, numel, seed)]
-    w = [1.0] * len(xs)
-    runs: dict[str, list[float]] = {name: [] for name in AGGREGATORS}
+def timings(numel: int, seed: int, repeat: int) -> dict[str, tuple[float, float]]:
+    """(ms without an attacker, ms with a sign-flipping one: a second pass where it clips)."""
+    honest = honest_deltas(HONEST + 1, numel, seed)
+    bad = attacker("sign-flip", honest[:HONEST])
+    inputs = [[on_the_wire(x) for x in honest], [on_the_wire(x) for x in [*honest[:HONEST], bad]]]  # type: ignore[list-item]
+    w = [1.0] * (HONEST + 1)
+    runs: dict[str, list[list[float]]] = {name: [[], []] for name in AGGREGATORS}
     for _ in range(repeat):  # interleaved: a change of load hits every aggregator alike
         for name, aggregate in AGGREGATORS.items():
-            started = time.perf_counter()
-            aggregate(xs, w)
-            runs[name].append(time.perf_counter() - started)
-    return {name: 1e3 * statistics.median(times) for name, times in runs.items()}
+            for case, xs in enumerate(inputs):
+                started = time.perf_counter()
+                aggregate(xs, w)
+                runs[name][case].append(time.perf_counter() - started)
+    return {name: (1e3 * statistics.median(a), 1e3 * statistics.median(b)) for name, (a, b) in runs.items()}
 
 
 def run_bench(elements: int, time_elements: int, repeat: int, seed: int) -> dict[str, Any]:
     errors = relative_errors(elements, seed)
     ms = timings(time_elements, seed, repeat)
-    rows = [{"aggregator": name, "ms_per_part": ms[name], **{f"err_{a}": errors[name][a] for a in ATTACKS}}
-            for name in AGGREGATORS]  # fmt: skip
+    rows = [{"aggregator": name, "ms_per_part": ms[name][0], "ms_per_part_attacked": ms[name][1],
+             **{f"err_{a}": errors[name][a] for a in ATTACKS}} for name in AGGREGATORS]  # fmt: skip
     return {"elements": elements, "time_elements": time_elements, "threads": torch.get_num_threads(),
             "contributions": HONEST + 1, "rows": rows}  # fmt: skip
 
@@ -171,10 +178,11 @@ def print_table(result: dict[str, Any]) -> None:
     title = (f"Relative error to the honest mean ({HONEST} honest + 1 attacker, {result['elements']:,} elements); "
              f"ms per {result['time_elements'] / 2**20:.0f}M-element part, {result['threads']} threads")  # fmt: skip
     table = Table(title=title)
-    for column in ("aggregator", *ATTACKS, "ms / part"):
+    for column in ("aggregator", *ATTACKS, "ms / part", "ms attacked"):
         table.add_column(column, justify="right")
     for row in result["rows"]:
-        table.add_row(row["aggregator"], *(f"{row[f'err_{a}']:.3g}" for a in ATTACKS), f"{row['ms_per_part']:.0f}")
+        table.add_row(row["aggregator"], *(f"{row[f'err_{a}']:.3g}" for a in ATTACKS), f"{row['ms_per_part']:.0f}",
+                      f"{row['ms_per_part_attacked']:.0f}")  # fmt: skip
     Console().print(table)
 
 
