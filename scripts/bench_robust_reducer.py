@@ -10,7 +10,9 @@ same norm (cosine ~0.5 between two honest nodes, the regime of DiLoCo deltas on 
 shards), each passed through the int8 codec as it would be on the wire (the attacker's too,
 when the codec can carry it: NaN and inf cannot, and reach the aggregator only as an owner's own
 slice). Attacks: none (5 honest), x1e4 (its own delta times 1e4), 1e30 (every element 1e30),
-sign-flip (minus the honest mean, rescaled to an honest norm), NaN, inf.
+sign-flip (minus the honest mean, rescaled to an honest norm), NaN, inf. "real" and "real
+sign-flip": the honest contributions are real DiLoCo deltas of the tiny model (16 inner steps
+from one init, each node on its own batches of the built-in corpus).
 
 Aggregators:
 - mean: today's weighted mean (non-finite contributions cannot even be encoded: NaN row);
@@ -43,7 +45,8 @@ import torch
 from swarm.averaging import robust
 from swarm_kernels import get_codec
 
-ATTACKS = ("none", "none-uneq", "x1e4", "x30", "1e30", "sign-flip", "nan", "inf")
+ATTACKS = ("none", "none-uneq", "x1e4", "x30", "1e30", "sign-flip", "nan", "inf", "real", "real sign-flip")
+REAL_INNER_STEPS = 16
 NOISE = (0.5, 1.0, 1.5, 2.0, 1.0)  # "none-uneq": honest noise levels and weights differ
 UNEQUAL_WEIGHTS = [1.0, 1.5, 2.0, 0.5, 1.0]
 HONEST = 4
@@ -57,15 +60,34 @@ def honest_deltas(n: int, numel: int, seed: int, noise: tuple[float, ...] = (1.0
     return [shared + torch.randn(numel, generator=gen) * 1e-3 * noise[i] for i in range(n)]
 
 
+def real_deltas(n: int, seed: int) -> list[torch.Tensor]:
+    """Real DiLoCo pseudo-gradients: n copies of the tiny model from one init, each trained
+    REAL_INNER_STEPS inner steps on its own batches of the built-in corpus, flattened."""
+    from swarm.model.data import load_data, node_generator, sample_batch
+    from swarm.model.diloco import DiLoCo, DiLoCoConfig
+    from swarm.model.llama import build_model
+    from swarm.model.presets import preset
+
+    data = load_data("stdlib")
+    config = DiLoCoConfig(inner_steps=REAL_INNER_STEPS, warmup_steps=2)
+    deltas = []
+    for node in range(n):
+        diloco = DiLoCo(build_model(preset("tiny", vocab_size=data.vocab_size), seed), config)
+        for step in range(REAL_INNER_STEPS):
+            diloco.inner_step(*sample_batch(data.train, 8, 64, node_generator(bytes([node]), step)))
+        deltas.append(torch.cat([d.reshape(-1) for d in diloco.pseudo_gradients()]))
+    return deltas
+
+
 def attacker(attack: str, honest: list[torch.Tensor]) -> torch.Tensor | None:
     mean = torch.stack(honest).mean(0)
-    if attack.startswith("none"):
+    if attack.startswith("none") or attack == "real":
         return None
     if attack in ("x1e4", "x30"):
         return honest[0] * float(attack[1:])
     if attack == "1e30":
         return torch.full_like(mean, 1e30)
-    if attack == "sign-flip":
+    if attack.endswith("sign-flip"):
         return -mean * (honest[0].norm() / mean.norm())
     return torch.full_like(mean, math.nan if attack == "nan" else math.inf)
 
@@ -126,9 +148,12 @@ AGGREGATORS: dict[str, Aggregator] = {
 
 def relative_errors(numel: int, seed: int) -> dict[str, dict[str, float]]:
     errors: dict[str, dict[str, float]] = {name: {} for name in AGGREGATORS}
+    real = real_deltas(HONEST + 1, seed)
     for attack in ATTACKS:
         unequal = attack == "none-uneq"
         honest = honest_deltas(HONEST + 1, numel, seed, NOISE if unequal else (1.0,) * 5)
+        if attack.startswith("real"):
+            honest = real
         weights = UNEQUAL_WEIGHTS if unequal else [1.0] * (HONEST + 1)
         bad = attacker(attack, honest[:HONEST])
         if bad is not None:

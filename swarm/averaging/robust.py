@@ -28,16 +28,17 @@ keeps the smaller norms (lower weighted median) and nothing else is promised
 
 Measured (python -m scripts.bench_robust_reducer; 4 honest = shared direction + per-node noise
 of the same norm, through the int8 codec, + 1 attacker of the same weight; relative error to the
-honest mean; "none-uneq": 5 honest, noise 0.5x..2x, weights 0.5..2; ms per 16M-element part, 5
-fp32 contributions, one thread, without / with a sign-flipping attacker):
+honest mean; "none-uneq": 5 honest, noise 0.5x..2x, weights 0.5..2; "real": 5 real DiLoCo deltas
+of the tiny model, 16 inner steps on different batches; ms per 16M-element part, 5 fp32
+contributions, one thread, without / with a sign-flipping attacker):
 
-    rule              none   none-uneq  x1e4    x30    1e30     sign-flip  NaN/inf   ms
-    mean              0.003  0.004      2.5e3   7.4    1.8e32   0.45       (poison)  87
-    cclip (tau x1)    0.003  0.010      0.004   0.32   0.004    0.32       0.004     116 / 183
-    cclip tau x0.5    0.003  0.080      0.004   0.25   0.004    0.20       0.004     181
-    cclip tau x2      0.003  0.004      0.004   0.63   0.004    0.45       0.004     117
-    geometric median  0.003  0.108      0.26    0.26   0.004    0.20       0.004     207
-    clip + trim. mean 0.15   0.29       0.31    0.31   0.33     0.30       0.20      1170
+    rule            none   none-uneq x1e4   x30   1e30    sign-flip NaN/inf  real   real flip ms
+    mean            0.003  0.004     2.5e3  7.4   1.8e32  0.45      poison 0.002  0.44      88
+    cclip (tau x1)  0.003  0.010     0.004  0.32  0.004   0.32      0.004  0.002  0.26      106/165
+    cclip tau x0.5  0.003  0.080     0.004  0.25  0.004   0.20      0.004  0.020  0.17      147
+    cclip tau x2    0.003  0.004     0.004  0.63  0.004   0.45      0.004  0.002  0.44      93
+    geometric med.  0.003  0.108     0.26   0.26  0.004   0.20      0.004  0.020  0.17      160
+    clip+trim mean  0.15   0.29      0.31   0.31  0.33    0.30      0.20   0.13   0.21      1160
 
 In the swarm's reduction (int8 payloads, n = 4, 16M part, one thread) the robust rule takes
 ~97 ms against the mean's ~68 ms (n = 5: 111 vs 75). Round time of `python -m
@@ -45,39 +46,40 @@ scripts.bench_allreduce --sizes 4 --elements 64M --codecs int8 --repeats 5 --agg
 mean,robust,robust,mean` on this shared machine: pooled medians 1.00 s (mean) and 0.98 s
 (robust), i.e. the difference is below the noise; the 29 ms per part bounds it at ~3-6%.
 
-CenteredClip with tau = 1 x the spread is the choice: no bias when nobody is an outlier (1% with
-unequal honest norms and weights, against 8-11% for a smaller radius or the geometric median and
-15-29% for the trimmed mean, which cannot use weights and is the median-like vector of non-iid
-deltas, not their mean), the attacks that can be told apart (x1e4, 1e30, NaN, inf) leave only
-the codec's error, and one that cannot (an ordinary-norm sign flip, or x30) is bounded at its
-weight share of the spread (0.32 vs the mean's 0.45 and 7.4). Coordinate-wise trimming costs a
-sort per coordinate (4-5x slower) and was worse on every column.
+CenteredClip with tau = 1 x the spread is the choice: no bias when nobody is an outlier (none on
+real deltas, 1% with unequal honest norms and weights, against 2-11% for a smaller radius or the
+geometric median and 13-29% for the trimmed mean, which cannot use weights and is the
+median-like vector of non-iid deltas, not their mean), the attacks that can be told apart
+(x1e4, 1e30, NaN, inf) leave only the codec's error, and one that cannot (an ordinary-norm sign
+flip, or x30) is bounded at its weight share of the spread (0.32 vs the mean's 0.45 and 7.4;
+0.26 vs 0.44 on real deltas). Coordinate-wise trimming costs a sort per coordinate (10x slower)
+and was worse on nearly every column.
 
 How it is computed: every candidate point (weighted mean, geometric median, CenteredClip
 iterate) is a linear combination sum_k a_k x_k of the contributions, so all distances follow
-from the Gram matrix G_ij = <x_i, x_j>. The Gram matrix is the only pass over the data besides
-the final combination: cost ~ n(n+1)/2 + n multiply-add passes over the part.
+from the Gram matrix G_ij = <x_i, x_j>: the rule itself runs on n x n numbers.
 
 Determinism (all members and auditors must get the same bits). Members agree by construction
 (one owner reduces, everyone gets its bytes); an auditor re-running the reduction needs the same
 bits from the same inputs:
-- the Gram matrix: fp32 products (elementwise: exactly rounded, the same on every machine),
-  summed in fp32 per fixed row of GRAM_ROW elements (torch reduces each row in one thread, so
-  the thread count does not matter), rows summed with math.fsum (correctly rounded: their order
-  does not matter), then each entry snapped to a grid of 2**-SNAP_BITS x sqrt(G_ii G_jj). The
-  fp32 row sums are the one step whose order torch picks by CPU (SIMD width): on another CPU an
-  entry can differ in its last bits, which the snap absorbs unless it sits within ~1e-9
-  (relative) of a grid boundary, about 1e-3 per entry. Cross-CPU agreement is therefore likely,
-  not proven; an exact integer Gram over the int8 codes would make it so (not done: the owner's
-  own slice is fp32);
+- the Gram matrix: per cache-sized piece of CHUNK elements, one fp32 (n x piece) @ (piece x n)
+  product, accumulated in float64 piece after piece in a fixed order, then each entry snapped
+  to a grid of 2**-SNAP_BITS x sqrt(G_ii G_jj). The BLAS product of n x n outputs over one piece
+  does not depend on the thread count (tested: 1, 2, 4 threads), but its summation order may
+  depend on the CPU's BLAS kernels (SIMD width): fp32 sums that differ by ~1e-7 relative land on
+  the same 2**-20 grid point most of the time, not always. So bit agreement across CPU types is
+  NOT guaranteed: an auditor on another CPU should compare within the codec's tolerance. An
+  exact integer Gram over the int8 codes would make it so (not done: the owner's own slice is
+  fp32);
 - the iterations: plain Python float arithmetic in a fixed order (IEEE, the same everywhere);
-- the result: sum_k fp32(a_k) * x_k in member order, a multiply and an add per term (never a
-  fused multiply-add; reduction.py uses the codec's fused-kernel spec, which has no FMA either):
-  elementwise, hence independent of threads.
-Tested bit-identical across torch.set_num_threads(1) and (2).
+- the result: sum_k fp32(a_k) * x_k per piece, as one matrix-vector product when every a_k is
+  nonzero (BLAS, thread-independent as tested), else term by term in member order (a multiply
+  and an add each, never fused).
+Tested bit-identical across torch.set_num_threads(1), (2) and (4).
 
-Cost: n(n+1)/2 product-and-sum passes over the part (the Gram matrix; 15 for 5 members), then
-the combination. The decoded contributions are kept (n x part fp32) until the Gram is done.
+Cost: one pass over the part decodes a wire chunk of every contribution into an (n, chunk)
+buffer and, piece by piece while it is in cache, adds to the Gram matrix and computes the
+weighted mean; a second pass (decoding again) only when someone is dropped or clipped.
 """
 
 from __future__ import annotations
