@@ -9,6 +9,8 @@ member wrote to its sockets (frame headers included; median over members) agains
 mean. Matchmaking is not timed (it is the DHT's cost, measured by bench_dht.py). In the same run:
 the raw loopback throughput (plain Python sockets, as in bench_p2p.py). With --compare hivemind
 the same configurations run on hivemind's DecentralizedAverager (scripts/hivemind_allreduce.py).
+`--aggregators mean,robust` measures the part owners' rules one after the other (issue 12: the
+robust reduction's cost is robust's round time against mean's).
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ async def worker_main() -> None:
         vector, vector_key = None, None
         while line := await loop.run_in_executor(None, sys.stdin.readline):
             cmd = json.loads(line)
-            avg_config = AveragingConfig(codec=cmd["codec"], part_timeout=60.0, request_timeout=30.0)
+            avg_config = AveragingConfig(codec=cmd["codec"], aggregator=cmd["aggregator"], part_timeout=60.0,
+                                         request_timeout=30.0)  # fmt: skip
             if registry is None:
                 registry = RoundRegistry(host, avg_config)
             registry.config = avg_config
@@ -97,7 +100,9 @@ def reply(obj: dict[str, Any]) -> None:
     worker_process.reply(MARK, obj)
 
 
-def measure_swarm(n: int, elements_list: list[int], codecs: list[str], repeats: int, seed: int) -> list[dict[str, Any]]:
+def measure_swarm(
+    n: int, elements_list: list[int], codecs: list[str], repeats: int, seed: int, aggregator: str = "robust"
+) -> list[dict[str, Any]]:
     import msgpack
     import torch
 
@@ -130,7 +135,7 @@ def measure_swarm(n: int, elements_list: list[int], codecs: list[str], repeats: 
                         for i, w in enumerate(workers):
                             last = r == repeats - 1 and i == 0
                             w.send({"group": packed, "codec": codec, "seed": seed, "elements": elements,
-                                    "save": saved if last else None})  # fmt: skip
+                                    "aggregator": aggregator, "save": saved if last else None})  # fmt: skip
                         answers = [w.receive(900) for w in workers]
                         times.append(max(a["seconds"] for a in answers))
                         sent += [a["wire_sent"] for a in answers]
@@ -140,7 +145,7 @@ def measure_swarm(n: int, elements_list: list[int], codecs: list[str], repeats: 
                     raise RuntimeError(f"members disagree: {len(hashes)} different results (n={n}, {codec})")
                 payload = get_codec(codec, block_size=AveragingConfig().block_size).encoded_nbytes(elements)
                 rows.append({
-                    "impl": "swarm", "n": n, "elements": elements, "codec": codec,
+                    "impl": "swarm", "n": n, "elements": elements, "codec": codec, "aggregator": aggregator,
                     "round_s": statistics.median(times), "round_s_all": times,
                     "wire_bytes_per_member": statistics.median(sent),
                     "ideal_bytes_per_member": 2 * (n - 1) / n * payload,
@@ -163,13 +168,14 @@ def print_table(loopback: float, rows: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table(title=f"All-reduce, one process per member on 127.0.0.1 (raw loopback {loopback:,.0f} MB/s)")
-    for column in ("impl", "n", "elements", "codec", "round s", "wire MB / member", "vs ideal", "rel RMS err"):
+    for column in ("impl", "n", "elements", "codec", "rule", "round s", "wire MB / member", "vs ideal", "rel RMS err"):
         table.add_column(column, justify="right")
     theirs = {(r["n"], r["elements"], r["codec"]): r for r in rows if r["impl"] == "hivemind"}
     for row in rows:
         wire, ideal = row["wire_bytes_per_member"], row["ideal_bytes_per_member"]
         table.add_row(
-            row["impl"], str(row["n"]), f"{row['elements'] / 2**20:.0f}M", row["codec"], f"{row['round_s']:.2f}",
+            row["impl"], str(row["n"]), f"{row['elements'] / 2**20:.0f}M", row["codec"], row.get("aggregator", "mean"),
+            f"{row['round_s']:.2f}",
             f"{wire / 1e6:,.1f}", f"{wire / ideal:.3f}", f"{row['rel_rms_err']:.2%}",
         )  # fmt: skip
     Console().print(table)
@@ -193,6 +199,7 @@ def main() -> None:
     parser.add_argument("--codecs", default="none,fp16,int8")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--aggregators", default="robust", help="part owners' rule(s): robust, mean")
     parser.add_argument("--compare", choices=["hivemind"])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
@@ -210,7 +217,8 @@ def main() -> None:
         parser.error(f"codecs are {list(BYTES_PER_ELEMENT)}; group sizes are >= 2")
     rows: list[dict[str, Any]] = []
     for n in sizes:
-        rows += measure_swarm(n, elements, codecs, args.repeats, args.seed)
+        for aggregator in args.aggregators.split(","):
+            rows += measure_swarm(n, elements, codecs, args.repeats, args.seed, aggregator)
     if args.compare:
         from hivemind_allreduce import run_hivemind_allreduce
 

@@ -22,7 +22,8 @@ Events (`on_event`, called on the event loop; the CLI writes them as JSON lines)
     {"event": "start", "peer_id", "maddrs", "run_id", "outer_step", "parameters", "client_mode", ...}
     {"event": "progress", "outer_step", "inner_step", "inner_steps", "train_loss"}
     {"event": "outer_step", "outer_step" (completed, from 0), "train_loss", "eval_loss",
-     "state_sha256" (θ_outer, momentum, step), "group_size", "matchmaking_s", "bytes_sent", ...}
+     "state_sha256" (θ_outer, momentum, step), "group_size", "matchmaking_s", "bytes_sent",
+     "clipped" (contributions our robust reductions dropped or clipped, logged with the peer), ...}
     {"event": "fetch", "outer_step", "reason", "bytes", "seconds", "peers", "state_sha256", ...}
     {"event": "exit", "outer_step", "reason"}
 Every event also has "time" (unix) and "peer_id".
@@ -378,7 +379,11 @@ class SwarmNode:
         except AllReduceError as e:
             logger.warning("all-reduce of step %d failed: %s", diloco.outer_step, e)
             return None
-        await self.inner.call(diloco.apply_outer, averaged)
+        try:
+            await self.inner.call(diloco.apply_outer, averaged)
+        except ValueError as e:  # a non-finite average (never from a robust round): θ_outer stays
+            logger.error("step %d: refusing the group's average, as if the round failed: %s", diloco.outer_step, e)
+            return None
         return report
 
     async def _stepped(self, keeper: StateKeeper, step: int, report: GroupReport) -> None:
@@ -399,6 +404,7 @@ class SwarmNode:
                          eval_loss=self._last_eval if evaluate else None, state_sha256=sha,
                          group_size=self._last_group, group_id=report.group_id, bytes_sent=report.bytes_sent,
                          bytes_received=report.bytes_received, matchmaking_s=round(report.matchmaking_s, 4),
+                         clipped=sum(len(members) for members in report.clipped.values()),
                          inner_s=round(progress.inner_s, 4), wall_s=round(wall_s, 4), tokens=self._tokens,
                          tokens_per_s=round(self._tokens / wall_s, 1) if wall_s > 0 else 0.0,
                          rss_bytes=resident_bytes())  # fmt: skip

@@ -31,7 +31,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -41,6 +41,7 @@ from swarm.averaging.config import AveragingConfig
 from swarm.averaging.messages import GroupInfo
 from swarm.averaging.partition import chunk_bounds, part_bounds, payload_layout, payload_size
 from swarm.averaging.reduction import PartReduction, byte_buffer
+from swarm.averaging.robust import Fate
 from swarm.p2p.connection import CallContext
 from swarm.p2p.errors import BadRequest, P2PError
 from swarm.p2p.host import P2PHost
@@ -145,6 +146,11 @@ class RoundReport:
     group_id: bytes
     members: list[str]
     contributions: dict[int, list[int]]  # part index -> indices of the members it includes
+    # part index (as in `contributions`) -> members whose contribution this member's robust
+    # reduction of that part dropped or clipped: only the parts this member reduced (their
+    # owners know the others). Grid round: a row stage is noted under its owner's own sub-part,
+    # and at the column stage a row's partial counts as its sender's (the row owner's).
+    clipped: dict[int, list[int]] = field(default_factory=dict)
     bytes_sent: int = 0
     bytes_received: int = 0
     reduce_s: float = 0.0  # from the start until this member's own part was averaged
@@ -239,6 +245,18 @@ class RoundMember:
         self._started = 0.0
         self.finished = False
 
+    def note_fates(self, part: int, touched: dict[int, tuple[int, Fate]]) -> None:
+        """Log and report the contributions a robust reduction of `part` dropped or clipped:
+        contribution index -> (the member who sent it, its fate)."""
+        for _, (member, fate) in sorted(touched.items()):
+            peer = self.group.members[member].peer_id
+            what = f"dropped ({fate.dropped})" if fate.dropped else f"clipped to {fate.clip:.3g} of its distance"
+            logger.warning("round %s: part %d: the contribution of member %d (%s) was %s",
+                           self.group.group_id.hex()[:8], part, member, peer, what)  # fmt: skip
+        if touched:
+            members = {member for member, _ in touched.values()} | set(self.report.clipped.get(part, []))
+            self.report.clipped[part] = sorted(members)
+
 
 class AllReduceRound(RoundMember):
     """One member's side of one round: call `run()` once."""
@@ -304,8 +322,9 @@ class AllReduceRound(RoundMember):
             lo, hi = self.parts[j]
             expected = {i for i in range(len(self.group.members)) if i not in (j, self.me)}
             reduction = PartReduction(
-                j, lo, hi, self.me, self.vector[lo:hi], self.weights, expected, self.codec, self.config.chunk_elements
-            )
+                j, lo, hi, self.me, self.vector[lo:hi], self.weights, expected, self.codec, self.config.chunk_elements,
+                aggregator=self.config.aggregator,
+            )  # fmt: skip
             self.reductions[j] = reduction
             self._tasks.append(asyncio.ensure_future(self._run_reduction(reduction, takeover=j != self.me)))
         return reduction
@@ -320,6 +339,7 @@ class AllReduceRound(RoundMember):
             await reduction.reduce(self.config.part_timeout, self.config.min_group_size)
         except Exception as e:  # reduction.result carries it to everyone waiting for this part
             logger.info("round %s: part %d cannot be reduced: %s", self._tag(), reduction.part, e)
+        self.note_fates(reduction.part, {i: (i, f) for i, f in reduction.touched().items()})
 
     async def _exchange(self, reducer: int, j: int) -> Final:
         lo, hi = self.parts[j]

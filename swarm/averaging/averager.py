@@ -43,6 +43,7 @@ class GroupReport:
     matchmaking_s: float = 0.0
     reduce_s: float = 0.0  # round start until our own part was averaged
     gather_s: float = 0.0  # the rest of the round: receiving the other parts' averages
+    clipped: dict[int, list[int]] = field(default_factory=dict)  # our parts -> members dropped/clipped
 
 
 class Averager:
@@ -125,6 +126,7 @@ class Averager:
             matchmaking_s,
             rr.reduce_s,
             max(0.0, rr.total_s - rr.reduce_s),
+            rr.clipped,
         )
         return _unflatten(averaged, tensors), report
 

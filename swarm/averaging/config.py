@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 CODECS = ("int8", "fp16", "none")
+AGGREGATORS = ("robust", "mean")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -23,12 +24,18 @@ class AveragingConfig:
     chunk_elements: int = 1 << 21  # elements per chunk on the wire (2 MiB of int8)
     bandwidth: float = 100.0  # MB/s this node announces; parts are split in proportion to it
     client_mode: bool = False  # accepts no inbound connections: owns no part, still contributes
+    # how a part owner reduces the contributions: "robust" (robust.py: non-finite and absurd
+    # ones dropped, far ones clipped, the mean when nobody is an outlier) or "mean" (the exact
+    # weighted mean: one bad member moves the result anywhere)
+    aggregator: str = "robust"
     part_timeout: float = 60.0  # bound on each wait of the all-reduce (a chunk, a peer's result)
     max_elements: int = 1 << 33  # largest vector a peer may ask us to reduce
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
             raise ValueError(f"AveragingConfig.codec must be one of {CODECS}, got {self.codec!r}")
+        if self.aggregator not in AGGREGATORS:
+            raise ValueError(f"AveragingConfig.aggregator must be one of {AGGREGATORS}, got {self.aggregator!r}")
         if not 1 <= self.min_group_size <= self.max_group_size:
             raise ValueError("need 1 <= min_group_size <= max_group_size")
         if self.max_group_size < 2:

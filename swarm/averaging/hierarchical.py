@@ -5,15 +5,21 @@ left over) ride in a row and own nothing. Part c of the vector belongs to column
 (r, c), a block-aligned slice of part c, to owner (r, c). For a member x of row r:
 
 1. rows (avg.row): x streams its slice of every part c, encoded, to (r, c); the owner of column c
-   keeps its own slice exact. (r, c) reduces its row (reduction.PartReduction): the weighted mean
-   of the complete payloads, the members included, and so the row's weight (the sum of their
-   agreed weights). It encodes this row partial ONCE, sub-part by sub-part, in the round's codec:
-   row partials travel in the precision members send in (int8 blockwise, fp16 or fp32), which
-   keeps the bytes exactly those of the flat round; it keeps the fp32 partial for its own use.
+   keeps its own slice exact. (r, c) reduces its row (reduction.PartReduction, with the
+   configured aggregator: robust.py by default): the reduction of the complete payloads, the
+   members included, and so the row's weight (the sum of their agreed weights). It encodes this
+   row partial ONCE, sub-part by sub-part, in the round's codec: row partials travel in the
+   precision members send in (int8 blockwise, fp16 or fp32), which keeps the bytes exactly
+   those of the flat round; it keeps the fp32 partial for its own use.
 2. columns (avg.col): (r, c) streams sub-part r' of its row partial, with the members it
-   includes, to (r', c). (r', c) sums its own exact partial and every complete row partial, rows
-   in order, each weighted by its row's weight (the receiver computes it from the agreed member
-   weights), divides by the total and ENCODES THE FINAL SUB-PART ONCE.
+   includes, to (r', c). (r', c) reduces its own exact partial and every complete row partial,
+   rows in order, each weighted by its row's weight (the receiver computes it from the agreed
+   member weights), with the same aggregator, and ENCODES THE FINAL SUB-PART ONCE. Robust here
+   too, because a row partial is whatever its row owner (any member) chose to send: with 3 or
+   more rows a bad partial is dropped or bounded like a bad member. Honest partials (means of
+   whole rows) lie closer together than members do, so the rule leaves them alone (exactly the
+   weighted mean), and it costs a Gram matrix of rows x rows over one sub-part. With 2 rows
+   there is no majority: nothing is clipped, only a non-finite or absurd partial is dropped.
 3. back: (r', c) answers each avg.col stream with the final sub-part; once it holds every
    sub-part of part c it answers each avg.row stream of its row with the whole final part c:
    the bytes it received, never re-encoded. Every member decodes the very same bytes for every
@@ -113,7 +119,8 @@ class GridRound(RoundMember):
             subs = [(a - lo, b - lo) for a, b in self.grid.subs[self.col]]
             expected = set(self.grid.row_members[self.row]) - {self.me}
             self.row_reduction = RowReduction(subs, self.col, lo, hi, self.me, vector[lo:hi], self.weights,
-                                              expected, self.codec, config.chunk_elements)  # fmt: skip
+                                              expected, self.codec, config.chunk_elements,
+                                              aggregator=config.aggregator)  # fmt: skip
         self.col_reductions: dict[int, ColReduction] = {}
         self._answering: set[asyncio.Task[Any]] = set()  # answers being written
 
@@ -164,6 +171,7 @@ class GridRound(RoundMember):
             await reduction.reduce(self.config.part_timeout, 1)
         except Exception as e:  # reduction.result carries it to whoever waits for the partial
             logger.info("round %s: row partial of part %d failed: %s", self._tag(), self.col, e)
+        self.note_fates(self.col * self.grid.rows + self.row, {i: (i, f) for i, f in reduction.touched().items()})
 
     async def _row_partial(self) -> tuple[list[int], memoryview, torch.Tensor]:
         assert self.row_reduction is not None
@@ -201,7 +209,8 @@ class GridRound(RoundMember):
             lo, hi = self.grid.subs[self.col][s]
             expected = set(range(self.grid.rows)) - {s, self.row}
             reduction = ColReduction(self.weights, s, lo, hi, self.row, torch.empty(0), [0.0] * self.grid.rows,
-                                     expected, self.codec, self.config.chunk_elements)  # fmt: skip
+                                     expected, self.codec, self.config.chunk_elements,
+                                     aggregator=self.config.aggregator)  # fmt: skip
             self.col_reductions[s] = reduction
             self._tasks.append(asyncio.ensure_future(self._reduce_col(reduction, takeover=s != self.row)))
         return reduction
@@ -219,6 +228,8 @@ class GridRound(RoundMember):
         except Exception as e:  # reduction.result carries it to everyone waiting for the sub-part
             _fail(reduction.result, e)
             logger.info("round %s: sub-part %d/%d cannot be reduced: %s", self._tag(), self.col, reduction.part, e)
+        owners = {r: (self.grid.owners[r][self.col], f) for r, f in reduction.touched().items()}  # rows' partials
+        self.note_fates(self.col * self.grid.rows + reduction.part, owners)
 
     async def _exchange_col(self, reducer: int, s: int) -> Final:
         inc, payload, _ = await self._row_partial()

@@ -1,11 +1,18 @@
 """PartReduction: one member reducing one part of the vector for its group.
 
 It collects each sender's encoded payload for the part, waits until every expected sender has
-finished or failed (bounded), then sums in member order this member's own exact fp32 slice and
-every complete sender's decoded slice, weighted by the weights agreed at matchmaking, divides by
-the total weight, and encodes the average once. Those bytes, and the list of members they
-include, are `result`: every sender gets exactly them. A payload that fails to decode
-(MalformedPayload) drops its sender and the sum starts over, so a bad sender leaves no trace.
+finished or failed (bounded), then reduces this member's own exact fp32 slice and every complete
+sender's decoded slice, weighted by the weights agreed at matchmaking, with the configured
+aggregator, and encodes the result once. Those bytes, and the list of members they include, are
+`result`: every sender gets exactly them. A payload that fails to decode (MalformedPayload) drops
+its sender, so a bad sender leaves no trace.
+
+Aggregators (AveragingConfig.aggregator):
+- "robust" (default): robust.py's CenteredClip over the contributions, decoded one wire chunk
+  at a time (one pass for the Gram matrix and the weighted mean; a second only when someone is
+  dropped or clipped); non-finite and absurd contributions are dropped (left out of
+  `included`), far ones clipped; `fates` says what happened to whom;
+- "mean": the exact weighted mean, summed in member order, then divided by the total weight.
 
 RowReduction and ColReduction are the two stages of the hierarchical round (hierarchical.py):
 the same arithmetic over a row's members, then over the rows' partials.
@@ -15,12 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from swarm.averaging.partition import payload_layout, payload_size
+from swarm.averaging.robust import Blocks, Fate, robust_reduce
 from swarm_kernels import MalformedPayload, as_memoryview
 
 logger = logging.getLogger(__name__)
@@ -29,6 +38,14 @@ logger = logging.getLogger(__name__)
 def byte_buffer(size: int) -> memoryview:
     """A writable buffer without the zero-fill of bytearray(size): it is overwritten anyway."""
     return as_memoryview(torch.empty(size, dtype=torch.uint8))
+
+
+class SenderMalformed(Exception):
+    """A sender's payload failed to decode during a robust reduction."""
+
+    def __init__(self, index: int, error: MalformedPayload) -> None:
+        super().__init__(f"sender {index}: {error}")
+        self.index, self.error = index, error
 
 
 @dataclass
@@ -66,11 +83,15 @@ class PartReduction:
         expected: set[int],
         codec: object,
         chunk_elements: int,
+        *,
+        aggregator: str = "robust",
     ) -> None:
         self.part, self.lo, self.hi = part, lo, hi
         self.own_index, self.own_slice = own_index, own_slice
         self.weights, self.expected = weights, expected
         self.codec, self.chunk_elements = codec, chunk_elements
+        self.aggregator = aggregator
+        self.fates: dict[int, Fate] = {}  # contribution index -> what the robust rule did with it
         self.senders: dict[int, Incoming] = {}
         self.changed = asyncio.Event()
         self.result: asyncio.Future[tuple[list[int], memoryview]] = asyncio.get_running_loop().create_future()
@@ -125,7 +146,50 @@ class PartReduction:
         self.settle((included, payload))
         return self.result.result()
 
+    def touched(self) -> dict[int, Fate]:
+        """The contributions the robust rule dropped or clipped (after reduce)."""
+        return {i: f for i, f in self.fates.items() if f.touched}
+
     def _reduce(self, complete: list[int]) -> tuple[list[int], torch.Tensor]:
+        if self.aggregator == "mean":
+            return self._mean(complete)
+        return self._robust(complete)
+
+    def _robust(self, complete: list[int]) -> tuple[list[int], torch.Tensor]:
+        order = sorted({self.own_index, *complete})
+        while True:
+            try:
+                blocks = self._blocks(order)
+                average, fates = robust_reduce(blocks, self.hi - self.lo, [self.weights[i] for i in order])
+            except SenderMalformed as e:  # found in the first pass: start over without it
+                logger.info("part %d: dropping sender %d, malformed payload: %s", self.part, e.index, e.error)
+                order.remove(e.index)
+                continue
+            self.fates = dict(zip(order, fates, strict=True))
+            return [i for i in order if self.fates[i].dropped is None], average
+
+    def _blocks(self, order: list[int]) -> Blocks:
+        """The contributions of `order`, one wire chunk at a time: our own slice and each sender's
+        payload decoded into one reused (n, chunk) buffer."""
+
+        def blocks() -> Iterator[tuple[int, torch.Tensor]]:
+            layout = self.layout
+            buffer = torch.empty(len(order), max((b - a for a, b, _ in layout), default=0), dtype=torch.float32)
+            for a, b, where in layout:
+                block = buffer[:, : b - a]
+                for row, i in zip(block, order, strict=True):
+                    if i == self.own_index:
+                        row.copy_(self.own_slice[a:b])
+                        continue
+                    try:
+                        self.codec.decode(self.senders[i].buffer[where], b - a, out=row)
+                    except MalformedPayload as e:
+                        raise SenderMalformed(i, e) from None
+                yield a, block
+
+        return blocks
+
+    def _mean(self, complete: list[int]) -> tuple[list[int], torch.Tensor]:
         candidates = sorted({self.own_index, *complete})
         while True:
             acc = torch.zeros(self.hi - self.lo, dtype=torch.float32)
@@ -157,11 +221,11 @@ class PartReduction:
 
 
 class RowReduction(PartReduction):
-    """Stage 1 at (r, c): the row's weighted mean of part c, encoded sub-part by sub-part (each
-    sub-part's bytes go to its own owner); `average` keeps the fp32 mean."""
+    """Stage 1 at (r, c): the row's reduction of part c (the configured aggregator), encoded
+    sub-part by sub-part (each sub-part's bytes go to its own owner); `average` keeps it in fp32."""
 
-    def __init__(self, subs: list[tuple[int, int]], *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, subs: list[tuple[int, int]], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.subs = subs  # relative to the part
         self.average = torch.empty(0)
 
@@ -182,8 +246,8 @@ class ColReduction(PartReduction):
     the agreed weights of the members its partial includes (set as its stream arrives); the
     result's `included` lists those members."""
 
-    def __init__(self, member_weights: list[float], *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, member_weights: list[float], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.member_weights = member_weights
         self.row_members: dict[int, list[int]] = {}
 

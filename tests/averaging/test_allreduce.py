@@ -10,7 +10,7 @@ import torch
 from swarm.averaging.allreduce import AllReduceError, AllReduceRound
 from swarm.averaging.messages import GroupInfo
 from tests.averaging.faults import garbage_codec
-from tests.averaging.rounds import MakeGroup, Member, exact_mean, inputs, int8_bound
+from tests.averaging.rounds import EXACT, MakeGroup, Member, exact_mean, inputs, int8_bound
 
 
 async def run_round(group: GroupInfo, members: list[Member], vectors: list[torch.Tensor]) -> list[object]:
@@ -20,7 +20,7 @@ async def run_round(group: GroupInfo, members: list[Member], vectors: list[torch
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
 async def test_int8_rounds_agree_bit_for_bit_and_stay_within_the_error_bound(make_group: MakeGroup, n: int) -> None:
-    group, members = await make_group(n, block_size=1024, chunk_elements=4096)
+    group, members = await make_group(n, block_size=1024, chunk_elements=4096, **EXACT)
     vectors = inputs(n, 50_003)  # not a multiple of the block or the chunk
     outcomes = await run_round(group, members, vectors)
     results = [o[0] for o in outcomes]  # type: ignore[index]
@@ -37,7 +37,7 @@ async def test_int8_rounds_agree_bit_for_bit_and_stay_within_the_error_bound(mak
 
 @pytest.mark.parametrize("codec", ["none", "fp16"])
 async def test_other_codecs(make_group: MakeGroup, codec: str) -> None:
-    group, members = await make_group(3, codec=codec, block_size=1024, chunk_elements=4096)
+    group, members = await make_group(3, codec=codec, block_size=1024, chunk_elements=4096, **EXACT)
     vectors = inputs(3, 10_000)
     outcomes = await run_round(group, members, vectors)
     results = [o[0] for o in outcomes]  # type: ignore[index]
@@ -47,7 +47,7 @@ async def test_other_codecs(make_group: MakeGroup, codec: str) -> None:
 
 
 async def test_a_client_mode_member_contributes_but_owns_no_part(make_group: MakeGroup) -> None:
-    group, members = await make_group(4, clients=1, block_size=1024, chunk_elements=4096)
+    group, members = await make_group(4, clients=1, block_size=1024, chunk_elements=4096, **EXACT)
     vectors = inputs(4, 20_000)
     outcomes = await run_round(group, members, vectors)
     results = [o[0] for o in outcomes]  # type: ignore[index]
@@ -59,7 +59,7 @@ async def test_a_client_mode_member_contributes_but_owns_no_part(make_group: Mak
 
 
 async def test_a_sender_of_garbage_is_dropped_and_the_rest_agree(make_group: MakeGroup) -> None:
-    group, members = await make_group(4, clients=1, block_size=1024, chunk_elements=4096)
+    group, members = await make_group(4, clients=1, block_size=1024, chunk_elements=4096, **EXACT)
     vectors = inputs(4, 20_000)
     rounds = [AllReduceRound(m.host, m.registry, group, v, m.config) for m, v in zip(members, vectors, strict=True)]
     rounds[3].codec = garbage_codec(rounds[3].codec)

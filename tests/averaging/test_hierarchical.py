@@ -20,9 +20,9 @@ from swarm.p2p.errors import RemoteError
 from swarm.p2p.wire import ErrorCode
 from swarm_kernels import get_codec
 from tests.averaging.faults import garbage_codec
-from tests.averaging.rounds import MakeGroup, Member, exact_mean, inputs
+from tests.averaging.rounds import EXACT, MakeGroup, Member, exact_mean, inputs
 
-SMALL = {"max_group_size": 4, "block_size": 1024, "chunk_elements": 4096}
+SMALL = {"max_group_size": 4, "block_size": 1024, "chunk_elements": 4096, **EXACT}
 
 
 def grid_rounds(group: GroupInfo, members: list[Member], vectors: list[torch.Tensor]) -> list[GridRound]:

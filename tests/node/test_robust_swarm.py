@@ -1,0 +1,86 @@
+"""A peer that sends a poisoned pseudo-gradient cannot stop or fork the swarm (issue 12): SwarmNodes
+in one event loop (tests/node/inprocess.py), one of them sending its delta times 1e30; a node
+handed a non-finite average refuses it and trains on."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+
+from swarm.averaging.averager import Averager
+from swarm.averaging.messages import GroupInfo
+from swarm.model.data import TokenData, load_data
+from tests.node.inprocess import LocalSwarm
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def data() -> TokenData:
+    return load_data("stdlib")
+
+
+@pytest.fixture
+async def local(data: TokenData) -> AsyncIterator[LocalSwarm]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # many trainer threads on 2 cores
+    swarm = LocalSwarm(data)
+    try:
+        yield swarm
+    finally:
+        await swarm.close()
+        torch.set_num_threads(threads)
+
+
+async def test_a_1e30_delta_is_dropped_and_the_honest_nodes_train_on_in_agreement(local: LocalSwarm) -> None:
+    """Before the robust reduction, the group's mean carried 1e30/5 into every θ_outer and the
+    next inner step ended every node with "training diverged"."""
+    bootstrap = await local.start_bootstrap()
+    nodes = [local.start((bootstrap,), max_outer_steps=3) for _ in range(5)]
+    attacker = nodes[4].node
+    honest_deltas = attacker.diloco.pseudo_gradients
+    attacker.diloco.pseudo_gradients = lambda: [d.fill_(1e30) for d in honest_deltas()]  # type: ignore[method-assign]
+    reasons = await local.finish(200)
+    assert reasons == ["finished"] * 5
+    honest = nodes[:4]
+    for step in (0, 1, 2):
+        events = [n.steps()[step] for n in honest]
+        assert len({e["state_sha256"] for e in events}) == 1, f"honest nodes disagree at step {step}"
+    grouped = [e for n in honest for e in n.events if e["event"] == "outer_step" and e["group_size"] == 5]
+    assert grouped, "the attacker was never in a group: nothing was tested"
+    assert sum(e["clipped"] for e in grouped) > 0  # the owners dropped it, and said so
+    last = [n.steps()[2]["eval_loss"] for n in honest]
+    assert all(loss is not None and loss < 10 for loss in last)
+
+
+async def test_a_node_refuses_a_non_finite_average_and_trains_on(
+    local: LocalSwarm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group average with NaN (a robust round never gives one; a bug or a future codec might)
+    is refused like a failed round: θ_outer stays finite and the node does not exit (before, the
+    ValueError of apply_outer ended it)."""
+    bootstrap = await local.start_bootstrap()
+    nodes = [local.start((bootstrap,), max_outer_steps=2) for _ in range(3)]
+    victim = nodes[0].node.peer_id
+    run_round = Averager.run_round
+    poisoned: list[int] = []
+
+    async def poison(self: Averager, group: GroupInfo | None, *args: Any) -> Any:
+        averaged, report = await run_round(self, group, *args)
+        if group is not None and self.host.peer_id == victim and not poisoned:
+            poisoned.append(group.step)
+            averaged = [torch.full_like(t, math.nan) for t in averaged]
+        return averaged, report
+
+    monkeypatch.setattr(Averager, "run_round", poison)
+    others = [n.task for n in nodes[1:]]
+    assert await asyncio.wait_for(asyncio.gather(*others), 200) == ["finished"] * 2
+    assert poisoned, "the victim never averaged in a group: nothing was tested"
+    nodes[0].stop.set()  # the others are gone: it may still be looking for them
+    assert await asyncio.wait_for(nodes[0].task, 30) in ("stopped", "finished")  # no exception
+    assert all(bool(torch.isfinite(p).all()) for p in nodes[0].node.diloco.outer_params)
