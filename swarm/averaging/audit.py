@@ -1,0 +1,184 @@
+"""Audited part owners: every member checks that each part's owner broadcast the robust
+reduction of the contributions it received, at a few hundred KB of extra traffic per round.
+
+The problem: the owner of part j alone sees the contributions to part j; its encoded result is
+what every member applies. An owner that lies (broadcasts -100x the average, or anything else)
+would move θ_outer as it likes, however robust the rule it claims to run.
+
+The receipt. After the round every member holds every part's result bytes. The audit seed is
+SHA-256 over the group id and the SHA-256 of every part's result, in part order: nobody knows it
+before every owner has committed to its result (an owner cannot wait for the others' results
+and then re-pick its own to choose the seed: its own result is part of what it hashes over, and
+the sketch below leaves it no null space to hide a lie in whatever the seed). Each owner then
+answers `avg.receipt` with:
+
+    {"inc": [member indices, in order], "g": [G_kl row by row], "b": buckets,
+     "sk": bytes of float32[len(inc)][buckets]}
+
+G is the Gram matrix of the included contributions (robust.py's, the one the rule ran on) and
+sk_k = S(x_k) a seeded linear sketch of contribution k (`sketch`): the part is cut into rows of
+`buckets` elements, row r is multiplied by a sign s_r and rotated by an offset t_r (both from
+the seed), and the rows are summed. S is linear, and <S x, S y> estimates <x, y> with a
+relative error of about sqrt(2 / buckets) (2% at 4096).
+
+The checks (`check_receipt`), by every member, for every part it did not reduce itself:
+- consistency (every member gets the same verdict from the same receipt): the coefficients a
+  of the rule recomputed from G (robust.robust_coefficients, deterministic) must reproduce the
+  result: S(result) = sum_k a_k sk_k within the int8 rounding of the result; and G must agree
+  with the sketches (<sk_k, sk_l> = G_kl within the sketch's error);
+- its own contribution: its G entry and its sketch must be those of what it sent (within the
+  int8 rounding of its payload): an owner that misstates an honest member's input is caught by
+  that member.
+An owner that fails is reported (AuditFailure); the caller fails the round (the group averages
+again without it) and excludes the owner for the rest of the run (audit_book.py).
+
+What this does not catch: an owner that misstates only its own contribution or a colluding
+member's: those are inputs it controls anyway, and the robust rule bounds their weight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from swarm.averaging.robust import robust_coefficients
+
+BUCKETS = 4096
+MAX_BUCKETS = 1 << 16
+QUANTIZATION_TOL = 0.03  # int8 blocks of 64 round by ~0.6% (rms); a lie of 3% of the norm is caught
+SKETCH_SIGMAS = 8.0  # Gram entries may differ from the sketch estimate by this many standard errors
+
+
+class AuditFailure(Exception):
+    """An owner's receipt does not match its result or the contributions it received."""
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    included: list[int]
+    gram: list[list[float]]
+    buckets: int
+    sketches: torch.Tensor  # float32 [len(included), buckets]
+
+    def encode(self) -> dict[str, Any]:
+        flat = [value for row in self.gram for value in row]
+        return {"inc": self.included, "g": flat, "b": self.buckets, "sk": self.sketches.numpy().tobytes()}
+
+    @classmethod
+    def decode(cls, msg: Any, members: int) -> Receipt:
+        """A peer's receipt; AuditFailure when it is malformed (a lying owner may send anything)."""
+        if not isinstance(msg, dict):
+            raise AuditFailure("a receipt is a map")
+        included, flat, buckets, raw = msg.get("inc"), msg.get("g"), msg.get("b"), msg.get("sk")
+        if not isinstance(included, list) or not all(isinstance(i, int) and 0 <= i < members for i in included):
+            raise AuditFailure("receipt: bad member list")
+        n = len(included)
+        if n == 0 or len(set(included)) != n or included != sorted(included):
+            raise AuditFailure("receipt: the member list must be sorted, without repeats")
+        if isinstance(buckets, bool) or not isinstance(buckets, int) or not 1 <= buckets <= MAX_BUCKETS:
+            raise AuditFailure("receipt: bad bucket count")
+        if not isinstance(flat, list) or len(flat) != n * n or not all(isinstance(v, float | int) for v in flat):
+            raise AuditFailure("receipt: the Gram matrix must have len(inc)^2 numbers")
+        if not isinstance(raw, bytes) or len(raw) != n * buckets * 4:
+            raise AuditFailure("receipt: the sketches must be len(inc) x buckets float32")
+        gram = [[float(flat[i * n + j]) for j in range(n)] for i in range(n)]
+        sketches = torch.frombuffer(bytearray(raw), dtype=torch.float32).view(n, buckets)
+        return cls(included, gram, buckets, sketches)
+
+
+def audit_seed(group_id: bytes, results: Sequence[bytes | memoryview]) -> bytes:
+    """The seed of every sketch of a round: known only once every part's result is."""
+    digest = hashlib.sha256(b"swarm-audit/1\x00" + group_id)
+    for payload in results:
+        digest.update(hashlib.sha256(payload).digest())
+    return digest.digest()
+
+
+def _rows(seed: bytes, part: int, rows: int, buckets: int) -> tuple[list[float], list[int]]:
+    """Row signs and rotations of part `part`'s sketch, from the seed alone (the same on every
+    machine: SHAKE-256, not a library's random generator)."""
+    stream = hashlib.shake_256(seed + part.to_bytes(4, "big")).digest(8 * rows)
+    signs, shifts = [], []
+    for r in range(rows):
+        word = int.from_bytes(stream[8 * r : 8 * r + 8], "big")
+        signs.append(1.0 if word & 1 else -1.0)
+        shifts.append((word >> 1) % buckets)
+    return signs, shifts
+
+
+def sketch(x: torch.Tensor, seed: bytes, part: int, buckets: int = BUCKETS) -> torch.Tensor:
+    """S(x): the float64 sketch of a 1-D fp32 part (see the module docstring). Linear in x."""
+    buckets = max(1, min(buckets, x.numel()))
+    rows = -(-x.numel() // buckets)
+    signs, shifts = _rows(seed, part, rows, buckets)
+    out = torch.zeros(buckets, dtype=torch.float64)
+    for r in range(rows):
+        row = x[r * buckets : (r + 1) * buckets]
+        size, t, s = row.numel(), shifts[r], signs[r]
+        # element c of the row lands in bucket (c + t) mod buckets
+        head = min(size, buckets - t)
+        out[t : t + head].add_(row[:head].double(), alpha=s)
+        if size > head:
+            out[: size - head].add_(row[head:].double(), alpha=s)
+    return out
+
+
+def make_receipt(
+    included: list[int], gram: list[list[float]], contributions: Sequence[torch.Tensor], seed: bytes, part: int
+) -> Receipt:
+    """The owner's receipt (run it in a worker thread: one pass over the part per contribution)."""
+    buckets = max(1, min(BUCKETS, contributions[0].numel()))
+    sketches = torch.stack([sketch(x, seed, part, buckets).float() for x in contributions])
+    return Receipt(included, gram, buckets, sketches)
+
+
+def check_receipt(
+    receipt: Receipt,
+    *,
+    weights: Sequence[float],
+    result: torch.Tensor,
+    seed: bytes,
+    part: int,
+    me: int | None = None,
+    mine: torch.Tensor | None = None,
+) -> list[str]:
+    """What is wrong with an owner's receipt for part `part` (empty: nothing). `weights` are the
+    members' agreed weights, `result` the decoded result of the part, `mine` this member's own
+    exact fp32 slice of it (when it contributed). Pure; run it in a worker thread."""
+    problems: list[str] = []
+    n, buckets = len(receipt.included), receipt.buckets
+    if buckets != max(1, min(BUCKETS, result.numel())):
+        return [f"receipt sketches have {buckets} buckets, expected {min(BUCKETS, result.numel())}"]
+    gram = receipt.gram
+    if not all(math.isfinite(v) for row in gram for v in row):
+        return ["receipt Gram matrix is not finite"]
+    sk = receipt.sketches.double()
+    if not torch.isfinite(sk).all():
+        return ["receipt sketches are not finite"]
+    sigma = math.sqrt(2.0 / buckets)
+    for k in range(n):
+        for m in range(k, n):
+            bound = SKETCH_SIGMAS * sigma * math.sqrt(max(gram[k][k], 0.0) * max(gram[m][m], 0.0))
+            if abs(gram[k][m] - float(sk[k] @ sk[m])) > bound + 1e-30:
+                problems.append(f"G[{receipt.included[k]}][{receipt.included[m]}] disagrees with the sketches")
+                break
+    coefficients, _ = robust_coefficients(gram, [weights[i] for i in receipt.included])
+    claimed = (torch.tensor(coefficients, dtype=torch.float64) @ sk) if n else torch.zeros(buckets, dtype=torch.float64)
+    observed = sketch(result, seed, part, buckets)
+    scale = max(float(observed.norm()), float(claimed.norm()))
+    if float((observed - claimed).norm()) > QUANTIZATION_TOL * scale + 1e-30:
+        problems.append("the result is not the robust reduction the receipt describes")
+    if me is not None and mine is not None and me in receipt.included:
+        k = receipt.included.index(me)
+        own_sq = float(mine.double().norm()) ** 2
+        if abs(gram[k][k] - own_sq) > 2 * QUANTIZATION_TOL * own_sq + 1e-30:
+            problems.append("the receipt misstates our contribution's norm")
+        own = sketch(mine, seed, part, buckets)
+        if float((own - sk[k]).norm()) > QUANTIZATION_TOL * float(own.norm()) + 1e-30:
+            problems.append("the receipt misstates our contribution")
+    return problems

@@ -1,0 +1,137 @@
+"""The owner audit's arithmetic (swarm/averaging/audit.py): an honest receipt passes, every lie
+of the issue's threat model is caught, and the sketch is what the docstring says."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+
+from swarm.averaging.audit import (
+    AuditFailure,
+    Receipt,
+    audit_seed,
+    check_receipt,
+    make_receipt,
+    sketch,
+)
+from swarm.averaging.robust import gram_matrix, robust_aggregate
+from swarm_kernels import get_codec
+
+SEED = audit_seed(b"g" * 32, [b"result-0", b"result-1"])
+PART = 1
+
+
+def contributions(n: int = 5, numel: int = 40_000, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(numel, generator=g)
+    return [common + torch.randn(numel, generator=g) for _ in range(n)]
+
+
+def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    codec = get_codec("int8", block_size=64)
+    return codec.decode(codec.encode(x), x.numel())
+
+
+def honest(xs: list[torch.Tensor], weights: list[float]) -> tuple[Receipt, torch.Tensor]:
+    """What an honest owner (member 0, its own slice exact, the others decoded) broadcasts."""
+    received = [xs[0]] + [int8_round_trip(x) for x in xs[1:]]
+    result, _ = robust_aggregate(received, weights)
+    receipt = make_receipt(list(range(len(xs))), gram_matrix(received), received, SEED, PART)
+    return receipt, int8_round_trip(result)
+
+
+def test_sketch_is_linear_and_estimates_inner_products() -> None:
+    x, y = contributions(2, 200_000)
+    sx, sy = sketch(x, SEED, PART), sketch(y, SEED, PART)
+    assert torch.allclose(sketch(2 * x - y, SEED, PART), 2 * sx - sy, rtol=1e-4, atol=1e-3)
+    true = float(x.double() @ y.double())
+    scale = float(x.double().norm() * y.double().norm())
+    assert abs(float(sx @ sy) - true) < 0.1 * scale
+    assert abs(float(sx @ sx) / float(x.double().norm() ** 2) - 1) < 0.1
+    other = sketch(x, audit_seed(b"h" * 32, []), PART)  # another seed, another sketch
+    assert not torch.allclose(sx, other)
+
+
+def test_a_small_part_is_sketched_exactly() -> None:
+    x = torch.randn(100)
+    assert sketch(x, SEED, PART).numel() == 100
+    assert float(sketch(x, SEED, PART).norm()) == pytest.approx(float(x.double().norm()), rel=1e-9)
+
+
+def test_an_honest_receipt_passes_for_every_member() -> None:
+    xs, weights = contributions(), [1.0, 1.0, 2.0, 1.0, 1.0]
+    receipt, result = honest(xs, weights)
+    wire = Receipt.decode(msgpack.unpackb(msgpack.packb(receipt.encode())), members=5)
+    for me in range(5):
+        assert check_receipt(wire, weights=weights, result=result, seed=SEED, part=PART, me=me, mine=xs[me]) == []
+
+
+def test_an_honest_receipt_passes_with_an_attacker_clipped() -> None:
+    xs, weights = contributions(), [1.0] * 5
+    xs[4] = xs[4] * 1e4
+    receipt, result = honest(xs, weights)
+    assert check_receipt(receipt, weights=weights, result=result, seed=SEED, part=PART, me=1, mine=xs[1]) == []
+
+
+@pytest.mark.parametrize("lie", ["negated", "scaled", "own_vector", "shifted_5pct"])
+def test_a_result_that_is_not_the_reduction_is_caught(lie: str) -> None:
+    xs, weights = contributions(), [1.0] * 5
+    receipt, result = honest(xs, weights)
+    bad = {
+        "negated": -100 * result,
+        "scaled": 3 * result,
+        "own_vector": xs[0],
+        "shifted_5pct": result + 0.05 * float(result.norm()) / result.numel() ** 0.5 * torch.randn(result.numel()),
+    }[lie]
+    problems = check_receipt(receipt, weights=weights, result=bad, seed=SEED, part=PART, me=2, mine=xs[2])
+    assert "the result is not the robust reduction the receipt describes" in problems
+
+
+def test_a_gram_matrix_made_up_to_justify_a_lie_is_caught() -> None:
+    """The owner claims member 1 sits far from everyone (so the rule clips it away)."""
+    xs, weights = contributions(), [1.0] * 5
+    receipt, result = honest(xs, weights)
+    gram = [row[:] for row in receipt.gram]
+    gram[1][1] *= 50
+    forged = Receipt(receipt.included, gram, receipt.buckets, receipt.sketches)
+    problems = check_receipt(forged, weights=weights, result=result, seed=SEED, part=PART, me=3, mine=xs[3])
+    assert any("disagrees with the sketches" in p for p in problems)
+
+
+def test_an_owner_that_misstates_our_input_is_caught_by_us() -> None:
+    """Consistent receipt, built on a replaced contribution of member 2: only member 2 can tell."""
+    xs, weights = contributions(), [1.0] * 5
+    replaced = list(xs)
+    replaced[2] = -xs[2]
+    receipt, result = honest(replaced, weights)
+    assert check_receipt(receipt, weights=weights, result=result, seed=SEED, part=PART, me=3, mine=xs[3]) == []
+    problems = check_receipt(receipt, weights=weights, result=result, seed=SEED, part=PART, me=2, mine=xs[2])
+    assert "the receipt misstates our contribution" in problems
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        None,
+        {"inc": [0, 0], "g": [1.0] * 4, "b": 4, "sk": b"\0" * 32},
+        {"inc": [1, 0], "g": [1.0] * 4, "b": 4, "sk": b"\0" * 32},
+        {"inc": [0, 9], "g": [1.0] * 4, "b": 4, "sk": b"\0" * 32},
+        {"inc": [0, 1], "g": [1.0] * 3, "b": 4, "sk": b"\0" * 32},
+        {"inc": [0, 1], "g": [1.0] * 4, "b": 4, "sk": b"\0" * 31},
+        {"inc": [0, 1], "g": [1.0] * 4, "b": 1 << 20, "sk": b""},
+        {"inc": [0, 1], "g": ["x"] * 4, "b": 4, "sk": b"\0" * 32},
+    ],
+)
+def test_malformed_receipts_are_refused(msg: object) -> None:
+    with pytest.raises(AuditFailure):
+        Receipt.decode(msg, members=5)
+
+
+def test_a_non_finite_receipt_is_a_problem_not_a_crash() -> None:
+    xs, weights = contributions(), [1.0] * 5
+    receipt, result = honest(xs, weights)
+    gram = [row[:] for row in receipt.gram]
+    gram[0][1] = float("nan")
+    forged = Receipt(receipt.included, gram, receipt.buckets, receipt.sketches)
+    assert check_receipt(forged, weights=weights, result=result, seed=SEED, part=PART) != []
