@@ -8,8 +8,7 @@ connection per peer, and serves registered handlers.
 Inbound connections are admitted by the per-source rules of admission.py: handshakes and
 authenticated connections are capped per source IP, and at the global caps the host drops the
 biggest source's oldest handshake, or closes an idle unknown peer, before it refuses anyone.
-Peers we called are remembered (the last CALLED_PEERS_PER_SLOT * max_connections) and never
-evicted for a newcomer.
+Peers we called are remembered (gate.py) and never evicted for a newcomer.
 
 Failure modes: a dial that reaches a different PeerID than its /p2p/ part fails with
 PeerIDMismatch; when both peers dial each other at once there may briefly be two connections,
@@ -21,16 +20,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections import OrderedDict
 from typing import Any
 
 from swarm.p2p import handshake as hs
-from swarm.p2p.admission import PeerFacts, admit_handshake, plan_admission, source_of
 from swarm.p2p.autonat import DIALBACK, dialback_handler
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.connection import CallContext, Connection, Handler, StreamHandler, UnaryHandler
 from swarm.p2p.errors import ConnectionClosed, ConnectionLost, HandshakeError, MultiaddrError, RPCTimeout
 from swarm.p2p.framing import FrameProtocol, Traffic
+from swarm.p2p.gate import Gate
 from swarm.p2p.identity import Identity
 from swarm.p2p.maddr import TcpAddress, parse_maddr
 from swarm.p2p.peer_id import PeerID
@@ -39,7 +37,6 @@ from swarm.p2p.stream import Stream
 logger = logging.getLogger(__name__)
 
 CLOSE_GRACE_SECONDS = 2.0  # how long close() lets connections flush before aborting them
-CALLED_PEERS_PER_SLOT = 4  # how many peers we called are remembered, per connection slot
 PeerRef = PeerID | TcpAddress | str  # a PeerID we know an address for, or a multiaddr
 
 __all__ = ["CallContext", "P2PHost", "PeerRef"]
@@ -57,8 +54,7 @@ class P2PHost:
         self._listen_addrs: list[TcpAddress] = []
         self._connections: dict[PeerID, list[Connection]] = {}
         self._handshaking: set[Connection] = set()
-        self._inbound_pending: dict[Connection, tuple[str, float]] = {}  # (source, since), oldest first
-        self._called: OrderedDict[PeerID, None] = OrderedDict()  # peers we called, most recent last
+        self._gate = Gate(self.peer_id, self.config)  # which inbound connections we keep
         self._dialing: dict[str, asyncio.Future[Connection]] = {}
         self._addresses: dict[PeerID, TcpAddress] = {}  # last address each peer was dialed at
         self._peer_at: dict[str, PeerID] = {}  # who answered at a dialed address (for maddrs without /p2p/)
@@ -185,7 +181,7 @@ class P2PHost:
             remaining = timeout - (loop.time() - start)
             if remaining <= 0:
                 raise RPCTimeout(f"{method}: dialing {peer} used up the {timeout:.3g}s timeout")
-            self._remember_called(conn.peer_id)
+            self._gate.called(conn.peer_id)
             try:
                 return await conn.call(method, args, remaining)
             except ConnectionClosed:  # closed under us (e.g. the peer's own dial-back probe): nothing was sent
@@ -199,7 +195,7 @@ class P2PHost:
         """Start a stream call; `timeout` bounds dialing and then each read/write wait."""
         timeout = self.config.stream_timeout if timeout is None else timeout
         conn = await self.connect(peer, timeout=timeout)
-        self._remember_called(conn.peer_id)
+        self._gate.called(conn.peer_id)
         try:
             return conn.open_stream(method, args, timeout)
         except ConnectionClosed:  # as in call(): nothing was sent, one more try
@@ -310,33 +306,23 @@ class P2PHost:
     def _on_inbound_open(self, protocol: FrameProtocol) -> None:
         assert protocol.transport is not None
         peer = protocol.transport.get_extra_info("peername")
-        source = source_of(str(peer[0])) if peer else "?"
-        cfg = self.config
-        verdict = admit_handshake(
-            list(self._inbound_pending.values()),
-            source,
-            per_source=cfg.max_pending_handshakes_per_ip,
-            total=cfg.max_pending_handshakes,
-        )
-        if self._closing or not verdict.admit:
+        if self._closing or not self._gate.may_handshake(str(peer[0]) if peer else "?"):
             logger.warning(
                 "%s: refusing connection from %s: %d handshakes pending (limits %d per source, %d in all)",
                 self.peer_id,
                 peer,
-                len(self._inbound_pending),
-                cfg.max_pending_handshakes_per_ip,
-                cfg.max_pending_handshakes,
+                len(self._gate.pending),
+                self.config.max_pending_handshakes_per_ip,
+                self.config.max_pending_handshakes,
             )
             protocol.transport.abort()
             return
-        if verdict.drop_oldest_of is not None:
-            oldest = next(c for c, (s, _) in self._inbound_pending.items() if s == verdict.drop_oldest_of)
-            del self._inbound_pending[oldest]
-            oldest.protocol.abort(HandshakeError(f"dropped: {cfg.max_pending_handshakes} handshakes pending"))
         _set_nodelay(protocol.transport)
-        conn = Connection(protocol, role=hs.LISTENER, identity=self.identity, config=cfg, handlers=self._handlers)
+        conn = Connection(
+            protocol, role=hs.LISTENER, identity=self.identity, config=self.config, handlers=self._handlers
+        )
         self._handshaking.add(conn)
-        self._inbound_pending[conn] = (source, asyncio.get_running_loop().time())
+        self._gate.handshaking(conn)
         self._spawn(self._inbound_handshake(conn, peer))
 
     async def _inbound_handshake(self, conn: Connection, peer: Any) -> None:
@@ -347,54 +333,17 @@ class P2PHost:
             return
         finally:
             self._handshaking.discard(conn)
-            self._inbound_pending.pop(conn, None)
+            self._gate.handshake_over(conn)
         if conn.remote_hello_probe:  # a dial-back test: proven reachable, not kept for calls
             conn.close()
             return
-        if self._admit(conn):
-            self._adopt(conn)
-
-    def _admit(self, conn: Connection) -> bool:
-        """Apply plan_admission (admission.py) to an authenticated inbound connection."""
         open_conns = [c for group in self._connections.values() for c in group if not c.protocol.closed]
-        facts = [self._facts(i, c) for i, c in enumerate(open_conns)]
-        plan = plan_admission(
-            facts,
-            self._facts(len(open_conns), conn),
-            per_source=self.config.max_connections_per_ip,
-            total=self.config.max_connections,
-        )
-        if not plan.admit:
-            logger.warning(
-                "%s: refusing connection from %s (%s): %s", self.peer_id, conn.peer_id, _ip(conn), plan.reason
-            )
-            conn.close()
-            return False
-        if plan.evict is not None:
-            victim = open_conns[plan.evict.key]
-            logger.info(
-                "%s: closing idle connection to %s (%s): %s", self.peer_id, victim.peer_id, _ip(victim), plan.reason
-            )
+        keep, victim = self._gate.admit(conn, open_conns)
+        if victim is not None:
             self._forget(victim)  # now: the next admission must not count it
             victim.close()
-        return True
-
-    def _facts(self, key: int, conn: Connection) -> PeerFacts:
-        return PeerFacts(
-            key=key,
-            source=source_of(conn.remote_address[0]),
-            inbound=conn.role == hs.LISTENER,
-            useful=conn.peer_id in self._called,
-            ours_in_flight=conn.ours_in_flight,
-            theirs_in_flight=conn.theirs_in_flight,
-            idle_s=conn.idle_seconds,
-        )
-
-    def _remember_called(self, peer: PeerID) -> None:
-        self._called[peer] = None
-        self._called.move_to_end(peer)
-        if len(self._called) > CALLED_PEERS_PER_SLOT * self.config.max_connections:
-            self._called.popitem(last=False)
+        if keep:
+            self._adopt(conn)
 
     # --- connection pool ----------------------------------------------------------------------
 
@@ -430,10 +379,6 @@ class P2PHost:
 
     def __repr__(self) -> str:
         return f"P2PHost({self.peer_id}, {len(self._connections)} peers)"
-
-
-def _ip(conn: Connection) -> str:
-    return conn.remote_address[0]
 
 
 def _set_nodelay(transport: Any) -> None:
