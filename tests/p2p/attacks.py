@@ -157,8 +157,8 @@ async def _measure(kind: str) -> None:
             async with P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))) as attacker:
                 opened = await stream_flood(attacker, maddr, "t.later", streams=64, nbytes=16 * 2**20)
                 await asyncio.sleep(2)
-                peak = buffered_on(server)
-                ok = await honest_pings(maddr, 25, source="127.0.200.1")
+                peak, rss = buffered_on(server), rss_bytes() - rss0
+                ok = await honest_pings(maddr, 25)
                 release.set()
                 await asyncio.gather(*(writing for _, writing in opened))
         else:
@@ -166,10 +166,11 @@ async def _measure(kind: str) -> None:
             addresses = sources(1, 8 if silent else 64)
             async with Flood(maddr, addresses, 8 if silent else 16, handshake=not silent) as flood:
                 await asyncio.sleep(5)
-                ok = await honest_pings(maddr, 25, source="127.0.200.1")
-            print(f"attacker: {flood.stats}, open at the end: {len(connections_of(server))}")
-        rss = rss_bytes() - rss0
-        print(f"{kind}: honest {ok}/25, buffered peak {peak / 2**20:.1f} MiB, RSS growth {rss / 2**20:.0f} MiB,")
+                rss = rss_bytes() - rss0
+                print(f"after 5 s: {len(server._handshaking)} handshaking, {len(connections_of(server))} open")
+                ok = await honest_pings(maddr, 25)  # from 127.0.0.1: a source of its own
+            print(f"attacker: {flood.stats}")
+        print(f"{kind}: honest {ok}/25, buffered {peak / 2**20:.1f} MiB, RSS growth {rss / 2**20:.0f} MiB under attack")
         print(f"  {time.perf_counter() - t0:.1f}s (attacker and host in one process: RSS counts both)")
     finally:
         await server.close()
