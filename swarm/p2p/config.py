@@ -2,8 +2,9 @@
 
 The limits an attacker meets first, and what they bound (admission.py, budget.py):
 - a source (IPv4 address or IPv6 /64) holds at most max_pending_handshakes_per_ip handshakes
-  and max_connections_per_ip authenticated inbound connections; at the global caps the host
-  drops or evicts what the biggest source holds, and idle unknown peers before useful ones;
+  and max_connections_per_ip authenticated inbound connections (except exempt_ips); at the
+  global caps the host drops or evicts what the biggest source holds, and idle unknown peers
+  before useful ones;
 - a handshake has handshake_timeout seconds;
 - one connection commits at most connection_buffer_bytes
   + max_concurrent_streams * stream_initial_window_bytes of our memory to received stream data
@@ -44,6 +45,9 @@ class P2PConfig:
     max_connections_per_ip: int = 16  # authenticated inbound connections from one source
     max_pending_handshakes: int = 64  # inbound connections still handshaking (the biggest source yields)
     max_pending_handshakes_per_ip: int = 8  # of which from one source; more are refused
+    # sources the per-IP caps do not apply to (the global caps still do): this machine's own
+    # default address, where local swarms and tests run many nodes; add a NAT your nodes share
+    exempt_ips: tuple[str, ...] = ("127.0.0.1", "::1")
     listen_backlog: int = 512
     dial_source_ip: str | None = None  # the local address outbound connections come from (None: the OS picks)
     # timeouts, seconds
@@ -89,7 +93,7 @@ class P2PConfig:
             raise ValueError("P2PConfig.chunk_bytes must fit in max_body_bytes and stream_window_bytes")
         if not MIN_INITIAL_WINDOW <= self.stream_initial_window_bytes <= self.stream_window_bytes:
             raise ValueError("P2PConfig.stream_initial_window_bytes must be 64 KiB to stream_window_bytes")
-        if self.dial_source_ip is not None:
-            ipaddress.ip_address(self.dial_source_ip)  # ValueError names it
+        for ip in (*self.exempt_ips, *([self.dial_source_ip] if self.dial_source_ip is not None else [])):
+            ipaddress.ip_address(ip)  # ValueError names it
         if self.max_head_bytes >= 2**31 or self.max_body_bytes >= 2**31:
             raise ValueError("frame limits must be below 2 GiB (the u32 length fields, the AEAD's limit)")

@@ -32,15 +32,16 @@ class Gate:
         self.config = config
         self.pending: dict[Connection, tuple[str, float]] = {}  # (source, since), oldest first
         self._called: OrderedDict[PeerID, None] = OrderedDict()  # most recent last
+        self._exempt = {source_of(ip) for ip in config.exempt_ips}  # no per-source caps for these
 
     def may_handshake(self, ip: str) -> bool:
         """Whether a new inbound TCP connection from `ip` may handshake; drops the biggest
         source's oldest pending handshake when that makes room."""
-        cfg = self.config
+        cfg, source = self.config, source_of(ip)
         verdict = admit_handshake(
             list(self.pending.values()),
-            source_of(ip),
-            per_source=cfg.max_pending_handshakes_per_ip,
+            source,
+            per_source=cfg.max_pending_handshakes if source in self._exempt else cfg.max_pending_handshakes_per_ip,
             total=cfg.max_pending_handshakes,
         )
         if verdict.drop_oldest_of is not None:
@@ -58,11 +59,12 @@ class Gate:
     def admit(self, conn: Connection, open_conns: Sequence[Connection]) -> tuple[bool, Connection | None]:
         """For an authenticated inbound connection: whether to keep it (refused, it is closed
         here), and the open connection to close to make room for it, if any."""
+        cfg, newcomer = self.config, self._facts(len(open_conns), conn)
         plan = plan_admission(
             [self._facts(i, c) for i, c in enumerate(open_conns)],
-            self._facts(len(open_conns), conn),
-            per_source=self.config.max_connections_per_ip,
-            total=self.config.max_connections,
+            newcomer,
+            per_source=cfg.max_connections if newcomer.source in self._exempt else cfg.max_connections_per_ip,
+            total=cfg.max_connections,
         )
         if not plan.admit:
             where = conn.remote_address[0]

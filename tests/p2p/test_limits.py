@@ -23,6 +23,7 @@ from swarm.p2p.admission import (
 )
 from swarm.p2p.budget import credit_to_grant
 from tests.p2p.attacks import Flood, buffered_on, connections_of, echo, honest_pings, sources, stream_flood
+from tests.p2p.rawpeer import RawPeer
 
 KiB, MiB = 1024, 1024 * 1024
 PINGS = 25
@@ -99,6 +100,23 @@ async def test_throwaway_identities_do_not_lock_out_honest_peers_nor_evict_usefu
     assert not known_conn.closed and server._best_connection(known.peer_id) is known_conn
     assert open_conns.peak <= 48 and biggest.peak <= 16
     assert flood.stats.connected > 48  # the flood kept coming back, and kept being let in
+
+
+async def test_per_source_cap_makes_room_from_the_same_source_and_spares_exempt_ones(make_host) -> None:
+    server = await make_host(max_connections_per_ip=2)  # 127.0.0.1 is exempt by default
+    server.add_handler("t.echo", echo)
+    maddr = server.visible_maddrs[0]
+    capped = [await RawPeer.connect(maddr, source="127.0.9.1") for _ in range(3)]
+    local = [await RawPeer.connect(maddr) for _ in range(3)]
+    try:
+        for peer in [*capped, *local]:
+            await peer.handshake()
+        assert await capped[0].closed_by_peer(timeout=5)  # the idlest of its source made room
+        by_source = Counter(c.remote_address[0] for c in connections_of(server))
+        assert by_source == {"127.0.9.1": 2, "127.0.0.1": 3}
+    finally:
+        for peer in [*capped, *local]:
+            await peer.close()
 
 
 # --- attack 3: streams whose handler does not read -------------------------------------------
