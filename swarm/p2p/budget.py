@@ -12,6 +12,10 @@ connection commits at most
 
 Streams that wanted more than the budget had left wait, in order, for what reads and finished
 streams give back. A stream always keeps its initial window, so it never stalls for good.
+
+Across connections, HostStreams bounds the inbound streams of the whole host (with a fair share
+per connection once config.max_host_streams are open), so many connections together pin at
+most (2 * max_host_streams + connections) * stream_initial_window_bytes.
 """
 
 from __future__ import annotations
@@ -71,3 +75,41 @@ class InboundBudget:
                 return
             if self._hungry.get(call_id) is top_up:
                 top_up()
+
+
+def may_open_stream(*, open_streams: int, mine: int, holders: int, limit: int) -> bool:
+    """Whether a connection holding `mine` inbound streams may open one more, with
+    `open_streams` open on all the host's connections, `holders` of which hold any. Below
+    `limit` anyone may; past it only a connection below its fair share (limit / holders, itself
+    counted), so a flood over many connections cannot lock out a peer that opens a few, and
+    the host holds at most 2 * limit + one per connection."""
+    if open_streams < limit:
+        return True
+    holders += mine == 0  # a connection with none would become one more
+    return mine < limit / max(holders, 1)
+
+
+class HostStreams:
+    """Inbound streams open on all of one host's connections (see may_open_stream): each pins
+    up to an initial window even if its handler never reads."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+        self._by_holder: dict[int, int] = {}  # id(connection) -> its inbound streams
+
+    def admit(self, holder: object) -> bool:
+        mine = self._by_holder.get(id(holder), 0)
+        return may_open_stream(open_streams=self.open, mine=mine, holders=len(self._by_holder), limit=self.limit)
+
+    def opened(self, holder: object) -> None:
+        self.open += 1
+        self._by_holder[id(holder)] = self._by_holder.get(id(holder), 0) + 1
+
+    def closed(self, holder: object) -> None:
+        self.open -= 1
+        left = self._by_holder[id(holder)] - 1
+        if left:
+            self._by_holder[id(holder)] = left
+        else:
+            del self._by_holder[id(holder)]

@@ -8,7 +8,9 @@ The limits an attacker meets first, and what they bound (admission.py, budget.py
 - a handshake has handshake_timeout seconds;
 - one connection commits at most connection_buffer_bytes
   + max_concurrent_streams * stream_initial_window_bytes of our memory to received stream data
-  (80 MiB by default), whatever its streams' handlers do.
+  (80 MiB by default), whatever its streams' handlers do; streams whose handlers do not read
+  pin at most (2 * max_host_streams + connections) * stream_initial_window_bytes (768 MiB at
+  1024 connections) on all connections together.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class P2PConfig:
     # counts
     max_concurrent_calls: int = 256  # inbound calls in flight per connection; more get "busy"
     max_concurrent_streams: int = 64  # of which stream calls; more get "busy"
+    max_host_streams: int = 1024  # inbound streams, all connections; past it each gets a fair share
     max_connections: int = 1024  # authenticated connections; at the cap idle unknown peers make room
     max_connections_per_ip: int = 16  # authenticated inbound connections from one source
     max_pending_handshakes: int = 64  # inbound connections still handshaking (the biggest source yields)
@@ -73,6 +76,7 @@ class P2PConfig:
             "write_buffer_high_bytes": self.write_buffer_high_bytes,
             "max_concurrent_calls": self.max_concurrent_calls,
             "max_concurrent_streams": self.max_concurrent_streams,
+            "max_host_streams": self.max_host_streams,
             "max_connections": self.max_connections,
             "max_connections_per_ip": self.max_connections_per_ip,
             "max_pending_handshakes": self.max_pending_handshakes,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.p2p import handshake as hs
-from swarm.p2p.budget import InboundBudget
+from swarm.p2p.budget import HostStreams, InboundBudget
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.errors import (
     ConnectionLost,
@@ -67,12 +67,14 @@ class Connection:
         identity: Identity,
         config: P2PConfig,
         handlers: Mapping[str, Handler],
+        host_streams: HostStreams | None = None,
     ) -> None:
         self.protocol = protocol
         self.role = role
         self.identity = identity
         self.config = config
         self._handlers = handlers
+        self._host_streams = host_streams or HostStreams(config.max_host_streams)  # shared by a host's connections
         self.peer_id: PeerID = identity.peer_id  # replaced by the remote id after the handshake
         self.remote_address: tuple[str, int] = ("?", 0)
         self.remote_window = 0
@@ -287,7 +289,8 @@ class Connection:
         method = field(head, "m", str)
         is_stream = head.get("s") is True
         n_streams = sum(not s.is_caller for s in self._streams.values()) if is_stream else 0
-        if len(self._inbound) >= self.config.max_concurrent_calls or n_streams >= self.config.max_concurrent_streams:
+        busy = n_streams >= self.config.max_concurrent_streams or (is_stream and not self._host_streams.admit(self))
+        if len(self._inbound) >= self.config.max_concurrent_calls or busy:
             logger.warning(
                 "%s: refusing %s from %s: %d calls (%d streams) in flight",
                 self.identity.peer_id,
@@ -313,6 +316,7 @@ class Connection:
         if is_stream:
             stream = Stream(self, call_id, method, is_caller=False, timeout=self.config.stream_timeout)
             self._streams[call_id] = stream
+            self._host_streams.opened(self)
             coro = self._serve_stream(handler.fn, context, head.get("a"), stream)  # type: ignore[arg-type]
         else:
             coro = self._serve_unary(handler.fn, context, head.get("a"), call_id)  # type: ignore[arg-type]
@@ -394,6 +398,8 @@ class Connection:
         """Stop routing frames to the stream and give back the budget it committed."""
         if self._streams.get(stream.call_id) is stream:
             del self._streams[stream.call_id]
+            if not stream.is_caller:
+                self._host_streams.closed(self)
         stream.release_budget()
 
     # --- lifecycle --------------------------------------------------------------------------

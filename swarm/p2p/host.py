@@ -24,6 +24,7 @@ from typing import Any
 
 from swarm.p2p import handshake as hs
 from swarm.p2p.autonat import DIALBACK, dialback_handler
+from swarm.p2p.budget import HostStreams
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.connection import CallContext, Connection, Handler, StreamHandler, UnaryHandler
 from swarm.p2p.errors import ConnectionClosed, ConnectionLost, HandshakeError, MultiaddrError, RPCTimeout
@@ -55,6 +56,7 @@ class P2PHost:
         self._connections: dict[PeerID, list[Connection]] = {}
         self._handshaking: set[Connection] = set()
         self._gate = Gate(self.peer_id, self.config)  # which inbound connections we keep
+        self._host_streams = HostStreams(self.config.max_host_streams)  # inbound streams, all connections
         self._dialing: dict[str, asyncio.Future[Connection]] = {}
         self._addresses: dict[PeerID, TcpAddress] = {}  # last address each peer was dialed at
         self._peer_at: dict[str, PeerID] = {}  # who answered at a dialed address (for maddrs without /p2p/)
@@ -261,7 +263,7 @@ class P2PHost:
         except OSError as e:
             raise ConnectionLost(f"cannot connect to {addr}: {e.strerror or e}") from None
         _set_nodelay(protocol.transport)
-        conn = Connection(protocol, role=hs.DIALER, identity=self.identity, config=self.config, handlers=self._handlers)
+        conn = self._new_connection(protocol, hs.DIALER)
         self._handshaking.add(conn)
         try:
             await conn.handshake(addr.peer_id, probe=probe)
@@ -298,6 +300,16 @@ class P2PHost:
             traffic=self.traffic,
         )
 
+    def _new_connection(self, protocol: FrameProtocol, role: str) -> Connection:
+        return Connection(
+            protocol,
+            role=role,
+            identity=self.identity,
+            config=self.config,
+            handlers=self._handlers,
+            host_streams=self._host_streams,
+        )
+
     def _accept(self) -> FrameProtocol:
         protocol = self._new_protocol()
         protocol.on_open = self._on_inbound_open
@@ -318,9 +330,7 @@ class P2PHost:
             protocol.transport.abort()
             return
         _set_nodelay(protocol.transport)
-        conn = Connection(
-            protocol, role=hs.LISTENER, identity=self.identity, config=self.config, handlers=self._handlers
-        )
+        conn = self._new_connection(protocol, hs.LISTENER)
         self._handshaking.add(conn)
         self._gate.handshaking(conn)
         self._spawn(self._inbound_handshake(conn, peer))

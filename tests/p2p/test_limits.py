@@ -21,7 +21,7 @@ from swarm.p2p.admission import (
     plan_admission,
     source_of,
 )
-from swarm.p2p.budget import credit_to_grant
+from swarm.p2p.budget import credit_to_grant, may_open_stream
 from tests.p2p.attacks import Flood, buffered_on, connections_of, echo, honest_pings, sources, stream_flood
 from tests.p2p.rawpeer import RawPeer
 
@@ -200,6 +200,31 @@ async def test_stream_calls_beyond_the_limit_are_busy(make_host) -> None:
         assert await stream.read(timeout=5) is None
 
 
+async def test_past_the_host_stream_limit_a_flooder_is_busy_and_others_get_their_share(make_host) -> None:
+    server, flooder, honest = await make_host(max_host_streams=8), await make_host(), await make_host()
+    release = asyncio.Event()
+
+    async def wait(ctx: CallContext, args: Any, stream: Stream) -> None:
+        await release.wait()
+
+    server.add_stream_handler("t.wait", wait)
+    maddr = server.visible_maddrs[0]
+    held = [await flooder.open_stream(maddr, "t.wait") for _ in range(8)]  # the host's whole limit
+    await wait_until(lambda: server._host_streams.open == 8, 5)
+    async with await flooder.open_stream(maddr, "t.wait") as extra:
+        with pytest.raises(RemoteError) as info:
+            await extra.read(timeout=5)
+    assert info.value.code == ErrorCode.BUSY  # it holds more than its share
+    async with await honest.open_stream(maddr, "t.wait") as mine:  # below its share: served
+        release.set()
+        await mine.end()
+        assert await mine.read(timeout=5) is None
+    for stream in held:
+        await stream.end()
+        assert await stream.read(timeout=5) is None
+    await wait_until(lambda: server._host_streams.open == 0, 5)
+
+
 # --- the pure decisions, as tables ------------------------------------------------------------
 
 
@@ -280,6 +305,22 @@ def test_plan_admission(connections: list[PeerFacts], newcomer: PeerFacts, admit
     assert isinstance(plan, Admission) and plan.admit == admit
     assert (None if plan.evict is None else plan.evict.key) == evict
     assert plan.admit or plan.reason
+
+
+@pytest.mark.parametrize(
+    ("open_streams", "mine", "holders", "allowed"),
+    [
+        (3, 3, 1, True),  # below the limit
+        (8, 8, 1, False),  # at the limit, holding all of it
+        (8, 0, 1, True),  # a newcomer's share is 8 / 2
+        (9, 1, 2, True),
+        (12, 4, 2, False),  # its share is used up
+        (16, 0, 16, True),  # everyone may hold one
+        (16, 1, 16, False),
+    ],
+)
+def test_may_open_stream(open_streams: int, mine: int, holders: int, allowed: bool) -> None:
+    assert may_open_stream(open_streams=open_streams, mine=mine, holders=holders, limit=8) == allowed
 
 
 @pytest.mark.parametrize(
