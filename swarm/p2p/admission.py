@@ -15,6 +15,9 @@ than turning the newcomer away:
   our calls in flight; first the idle unknown peers, from the source holding the most, the
   idlest first. Unknown peers whose own calls are in flight only make room for a useful peer.
 
+For config.exempt_ips (this machine, by default) the host passes the global cap as the
+per-source one: local swarms and tests run many nodes on 127.0.0.1.
+
 Failure modes, admitted: an attacker with as many addresses as the host has slots still churns
 idle unknown peers (each honest call gets through, its connection may not stay); and a flood of
 handshakes from many single-connection sources can drop an honest handshake that is slower

@@ -52,7 +52,6 @@ class P2PConfig:
     # default address, where local swarms and tests run many nodes; add a NAT your nodes share
     exempt_ips: tuple[str, ...] = ("127.0.0.1", "::1")
     listen_backlog: int = 512
-    dial_source_ip: str | None = None  # the local address outbound connections come from (None: the OS picks)
     # timeouts, seconds
     connect_timeout: float = 10.0
     handshake_timeout: float = 5.0  # short: a silent socket holds a pending slot this long
@@ -97,7 +96,7 @@ class P2PConfig:
             raise ValueError("P2PConfig.chunk_bytes must fit in max_body_bytes and stream_window_bytes")
         if not MIN_INITIAL_WINDOW <= self.stream_initial_window_bytes <= self.stream_window_bytes:
             raise ValueError("P2PConfig.stream_initial_window_bytes must be 64 KiB to stream_window_bytes")
-        for ip in (*self.exempt_ips, *([self.dial_source_ip] if self.dial_source_ip is not None else [])):
+        for ip in self.exempt_ips:
             ipaddress.ip_address(ip)  # ValueError names it
         if self.max_head_bytes >= 2**31 or self.max_body_bytes >= 2**31:
             raise ValueError("frame limits must be below 2 GiB (the u32 length fields, the AEAD's limit)")

@@ -253,10 +253,8 @@ class P2PHost:
     async def _open_authenticated(self, addr: TcpAddress, *, probe: bool = False) -> Connection:
         loop = asyncio.get_running_loop()
         try:
-            source = None if self.config.dial_source_ip is None else (self.config.dial_source_ip, 0)
             _, protocol = await asyncio.wait_for(
-                loop.create_connection(self._new_protocol, addr.host, addr.port, local_addr=source),
-                self.config.connect_timeout,
+                loop.create_connection(self._new_protocol, addr.host, addr.port), self.config.connect_timeout
             )
         except asyncio.TimeoutError:
             raise RPCTimeout(f"TCP connect to {addr} timed out") from None
