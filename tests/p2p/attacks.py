@@ -11,14 +11,14 @@ import argparse
 import asyncio
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from swarm.p2p import CallContext, P2PConfig, P2PError, P2PHost, Stream
 from tests.p2p.rawpeer import RawPeer
 
-REFUSED_PAUSE_S = 0.05  # an attacker slot waits this long after its socket is closed, then retries
+RETRY_PAUSE_S = 0.05  # an attacker slot waits this long after its socket is closed, then retries
 
 
 def sources(first: int, count: int) -> list[str]:
@@ -43,15 +43,17 @@ async def _until_closed(peer: RawPeer, stop: asyncio.Event) -> None:
         await asyncio.gather(reading, stopping, return_exceptions=True)
 
 
-async def _attacker_slot(maddr: str, source: str, stop: asyncio.Event, stats: AttackStats, *, handshake: bool) -> None:
+async def _attacker_slot(
+    maddr: str, source: str, stop: asyncio.Event, stats: AttackStats, *, handshake: bool, pause: float
+) -> None:
     """Keep one connection from `source` open: silent, or authenticated under a fresh
-    identity; when the host closes it, open the next one."""
+    identity; when the host closes it, open the next one `pause` seconds later."""
     while not stop.is_set():
         try:
             peer = await RawPeer.connect(maddr, source=source)
         except OSError:
             stats.failed += 1
-            await asyncio.sleep(REFUSED_PAUSE_S)
+            await asyncio.sleep(pause)
             continue
         try:
             if handshake:
@@ -62,21 +64,27 @@ async def _attacker_slot(maddr: str, source: str, stop: asyncio.Event, stats: At
             stats.failed += 1
         finally:
             await peer.close()
-        await asyncio.sleep(REFUSED_PAUSE_S)
+        await asyncio.sleep(pause)
 
 
 class Flood:
     """`per_source` attacker slots from each of `addresses`, until the `async with` ends."""
 
-    def __init__(self, maddr: str, addresses: Sequence[str], per_source: int, *, handshake: bool) -> None:
+    def __init__(
+        self, maddr: str, addresses: Sequence[str], per_source: int, *, handshake: bool, pause: float = RETRY_PAUSE_S
+    ) -> None:
         self.stop = asyncio.Event()
         self.stats = AttackStats()
-        self._slots = [(maddr, a, handshake) for a in addresses for _ in range(per_source)]
+        self._slots = [(maddr, a) for a in addresses for _ in range(per_source)]
+        self._handshake, self._pause = handshake, pause
         self._tasks: list[asyncio.Task[None]] = []
 
     async def __aenter__(self) -> Flood:
         self._tasks = [
-            asyncio.ensure_future(_attacker_slot(m, a, self.stop, self.stats, handshake=h)) for m, a, h in self._slots
+            asyncio.ensure_future(
+                _attacker_slot(m, a, self.stop, self.stats, handshake=self._handshake, pause=self._pause)
+            )
+            for m, a in self._slots
         ]
         return self
 
@@ -90,11 +98,15 @@ class Flood:
             task.result()  # a bug in the attacker must show
 
 
-async def honest_pings(maddr: str, n: int, *, timeout: float = 5.0) -> int:
+async def honest_pings(
+    maddr: str, n: int, *, timeout: float = 5.0, before_each: Callable[[], Awaitable[None]] | None = None
+) -> int:
     """`n` calls of t.echo, each from a fresh honest host (a new identity, a new connection)
-    on 127.0.0.1, a source of its own: how many were answered."""
+    on 127.0.0.1, a source of its own, each after `before_each`: how many were answered."""
     answered = 0
     for i in range(n):
+        if before_each is not None:
+            await before_each()
         host = P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",)))
         try:
             answered += await host.call(maddr, "t.echo", i, timeout=timeout) == i
@@ -161,10 +173,11 @@ async def _measure(kind: str) -> None:
         else:
             silent = kind == "silent"
             addresses = sources(1, 8 if silent else 64)
-            async with Flood(maddr, addresses, 8 if silent else 16, handshake=not silent) as flood:
-                await asyncio.sleep(5)
+            pause = 0.001 if silent else RETRY_PAUSE_S  # silent: back at once in the slot an honest peer took
+            async with Flood(maddr, addresses, 8 if silent else 16, handshake=not silent, pause=pause) as flood:
+                await asyncio.sleep(2 if silent else 5)  # silent: before the 5 s handshake deadline
                 rss = rss_bytes() - rss0
-                print(f"after 5 s: {len(server._handshaking)} handshaking, {len(connections_of(server))} open")
+                print(f"{len(server._handshaking)} handshaking, {len(connections_of(server))} open")
                 ok = await honest_pings(maddr, 25)  # from 127.0.0.1: a source of its own
             print(f"attacker: {flood.stats}")
         print(f"{kind}: honest {ok}/25, buffered {peak / 2**20:.1f} MiB, RSS growth {rss / 2**20:.0f} MiB under attack")
