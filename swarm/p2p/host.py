@@ -349,7 +349,7 @@ class P2PHost:
         keep, victim = self._gate.admit(conn, open_conns)
         if victim is not None:
             self._forget(victim)  # now: the next admission must not count it
-            victim.close()
+            victim.protocol.abort(ConnectionLost("closed to make room for a new peer"))  # frees it at once
         if keep:
             self._adopt(conn)
 
