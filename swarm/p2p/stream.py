@@ -149,7 +149,15 @@ class Stream:
             except ConnectionLost:
                 pass  # the next read reports it
         if self._window - outstanding - grant >= self._window // 4:
-            self._budget.wants_more(self.call_id, self._top_up)
+            self._budget.wants_more(self.call_id, self._offered)
+        else:
+            self._budget.satisfied(self.call_id)
+
+    def _offered(self) -> None:
+        """The budget has room again: take it if our reader is waiting for data (a reader busy
+        elsewhere asks again when it next reads)."""
+        if self._read_waiter is not None and not self._read_waiter.done():
+            self._top_up()
         else:
             self._budget.satisfied(self.call_id)
 
@@ -157,11 +165,6 @@ class Stream:
     def buffered_bytes(self) -> int:
         """Bytes received and not read yet."""
         return self._buffered
-
-    @property
-    def committed_bytes(self) -> int:
-        """What this stream holds of its connection's budget: unread data plus unused credit."""
-        return self._recv_allowance + self._buffered if self._accounted else 0
 
     def release_budget(self) -> None:
         """The connection forgot the stream: no more DATA will be taken for it, and what it
