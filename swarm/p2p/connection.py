@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.p2p import handshake as hs
+from swarm.p2p.budget import HostStreams, InboundBudget
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.errors import (
     ConnectionLost,
@@ -66,12 +67,14 @@ class Connection:
         identity: Identity,
         config: P2PConfig,
         handlers: Mapping[str, Handler],
+        host_streams: HostStreams | None = None,
     ) -> None:
         self.protocol = protocol
         self.role = role
         self.identity = identity
         self.config = config
         self._handlers = handlers
+        self._host_streams = host_streams or HostStreams(config.max_host_streams)  # shared by a host's connections
         self.peer_id: PeerID = identity.peer_id  # replaced by the remote id after the handshake
         self.remote_address: tuple[str, int] = ("?", 0)
         self.remote_window = 0
@@ -90,6 +93,7 @@ class Connection:
         self._inbound: dict[int, asyncio.Task[None]] = {}  # handler tasks of the peer's calls
         self._deadlines: dict[int, asyncio.TimerHandle] = {}  # unary handlers whose deadline has not passed
         self._last_activity = self._loop.time()
+        self.budget = InboundBudget(config.connection_buffer_bytes)  # shared by all streams (budget.py)
         self._idle_handle: asyncio.TimerHandle | None = None
         protocol.max_head, protocol.max_body = hs.PRE_AUTH_MAX_HEAD, 0
         protocol.on_lost = self._on_lost
@@ -112,7 +116,7 @@ class Connection:
             self.identity,
             self.role,
             encrypt=cfg.encryption,
-            window=cfg.stream_window_bytes,
+            window=cfg.stream_initial_window_bytes,  # more as each stream's reader reads (budget.py)
             max_head=cfg.max_head_bytes,
             max_body=cfg.max_body_bytes,
             probe=probe,
@@ -169,7 +173,7 @@ class Connection:
         self.peer_id = remote.peer_id
         self.remote_window = remote.window
         self.remote_max_head = remote.max_head
-        self.chunk_bytes = min(self.config.chunk_bytes, remote.max_body, remote.window)
+        self.chunk_bytes = min(self.config.chunk_bytes, remote.max_body)  # credit may split it further
         self.authenticated = True
         self.protocol.max_head = self.config.max_head_bytes
         self.protocol.max_body = self.config.max_body_bytes
@@ -217,7 +221,7 @@ class Connection:
         try:
             self._send_call(call_id, method, args, stream=True)
         except BaseException:
-            self._streams.pop(call_id, None)
+            self.forget_stream(stream)
             raise
         return stream
 
@@ -284,16 +288,19 @@ class Connection:
         self._last_activity = self._loop.time()
         method = field(head, "m", str)
         is_stream = head.get("s") is True
-        if len(self._inbound) >= self.config.max_concurrent_calls:
+        n_streams = sum(not s.is_caller for s in self._streams.values()) if is_stream else 0
+        busy = n_streams >= self.config.max_concurrent_streams or (is_stream and not self._host_streams.admit(self))
+        if len(self._inbound) >= self.config.max_concurrent_calls or busy:
             logger.warning(
-                "%s: refusing %s from %s: %d calls in flight",
+                "%s: refusing %s from %s: %d calls (%d streams) in flight",
                 self.identity.peer_id,
                 method[:64],
                 self.peer_id,
                 len(self._inbound),
+                n_streams,
             )
             self._send_error(call_id, ErrorCode.BUSY, "too many concurrent calls on this connection")
-            return
+            return  # DATA the peer sends for it meanwhile finds no stream and is dropped
         if call_id in self._inbound or call_id in self._streams:
             raise ProtocolError(f"peer reused call id {call_id} while it was in flight")
         handler = self._handlers.get(method) if len(method) <= MAX_METHOD_CHARS else None
@@ -309,6 +316,7 @@ class Connection:
         if is_stream:
             stream = Stream(self, call_id, method, is_caller=False, timeout=self.config.stream_timeout)
             self._streams[call_id] = stream
+            self._host_streams.opened(self)
             coro = self._serve_stream(handler.fn, context, head.get("a"), stream)  # type: ignore[arg-type]
         else:
             coro = self._serve_unary(handler.fn, context, head.get("a"), call_id)  # type: ignore[arg-type]
@@ -347,7 +355,7 @@ class Connection:
             self._send_handler_error(call_id, context, e)
         finally:
             self._inbound.pop(call_id, None)
-            self._streams.pop(call_id, None)
+            self.forget_stream(stream)
 
     def _send_reply(self, call_id: int, method: str, result: Any) -> None:
         try:
@@ -386,8 +394,13 @@ class Connection:
     async def drain(self) -> None:
         await self.protocol.drain()
 
-    def forget_stream(self, call_id: int) -> None:
-        self._streams.pop(call_id, None)
+    def forget_stream(self, stream: Stream) -> None:
+        """Stop routing frames to the stream and give back the budget it committed."""
+        if self._streams.get(stream.call_id) is stream:
+            del self._streams[stream.call_id]
+            if not stream.is_caller:
+                self._host_streams.closed(self)
+        stream.release_budget()
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -398,6 +411,25 @@ class Connection:
     @property
     def busy(self) -> bool:
         return bool(self._pending or self._streams or self._inbound)
+
+    @property
+    def ours_in_flight(self) -> bool:
+        """Calls or streams we started on this connection are not finished."""
+        return bool(self._pending) or any(s.is_caller for s in self._streams.values())
+
+    @property
+    def theirs_in_flight(self) -> bool:
+        """The peer's calls on this connection are being served."""
+        return bool(self._inbound)
+
+    @property
+    def idle_seconds(self) -> float:
+        return self._loop.time() - self._last_activity
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Stream data received on this connection and not read yet."""
+        return sum(s.buffered_bytes for s in self._streams.values())
 
     def _arm_idle_timer(self, delay: float) -> None:
         self._idle_handle = self._loop.call_later(delay, self._check_idle)

@@ -5,6 +5,11 @@ connection per peer, and serves registered handlers.
         host.add_handler("demo.echo", echo)
         reply = await host.call(other_maddr, "demo.echo", {"x": 1}, timeout=5)
 
+Inbound connections are admitted by the per-source rules of admission.py: handshakes and
+authenticated connections are capped per source IP, and at the global caps the host drops the
+biggest source's oldest handshake, or closes an idle unknown peer, before it refuses anyone.
+Peers we called are remembered (gate.py) and never evicted for a newcomer.
+
 Failure modes: a dial that reaches a different PeerID than its /p2p/ part fails with
 PeerIDMismatch; when both peers dial each other at once there may briefly be two connections,
 and both sides then prefer the one dialed by the smaller PeerID (the other idles out).
@@ -19,10 +24,12 @@ from typing import Any
 
 from swarm.p2p import handshake as hs
 from swarm.p2p.autonat import DIALBACK, dialback_handler
+from swarm.p2p.budget import HostStreams
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.connection import CallContext, Connection, Handler, StreamHandler, UnaryHandler
 from swarm.p2p.errors import ConnectionClosed, ConnectionLost, HandshakeError, MultiaddrError, RPCTimeout
 from swarm.p2p.framing import FrameProtocol, Traffic
+from swarm.p2p.gate import Gate
 from swarm.p2p.identity import Identity
 from swarm.p2p.maddr import TcpAddress, parse_maddr
 from swarm.p2p.peer_id import PeerID
@@ -48,6 +55,8 @@ class P2PHost:
         self._listen_addrs: list[TcpAddress] = []
         self._connections: dict[PeerID, list[Connection]] = {}
         self._handshaking: set[Connection] = set()
+        self._gate = Gate(self.peer_id, self.config)  # which inbound connections we keep
+        self._host_streams = HostStreams(self.config.max_host_streams)  # inbound streams, all connections
         self._dialing: dict[str, asyncio.Future[Connection]] = {}
         self._addresses: dict[PeerID, TcpAddress] = {}  # last address each peer was dialed at
         self._peer_at: dict[str, PeerID] = {}  # who answered at a dialed address (for maddrs without /p2p/)
@@ -174,6 +183,7 @@ class P2PHost:
             remaining = timeout - (loop.time() - start)
             if remaining <= 0:
                 raise RPCTimeout(f"{method}: dialing {peer} used up the {timeout:.3g}s timeout")
+            self._gate.called(conn.peer_id)
             try:
                 return await conn.call(method, args, remaining)
             except ConnectionClosed:  # closed under us (e.g. the peer's own dial-back probe): nothing was sent
@@ -187,6 +197,7 @@ class P2PHost:
         """Start a stream call; `timeout` bounds dialing and then each read/write wait."""
         timeout = self.config.stream_timeout if timeout is None else timeout
         conn = await self.connect(peer, timeout=timeout)
+        self._gate.called(conn.peer_id)
         try:
             return conn.open_stream(method, args, timeout)
         except ConnectionClosed:  # as in call(): nothing was sent, one more try
@@ -250,7 +261,7 @@ class P2PHost:
         except OSError as e:
             raise ConnectionLost(f"cannot connect to {addr}: {e.strerror or e}") from None
         _set_nodelay(protocol.transport)
-        conn = Connection(protocol, role=hs.DIALER, identity=self.identity, config=self.config, handlers=self._handlers)
+        conn = self._new_connection(protocol, hs.DIALER)
         self._handshaking.add(conn)
         try:
             await conn.handshake(addr.peer_id, probe=probe)
@@ -287,6 +298,16 @@ class P2PHost:
             traffic=self.traffic,
         )
 
+    def _new_connection(self, protocol: FrameProtocol, role: str) -> Connection:
+        return Connection(
+            protocol,
+            role=role,
+            identity=self.identity,
+            config=self.config,
+            handlers=self._handlers,
+            host_streams=self._host_streams,
+        )
+
     def _accept(self) -> FrameProtocol:
         protocol = self._new_protocol()
         protocol.on_open = self._on_inbound_open
@@ -295,28 +316,21 @@ class P2PHost:
     def _on_inbound_open(self, protocol: FrameProtocol) -> None:
         assert protocol.transport is not None
         peer = protocol.transport.get_extra_info("peername")
-        n_open = sum(len(c) for c in self._connections.values())
-        if (
-            self._closing
-            or len(self._handshaking) >= self.config.max_pending_handshakes
-            or n_open >= self.config.max_connections
-        ):
+        if self._closing or not self._gate.may_handshake(str(peer[0]) if peer else "?"):
             logger.warning(
-                "%s: refusing connection from %s: %d handshaking, %d open (limits %d, %d)",
+                "%s: refusing connection from %s: %d handshakes pending (limits %d per source, %d in all)",
                 self.peer_id,
                 peer,
-                len(self._handshaking),
-                n_open,
+                len(self._gate.pending),
+                self.config.max_pending_handshakes_per_ip,
                 self.config.max_pending_handshakes,
-                self.config.max_connections,
             )
             protocol.transport.abort()
             return
         _set_nodelay(protocol.transport)
-        conn = Connection(
-            protocol, role=hs.LISTENER, identity=self.identity, config=self.config, handlers=self._handlers
-        )
+        conn = self._new_connection(protocol, hs.LISTENER)
         self._handshaking.add(conn)
+        self._gate.handshaking(conn)
         self._spawn(self._inbound_handshake(conn, peer))
 
     async def _inbound_handshake(self, conn: Connection, peer: Any) -> None:
@@ -327,10 +341,17 @@ class P2PHost:
             return
         finally:
             self._handshaking.discard(conn)
+            self._gate.handshake_over(conn)
         if conn.remote_hello_probe:  # a dial-back test: proven reachable, not kept for calls
             conn.close()
             return
-        self._adopt(conn)
+        open_conns = [c for group in self._connections.values() for c in group if not c.protocol.closed]
+        keep, victim = self._gate.admit(conn, open_conns)
+        if victim is not None:
+            self._forget(victim)  # now: the next admission must not count it
+            victim.protocol.abort(ConnectionLost("closed to make room for a new peer"))  # frees it at once
+        if keep:
+            self._adopt(conn)
 
     # --- connection pool ----------------------------------------------------------------------
 

@@ -1,8 +1,10 @@
 """Stream: one streaming call, seen from either end. Both ends write chunks and read chunks.
 
 Flow control is per stream and credit based (wire.py, CREDIT): a writer may have at most the
-reader's window in flight, so a slow reader holds at most one window of a fast writer's data
-in memory, and other calls on the same connection are never stuck behind it.
+credit the reader granted in flight, so other calls on the same connection are never stuck
+behind a slow reader. A stream starts with the small initial window of HELLO and is granted
+more, up to config.stream_window_bytes, only as its reader reads, out of its connection's
+InboundBudget (budget.py): a handler that does not read pins one initial window, not a full one.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from swarm.p2p.budget import MIN_SPLIT_BYTES, credit_to_grant
 from swarm.p2p.errors import ConnectionLost, P2PError, ProtocolError, RPCTimeout
 from swarm.p2p.peer_id import PeerID
 from swarm.p2p.wire import Kind
@@ -38,8 +41,14 @@ class Stream:
         self._error: P2PError | None = None
         self._send_credit = conn.remote_window
         self._credit_waiter: asyncio.Future[None] | None = None
-        self._recv_allowance = conn.config.stream_window_bytes
-        self._consumed = 0
+        # receiving: what the peer may still send, what arrived and is unread (both in the budget)
+        self._floor = conn.config.stream_initial_window_bytes  # what HELLO told the peer
+        self._window = conn.config.stream_window_bytes
+        self._recv_allowance = self._floor
+        self._buffered = 0
+        self._budget = conn.budget
+        self._budget.take(self._floor)
+        self._accounted = True  # until the connection forgets the stream
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -60,10 +69,12 @@ class Stream:
             raise P2PError(f"write after end() on stream {self.method}")
         self._raise_if_failed()
         view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
-        step = self._conn.chunk_bytes
-        for offset in range(0, len(view), step):
-            piece = view[offset : offset + step]
-            await self._wait_for_credit(len(piece), timeout)
+        step, offset = self._conn.chunk_bytes, 0
+        while offset < len(view):
+            want = min(step, len(view) - offset)
+            await self._wait_for_credit(min(want, MIN_SPLIT_BYTES), timeout)
+            piece = view[offset : offset + min(want, self._send_credit)]  # what the reader granted
+            offset += len(piece)
             self._send_credit -= len(piece)
             self._conn.send_frame({"k": Kind.DATA, "i": self.call_id}, piece)
             self.bytes_sent += len(piece)
@@ -92,12 +103,15 @@ class Stream:
             self._raise_if_failed()
             if self._received_end:
                 return None
+            self._top_up()  # a reader is here: the window may grow
             self._read_waiter = asyncio.get_running_loop().create_future()
             await self._wait(self._read_waiter, timeout, "the next chunk")
         chunk = self._chunks.popleft()
-        self._consumed += len(chunk)
-        if self._consumed >= self._conn.config.stream_window_bytes // 4 and not self._received_end:
-            self._grant(self._consumed)
+        self._buffered -= len(chunk)
+        if self._accounted:
+            self._budget.give_back(len(chunk))
+            self._top_up()  # this stream first, then the others waiting for budget
+            self._budget.offer()
         return chunk
 
     async def read_all(self, *, max_bytes: int, timeout: float | None = None) -> bytearray:
@@ -119,13 +133,47 @@ class Stream:
             raise StopAsyncIteration
         return chunk
 
-    def _grant(self, nbytes: int) -> None:
-        self._consumed = 0
-        self._recv_allowance += nbytes
-        try:
-            self._conn.send_frame({"k": Kind.CREDIT, "i": self.call_id, "n": nbytes})
-        except ConnectionLost:
-            pass  # the next read reports it
+    def _top_up(self) -> None:
+        """Grant the peer more credit, as far as the window and the connection's budget allow."""
+        if self._received_end or self._error is not None or not self._accounted:
+            return
+        outstanding = self._recv_allowance + self._buffered
+        grant = credit_to_grant(
+            outstanding=outstanding, window=self._window, floor=self._floor, budget_free=self._budget.free
+        )
+        if grant:
+            self._recv_allowance += grant
+            self._budget.take(grant)
+            try:
+                self._conn.send_frame({"k": Kind.CREDIT, "i": self.call_id, "n": grant})
+            except ConnectionLost:
+                pass  # the next read reports it
+        if self._window - outstanding - grant >= self._window // 4:
+            self._budget.wants_more(self.call_id, self._offered)
+        else:
+            self._budget.satisfied(self.call_id)
+
+    def _offered(self) -> None:
+        """The budget has room again: take it if our reader is waiting for data (a reader busy
+        elsewhere asks again when it next reads)."""
+        if self._read_waiter is not None and not self._read_waiter.done():
+            self._top_up()
+        else:
+            self._budget.satisfied(self.call_id)
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes received and not read yet."""
+        return self._buffered
+
+    def release_budget(self) -> None:
+        """The connection forgot the stream: no more DATA will be taken for it, and what it
+        committed goes back to the budget (called once, by Connection.forget_stream)."""
+        if self._accounted:
+            self._accounted = False
+            self._budget.give_back(self._recv_allowance + self._buffered)
+            self._budget.satisfied(self.call_id)
+            self._budget.offer()
 
     # --- ending ---------------------------------------------------------------------------
 
@@ -152,11 +200,17 @@ class Stream:
         if self._recv_allowance < 0:
             raise ProtocolError(f"peer sent beyond the stream window on {self.method}")
         self._chunks.append(body)
+        self._buffered += len(body)
         self.bytes_received += len(body)
         _wake(self._read_waiter)
 
     def on_end(self) -> None:
         self._received_end = True
+        if self._accounted:  # no more DATA will come: the unused credit is free again
+            self._budget.give_back(self._recv_allowance)
+            self._budget.satisfied(self.call_id)
+            self._budget.offer()
+        self._recv_allowance = 0
         _wake(self._read_waiter)
         self._forget_if_finished()
 
@@ -172,12 +226,13 @@ class Stream:
             self._error = error
         _wake(self._read_waiter)
         _wake(self._credit_waiter)
+        self._conn.forget_stream(self)  # gives back what it committed
         self._chunks.clear()
-        self._conn.forget_stream(self.call_id)
+        self._buffered = 0
 
     def _forget_if_finished(self) -> None:
         if self._received_end and self._sent_end:
-            self._conn.forget_stream(self.call_id)
+            self._conn.forget_stream(self)
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

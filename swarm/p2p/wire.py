@@ -24,7 +24,8 @@ Kinds (``k``) and their other keys:
                ``key`` libp2p protobuf PublicKey (Ed25519), ``n`` 32-byte random nonce, ``e``
                32-byte X25519 public key made for this connection only, ``c`` cipher
                ("aes256gcm", or "none" from a peer with encryption off: both must say the
-               same), ``w`` the per-stream receive window this side grants, ``h`` the largest
+               same), ``w`` the credit every stream starts with on this side (its initial
+               receive window; more comes in CREDIT as the reader reads), ``h`` the largest
                head it accepts, ``b`` the largest body it accepts; optional ``probe`` true from
                a dialer that only tests whether it can reach the listener (a dial-back,
                autonat.py): the listener does not keep that connection for calls.
@@ -45,6 +46,9 @@ Kinds (``k``) and their other keys:
                callee stops the handler and sends nothing more for it.
     8  CREDIT  flow control: ``n`` more body bytes the sender of CREDIT is ready to receive on
                this stream. Each side starts with the window the other announced in HELLO.
+               A receiver grants more only as its reader takes data, within a budget shared
+               by all the streams of the connection (budget.py), so credit may come in pieces:
+               a sender sends what it was granted, splitting chunks when it must.
 
 Handshake and keys. Both sides send HELLO at once and AUTH as soon as they hold the other's
 HELLO: one round trip. This follows Noise XX as libp2p uses it (ephemeral X25519 agreement,

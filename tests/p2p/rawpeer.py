@@ -54,9 +54,11 @@ class RawPeer:
         self.receiver: RecordCipher | None = None  # set once their AUTH is in
 
     @classmethod
-    async def connect(cls, maddr: str) -> RawPeer:
+    async def connect(cls, maddr: str, *, source: str | None = None) -> RawPeer:
+        """Connect (from the local address `source`, to play another machine) with a fresh identity."""
         host, port = maddr.split("/")[2], int(maddr.split("/")[4])
-        reader, writer = await asyncio.open_connection(host, port)
+        local = None if source is None else (source, 0)
+        reader, writer = await asyncio.open_connection(host, port, local_addr=local)
         return cls(reader, writer, Identity.generate())
 
     async def read_frame(self, timeout: float = 5) -> tuple[dict[str, Any], bytes]:

@@ -184,8 +184,10 @@ async def test_a_tampered_frame_closes_the_connection_and_never_reaches_the_hand
                     await stream.end()
                     await stream.read()  # the handler's END, were the connection not closed
             await asyncio.wait_for(handler_done.wait(), 5)
-    assert received == chunks[: len(received)]  # intact and in order, up to where it stopped
-    assert len(received) < N_CHUNKS
+    # intact and in order, up to where it stopped (credit may split a write: compare the bytes)
+    got, sent = b"".join(received), b"".join(chunks)
+    assert got == sent[: len(got)]
+    assert len(got) < len(sent)
     assert AUTH_FAILED in caplog.text
     assert await client.call(server.visible_maddrs[0], "t.echo", "still serving", timeout=5) == "still serving"
 
