@@ -90,7 +90,8 @@ def decode_view(entries: dict[Any, Any], max_weight: float = math.inf) -> tuple[
                 skipped.append(Skipped(owner, "an announcement not under its owner's subkey"))
                 continue
             if member.weight > max_weight:
-                skipped.append(Skipped(owner, f"an announced weight of {member.weight:.4g} above the run's {max_weight:.4g}"))
+                why = f"an announced weight of {member.weight:.4g} above the run's {max_weight:.4g}"
+                skipped.append(Skipped(owner, why))
                 continue
             ready[owner] = member
     return ReadyView(ready, formed, frozenset(done)), skipped
