@@ -53,6 +53,7 @@ from swarm.dht.config import DHTConfig
 from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
 from swarm.eventloop import cancel_and_wait
+from swarm.log_once import OncePerPeer
 from swarm.model.checkpoint import CheckpointError, RunInfo
 from swarm.model.data import TokenData, eval_windows, load_data
 from swarm.model.diloco import DiLoCo
@@ -66,6 +67,8 @@ from swarm.p2p.config import P2PConfig
 from swarm.p2p.errors import P2PError
 from swarm.p2p.host import P2PHost
 from swarm.p2p.identity import Identity
+from swarm.p2p.maddr import parse_maddr
+from swarm.p2p.peer_id import PeerID
 from swarm.plan import (
     APPLY_OWN,
     AWAIT_RESULT,
@@ -79,9 +82,10 @@ from swarm.plan import (
     plan_without_group,
     servers_behind,
 )  # fmt: skip
-from swarm.progress import OwnProgress, ProgressBook
+from swarm.progress import OwnProgress, ProgressBook, implausible
 from swarm.state.fetcher import FetchError
 from swarm.state.keeper import StateKeeper
+from swarm.state.trust import step_horizon
 from swarm.trainer import InnerLoop, NodeError
 
 logger = logging.getLogger(__name__)
@@ -143,6 +147,8 @@ class SwarmNode:
         self._last_eval: float | None = None
         self._last_group = 0  # size of our last group; 0: no outer step done here yet
         self._started = 0.0
+        self._known_at = (0, time.time())  # (a step we held, when): the base of the plausible-step horizon
+        self._bad_records = OncePerPeer(logger)
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -166,12 +172,14 @@ class SwarmNode:
                              checkpoint_dir=Path(config.checkpoint_dir) if config.checkpoint_dir else None,
                              checkpoint_every=config.checkpoint_every, shard_bytes=config.shard_bytes,
                              max_uploads=config.max_uploads, fetch_timeout=config.fetch_timeout,
-                             on_fetch_progress=self.events.fetch_progress)  # fmt: skip
+                             on_fetch_progress=self.events.fetch_progress,
+                             vouching=initial_peer_ids(self.initial_peers))  # fmt: skip
         book = ProgressBook(dht, config.run_id, config.publish_interval)
         publisher: asyncio.Task[None] | None = None
         reason = "stopped"
         try:
             await self._resume(keeper)
+            self._known_at = (diloco.outer_step, time.time())
             if self.initial_peers:
                 await book.refresh()
                 await self._fetch(keeper, book, alone=False)
@@ -218,11 +226,27 @@ class SwarmNode:
     # --- the steps --------------------------------------------------------------------------
 
     def _facts(self, book: ProgressBook) -> Facts:
-        pace = self.inner.snapshot().sec_per_step
+        pace, now = self.inner.snapshot().sec_per_step, time.time()
+        horizon = self._horizon(book)
+        peers = []
+        for p in book.peers:  # records the run cannot produce are not believed (progress.implausible)
+            why = implausible(p, now=now, inner_steps=self.config.inner_steps, max_step=horizon)
+            if why is None:
+                peers.append(p)
+            else:
+                self._bad_records.log(p.peer_id, "progress", "ignoring its progress record: %s", why)
         return Facts(step=self.diloco.outer_step, inner_steps=self.config.inner_steps, own_sec=pace,
-                     client=self.client_mode, peers=book.peers, now=time.time(), fresh_for=book.fresh_for,
-                     late=self._late, watched_for=time.time() - book.first_read,
-                     sees_peers=book.read_ok)  # fmt: skip
+                     client=self.client_mode, peers=tuple(peers), now=now, fresh_for=book.fresh_for,
+                     late=self._late, watched_for=now - book.first_read, sees_peers=book.read_ok)  # fmt: skip
+
+    def _horizon(self, book: ProgressBook) -> int | None:
+        """The highest outer step the run can have reached by now (trust.step_horizon), from the
+        step we knew when we started or last fetched, at our pace or the peers' median, whichever
+        is faster (a slow node among fast ones must still follow them)."""
+        own = self.inner.snapshot().sec_per_step
+        paces = [s for s in (own, median_pace(list(book.peers))) if s > 0]
+        step, since = self._known_at
+        return step_horizon(step, time.time() - since, min(paces) if paces else 0.0, self.config.inner_steps)
 
     async def _train(self, averager: Averager, keeper: StateKeeper, book: ProgressBook, stop: asyncio.Event) -> str:
         config, diloco = self.config, self.diloco
@@ -409,7 +433,7 @@ class SwarmNode:
         diloco = self.diloco
         try:
             fetched = await keeper.catch_up(diloco, alone_last_step=alone, servers_behind=servers_behind(
-                self._facts(book)), other_state=other_state)  # fmt: skip
+                self._facts(book)), other_state=other_state, horizon=self._horizon(book))  # fmt: skip
         except CheckpointError as e:  # IncompatibleState: the run's state is not for this node
             raise NodeError(f"cannot use the run's state: {e}") from None
         except FetchError as e:
@@ -418,6 +442,7 @@ class SwarmNode:
         if fetched is None:
             return False
         self._late = True
+        self._known_at = (diloco.outer_step, time.time())
         sha = await self.inner.call(diloco.state_sha256)
         self._state_sha = bytes.fromhex(sha)
         self.events.fetched(diloco.outer_step, *fetched, sha)
@@ -444,6 +469,17 @@ class SwarmNode:
             eval_loss=self._last_eval, group_size=self._last_group,
             tokens_per_s=round(config.batch_size * config.seq_len / sec, 1) if sec > 0 else None,
         ))  # fmt: skip
+
+
+def initial_peer_ids(maddrs: tuple[str, ...]) -> frozenset[PeerID]:
+    """The PeerIDs named in --initial-peers (their advertised states are preferred: trust.py)."""
+    ids = set()
+    for text in maddrs:
+        with contextlib.suppress(ValueError):
+            peer_id = parse_maddr(text).peer_id
+            if peer_id is not None:
+                ids.add(peer_id)
+    return frozenset(ids)
 
 
 def _report_crash(task: asyncio.Task[Any]) -> None:
