@@ -21,6 +21,7 @@ from swarm.plan import (
     plan_step,
     plan_without_group,
     servers_behind,
+    wait_bound,
 )  # fmt: skip
 from swarm.progress import PeerProgress
 
@@ -54,6 +55,13 @@ STEP_CASES = [
     ("peers behind us do not hold us", facts(peer(3, 4)), TRAIN, H),
     ("all peers clients, matchmaking: they wait for a server", facts(peer(5, H, client=True), late=True), TRAIN, H),
     ("no pace known yet: a whole step", facts(peer(5, 4, sec=0.0), late=True), TRAIN, H),
+    # ISSUE 12: one record alone cannot redirect or stop a node
+    ("one peer claims a later step while two train with us", facts(peer(6, 0), peer(5, 2, i=1), peer(5, 3, i=2)),
+     TRAIN, H),
+    ("one peer ahead, one with us: us and it outnumber the claim", facts(peer(6, 0), peer(5, 2, i=1)), TRAIN, H),
+    ("most of the swarm is ahead", facts(peer(6, 0), peer(6, 1, i=1), peer(5, 2, i=2)), FETCH, 0),
+    ("one peer claims to be done while two still train", facts(peer(5, H), peer(5, 2, i=1), peer(5, 3, i=2)),
+     TRAIN, H),
 ]
 
 
@@ -81,6 +89,8 @@ GROUPLESS_CASES = [
     ("a client whose peers are all clients", facts(peer(5, H, client=True), client=True), False, False, 0.0,
      APPLY_OWN),
     ("a server with a client peer training", facts(peer(5, 4, client=True)), False, False, 0.0, RETRY),
+    ("one peer claims the result is out, two others are with us",
+     facts(peer(6, 0), peer(5, H, i=1), peer(5, H, i=2)), False, False, 1.0, RETRY),
 ]  # fmt: skip
 
 
@@ -123,3 +133,17 @@ def test_servers_behind_only_when_every_live_server_is_at_an_earlier_step() -> N
     assert not behind(peer(2, 4, age=60))  # a stale record: that server is gone
     assert not behind(peer(2, 4, client=True))  # clients do not count
     assert behind(peer(2, 4), peer(7, 4, client=True, i=1))
+
+
+def test_one_peer_claiming_a_late_finish_is_not_waited_for() -> None:
+    """Attack f: a record predicting a finish just inside max_wait would hold every step that
+    long. The wait ends at the median finish plus one step at the median pace."""
+    honest = [peer(5, 6, i=0), peer(5, 6, i=1)]  # finish at NOW + 4, 1 s per inner step
+    liar = peer(5, 0, sec=2.9, i=2)  # "finishes" at NOW + 29
+    f = facts(*honest, liar, own_sec=1.0)
+    assert wait_bound(f, own_finish=NOW + 4, max_wait=30) == NOW + 4 + H * 1.0
+    assert expected_peers(f, own_finish=NOW + 4, max_wait=30) == {IDS[0], IDS[1]}
+    assert latest_finish(f, own_finish=NOW + 4, max_wait=30) == NOW + 14  # not NOW + 29
+    # a genuinely slower honest peer (up to a step behind the median) is still waited for
+    slow = peer(5, 0, sec=1.2, i=3)  # finishes at NOW + 12
+    assert IDS[3] in expected_peers(facts(*honest, slow, own_sec=1.0), own_finish=NOW + 4, max_wait=30)
