@@ -62,7 +62,7 @@ STEP_CASES = [
     ("most of the swarm is ahead", facts(peer(6, 0), peer(6, 1, i=1), peer(5, 2, i=2)), FETCH, 0),
     ("one peer claims to be done while two still train", facts(peer(5, H), peer(5, 2, i=1), peer(5, 3, i=2)),
      TRAIN, H),
-]
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("what", "f", "action", "steps"), STEP_CASES, ids=[c[0] for c in STEP_CASES])
