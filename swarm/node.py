@@ -149,6 +149,7 @@ class SwarmNode:
         self._started = 0.0
         self._known_at = (0, time.time())  # (a step we held, when): the base of the plausible-step horizon
         self._bad_records = OncePerPeer(logger)
+        self._pace_seen = 0.0  # the last inner-step pace seen (ours or the peers' median); 0: none yet
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -245,8 +246,10 @@ class SwarmNode:
         is faster (a slow node among fast ones must still follow them)."""
         own = self.inner.snapshot().sec_per_step
         paces = [s for s in (own, median_pace(list(book.peers))) if s > 0]
+        if paces:  # remembered: a newcomer whose peers all left still knows how fast the run went
+            self._pace_seen = min(paces)
         step, since = self._known_at
-        return step_horizon(step, time.time() - since, min(paces) if paces else 0.0, self.config.inner_steps)
+        return step_horizon(step, time.time() - since, self._pace_seen, self.config.inner_steps)
 
     async def _train(self, averager: Averager, keeper: StateKeeper, book: ProgressBook, stop: asyncio.Event) -> str:
         config, diloco = self.config, self.diloco

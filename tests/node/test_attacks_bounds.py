@@ -57,26 +57,35 @@ async def local(data: TokenData) -> AsyncIterator[LocalSwarm]:
         torch.set_num_threads(threads)
 
 
-def start_honest(local: LocalSwarm, bootstrap: str, **settings: Any) -> list[Running]:
-    return [local.start((bootstrap,), identity=Identity.from_seed(seed), max_outer_steps=STEPS, **settings)
+def start_honest(local: LocalSwarm, bootstrap: str, steps: int = STEPS, **settings: Any) -> list[Running]:
+    return [local.start((bootstrap,), identity=Identity.from_seed(seed), max_outer_steps=steps, **settings)
             for seed in HONEST_SEEDS]  # fmt: skip
 
 
 async def finish(honest: list[Running], timeout: float = 120) -> None:
-    reasons = await asyncio.wait_for(asyncio.gather(*(n.task for n in honest)), timeout)
+    try:
+        reasons = await asyncio.wait_for(asyncio.gather(*(n.task for n in honest)), timeout)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"not finished in {timeout}s: {[story(n) for n in honest]}") from None
     assert reasons == ["finished"] * len(honest)
+
+
+def story(node: Running) -> list[tuple[Any, ...]]:
+    """What a node did, for a failure's message."""
+    kinds = ("start", "outer_step", "fetch", "exit")
+    return [(e["event"], e["outer_step"], e.get("group_size", e.get("reason"))) for e in node.events if e["event"] in kinds]
 
 
 def final_loss(honest: list[Running]) -> float:
     return statistics.mean(n.steps()[STEPS - 1]["eval_loss"] for n in honest)
 
 
-def assert_agree(honest: list[Running]) -> None:
-    """Every honest node completed every step, with one state per step."""
+def assert_agree(honest: list[Running], newcomers: tuple[Running, ...] = ()) -> None:
+    """Every honest node completed every step, with one state per step (a newcomer's steps too)."""
     for step in range(STEPS):
-        hashes = {n.steps()[step]["state_sha256"] for n in honest if step in n.steps()}
+        hashes = {n.steps()[step]["state_sha256"] for n in [*honest, *newcomers] if step in n.steps()}
         assert len(hashes) == 1, f"step {step}: {len(hashes)} states among the honest nodes"
-    assert all(set(n.steps()) >= {STEPS - 1} for n in honest)
+    assert all(set(n.steps()) >= set(range(STEPS)) for n in honest)
 
 
 async def clean_run(data: TokenData) -> dict[str, Any]:
@@ -217,16 +226,16 @@ def fetches(node: Running) -> list[dict[str, Any]]:
 async def test_attack_d_a_state_at_step_a_million_is_never_adopted(local: LocalSwarm, data: TokenData) -> None:
     clean = await clean_run(data)
     bootstrap = await local.start_bootstrap()
-    honest = start_honest(local, bootstrap)
+    honest = start_honest(local, bootstrap, STEPS + 6)  # still training when the newcomer is done
     await asyncio.wait_for(_until(lambda: all(0 in n.steps() for n in honest)), 60)  # a pace is known
     async with outsider(bootstrap) as (host, dht):
         advertising = await serve_fake_state(host, dht, fake_snapshot(honest[0], 1_000_000))
         try:
-            newcomer = local.start((bootstrap,), max_outer_steps=STEPS)  # joins while the attacker advertises
+            newcomer = local.start((bootstrap,), max_outer_steps=STEPS + 2)  # joins while the attacker advertises
             await finish([*honest, newcomer])
         finally:
             advertising.cancel()
-    assert_agree([*honest, newcomer])
+    assert_agree(honest, (newcomer,))
     assert not any(e["outer_step"] >= 1_000_000 for n in [*honest, newcomer] for e in fetches(n))
     assert all(not fetches(n) for n in honest)  # nodes in sync never switch state
     assert_within_clean(honest, clean)
@@ -247,17 +256,17 @@ async def test_attack_e_a_manifest_too_big_for_the_model_is_refused_before_alloc
 
     monkeypatch.setattr(fetcher._ShardFetch, "__init__", recording)
     bootstrap = await local.start_bootstrap()
-    honest = start_honest(local, bootstrap)
+    honest = start_honest(local, bootstrap, STEPS + 6)
     await asyncio.wait_for(_until(lambda: all(0 in n.steps() for n in honest)), 60)
     async with outsider(bootstrap) as (host, dht):
         snapshot = fake_snapshot(honest[0], 10_000, inflate=64 << 20)
         advertising = await serve_fake_state(host, dht, snapshot)
         try:
-            newcomer = local.start((host.visible_maddrs[0], bootstrap), max_outer_steps=STEPS)
+            newcomer = local.start((host.visible_maddrs[0], bootstrap), max_outer_steps=STEPS + 2)
             await finish([*honest, newcomer])
         finally:
             advertising.cancel()
-    assert_agree([*honest, newcomer])
+    assert_agree(honest, (newcomer,))
     model_bytes = sum(2 * t.numel() * t.element_size() for t in honest[0].node.diloco.outer_params)
     assert started and max(started) < 2 * model_bytes + (1 << 20), (started, model_bytes)
     assert fetches(newcomer) and all(e["outer_step"] < 10_000 for e in fetches(newcomer))
