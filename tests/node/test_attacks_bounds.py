@@ -73,7 +73,8 @@ async def finish(honest: list[Running], timeout: float = 120) -> None:
 def story(node: Running) -> list[tuple[Any, ...]]:
     """What a node did, for a failure's message."""
     kinds = ("start", "outer_step", "fetch", "exit")
-    return [(e["event"], e["outer_step"], e.get("group_size", e.get("reason"))) for e in node.events if e["event"] in kinds]
+    return [(e["event"], e["outer_step"], e.get("group_size", e.get("reason")))
+            for e in node.events if e["event"] in kinds]  # fmt: skip
 
 
 def final_loss(honest: list[Running]) -> float:
