@@ -83,8 +83,8 @@ def plan_step(f: Facts) -> StepPlan:
     if sec <= 0:
         return StepPlan(TRAIN, "no pace known yet", h)
     # trained on fewer tokens, weighted by them (hivemind lets late peers join with the samples they have)
-    finish = min(max(p.finish_time() for p in started), wait_bound(f, f.now + h * sec, float("inf")))
-    left = finish - f.now - f.margin
+    horizon = straggler_horizon(f, f.now + h * sec)
+    left = max([p.finish_time() for p in started if p.finish_time() <= horizon], default=f.now) - f.now - f.margin
     steps = min(h, int(left / sec)) if left > 0 else 0
     if steps <= 0:
         return StepPlan(JOIN_FORMING, "the peers of our step finish before we could train")
@@ -117,35 +117,37 @@ def plan_without_group(f: Facts, *, late: bool, other_state: bool, waited: float
     return StepPlan(APPLY_OWN, "no live peer at our step: ours is the swarm's state")
 
 
-def wait_bound(f: Facts, own_finish: float, max_wait: float) -> float:
-    """The latest finish worth waiting for: own_finish + max_wait, and never later than the
-    median finish of our step (ours included) plus one more step at the median pace. A peer
-    whose record predicts a later finish (slow, stalled, or lying to hold every step) is not
-    waited for: whatever its records say, one identity delays a step by at most that much."""
+def straggler_horizon(f: Facts, own_finish: float) -> float:
+    """The latest predicted finish worth waiting for, whatever max_wait allows: the median finish
+    of our step (ours included) plus two steps at the median pace, or plus the records'
+    freshness window when that is longer (a prediction from a record is no finer than it). A
+    peer predicted to finish later (stalled, very slow, or lying to hold every step) is not
+    waited for, so one identity's records delay a step by at most that much."""
     same = [p for p in f.live() if p.step == f.step]
     finishes = sorted([own_finish, *(p.finish_time() for p in same)])
     paces = sorted(s for s in [f.own_sec, *(p.sec_per_step for p in same)] if s > 0)
     pace = paces[(len(paces) - 1) // 2] if paces else 0.0
     median = finishes[(len(finishes) - 1) // 2]  # the lower median: a liar cannot raise it alone
-    return min(own_finish + max_wait, max(own_finish, median + f.inner_steps * pace))
+    return max(own_finish, median + max(2 * f.inner_steps * pace, f.fresh_for))
 
 
 def expected_peers(f: Facts, own_finish: float, max_wait: float) -> frozenset[PeerID]:
-    """The live peers of our step that should be ready by wait_bound: matchmaking ends as soon
-    as all of them have announced (the window bounds the wait for the rest)."""
-    bound = wait_bound(f, own_finish, max_wait)
+    """The live peers of our step that should be ready by own_finish + max_wait and within the
+    straggler horizon: matchmaking ends as soon as all of them have announced (the window
+    bounds the wait for the rest)."""
+    bound = min(own_finish + max_wait, straggler_horizon(f, own_finish))
     return frozenset(p.peer_id for p in f.live() if p.step == f.step and p.finish_time() <= bound)
 
 
 def latest_finish(f: Facts, own_finish: float, max_wait: float) -> float:
     """When the slowest live peer of our step should finish (unix time), never later than
-    wait_bound (a stalled, very slow or lying peer does not hold the group) and never earlier
-    than own_finish."""
-    bound = wait_bound(f, own_finish, max_wait)
+    own_finish + max_wait (a stalled or very slow peer does not hold the group) and never
+    earlier than own_finish; peers beyond the straggler horizon are not counted at all."""
+    horizon = straggler_horizon(f, own_finish)
     end = own_finish
     for p in f.live():
-        if p.step == f.step:
-            end = max(end, min(p.finish_time(), bound))
+        if p.step == f.step and p.finish_time() <= horizon:
+            end = max(end, min(p.finish_time(), own_finish + max_wait))
     return end
 
 

@@ -11,7 +11,7 @@ each node aims to announce `matchmaking_time` before the slowest peer of its ste
 
 Peer records are untrusted: each field is type- and range-checked, a bad record is ignored;
 `implausible` then drops records whose numbers the run cannot produce (ISSUE 12), and
-plan.wait_bound keeps any one record from holding a step for long.
+plan.straggler_horizon keeps any one record from holding a step for long.
 ProgressBook is the one owner of these records: it encodes and publishes ours, reads and
 decodes the peers'.
 """

@@ -21,7 +21,7 @@ from swarm.plan import (
     plan_step,
     plan_without_group,
     servers_behind,
-    wait_bound,
+    straggler_horizon,
 )  # fmt: skip
 from swarm.progress import PeerProgress
 
@@ -137,13 +137,17 @@ def test_servers_behind_only_when_every_live_server_is_at_an_earlier_step() -> N
 
 def test_one_peer_claiming_a_late_finish_is_not_waited_for() -> None:
     """Attack f: a record predicting a finish just inside max_wait would hold every step that
-    long. The wait ends at the median finish plus one step at the median pace."""
+    long. Peers predicted beyond the median finish plus two steps at the median pace (or the
+    records' freshness window, when longer) are not waited for."""
     honest = [peer(5, 6, i=0), peer(5, 6, i=1)]  # finish at NOW + 4, 1 s per inner step
     liar = peer(5, 0, sec=2.9, i=2)  # "finishes" at NOW + 29
     f = facts(*honest, liar, own_sec=1.0)
-    assert wait_bound(f, own_finish=NOW + 4, max_wait=30) == NOW + 4 + H * 1.0
+    assert straggler_horizon(f, own_finish=NOW + 4) == NOW + 4 + 2 * H * 1.0
     assert expected_peers(f, own_finish=NOW + 4, max_wait=30) == {IDS[0], IDS[1]}
-    assert latest_finish(f, own_finish=NOW + 4, max_wait=30) == NOW + 14  # not NOW + 29
-    # a genuinely slower honest peer (up to a step behind the median) is still waited for
-    slow = peer(5, 0, sec=1.2, i=3)  # finishes at NOW + 12
+    assert latest_finish(f, own_finish=NOW + 4, max_wait=30) == NOW + 4  # not NOW + 29
+    # a genuinely slower honest peer (up to two steps behind the median) is still waited for
+    slow = peer(5, 0, sec=2.0, i=3)  # finishes at NOW + 20
     assert IDS[3] in expected_peers(facts(*honest, slow, own_sec=1.0), own_finish=NOW + 4, max_wait=30)
+    # with a fast pace, the records' freshness window (10 s here) is the least a peer is given
+    quick = facts(peer(5, 6, sec=0.01, i=0), peer(5, 0, sec=0.9, i=1), own_sec=0.01)  # NOW + 0.04, NOW + 9
+    assert IDS[1] in expected_peers(quick, own_finish=NOW + 0.04, max_wait=30)
