@@ -75,6 +75,7 @@ from swarm.plan import (
     FETCH,
     JOIN_FORMING,
     Facts,
+    borrowed_pace,
     expected_peers,
     matchmaking_start,
     median_pace,
@@ -463,7 +464,7 @@ class SwarmNode:
         p, config = self.inner.snapshot(), self.config
         sec = p.sec_per_step
         if sec <= 0:  # no step timed yet (a newcomer): assume the peers' pace until we know ours
-            sec = median_pace(list(book.peers))
+            sec = borrowed_pace(list(book.peers))
         losses = p.losses[-10:]
         await book.publish(OwnProgress(
             # the model's own count: the trainer's snapshot still shows the last step's right after it

@@ -119,16 +119,17 @@ def plan_without_group(f: Facts, *, late: bool, other_state: bool, waited: float
 
 def straggler_horizon(f: Facts, own_finish: float) -> float:
     """The latest predicted finish worth waiting for, whatever max_wait allows: the median finish
-    of our step (ours included) plus two steps at the median pace, or plus the records'
-    freshness window when that is longer (a prediction from a record is no finer than it). A
+    of our step (ours included) plus one step at our pace (the peers' median until we know
+    ours), or plus the records' freshness window when that is longer (a prediction from a
+    record is no finer than it). A
     peer predicted to finish later (stalled, very slow, or lying to hold every step) is not
     waited for, so one identity's records delay a step by at most that much."""
     same = [p for p in f.live() if p.step == f.step]
     finishes = sorted([own_finish, *(p.finish_time() for p in same)])
-    paces = sorted(s for s in [f.own_sec, *(p.sec_per_step for p in same)] if s > 0)
-    pace = paces[(len(paces) - 1) // 2] if paces else 0.0
+    # our own pace when we know it (a record's pace is what a liar sets), else the peers' median
+    pace = f.own_sec if f.own_sec > 0 else median_pace(same)
     median = finishes[(len(finishes) - 1) // 2]  # the lower median: a liar cannot raise it alone
-    return max(own_finish, median + max(2 * f.inner_steps * pace, f.fresh_for))
+    return max(own_finish, median + max(f.inner_steps * pace, f.fresh_for))
 
 
 def expected_peers(f: Facts, own_finish: float, max_wait: float) -> frozenset[PeerID]:
@@ -161,6 +162,15 @@ def median_pace(peers: list[PeerProgress]) -> float:
     """The median seconds per inner step of the peers that have timed one (0.0: none has)."""
     positive = sorted(p.sec_per_step for p in peers if p.sec_per_step > 0)
     return positive[len(positive) // 2] if positive else 0.0
+
+
+def borrowed_pace(peers: list[PeerProgress]) -> float:
+    """The pace a node that has not timed a step yet publishes as its own: the lower median of
+    its peers' timed paces, and nothing (0.0) from fewer than two of them. One peer's record
+    must not set what honest nodes say of themselves (a liar claiming a slow pace would make
+    every fresh node look slow, and the straggler horizon follow it)."""
+    positive = sorted(p.sec_per_step for p in peers if p.sec_per_step > 0)
+    return positive[(len(positive) - 1) // 2] if len(positive) >= 2 else 0.0
 
 
 def servers_behind(f: Facts) -> bool:

@@ -15,6 +15,7 @@ from swarm.plan import (
     RETRY,
     TRAIN,
     Facts,
+    borrowed_pace,
     expected_peers,
     latest_finish,
     median_pace,
@@ -121,6 +122,13 @@ def test_median_pace_ignores_peers_without_timing() -> None:
     assert median_pace([peer(5, 1, sec=s) for s in (0.0, 3.0, 1.0, 2.0)]) == 2.0
 
 
+def test_a_fresh_node_borrows_a_pace_only_from_two_timed_peers_or_more() -> None:
+    assert borrowed_pace([peer(5, 0, sec=2.75)]) == 0.0  # one record (a liar's?) sets nothing
+    assert borrowed_pace([peer(5, 0, sec=2.75), peer(5, 1, sec=0.0, i=1)]) == 0.0
+    assert borrowed_pace([peer(5, 0, sec=2.75), peer(5, 1, sec=0.04, i=1)]) == 0.04  # the lower median
+    assert borrowed_pace([peer(5, 1, sec=s, i=i) for i, s in enumerate((9.0, 0.05, 0.04))]) == 0.05
+
+
 def test_servers_behind_only_when_every_live_server_is_at_an_earlier_step() -> None:
     def behind(*peers: PeerProgress) -> bool:
         return servers_behind(facts(*peers))
@@ -137,16 +145,16 @@ def test_servers_behind_only_when_every_live_server_is_at_an_earlier_step() -> N
 
 def test_one_peer_claiming_a_late_finish_is_not_waited_for() -> None:
     """Attack f: a record predicting a finish just inside max_wait would hold every step that
-    long. Peers predicted beyond the median finish plus two steps at the median pace (or the
+    long. Peers predicted beyond the median finish plus one step at our pace (or the
     records' freshness window, when longer) are not waited for."""
     honest = [peer(5, 6, i=0), peer(5, 6, i=1)]  # finish at NOW + 4, 1 s per inner step
     liar = peer(5, 0, sec=2.9, i=2)  # "finishes" at NOW + 29
     f = facts(*honest, liar, own_sec=1.0)
-    assert straggler_horizon(f, own_finish=NOW + 4) == NOW + 4 + 2 * H * 1.0
+    assert straggler_horizon(f, own_finish=NOW + 4) == NOW + 4 + H * 1.0
     assert expected_peers(f, own_finish=NOW + 4, max_wait=30) == {IDS[0], IDS[1]}
     assert latest_finish(f, own_finish=NOW + 4, max_wait=30) == NOW + 4  # not NOW + 29
-    # a genuinely slower honest peer (up to two steps behind the median) is still waited for
-    slow = peer(5, 0, sec=2.0, i=3)  # finishes at NOW + 20
+    # a genuinely slower honest peer (up to a step behind the median) is still waited for
+    slow = peer(5, 0, sec=1.2, i=3)  # finishes at NOW + 12
     assert IDS[3] in expected_peers(facts(*honest, slow, own_sec=1.0), own_finish=NOW + 4, max_wait=30)
     # with a fast pace, the records' freshness window (10 s here) is the least a peer is given
     quick = facts(peer(5, 6, sec=0.01, i=0), peer(5, 0, sec=0.9, i=1), own_sec=0.01)  # NOW + 0.04, NOW + 9
