@@ -148,7 +148,10 @@ class SwarmNode:
         self._last_eval: float | None = None
         self._last_group = 0  # size of our last group; 0: no outer step done here yet
         self._started = 0.0
-        self._known_at = (0, time.time())  # (a step we held, when): the base of the plausible-step horizon
+        # (the swarm's step, when we knew it): the base of the plausible-step horizon, set when we
+        # fetch the swarm's state or step with a group. None until then: a node that just started
+        # does not know how far the run had come before it (a newcomer must still fetch step 500)
+        self._known_at: tuple[int, float] | None = None
         self._bad_records = OncePerPeer(logger)
         self._pace_seen = 0.0  # the last inner-step pace seen (ours or the peers' median); 0: none yet
 
@@ -181,7 +184,6 @@ class SwarmNode:
         reason = "stopped"
         try:
             await self._resume(keeper)
-            self._known_at = (diloco.outer_step, time.time())
             if self.initial_peers:
                 await book.refresh()
                 await self._fetch(keeper, book, alone=False)
@@ -243,12 +245,15 @@ class SwarmNode:
 
     def _horizon(self, book: ProgressBook) -> int | None:
         """The highest outer step the run can have reached by now (trust.step_horizon), from the
-        step we knew when we started or last fetched, at our pace or the peers' median, whichever
-        is faster (a slow node among fast ones must still follow them)."""
+        swarm's step we last knew (a fetch, a step with a group), at our pace or the peers'
+        median, whichever is faster (a slow node among fast ones must still follow them). None
+        before we know any."""
         own = self.inner.snapshot().sec_per_step
         paces = [s for s in (own, median_pace(list(book.peers))) if s > 0]
         if paces:  # remembered: a newcomer whose peers all left still knows how fast the run went
             self._pace_seen = min(paces)
+        if self._known_at is None:
+            return None
         step, since = self._known_at
         return step_horizon(step, time.time() - since, self._pace_seen, self.config.inner_steps)
 
@@ -421,6 +426,8 @@ class SwarmNode:
         progress = self.inner.snapshot()
         self._tokens += progress.inner_done * config.batch_size * config.seq_len
         self._last_group = len(report.members) if report.group_id is not None else 1
+        if report.group_id is not None:  # in sync with a group: the swarm was at this step now
+            self._known_at = (diloco.outer_step, time.time())
         wall_s = asyncio.get_running_loop().time() - self._started
         self.events.emit("outer_step", outer_step=step,
                          train_loss=sum(progress.losses) / len(progress.losses) if progress.losses else None,
