@@ -15,7 +15,9 @@
    answers all of them with the same GroupInfo, unless a group of its state formed meanwhile or
    it gathered fewer than half of that state's announced members (then it is the late one:
    nobody gets a group). A node whose view differs is redirected to the leader its callee
-   joined; a dead or silent leader is left out and the decision is taken again without it.
+   joined; a dead or silent leader is left out and the decision is taken again without it, and
+   so is a leader whose group misstates our announcement (ready.group_problem). A leader
+   refuses a join whose weight exceeds the run's max_weight.
 5. Done: a node in a group overwrites its announcement with a FORMED marker naming its state
    (a node arriving later at this step is late), a node without one with DONE (not counted).
    A node whose round then fails overwrites FORMED with DONE, so that the step can be retried.

@@ -14,6 +14,11 @@ which every node evaluates on its own view. The rules, in order:
    fixed by a hash of (step, PeerID); its leader is the first member that accepts inbound
    connections (a client cannot lead). No server in view: no group.
 
+Announcements are bounded (ISSUE 12): one per identity (its owner's subkey), and one whose
+weight exceeds what the run allows one step is skipped (`decode_view`), so it is neither
+counted nor waited for nor grouped. A member refuses a group that misstates its own
+announcement or lists an out-of-range weight (`group_problem`).
+
     ready value:   MemberInfo.encode()               (an announcement: "I am ready")
     FORMED marker: {"formed": state, "group": id}     (done: in a group of that state)
     DONE marker:   "done"                             (done without a group: do not count me)
