@@ -52,12 +52,14 @@ class ReadyView:
     ready: dict[PeerID, MemberInfo] = field(default_factory=dict)  # announced, not yet done
     formed: dict[PeerID, bytes] = field(default_factory=dict)  # done, in a group: the state it averaged
     done: frozenset[PeerID] = frozenset()  # done without a group
+    refused: frozenset[PeerID] = frozenset()  # announced something we do not accept (decode_view)
 
     def seen(self) -> set[PeerID]:
-        return set(self.ready) | set(self.formed) | set(self.done)
+        """Who has shown up: nobody waits any longer for these (a refused announcement too)."""
+        return set(self.ready) | set(self.formed) | set(self.done) | set(self.refused)
 
     def with_member(self, me: MemberInfo) -> ReadyView:
-        return ReadyView({**self.ready, me.peer_id: me}, self.formed, self.done)
+        return ReadyView({**self.ready, me.peer_id: me}, self.formed, self.done, self.refused)
 
 
 def decode_view(entries: dict[Any, Any], max_weight: float = math.inf) -> tuple[ReadyView, list[Skipped]]:
@@ -99,7 +101,8 @@ def decode_view(entries: dict[Any, Any], max_weight: float = math.inf) -> tuple[
                 skipped.append(Skipped(owner, why))
                 continue
             ready[owner] = member
-    return ReadyView(ready, formed, frozenset(done)), skipped
+    refused = frozenset(item.owner for item in skipped if item.owner is not None) - set(ready)
+    return ReadyView(ready, formed, frozenset(done), refused), skipped
 
 
 @dataclass(frozen=True, slots=True)

@@ -100,5 +100,6 @@ def test_announcements_above_the_runs_weight_are_ignored_with_their_owner_named(
     view, skipped = decode_view(entries, MAX_WEIGHT)
     assert set(view.ready) == {IDS[0], IDS[1]}
     assert [s.owner for s in skipped] == [IDS[2]] and "weight" in skipped[0].reason
+    assert IDS[2] in view.seen()  # it showed up: nobody waits for it any longer
     unbounded, _ = decode_view(entries)  # no bound given (tests of the all-reduce alone): all kept
     assert set(unbounded.ready) == set(IDS[:3])
