@@ -35,6 +35,7 @@ from tests.node.inprocess import LOCAL, QUICK, LocalSwarm, Running
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 
 STEPS = 3
+LONG = 50  # max_outer_steps: the nodes are stopped once they have done STEPS (finish)
 HONEST_SEEDS = [bytes([i + 1]) * 32 for i in range(3)]  # the same honest identities (data order) in every run
 RUN_ID = "inproc"
 _clean: dict[str, Any] = {}
@@ -57,17 +58,31 @@ async def local(data: TokenData) -> AsyncIterator[LocalSwarm]:
         torch.set_num_threads(threads)
 
 
-def start_honest(local: LocalSwarm, bootstrap: str, steps: int = STEPS, **settings: Any) -> list[Running]:
-    return [local.start((bootstrap,), identity=Identity.from_seed(seed), max_outer_steps=steps, **settings)
+def start_honest(local: LocalSwarm, bootstrap: str, **settings: Any) -> list[Running]:
+    return [local.start((bootstrap,), identity=Identity.from_seed(seed), max_outer_steps=LONG, **settings)
             for seed in HONEST_SEEDS]  # fmt: skip
 
 
-async def finish(honest: list[Running], timeout: float = 120) -> None:
+async def finish(honest: list[Running], newcomers: tuple[Running, ...] = (), timeout: float = 120) -> None:
+    """Wait until every honest node has completed STEPS outer steps (and every newcomer has
+    fetched the swarm's state), then stop them all. Nodes run LONG steps, so that none leaves
+    while another still needs its state; none may exit by itself meanwhile."""
+
+    def done() -> bool:
+        if any(n.task.done() for n in [*honest, *newcomers]):
+            return True  # exited early: the check below says how
+        return all(STEPS - 1 in n.steps() for n in honest) and all(fetches(n) for n in newcomers)
+
     try:
-        reasons = await asyncio.wait_for(asyncio.gather(*(n.task for n in honest)), timeout)
+        await asyncio.wait_for(_until(done), timeout)
     except asyncio.TimeoutError:
-        raise AssertionError(f"not finished in {timeout}s: {[story(n) for n in honest]}") from None
-    assert reasons == ["finished"] * len(honest)
+        raise AssertionError(f"not done in {timeout}s: {[story(n) for n in [*honest, *newcomers]]}") from None
+    early = [story(n) for n in [*honest, *newcomers] if n.task.done()]
+    assert not early, f"a node exited: {early}"
+    for n in [*honest, *newcomers]:
+        n.stop.set()
+    reasons = await asyncio.wait_for(asyncio.gather(*(n.task for n in [*honest, *newcomers])), 60)
+    assert set(reasons) == {"stopped"}, reasons
 
 
 def story(node: Running) -> list[tuple[Any, ...]]:
@@ -227,13 +242,13 @@ def fetches(node: Running) -> list[dict[str, Any]]:
 async def test_attack_d_a_state_at_step_a_million_is_never_adopted(local: LocalSwarm, data: TokenData) -> None:
     clean = await clean_run(data)
     bootstrap = await local.start_bootstrap()
-    honest = start_honest(local, bootstrap, STEPS + 6)  # still training when the newcomer is done
+    honest = start_honest(local, bootstrap)
     await asyncio.wait_for(_until(lambda: all(0 in n.steps() for n in honest)), 60)  # a pace is known
     async with outsider(bootstrap) as (host, dht):
         advertising = await serve_fake_state(host, dht, fake_snapshot(honest[0], 1_000_000))
         try:
-            newcomer = local.start((bootstrap,), max_outer_steps=STEPS + 2)  # joins while the attacker advertises
-            await finish([*honest, newcomer])
+            newcomer = local.start((bootstrap,), max_outer_steps=LONG)  # joins while the attacker advertises
+            await finish(honest, (newcomer,))
         finally:
             advertising.cancel()
     assert_agree(honest, (newcomer,))
@@ -257,14 +272,14 @@ async def test_attack_e_a_manifest_too_big_for_the_model_is_refused_before_alloc
 
     monkeypatch.setattr(fetcher._ShardFetch, "__init__", recording)
     bootstrap = await local.start_bootstrap()
-    honest = start_honest(local, bootstrap, STEPS + 6)
+    honest = start_honest(local, bootstrap)
     await asyncio.wait_for(_until(lambda: all(0 in n.steps() for n in honest)), 60)
     async with outsider(bootstrap) as (host, dht):
         snapshot = fake_snapshot(honest[0], 10_000, inflate=64 << 20)
         advertising = await serve_fake_state(host, dht, snapshot)
         try:
-            newcomer = local.start((host.visible_maddrs[0], bootstrap), max_outer_steps=STEPS + 2)
-            await finish([*honest, newcomer])
+            newcomer = local.start((host.visible_maddrs[0], bootstrap), max_outer_steps=LONG)
+            await finish(honest, (newcomer,))
         finally:
             advertising.cancel()
     assert_agree(honest, (newcomer,))
