@@ -54,6 +54,7 @@ from swarm.dht.config import DHTConfig
 from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
 from swarm.eventloop import cancel_and_wait
+from swarm.log_once import OncePerPeer
 from swarm.model.checkpoint import CheckpointError, RunInfo
 from swarm.model.data import TokenData, eval_windows, load_data
 from swarm.model.diloco import DiLoCo
@@ -67,12 +68,15 @@ from swarm.p2p.config import P2PConfig
 from swarm.p2p.errors import P2PError
 from swarm.p2p.host import P2PHost
 from swarm.p2p.identity import Identity
+from swarm.p2p.maddr import parse_maddr
+from swarm.p2p.peer_id import PeerID
 from swarm.plan import (
     APPLY_OWN,
     AWAIT_RESULT,
     FETCH,
     JOIN_FORMING,
     Facts,
+    borrowed_pace,
     expected_peers,
     matchmaking_start,
     median_pace,
@@ -80,9 +84,10 @@ from swarm.plan import (
     plan_without_group,
     servers_behind,
 )  # fmt: skip
-from swarm.progress import OwnProgress, ProgressBook
+from swarm.progress import OwnProgress, ProgressBook, implausible
 from swarm.state.fetcher import FetchError
 from swarm.state.keeper import StateKeeper
+from swarm.state.trust import step_horizon
 from swarm.trainer import InnerLoop, NodeError
 
 logger = logging.getLogger(__name__)
@@ -144,6 +149,12 @@ class SwarmNode:
         self._last_eval: float | None = None
         self._last_group = 0  # size of our last group; 0: no outer step done here yet
         self._started = 0.0
+        # (the swarm's step, when we knew it): the base of the plausible-step horizon, set when we
+        # fetch the swarm's state or step with a group. None until then: a node that just started
+        # does not know how far the run had come before it (a newcomer must still fetch step 500)
+        self._known_at: tuple[int, float] | None = None
+        self._bad_records = OncePerPeer(logger)
+        self._pace_seen = 0.0  # the last inner-step pace seen (ours or the peers' median); 0: none yet
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -167,7 +178,8 @@ class SwarmNode:
                              checkpoint_dir=Path(config.checkpoint_dir) if config.checkpoint_dir else None,
                              checkpoint_every=config.checkpoint_every, shard_bytes=config.shard_bytes,
                              max_uploads=config.max_uploads, fetch_timeout=config.fetch_timeout,
-                             on_fetch_progress=self.events.fetch_progress)  # fmt: skip
+                             on_fetch_progress=self.events.fetch_progress,
+                             vouching=initial_peer_ids(self.initial_peers))  # fmt: skip
         book = ProgressBook(dht, config.run_id, config.publish_interval)
         publisher: asyncio.Task[None] | None = None
         reason = "stopped"
@@ -219,11 +231,32 @@ class SwarmNode:
     # --- the steps --------------------------------------------------------------------------
 
     def _facts(self, book: ProgressBook) -> Facts:
-        pace = self.inner.snapshot().sec_per_step
+        pace, now = self.inner.snapshot().sec_per_step, time.time()
+        horizon = self._horizon(book)
+        peers = []
+        for p in book.peers:  # records the run cannot produce are not believed (progress.implausible)
+            why = implausible(p, now=now, inner_steps=self.config.inner_steps, max_step=horizon)
+            if why is None:
+                peers.append(p)
+            else:
+                self._bad_records.log(p.peer_id, "progress", "ignoring its progress record: %s", why)
         return Facts(step=self.diloco.outer_step, inner_steps=self.config.inner_steps, own_sec=pace,
-                     client=self.client_mode, peers=book.peers, now=time.time(), fresh_for=book.fresh_for,
-                     late=self._late, watched_for=time.time() - book.first_read,
-                     sees_peers=book.read_ok)  # fmt: skip
+                     client=self.client_mode, peers=tuple(peers), now=now, fresh_for=book.fresh_for,
+                     late=self._late, watched_for=now - book.first_read, sees_peers=book.read_ok)  # fmt: skip
+
+    def _horizon(self, book: ProgressBook) -> int | None:
+        """The highest outer step the run can have reached by now (trust.step_horizon), from the
+        swarm's step we last knew (a fetch, a step with a group), at our pace or the peers'
+        median, whichever is faster (a slow node among fast ones must still follow them). None
+        before we know any."""
+        own = self.inner.snapshot().sec_per_step
+        paces = [s for s in (own, median_pace(list(book.peers))) if s > 0]
+        if paces:  # remembered: a newcomer whose peers all left still knows how fast the run went
+            self._pace_seen = min(paces)
+        if self._known_at is None:
+            return None
+        step, since = self._known_at
+        return step_horizon(step, time.time() - since, self._pace_seen, self.config.inner_steps)
 
     async def _train(self, averager: Averager, keeper: StateKeeper, book: ProgressBook, stop: asyncio.Event) -> str:
         config, diloco = self.config, self.diloco
@@ -398,6 +431,8 @@ class SwarmNode:
         progress = self.inner.snapshot()
         self._tokens += progress.inner_done * config.batch_size * config.seq_len
         self._last_group = len(report.members) if report.group_id is not None else 1
+        if report.group_id is not None:  # in sync with a group: the swarm was at this step now
+            self._known_at = (diloco.outer_step, time.time())
         wall_s = asyncio.get_running_loop().time() - self._started
         self.events.emit("outer_step", outer_step=step,
                          train_loss=sum(progress.losses) / len(progress.losses) if progress.losses else None,
@@ -415,7 +450,7 @@ class SwarmNode:
         diloco = self.diloco
         try:
             fetched = await keeper.catch_up(diloco, alone_last_step=alone, servers_behind=servers_behind(
-                self._facts(book)), other_state=other_state)  # fmt: skip
+                self._facts(book)), other_state=other_state, horizon=self._horizon(book))  # fmt: skip
         except CheckpointError as e:  # IncompatibleState: the run's state is not for this node
             raise NodeError(f"cannot use the run's state: {e}") from None
         except FetchError as e:
@@ -424,6 +459,7 @@ class SwarmNode:
         if fetched is None:
             return False
         self._late = True
+        self._known_at = (diloco.outer_step, time.time())
         sha = await self.inner.call(diloco.state_sha256)
         self._state_sha = bytes.fromhex(sha)
         self.events.fetched(diloco.outer_step, *fetched, sha)
@@ -441,7 +477,7 @@ class SwarmNode:
         p, config = self.inner.snapshot(), self.config
         sec = p.sec_per_step
         if sec <= 0:  # no step timed yet (a newcomer): assume the peers' pace until we know ours
-            sec = median_pace(list(book.peers))
+            sec = borrowed_pace(list(book.peers))
         losses = p.losses[-10:]
         await book.publish(OwnProgress(
             # the model's own count: the trainer's snapshot still shows the last step's right after it
@@ -450,6 +486,17 @@ class SwarmNode:
             eval_loss=self._last_eval, group_size=self._last_group,
             tokens_per_s=round(config.batch_size * config.seq_len / sec, 1) if sec > 0 else None,
         ))  # fmt: skip
+
+
+def initial_peer_ids(maddrs: tuple[str, ...]) -> frozenset[PeerID]:
+    """The PeerIDs named in --initial-peers (their advertised states are preferred: trust.py)."""
+    ids = set()
+    for text in maddrs:
+        with contextlib.suppress(ValueError):
+            peer_id = parse_maddr(text).peer_id
+            if peer_id is not None:
+                ids.add(peer_id)
+    return frozenset(ids)
 
 
 def _report_crash(task: asyncio.Task[Any]) -> None:

@@ -94,7 +94,14 @@ class NodeConfig:
             part_timeout=self.part_timeout,
             codec=self.compression,
             client_mode=client_mode,
+            max_weight=self.max_weight,
         )
+
+    @property
+    def max_weight(self) -> float:
+        """The most a member may contribute to one outer step: the tokens of H inner steps at the
+        run's batch size and sequence length (ISSUE 12: bounded self-announcements)."""
+        return float(self.inner_steps * self.batch_size * self.seq_len)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -55,13 +55,25 @@ class StepPlan:
     inner_steps: int = 0  # TRAIN: how many
 
 
+def swarm_is_ahead(f: Facts) -> bool:
+    """At least as many live servers are at later steps as stand at ours (us included): the
+    swarm moved on. Fewer (one peer claiming a later step while others train with us) is not
+    the swarm's result: the same rule as trust.py's for the states advertised. Only a server's
+    state can be fetched."""
+    live = [p for p in f.live() if not p.client]
+    ahead = sum(1 for p in live if p.step > f.step)
+    return ahead > 0 and ahead >= 1 + sum(1 for p in live if p.step == f.step)
+
+
 def plan_step(f: Facts) -> StepPlan:
     """At the start of outer step f.step (the node holds its state, no inner step done)."""
     live = f.live()
-    if any(p.step > f.step and not p.client for p in live):  # only a server's state can be fetched
+    if swarm_is_ahead(f):
         return StepPlan(FETCH, "peers are at a later outer step")
     same = [p for p in live if p.step == f.step]
-    if any(p.inner >= p.inner_steps and not p.client for p in same):
+    same_servers = [p for p in same if not p.client]
+    done = [p for p in same_servers if p.inner >= p.inner_steps]
+    if 2 * len(done) > len(same_servers):  # most of them: one record alone cannot stop our training
         return StepPlan(JOIN_FORMING, "the peers of our step are matchmaking")
     h = f.inner_steps
     started = [p for p in same if 0 < p.inner < p.inner_steps and not p.client]  # clients wait for servers
@@ -71,7 +83,8 @@ def plan_step(f: Facts) -> StepPlan:
     if sec <= 0:
         return StepPlan(TRAIN, "no pace known yet", h)
     # trained on fewer tokens, weighted by them (hivemind lets late peers join with the samples they have)
-    left = max(p.finish_time() for p in started) - f.now - f.margin
+    horizon = straggler_horizon(f, f.now + h * sec)
+    left = max([p.finish_time() for p in started if p.finish_time() <= horizon], default=f.now) - f.now - f.margin
     steps = min(h, int(left / sec)) if left > 0 else 0
     if steps <= 0:
         return StepPlan(JOIN_FORMING, "the peers of our step finish before we could train")
@@ -88,7 +101,7 @@ def plan_without_group(f: Facts, *, late: bool, other_state: bool, waited: float
     if other_state:
         return StepPlan(FETCH, "our state is not the swarm's")
     live = f.live()
-    if any(p.step > f.step and not p.client for p in live):
+    if swarm_is_ahead(f):
         return StepPlan(FETCH, "the step's result is out")
     # a client can only average with a server; a server with anyone (clients join it)
     same = [p for p in live if p.step == f.step and not (f.client and p.client)]
@@ -104,20 +117,37 @@ def plan_without_group(f: Facts, *, late: bool, other_state: bool, waited: float
     return StepPlan(APPLY_OWN, "no live peer at our step: ours is the swarm's state")
 
 
+def straggler_horizon(f: Facts, own_finish: float) -> float:
+    """The latest predicted finish worth waiting for, whatever max_wait allows: the median finish
+    of our step (ours included) plus one step at our pace (the peers' median until we know
+    ours), or plus the records' freshness window when that is longer (a prediction from a
+    record is no finer than it). A
+    peer predicted to finish later (stalled, very slow, or lying to hold every step) is not
+    waited for, so one identity's records delay a step by at most that much."""
+    same = [p for p in f.live() if p.step == f.step]
+    finishes = sorted([own_finish, *(p.finish_time() for p in same)])
+    # our own pace when we know it (a record's pace is what a liar sets), else the peers' median
+    pace = f.own_sec if f.own_sec > 0 else median_pace(same)
+    median = finishes[(len(finishes) - 1) // 2]  # the lower median: a liar cannot raise it alone
+    return max(own_finish, median + max(f.inner_steps * pace, f.fresh_for))
+
+
 def expected_peers(f: Facts, own_finish: float, max_wait: float) -> frozenset[PeerID]:
-    """The live peers of our step that should be ready by own_finish + max_wait: matchmaking
-    ends as soon as all of them have announced (the window bounds the wait for the rest)."""
-    bound = own_finish + max_wait
+    """The live peers of our step that should be ready by own_finish + max_wait and within the
+    straggler horizon: matchmaking ends as soon as all of them have announced (the window
+    bounds the wait for the rest)."""
+    bound = min(own_finish + max_wait, straggler_horizon(f, own_finish))
     return frozenset(p.peer_id for p in f.live() if p.step == f.step and p.finish_time() <= bound)
 
 
 def latest_finish(f: Facts, own_finish: float, max_wait: float) -> float:
     """When the slowest live peer of our step should finish (unix time), never later than
     own_finish + max_wait (a stalled or very slow peer does not hold the group) and never
-    earlier than own_finish."""
+    earlier than own_finish; peers beyond the straggler horizon are not counted at all."""
+    horizon = straggler_horizon(f, own_finish)
     end = own_finish
     for p in f.live():
-        if p.step == f.step:
+        if p.step == f.step and p.finish_time() <= horizon:
             end = max(end, min(p.finish_time(), own_finish + max_wait))
     return end
 
@@ -132,6 +162,15 @@ def median_pace(peers: list[PeerProgress]) -> float:
     """The median seconds per inner step of the peers that have timed one (0.0: none has)."""
     positive = sorted(p.sec_per_step for p in peers if p.sec_per_step > 0)
     return positive[len(positive) // 2] if positive else 0.0
+
+
+def borrowed_pace(peers: list[PeerProgress]) -> float:
+    """The pace a node that has not timed a step yet publishes as its own: the lower median of
+    its peers' timed paces, and nothing (0.0) from fewer than two of them. One peer's record
+    must not set what honest nodes say of themselves (a liar claiming a slow pace would make
+    every fresh node look slow, and the straggler horizon follow it)."""
+    positive = sorted(p.sec_per_step for p in peers if p.sec_per_step > 0)
+    return positive[(len(positive) - 1) // 2] if len(positive) >= 2 else 0.0
 
 
 def servers_behind(f: Facts) -> bool:

@@ -9,7 +9,9 @@ plus display fields (`train_loss`, `eval_loss`, `tokens_per_s`, `group_size`) th
 each node aims to announce `matchmaking_time` before the slowest peer of its step finishes
 (hivemind's progress tracker does the same job with sample counts).
 
-Peer records are untrusted: each field is type- and range-checked, a bad record is ignored.
+Peer records are untrusted: each field is type- and range-checked, a bad record is ignored;
+`implausible` then drops records whose numbers the run cannot produce (ISSUE 12), and
+plan.straggler_horizon keeps any one record from holding a step for long.
 ProgressBook is the one owner of these records: it encodes and publishes ours, reads and
 decodes the peers'.
 """
@@ -33,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 MAX_STEP = 1 << 40
 MAX_SEC_PER_STEP = 3600.0
+MIN_SEC_PER_STEP = 1e-4  # a timed inner step faster than this is a lie (0: not timed yet)
+MAX_CLOCK_SKEW = 10.0  # seconds a record's time may lie ahead of ours
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +69,22 @@ def decode_progress(subkey: Any, value: Any) -> PeerProgress | None:
     if not 0 <= sec <= MAX_SEC_PER_STEP:
         return None
     return PeerProgress(peer, step, inner, h, float(sec), float(when), value.get("client") is True)
+
+
+def implausible(p: PeerProgress, *, now: float, inner_steps: int, max_step: int | None) -> str | None:
+    """Why a well-formed record is still not believed (None: it is), given the run's H and the
+    highest outer step the run can have reached (trust.step_horizon; None: no bound). Such
+    records would hold or redirect honest nodes: a peer that claims to finish just before the
+    wait ends, to be many steps ahead, or to have timed its steps in the future."""
+    if p.time > now + MAX_CLOCK_SKEW:
+        return f"its record is dated {p.time - now:.0f}s in the future"
+    if 0 < p.sec_per_step < MIN_SEC_PER_STEP:
+        return f"{p.sec_per_step:.2g}s per inner step is not plausible"
+    if p.inner_steps > inner_steps:
+        return f"H={p.inner_steps} exceeds the run's {inner_steps}"
+    if max_step is not None and p.step > max_step:
+        return f"outer step {p.step} is beyond reach (at most {max_step} by now)"
+    return None
 
 
 def _int_in(x: Any, low: int, high: int) -> bool:

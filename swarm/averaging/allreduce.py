@@ -39,7 +39,7 @@ import torch
 
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.messages import GroupInfo
-from swarm.averaging.partition import chunk_bounds, part_bounds, payload_layout, payload_size
+from swarm.averaging.partition import capped_bandwidths, chunk_bounds, part_bounds, payload_layout, payload_size
 from swarm.averaging.reduction import PartReduction, byte_buffer
 from swarm.averaging.robust import Fate
 from swarm.p2p.connection import CallContext
@@ -237,8 +237,10 @@ class RoundMember:
         self.me = group.index_of(host.peer_id)
         self.vector = vector
         self.codec = get_codec(config.codec, block_size=config.block_size)
-        self.weights = [m.weight for m in group.members]
-        self.bandwidths = [0.0 if m.client else m.bandwidth for m in group.members]
+        # self-announced numbers count only within the run's bounds (messages.py); both are
+        # computed from the agreed group alone, so every member splits the vector alike
+        self.weights = [min(m.weight, config.max_weight) for m in group.members]
+        self.bandwidths = capped_bandwidths([0.0 if m.client else m.bandwidth for m in group.members])
         self.result = torch.empty_like(vector)
         self.report = RoundReport(group.group_id, [str(m.peer_id) for m in group.members], {})
         self._tasks: list[asyncio.Task[Any]] = []  # helpers, cancelled when the round ends

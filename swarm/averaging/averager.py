@@ -61,7 +61,8 @@ class Averager:
         client = self.config.client_mode or as_client
         maddrs = () if client else tuple(self.host.visible_maddrs)
         bandwidth = 0.0 if client else self.config.bandwidth
-        return MemberInfo(self.host.peer_id, maddrs, float(weight), bandwidth, client, state)
+        weight = min(float(weight), self.config.max_weight)  # above it, peers would ignore us
+        return MemberInfo(self.host.peer_id, maddrs, weight, bandwidth, client, state)
 
     async def step(
         self, tensors: Sequence[torch.Tensor], weight: float, step: int, state: bytes = b""

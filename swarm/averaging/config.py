@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 CODECS = ("int8", "fp16", "none")
@@ -30,6 +31,10 @@ class AveragingConfig:
     aggregator: str = "robust"
     part_timeout: float = 60.0  # bound on each wait of the all-reduce (a chunk, a peer's result)
     max_elements: int = 1 << 33  # largest vector a peer may ask us to reduce
+    # the largest weight a member may announce: what the run allows one step (the tokens of H inner
+    # steps at the run's batch size and sequence length; the node sets it). Announcements above it are
+    # ignored, groups listing one are refused, and weights count at most this much.
+    max_weight: float = math.inf
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
@@ -43,5 +48,7 @@ class AveragingConfig:
         for name in ("matchmaking_time", "request_timeout", "part_timeout", "bandwidth"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"AveragingConfig.{name} must be positive")
+        if not self.max_weight > 0:
+            raise ValueError("AveragingConfig.max_weight must be positive")
         if self.block_size <= 0 or self.chunk_elements <= 0 or self.chunk_elements % self.block_size:
             raise ValueError("chunk_elements must be a positive multiple of block_size")

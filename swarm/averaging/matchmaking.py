@@ -15,7 +15,9 @@
    answers all of them with the same GroupInfo, unless a group of its state formed meanwhile or
    it gathered fewer than half of that state's announced members (then it is the late one:
    nobody gets a group). A node whose view differs is redirected to the leader its callee
-   joined; a dead or silent leader is left out and the decision is taken again without it.
+   joined; a dead or silent leader is left out and the decision is taken again without it, and
+   so is a leader whose group misstates our announcement (ready.group_problem). A leader
+   refuses a join whose weight exceeds the run's max_weight.
 5. Done: a node in a group overwrites its announcement with a FORMED marker naming its state
    (a node arriving later at this step is late), a node without one with DONE (not counted).
    A node whose round then fails overwrites FORMED with DONE, so that the step can be retried.
@@ -35,11 +37,12 @@ from typing import Any
 
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.messages import MAX_MEMBERS, GroupInfo, MemberInfo
-from swarm.averaging.ready import DONE, ReadyView, decide, decode_view, formed_marker, may_finalize
+from swarm.averaging.ready import DONE, ReadyView, decide, decode_view, formed_marker, group_problem, may_finalize
 from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
 from swarm.dht.records import owner_subkey
 from swarm.dht.run_keys import ready_key
+from swarm.log_once import OncePerPeer
 from swarm.p2p.connection import CallContext
 from swarm.p2p.errors import BadRequest, P2PError
 from swarm.p2p.host import P2PHost
@@ -82,6 +85,7 @@ class Matchmaker:
         self._steps: dict[int, _StepState] = {}
         self._stored: dict[int, float] = {}  # step -> expiration of our last record (later wins)
         self._markers: set[asyncio.Task[None]] = set()
+        self._bad_input = OncePerPeer(logger)
         if not config.client_mode:
             host.add_handler(JOIN, self._rpc_join)
 
@@ -202,9 +206,10 @@ class Matchmaker:
             return ReadyView()
         if found is None or not isinstance(found.value, dict):
             return ReadyView()
-        view, skipped = decode_view({k: getattr(v, "value", None) for k, v in found.value.items()})
-        for reason in skipped:
-            logger.info("step %d: ignoring %s", step, reason)
+        entries = {k: getattr(v, "value", None) for k, v in found.value.items()}
+        view, skipped = decode_view(entries, self.config.max_weight)
+        for item in skipped:
+            self._bad_input.log(item.owner, "ready record", "ignoring %s (step %d)", item.reason, step)
         return view
 
     async def _lead(
@@ -258,11 +263,12 @@ class Matchmaker:
             if "group" in reply:
                 try:
                     group = GroupInfo.decode(reply["group"])
-                    group.index_of(self.peer_id)
-                except (BadRequest, KeyError) as e:
+                except BadRequest as e:
                     logger.warning("leader %s sent a group we cannot use: %s", leader.peer_id, e)
                     return leader.peer_id
-                if group.run_id != self.run_id or group.step != step:
+                problem = group_problem(group, state.me, self.run_id, step, self.config.max_weight)
+                if problem is not None:
+                    self._bad_input.log(leader.peer_id, "group", "refusing the group it leads: %s", problem)
                     return leader.peer_id
                 return group
             if "redirect" in reply:
@@ -284,6 +290,10 @@ class Matchmaker:
         member = MemberInfo.decode(args.get("member"))
         if member.peer_id != ctx.peer_id:
             raise BadRequest("join: a node can only join for itself")
+        if member.weight > self.config.max_weight:
+            self._bad_input.log(member.peer_id, "join", "refusing its join: weight %.4g above the run's %.4g",
+                                member.weight, self.config.max_weight)  # fmt: skip
+            raise BadRequest("join: weight above what the run allows one step")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.matchmaking_time + 2 * self.config.request_timeout
         while (state := self._steps.get(step)) is not None and not state.result.done():

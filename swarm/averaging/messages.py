@@ -1,19 +1,27 @@
 """The averaging protocol's messages: frozen values with explicit msgpack forms and limits.
 
     MemberInfo  [peer_id bytes, [maddr...], weight, bandwidth, client, state]
-    GroupInfo   {"v": 2, "id": bytes32, "run": str, "step": int, "m": [MemberInfo...]}
+    GroupInfo   {"v": 3, "id": bytes32, "run": str, "step": int, "m": [MemberInfo...]}
 
 `state` is the SHA-256 (32 bytes) of the state a member starts the step from (θ_outer, outer
 momentum, outer step): only members of equal state average together (b"": not given, only in
 tests of the all-reduce alone). The group id is SHA-256 over the run, the step and the ordered
-member ids and states, so every member can check that a group message is self-consistent.
+members' ids, states, weights, bandwidths and client flags, so every member can check that a
+group message is self-consistent, and a member that finds its own entry other than it announced
+refuses the group (matchmaking.py): a leader cannot rewrite what members announced.
 Decoders raise BadRequest on anything malformed.
+
+Self-announced numbers are bounded by the run (ISSUE 12, "bounded self-announcements"): a
+weight above the run's `max_weight` (the tokens of H inner steps) makes an announcement ignored
+(ready.py) and a group refused; a bandwidth counts at most BANDWIDTH_CAP times the group's
+median (partition.capped_bandwidths), so nobody owns the vector by announcing 1e12 MB/s.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +29,7 @@ from swarm.p2p.errors import BadRequest, IdentityError
 from swarm.p2p.maddr import TcpAddress, parse_maddr
 from swarm.p2p.peer_id import PeerID
 
-VERSION = 2
+VERSION = 3
 MAX_MEMBERS = 4096  # beyond max_group_size the hierarchical butterfly averages them
 MAX_MADDRS = 8
 MAX_MADDR_CHARS = 256
@@ -83,10 +91,13 @@ class GroupInfo:
 
     @staticmethod
     def make_id(run_id: str, step: int, members: tuple[MemberInfo, ...]) -> bytes:
-        digest = hashlib.sha256(f"swarm-group/2\x00{run_id}\x00{step}\x00".encode())
+        digest = hashlib.sha256(f"swarm-group/3\x00{run_id}\x00{step}\x00".encode())
         for member in members:
-            digest.update(member.peer_id.to_bytes())
+            raw_id = member.peer_id.to_bytes()
+            digest.update(len(raw_id).to_bytes(2, "big") + raw_id)
             digest.update(len(member.state).to_bytes(1, "big") + member.state)
+            # what the member announced: a leader that rewrites it changes the id
+            digest.update(struct.pack(">dd?", member.weight, member.bandwidth, member.client))
         return digest.digest()
 
     @classmethod

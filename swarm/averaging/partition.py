@@ -6,6 +6,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+BANDWIDTH_CAP = 4.0  # a member's bandwidth counts at most this many times the group's median
+
+
+def capped_bandwidths(bandwidths: Sequence[float]) -> list[float]:
+    """The bandwidths parts are split by: each announced one capped at BANDWIDTH_CAP times the
+    lower median of the positive announcements (0 stays 0: a client owns nothing). Every member
+    computes it from the agreed group alone, so all get the same parts; one member announcing
+    1e12 MB/s owns at most BANDWIDTH_CAP / (BANDWIDTH_CAP + n - 1) of the vector, not all of it.
+    The lower median: with two owners, the honest one's figure bounds the other's."""
+    positive = sorted(b for b in bandwidths if b > 0)
+    if not positive:
+        return list(bandwidths)
+    cap = BANDWIDTH_CAP * positive[(len(positive) - 1) // 2]
+    return [min(b, cap) for b in bandwidths]
+
 
 def part_bounds(numel: int, bandwidths: Sequence[float], block_size: int) -> list[tuple[int, int]]:
     """Split [0, numel) into one contiguous part per member, in member order, proportional to

@@ -14,6 +14,11 @@ which every node evaluates on its own view. The rules, in order:
    fixed by a hash of (step, PeerID); its leader is the first member that accepts inbound
    connections (a client cannot lead). No server in view: no group.
 
+Announcements are bounded (ISSUE 12): one per identity (its owner's subkey), and one whose
+weight exceeds what the run allows one step is skipped (`decode_view`), so it is neither
+counted nor waited for nor grouped. A member refuses a group that misstates its own
+announcement or lists an out-of-range weight (`group_problem`).
+
     ready value:   MemberInfo.encode()               (an announcement: "I am ready")
     FORMED marker: {"formed": state, "group": id}     (done: in a group of that state)
     DONE marker:   "done"                             (done without a group: do not count me)
@@ -22,11 +27,12 @@ which every node evaluates on its own view. The rules, in order:
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from swarm.averaging.messages import MemberInfo
+from swarm.averaging.messages import GroupInfo, MemberInfo
 from swarm.dht.errors import RecordError
 from swarm.dht.records import owner_of
 from swarm.p2p.errors import BadRequest
@@ -46,17 +52,21 @@ class ReadyView:
     ready: dict[PeerID, MemberInfo] = field(default_factory=dict)  # announced, not yet done
     formed: dict[PeerID, bytes] = field(default_factory=dict)  # done, in a group: the state it averaged
     done: frozenset[PeerID] = frozenset()  # done without a group
+    refused: frozenset[PeerID] = frozenset()  # announced something we do not accept (decode_view)
 
     def seen(self) -> set[PeerID]:
-        return set(self.ready) | set(self.formed) | set(self.done)
+        """Who has shown up: nobody waits any longer for these (a refused announcement too)."""
+        return set(self.ready) | set(self.formed) | set(self.done) | set(self.refused)
 
     def with_member(self, me: MemberInfo) -> ReadyView:
-        return ReadyView({**self.ready, me.peer_id: me}, self.formed, self.done)
+        return ReadyView({**self.ready, me.peer_id: me}, self.formed, self.done, self.refused)
 
 
-def decode_view(entries: dict[Any, Any]) -> tuple[ReadyView, list[str]]:
-    """A view from the raw subkey -> value map; also the reasons for each entry skipped (peers'
-    records are untrusted: a malformed one is skipped, never raised on)."""
+def decode_view(entries: dict[Any, Any], max_weight: float = math.inf) -> tuple[ReadyView, list[Skipped]]:
+    """A view from the raw subkey -> value map; also each entry skipped, with its owner when
+    known (peers' records are untrusted: a malformed one is skipped, never raised on). An
+    announcement of a weight above `max_weight` (what the run allows one step) is skipped: that
+    member is not counted, not waited for and not grouped with."""
     ready: dict[PeerID, MemberInfo] = {}
     formed: dict[PeerID, bytes] = {}
     done: set[PeerID] = set()
@@ -67,27 +77,40 @@ def decode_view(entries: dict[Any, Any]) -> tuple[ReadyView, list[str]]:
         except RecordError:
             owner = None
         if owner is None:
-            skipped.append("an announcement not under an owner's subkey")
+            skipped.append(Skipped(None, "an announcement not under an owner's subkey"))
             continue
         if value == DONE:
             done.add(owner)
         elif isinstance(value, dict):
             state = value.get("formed")
             if not isinstance(state, bytes) or len(state) not in (0, 32):
-                skipped.append("a malformed FORMED marker")
+                skipped.append(Skipped(owner, "a malformed FORMED marker"))
                 continue
             formed[owner] = state
         else:
             try:
                 member = MemberInfo.decode(value)
             except (BadRequest, ValueError) as e:
-                skipped.append(f"a bad announcement: {e}")
+                skipped.append(Skipped(owner, f"a bad announcement: {e}"))
                 continue
             if member.peer_id != owner:
-                skipped.append("an announcement not under its owner's subkey")
+                skipped.append(Skipped(owner, "an announcement not under its owner's subkey"))
+                continue
+            if member.weight > max_weight:
+                why = f"an announced weight of {member.weight:.4g} above the run's {max_weight:.4g}"
+                skipped.append(Skipped(owner, why))
                 continue
             ready[owner] = member
-    return ReadyView(ready, formed, frozenset(done)), skipped
+    refused = frozenset(item.owner for item in skipped if item.owner is not None) - set(ready)
+    return ReadyView(ready, formed, frozenset(done), refused), skipped
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """An entry of the ready set that was not used, and why."""
+
+    owner: PeerID | None  # None: no owner could be read from its subkey
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,3 +166,22 @@ def may_finalize(group_size: int, final_view: ReadyView, state: bytes) -> bool:
         return False
     announced = sum(1 for m in final_view.ready.values() if m.state == state)
     return 2 * group_size > announced
+
+
+def group_problem(group: GroupInfo, me: MemberInfo, run_id: str, step: int, max_weight: float) -> str | None:
+    """Why a member refuses the group its leader sent (None: it takes it). The id already binds
+    every member's announced numbers (messages.py); a member checks its own entry against what it
+    announced, so a leader that rewrites a member's weight, bandwidth or client flag loses that
+    member, and every member checks that no weight exceeds what the run allows one step."""
+    if group.run_id != run_id or group.step != step:
+        return f"of run {group.run_id!r} step {group.step}, not {run_id!r} step {step}"
+    try:
+        mine = group.members[group.index_of(me.peer_id)]
+    except KeyError:
+        return "we are not in it"
+    if mine != me:
+        return "it misstates our own announcement"
+    heavy = [m for m in group.members if m.weight > max_weight]
+    if heavy:
+        return f"it lists a weight of {heavy[0].weight:.4g}, above the run's {max_weight:.4g}"
+    return None

@@ -5,7 +5,8 @@
 
 1. Choose (holders.choose_state): the newest step, the manifest hash most peers advertise.
 2. Manifest: asked from the holders in random order; believed only when its bytes hash to the
-   advertised value, and refused (IncompatibleState) when it is of another run or model.
+   advertised value, and refused (IncompatibleState) when it is of another run or model, or
+   (RefusedManifest) when its tensors or shard sizes do not fit the model (trust.py).
 3. Shards, in parallel: `streams_per_peer` downloads per holder at a time. Shard i prefers
    holder (i + r) mod n for a random r, so each shard comes from a different peer where possible
    and many newcomers spread over all holders; an idle holder takes any shard still waiting.
@@ -33,7 +34,7 @@ import logging
 import random
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,7 @@ from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
 from swarm.state import protocol
 from swarm.state.holders import Holder, choose_state
+from swarm.state.trust import manifest_problem
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,15 @@ MAX_BUSY = 200  # busy answers in a row before a peer counts as failed (about a 
 
 class FetchError(RuntimeError):
     """The state could not be fetched; the message says which shard or step and why."""
+
+
+class RefusedManifest(FetchError):
+    """The chosen state's manifest does not fit this node's model (trust.manifest_problem): its
+    holders lie about it, and nothing was allocated for it."""
+
+    def __init__(self, sha: str, problem: str) -> None:
+        super().__init__(f"refusing state {sha[:12]}: {problem}")
+        self.sha, self.problem = sha, problem
 
 
 class CorruptShard(Exception):
@@ -110,9 +121,12 @@ async def fetch_state(
     rng: random.Random | None = None,
     find_holders: Callable[[], Awaitable[Sequence[Holder]]] | None = None,
     recruit_every: float = 2.0,
+    expect_tensors: Mapping[str, int] | None = None,
 ) -> tuple[Manifest, dict[str, Any], FetchReport]:
     """Fetch, verify and load the state to use (see the module docstring). Raises FetchError,
-    or IncompatibleState for a state of another run or model."""
+    or IncompatibleState for a state of another run or model. With `expect_tensors` (each
+    tensor name of the state -> its raw byte size), a manifest that does not fit them is refused
+    (RefusedManifest) before any shard buffer is allocated."""
     rng = rng or random.Random()
     chosen = choose_state(holders)
     if chosen is None:
@@ -120,6 +134,8 @@ async def fetch_state(
     _, sha, peers = chosen
     rng.shuffle(peers)
     manifest = await _fetch_manifest(host, run_id, peers, sha, expect, timeout)
+    if expect_tensors is not None and (problem := manifest_problem(manifest, expect_tensors)) is not None:
+        raise RefusedManifest(sha, problem)
     directory = None
     if dest is not None:
         directory = Path(dest) / f"fetch-{sha[:16]}"

@@ -7,7 +7,9 @@
 
 After an outer step the state is copied once, in the trainer's thread (the only moment training
 waits); serializing, hashing, serving and the checkpoint write happen from that copy in other
-threads while the next inner steps run. A node fetches instead of training on when
+threads while the next inner steps run. A node fetches instead of training on (only a state
+that trust.py lets it adopt: a reachable step, backed by at least as many peers as stand at
+its own step, with a manifest that fits the model) when
 - it starts and the run already has a newer state than its own (a newcomer, or a restart), or
 - peers advertise a newer outer step than its own (it was slow or partitioned), or
 - it averaged alone last step while two or more peers of that step agree on another state
@@ -30,16 +32,26 @@ from typing import Any
 
 from swarm.dht.node import DHTNode
 from swarm.eventloop import cancel_and_wait
-from swarm.model.checkpoint import CheckpointDir, Manifest, RunInfo, Snapshot, copy_state, make_snapshot
+from swarm.log_once import OncePerPeer
+from swarm.model.checkpoint import KINDS, CheckpointDir, Manifest, RunInfo, Snapshot, copy_state, make_snapshot
 from swarm.model.diloco import DiLoCo
 from swarm.p2p.host import P2PHost
-from swarm.state.fetcher import FetchProgress, FetchReport, fetch_state, remove_fetch_dir
-from swarm.state.holders import Holder, advertise, choose_state, find_holders, settled_holders
+from swarm.p2p.peer_id import PeerID
+from swarm.state.fetcher import FetchProgress, FetchReport, RefusedManifest, fetch_state, remove_fetch_dir
+from swarm.state.holders import Holder, advertise, find_holders, settled_holders
 from swarm.state.server import StateServer
+from swarm.state.trust import Known, choose_trusted
 
 logger = logging.getLogger(__name__)
 
 InTrainer = Callable[..., Awaitable[Any]]
+MAX_REFUSED = 64  # refused manifests remembered
+
+
+def tensor_sizes(diloco: DiLoCo) -> dict[str, int]:
+    """Each tensor of the state as a manifest names it, with its raw byte size."""
+    state = diloco.state_dict()
+    return {f"{kind}/{name}": t.numel() * t.element_size() for kind in KINDS for name, t in state[kind].items()}
 
 
 class StateKeeper:
@@ -58,6 +70,7 @@ class StateKeeper:
         fetch_timeout: float = 120.0,
         advertise_ttl: float = 60.0,
         on_fetch_progress: Callable[[FetchProgress], None] | None = None,
+        vouching: frozenset[PeerID] = frozenset(),
     ) -> None:
         self.host, self.dht, self.run = host, dht, run
         self.in_trainer = in_trainer
@@ -66,6 +79,9 @@ class StateKeeper:
         self.checkpoint_every, self.shard_bytes = checkpoint_every, shard_bytes
         self.fetch_timeout, self.advertise_ttl = fetch_timeout, advertise_ttl
         self.on_fetch_progress = on_fetch_progress
+        self.vouching = vouching  # the node's --initial-peers: their states are preferred (trust.py)
+        self._refused: set[str] = set()  # manifests that did not fit the model: never chosen again
+        self._distrusted = OncePerPeer(logger)
         self.current: Snapshot | None = None
         self._publishing: asyncio.Task[None] | None = None
         self._refresher: asyncio.Task[None] | None = None
@@ -94,34 +110,55 @@ class StateKeeper:
         return manifest.step
 
     async def catch_up(
-        self, diloco: DiLoCo, *, alone_last_step: bool, servers_behind: bool = False, other_state: bool = False
+        self,
+        diloco: DiLoCo,
+        *,
+        alone_last_step: bool,
+        servers_behind: bool = False,
+        other_state: bool = False,
+        horizon: int | None = None,
     ) -> tuple[str, FetchReport] | None:
-        """Fetch and load the swarm's state when this node should (see the module docstring).
-        Returns (why, report) after a fetch, None when the node's own state is right. Raises
-        FetchError or IncompatibleState when a needed fetch fails."""
-        holders = await self._holders()
-        chosen = choose_state(holders)
-        if chosen is None:
+        """Fetch and load the swarm's state when this node should (see the module docstring),
+        choosing only among the states it may trust (trust.py; `horizon`: the highest step the
+        run can have reached, None: unknown). Returns (why, report) after a fetch, None when the
+        node's own state is right. Raises FetchError or IncompatibleState when a needed fetch
+        fails."""
+        holders = [h for h in await self._holders() if h.manifest not in self._refused]
+        verdict = choose_trusted(holders, Known(diloco.outer_step, horizon, self.vouching))
+        for peer, reason in verdict.refused:
+            kind = "unreachable" if "reachable" in reason else "backing"
+            self._distrusted.log(peer, kind, "not adopting the state it advertises: %s", reason)
+        if verdict.choice is None:
             return None
-        step, sha, agreeing = chosen
+        step, sha, agreeing = verdict.choice
         own_sha = self.current.manifest.sha256 if self.current is not None else None
         why = fetch_reason(step, sha, len(agreeing), diloco.outer_step, own_sha,
                            alone_last_step=alone_last_step, client=self.server is None,
                            servers_behind=servers_behind, other_state=other_state)  # fmt: skip
         if why is None:
             return None
-        holders = await settled_holders(holders, step, self._holders)  # spread the fetch over all donors
+        settled = await settled_holders(holders, step, self._holders)  # spread the fetch over all donors
+        donors = [h for h in settled if h.step == step and h.manifest == sha] or agreeing  # only the chosen state
         dest = self.checkpoints.path if self.checkpoints is not None else None  # resumable only with a checkpoint dir
-        manifest, state, report = await fetch_state(
-            self.host,
-            self.run.run_id,
-            holders,
-            expect=self.run,
-            dest=dest,
-            timeout=self.fetch_timeout,
-            on_progress=self.on_fetch_progress,
-            find_holders=self._holders,
-        )
+        try:
+            manifest, state, report = await fetch_state(
+                self.host,
+                self.run.run_id,
+                donors,
+                expect=self.run,
+                dest=dest,
+                timeout=self.fetch_timeout,
+                on_progress=self.on_fetch_progress,
+                find_holders=self._holders,
+                expect_tensors=await self.in_trainer(tensor_sizes, diloco),
+            )
+        except RefusedManifest as e:  # never chosen again; its holders are named once
+            if len(self._refused) >= MAX_REFUSED:
+                self._refused.clear()
+            self._refused.add(e.sha)
+            for holder in donors:
+                self._distrusted.log(holder.peer_id, "manifest", "refusing the state it advertises: %s", e)
+            raise
         await self.in_trainer(diloco.load_state_dict, state)
         if dest is not None:
             await asyncio.to_thread(remove_fetch_dir, dest, manifest)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from swarm.averaging import matchmaking
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.matchmaking import Matchmade, Matchmaker
 from swarm.averaging.messages import GroupInfo, MemberInfo
@@ -166,3 +167,29 @@ async def test_a_failed_round_lets_the_step_be_matchmade_again(make_peers: MakeP
     await asyncio.sleep(0.5)  # the DONE markers are stored in the background
     again = await form(peers, 4)
     assert len(check_agreement([f.group for f in again], peers)) == 1
+
+
+async def test_a_leader_that_rewrites_a_members_weight_loses_that_member(
+    make_peers: MakePeers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack c (ISSUE 12): the leader sends a self-consistent group in which one member's weight
+    is not what it announced. That member refuses it; the others, whose entries are right, keep it."""
+    peers = await make_peers(3)
+    order = group_order([p.host.peer_id for p in peers], 4)
+    victim = order[-1]
+
+    class Rewriting(GroupInfo):
+        """The leader's GroupInfo.create (decoding a forged group again forges nothing new)."""
+
+        @classmethod
+        def create(cls, run_id: str, step: int, members: tuple[MemberInfo, ...]) -> GroupInfo:
+            forged = tuple(dataclasses.replace(m, weight=1000.0) if m.peer_id == victim else m for m in members)
+            return super().create(run_id, step, forged)
+
+    monkeypatch.setattr(matchmaking, "GroupInfo", Rewriting)
+    everyone = frozenset(p.host.peer_id for p in peers)
+    found = {p.host.peer_id: f for p, f in zip(peers, await form(peers, 4, expected=everyone), strict=True)}
+    mine = found[victim].group
+    assert mine is None or mine.members[mine.index_of(victim)].weight == 1.0, "accepted a misstated announcement"
+    kept = [f.group for peer, f in found.items() if peer != victim]
+    assert all(g is not None and len(g.members) == 3 for g in kept)  # the others were stated right

@@ -14,6 +14,7 @@ from swarm.model.data import TokenData
 from swarm.node import SwarmNode
 from swarm.node_config import NodeConfig
 from swarm.p2p import P2PConfig, P2PHost
+from swarm.p2p.identity import Identity
 
 LOCAL = P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))
 # tiny and quick: short windows, a few inner steps, prompt progress records
@@ -46,11 +47,12 @@ class LocalSwarm:
         self.bootstrap = (host, dht)
         return host.visible_maddrs[0]
 
-    def start(self, initial: tuple[str, ...], **settings: Any) -> Running:
+    def start(self, initial: tuple[str, ...], *, identity: Identity | None = None, **settings: Any) -> Running:
         config = NodeConfig(**{"run_id": "inproc", **QUICK, **settings})
         running: Running
         events: list[dict[str, Any]] = []
-        node = SwarmNode(config, initial_peers=initial, p2p_config=LOCAL, on_event=events.append, data=self.data)
+        node = SwarmNode(config, identity=identity, initial_peers=initial, p2p_config=LOCAL, on_event=events.append,
+                         data=self.data)  # fmt: skip
         stop = asyncio.Event()
         running = Running(node, stop, asyncio.ensure_future(node.run(stop)), events)
         self.nodes.append(running)

@@ -15,12 +15,14 @@ from swarm.plan import (
     RETRY,
     TRAIN,
     Facts,
+    borrowed_pace,
     expected_peers,
     latest_finish,
     median_pace,
     plan_step,
     plan_without_group,
     servers_behind,
+    straggler_horizon,
 )  # fmt: skip
 from swarm.progress import PeerProgress
 
@@ -54,7 +56,14 @@ STEP_CASES = [
     ("peers behind us do not hold us", facts(peer(3, 4)), TRAIN, H),
     ("all peers clients, matchmaking: they wait for a server", facts(peer(5, H, client=True), late=True), TRAIN, H),
     ("no pace known yet: a whole step", facts(peer(5, 4, sec=0.0), late=True), TRAIN, H),
-]
+    # ISSUE 12: one record alone cannot redirect or stop a node
+    ("one peer claims a later step while two train with us", facts(peer(6, 0), peer(5, 2, i=1), peer(5, 3, i=2)),
+     TRAIN, H),
+    ("one peer ahead, one with us: us and it outnumber the claim", facts(peer(6, 0), peer(5, 2, i=1)), TRAIN, H),
+    ("most of the swarm is ahead", facts(peer(6, 0), peer(6, 1, i=1), peer(5, 2, i=2)), FETCH, 0),
+    ("one peer claims to be done while two still train", facts(peer(5, H), peer(5, 2, i=1), peer(5, 3, i=2)),
+     TRAIN, H),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("what", "f", "action", "steps"), STEP_CASES, ids=[c[0] for c in STEP_CASES])
@@ -81,6 +90,8 @@ GROUPLESS_CASES = [
     ("a client whose peers are all clients", facts(peer(5, H, client=True), client=True), False, False, 0.0,
      APPLY_OWN),
     ("a server with a client peer training", facts(peer(5, 4, client=True)), False, False, 0.0, RETRY),
+    ("one peer claims the result is out, two others are with us",
+     facts(peer(6, 0), peer(5, H, i=1), peer(5, H, i=2)), False, False, 1.0, RETRY),
 ]  # fmt: skip
 
 
@@ -111,6 +122,13 @@ def test_median_pace_ignores_peers_without_timing() -> None:
     assert median_pace([peer(5, 1, sec=s) for s in (0.0, 3.0, 1.0, 2.0)]) == 2.0
 
 
+def test_a_fresh_node_borrows_a_pace_only_from_two_timed_peers_or_more() -> None:
+    assert borrowed_pace([peer(5, 0, sec=2.75)]) == 0.0  # one record (a liar's?) sets nothing
+    assert borrowed_pace([peer(5, 0, sec=2.75), peer(5, 1, sec=0.0, i=1)]) == 0.0
+    assert borrowed_pace([peer(5, 0, sec=2.75), peer(5, 1, sec=0.04, i=1)]) == 0.04  # the lower median
+    assert borrowed_pace([peer(5, 1, sec=s, i=i) for i, s in enumerate((9.0, 0.05, 0.04))]) == 0.05
+
+
 def test_servers_behind_only_when_every_live_server_is_at_an_earlier_step() -> None:
     def behind(*peers: PeerProgress) -> bool:
         return servers_behind(facts(*peers))
@@ -123,3 +141,21 @@ def test_servers_behind_only_when_every_live_server_is_at_an_earlier_step() -> N
     assert not behind(peer(2, 4, age=60))  # a stale record: that server is gone
     assert not behind(peer(2, 4, client=True))  # clients do not count
     assert behind(peer(2, 4), peer(7, 4, client=True, i=1))
+
+
+def test_one_peer_claiming_a_late_finish_is_not_waited_for() -> None:
+    """Attack f: a record predicting a finish just inside max_wait would hold every step that
+    long. Peers predicted beyond the median finish plus one step at our pace (or the
+    records' freshness window, when longer) are not waited for."""
+    honest = [peer(5, 6, i=0), peer(5, 6, i=1)]  # finish at NOW + 4, 1 s per inner step
+    liar = peer(5, 0, sec=2.9, i=2)  # "finishes" at NOW + 29
+    f = facts(*honest, liar, own_sec=1.0)
+    assert straggler_horizon(f, own_finish=NOW + 4) == NOW + 4 + H * 1.0
+    assert expected_peers(f, own_finish=NOW + 4, max_wait=30) == {IDS[0], IDS[1]}
+    assert latest_finish(f, own_finish=NOW + 4, max_wait=30) == NOW + 4  # not NOW + 29
+    # a genuinely slower honest peer (up to a step behind the median) is still waited for
+    slow = peer(5, 0, sec=1.2, i=3)  # finishes at NOW + 12
+    assert IDS[3] in expected_peers(facts(*honest, slow, own_sec=1.0), own_finish=NOW + 4, max_wait=30)
+    # with a fast pace, the records' freshness window (10 s here) is the least a peer is given
+    quick = facts(peer(5, 6, sec=0.01, i=0), peer(5, 0, sec=0.9, i=1), own_sec=0.01)  # NOW + 0.04, NOW + 9
+    assert IDS[1] in expected_peers(quick, own_finish=NOW + 0.04, max_wait=30)

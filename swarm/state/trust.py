@@ -1,0 +1,115 @@
+"""Which advertised state a node may adopt, and which manifests it may fetch: pure, no I/O.
+
+Anyone can advertise a correctly hashed state under `<run>/state` (holders.py), at any step.
+Before ISSUE 12 a node took the newest step it saw, so one peer advertising an all-zero θ at
+outer step 1,000,000 took the whole run. The rule (`choose_trusted`), for a node that holds the
+state of step K (a newcomer holds its initial state of step 0, or its checkpoint's), and knew
+itself at step K0 some seconds ago (when it started, or last fetched):
+
+1. **Reachable.** A state of step S is implausible when S > horizon, where
+   horizon = K0 + (seconds since K0 was known) / (fastest plausible outer step) + SLACK_STEPS
+   (`step_horizon`; the fastest plausible step is H inner steps at a quarter of the pace the node
+   and the median of its peers show). With no pace known there is no time bound (a newcomer).
+2. **Agreed.** The candidates are the (step, manifest) pairs, each backed by the distinct peers
+   that advertise it. A state newer than K is adopted only when at least as many peers back it
+   as stand at the node's own step (the node itself and the peers advertising step K): a node in
+   sync with its group is never pulled off by fewer peers than it computed its state with; a
+   newcomer (at its own step alone) takes the best-backed state.
+3. **Vouched.** States backed by one of the node's own --initial-peers are preferred: when one
+   is among the newer candidates, only those are considered (the operator chose to trust them).
+4. **Best backed.** Among the newer candidates left: the most backers, then the older step
+   (a tie between a step and a later one is no reason to jump), then the smaller hash.
+   With no newer candidate left, the newest step at or below K, by most backers (fetch_reason
+   decides whether the node takes it: it does only when it missed its group or is of another
+   state than the swarm).
+
+`manifest_problem` refuses, before anything is allocated, a manifest whose tensors are not the
+node's model's (the names of θ_outer and momentum) or whose shards are larger than those
+tensors plus the safetensors header (a 2 x 1 GiB manifest for a 10 MB model).
+
+What this does not stop: many identities backing one state (Sybil; the next issue prices
+identities), or a quorum of peers that is itself malicious.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from swarm.model.checkpoint import Manifest
+from swarm.p2p.peer_id import PeerID
+from swarm.state.holders import Holder
+
+SLACK_STEPS = 2  # steps beyond what the observed pace allows (clock skew, a step under way)
+PACE_FACTOR = 4.0  # the swarm is taken to step at most this many times faster than observed
+HEADER_BYTES = 4096  # safetensors header allowance per shard (its JSON length prefix + padding) ...
+HEADER_BYTES_PER_TENSOR = 512  # ... plus this much JSON per tensor (name, dtype, shape, offsets)
+
+
+@dataclass(frozen=True, slots=True)
+class Known:
+    """What a node knows when it weighs the advertised states."""
+
+    step: int  # the step of the state it holds
+    horizon: int | None = None  # the highest reachable step now (step_horizon); None: no bound
+    vouching: frozenset[PeerID] = frozenset()  # its --initial-peers
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    choice: tuple[int, str, list[Holder]] | None  # (step, manifest sha, its holders), as choose_state
+    refused: tuple[tuple[PeerID, str], ...] = ()  # holders whose advertisement was refused, and why
+
+
+def step_horizon(known_step: int, since_s: float, pace_s: float, inner_steps: int) -> int | None:
+    """The highest outer step the run can have reached `since_s` seconds after the node knew it
+    was at `known_step`, when an inner step takes about `pace_s` seconds (0: unknown, no bound)."""
+    if pace_s <= 0 or inner_steps <= 0:
+        return None
+    fastest_step_s = inner_steps * pace_s / PACE_FACTOR
+    return known_step + int(max(0.0, since_s) / fastest_step_s) + SLACK_STEPS
+
+
+def choose_trusted(holders: Sequence[Holder], known: Known) -> Verdict:
+    """The state to consider fetching, by the rules of the module docstring."""
+    refused = []
+    backers: dict[tuple[int, str], set[PeerID]] = {}
+    for h in holders:
+        if known.horizon is not None and h.step > known.horizon:
+            refused.append((h.peer_id, f"step {h.step} is not reachable from step {known.step} in the time seen"))
+            continue
+        backers.setdefault((h.step, h.manifest), set()).add(h.peer_id)
+    # the node itself and the peers at its step (whatever their hash: a node whose snapshot of a
+    # step just finished is not made yet still counts them)
+    own_backing = 1 + len({peer for (step, _), peers in backers.items() if step == known.step for peer in peers})
+    newer = {c: peers for c, peers in backers.items() if c[0] > known.step and len(peers) >= own_backing}
+    for (step, sha), peers in backers.items():
+        if step > known.step and (step, sha) not in newer:
+            for peer in peers:
+                refused.append((peer, f"step {step} is backed by {len(peers)} peer(s), ours by {own_backing}"))
+    vouched = {c: peers for c, peers in newer.items() if peers & known.vouching}
+    pool = vouched or newer
+    if pool:
+        step, sha = min(pool, key=lambda c: (-len(pool[c]), c[0], c[1]))
+    else:
+        older = {c: peers for c, peers in backers.items() if c[0] <= known.step}
+        if not older:
+            return Verdict(None, tuple(refused))
+        newest = max(c[0] for c in older)
+        step, sha = min((c for c in older if c[0] == newest), key=lambda c: (-len(older[c]), c[1]))
+    chosen = [h for h in holders if h.step == step and h.manifest == sha]
+    return Verdict((step, sha, chosen), tuple(refused))
+
+
+def manifest_problem(manifest: Manifest, expected: Mapping[str, int]) -> str | None:
+    """Why a manifest cannot be this node's state (None: it can): `expected` maps each tensor
+    name of the state ("params/<name>", "momentum/<name>") to its raw byte size."""
+    listed = [name for shard in manifest.shards for name in shard.tensors]
+    if set(listed) != set(expected) or len(listed) != len(expected):
+        return f"it lists {len(listed)} tensors, not the model's {len(expected)}"
+    for shard in manifest.shards:
+        raw = sum(expected[name] for name in shard.tensors)
+        most = raw + HEADER_BYTES + HEADER_BYTES_PER_TENSOR * len(shard.tensors)
+        if not raw < shard.nbytes <= most:
+            return f"{shard.name} is {shard.nbytes} bytes; its tensors take {raw} (at most {most} with the header)"
+    return None

@@ -1,0 +1,331 @@
+"""ISSUE 12, bounded announcements and safe state choice: 3 honest SwarmNodes and one attacker
+in one event loop over real sockets (tests/node/inprocess.py). The attacker is either a
+SwarmNode with one method changed (a, b) or a bare DHT peer that publishes what it likes
+(d, e, f). Each time the honest nodes never exit, agree bit for bit at every step, and end
+within 5% of the eval loss of the same run without the attacker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import statistics
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+
+from swarm.averaging.allreduce import AllReduceRound
+from swarm.averaging.averager import Averager
+from swarm.averaging.messages import MemberInfo
+from swarm.dht import DHTNode
+from swarm.dht.records import owner_subkey
+from swarm.dht.run_keys import nodes_key
+from swarm.model.checkpoint import Snapshot, copy_state, make_snapshot
+from swarm.model.data import TokenData, load_data
+from swarm.p2p import P2PHost
+from swarm.p2p.identity import Identity
+from swarm.state import fetcher
+from swarm.state.holders import advertise
+from swarm.state.server import StateServer
+from tests.node.inprocess import LOCAL, QUICK, LocalSwarm, Running
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
+
+STEPS = 3
+LONG = 50  # max_outer_steps: the nodes are stopped once they have done STEPS (finish)
+HONEST_SEEDS = [bytes([i + 1]) * 32 for i in range(3)]  # the same honest identities (data order) in every run
+RUN_ID = "inproc"
+_clean: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="module")
+def data() -> TokenData:
+    return load_data("stdlib")
+
+
+@pytest.fixture
+async def local(data: TokenData) -> AsyncIterator[LocalSwarm]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    swarm = LocalSwarm(data)
+    try:
+        yield swarm
+    finally:
+        await swarm.close()
+        torch.set_num_threads(threads)
+
+
+def start_honest(local: LocalSwarm, bootstrap: str, **settings: Any) -> list[Running]:
+    return [local.start((bootstrap,), identity=Identity.from_seed(seed), max_outer_steps=LONG, **settings)
+            for seed in HONEST_SEEDS]  # fmt: skip
+
+
+async def finish(honest: list[Running], newcomers: tuple[Running, ...] = (), timeout: float = 120) -> None:
+    """Wait until every honest node has completed STEPS outer steps (and every newcomer has
+    fetched the swarm's state), then stop them all. Nodes run LONG steps, so that none leaves
+    while another still needs its state; none may exit by itself meanwhile."""
+
+    def done() -> bool:
+        if any(n.task.done() for n in [*honest, *newcomers]):
+            return True  # exited early: the check below says how
+        return all(STEPS - 1 in n.steps() for n in honest) and all(fetches(n) for n in newcomers)
+
+    try:
+        await asyncio.wait_for(_until(done), timeout)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"not done in {timeout}s: {[story(n) for n in [*honest, *newcomers]]}") from None
+    early = [story(n) for n in [*honest, *newcomers] if n.task.done()]
+    assert not early, f"a node exited: {early}"
+    for n in [*honest, *newcomers]:
+        n.stop.set()
+    reasons = await asyncio.wait_for(asyncio.gather(*(n.task for n in [*honest, *newcomers])), 60)
+    assert set(reasons) == {"stopped"}, reasons
+
+
+def story(node: Running) -> list[tuple[Any, ...]]:
+    """What a node did, for a failure's message."""
+    kinds = ("start", "outer_step", "fetch", "exit")
+    return [(e["event"], e["outer_step"], e.get("group_size", e.get("reason")))
+            for e in node.events if e["event"] in kinds]  # fmt: skip
+
+
+def final_loss(honest: list[Running]) -> float:
+    return statistics.mean(n.steps()[STEPS - 1]["eval_loss"] for n in honest)
+
+
+def assert_agree(honest: list[Running], newcomers: tuple[Running, ...] = ()) -> None:
+    """Every honest node completed every step, with one state per step (a newcomer's steps too)."""
+    for step in range(STEPS):
+        hashes = {n.steps()[step]["state_sha256"] for n in [*honest, *newcomers] if step in n.steps()}
+        assert len(hashes) == 1, f"step {step}: {len(hashes)} states among the honest nodes"
+    assert all(set(n.steps()) >= set(range(STEPS)) for n in honest)
+
+
+async def clean_run(data: TokenData) -> dict[str, Any]:
+    """The same honest nodes without the attacker (once per module): final loss, seconds per step."""
+    if not _clean:
+        swarm = LocalSwarm(data)
+        try:
+            honest = start_honest(swarm, await swarm.start_bootstrap())
+            started = time.monotonic()
+            await finish(honest)
+            _clean["loss"] = final_loss(honest)
+            _clean["step_s"] = (time.monotonic() - started) / STEPS
+        finally:
+            await swarm.close()
+    return _clean
+
+
+def assert_within_clean(honest: list[Running], clean: dict[str, Any]) -> None:
+    ratio = final_loss(honest) / clean["loss"]
+    assert ratio <= 1.05, f"honest final eval loss {final_loss(honest):.4f} vs clean {clean['loss']:.4f}"
+
+
+def record_rounds(monkeypatch: pytest.MonkeyPatch) -> list[AllReduceRound]:
+    """Every flat round any node starts, as built (group, weights and parts as counted)."""
+    rounds: list[AllReduceRound] = []
+    init = AllReduceRound.__init__
+
+    def recording(self: AllReduceRound, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        rounds.append(self)
+
+    monkeypatch.setattr(AllReduceRound, "__init__", recording)
+    return rounds
+
+
+def lie_in_announcements(monkeypatch: pytest.MonkeyPatch, liar: Running, **lies: float) -> None:
+    """The liar's averager announces `lies` (weight, bandwidth) instead of its own numbers."""
+    honest_info = Averager.member_info
+
+    def member_info(self: Averager, *args: Any, **kwargs: Any) -> MemberInfo:
+        me = honest_info(self, *args, **kwargs)
+        if self.host.peer_id != liar.node.peer_id:
+            return me
+        return dataclasses.replace(me, **{k: (v * me.weight if k == "weight" else v) for k, v in lies.items()})
+
+    monkeypatch.setattr(Averager, "member_info", member_info)
+
+
+async def test_attack_a_a_weight_of_a_million_times_its_tokens_is_ignored(
+    local: LocalSwarm, data: TokenData, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clean = await clean_run(data)
+    rounds = record_rounds(monkeypatch)
+    bootstrap = await local.start_bootstrap()
+    honest = start_honest(local, bootstrap)
+    attacker = local.start((bootstrap,))
+    lie_in_announcements(monkeypatch, attacker, weight=1e6)
+    diloco = attacker.node.diloco
+    own_deltas = diloco.pseudo_gradients
+    diloco.pseudo_gradients = lambda: [-d for d in own_deltas()]  # type: ignore[method-assign]
+    await finish(honest)
+    assert_agree(honest)
+    config = honest[0].node.config
+    max_weight = config.inner_steps * config.batch_size * config.seq_len  # the tokens of one step
+    honest_rounds = [r for r in rounds if r.host.peer_id != attacker.node.peer_id]
+    assert honest_rounds and all(m.weight <= max_weight for r in honest_rounds for m in r.group.members)
+    assert_within_clean(honest, clean)
+
+
+async def test_attack_b_a_bandwidth_of_1e12_owns_a_bounded_share(
+    local: LocalSwarm, data: TokenData, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clean = await clean_run(data)
+    rounds = record_rounds(monkeypatch)
+    bootstrap = await local.start_bootstrap()
+    honest = start_honest(local, bootstrap)
+    attacker = local.start((bootstrap,))
+    lie_in_announcements(monkeypatch, attacker, bandwidth=1e12)
+    await finish(honest)
+    assert_agree(honest)
+    with_attacker = [r for r in rounds if attacker.node.peer_id in {m.peer_id for m in r.group.members}]
+    assert with_attacker, "the attacker was never grouped: the test shows nothing"
+    for r in with_attacker:
+        lo, hi = r.parts[r.group.index_of(attacker.node.peer_id)]
+        owners = sum(1 for m in r.group.members if not m.client)
+        numel = max(end for _, end in r.parts)
+        assert (hi - lo) / numel <= 4 / (4 + owners - 1) + 0.01, f"the attacker owns {(hi - lo) / numel:.0%}"
+        assert all(hi > lo for i, (lo, hi) in enumerate(r.parts) if not r.group.members[i].client)
+    assert_within_clean(honest, clean)
+
+
+@contextlib.asynccontextmanager
+async def outsider(bootstrap: str) -> AsyncIterator[tuple[P2PHost, DHTNode]]:
+    """A bare peer of the run: a host and a DHT node, no training."""
+    host = await P2PHost(config=LOCAL).start()
+    dht = await DHTNode(host=host, initial_peers=(bootstrap,)).start()
+    try:
+        yield host, dht
+    finally:
+        await dht.close()
+        await host.close()
+
+
+async def repeat(every: float, action: Any) -> None:
+    while True:
+        await action()
+        await asyncio.sleep(every)
+
+
+async def serve_fake_state(host: P2PHost, dht: DHTNode, snapshot: Snapshot) -> asyncio.Task[None]:
+    server = StateServer(host, RUN_ID)
+    server.publish(snapshot)
+
+    async def advertise_it() -> None:
+        await advertise(dht, RUN_ID, snapshot.manifest, host.visible_maddrs, time.time() + 10)
+
+    return asyncio.ensure_future(repeat(0.5, advertise_it))
+
+
+def fake_snapshot(like: Running, step: int, *, inflate: int = 0) -> Snapshot:
+    """A correctly hashed all-zero θ_outer of `like`'s model at `step`; with `inflate`, its
+    manifest lists every shard at that many bytes (it is served as it is)."""
+    state = copy_state(like.node.diloco.state_dict())
+    state["outer_step"] = step
+    for kind in ("params", "momentum"):
+        state[kind] = {n: torch.zeros_like(t) for n, t in state[kind].items()}
+    snapshot = make_snapshot(state, like.node.run_info, shard_bytes=1 << 20)
+    if inflate:
+        shards = tuple(dataclasses.replace(s, nbytes=inflate) for s in snapshot.manifest.shards)
+        snapshot = Snapshot(dataclasses.replace(snapshot.manifest, shards=shards), snapshot.shards)
+    return snapshot
+
+
+def fetches(node: Running) -> list[dict[str, Any]]:
+    return [e for e in node.events if e["event"] == "fetch"]
+
+
+async def test_attack_d_a_state_at_step_a_million_is_never_adopted(local: LocalSwarm, data: TokenData) -> None:
+    clean = await clean_run(data)
+    bootstrap = await local.start_bootstrap()
+    honest = start_honest(local, bootstrap)
+    await asyncio.wait_for(_until(lambda: all(0 in n.steps() for n in honest)), 60)  # a pace is known
+    async with outsider(bootstrap) as (host, dht):
+        advertising = await serve_fake_state(host, dht, fake_snapshot(honest[0], 1_000_000))
+        try:
+            newcomer = local.start((bootstrap,), max_outer_steps=LONG)  # joins while the attacker advertises
+            await finish(honest, (newcomer,))
+        finally:
+            advertising.cancel()
+    assert_agree(honest, (newcomer,))
+    assert not any(e["outer_step"] >= 1_000_000 for n in [*honest, newcomer] for e in fetches(n))
+    assert all(not fetches(n) for n in honest)  # nodes in sync never switch state
+    assert_within_clean(honest, clean)
+
+
+async def test_attack_e_a_manifest_too_big_for_the_model_is_refused_before_allocating(
+    local: LocalSwarm, data: TokenData, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The newcomer names the attacker among its --initial-peers (its preferred source), which
+    advertises a manifest of 64 MiB shards for a model of a few MB at a later step."""
+    clean = await clean_run(data)
+    started: list[int] = []
+    shard_fetch = fetcher._ShardFetch.__init__
+
+    def recording(self: Any, host: Any, run_id: str, manifest: Any, *args: Any) -> None:
+        started.append(manifest.total_bytes)
+        shard_fetch(self, host, run_id, manifest, *args)
+
+    monkeypatch.setattr(fetcher._ShardFetch, "__init__", recording)
+    bootstrap = await local.start_bootstrap()
+    honest = start_honest(local, bootstrap)
+    await asyncio.wait_for(_until(lambda: all(0 in n.steps() for n in honest)), 60)
+    async with outsider(bootstrap) as (host, dht):
+        snapshot = fake_snapshot(honest[0], 10_000, inflate=64 << 20)
+        advertising = await serve_fake_state(host, dht, snapshot)
+        try:
+            newcomer = local.start((host.visible_maddrs[0], bootstrap), max_outer_steps=LONG)
+            await finish(honest, (newcomer,))
+        finally:
+            advertising.cancel()
+    assert_agree(honest, (newcomer,))
+    model_bytes = sum(2 * t.numel() * t.element_size() for t in honest[0].node.diloco.outer_params)
+    assert started and max(started) < 2 * model_bytes + (1 << 20), (started, model_bytes)
+    assert fetches(newcomer) and all(e["outer_step"] < 10_000 for e in fetches(newcomer))
+    assert_within_clean(honest, clean)
+
+
+async def test_attack_f_absurd_progress_records_do_not_slow_or_redirect_steps(
+    local: LocalSwarm, data: TokenData
+) -> None:
+    """One identity claims to finish each step just before max_wait ends (so that every node
+    would wait that long), another to be at step 1,000,000 (so that every node would fetch)."""
+    clean = await clean_run(data)
+    max_wait = 12.0
+    bootstrap = await local.start_bootstrap()
+    honest = start_honest(local, bootstrap, max_wait=max_wait)
+    h = QUICK["inner_steps"]
+
+    def record(step: int, sec: float) -> dict[str, Any]:
+        return {"maddrs": [], "client": False, "step": step, "inner": 0, "H": h, "sec_per_step": sec,
+                "time": round(time.time(), 3), "train_loss": None, "eval_loss": None, "tokens_per_s": None,
+                "group_size": 1}  # fmt: skip
+
+    async with outsider(bootstrap) as (_, slow_liar), outsider(bootstrap) as (_, far_liar):
+
+        async def publish() -> None:
+            step = max(n.node.diloco.outer_step for n in honest)
+            for dht, value in ((slow_liar, record(step, (max_wait - 1) / h)), (far_liar, record(1_000_000, 0.5))):
+                await dht.store(nodes_key(RUN_ID), value, time.time() + 10, owner_subkey(dht.peer_id))
+
+        lying = asyncio.ensure_future(repeat(0.3, publish))
+        started = time.monotonic()
+        try:
+            await finish(honest)
+        finally:
+            lying.cancel()
+    step_s = (time.monotonic() - started) / STEPS
+    assert_agree(honest)
+    assert all(not fetches(n) for n in honest)
+    assert step_s < clean["step_s"] + max_wait / 2, f"{step_s:.1f}s per step, {clean['step_s']:.1f}s without"
+    assert_within_clean(honest, clean)
+
+
+async def _until(condition: Any) -> None:
+    """Poll the nodes' event lists (plain lists the nodes append to: no event to wait on)."""
+    while not condition():  # noqa: ASYNC110
+        await asyncio.sleep(0.1)
