@@ -5,8 +5,8 @@
 
 1. Choose (holders.choose_state): the newest step, the manifest hash most peers advertise.
 2. Manifest: asked from the holders in random order; believed only when its bytes hash to the
-   advertised value, and refused (IncompatibleState) when it is of another run or model, or
-   (RefusedManifest) when its tensors or shard sizes do not fit the model (trust.py).
+   advertised value, and refused (RefusedManifest) when it is of another run or model, or
+   when its tensors or shard sizes do not fit the model (trust.py).
 3. Shards, in parallel: `streams_per_peer` downloads per holder at a time. Shard i prefers
    holder (i + r) mod n for a random r, so each shard comes from a different peer where possible
    and many newcomers spread over all holders; an idle holder takes any shard still waiting.
@@ -43,6 +43,7 @@ from typing import Any
 from swarm.dht.errors import DHTError
 from swarm.model.checkpoint import (
     CheckpointError,
+    IncompatibleState,
     Manifest,
     RunInfo,
     ShardInfo,
@@ -123,8 +124,9 @@ async def fetch_state(
     recruit_every: float = 2.0,
     expect_tensors: Mapping[str, int] | None = None,
 ) -> tuple[Manifest, dict[str, Any], FetchReport]:
-    """Fetch, verify and load the state to use (see the module docstring). Raises FetchError,
-    or IncompatibleState for a state of another run or model. With `expect_tensors` (each
+    """Fetch, verify and load the state to use (see the module docstring). Raises FetchError;
+    RefusedManifest for a state of another run or model (anyone can advertise one under our
+    run's key: it must not stop the node). With `expect_tensors` (each
     tensor name of the state -> its raw byte size), a manifest that does not fit them is refused
     (RefusedManifest) before any shard buffer is allocated."""
     rng = rng or random.Random()
@@ -146,7 +148,10 @@ async def fetch_state(
     finally:
         await fetch.writes_done()
     shards = [fetch.buffers[i] for i in range(len(manifest.shards))]
-    state = await asyncio.to_thread(state_from_shards, manifest, shards)
+    try:
+        state = await asyncio.to_thread(state_from_shards, manifest, shards)
+    except CheckpointError as e:  # shards that hash right but hold no usable state: its maker lies
+        raise RefusedManifest(sha, str(e)) from None
     fetch.report.elapsed_s = time.perf_counter() - fetch.started
     return manifest, state, fetch.report
 
@@ -166,7 +171,10 @@ async def _fetch_manifest(
         except (P2PError, CheckpointError) as e:
             reasons.append(f"{str(peer.peer_id)[-8:]}: {e}")
             continue
-        manifest.check_usable_by(expect)  # IncompatibleState: the advertised state itself is wrong for us
+        try:
+            manifest.check_usable_by(expect)
+        except IncompatibleState as e:  # under our run's key: a peer of other settings, or one that lies
+            raise RefusedManifest(sha, f"{e} (a node of other settings, or a lie: not adopted)") from None
         return manifest
     raise FetchError(f"no holder of state {sha[:12]} sent its manifest ({'; '.join(reasons)[:400]})")
 

@@ -152,6 +152,10 @@ class StateKeeper:
                 find_holders=self._holders,
                 expect_tensors=await self.in_trainer(tensor_sizes, diloco),
             )
+            try:
+                await self.in_trainer(diloco.load_state_dict, state)
+            except ValueError as e:  # hashes right, but NaN or misshapen tensors: never ours
+                raise RefusedManifest(sha, f"its tensors are unusable: {e}") from None
         except RefusedManifest as e:  # never chosen again; its holders are named once
             if len(self._refused) >= MAX_REFUSED:
                 self._refused.clear()
@@ -159,7 +163,6 @@ class StateKeeper:
             for holder in donors:
                 self._distrusted.log(holder.peer_id, "manifest", "refusing the state it advertises: %s", e)
             raise
-        await self.in_trainer(diloco.load_state_dict, state)
         if dest is not None:
             await asyncio.to_thread(remove_fetch_dir, dest, manifest)
         logger.info("fetched the state of outer step %d (%s): %.1f MB from %d peers in %.2fs", manifest.step, why,

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from swarm.dht.records import owner_subkey
-from swarm.model.checkpoint import IncompatibleState, RunInfo, Snapshot, copy_state, make_snapshot
+from swarm.model.checkpoint import RunInfo, Snapshot, copy_state, make_snapshot
 from swarm.p2p import P2PConfig, P2PHost
 from swarm.p2p.errors import RemoteError
 from swarm.p2p.identity import Identity
 from swarm.state import protocol
-from swarm.state.fetcher import FetchError, fetch_state
+from swarm.state.fetcher import FetchError, RefusedManifest, fetch_state
 from swarm.state.holders import Holder, choose_state, decode_holder, settled_holders
 from swarm.state.keeper import fetch_reason
 from swarm.state.server import StateServer
@@ -219,7 +219,7 @@ async def test_a_state_of_another_run_or_model_is_refused(tmp_path: Path) -> Non
         hosts, _ = await _servers(1, snapshot)
         fetcher = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
         try:
-            with pytest.raises(IncompatibleState, match=r"other|model"):
+            with pytest.raises(RefusedManifest, match=r"other|model"):
                 await fetch_state(fetcher, "run", [_holder(hosts[0], snapshot)], expect=RUN, dest=tmp_path)
         finally:
             for h in [*hosts, fetcher]:
