@@ -34,6 +34,7 @@ from swarm.cli.common import (
     verbose_option,
 )
 from swarm.cli.node_display import MetricsFile, display_for_terminal
+from swarm.dht.id_proof import proof_path_for
 from swarm.model.data import DataUnavailableError
 from swarm.model.presets import PRESETS
 from swarm.node import Event, NodeError, SwarmNode
@@ -161,7 +162,12 @@ def main(
 
         try:
             node = SwarmNode(
-                config, identity=node_identity, initial_peers=initial_peers, p2p_config=p2p_config, on_event=on_event
+                config,
+                identity=node_identity,
+                initial_peers=initial_peers,
+                p2p_config=p2p_config,
+                on_event=on_event,
+                id_proof_path=proof_path_for(identity) if identity is not None else None,
             )
             run_network(lambda: _run_until_signalled(node))
         except (NodeError, DataUnavailableError) as e:
