@@ -12,6 +12,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from swarm.log_once import RateLimitedLog
 from swarm.p2p import handshake as hs
 from swarm.p2p.admission import PeerFacts, admit_handshake, plan_admission, source_of
 from swarm.p2p.config import P2PConfig
@@ -20,6 +21,7 @@ from swarm.p2p.errors import HandshakeError
 from swarm.p2p.peer_id import PeerID
 
 logger = logging.getLogger(__name__)
+_flood_log = RateLimitedLog(logger)  # throwaway identities must not flood the log
 
 CALLED_PEERS_PER_SLOT = 4  # how many peers we called are remembered, per connection slot
 
@@ -68,7 +70,8 @@ class Gate:
         )
         if not plan.admit:
             where = conn.remote_address[0]
-            logger.warning("%s: refusing connection from %s (%s): %s", self.peer_id, conn.peer_id, where, plan.reason)
+            _flood_log.log("refused", "%s: refusing connection from %s (%s): %s", self.peer_id, conn.peer_id, where,
+                           plan.reason)  # fmt: skip
             conn.close()
             return False, None
         if plan.evict is None:

@@ -22,6 +22,7 @@ import logging
 import socket
 from typing import Any
 
+from swarm.log_once import RateLimitedLog
 from swarm.p2p import handshake as hs
 from swarm.p2p.autonat import DIALBACK, dialback_handler
 from swarm.p2p.budget import HostStreams
@@ -36,6 +37,7 @@ from swarm.p2p.peer_id import PeerID
 from swarm.p2p.stream import Stream
 
 logger = logging.getLogger(__name__)
+_flood_log = RateLimitedLog(logger)  # a flood of throwaway sources must not flood the log
 
 CLOSE_GRACE_SECONDS = 2.0  # how long close() lets connections flush before aborting them
 PeerRef = PeerID | TcpAddress | str  # a PeerID we know an address for, or a multiaddr
@@ -317,7 +319,8 @@ class P2PHost:
         assert protocol.transport is not None
         peer = protocol.transport.get_extra_info("peername")
         if self._closing or not self._gate.may_handshake(str(peer[0]) if peer else "?"):
-            logger.warning(
+            _flood_log.log(
+                "handshakes",
                 "%s: refusing connection from %s: %d handshakes pending (limits %d per source, %d in all)",
                 self.peer_id,
                 peer,
@@ -337,7 +340,7 @@ class P2PHost:
         try:
             await conn.handshake()
         except HandshakeError as e:
-            logger.warning("%s: inbound handshake from %s failed: %s", self.peer_id, peer, e)
+            _flood_log.log("handshake failed", "%s: inbound handshake from %s failed: %s", self.peer_id, peer, e)
             return
         finally:
             self._handshaking.discard(conn)

@@ -346,3 +346,18 @@ def test_may_open_stream(open_streams: int, mine: int, holders: int, allowed: bo
 )
 def test_credit_to_grant(outstanding: int, budget_free: int, grant: int) -> None:
     assert credit_to_grant(outstanding=outstanding, window=1000, floor=100, budget_free=budget_free) == grant
+
+
+def test_a_flood_logs_a_few_lines_and_says_how_many_it_held_back(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from swarm.log_once import RateLimitedLog
+
+    log = RateLimitedLog(logging.getLogger("flood-test"), burst=3, period=3600)
+    with caplog.at_level(logging.WARNING, logger="flood-test"):
+        logged = [log.log("refused", "refusing %d", i) for i in range(1000)]
+    assert sum(logged) == 3 and len(caplog.records) == 3
+    log._windows["refused"] = (0.0, 3, 997)  # the period is over: the next line says what was held back
+    with caplog.at_level(logging.WARNING, logger="flood-test"):
+        assert log.log("refused", "refusing %d", 1000)
+    assert "997 more like it held back" in caplog.records[-1].getMessage()
