@@ -117,9 +117,11 @@ class SwarmNode:
         data: TokenData | None = None,
         model: nn.Module | None = None,
         id_proof_path: Path | None = None,
+        dht_config: DHTConfig | None = None,
     ) -> None:
         self.config = config
         self.id_proof_path = id_proof_path  # the DHT id's proof of work, kept next to the identity file
+        self.dht_config = dht_config or DHTConfig()
         self.identity = identity or Identity.generate()
         self.peer_id = self.identity.peer_id
         self.initial_peers = initial_peers
@@ -173,7 +175,7 @@ class SwarmNode:
         config, diloco = self.config, self.diloco
         if self.initial_peers and not self.client_mode:
             await self._check_reachability(host)
-        dht = DHTNode(host=host, initial_peers=self.initial_peers, config=DHTConfig(), client_mode=self.client_mode,
+        dht = DHTNode(host=host, initial_peers=self.initial_peers, config=self.dht_config, client_mode=self.client_mode,
                       id_proof_path=self.id_proof_path)  # fmt: skip
         await dht.start()
         averager = Averager(dht, host, config.run_id, config.averaging_config(self.client_mode))

@@ -204,6 +204,50 @@ def identity_option(*, help: str) -> Callable[[Any], Any]:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class OpenNetworkLimits:
+    """What an operator of a public node tunes against floods (P2PConfig, DHTConfig)."""
+
+    max_connections: int
+    max_connections_per_ip: int
+    exempt_ips: tuple[str, ...]
+    dht_id_bits: int
+
+    def p2p(self, **settings: Any) -> P2PConfig:
+        return P2PConfig(max_connections=self.max_connections, max_connections_per_ip=self.max_connections_per_ip,
+                         exempt_ips=self.exempt_ips, **settings)  # fmt: skip
+
+    def dht(self) -> DHTConfig:
+        return DHTConfig(id_bits=self.dht_id_bits)
+
+
+def open_network_options(command: Callable[..., None]) -> Callable[..., None]:
+    """--max-connections, --max-connections-per-ip, --exempt-ip, --dht-id-bits, handed to the
+    command as `limits` (an OpenNetworkLimits)."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, max_connections: int, max_connections_per_ip: int, exempt_ip: tuple[str, ...],
+                dht_id_bits: int, **kwargs: Any) -> None:  # fmt: skip
+        exempt = tuple(exempt_ip) if exempt_ip else _P2P_DEFAULTS.exempt_ips
+        limits = OpenNetworkLimits(max_connections, max_connections_per_ip, exempt, dht_id_bits)
+        command(*args, limits=limits, **kwargs)
+
+    options = [
+        click.option("--max-connections", type=click.IntRange(1), default=_P2P_DEFAULTS.max_connections,
+                     show_default=True, help="Connections in all; at the cap, idle unknown peers make room."),
+        click.option("--max-connections-per-ip", type=click.IntRange(1), default=_P2P_DEFAULTS.max_connections_per_ip,
+                     show_default=True, help="Inbound connections from one IP (an IPv6 /64)."),
+        click.option("--exempt-ip", multiple=True, metavar="IP",
+                     help="Not held to the per-IP caps (repeatable; e.g. a NAT your own nodes share). "
+                     f"Default: {', '.join(_P2P_DEFAULTS.exempt_ips)}."),
+        click.option("--dht-id-bits", type=click.IntRange(0, 32), default=_DHT_DEFAULTS.id_bits, show_default=True,
+                     help="Proof of work of a DHT id (2^bits hashes); every node of a DHT must use the same."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper
+
+
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 verbose_option = click.option(
     "-v", "--verbose", count=True, help="Log at INFO (-v) or DEBUG (-vv); default: WARNING for serve, ERROR otherwise."

@@ -30,6 +30,7 @@ from swarm.cli.common import (
     ClientOptions,
     CliError,
     OneLineErrors,
+    OpenNetworkLimits,
     cell,
     client_options,
     duration,
@@ -43,6 +44,7 @@ from swarm.cli.common import (
     maddr_argument,
     maddr_list,
     new_table,
+    open_network_options,
     positive_seconds,
     print_table,
     run_network,
@@ -57,7 +59,6 @@ from swarm.dht.errors import RecordError
 from swarm.dht.id_proof import proof_path_for
 from swarm.dht.node import DHTNode, user_value
 from swarm.dht.records import OWNER_PREFIX, Record, ValueWithExpiration, owner_of, owner_subkey
-from swarm.p2p.config import P2PConfig
 from swarm.p2p.identity import Identity
 from swarm.p2p.maddr import parse_maddr
 
@@ -93,6 +94,7 @@ def main() -> None:
 )
 @identity_option(help="Key file of this node, created if missing; keeps the PeerID across restarts.")
 @initial_peers_option(help="Multiaddr of a node to join; none: this is the first node of a new DHT.")
+@open_network_options
 @json_option
 @verbose_option
 def serve(
@@ -102,6 +104,7 @@ def serve(
     initial_peers: tuple[str, ...],
     as_json: bool,
     verbose: int,
+    limits: OpenNetworkLimits,
 ) -> None:
     """Run a DHT-only node (e.g. a bootstrap node) until SIGINT or SIGTERM.
 
@@ -112,9 +115,10 @@ def serve(
     node_identity = load_identity(identity)
 
     async def run() -> None:
-        p2p_config = P2PConfig(host_maddrs=host_maddrs or SERVE_HOST_MADDRS, announce_maddrs=announce_maddrs)
+        p2p_config = limits.p2p(host_maddrs=host_maddrs or SERVE_HOST_MADDRS, announce_maddrs=announce_maddrs)
         proof_path = proof_path_for(identity) if identity is not None else None  # the id proof, kept with the key
-        node = DHTNode(node_identity, initial_peers, p2p_config=p2p_config, id_proof_path=proof_path)
+        node = DHTNode(node_identity, initial_peers, config=limits.dht(), p2p_config=p2p_config,
+                       id_proof_path=proof_path)  # fmt: skip
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):

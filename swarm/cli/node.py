@@ -25,10 +25,12 @@ from swarm.averaging.config import CODECS
 from swarm.cli.common import (
     CliError,
     OneLineCommand,
+    OpenNetworkLimits,
     identity_option,
     initial_peers_option,
     load_identity,
     maddr_list,
+    open_network_options,
     run_network,
     setup_logging,
     verbose_option,
@@ -39,7 +41,6 @@ from swarm.model.data import DataUnavailableError
 from swarm.model.presets import PRESETS
 from swarm.node import Event, NodeError, SwarmNode
 from swarm.node_config import NodeConfig
-from swarm.p2p.config import P2PConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -120,6 +121,7 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
 @click.option("--threads", type=click.IntRange(1), default=None, help="Torch CPU threads (default: torch's).")
 @click.option("--metrics-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Append every event (start, progress, outer_step, exit) as a JSON line.")  # fmt: skip
+@open_network_options
 @verbose_option
 def main(
     initial_peers: tuple[str, ...],
@@ -130,6 +132,7 @@ def main(
     metrics_file: Path | None,
     shard_mb: float,
     verbose: int,
+    limits: OpenNetworkLimits,
     **options: Any,
 ) -> None:
     """Train the swarm's model with DiLoCo, averaging with whoever is ready each outer step."""
@@ -142,7 +145,7 @@ def main(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        p2p_config = P2PConfig(host_maddrs=host_maddrs or DEFAULT_HOST_MADDRS, announce_maddrs=announce_maddrs)
+        p2p_config = limits.p2p(host_maddrs=host_maddrs or DEFAULT_HOST_MADDRS, announce_maddrs=announce_maddrs)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     sinks: list[Any] = []
@@ -168,6 +171,7 @@ def main(
                 p2p_config=p2p_config,
                 on_event=on_event,
                 id_proof_path=proof_path_for(identity) if identity is not None else None,
+                dht_config=limits.dht(),
             )
             run_network(lambda: _run_until_signalled(node))
         except (NodeError, DataUnavailableError) as e:

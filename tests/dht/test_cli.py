@@ -336,3 +336,25 @@ def test_values_map_onto_json() -> None:
     assert jsonable({b"\x00k": b"\x01", 3: [b"", (1, "x")], "s": {"n": None}}) == {
         "$bytes:AGs=": {"$bytes": "AQ=="}, "3": [{"$bytes": ""}, [1, "x"]], "s": {"n": None},
     }  # fmt: skip
+
+
+def test_open_network_options_reach_the_configs() -> None:
+    import click
+    from click.testing import CliRunner
+
+    from swarm.cli.common import OpenNetworkLimits, open_network_options
+
+    seen: list[OpenNetworkLimits] = []
+
+    @click.command()
+    @open_network_options
+    def command(limits: OpenNetworkLimits) -> None:
+        seen.append(limits)
+
+    args = ["--max-connections", "50", "--max-connections-per-ip", "2", "--exempt-ip", "10.0.0.1", "--dht-id-bits", "3"]
+    assert CliRunner().invoke(command, args).exit_code == 0
+    p2p, dht = seen[0].p2p(host_maddrs=("/ip4/127.0.0.1/tcp/0",)), seen[0].dht()
+    assert (p2p.max_connections, p2p.max_connections_per_ip, p2p.exempt_ips) == (50, 2, ("10.0.0.1",))
+    assert dht.id_bits == 3
+    assert CliRunner().invoke(command, []).exit_code == 0
+    assert seen[1].p2p().exempt_ips == ("127.0.0.1", "::1")
