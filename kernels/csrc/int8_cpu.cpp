@@ -422,3 +422,33 @@ SWARM_API int swarm_int8_dequantize_accumulate(float* acc, const int8_t* codes, 
     return -1;
   }
 }
+
+// The owner audit's sketch (swarm/averaging/audit.py; reference: swarm_kernels/sketch.py).
+// Element i = offset + k of a part (x[k], k < n) lies in row r = i / buckets at column
+// c = i % buckets and is added, times the row's sign, to out[(c + shifts[r]) mod buckets], in
+// double. Each row's stretch is two contiguous runs (before and after the wrap), so the inner
+// loops have no modulo and vectorize. Rows are added in order, one element to one bucket at a
+// time: the same sums, bit for bit, as the reference's out[t:t+h] += s * x[row] per row.
+// Single-threaded: the callers already run one sketch per worker thread.
+// Returns 0, or -1 on bad arguments (a shift outside [0, buckets)).
+SWARM_API int swarm_sketch_f32(const float* x, int64_t n, int64_t offset, int64_t buckets, const double* signs,
+                               const int64_t* shifts, double* out) {
+  if (n < 0 || offset < 0 || buckets <= 0) return -1;
+  int64_t k = 0;
+  while (k < n) {
+    const int64_t i = offset + k;
+    const int64_t r = i / buckets, c = i % buckets;
+    const int64_t len = std::min<int64_t>(n - k, buckets - c);  // this row's stretch
+    const int64_t t = shifts[r];
+    if (t < 0 || t >= buckets) return -1;
+    const double s = signs[r];
+    const float* xs = x + k;
+    const int64_t start = (c + t) % buckets;
+    const int64_t head = std::min<int64_t>(len, buckets - start);  // up to the wrap
+    double* o = out + start;
+    for (int64_t e = 0; e < head; ++e) o[e] += s * static_cast<double>(xs[e]);
+    for (int64_t e = head; e < len; ++e) out[e - head] += s * static_cast<double>(xs[e]);
+    k += len;
+  }
+  return 0;
+}

@@ -44,9 +44,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from swarm.averaging.robust import robust_coefficients
+from swarm_kernels.sketch import SketchPlan, sketch_accumulate
 
 BUCKETS = 4096
 MAX_BUCKETS = 1 << 16
@@ -99,32 +101,30 @@ def audit_seed(group_id: bytes, results: Sequence[bytes | memoryview]) -> bytes:
     return digest.digest()
 
 
-def _rows(seed: bytes, part: int, rows: int, buckets: int) -> tuple[list[float], list[int]]:
-    """Row signs and rotations of part `part`'s sketch, from the seed alone (the same on every
-    machine: SHAKE-256, not a library's random generator)."""
+def _rows(seed: bytes, part: int, rows: int, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row signs (float64 +-1) and rotations (int64) of part `part`'s sketch, from the seed alone
+    (the same on every machine: SHAKE-256, not a library's random generator). Row r uses the
+    big-endian 64-bit word r of the stream: its low bit picks the sign, the rest the shift."""
     stream = hashlib.shake_256(seed + part.to_bytes(4, "big")).digest(8 * rows)
-    signs, shifts = [], []
-    for r in range(rows):
-        word = int.from_bytes(stream[8 * r : 8 * r + 8], "big")
-        signs.append(1.0 if word & 1 else -1.0)
-        shifts.append((word >> 1) % buckets)
-    return signs, shifts
+    words = np.frombuffer(stream, dtype=">u8").astype(np.uint64)
+    signs = np.where(words & np.uint64(1), 1.0, -1.0)
+    shifts = ((words >> np.uint64(1)) % np.uint64(buckets)).astype(np.int64)
+    return torch.from_numpy(signs), torch.from_numpy(shifts)
+
+
+def sketch_plan(seed: bytes, part: int, numel: int, buckets: int = BUCKETS) -> SketchPlan:
+    """The row parameters of part `part`'s sketch (numel elements), computed once per part."""
+    buckets = max(1, min(buckets, numel))
+    rows = -(-numel // buckets)
+    signs, shifts = _rows(seed, part, rows, buckets)
+    return SketchPlan(signs, shifts, buckets, numel)
 
 
 def sketch(x: torch.Tensor, seed: bytes, part: int, buckets: int = BUCKETS) -> torch.Tensor:
     """S(x): the float64 sketch of a 1-D fp32 part (see the module docstring). Linear in x."""
-    buckets = max(1, min(buckets, x.numel()))
-    rows = -(-x.numel() // buckets)
-    signs, shifts = _rows(seed, part, rows, buckets)
-    out = torch.zeros(buckets, dtype=torch.float64)
-    for r in range(rows):
-        row = x[r * buckets : (r + 1) * buckets]
-        size, t, s = row.numel(), shifts[r], signs[r]
-        # element c of the row lands in bucket (c + t) mod buckets
-        head = min(size, buckets - t)
-        out[t : t + head].add_(row[:head].double(), alpha=s)
-        if size > head:
-            out[: size - head].add_(row[head:].double(), alpha=s)
+    plan = sketch_plan(seed, part, x.numel(), buckets)
+    out = torch.zeros(plan.buckets, dtype=torch.float64)
+    sketch_accumulate(out, x, 0, plan)
     return out
 
 

@@ -14,9 +14,12 @@ from swarm.averaging.audit import (
     check_receipt,
     make_receipt,
     sketch,
+    sketch_plan,
 )
 from swarm.averaging.robust import gram_matrix, robust_aggregate
 from swarm_kernels import get_codec
+from swarm_kernels._cpu import available as cpu_available
+from swarm_kernels.sketch import sketch_accumulate
 
 SEED = audit_seed(b"g" * 32, [b"result-0", b"result-1"])
 PART = 1
@@ -135,3 +138,30 @@ def test_a_non_finite_receipt_is_a_problem_not_a_crash() -> None:
     gram[0][1] = float("nan")
     forged = Receipt(receipt.included, gram, receipt.buckets, receipt.sketches)
     assert check_receipt(forged, weights=weights, result=result, seed=SEED, part=PART) != []
+
+
+@pytest.mark.parametrize("numel", [1, 100, 4096, 4097, 300_001])
+def test_the_cpp_sketch_equals_the_reference_chunk_by_chunk(numel: int) -> None:
+    """swarm_sketch_f32 gives the reference's sums bit for bit, and a part sketched in chunks at
+    their offsets (as the owner decodes wire chunks) gives the whole part's sketch."""
+    if not cpu_available():
+        pytest.skip("the C++ extension is not built here")
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    plan = sketch_plan(SEED, PART, numel)
+    whole = torch.zeros(plan.buckets, dtype=torch.float64)
+    sketch_accumulate(whole, x, 0, plan, impl="reference")
+    for impl in ("cpu", "reference"):
+        chunked = torch.zeros(plan.buckets, dtype=torch.float64)
+        for lo in range(0, numel, 1000):
+            sketch_accumulate(chunked, x[lo : lo + 1000], lo, plan, impl=impl)
+        assert torch.equal(chunked, whole), impl
+    assert torch.equal(sketch(x, SEED, PART), whole)
+
+
+def test_a_sketch_outside_its_part_is_refused() -> None:
+    plan = sketch_plan(SEED, PART, 1000)
+    out = torch.zeros(plan.buckets, dtype=torch.float64)
+    with pytest.raises(ValueError):
+        sketch_accumulate(out, torch.ones(10), 995, plan)
+    with pytest.raises(ValueError):
+        sketch_accumulate(out, torch.ones(10, dtype=torch.float64), 0, plan)
