@@ -146,10 +146,13 @@ def check_receipt(
     part: int,
     me: int | None = None,
     mine: torch.Tensor | None = None,
+    included: Sequence[int] | None = None,
 ) -> list[str]:
     """What is wrong with an owner's receipt for part `part` (empty: nothing). `weights` are the
     members' agreed weights, `result` the decoded result of the part, `mine` this member's own
-    exact fp32 slice of it (when it contributed). Pure; run it in a worker thread."""
+    exact fp32 slice of it (when it contributed), `included` the members the result's header
+    says it includes (the rule, recomputed, must keep exactly those). Pure; run it in a worker
+    thread."""
     problems: list[str] = []
     n, buckets = len(receipt.included), receipt.buckets
     if buckets != max(1, min(BUCKETS, result.numel())):
@@ -167,7 +170,10 @@ def check_receipt(
             if abs(gram[k][m] - float(sk[k] @ sk[m])) > bound + 1e-30:
                 problems.append(f"G[{receipt.included[k]}][{receipt.included[m]}] disagrees with the sketches")
                 break
-    coefficients, _ = robust_coefficients(gram, [weights[i] for i in receipt.included])
+    coefficients, fates = robust_coefficients(gram, [weights[i] for i in receipt.included])
+    kept = [i for i, fate in zip(receipt.included, fates, strict=True) if fate.dropped is None]
+    if included is not None and sorted(included) != kept:
+        problems.append(f"the result says it includes {sorted(included)}, the receipt's rule keeps {kept}")
     claimed = (torch.tensor(coefficients, dtype=torch.float64) @ sk) if n else torch.zeros(buckets, dtype=torch.float64)
     observed = sketch(result, seed, part, buckets)
     scale = max(float(observed.norm()), float(claimed.norm()))

@@ -1,0 +1,215 @@
+"""The owner audit of a flat round (audit.py's arithmetic, on the wire): every member checks
+every other part's owner once the round's results are in.
+
+    avg.receipt  {"g": group_id, "p": part, "s": audit seed (32 bytes)}
+                 -> the owner's receipt, msgpack (audit.Receipt.encode), then end
+                 errors: BadRequest "wrong seed" (the caller holds other results than the
+                 owner), NotFound (no receipt of that part here), BadRequest (bad arguments)
+
+1. Seed. When every part's result is final, a member computes the audit seed over the group id
+   and every part's result bytes, in part order (audit.audit_seed): the same on every member
+   that holds the same results, unknown to everyone before the last result was committed.
+2. Receipts. For each part it reduced itself (robust aggregator), a member re-decodes the
+   contributions the rule ran on, chunk by chunk (its own slice exact), sketches them with the
+   seed and keeps the receipt (a few hundred KB) for as long as the round lingers. It answers
+   `avg.receipt` only once its own seed is known, and only for that seed.
+3. Checks. Every member (client members too) fetches, in parallel, the receipt of every part it
+   did not reduce from the member that sent it that part's result, and checks it in a worker
+   thread (audit.check_receipt) with its own exact slice and the decoded result. Verdicts:
+   - consistency (Gram vs sketches, result vs the described reduction, a member list other than
+     the result's, a malformed receipt, an original owner without a receipt for its own part):
+     every member with the same receipt sees it: the round fails (AuditError, naming the owner)
+     and the owner is excluded;
+   - our contribution misstated (only this member can see it): logged, the owner excluded
+     (`RoundReport.audit_excluded`), the round NOT failed: failing alone would fork this member
+     from the others, and the robust rule bounds what a misstated input can do;
+   - a seed mismatch: some owner sent different members different bytes (or a backup and a
+     slow owner both reduced a part): the round fails, nobody is excluded (the mismatch does not
+     say who equivocated: excluding the answering owner would let one equivocator make honest
+     members exclude each other);
+   - no answer in time (request_timeout), or a backup holding only a copy: logged at INFO,
+     nothing else (the owner may have crashed; its part was already averaged).
+
+Not audited: grid (hierarchical) rounds, and rounds with the "mean" aggregator. Known gap: an
+owner that lies and then never answers `avg.receipt` is indistinguishable from one that crashed
+after broadcasting, and is not caught.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import torch
+
+from swarm.averaging.audit import BUCKETS, AuditFailure, Receipt, audit_seed, check_receipt, sketch_plan
+from swarm.averaging.errors import AuditError
+from swarm.averaging.reduction import PartReduction
+from swarm.p2p.connection import CallContext
+from swarm.p2p.errors import BadRequest, NotFound, P2PError, RemoteError
+from swarm.p2p.peer_id import PeerID
+from swarm.p2p.stream import Stream
+from swarm_kernels.sketch import sketch_accumulate
+
+if TYPE_CHECKING:
+    from swarm.averaging.allreduce import AllReduceRound
+
+logger = logging.getLogger(__name__)
+
+RECEIPT = "avg.receipt"
+WRONG_SEED = "wrong seed"
+OURS = "the receipt misstates our"  # check_receipt's problems that only this member can see
+
+
+def receipt_limit(members: int) -> int:
+    """The largest encoded receipt of a group of `members`: ids, Gram matrix, sketches, slack."""
+    return members * 9 + members * members * 9 + members * BUCKETS * 4 + 256
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    part: int
+    owner: int  # the member whose receipt it is
+    kind: str  # "ok" | "inconsistent" | "ours" | "seed" | "silent"
+    detail: str = ""
+
+
+def build_receipt(reduction: PartReduction, seed: bytes) -> bytes:
+    """The encoded receipt of a part this member reduced (worker thread): the contributions the
+    rule ran on, decoded again wire chunk by wire chunk and sketched at their offsets."""
+    numel = reduction.hi - reduction.lo
+    plan = sketch_plan(seed, reduction.part, numel)
+    sketches = torch.zeros(len(reduction.order), plan.buckets, dtype=torch.float64)
+    for lo, block in reduction.audited_blocks()():
+        for row, out in zip(block, sketches, strict=True):
+            sketch_accumulate(out, row, lo, plan)
+    receipt = Receipt(reduction.order, reduction.gram, plan.buckets, sketches.float())
+    return msgpack.packb(receipt.encode())
+
+
+def check(
+    raw: bytes, *, members: int, weights: list[float], included: list[int], result: torch.Tensor,
+    seed: bytes, part: int, me: int, mine: torch.Tensor,
+) -> list[str]:  # fmt: skip
+    """What is wrong with a fetched receipt (worker thread); AuditFailure when it is malformed."""
+    try:
+        msg = msgpack.unpackb(raw, raw=False)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise AuditFailure(f"unreadable receipt: {type(e).__name__}") from None
+    receipt = Receipt.decode(msg, members)
+    return check_receipt(receipt, weights=weights, result=result, seed=seed, part=part, me=me, mine=mine,
+                         included=included)  # fmt: skip
+
+
+class RoundAudit:
+    """The audit of one AllReduceRound: `run(result)` once every part is final; `serve` answers
+    `avg.receipt` for as long as the round lingers."""
+
+    def __init__(self, round_: AllReduceRound) -> None:
+        self.round = round_
+        self.seed: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self.receipts: dict[int, asyncio.Future[bytes]] = {}  # part -> our encoded receipt
+
+    async def run(self, result: torch.Tensor, reducer_of: dict[int, int]) -> list[PeerID]:
+        """Audit every part we did not reduce; AuditError on a consistency failure or a seed
+        mismatch. Returns the owners that misstated our own contribution."""
+        r = self.round
+        results = [r.final[j][1] for j in sorted(r.final)]
+        seed = await asyncio.to_thread(audit_seed, r.group.group_id, results)
+        for j, reduction in r.reductions.items():
+            if reduction.order and j in r.final and _holds(reduction, r.final[j][1]):
+                self.receipts[j] = asyncio.ensure_future(asyncio.to_thread(build_receipt, reduction, seed))
+        self.seed.set_result(seed)
+        audited = {j: k for j, k in reducer_of.items() if k != r.me and j in r.final}
+        verdicts = await asyncio.gather(*(self._audit(j, k, seed, result) for j, k in sorted(audited.items())))
+        await asyncio.gather(*self.receipts.values())  # our receipts are built before the buffers go
+        return self._judge(verdicts)
+
+    def _judge(self, verdicts: list[Verdict]) -> list[PeerID]:
+        r = self.round
+        members = r.group.members
+        failed, mismatched, ours = [], [], []
+        for v in verdicts:
+            peer = members[v.owner].peer_id
+            if v.kind == "silent":
+                logger.info("round %s: audit: part %d: owner %s did not answer: %s", r._tag(), v.part, peer, v.detail)
+            elif v.kind == "seed":
+                mismatched.append(v)
+            elif v.kind in ("inconsistent", "ours"):
+                logger.warning("round %s: audit: owner %s of part %d: %s", r._tag(), peer, v.part, v.detail)
+                (failed if v.kind == "inconsistent" else ours).append(v)
+        if failed:
+            owners = sorted({members[v.owner].peer_id for v in failed}, key=str)
+            details = "; ".join(f"owner {members[v.owner].peer_id} (part {v.part}): {v.detail}" for v in failed)
+            raise AuditError(f"audit: {details}", owners)
+        if mismatched:
+            who = ", ".join(str(members[v.owner].peer_id) for v in mismatched)
+            logger.warning("round %s: audit: members %s hold other results than ours", r._tag(), who)
+            raise AuditError(f"audit: members {who} hold other results than ours (an owner equivocated)", [])
+        return sorted({members[v.owner].peer_id for v in ours}, key=str)
+
+    async def _audit(self, j: int, k: int, seed: bytes, result: torch.Tensor) -> Verdict:
+        r = self.round
+        member = r.group.members[k]
+        timeout = r.config.request_timeout
+        limit = receipt_limit(len(r.group.members))
+        try:
+            async with await r.host.open_stream(member.address(), RECEIPT, {"g": r.group.group_id, "p": j, "s": seed},
+                                                timeout=timeout) as stream:  # fmt: skip
+                await stream.end()
+                raw = await asyncio.wait_for(stream.read_all(max_bytes=limit, timeout=timeout), timeout)
+        except RemoteError as e:
+            if e.code == BadRequest.code and WRONG_SEED in e.message:
+                return Verdict(j, k, "seed", e.message)
+            if e.code == NotFound.code and k == j:  # an original owner always reduces its own part
+                return Verdict(j, k, "inconsistent", f"no receipt for its own part ({e.message})")
+            return Verdict(j, k, "silent", str(e))
+        except (P2PError, TimeoutError, OSError) as e:
+            if "more than" in str(e):
+                return Verdict(j, k, "inconsistent", f"a receipt beyond {limit} bytes")
+            return Verdict(j, k, "silent", f"{type(e).__name__}: {e}")
+        r.report.bytes_received += len(raw)
+        lo, hi = r.parts[j]
+        try:
+            problems = await asyncio.to_thread(
+                check, bytes(raw), members=len(r.group.members), weights=r.weights, included=r.final[j][0],
+                result=result[lo:hi], seed=seed, part=j, me=r.me, mine=r.vector[lo:hi],
+            )  # fmt: skip
+        except AuditFailure as e:
+            return Verdict(j, k, "inconsistent", str(e))
+        inconsistent = [p for p in problems if not p.startswith(OURS)]
+        if inconsistent:
+            return Verdict(j, k, "inconsistent", "; ".join(inconsistent))
+        if problems:
+            return Verdict(j, k, "ours", "; ".join(problems))
+        return Verdict(j, k, "ok")
+
+    async def serve(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
+        r = self.round
+        part, seed = args.get("p"), args.get("s")
+        if isinstance(part, bool) or not isinstance(part, int) or not 0 <= part < len(r.group.members):
+            raise BadRequest("avg.receipt: no such part")
+        if not isinstance(seed, bytes) or len(seed) != 32:
+            raise BadRequest("avg.receipt: the seed is 32 bytes")
+        try:  # our results first: the caller may be a moment ahead of us
+            ours = await asyncio.wait_for(asyncio.shield(self.seed), r.config.part_timeout)
+        except asyncio.TimeoutError:
+            raise NotFound("avg.receipt: our results are not final") from None
+        if seed != ours:
+            logger.info("round %s: %s asked for a receipt of part %d with another seed", r._tag(), ctx.peer_id, part)
+            raise BadRequest(f"avg.receipt: {WRONG_SEED}: we hold other results")
+        receipt = self.receipts.get(part)
+        if receipt is None:
+            raise NotFound(f"avg.receipt: no receipt of part {part} here")
+        data = await asyncio.shield(receipt)
+        await stream.write(data)
+        r.report.bytes_sent += len(data)
+
+
+def _holds(reduction: PartReduction, payload: memoryview) -> bool:
+    """Is `payload` (a part's final bytes) the result of this reduction (not a copy)?"""
+    result = reduction.result
+    return result.done() and not result.cancelled() and result.exception() is None and result.result()[1] is payload

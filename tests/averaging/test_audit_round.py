@@ -1,0 +1,141 @@
+"""The owner audit of a flat round (audit_round.py) over real sockets on 127.0.0.1: a lying owner
+fails the round for everyone and is excluded; an owner that misstates one member's input is
+caught by that member alone; honest rounds pass and stay bit-identical."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from swarm.averaging import reduction
+from swarm.averaging.allreduce import AllReduceError, AllReduceRound
+from swarm.averaging.audit_round import RECEIPT
+from swarm.averaging.errors import AuditError
+from swarm.averaging.messages import GroupInfo
+from swarm.p2p.errors import RemoteError
+from tests.averaging.rounds import MakeGroup, Member
+
+SMALL = {"block_size": 64, "chunk_elements": 4096, "part_timeout": 5.0}
+NUMEL = 40_003
+
+
+def deltas(n: int, numel: int = NUMEL, seed: int = 0) -> list[torch.Tensor]:
+    """Pseudo-gradients of one swarm: a shared direction plus per-member noise (no outliers)."""
+    gen = torch.Generator().manual_seed(seed)
+    common = torch.randn(numel, generator=gen)
+    return [common + 0.5 * torch.randn(numel, generator=gen) for _ in range(n)]
+
+
+def rounds_of(group: GroupInfo, members: list[Member], vectors: list[torch.Tensor]) -> list[AllReduceRound]:
+    return [AllReduceRound(m.host, m.registry, group, v, m.config) for m, v in zip(members, vectors, strict=True)]
+
+
+async def run_all(rounds: list[AllReduceRound]) -> list[Any]:
+    return await asyncio.gather(*(r.run() for r in rounds), return_exceptions=True)
+
+
+def lie_when_owner_is(liar: AllReduceRound, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """The liar's reductions misbehave: "broadcast" -100 x the average it computed (attacks.py
+    `owner`), or "substitute" member 1's contribution with its negation before reducing."""
+    encode, blocks = reduction.PartReduction._encode, reduction.PartReduction._blocks
+
+    def lying_encode(self: reduction.PartReduction, average: torch.Tensor) -> memoryview:
+        return encode(self, -100 * average if self.own_slice.data_ptr() in owned else average)
+
+    def substituting_blocks(self: reduction.PartReduction, order: list[int]) -> Any:
+        inner = blocks(self, order)
+        if self.own_slice.data_ptr() not in owned or 1 not in order:
+            return inner
+
+        def negated() -> Any:
+            for lo, block in inner():
+                block[order.index(1)].neg_()
+                yield lo, block
+
+        return negated
+
+    owned = {liar.vector[lo:hi].data_ptr() for lo, hi in liar.parts}
+    if how == "broadcast":
+        monkeypatch.setattr(reduction.PartReduction, "_encode", lying_encode)
+    else:
+        monkeypatch.setattr(reduction.PartReduction, "_blocks", substituting_blocks)
+
+
+async def test_an_honest_round_passes_the_audit_bit_identically(make_group: MakeGroup) -> None:
+    group, members = await make_group(5, clients=1, weights=[1.0, 2.0, 1.0, 1.5, 1.0], **SMALL)
+    outcomes = await run_all(rounds_of(group, members, deltas(5)))
+    for outcome in outcomes:
+        assert not isinstance(outcome, BaseException), outcome
+    results = [o[0] for o in outcomes]
+    assert all(torch.equal(r, results[0]) for r in results)
+    assert all(o[1].audit_excluded == [] for o in outcomes)
+    # the receipts travelled: every member received more than the results alone
+    assert all(o[1].bytes_received > 0 for o in outcomes)
+
+
+async def test_an_owner_that_broadcasts_a_lie_fails_the_round_and_is_excluded(
+    make_group: MakeGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    group, members = await make_group(5, weights=[1.0] * 5, **SMALL)
+    vectors = deltas(5)
+    rounds = rounds_of(group, members, vectors)
+    liar = 2
+    lie_when_owner_is(rounds[liar], monkeypatch, "broadcast")
+    outcomes = await run_all(rounds)
+    liar_id = group.members[liar].peer_id
+    for i, outcome in enumerate(outcomes):
+        if i == liar:
+            continue
+        assert isinstance(outcome, AuditError), outcome
+        assert isinstance(outcome, AllReduceError)
+        assert outcome.owners == [liar_id] and str(liar_id) in str(outcome)
+    monkeypatch.undo()
+
+    # the same round again without the liar: it completes, bit-identical, nobody excluded
+    honest = [m for i, m in enumerate(members) if i != liar]
+    infos = tuple(m for i, m in enumerate(group.members) if i != liar)
+    again = GroupInfo.create("run", 1, infos)
+    outcomes = await run_all(rounds_of(again, honest, [v for i, v in enumerate(vectors) if i != liar]))
+    for outcome in outcomes:
+        assert not isinstance(outcome, BaseException), outcome
+    assert all(torch.equal(o[0], outcomes[0][0]) for o in outcomes)
+    assert all(o[1].audit_excluded == [] for o in outcomes)
+
+
+async def test_an_owner_that_substitutes_our_input_is_caught_by_us_alone(
+    make_group: MakeGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    group, members = await make_group(4, weights=[1.0] * 4, **SMALL)
+    rounds = rounds_of(group, members, deltas(4, seed=1))
+    liar = 3
+    lie_when_owner_is(rounds[liar], monkeypatch, "substitute")
+    outcomes = await run_all(rounds)
+    for outcome in outcomes:
+        assert not isinstance(outcome, BaseException), outcome  # nobody fails the round
+    assert all(torch.equal(o[0], outcomes[0][0]) for o in outcomes)
+    assert outcomes[1][1].audit_excluded == [group.members[liar].peer_id]  # member 1 was misstated
+    assert [o[1].audit_excluded for i, o in enumerate(outcomes) if i not in (1, liar)] == [[], []]
+
+
+async def test_a_receipt_asked_with_a_wrong_seed_or_part_gets_a_clean_error(make_group: MakeGroup) -> None:
+    group, members = await make_group(3, weights=[1.0] * 3, **{**SMALL, "part_timeout": 3.0})
+    outcomes = await run_all(rounds_of(group, members, deltas(3)))
+    assert not any(isinstance(o, BaseException) for o in outcomes)
+    asker, owner = members[0], group.members[1]  # the round lingers: its receipts are still served
+
+    async def ask(args: dict[str, Any]) -> bytes:
+        async with await asker.host.open_stream(owner.address(), RECEIPT, args, timeout=2.0) as stream:
+            await stream.end()
+            return bytes(await stream.read_all(max_bytes=1 << 22, timeout=5.0))  # > request_timeout
+
+    with pytest.raises(RemoteError, match="wrong seed"):
+        await ask({"g": group.group_id, "p": 1, "s": b"\0" * 32})
+    with pytest.raises(RemoteError, match="no such part"):
+        await ask({"g": group.group_id, "p": 7, "s": b"\0" * 32})
+    with pytest.raises(RemoteError, match="32 bytes"):
+        await ask({"g": group.group_id, "p": 1, "s": "x"})
+    with pytest.raises(RemoteError, match="no such group"):
+        await ask({"g": b"x" * 32, "p": 1, "s": b"\0" * 32})
