@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,8 +77,11 @@ class _StepState:
 
 
 class Matchmaker:
-    def __init__(self, dht: DHTNode, host: P2PHost, run_id: str, config: AveragingConfig) -> None:
+    def __init__(
+        self, dht: DHTNode, host: P2PHost, run_id: str, config: AveragingConfig, *, excluded: Set[PeerID] = frozenset()
+    ) -> None:
         self.dht, self.host, self.run_id, self.config = dht, host, run_id, config
+        self.excluded = excluded  # peers the owner audit caught (the Averager's set, shared): see _read
         self.peer_id = host.peer_id
         self._steps: dict[int, _StepState] = {}
         self._stored: dict[int, float] = {}  # step -> expiration of our last record (later wins)
@@ -205,6 +209,8 @@ class Matchmaker:
         view, skipped = decode_view({k: getattr(v, "value", None) for k, v in found.value.items()})
         for reason in skipped:
             logger.info("step %d: ignoring %s", step, reason)
+        if self.excluded & view.ready.keys():  # owners our audits caught lying: never grouped with
+            view = ReadyView({p: m for p, m in view.ready.items() if p not in self.excluded}, view.formed, view.done)
         return view
 
     async def _lead(
@@ -264,6 +270,9 @@ class Matchmaker:
                     return leader.peer_id
                 if group.run_id != self.run_id or group.step != step:
                     return leader.peer_id
+                if any(m.peer_id in self.excluded for m in group.members):
+                    logger.warning("step %d: refusing a group that holds a peer our audits excluded", step)
+                    return None
                 return group
             if "redirect" in reply:
                 try:
@@ -284,6 +293,8 @@ class Matchmaker:
         member = MemberInfo.decode(args.get("member"))
         if member.peer_id != ctx.peer_id:
             raise BadRequest("join: a node can only join for itself")
+        if member.peer_id in self.excluded:
+            return {"none": "excluded"}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.matchmaking_time + 2 * self.config.request_timeout
         while (state := self._steps.get(step)) is not None and not state.result.done():

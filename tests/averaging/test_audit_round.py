@@ -13,10 +13,14 @@ import torch
 from swarm.averaging import reduction
 from swarm.averaging.allreduce import AllReduceError, AllReduceRound
 from swarm.averaging.audit_round import RECEIPT
+from swarm.averaging.averager import Averager
+from swarm.averaging.config import AveragingConfig
 from swarm.averaging.errors import AuditError
 from swarm.averaging.messages import GroupInfo
+from swarm.dht import DHTNode
+from swarm.p2p import P2PHost
 from swarm.p2p.errors import RemoteError
-from tests.averaging.rounds import MakeGroup, Member
+from tests.averaging.rounds import LOCAL, MakeGroup, Member
 
 SMALL = {"block_size": 64, "chunk_elements": 4096, "part_timeout": 5.0}
 NUMEL = 40_003
@@ -139,3 +143,51 @@ async def test_a_receipt_asked_with_a_wrong_seed_or_part_gets_a_clean_error(make
         await ask({"g": group.group_id, "p": 1, "s": "x"})
     with pytest.raises(RemoteError, match="no such group"):
         await ask({"g": b"x" * 32, "p": 1, "s": b"\0" * 32})
+
+
+async def test_averagers_exclude_a_caught_owner_and_average_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through matchmaking: the honest Averagers' step fails naming the liar, which they exclude;
+    at the next step they group without it (its announcement ignored, its joins refused)."""
+    liar_weight = 1.2345  # how the patched reductions know they run on the liar
+    encode = reduction.PartReduction._encode
+
+    def lying_encode(self: reduction.PartReduction, average: torch.Tensor) -> memoryview:
+        return encode(self, -100 * average if self.weights[self.own_index] == liar_weight else average)
+
+    monkeypatch.setattr(reduction.PartReduction, "_encode", lying_encode)
+    hosts, dhts, averagers = [], [], []
+    try:
+        for _ in range(4):
+            host = await P2PHost(config=LOCAL).start()
+            dht = await DHTNode(initial_peers=hosts[0].visible_maddrs[:1] if hosts else [], host=host).start()
+            config = AveragingConfig(matchmaking_time=1.0, request_timeout=1.0, **SMALL)
+            hosts.append(host)
+            dhts.append(dht)
+            averagers.append(Averager(dht, host, "run", config))
+        vectors = deltas(4)
+        weights = [1.0, 1.0, 1.0, liar_weight]
+        liar = hosts[3].peer_id
+        outcomes = await asyncio.gather(
+            *(a.step([v], w, step=0) for a, v, w in zip(averagers, vectors, weights, strict=True)),
+            return_exceptions=True,
+        )
+        for averager, outcome in zip(averagers[:3], outcomes[:3], strict=True):
+            assert isinstance(outcome, AuditError) and outcome.owners == [liar], outcome
+            assert averager.excluded == {liar}
+        outcomes = await asyncio.gather(
+            *(a.step([v], w, step=1) for a, v, w in zip(averagers, vectors, weights, strict=True)),
+            return_exceptions=True,
+        )
+        for outcome in outcomes[:3]:
+            assert not isinstance(outcome, BaseException), outcome
+        reports = [o[1] for o in outcomes[:3]]
+        assert all(r.group_id == reports[0].group_id is not None for r in reports)
+        assert str(liar) not in reports[0].members and len(reports[0].members) == 3
+        assert all(torch.equal(o[0][0], outcomes[0][0][0]) for o in outcomes[:3])
+    finally:
+        for averager in averagers:
+            averager.close()
+        for dht in dhts:
+            await dht.close()
+        for host in hosts:
+            await host.close()
