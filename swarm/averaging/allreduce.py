@@ -318,6 +318,8 @@ class AllReduceRound(RoundMember):
         else:
             raise AllReduceError(f"no member could reduce part {j} ({'; '.join(errors)})")
         self.final[j], self.reducer_of[j] = final, reducer
+        if self.audit is not None:
+            self.audit.result_in(j, final[1])
         self.report.contributions[j] = final[0]
         if j == self.me:
             self.report.reduce_s = time.perf_counter() - self._started

@@ -51,6 +51,8 @@ from swarm.averaging.robust import robust_coefficients
 from swarm_kernels.sketch import SketchPlan, sketch_accumulate
 
 BUCKETS = 4096
+MIN_BUCKETS = 16
+AUDIT_BYTES = 1 / 128  # receipts add at most ~2 x this of the round's bytes (see audit_buckets)
 MAX_BUCKETS = 1 << 16
 QUANTIZATION_TOL = 0.03  # int8 blocks of 64 round by ~0.6% (rms); a lie of 3% of the norm is caught
 SKETCH_SIGMAS = 8.0  # Gram entries may differ from the sketch estimate by this many standard errors
@@ -95,10 +97,26 @@ class Receipt:
 
 def audit_seed(group_id: bytes, results: Sequence[bytes | memoryview]) -> bytes:
     """The seed of every sketch of a round: known only once every part's result is."""
+    return seed_of_digests(group_id, [hashlib.sha256(payload).digest() for payload in results])
+
+
+def seed_of_digests(group_id: bytes, digests: Sequence[bytes]) -> bytes:
+    """audit_seed from the SHA-256 of each part's result (hashed as each result arrives)."""
     digest = hashlib.sha256(b"swarm-audit/1\x00" + group_id)
-    for payload in results:
-        digest.update(hashlib.sha256(payload).digest())
+    for d in digests:
+        digest.update(d)
     return digest.digest()
+
+
+def audit_buckets(numel: int, members: int) -> int:
+    """The sketch width of a part of `numel` elements in a group of `members`: BUCKETS (2%
+    error) for large parts, narrower for small ones so that the receipts a member fetches
+    ((members - 1) x members x buckets x 4 bytes) stay near 2 x AUDIT_BYTES of its round's
+    traffic (2 x (members - 1) x the part in int8). Narrow sketches still catch a result that
+    is not the described reduction, but the Gram check loses its power (its bound grows as
+    1/sqrt(buckets)): on tiny parts a forged Gram matrix may pass."""
+    fair = int(numel * AUDIT_BYTES) // max(1, members)
+    return max(1, min(BUCKETS, numel, max(MIN_BUCKETS, fair)))
 
 
 def _rows(seed: bytes, part: int, rows: int, buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +140,10 @@ def sketch_plan(seed: bytes, part: int, numel: int, buckets: int = BUCKETS) -> S
 
 def sketch(x: torch.Tensor, seed: bytes, part: int, buckets: int = BUCKETS) -> torch.Tensor:
     """S(x): the float64 sketch of a 1-D fp32 part (see the module docstring). Linear in x."""
-    plan = sketch_plan(seed, part, x.numel(), buckets)
+    return _sketch(x, sketch_plan(seed, part, x.numel(), buckets))
+
+
+def _sketch(x: torch.Tensor, plan: SketchPlan) -> torch.Tensor:
     out = torch.zeros(plan.buckets, dtype=torch.float64)
     sketch_accumulate(out, x, 0, plan)
     return out
@@ -147,16 +168,20 @@ def check_receipt(
     me: int | None = None,
     mine: torch.Tensor | None = None,
     included: Sequence[int] | None = None,
+    members: int | None = None,
 ) -> list[str]:
     """What is wrong with an owner's receipt for part `part` (empty: nothing). `weights` are the
     members' agreed weights, `result` the decoded result of the part, `mine` this member's own
     exact fp32 slice of it (when it contributed), `included` the members the result's header
     says it includes (the rule, recomputed, must keep exactly those). Pure; run it in a worker
-    thread."""
+    thread. `members`: the group's size, which sets the sketch width (audit_buckets; None: the
+    full width, BUCKETS)."""
     problems: list[str] = []
     n, buckets = len(receipt.included), receipt.buckets
-    if buckets != max(1, min(BUCKETS, result.numel())):
-        return [f"receipt sketches have {buckets} buckets, expected {min(BUCKETS, result.numel())}"]
+    numel = result.numel()
+    expected = max(1, min(BUCKETS, numel)) if members is None else audit_buckets(numel, members)
+    if buckets != expected:
+        return [f"receipt sketches have {buckets} buckets, expected {expected}"]
     gram = receipt.gram
     if not all(math.isfinite(v) for row in gram for v in row):
         return ["receipt Gram matrix is not finite"]
@@ -175,7 +200,8 @@ def check_receipt(
     if included is not None and sorted(included) != kept:
         problems.append(f"the result says it includes {sorted(included)}, the receipt's rule keeps {kept}")
     claimed = (torch.tensor(coefficients, dtype=torch.float64) @ sk) if n else torch.zeros(buckets, dtype=torch.float64)
-    observed = sketch(result, seed, part, buckets)
+    plan = sketch_plan(seed, part, numel, buckets)
+    observed = _sketch(result, plan)
     scale = max(float(observed.norm()), float(claimed.norm()))
     if float((observed - claimed).norm()) > QUANTIZATION_TOL * scale + 1e-30:
         problems.append("the result is not the robust reduction the receipt describes")
@@ -184,7 +210,7 @@ def check_receipt(
         own_sq = float(mine.double().norm()) ** 2
         if abs(gram[k][k] - own_sq) > 2 * QUANTIZATION_TOL * own_sq + 1e-30:
             problems.append("the receipt misstates our contribution's norm")
-        own = sketch(mine, seed, part, buckets)
+        own = _sketch(mine, plan)
         if float((own - sk[k]).norm()) > QUANTIZATION_TOL * float(own.norm()) + 1e-30:
             problems.append("the receipt misstates our contribution")
     return problems

@@ -38,6 +38,7 @@ after broadcasting, and is not caught.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -45,7 +46,15 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import torch
 
-from swarm.averaging.audit import BUCKETS, AuditFailure, Receipt, audit_seed, check_receipt, sketch_plan
+from swarm.averaging.audit import (
+    BUCKETS,
+    AuditFailure,
+    Receipt,
+    audit_buckets,
+    check_receipt,
+    seed_of_digests,
+    sketch_plan,
+)
 from swarm.averaging.errors import AuditError
 from swarm.averaging.reduction import PartReduction
 from swarm.p2p.connection import CallContext
@@ -64,9 +73,9 @@ WRONG_SEED = "wrong seed"
 OURS = "the receipt misstates our"  # check_receipt's problems that only this member can see
 
 
-def receipt_limit(members: int) -> int:
+def receipt_limit(members: int, buckets: int = BUCKETS) -> int:
     """The largest encoded receipt of a group of `members`: ids, Gram matrix, sketches, slack."""
-    return members * 9 + members * members * 9 + members * BUCKETS * 4 + 256
+    return members * 9 + members * members * 9 + members * buckets * 4 + 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +90,7 @@ def build_receipt(reduction: PartReduction, seed: bytes) -> bytes:
     """The encoded receipt of a part this member reduced (worker thread): the contributions the
     rule ran on, decoded again wire chunk by wire chunk and sketched at their offsets."""
     numel = reduction.hi - reduction.lo
-    plan = sketch_plan(seed, reduction.part, numel)
+    plan = sketch_plan(seed, reduction.part, numel, audit_buckets(numel, len(reduction.weights)))
     sketches = torch.zeros(len(reduction.order), plan.buckets, dtype=torch.float64)
     for lo, block in reduction.audited_blocks()():
         for row, out in zip(block, sketches, strict=True):
@@ -101,7 +110,7 @@ def check(
         raise AuditFailure(f"unreadable receipt: {type(e).__name__}") from None
     receipt = Receipt.decode(msg, members)
     return check_receipt(receipt, weights=weights, result=result, seed=seed, part=part, me=me, mine=mine,
-                         included=included)  # fmt: skip
+                         included=included, members=members)  # fmt: skip
 
 
 class RoundAudit:
@@ -112,13 +121,19 @@ class RoundAudit:
         self.round = round_
         self.seed: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self.receipts: dict[int, asyncio.Future[bytes]] = {}  # part -> our encoded receipt
+        self.digests: dict[int, asyncio.Future[bytes]] = {}  # part -> SHA-256 of its result
+
+    def result_in(self, part: int, payload: memoryview) -> None:
+        """Part `part`'s result is final: hash it now, while the other parts are on the wire."""
+        self.digests[part] = asyncio.ensure_future(asyncio.to_thread(_sha256, payload))
 
     async def run(self, result: torch.Tensor, reducer_of: dict[int, int]) -> list[PeerID]:
         """Audit every part we did not reduce; AuditError on a consistency failure or a seed
         mismatch. Returns the owners that misstated our own contribution."""
         r = self.round
-        results = [r.final[j][1] for j in sorted(r.final)]
-        seed = await asyncio.to_thread(audit_seed, r.group.group_id, results)
+        for j in r.final.keys() - self.digests.keys():  # a result that did not come through result_in
+            self.result_in(j, r.final[j][1])
+        seed = seed_of_digests(r.group.group_id, [await self.digests[j] for j in sorted(r.final)])
         for j, reduction in r.reductions.items():
             if reduction.order and j in r.final and _holds(reduction, r.final[j][1]):
                 self.receipts[j] = asyncio.ensure_future(asyncio.to_thread(build_receipt, reduction, seed))
@@ -207,6 +222,10 @@ class RoundAudit:
         data = await asyncio.shield(receipt)
         await stream.write(data)
         r.report.bytes_sent += len(data)
+
+
+def _sha256(payload: memoryview) -> bytes:
+    return hashlib.sha256(payload).digest()
 
 
 def _holds(reduction: PartReduction, payload: memoryview) -> bool:
