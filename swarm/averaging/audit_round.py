@@ -140,7 +140,11 @@ class RoundAudit:
         self.seed.set_result(seed)
         audited = {j: k for j, k in reducer_of.items() if k != r.me and j in r.final}
         verdicts = await asyncio.gather(*(self._audit(j, k, seed, result) for j, k in sorted(audited.items())))
-        await asyncio.gather(*self.receipts.values())  # our receipts are built before the buffers go
+        # our receipts are built before the buffers go; one that failed is served as an error
+        built = await asyncio.gather(*self.receipts.values(), return_exceptions=True)
+        for j, outcome in zip(self.receipts, built, strict=True):
+            if isinstance(outcome, BaseException):
+                logger.warning("round %s: audit: our receipt of part %d failed: %r", r._tag(), j, outcome)
         return self._judge(verdicts)
 
     def _judge(self, verdicts: list[Verdict]) -> list[PeerID]:

@@ -12,7 +12,7 @@ import torch
 
 from swarm.averaging import reduction
 from swarm.averaging.allreduce import AllReduceError, AllReduceRound
-from swarm.averaging.audit_round import RECEIPT
+from swarm.averaging.audit_round import RECEIPT, RoundAudit
 from swarm.averaging.averager import Averager
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.errors import AuditError
@@ -191,3 +191,25 @@ async def test_averagers_exclude_a_caught_owner_and_average_without_it(monkeypat
             await dht.close()
         for host in hosts:
             await host.close()
+
+
+async def test_an_owner_that_does_not_answer_is_only_logged(
+    make_group: MakeGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No receipt within request_timeout (the owner may have crashed after its broadcast): the
+    round completes and nobody is excluded."""
+    group, members = await make_group(3, weights=[1.0] * 3, **{**SMALL, "request_timeout": 0.5})
+    rounds = rounds_of(group, members, deltas(3))
+    serve = RoundAudit.serve
+
+    async def silent(self: RoundAudit, ctx: Any, args: Any, stream: Any) -> None:
+        if self.round is rounds[2]:
+            await asyncio.sleep(3.0)
+        await serve(self, ctx, args, stream)
+
+    monkeypatch.setattr(RoundAudit, "serve", silent)
+    outcomes = await run_all(rounds)
+    for outcome in outcomes:
+        assert not isinstance(outcome, BaseException), outcome
+    assert all(torch.equal(o[0], outcomes[0][0]) for o in outcomes)
+    assert all(o[1].audit_excluded == [] for o in outcomes)
