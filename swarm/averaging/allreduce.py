@@ -282,7 +282,7 @@ class AllReduceRound(RoundMember):
         try:  # the audit runs before the round's buffers are released
             await await_parts(tasks, self._tasks, lambda: None)
             if self.audit is not None:
-                self.report.audit_excluded = await self.audit.run(result, self.reducer_of)
+                self.report.audit_excluded = await self.audit.run(self.reducer_of)
         finally:
             self.registry.finished(self)
         self.report.total_s = time.perf_counter() - self._started
@@ -319,7 +319,7 @@ class AllReduceRound(RoundMember):
             raise AllReduceError(f"no member could reduce part {j} ({'; '.join(errors)})")
         self.final[j], self.reducer_of[j] = final, reducer
         if self.audit is not None:
-            self.audit.result_in(j, final[1])
+            self.audit.result_in(j, final[1], reducer)
         self.report.contributions[j] = final[0]
         if j == self.me:
             self.report.reduce_s = time.perf_counter() - self._started

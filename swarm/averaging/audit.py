@@ -5,12 +5,14 @@ The problem: the owner of part j alone sees the contributions to part j; its enc
 what every member applies. An owner that lies (broadcasts -100x the average, or anything else)
 would move θ_outer as it likes, however robust the rule it claims to run.
 
-The receipt. After the round every member holds every part's result bytes. The audit seed is
-SHA-256 over the group id and the SHA-256 of every part's result, in part order: nobody knows it
-before every owner has committed to its result (an owner cannot wait for the others' results
-and then re-pick its own to choose the seed: its own result is part of what it hashes over, and
-the sketch below leaves it no null space to hide a lie in whatever the seed). Each owner then
-answers `avg.receipt` with:
+The receipt. After the round every member holds every part's result bytes. The seed of part
+j's audit (`part_seed`) is SHA-256 over the group id, j and the SHA-256 of part j's result: the
+owner cannot know it before it has committed to its result, and re-picking its result changes
+the seed (grinding is hopeless: the sketch below leaves a lie no null space to hide in, whatever
+the seed). Every member knows it as soon as it holds part j's result, so the sketches of part j
+are computed while the other parts are still on the wire (`audit_seed`, one seed over every
+part's result, is the stricter variant: it waits for the last result). Each owner then answers
+`avg.receipt` with:
 
     {"inc": [member indices, in order], "g": [G_kl row by row], "b": buckets,
      "sk": bytes of float32[len(inc)][buckets]}
@@ -108,6 +110,11 @@ def seed_of_digests(group_id: bytes, digests: Sequence[bytes]) -> bytes:
     return digest.digest()
 
 
+def part_seed(group_id: bytes, part: int, result_digest: bytes) -> bytes:
+    """The seed of part `part`'s audit: from the SHA-256 of that part's result bytes."""
+    return hashlib.sha256(b"swarm-audit/2\x00" + group_id + part.to_bytes(4, "big") + result_digest).digest()
+
+
 def audit_buckets(numel: int, members: int) -> int:
     """The sketch width of a part of `numel` elements in a group of `members`: BUCKETS (2%
     error) for large parts, narrower for small ones so that the receipts a member fetches
@@ -169,13 +176,15 @@ def check_receipt(
     mine: torch.Tensor | None = None,
     included: Sequence[int] | None = None,
     members: int | None = None,
+    prepared: Prepared | None = None,
 ) -> list[str]:
     """What is wrong with an owner's receipt for part `part` (empty: nothing). `weights` are the
     members' agreed weights, `result` the decoded result of the part, `mine` this member's own
     exact fp32 slice of it (when it contributed), `included` the members the result's header
     says it includes (the rule, recomputed, must keep exactly those). Pure; run it in a worker
     thread. `members`: the group's size, which sets the sketch width (audit_buckets; None: the
-    full width, BUCKETS)."""
+    full width, BUCKETS). `prepared`: the sketches of `result` and `mine` computed beforehand
+    (`prepare`, while the round went on)."""
     problems: list[str] = []
     n, buckets = len(receipt.included), receipt.buckets
     numel = result.numel()
@@ -200,20 +209,37 @@ def check_receipt(
     if included is not None and sorted(included) != kept:
         problems.append(f"the result says it includes {sorted(included)}, the receipt's rule keeps {kept}")
     claimed = (torch.tensor(coefficients, dtype=torch.float64) @ sk) if n else torch.zeros(buckets, dtype=torch.float64)
-    plan = sketch_plan(seed, part, numel, buckets)
-    observed = _sketch(result, plan)
+    if prepared is None or prepared.observed.numel() != buckets:
+        prepared = prepare(result, mine, seed, part, buckets)
+    observed = prepared.observed
     scale = max(float(observed.norm()), float(claimed.norm()))
     if float((observed - claimed).norm()) > QUANTIZATION_TOL * scale + 1e-30:
         problems.append("the result is not the robust reduction the receipt describes")
     if me is not None and mine is not None and me in receipt.included:
         k = receipt.included.index(me)
-        own_sq = _squared_norm(mine)
+        own, own_sq = prepared.own, prepared.own_sq
         if abs(gram[k][k] - own_sq) > 2 * QUANTIZATION_TOL * own_sq + 1e-30:
             problems.append("the receipt misstates our contribution's norm")
-        own = _sketch(mine, plan)
         if float((own - sk[k]).norm()) > QUANTIZATION_TOL * float(own.norm()) + 1e-30:
             problems.append("the receipt misstates our contribution")
     return problems
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """What check_receipt computes from this member's own data: S(result), S(mine), |mine|^2."""
+
+    observed: torch.Tensor
+    own: torch.Tensor
+    own_sq: float
+
+
+def prepare(result: torch.Tensor, mine: torch.Tensor | None, seed: bytes, part: int, buckets: int) -> Prepared:
+    """check_receipt's passes over the part (worker thread), before the receipt is in."""
+    plan = sketch_plan(seed, part, result.numel(), buckets)
+    if mine is None:
+        return Prepared(_sketch(result, plan), torch.zeros(plan.buckets, dtype=torch.float64), 0.0)
+    return Prepared(_sketch(result, plan), _sketch(mine, plan), _squared_norm(mine))
 
 
 def _squared_norm(x: torch.Tensor) -> float:

@@ -3,16 +3,18 @@ every other part's owner once the round's results are in.
 
     avg.receipt  {"g": group_id, "p": part, "s": audit seed (32 bytes)}
                  -> the owner's receipt, msgpack (audit.Receipt.encode), then end
-                 errors: BadRequest "wrong seed" (the caller holds other results than the
-                 owner), NotFound (no receipt of that part here), BadRequest (bad arguments)
+                 errors: BadRequest "wrong seed" (the caller holds other bytes of the part than
+                 the owner), NotFound (no receipt of that part here), BadRequest (bad arguments)
 
-1. Seed. When every part's result is final, a member computes the audit seed over the group id
-   and every part's result bytes, in part order (audit.audit_seed): the same on every member
-   that holds the same results, unknown to everyone before the last result was committed.
-2. Receipts. For each part it reduced itself (robust aggregator), a member re-decodes the
-   contributions the rule ran on, chunk by chunk (its own slice exact), sketches them with the
-   seed and keeps the receipt (a few hundred KB) for as long as the round lingers. It answers
-   `avg.receipt` only once its own seed is known, and only for that seed.
+1. Seed. As soon as a member holds part j's result it computes the part's seed from the group id,
+   j and the SHA-256 of the result bytes (audit.part_seed): the same on every member holding the
+   same bytes, unknown to the owner before it committed to them.
+2. Receipts and sketches, while the other parts are still on the wire. For each part it reduced
+   itself (robust aggregator), a member re-decodes the contributions the rule ran on, chunk by
+   chunk (its own slice exact), sketches them with the part's seed and keeps the receipt (a few
+   KB to a few hundred KB) for as long as the round lingers; it answers `avg.receipt` only once
+   its own result of the part is final, and only for that part's seed. For each other part it
+   sketches the result and its own slice (audit.prepare).
 3. Checks. Every member (client members too) fetches, in parallel, the receipt of every part it
    did not reduce from the member that sent it that part's result, and checks it in a worker
    thread (audit.check_receipt) with its own exact slice and the decoded result. Verdicts:
@@ -23,10 +25,10 @@ every other part's owner once the round's results are in.
    - our contribution misstated (only this member can see it): logged, the owner excluded
      (`RoundReport.audit_excluded`), the round NOT failed: failing alone would fork this member
      from the others, and the robust rule bounds what a misstated input can do;
-   - a seed mismatch: some owner sent different members different bytes (or a backup and a
-     slow owner both reduced a part): the round fails, nobody is excluded (the mismatch does not
-     say who equivocated: excluding the answering owner would let one equivocator make honest
-     members exclude each other);
+   - a seed mismatch: we hold other bytes of the part than the member we took them from. From
+     the part's original owner: it equivocated (sent members different bytes): the round fails
+     and it is excluded. From a backup (which may hold a copy of a slow owner's bytes): the
+     round fails, nobody is excluded;
    - no answer in time (request_timeout), or a backup holding only a copy: logged at INFO,
      nothing else (the owner may have crashed; its part was already averaged).
 
@@ -49,10 +51,12 @@ import torch
 from swarm.averaging.audit import (
     BUCKETS,
     AuditFailure,
+    Prepared,
     Receipt,
     audit_buckets,
     check_receipt,
-    seed_of_digests,
+    part_seed,
+    prepare,
     sketch_plan,
 )
 from swarm.averaging.errors import AuditError
@@ -101,7 +105,7 @@ def build_receipt(reduction: PartReduction, seed: bytes) -> bytes:
 
 def check(
     raw: bytes, *, members: int, weights: list[float], included: list[int], result: torch.Tensor,
-    seed: bytes, part: int, me: int, mine: torch.Tensor,
+    seed: bytes, part: int, me: int, mine: torch.Tensor, prepared: Prepared,
 ) -> list[str]:  # fmt: skip
     """What is wrong with a fetched receipt (worker thread); AuditFailure when it is malformed."""
     try:
@@ -110,37 +114,60 @@ def check(
         raise AuditFailure(f"unreadable receipt: {type(e).__name__}") from None
     receipt = Receipt.decode(msg, members)
     return check_receipt(receipt, weights=weights, result=result, seed=seed, part=part, me=me, mine=mine,
-                         included=included, members=members)  # fmt: skip
+                         included=included, members=members, prepared=prepared)  # fmt: skip
 
 
 class RoundAudit:
-    """The audit of one AllReduceRound: `run(result)` once every part is final; `serve` answers
-    `avg.receipt` for as long as the round lingers."""
+    """The audit of one AllReduceRound: `result_in` as each part's result becomes final (the
+    part's seed, our receipt or our sketches of it are computed at once, while the other parts
+    are still on the wire), `run` once every part is final; `serve` answers `avg.receipt` for as
+    long as the round lingers."""
 
     def __init__(self, round_: AllReduceRound) -> None:
         self.round = round_
-        self.seed: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self.seeds: dict[int, asyncio.Future[bytes]] = {}  # part -> its audit seed (part_seed)
         self.receipts: dict[int, asyncio.Future[bytes]] = {}  # part -> our encoded receipt
-        self.digests: dict[int, asyncio.Future[bytes]] = {}  # part -> SHA-256 of its result
+        self.prepared: dict[int, asyncio.Future[tuple[bytes, Prepared | None] | None]] = {}
 
-    def result_in(self, part: int, payload: memoryview) -> None:
-        """Part `part`'s result is final: hash it now, while the other parts are on the wire."""
-        self.digests[part] = asyncio.ensure_future(asyncio.to_thread(_sha256, payload))
+    def result_in(self, part: int, payload: memoryview, reducer: int) -> None:
+        """Part `part`'s result is final (decoded into the round's result) and came from
+        `reducer`: hash it, then build our receipt (we reduced it) or our sketches (we audit it)."""
+        if part not in self.prepared:
+            self.prepared[part] = asyncio.ensure_future(self._prepare(part, payload, reducer))
 
-    async def run(self, result: torch.Tensor, reducer_of: dict[int, int]) -> list[PeerID]:
+    def _seed(self, part: int) -> asyncio.Future[bytes]:
+        if part not in self.seeds:
+            self.seeds[part] = asyncio.get_running_loop().create_future()
+        return self.seeds[part]
+
+    async def _prepare(self, j: int, payload: memoryview, reducer: int) -> tuple[bytes, Prepared | None] | None:
+        r = self.round
+        try:
+            seed = part_seed(r.group.group_id, j, await asyncio.to_thread(_sha256, payload))
+            reduction = r.reductions.get(j)
+            if reducer == r.me:
+                if reduction is not None and reduction.order and _holds(reduction, payload):
+                    self.receipts[j] = asyncio.ensure_future(asyncio.to_thread(build_receipt, reduction, seed))
+                self._seed(j).set_result(seed)
+                return seed, None
+            self._seed(j).set_result(seed)
+            lo, hi = r.parts[j]
+            buckets = audit_buckets(hi - lo, len(r.group.members))
+            return seed, await asyncio.to_thread(prepare, r.result[lo:hi], r.vector[lo:hi], seed, j, buckets)
+        except Exception as e:  # the round was released under us (it failed): nothing to audit
+            logger.info("round %s: audit: part %d not prepared: %r", r._tag(), j, e)
+            return None
+
+    async def run(self, reducer_of: dict[int, int]) -> list[PeerID]:
         """Audit every part we did not reduce; AuditError on a consistency failure or a seed
         mismatch. Returns the owners that misstated our own contribution."""
         r = self.round
-        for j in r.final.keys() - self.digests.keys():  # a result that did not come through result_in
-            self.result_in(j, r.final[j][1])
-        seed = seed_of_digests(r.group.group_id, [await self.digests[j] for j in sorted(r.final)])
-        for j, reduction in r.reductions.items():
-            if reduction.order and j in r.final and _holds(reduction, r.final[j][1]):
-                self.receipts[j] = asyncio.ensure_future(asyncio.to_thread(build_receipt, reduction, seed))
-        self.seed.set_result(seed)
+        for j in r.final:  # a result that did not come through result_in
+            self.result_in(j, r.final[j][1], reducer_of[j])
         audited = {j: k for j, k in reducer_of.items() if k != r.me and j in r.final}
-        verdicts = await asyncio.gather(*(self._audit(j, k, seed, result) for j, k in sorted(audited.items())))
+        verdicts = await asyncio.gather(*(self._audit(j, k) for j, k in sorted(audited.items())))
         # our receipts are built before the buffers go; one that failed is served as an error
+        await asyncio.gather(*self.prepared.values())
         built = await asyncio.gather(*self.receipts.values(), return_exceptions=True)
         for j, outcome in zip(self.receipts, built, strict=True):
             if isinstance(outcome, BaseException):
@@ -170,8 +197,12 @@ class RoundAudit:
             raise AuditError(f"audit: members {who} hold other results than ours (an owner equivocated)", [])
         return sorted({members[v.owner].peer_id for v in ours}, key=str)
 
-    async def _audit(self, j: int, k: int, seed: bytes, result: torch.Tensor) -> Verdict:
+    async def _audit(self, j: int, k: int) -> Verdict:
         r = self.round
+        ready = await self.prepared[j]
+        if ready is None or ready[1] is None:
+            return Verdict(j, k, "silent", "our side of the check could not be prepared")
+        seed, prepared = ready
         member = r.group.members[k]
         timeout = r.config.request_timeout
         limit = receipt_limit(len(r.group.members))
@@ -182,7 +213,8 @@ class RoundAudit:
                 raw = await asyncio.wait_for(stream.read_all(max_bytes=limit, timeout=timeout), timeout)
         except RemoteError as e:
             if e.code == BadRequest.code and WRONG_SEED in e.message:
-                return Verdict(j, k, "seed", e.message)
+                # the original owner sent us other bytes than it holds: it equivocated
+                return Verdict(j, k, "inconsistent" if k == j else "seed", e.message)
             if e.code == NotFound.code and k == j:  # an original owner always reduces its own part
                 return Verdict(j, k, "inconsistent", f"no receipt for its own part ({e.message})")
             return Verdict(j, k, "silent", str(e))
@@ -195,7 +227,7 @@ class RoundAudit:
         try:
             problems = await asyncio.to_thread(
                 check, bytes(raw), members=len(r.group.members), weights=r.weights, included=r.final[j][0],
-                result=result[lo:hi], seed=seed, part=j, me=r.me, mine=r.vector[lo:hi],
+                result=r.result[lo:hi], seed=seed, part=j, me=r.me, mine=r.vector[lo:hi], prepared=prepared,
             )  # fmt: skip
         except AuditFailure as e:
             return Verdict(j, k, "inconsistent", str(e))
@@ -213,8 +245,8 @@ class RoundAudit:
             raise BadRequest("avg.receipt: no such part")
         if not isinstance(seed, bytes) or len(seed) != 32:
             raise BadRequest("avg.receipt: the seed is 32 bytes")
-        try:  # our results first: the caller may be a moment ahead of us
-            ours = await asyncio.wait_for(asyncio.shield(self.seed), r.config.part_timeout)
+        try:  # our result of the part first: the caller may be a moment ahead of us
+            ours = await asyncio.wait_for(asyncio.shield(self._seed(part)), r.config.part_timeout)
         except asyncio.TimeoutError:
             raise NotFound("avg.receipt: our results are not final") from None
         if seed != ours:
