@@ -17,9 +17,11 @@ from swarm.averaging.averager import Averager
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.errors import AuditError
 from swarm.averaging.messages import GroupInfo
+from swarm.averaging.partition import payload_layout
 from swarm.dht import DHTNode
 from swarm.p2p import P2PHost
 from swarm.p2p.errors import RemoteError
+from swarm_kernels import as_memoryview
 from tests.averaging.rounds import LOCAL, MakeGroup, Member
 
 SMALL = {"block_size": 64, "chunk_elements": 4096, "part_timeout": 5.0}
@@ -213,3 +215,32 @@ async def test_an_owner_that_does_not_answer_is_only_logged(
         assert not isinstance(outcome, BaseException), outcome
     assert all(torch.equal(o[0], outcomes[0][0]) for o in outcomes)
     assert all(o[1].audit_excluded == [] for o in outcomes)
+
+
+async def test_an_owner_that_sends_one_member_other_bytes_is_caught_by_that_member(
+    make_group: MakeGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Equivocation: the liar sends member 1 -100 x its part's average and everyone else the
+    true one. Member 1's bytes are not the ones the liar holds (another seed): it fails the round
+    and excludes the liar; the others' audit passes."""
+    group, members = await make_group(4, weights=[1.0] * 4, **SMALL)
+    rounds = rounds_of(group, members, deltas(4, seed=2))
+    liar = rounds[3]
+    reply = AllReduceRound._reply
+
+    async def equivocating(self: AllReduceRound, stream: Any, final: Any, index: int | None) -> None:
+        if self is liar and index == 1:
+            lo, hi = self.parts[3]
+            lie = []
+            for a, b, where in payload_layout(lo, hi, self.config.chunk_elements, self.codec.encoded_nbytes):
+                true = self.codec.decode(final[1][where], b - a)
+                lie.append(as_memoryview(self.codec.encode(-100 * true)).tobytes())
+            final = (final[0], memoryview(b"".join(lie)))
+        await reply(self, stream, final, index)
+
+    monkeypatch.setattr(AllReduceRound, "_reply", equivocating)
+    outcomes = await run_all(rounds)
+    assert isinstance(outcomes[1], AuditError) and outcomes[1].owners == [group.members[3].peer_id]
+    for i in (0, 2):
+        assert not isinstance(outcomes[i], BaseException), outcomes[i]
+        assert outcomes[i][1].audit_excluded == []
