@@ -57,6 +57,7 @@ MIN_BUCKETS = 16
 AUDIT_BYTES = 1 / 128  # receipts add at most ~2 x this of the round's bytes (see audit_buckets)
 MAX_BUCKETS = 1 << 16
 QUANTIZATION_TOL = 0.03  # int8 blocks of 64 round by ~0.6% (rms); a lie of 3% of the norm is caught
+OVERFLOW = 3.4e38  # fp32's largest value: a Gram entry beyond it is inf
 SKETCH_SIGMAS = 8.0  # Gram entries may differ from the sketch estimate by this many standard errors
 
 
@@ -192,23 +193,35 @@ def check_receipt(
     if buckets != expected:
         return [f"receipt sketches have {buckets} buckets, expected {expected}"]
     gram = receipt.gram
-    if not all(math.isfinite(v) for row in gram for v in row):
-        return ["receipt Gram matrix is not finite"]
+    if any(math.isnan(v) for row in gram for v in row):
+        return ["receipt Gram matrix holds NaN"]
     sk = receipt.sketches.double()
-    if not torch.isfinite(sk).all():
-        return ["receipt sketches are not finite"]
-    sigma = math.sqrt(2.0 / buckets)
+    coefficients, fates = robust_coefficients(gram, [weights[i] for i in receipt.included])
+    # An absurd contribution (1e30) overflows fp32 products: inf in G (and maybe its sketch) is
+    # legitimate for the contributions the rule drops, never for those it keeps.
+    live = [k for k in range(n) if fates[k].dropped is None]
+    if not all(math.isfinite(gram[k][m]) for k in live for m in live) or not torch.isfinite(sk[live]).all():
+        return ["receipt Gram matrix or sketches are not finite where the rule keeps contributions"]
     for k in range(n):
-        for m in range(k, n):
+        norm_sq = float(sk[k] @ sk[k])
+        if not math.isfinite(gram[k][k]) and math.isfinite(norm_sq) and norm_sq < OVERFLOW / 4:
+            problems.append(f"G[{receipt.included[k]}][{receipt.included[k]}] overflows, its sketch does not")
+    sigma = math.sqrt(2.0 / buckets)
+    for k in live:
+        for m in live:
+            if m < k:
+                continue
             bound = SKETCH_SIGMAS * sigma * math.sqrt(max(gram[k][k], 0.0) * max(gram[m][m], 0.0))
             if abs(gram[k][m] - float(sk[k] @ sk[m])) > bound + 1e-30:
                 problems.append(f"G[{receipt.included[k]}][{receipt.included[m]}] disagrees with the sketches")
                 break
-    coefficients, fates = robust_coefficients(gram, [weights[i] for i in receipt.included])
     kept = [i for i, fate in zip(receipt.included, fates, strict=True) if fate.dropped is None]
     if included is not None and sorted(included) != kept:
         problems.append(f"the result says it includes {sorted(included)}, the receipt's rule keeps {kept}")
-    claimed = (torch.tensor(coefficients, dtype=torch.float64) @ sk) if n else torch.zeros(buckets, dtype=torch.float64)
+    claimed = torch.zeros(buckets, dtype=torch.float64)
+    for k in live:
+        if coefficients[k] != 0.0:
+            claimed += coefficients[k] * sk[k]
     if prepared is None or prepared.observed.numel() != buckets:
         prepared = prepare(result, mine, seed, part, buckets)
     observed = prepared.observed

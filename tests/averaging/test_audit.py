@@ -165,3 +165,18 @@ def test_a_sketch_outside_its_part_is_refused() -> None:
         sketch_accumulate(out, torch.ones(10), 995, plan)
     with pytest.raises(ValueError):
         sketch_accumulate(out, torch.ones(10, dtype=torch.float64), 0, plan)
+
+
+def test_an_absurd_contribution_may_overflow_the_gram_matrix_an_honest_one_may_not() -> None:
+    """A 1e30 contribution overflows fp32 products (inf in G): legitimate, the rule drops it. An
+    owner that claims an honest contribution overflows (to have it dropped) is caught."""
+    xs, weights = contributions(), [1.0] * 5
+    xs[4] = torch.full_like(xs[4], 1e30)
+    receipt, result = honest(xs, weights)
+    assert any(v == float("inf") for row in receipt.gram for v in row)
+    assert check_receipt(receipt, weights=weights, result=result, seed=SEED, part=PART, me=1, mine=xs[1]) == []
+    gram = [row[:] for row in receipt.gram]
+    gram[2][2] = float("inf")
+    forged = Receipt(receipt.included, gram, receipt.buckets, receipt.sketches)
+    problems = check_receipt(forged, weights=weights, result=result, seed=SEED, part=PART, me=1, mine=xs[1])
+    assert any("overflows, its sketch does not" in p for p in problems)
