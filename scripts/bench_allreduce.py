@@ -84,11 +84,13 @@ async def worker_main() -> None:
             if vector_key != key:
                 vector, vector_key = make_input(cmd["seed"], group.index_of(host.peer_id), cmd["elements"]), key
             sent_before, received_before = host.traffic.sent, host.traffic.received
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             result, _ = await AllReduceRound(host, registry, group, vector, avg_config).run()
             seconds = time.perf_counter() - started
+            cpu_s = time.process_time() - cpu_started
             answer = {
                 "seconds": seconds,
+                "cpu_s": cpu_s,
                 "wire_sent": host.traffic.sent - sent_before,
                 "wire_received": host.traffic.received - received_before,
                 "sha256": hashlib.sha256(as_memoryview(result)).hexdigest(),
@@ -127,7 +129,7 @@ def measure_swarm(
                 exact += make_input(seed, i, elements)
             exact /= n
             for codec in codecs:
-                times, sent, received, hashes = [], [], [], set()
+                times, sent, received, cpu, hashes = [], [], [], [], set()
                 with tempfile.TemporaryDirectory() as tmp:
                     saved = os.path.join(tmp, "result.pt")
                     for r in range(repeats):
@@ -142,6 +144,7 @@ def measure_swarm(
                         times.append(max(a["seconds"] for a in answers))
                         sent += [a["wire_sent"] for a in answers]
                         received += [a["wire_received"] for a in answers]
+                        cpu += [a["cpu_s"] for a in answers]
                         hashes |= {a["sha256"] for a in answers}  # identical on every member and every run
                     result = torch.load(saved)
                 if len(hashes) != 1:
@@ -152,6 +155,7 @@ def measure_swarm(
                     "round_s": statistics.median(times), "round_s_all": times,
                     "wire_bytes_per_member": statistics.median(sent),
                     "wire_received_per_member": statistics.median(received),
+                    "cpu_s_per_member": statistics.median(cpu),
                     "ideal_bytes_per_member": 2 * (n - 1) / n * payload,
                     "rel_rms_err": ((result.double() - exact).norm() / exact.norm()).item(),
                 })  # fmt: skip
