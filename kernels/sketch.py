@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _cpu
+from .codecs import Codec, Int8Codec, Payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,22 @@ def sketch_accumulate(out: torch.Tensor, x: torch.Tensor, offset: int, plan: Ske
         reference_accumulate(out, x, offset, plan)
     else:
         _cpu.sketch_accumulate(out, x.contiguous(), offset, plan.signs, plan.shifts)
+
+
+def sketch_payload_accumulate(
+    out: torch.Tensor, codec: Codec, payload: Payload, numel: int, offset: int, plan: SketchPlan
+) -> None:
+    """out += the sketch of the `numel` elements an encoded payload holds (the part's elements
+    [offset, offset + numel)): straight from the int8 codes where the C++ path is built (the
+    same sums as decoding first), else decoded (MalformedPayload if it does not decode)."""
+    if isinstance(codec, Int8Codec) and _cpu.available():
+        inside = 0 <= offset <= offset + numel <= plan.numel
+        if not inside or out.shape != (plan.buckets,) or out.dtype != torch.float64:
+            raise ValueError("sketch: the payload lies outside the part, or out is not float64[buckets]")
+        codes, scales = codec._split(payload, numel, torch.device("cpu"))
+        _cpu.sketch_int8_accumulate(out, codes, scales, codec.block_size, offset, plan.signs, plan.shifts)
+        return
+    sketch_accumulate(out, codec.decode(payload, numel), offset, plan)
 
 
 def reference_accumulate(out: torch.Tensor, x: torch.Tensor, offset: int, plan: SketchPlan) -> None:

@@ -452,3 +452,36 @@ SWARM_API int swarm_sketch_f32(const float* x, int64_t n, int64_t offset, int64_
   }
   return 0;
 }
+
+// The same sketch of an int8 payload (codes, one fp32 scale per `block` codes), without decoding
+// it first: element k is (float)codes[k] * scales[k / block], the very fp32 value dequantize
+// writes, so the sums are those of decode-then-swarm_sketch_f32, bit for bit. It reads 1 byte
+// an element instead of 4. The payload was decoded (so checked) before: no check here.
+SWARM_API int swarm_sketch_i8(const int8_t* codes, const float* scales, int64_t n, int64_t block, int64_t offset,
+                              int64_t buckets, const double* signs, const int64_t* shifts, double* out) {
+  if (n < 0 || offset < 0 || buckets <= 0 || block <= 0) return -1;
+  // elements [k0, k0 + len) of the payload into o[0, len), times s
+  auto add = [&](double* o, int64_t k0, int64_t len, double s) {
+    int64_t e = 0;
+    while (e < len) {
+      const int64_t k = k0 + e, b = k / block;
+      const int64_t end = std::min<int64_t>(len, (b + 1) * block - k0);
+      const float scale = scales[b];
+      for (; e < end; ++e) o[e] += s * static_cast<double>(static_cast<float>(codes[k0 + e]) * scale);
+    }
+  };
+  int64_t k = 0;
+  while (k < n) {
+    const int64_t i = offset + k;
+    const int64_t r = i / buckets, c = i % buckets;
+    const int64_t len = std::min<int64_t>(n - k, buckets - c);
+    const int64_t t = shifts[r];
+    if (t < 0 || t >= buckets) return -1;
+    const int64_t start = (c + t) % buckets;
+    const int64_t head = std::min<int64_t>(len, buckets - start);
+    add(out + start, k, head, signs[r]);
+    add(out, k + head, len - head, signs[r]);
+    k += len;
+  }
+  return 0;
+}

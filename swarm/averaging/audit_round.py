@@ -56,16 +56,17 @@ from swarm.averaging.audit import (
     audit_buckets,
     check_receipt,
     part_seed,
-    prepare,
     sketch_plan,
+    squared_norm,
 )
 from swarm.averaging.errors import AuditError
+from swarm.averaging.partition import payload_layout
 from swarm.averaging.reduction import PartReduction
 from swarm.p2p.connection import CallContext
 from swarm.p2p.errors import BadRequest, NotFound, P2PError, RemoteError
 from swarm.p2p.peer_id import PeerID
 from swarm.p2p.stream import Stream
-from swarm_kernels.sketch import sketch_accumulate
+from swarm_kernels.sketch import sketch_accumulate, sketch_payload_accumulate
 
 if TYPE_CHECKING:
     from swarm.averaging.allreduce import AllReduceRound
@@ -92,15 +93,35 @@ class Verdict:
 
 def build_receipt(reduction: PartReduction, seed: bytes) -> bytes:
     """The encoded receipt of a part this member reduced (worker thread): the contributions the
-    rule ran on, decoded again wire chunk by wire chunk and sketched at their offsets."""
+    rule ran on, sketched wire chunk by wire chunk straight from their payloads (our own slice
+    exact)."""
     numel = reduction.hi - reduction.lo
     plan = sketch_plan(seed, reduction.part, numel, audit_buckets(numel, len(reduction.weights)))
     sketches = torch.zeros(len(reduction.order), plan.buckets, dtype=torch.float64)
-    for lo, block in reduction.audited_blocks()():
-        for row, out in zip(block, sketches, strict=True):
-            sketch_accumulate(out, row, lo, plan)
+    for i, out in zip(reduction.order, sketches, strict=True):
+        if i == reduction.own_index:
+            sketch_accumulate(out, reduction.own_slice, 0, plan)
+            continue
+        payload = reduction.senders[i].buffer
+        for a, b, where in reduction.layout:
+            sketch_payload_accumulate(out, reduction.codec, payload[where], b - a, a, plan)
     receipt = Receipt(reduction.order, reduction.gram, plan.buckets, sketches.float())
     return msgpack.packb(receipt.encode())
+
+
+def prepare_part(
+    codec: Any, payload: memoryview, layout: list[tuple[int, int, slice]], mine: torch.Tensor,
+    seed: bytes, part: int, buckets: int,
+) -> Prepared:  # fmt: skip
+    """Our side of part `part`'s check (worker thread): the sketch of its result, straight from
+    the result's payload, and of our own slice (audit.prepare, without decoding again)."""
+    plan = sketch_plan(seed, part, mine.numel(), buckets)
+    observed = torch.zeros(plan.buckets, dtype=torch.float64)
+    for a, b, where in layout:
+        sketch_payload_accumulate(observed, codec, payload[where], b - a, a, plan)
+    own = torch.zeros(plan.buckets, dtype=torch.float64)
+    sketch_accumulate(own, mine, 0, plan)
+    return Prepared(observed, own, squared_norm(mine))
 
 
 def check(
@@ -153,7 +174,10 @@ class RoundAudit:
             self._seed(j).set_result(seed)
             lo, hi = r.parts[j]
             buckets = audit_buckets(hi - lo, len(r.group.members))
-            return seed, await asyncio.to_thread(prepare, r.result[lo:hi], r.vector[lo:hi], seed, j, buckets)
+            layout = payload_layout(0, hi - lo, r.config.chunk_elements, r.codec.encoded_nbytes)
+            mine = r.vector[lo:hi]
+            prepared = await asyncio.to_thread(prepare_part, r.codec, payload, layout, mine, seed, j, buckets)
+            return seed, prepared
         except Exception as e:  # the round was released under us (it failed): nothing to audit
             logger.info("round %s: audit: part %d not prepared: %r", r._tag(), j, e)
             return None

@@ -173,11 +173,6 @@ class PartReduction:
             self.order, self.gram = order, gram
             return [i for i in order if self.fates[i].dropped is None], average
 
-    def audited_blocks(self) -> Blocks:
-        """The contributions the robust rule ran on (`order`), decoded again chunk by chunk (the
-        owner audit's receipt sketches them: audit_round.py)."""
-        return self._blocks(self.order)
-
     def _blocks(self, order: list[int]) -> Blocks:
         """The contributions of `order`, one wire chunk at a time: our own slice and each sender's
         payload decoded into one reused (n, chunk) buffer."""

@@ -19,7 +19,7 @@ from swarm.averaging.audit import (
 from swarm.averaging.robust import gram_matrix, robust_aggregate
 from swarm_kernels import get_codec
 from swarm_kernels._cpu import available as cpu_available
-from swarm_kernels.sketch import sketch_accumulate
+from swarm_kernels.sketch import sketch_accumulate, sketch_payload_accumulate
 
 SEED = audit_seed(b"g" * 32, [b"result-0", b"result-1"])
 PART = 1
@@ -169,7 +169,8 @@ def test_a_sketch_outside_its_part_is_refused() -> None:
 
 def test_an_absurd_contribution_may_overflow_the_gram_matrix_an_honest_one_may_not() -> None:
     """A 1e30 contribution overflows fp32 products (inf in G): legitimate, the rule drops it. An
-    owner that claims an honest contribution overflows (to have it dropped) is caught."""
+    owner that claims an honest contribution overflows (to have it dropped) is caught by that
+    member."""
     xs, weights = contributions(), [1.0] * 5
     xs[4] = torch.full_like(xs[4], 1e30)
     receipt, result = honest(xs, weights)
@@ -178,5 +179,18 @@ def test_an_absurd_contribution_may_overflow_the_gram_matrix_an_honest_one_may_n
     gram = [row[:] for row in receipt.gram]
     gram[2][2] = float("inf")
     forged = Receipt(receipt.included, gram, receipt.buckets, receipt.sketches)
-    problems = check_receipt(forged, weights=weights, result=result, seed=SEED, part=PART, me=1, mine=xs[1])
-    assert any("overflows, its sketch does not" in p for p in problems)
+    problems = check_receipt(forged, weights=weights, result=result, seed=SEED, part=PART, me=2, mine=xs[2])
+    assert "the receipt misstates our contribution's norm" in problems
+
+
+@pytest.mark.parametrize("codec_name", ["int8", "fp16"])
+def test_a_payload_is_sketched_as_its_decoded_values(codec_name: str) -> None:
+    """sketch_payload_accumulate (straight from the int8 codes) equals decode-then-sketch."""
+    codec = get_codec(codec_name, block_size=64)
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(4))
+    plan = sketch_plan(SEED, PART, 30_000)
+    direct = torch.zeros(plan.buckets, dtype=torch.float64)
+    decoded = torch.zeros(plan.buckets, dtype=torch.float64)
+    sketch_payload_accumulate(direct, codec, codec.encode(x), 10_000, 12_345, plan)
+    sketch_accumulate(decoded, codec.decode(codec.encode(x), 10_000), 12_345, plan, impl="reference")
+    assert torch.equal(direct, decoded)

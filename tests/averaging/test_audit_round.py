@@ -45,29 +45,26 @@ async def run_all(rounds: list[AllReduceRound]) -> list[Any]:
 
 def lie_when_owner_is(liar: AllReduceRound, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     """The liar's reductions misbehave: "broadcast" -100 x the average it computed (attacks.py
-    `owner`), or "substitute" member 1's contribution with its negation before reducing."""
-    encode, blocks = reduction.PartReduction._encode, reduction.PartReduction._blocks
+    `owner`), or "substitute" member 1's payload with its negation before reducing (its receipt
+    then describes the substituted input, consistently)."""
+    encode, robust = reduction.PartReduction._encode, reduction.PartReduction._robust
 
     def lying_encode(self: reduction.PartReduction, average: torch.Tensor) -> memoryview:
         return encode(self, -100 * average if self.own_slice.data_ptr() in owned else average)
 
-    def substituting_blocks(self: reduction.PartReduction, order: list[int]) -> Any:
-        inner = blocks(self, order)
-        if self.own_slice.data_ptr() not in owned or 1 not in order:
-            return inner
-
-        def negated() -> Any:
-            for lo, block in inner():
-                block[order.index(1)].neg_()
-                yield lo, block
-
-        return negated
+    def substituting(self: reduction.PartReduction, complete: list[int]) -> Any:
+        if self.own_slice.data_ptr() in owned and 1 in complete:
+            buffer = self.senders[1].buffer
+            for a, b, where in self.layout:
+                negated = -self.codec.decode(buffer[where], b - a)
+                buffer[where] = as_memoryview(self.codec.encode(negated))
+        return robust(self, complete)
 
     owned = {liar.vector[lo:hi].data_ptr() for lo, hi in liar.parts}
     if how == "broadcast":
         monkeypatch.setattr(reduction.PartReduction, "_encode", lying_encode)
     else:
-        monkeypatch.setattr(reduction.PartReduction, "_blocks", substituting_blocks)
+        monkeypatch.setattr(reduction.PartReduction, "_robust", substituting)
 
 
 async def test_an_honest_round_passes_the_audit_bit_identically(make_group: MakeGroup) -> None:
