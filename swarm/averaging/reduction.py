@@ -14,6 +14,10 @@ Aggregators (AveragingConfig.aggregator):
   `included`), far ones clipped; `fates` says what happened to whom;
 - "mean": the exact weighted mean, summed in member order, then divided by the total weight.
 
+With "robust", `order` and `gram` keep what the owner audit's receipt needs (audit_round.py):
+the contributions the rule ran on (dropped ones included) and their Gram matrix; the payload
+buffers stay until the round has built its receipts.
+
 RowReduction and ColReduction are the two stages of the hierarchical round (hierarchical.py):
 the same arithmetic over a row's members, then over the rows' partials.
 """
