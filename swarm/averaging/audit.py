@@ -38,7 +38,8 @@ Cost (python -m scripts.bench_allreduce --sizes 4 --elements 64M --codecs int8 -
 mean,robust+audit,robust --json: 4 processes on 2 shared cores): +0.2% bytes (the receipts);
 per member and round ~0.17 CPU-s (SHA-256 of every result, 3 sketches of our own slices, 3 of
 the results and 4 of our part's contributions, read from the int8 payloads by swarm_sketch_i8):
-round time +35-60% there, where the round is CPU-bound; on real links the round is bound by the
+round time +35-65% there (mean 1.09 s, robust+audit 1.80 s, medians of 9), where the round is
+CPU-bound (0.43 -> 0.66 CPU-s per member); on real links the round is bound by the
 network and the audit's CPU runs beside it (it starts as each part's result arrives).
 
 Sketch accuracy: <S x, S y> has the relative error above for generic vectors; a structured one

@@ -168,7 +168,8 @@ class RoundAudit:
             reduction = r.reductions.get(j)
             if reducer == r.me:
                 if reduction is not None and reduction.order and _holds(reduction, payload):
-                    self.receipts[j] = asyncio.ensure_future(asyncio.to_thread(build_receipt, reduction, seed))
+                    built = self.receipts[j] = asyncio.ensure_future(asyncio.to_thread(build_receipt, reduction, seed))
+                    built.add_done_callback(_retrieved)  # a failed round awaits no receipt
                 self._seed(j).set_result(seed)
                 return seed, None
             self._seed(j).set_result(seed)
@@ -282,6 +283,11 @@ class RoundAudit:
         data = await asyncio.shield(receipt)
         await stream.write(data)
         r.report.bytes_sent += len(data)
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.info("audit: a receipt could not be built: %r", task.exception())
 
 
 def _sha256(payload: memoryview) -> bytes:
