@@ -10,7 +10,8 @@ mean. Matchmaking is not timed (it is the DHT's cost, measured by bench_dht.py).
 the raw loopback throughput (plain Python sockets, as in bench_p2p.py). With --compare hivemind
 the same configurations run on hivemind's DecentralizedAverager (scripts/hivemind_allreduce.py).
 `--aggregators mean,robust` measures the part owners' rules one after the other (issue 12: the
-robust reduction's cost is robust's round time against mean's).
+robust reduction's cost is robust's round time against mean's); "robust+audit" adds the owner
+audit (audit_round.py), which the other names leave off.
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ async def worker_main() -> None:
         vector, vector_key = None, None
         while line := await loop.run_in_executor(None, sys.stdin.readline):
             cmd = json.loads(line)
-            avg_config = AveragingConfig(codec=cmd["codec"], aggregator=cmd["aggregator"], part_timeout=60.0,
-                                         request_timeout=30.0)  # fmt: skip
+            aggregator, _, extra = cmd["aggregator"].partition("+")
+            avg_config = AveragingConfig(codec=cmd["codec"], aggregator=aggregator, audit=extra == "audit",
+                                         part_timeout=60.0, request_timeout=30.0)  # fmt: skip
             if registry is None:
                 registry = RoundRegistry(host, avg_config)
             registry.config = avg_config
@@ -82,11 +84,13 @@ async def worker_main() -> None:
             if vector_key != key:
                 vector, vector_key = make_input(cmd["seed"], group.index_of(host.peer_id), cmd["elements"]), key
             sent_before, received_before = host.traffic.sent, host.traffic.received
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             result, _ = await AllReduceRound(host, registry, group, vector, avg_config).run()
             seconds = time.perf_counter() - started
+            cpu_s = time.process_time() - cpu_started
             answer = {
                 "seconds": seconds,
+                "cpu_s": cpu_s,
                 "wire_sent": host.traffic.sent - sent_before,
                 "wire_received": host.traffic.received - received_before,
                 "sha256": hashlib.sha256(as_memoryview(result)).hexdigest(),
@@ -125,7 +129,7 @@ def measure_swarm(
                 exact += make_input(seed, i, elements)
             exact /= n
             for codec in codecs:
-                times, sent, hashes = [], [], set()
+                times, sent, received, cpu, hashes = [], [], [], [], set()
                 with tempfile.TemporaryDirectory() as tmp:
                     saved = os.path.join(tmp, "result.pt")
                     for r in range(repeats):
@@ -139,6 +143,8 @@ def measure_swarm(
                         answers = [w.receive(900) for w in workers]
                         times.append(max(a["seconds"] for a in answers))
                         sent += [a["wire_sent"] for a in answers]
+                        received += [a["wire_received"] for a in answers]
+                        cpu += [a["cpu_s"] for a in answers]
                         hashes |= {a["sha256"] for a in answers}  # identical on every member and every run
                     result = torch.load(saved)
                 if len(hashes) != 1:
@@ -148,6 +154,8 @@ def measure_swarm(
                     "impl": "swarm", "n": n, "elements": elements, "codec": codec, "aggregator": aggregator,
                     "round_s": statistics.median(times), "round_s_all": times,
                     "wire_bytes_per_member": statistics.median(sent),
+                    "wire_received_per_member": statistics.median(received),
+                    "cpu_s_per_member": statistics.median(cpu),
                     "ideal_bytes_per_member": 2 * (n - 1) / n * payload,
                     "rel_rms_err": ((result.double() - exact).norm() / exact.norm()).item(),
                 })  # fmt: skip
@@ -199,7 +207,7 @@ def main() -> None:
     parser.add_argument("--codecs", default="none,fp16,int8")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--aggregators", default="robust", help="part owners' rule(s): robust, mean")
+    parser.add_argument("--aggregators", default="robust", help="part owners' rule(s): robust, mean, robust+audit")
     parser.add_argument("--compare", choices=["hivemind"])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)

@@ -422,3 +422,66 @@ SWARM_API int swarm_int8_dequantize_accumulate(float* acc, const int8_t* codes, 
     return -1;
   }
 }
+
+// The owner audit's sketch (swarm/averaging/audit.py; reference: swarm_kernels/sketch.py).
+// Element i = offset + k of a part (x[k], k < n) lies in row r = i / buckets at column
+// c = i % buckets and is added, times the row's sign, to out[(c + shifts[r]) mod buckets], in
+// double. Each row's stretch is two contiguous runs (before and after the wrap), so the inner
+// loops have no modulo and vectorize. Rows are added in order, one element to one bucket at a
+// time: the same sums, bit for bit, as the reference's out[t:t+h] += s * x[row] per row.
+// Single-threaded: the callers already run one sketch per worker thread.
+// Returns 0, or -1 on bad arguments (a shift outside [0, buckets)).
+SWARM_API int swarm_sketch_f32(const float* x, int64_t n, int64_t offset, int64_t buckets, const double* signs,
+                               const int64_t* shifts, double* out) {
+  if (n < 0 || offset < 0 || buckets <= 0) return -1;
+  int64_t k = 0;
+  while (k < n) {
+    const int64_t i = offset + k;
+    const int64_t r = i / buckets, c = i % buckets;
+    const int64_t len = std::min<int64_t>(n - k, buckets - c);  // this row's stretch
+    const int64_t t = shifts[r];
+    if (t < 0 || t >= buckets) return -1;
+    const double s = signs[r];
+    const float* xs = x + k;
+    const int64_t start = (c + t) % buckets;
+    const int64_t head = std::min<int64_t>(len, buckets - start);  // up to the wrap
+    double* o = out + start;
+    for (int64_t e = 0; e < head; ++e) o[e] += s * static_cast<double>(xs[e]);
+    for (int64_t e = head; e < len; ++e) out[e - head] += s * static_cast<double>(xs[e]);
+    k += len;
+  }
+  return 0;
+}
+
+// The same sketch of an int8 payload (codes, one fp32 scale per `block` codes), without decoding
+// it first: element k is (float)codes[k] * scales[k / block], the very fp32 value dequantize
+// writes, so the sums are those of decode-then-swarm_sketch_f32, bit for bit. It reads 1 byte
+// an element instead of 4. The payload was decoded (so checked) before: no check here.
+SWARM_API int swarm_sketch_i8(const int8_t* codes, const float* scales, int64_t n, int64_t block, int64_t offset,
+                              int64_t buckets, const double* signs, const int64_t* shifts, double* out) {
+  if (n < 0 || offset < 0 || buckets <= 0 || block <= 0) return -1;
+  // elements [k0, k0 + len) of the payload into o[0, len), times s
+  auto add = [&](double* o, int64_t k0, int64_t len, double s) {
+    int64_t e = 0;
+    while (e < len) {
+      const int64_t k = k0 + e, b = k / block;
+      const int64_t end = std::min<int64_t>(len, (b + 1) * block - k0);
+      const float scale = scales[b];
+      for (; e < end; ++e) o[e] += s * static_cast<double>(static_cast<float>(codes[k0 + e]) * scale);
+    }
+  };
+  int64_t k = 0;
+  while (k < n) {
+    const int64_t i = offset + k;
+    const int64_t r = i / buckets, c = i % buckets;
+    const int64_t len = std::min<int64_t>(n - k, buckets - c);
+    const int64_t t = shifts[r];
+    if (t < 0 || t >= buckets) return -1;
+    const int64_t start = (c + t) % buckets;
+    const int64_t head = std::min<int64_t>(len, buckets - start);
+    add(out + start, k, head, signs[r]);
+    add(out, k + head, len - head, signs[r]);
+    k += len;
+  }
+  return 0;
+}

@@ -23,6 +23,7 @@ Faults (DESIGN invariant 5):
                reducer -> sender: msgpack {"inc": [member indices]}, then the encoded average
     avg.fetch  {"g": group_id, "p": part}
                -> msgpack {"inc": [...]} and the encoded average, or {"none": true}
+    avg.receipt  the owner audit, once every part is final (audit_round.py)
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ from typing import Any
 import msgpack
 import torch
 
+from swarm.averaging.audit_round import RECEIPT, RoundAudit
 from swarm.averaging.config import AveragingConfig
+from swarm.averaging.errors import AllReduceError
 from swarm.averaging.messages import GroupInfo
 from swarm.averaging.partition import capped_bandwidths, chunk_bounds, part_bounds, payload_layout, payload_size
 from swarm.averaging.reduction import PartReduction, byte_buffer
@@ -56,7 +59,7 @@ FETCH = "avg.fetch"
 # serves the first two, hierarchical.py's grid round the last three; a round asked for a method
 # it does not serve answers BadRequest.
 SERVED = {PART: "serve_part", FETCH: "serve_fetch", "avg.row": "serve_row", "avg.col": "serve_col",
-          "avg.down": "serve_down"}  # fmt: skip
+          "avg.down": "serve_down", RECEIPT: "serve_receipt"}  # fmt: skip
 MAX_HEADER_BYTES = 64 * 1024
 MAX_PENDING_GROUPS = 64
 
@@ -74,10 +77,6 @@ async def read_exactly(stream: Stream, size: int, timeout: float) -> memoryview:
     if got != size:
         raise AllReduceError(f"got {got} bytes, expected {size}")
     return buffer
-
-
-class AllReduceError(Exception):
-    """The round cannot complete: too few contributions to a part, or a part nobody could reduce."""
 
 
 async def await_parts(
@@ -155,6 +154,7 @@ class RoundReport:
     bytes_received: int = 0
     reduce_s: float = 0.0  # from the start until this member's own part was averaged
     total_s: float = 0.0
+    audit_excluded: list[Any] = field(default_factory=list)  # PeerIDs that misstated our contribution
 
 
 class RoundRegistry:
@@ -270,6 +270,8 @@ class AllReduceRound(RoundMember):
         self.parts = part_bounds(vector.numel(), self.bandwidths, config.block_size)
         self.final: dict[int, Final] = {}  # the encoded average of each part, as every member gets it
         self.reductions: dict[int, PartReduction] = {}
+        self.reducer_of: dict[int, int] = {}  # part -> the member whose result we took (the audit asks it)
+        self.audit = RoundAudit(self) if config.audit and config.aggregator == "robust" else None
 
     async def run(self) -> tuple[torch.Tensor, RoundReport]:
         """The averaged vector (a new tensor) and the report; AllReduceError when the round
@@ -279,7 +281,12 @@ class AllReduceRound(RoundMember):
         parts = [j for j, (lo, hi) in enumerate(self.parts) if hi > lo]
         result = self.result  # release() below drops the round's own reference
         tasks = {j: asyncio.ensure_future(self._obtain(j)) for j in parts}
-        await await_parts(tasks, self._tasks, lambda: self.registry.finished(self))
+        try:  # the audit runs before the round's buffers are released
+            await await_parts(tasks, self._tasks, lambda: None)
+            if self.audit is not None:
+                self.report.audit_excluded = await self.audit.run(self.reducer_of)
+        finally:
+            self.registry.finished(self)
         self.report.total_s = time.perf_counter() - self._started
         return result, self.report
 
@@ -312,7 +319,9 @@ class AllReduceRound(RoundMember):
                 logger.info("round %s: part %d via member %d failed: %s", self._tag(), j, reducer, e)
         else:
             raise AllReduceError(f"no member could reduce part {j} ({'; '.join(errors)})")
-        self.final[j] = final
+        self.final[j], self.reducer_of[j] = final, reducer
+        if self.audit is not None:
+            self.audit.result_in(j, final[1], reducer)
         self.report.contributions[j] = final[0]
         if j == self.me:
             self.report.reduce_s = time.perf_counter() - self._started
@@ -445,6 +454,11 @@ class AllReduceRound(RoundMember):
             await stream.end()
             return
         await self._reply(stream, final, None)
+
+    async def serve_receipt(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
+        if self.audit is None:
+            raise BadRequest("avg.receipt: this round is not audited")
+        await self.audit.serve(ctx, args, stream)
 
     async def _reply(self, stream: Stream, final: Final, index: int | None) -> None:
         header = msgpack.packb({"inc": final[0]})

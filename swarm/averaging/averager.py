@@ -10,6 +10,12 @@ inputs, plus a GroupReport. With no group (alone, late, of another state) it ret
 the inputs and `report.group_id is None`. It raises AllReduceError when a group was formed but
 the round could not complete; the inputs are never modified.
 
+Owner audit (audit_round.py): a part owner the audit catches lying is excluded for the
+Averager's lifetime (`excluded`): matchmaking ignores its announcements and refuses a group that
+holds it. A lie every member sees fails the round (AuditError, an AllReduceError: the caller
+matchmakes the step again); one that only this member sees (its own contribution misstated)
+excludes the owner without failing the round.
+
 `step` is `form_group` then `run_round`; a trainer calls them apart to form the group while it
 finishes its last inner steps, so matchmaking costs no compute time.
 """
@@ -17,6 +23,7 @@ finishes its last inner steps, so matchmaking costs no compute time.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,12 +32,15 @@ import torch
 
 from swarm.averaging.allreduce import AllReduceRound, RoundRegistry
 from swarm.averaging.config import AveragingConfig
+from swarm.averaging.errors import AuditError
 from swarm.averaging.hierarchical import GridRound
 from swarm.averaging.matchmaking import Matchmade, Matchmaker
 from swarm.averaging.messages import GroupInfo, MemberInfo
 from swarm.dht.node import DHTNode
 from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,7 +60,8 @@ class Averager:
     def __init__(self, dht: DHTNode, host: P2PHost, run_id: str, config: AveragingConfig | None = None) -> None:
         self.dht, self.host, self.run_id = dht, host, run_id
         self.config = config or AveragingConfig()
-        self.matchmaker = Matchmaker(dht, host, run_id, self.config)
+        self.excluded: set[PeerID] = set()  # owners our audits caught lying: never grouped with again
+        self.matchmaker = Matchmaker(dht, host, run_id, self.config, excluded=self.excluded)
         self.registry = RoundRegistry(host, self.config)
 
     def close(self) -> None:
@@ -98,6 +109,13 @@ class Averager:
             return Matchmade(None, found.seconds)
         return found
 
+    def exclude(self, peers: Sequence[PeerID], why: str) -> None:
+        """Never group with these peers again (logged once per peer)."""
+        for peer in peers:
+            if peer not in self.excluded and peer != self.host.peer_id:
+                self.excluded.add(peer)
+                logger.warning("excluding peer %s from averaging for the rest of the run: %s", peer, why)
+
     def round_failed(self, step: int) -> None:
         """The round of `step` failed: the step may be matchmade again (see matchmaking.py)."""
         self.matchmaker.round_failed(step)
@@ -117,7 +135,12 @@ class Averager:
         # Beyond max_group_size the hierarchical butterfly: the same average, about 2*sqrt(n) peers each.
         flat = len(group.members) <= self.config.max_group_size
         kind = AllReduceRound if flat else GridRound
-        averaged, rr = await kind(self.host, self.registry, group, vector, self.config).run()
+        try:
+            averaged, rr = await kind(self.host, self.registry, group, vector, self.config).run()
+        except AuditError as e:
+            self.exclude(e.owners, str(e))
+            raise
+        self.exclude(rr.audit_excluded, "it misstated our contribution to its part")
         report = GroupReport(
             group.group_id.hex(),
             rr.members,

@@ -29,6 +29,9 @@ class AveragingConfig:
     # ones dropped, far ones clipped, the mean when nobody is an outlier) or "mean" (the exact
     # weighted mean: one bad member moves the result anywhere)
     aggregator: str = "robust"
+    # the owner audit (audit_round.py): members check every part owner's robust reduction after
+    # each flat round; only with the robust aggregator (grid rounds are not audited)
+    audit: bool = True
     part_timeout: float = 60.0  # bound on each wait of the all-reduce (a chunk, a peer's result)
     max_elements: int = 1 << 33  # largest vector a peer may ask us to reduce
     # the largest weight a member may announce: what the run allows one step (the tokens of H inner

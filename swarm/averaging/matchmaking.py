@@ -32,7 +32,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Set
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from swarm.averaging.config import AveragingConfig
@@ -79,8 +80,11 @@ class _StepState:
 
 
 class Matchmaker:
-    def __init__(self, dht: DHTNode, host: P2PHost, run_id: str, config: AveragingConfig) -> None:
+    def __init__(
+        self, dht: DHTNode, host: P2PHost, run_id: str, config: AveragingConfig, *, excluded: Set[PeerID] = frozenset()
+    ) -> None:
         self.dht, self.host, self.run_id, self.config = dht, host, run_id, config
+        self.excluded = excluded  # peers the owner audit caught (the Averager's set, shared): see _read
         self.peer_id = host.peer_id
         self._steps: dict[int, _StepState] = {}
         self._stored: dict[int, float] = {}  # step -> expiration of our last record (later wins)
@@ -210,6 +214,9 @@ class Matchmaker:
         view, skipped = decode_view(entries, self.config.max_weight)
         for item in skipped:
             self._bad_input.log(item.owner, "ready record", "ignoring %s (step %d)", item.reason, step)
+        if caught := self.excluded & view.ready.keys():  # owners our audits caught lying: never grouped with
+            view = replace(view, ready={p: m for p, m in view.ready.items() if p not in caught},
+                           refused=view.refused | caught)  # seen: nobody waits for them  # fmt: skip
         return view
 
     async def _lead(
@@ -270,6 +277,9 @@ class Matchmaker:
                 if problem is not None:
                     self._bad_input.log(leader.peer_id, "group", "refusing the group it leads: %s", problem)
                     return leader.peer_id
+                if any(m.peer_id in self.excluded for m in group.members):
+                    logger.warning("step %d: refusing a group that holds a peer our audits excluded", step)
+                    return None
                 return group
             if "redirect" in reply:
                 try:
@@ -290,6 +300,8 @@ class Matchmaker:
         member = MemberInfo.decode(args.get("member"))
         if member.peer_id != ctx.peer_id:
             raise BadRequest("join: a node can only join for itself")
+        if member.peer_id in self.excluded:
+            return {"none": "excluded"}
         if member.weight > self.config.max_weight:
             self._bad_input.log(member.peer_id, "join", "refusing its join: weight %.4g above the run's %.4g",
                                 member.weight, self.config.max_weight)  # fmt: skip

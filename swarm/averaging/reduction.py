@@ -14,6 +14,10 @@ Aggregators (AveragingConfig.aggregator):
   `included`), far ones clipped; `fates` says what happened to whom;
 - "mean": the exact weighted mean, summed in member order, then divided by the total weight.
 
+With "robust", `order` and `gram` keep what the owner audit's receipt needs (audit_round.py):
+the contributions the rule ran on (dropped ones included) and their Gram matrix; the payload
+buffers stay until the round has built its receipts.
+
 RowReduction and ColReduction are the two stages of the hierarchical round (hierarchical.py):
 the same arithmetic over a row's members, then over the rows' partials.
 """
@@ -92,6 +96,10 @@ class PartReduction:
         self.codec, self.chunk_elements = codec, chunk_elements
         self.aggregator = aggregator
         self.fates: dict[int, Fate] = {}  # contribution index -> what the robust rule did with it
+        # what the owner audit's receipt needs (robust aggregator only; audit_round.py): the
+        # contributions the rule ran on (dropped ones included) and their Gram matrix
+        self.order: list[int] = []
+        self.gram: list[list[float]] = []
         self.senders: dict[int, Incoming] = {}
         self.changed = asyncio.Event()
         self.result: asyncio.Future[tuple[list[int], memoryview]] = asyncio.get_running_loop().create_future()
@@ -160,12 +168,13 @@ class PartReduction:
         while True:
             try:
                 blocks = self._blocks(order)
-                average, fates = robust_reduce(blocks, self.hi - self.lo, [self.weights[i] for i in order])
+                average, fates, gram = robust_reduce(blocks, self.hi - self.lo, [self.weights[i] for i in order])
             except SenderMalformed as e:  # found in the first pass: start over without it
                 logger.info("part %d: dropping sender %d, malformed payload: %s", self.part, e.index, e.error)
                 order.remove(e.index)
                 continue
             self.fates = dict(zip(order, fates, strict=True))
+            self.order, self.gram = order, gram
             return [i for i in order if self.fates[i].dropped is None], average
 
     def _blocks(self, order: list[int]) -> Blocks:

@@ -133,7 +133,10 @@ def robust_aggregate(
     numel = contributions[0].numel()
     if any(x.dtype != torch.float32 or x.dim() != 1 or x.numel() != numel for x in contributions):
         raise ValueError("contributions must be 1-D fp32 tensors of equal length")
-    return robust_reduce(stacked(contributions), numel, weights, tau_factor=tau_factor, absurd_factor=absurd_factor)
+    out, fates, _ = robust_reduce(
+        stacked(contributions), numel, weights, tau_factor=tau_factor, absurd_factor=absurd_factor
+    )
+    return out, fates
 
 
 def robust_reduce(
@@ -143,18 +146,19 @@ def robust_reduce(
     *,
     tau_factor: float = TAU_FACTOR,
     absurd_factor: float = ABSURD_FACTOR,
-) -> tuple[torch.Tensor, list[Fate]]:
+) -> tuple[torch.Tensor, list[Fate], list[list[float]]]:
     """robust_aggregate over contributions given block by block: `blocks()` yields (lo, block),
     block an (n, width) fp32 tensor (contribution k's elements [lo, lo + width) in row k), in
     order, covering [0, numel). One pass computes the Gram matrix and the weighted mean; a second
-    call of `blocks()` happens only when the rule drops or clips someone."""
+    call of `blocks()` happens only when the rule drops or clips someone. Also returns the Gram
+    matrix the rule ran on (the owner audit's receipt carries it: audit.py)."""
     mean = mean_coefficients(weights)
     out = torch.empty(numel, dtype=torch.float32)
     gram = data_pass(blocks, numel, len(weights), out, mean, gram=True)
     coefficients, fates = robust_coefficients(gram, weights, tau_factor=tau_factor, absurd_factor=absurd_factor)
     if coefficients != mean:
         data_pass(blocks, numel, len(weights), out, coefficients, gram=False)
-    return out, fates
+    return out, fates, gram
 
 
 def stacked(xs: list[torch.Tensor]) -> Blocks:

@@ -14,9 +14,12 @@ from swarm.averaging.audit import (
     check_receipt,
     make_receipt,
     sketch,
+    sketch_plan,
 )
 from swarm.averaging.robust import gram_matrix, robust_aggregate
 from swarm_kernels import get_codec
+from swarm_kernels._cpu import available as cpu_available
+from swarm_kernels.sketch import sketch_accumulate, sketch_payload_accumulate
 
 SEED = audit_seed(b"g" * 32, [b"result-0", b"result-1"])
 PART = 1
@@ -135,3 +138,59 @@ def test_a_non_finite_receipt_is_a_problem_not_a_crash() -> None:
     gram[0][1] = float("nan")
     forged = Receipt(receipt.included, gram, receipt.buckets, receipt.sketches)
     assert check_receipt(forged, weights=weights, result=result, seed=SEED, part=PART) != []
+
+
+@pytest.mark.parametrize("numel", [1, 100, 4096, 4097, 300_001])
+def test_the_cpp_sketch_equals_the_reference_chunk_by_chunk(numel: int) -> None:
+    """swarm_sketch_f32 gives the reference's sums bit for bit, and a part sketched in chunks at
+    their offsets (as the owner decodes wire chunks) gives the whole part's sketch."""
+    if not cpu_available():
+        pytest.skip("the C++ extension is not built here")
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    plan = sketch_plan(SEED, PART, numel)
+    whole = torch.zeros(plan.buckets, dtype=torch.float64)
+    sketch_accumulate(whole, x, 0, plan, impl="reference")
+    for impl in ("cpu", "reference"):
+        chunked = torch.zeros(plan.buckets, dtype=torch.float64)
+        for lo in range(0, numel, 1000):
+            sketch_accumulate(chunked, x[lo : lo + 1000], lo, plan, impl=impl)
+        assert torch.equal(chunked, whole), impl
+    assert torch.equal(sketch(x, SEED, PART), whole)
+
+
+def test_a_sketch_outside_its_part_is_refused() -> None:
+    plan = sketch_plan(SEED, PART, 1000)
+    out = torch.zeros(plan.buckets, dtype=torch.float64)
+    with pytest.raises(ValueError):
+        sketch_accumulate(out, torch.ones(10), 995, plan)
+    with pytest.raises(ValueError):
+        sketch_accumulate(out, torch.ones(10, dtype=torch.float64), 0, plan)
+
+
+def test_an_absurd_contribution_may_overflow_the_gram_matrix_an_honest_one_may_not() -> None:
+    """A 1e30 contribution overflows fp32 products (inf in G): legitimate, the rule drops it. An
+    owner that claims an honest contribution overflows (to have it dropped) is caught by that
+    member."""
+    xs, weights = contributions(), [1.0] * 5
+    xs[4] = torch.full_like(xs[4], 1e30)
+    receipt, result = honest(xs, weights)
+    assert any(v == float("inf") for row in receipt.gram for v in row)
+    assert check_receipt(receipt, weights=weights, result=result, seed=SEED, part=PART, me=1, mine=xs[1]) == []
+    gram = [row[:] for row in receipt.gram]
+    gram[2][2] = float("inf")
+    forged = Receipt(receipt.included, gram, receipt.buckets, receipt.sketches)
+    problems = check_receipt(forged, weights=weights, result=result, seed=SEED, part=PART, me=2, mine=xs[2])
+    assert "the receipt misstates our contribution's norm" in problems
+
+
+@pytest.mark.parametrize("codec_name", ["int8", "fp16"])
+def test_a_payload_is_sketched_as_its_decoded_values(codec_name: str) -> None:
+    """sketch_payload_accumulate (straight from the int8 codes) equals decode-then-sketch."""
+    codec = get_codec(codec_name, block_size=64)
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(4))
+    plan = sketch_plan(SEED, PART, 30_000)
+    direct = torch.zeros(plan.buckets, dtype=torch.float64)
+    decoded = torch.zeros(plan.buckets, dtype=torch.float64)
+    sketch_payload_accumulate(direct, codec, codec.encode(x), 10_000, 12_345, plan)
+    sketch_accumulate(decoded, codec.decode(codec.encode(x), 10_000), 12_345, plan, impl="reference")
+    assert torch.equal(direct, decoded)

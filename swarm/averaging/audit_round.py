@@ -1,0 +1,300 @@
+"""The owner audit of a flat round (audit.py's arithmetic, on the wire): every member checks
+every other part's owner once the round's results are in.
+
+    avg.receipt  {"g": group_id, "p": part, "s": audit seed (32 bytes)}
+                 -> the owner's receipt, msgpack (audit.Receipt.encode), then end
+                 errors: BadRequest "wrong seed" (the caller holds other bytes of the part than
+                 the owner), NotFound (no receipt of that part here), BadRequest (bad arguments)
+
+1. Seed. As soon as a member holds part j's result it computes the part's seed from the group id,
+   j and the SHA-256 of the result bytes (audit.part_seed): the same on every member holding the
+   same bytes, unknown to the owner before it committed to them.
+2. Receipts and sketches, while the other parts are still on the wire. For each part it reduced
+   itself (robust aggregator), a member re-decodes the contributions the rule ran on, chunk by
+   chunk (its own slice exact), sketches them with the part's seed and keeps the receipt (a few
+   KB to a few hundred KB) for as long as the round lingers; it answers `avg.receipt` only once
+   its own result of the part is final, and only for that part's seed. For each other part it
+   sketches the result and its own slice (audit.prepare).
+3. Checks. Every member (client members too) fetches, in parallel, the receipt of every part it
+   did not reduce from the member that sent it that part's result, and checks it in a worker
+   thread (audit.check_receipt) with its own exact slice and the decoded result. Verdicts:
+   - consistency (Gram vs sketches, result vs the described reduction, a member list other than
+     the result's, a malformed receipt, an original owner without a receipt for its own part):
+     every member with the same receipt sees it: the round fails (AuditError, naming the owner)
+     and the owner is excluded;
+   - our contribution misstated (only this member can see it): logged, the owner excluded
+     (`RoundReport.audit_excluded`), the round NOT failed: failing alone would fork this member
+     from the others, and the robust rule bounds what a misstated input can do;
+   - a seed mismatch: we hold other bytes of the part than the member we took them from. From
+     the part's original owner: it equivocated (sent members different bytes): the round fails
+     and it is excluded. From a backup (which may hold a copy of a slow owner's bytes): the
+     round fails, nobody is excluded;
+   - no answer in time (request_timeout), or a backup holding only a copy: logged at INFO,
+     nothing else (the owner may have crashed; its part was already averaged).
+
+Not audited: grid (hierarchical) rounds, and rounds with the "mean" aggregator. Known gap: an
+owner that lies and then never answers `avg.receipt` is indistinguishable from one that crashed
+after broadcasting, and is not caught.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import torch
+
+from swarm.averaging.audit import (
+    BUCKETS,
+    AuditFailure,
+    Prepared,
+    Receipt,
+    audit_buckets,
+    check_receipt,
+    part_seed,
+    sketch_plan,
+    squared_norm,
+)
+from swarm.averaging.errors import AuditError
+from swarm.averaging.partition import payload_layout
+from swarm.averaging.reduction import PartReduction
+from swarm.p2p.connection import CallContext
+from swarm.p2p.errors import BadRequest, NotFound, P2PError, RemoteError
+from swarm.p2p.peer_id import PeerID
+from swarm.p2p.stream import Stream
+from swarm_kernels.sketch import sketch_accumulate, sketch_payload_accumulate
+
+if TYPE_CHECKING:
+    from swarm.averaging.allreduce import AllReduceRound
+
+logger = logging.getLogger(__name__)
+
+RECEIPT = "avg.receipt"
+WRONG_SEED = "wrong seed"
+OURS = "the receipt misstates our"  # check_receipt's problems that only this member can see
+
+
+def receipt_limit(members: int, buckets: int = BUCKETS) -> int:
+    """The largest encoded receipt of a group of `members`: ids, Gram matrix, sketches, slack."""
+    return members * 9 + members * members * 9 + members * buckets * 4 + 256
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    part: int
+    owner: int  # the member whose receipt it is
+    kind: str  # "ok" | "inconsistent" | "ours" | "seed" | "silent"
+    detail: str = ""
+
+
+def build_receipt(reduction: PartReduction, seed: bytes) -> bytes:
+    """The encoded receipt of a part this member reduced (worker thread): the contributions the
+    rule ran on, sketched wire chunk by wire chunk straight from their payloads (our own slice
+    exact)."""
+    numel = reduction.hi - reduction.lo
+    plan = sketch_plan(seed, reduction.part, numel, audit_buckets(numel, len(reduction.weights)))
+    sketches = torch.zeros(len(reduction.order), plan.buckets, dtype=torch.float64)
+    for i, out in zip(reduction.order, sketches, strict=True):
+        if i == reduction.own_index:
+            sketch_accumulate(out, reduction.own_slice, 0, plan)
+            continue
+        payload = reduction.senders[i].buffer
+        for a, b, where in reduction.layout:
+            sketch_payload_accumulate(out, reduction.codec, payload[where], b - a, a, plan)
+    receipt = Receipt(reduction.order, reduction.gram, plan.buckets, sketches.float())
+    return msgpack.packb(receipt.encode())
+
+
+def prepare_part(
+    codec: Any, payload: memoryview, layout: list[tuple[int, int, slice]], mine: torch.Tensor,
+    seed: bytes, part: int, buckets: int,
+) -> Prepared:  # fmt: skip
+    """Our side of part `part`'s check (worker thread): the sketch of its result, straight from
+    the result's payload, and of our own slice (audit.prepare, without decoding again)."""
+    plan = sketch_plan(seed, part, mine.numel(), buckets)
+    observed = torch.zeros(plan.buckets, dtype=torch.float64)
+    for a, b, where in layout:
+        sketch_payload_accumulate(observed, codec, payload[where], b - a, a, plan)
+    own = torch.zeros(plan.buckets, dtype=torch.float64)
+    sketch_accumulate(own, mine, 0, plan)
+    return Prepared(observed, own, squared_norm(mine))
+
+
+def check(
+    raw: bytes, *, members: int, weights: list[float], included: list[int], result: torch.Tensor,
+    seed: bytes, part: int, me: int, mine: torch.Tensor, prepared: Prepared,
+) -> list[str]:  # fmt: skip
+    """What is wrong with a fetched receipt (worker thread); AuditFailure when it is malformed."""
+    try:
+        msg = msgpack.unpackb(raw, raw=False)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise AuditFailure(f"unreadable receipt: {type(e).__name__}") from None
+    receipt = Receipt.decode(msg, members)
+    return check_receipt(receipt, weights=weights, result=result, seed=seed, part=part, me=me, mine=mine,
+                         included=included, members=members, prepared=prepared)  # fmt: skip
+
+
+class RoundAudit:
+    """The audit of one AllReduceRound: `result_in` as each part's result becomes final (the
+    part's seed, our receipt or our sketches of it are computed at once, while the other parts
+    are still on the wire), `run` once every part is final; `serve` answers `avg.receipt` for as
+    long as the round lingers."""
+
+    def __init__(self, round_: AllReduceRound) -> None:
+        self.round = round_
+        self.seeds: dict[int, asyncio.Future[bytes]] = {}  # part -> its audit seed (part_seed)
+        self.receipts: dict[int, asyncio.Future[bytes]] = {}  # part -> our encoded receipt
+        self.prepared: dict[int, asyncio.Future[tuple[bytes, Prepared | None] | None]] = {}
+
+    def result_in(self, part: int, payload: memoryview, reducer: int) -> None:
+        """Part `part`'s result is final (decoded into the round's result) and came from
+        `reducer`: hash it, then build our receipt (we reduced it) or our sketches (we audit it)."""
+        if part not in self.prepared:
+            self.prepared[part] = asyncio.ensure_future(self._prepare(part, payload, reducer))
+
+    def _seed(self, part: int) -> asyncio.Future[bytes]:
+        if part not in self.seeds:
+            self.seeds[part] = asyncio.get_running_loop().create_future()
+        return self.seeds[part]
+
+    async def _prepare(self, j: int, payload: memoryview, reducer: int) -> tuple[bytes, Prepared | None] | None:
+        r = self.round
+        try:
+            seed = part_seed(r.group.group_id, j, await asyncio.to_thread(_sha256, payload))
+            reduction = r.reductions.get(j)
+            if reducer == r.me:
+                if reduction is not None and reduction.order and _holds(reduction, payload):
+                    built = self.receipts[j] = asyncio.ensure_future(asyncio.to_thread(build_receipt, reduction, seed))
+                    built.add_done_callback(_retrieved)  # a failed round awaits no receipt
+                self._seed(j).set_result(seed)
+                return seed, None
+            self._seed(j).set_result(seed)
+            lo, hi = r.parts[j]
+            buckets = audit_buckets(hi - lo, len(r.group.members))
+            layout = payload_layout(0, hi - lo, r.config.chunk_elements, r.codec.encoded_nbytes)
+            mine = r.vector[lo:hi]
+            prepared = await asyncio.to_thread(prepare_part, r.codec, payload, layout, mine, seed, j, buckets)
+            return seed, prepared
+        except Exception as e:  # the round was released under us (it failed): nothing to audit
+            logger.info("round %s: audit: part %d not prepared: %r", r._tag(), j, e)
+            return None
+
+    async def run(self, reducer_of: dict[int, int]) -> list[PeerID]:
+        """Audit every part we did not reduce; AuditError on a consistency failure or a seed
+        mismatch. Returns the owners that misstated our own contribution."""
+        r = self.round
+        for j in r.final:  # a result that did not come through result_in
+            self.result_in(j, r.final[j][1], reducer_of[j])
+        audited = {j: k for j, k in reducer_of.items() if k != r.me and j in r.final}
+        verdicts = await asyncio.gather(*(self._audit(j, k) for j, k in sorted(audited.items())))
+        # our receipts are built before the buffers go; one that failed is served as an error
+        await asyncio.gather(*self.prepared.values())
+        built = await asyncio.gather(*self.receipts.values(), return_exceptions=True)
+        for j, outcome in zip(self.receipts, built, strict=True):
+            if isinstance(outcome, BaseException):
+                logger.warning("round %s: audit: our receipt of part %d failed: %r", r._tag(), j, outcome)
+        return self._judge(verdicts)
+
+    def _judge(self, verdicts: list[Verdict]) -> list[PeerID]:
+        r = self.round
+        members = r.group.members
+        failed, mismatched, ours = [], [], []
+        for v in verdicts:
+            peer = members[v.owner].peer_id
+            if v.kind == "silent":
+                logger.info("round %s: audit: part %d: owner %s did not answer: %s", r._tag(), v.part, peer, v.detail)
+            elif v.kind == "seed":
+                mismatched.append(v)
+            elif v.kind in ("inconsistent", "ours"):
+                logger.warning("round %s: audit: owner %s of part %d: %s", r._tag(), peer, v.part, v.detail)
+                (failed if v.kind == "inconsistent" else ours).append(v)
+        if failed:
+            owners = sorted({members[v.owner].peer_id for v in failed}, key=str)
+            details = "; ".join(f"owner {members[v.owner].peer_id} (part {v.part}): {v.detail}" for v in failed)
+            raise AuditError(f"audit: {details}", owners)
+        if mismatched:
+            who = ", ".join(str(members[v.owner].peer_id) for v in mismatched)
+            logger.warning("round %s: audit: members %s hold other results than ours", r._tag(), who)
+            raise AuditError(f"audit: members {who} hold other results than ours (an owner equivocated)", [])
+        return sorted({members[v.owner].peer_id for v in ours}, key=str)
+
+    async def _audit(self, j: int, k: int) -> Verdict:
+        r = self.round
+        ready = await self.prepared[j]
+        if ready is None or ready[1] is None:
+            return Verdict(j, k, "silent", "our side of the check could not be prepared")
+        seed, prepared = ready
+        member = r.group.members[k]
+        timeout = r.config.request_timeout
+        limit = receipt_limit(len(r.group.members))
+        try:
+            async with await r.host.open_stream(member.address(), RECEIPT, {"g": r.group.group_id, "p": j, "s": seed},
+                                                timeout=timeout) as stream:  # fmt: skip
+                await stream.end()
+                raw = await asyncio.wait_for(stream.read_all(max_bytes=limit, timeout=timeout), timeout)
+        except RemoteError as e:
+            if e.code == BadRequest.code and WRONG_SEED in e.message:
+                # the original owner sent us other bytes than it holds: it equivocated
+                return Verdict(j, k, "inconsistent" if k == j else "seed", e.message)
+            if e.code == NotFound.code and k == j:  # an original owner always reduces its own part
+                return Verdict(j, k, "inconsistent", f"no receipt for its own part ({e.message})")
+            return Verdict(j, k, "silent", str(e))
+        except (P2PError, TimeoutError, OSError) as e:
+            if "more than" in str(e):
+                return Verdict(j, k, "inconsistent", f"a receipt beyond {limit} bytes")
+            return Verdict(j, k, "silent", f"{type(e).__name__}: {e}")
+        r.report.bytes_received += len(raw)
+        lo, hi = r.parts[j]
+        try:
+            problems = await asyncio.to_thread(
+                check, bytes(raw), members=len(r.group.members), weights=r.weights, included=r.final[j][0],
+                result=r.result[lo:hi], seed=seed, part=j, me=r.me, mine=r.vector[lo:hi], prepared=prepared,
+            )  # fmt: skip
+        except AuditFailure as e:
+            return Verdict(j, k, "inconsistent", str(e))
+        inconsistent = [p for p in problems if not p.startswith(OURS)]
+        if inconsistent:
+            return Verdict(j, k, "inconsistent", "; ".join(inconsistent))
+        if problems:
+            return Verdict(j, k, "ours", "; ".join(problems))
+        return Verdict(j, k, "ok")
+
+    async def serve(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
+        r = self.round
+        part, seed = args.get("p"), args.get("s")
+        if isinstance(part, bool) or not isinstance(part, int) or not 0 <= part < len(r.group.members):
+            raise BadRequest("avg.receipt: no such part")
+        if not isinstance(seed, bytes) or len(seed) != 32:
+            raise BadRequest("avg.receipt: the seed is 32 bytes")
+        try:  # our result of the part first: the caller may be a moment ahead of us
+            ours = await asyncio.wait_for(asyncio.shield(self._seed(part)), r.config.part_timeout)
+        except asyncio.TimeoutError:
+            raise NotFound("avg.receipt: our results are not final") from None
+        if seed != ours:
+            logger.info("round %s: %s asked for a receipt of part %d with another seed", r._tag(), ctx.peer_id, part)
+            raise BadRequest(f"avg.receipt: {WRONG_SEED}: we hold other results")
+        receipt = self.receipts.get(part)
+        if receipt is None:
+            raise NotFound(f"avg.receipt: no receipt of part {part} here")
+        data = await asyncio.shield(receipt)
+        await stream.write(data)
+        r.report.bytes_sent += len(data)
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.info("audit: a receipt could not be built: %r", task.exception())
+
+
+def _sha256(payload: memoryview) -> bytes:
+    return hashlib.sha256(payload).digest()
+
+
+def _holds(reduction: PartReduction, payload: memoryview) -> bool:
+    """Is `payload` (a part's final bytes) the result of this reduction (not a copy)?"""
+    result = reduction.result
+    return result.done() and not result.cancelled() and result.exception() is None and result.result()[1] is payload

@@ -1,0 +1,243 @@
+"""The owner audit of a flat round (audit_round.py) over real sockets on 127.0.0.1: a lying owner
+fails the round for everyone and is excluded; an owner that misstates one member's input is
+caught by that member alone; honest rounds pass and stay bit-identical."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from swarm.averaging import reduction
+from swarm.averaging.allreduce import AllReduceError, AllReduceRound
+from swarm.averaging.audit_round import RECEIPT, RoundAudit
+from swarm.averaging.averager import Averager
+from swarm.averaging.config import AveragingConfig
+from swarm.averaging.errors import AuditError
+from swarm.averaging.messages import GroupInfo
+from swarm.averaging.partition import payload_layout
+from swarm.dht import DHTNode
+from swarm.p2p import P2PHost
+from swarm.p2p.errors import RemoteError
+from swarm_kernels import as_memoryview
+from tests.averaging.rounds import LOCAL, MakeGroup, Member
+
+SMALL = {"block_size": 64, "chunk_elements": 4096, "part_timeout": 5.0}
+NUMEL = 40_003
+
+
+def deltas(n: int, numel: int = NUMEL, seed: int = 0) -> list[torch.Tensor]:
+    """Pseudo-gradients of one swarm: a shared direction plus per-member noise (no outliers)."""
+    gen = torch.Generator().manual_seed(seed)
+    common = torch.randn(numel, generator=gen)
+    return [common + 0.5 * torch.randn(numel, generator=gen) for _ in range(n)]
+
+
+def rounds_of(group: GroupInfo, members: list[Member], vectors: list[torch.Tensor]) -> list[AllReduceRound]:
+    return [AllReduceRound(m.host, m.registry, group, v, m.config) for m, v in zip(members, vectors, strict=True)]
+
+
+async def run_all(rounds: list[AllReduceRound]) -> list[Any]:
+    return await asyncio.gather(*(r.run() for r in rounds), return_exceptions=True)
+
+
+def lie_when_owner_is(liar: AllReduceRound, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """The liar's reductions misbehave: "broadcast" -100 x the average it computed (attacks.py
+    `owner`), or "substitute" member 1's payload with its negation before reducing (its receipt
+    then describes the substituted input, consistently)."""
+    encode, robust = reduction.PartReduction._encode, reduction.PartReduction._robust
+
+    def lying_encode(self: reduction.PartReduction, average: torch.Tensor) -> memoryview:
+        return encode(self, -100 * average if self.own_slice.data_ptr() in owned else average)
+
+    def substituting(self: reduction.PartReduction, complete: list[int]) -> Any:
+        if self.own_slice.data_ptr() in owned and 1 in complete:
+            buffer = self.senders[1].buffer
+            for a, b, where in self.layout:
+                negated = -self.codec.decode(buffer[where], b - a)
+                buffer[where] = as_memoryview(self.codec.encode(negated))
+        return robust(self, complete)
+
+    owned = {liar.vector[lo:hi].data_ptr() for lo, hi in liar.parts}
+    if how == "broadcast":
+        monkeypatch.setattr(reduction.PartReduction, "_encode", lying_encode)
+    else:
+        monkeypatch.setattr(reduction.PartReduction, "_robust", substituting)
+
+
+async def test_an_honest_round_passes_the_audit_bit_identically(make_group: MakeGroup) -> None:
+    group, members = await make_group(5, clients=1, weights=[1.0, 2.0, 1.0, 1.5, 1.0], **SMALL)
+    outcomes = await run_all(rounds_of(group, members, deltas(5)))
+    for outcome in outcomes:
+        assert not isinstance(outcome, BaseException), outcome
+    results = [o[0] for o in outcomes]
+    assert all(torch.equal(r, results[0]) for r in results)
+    assert all(o[1].audit_excluded == [] for o in outcomes)
+    # the receipts travelled: every member received more than the results alone
+    assert all(o[1].bytes_received > 0 for o in outcomes)
+
+
+async def test_an_owner_that_broadcasts_a_lie_fails_the_round_and_is_excluded(
+    make_group: MakeGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    group, members = await make_group(5, weights=[1.0] * 5, **SMALL)
+    vectors = deltas(5)
+    rounds = rounds_of(group, members, vectors)
+    liar = 2
+    lie_when_owner_is(rounds[liar], monkeypatch, "broadcast")
+    outcomes = await run_all(rounds)
+    liar_id = group.members[liar].peer_id
+    for i, outcome in enumerate(outcomes):
+        if i == liar:
+            continue
+        assert isinstance(outcome, AuditError), outcome
+        assert isinstance(outcome, AllReduceError)
+        assert outcome.owners == [liar_id] and str(liar_id) in str(outcome)
+    monkeypatch.undo()
+
+    # the same round again without the liar: it completes, bit-identical, nobody excluded
+    honest = [m for i, m in enumerate(members) if i != liar]
+    infos = tuple(m for i, m in enumerate(group.members) if i != liar)
+    again = GroupInfo.create("run", 1, infos)
+    outcomes = await run_all(rounds_of(again, honest, [v for i, v in enumerate(vectors) if i != liar]))
+    for outcome in outcomes:
+        assert not isinstance(outcome, BaseException), outcome
+    assert all(torch.equal(o[0], outcomes[0][0]) for o in outcomes)
+    assert all(o[1].audit_excluded == [] for o in outcomes)
+
+
+async def test_an_owner_that_substitutes_our_input_is_caught_by_us_alone(
+    make_group: MakeGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    group, members = await make_group(4, weights=[1.0] * 4, **SMALL)
+    rounds = rounds_of(group, members, deltas(4, seed=1))
+    liar = 3
+    lie_when_owner_is(rounds[liar], monkeypatch, "substitute")
+    outcomes = await run_all(rounds)
+    for outcome in outcomes:
+        assert not isinstance(outcome, BaseException), outcome  # nobody fails the round
+    assert all(torch.equal(o[0], outcomes[0][0]) for o in outcomes)
+    assert outcomes[1][1].audit_excluded == [group.members[liar].peer_id]  # member 1 was misstated
+    assert [o[1].audit_excluded for i, o in enumerate(outcomes) if i not in (1, liar)] == [[], []]
+
+
+async def test_a_receipt_asked_with_a_wrong_seed_or_part_gets_a_clean_error(make_group: MakeGroup) -> None:
+    group, members = await make_group(3, weights=[1.0] * 3, **{**SMALL, "part_timeout": 3.0})
+    outcomes = await run_all(rounds_of(group, members, deltas(3)))
+    assert not any(isinstance(o, BaseException) for o in outcomes)
+    asker, owner = members[0], group.members[1]  # the round lingers: its receipts are still served
+
+    async def ask(args: dict[str, Any]) -> bytes:
+        async with await asker.host.open_stream(owner.address(), RECEIPT, args, timeout=2.0) as stream:
+            await stream.end()
+            return bytes(await stream.read_all(max_bytes=1 << 22, timeout=5.0))  # > request_timeout
+
+    with pytest.raises(RemoteError, match="wrong seed"):
+        await ask({"g": group.group_id, "p": 1, "s": b"\0" * 32})
+    with pytest.raises(RemoteError, match="no such part"):
+        await ask({"g": group.group_id, "p": 7, "s": b"\0" * 32})
+    with pytest.raises(RemoteError, match="32 bytes"):
+        await ask({"g": group.group_id, "p": 1, "s": "x"})
+    with pytest.raises(RemoteError, match="no such group"):
+        await ask({"g": b"x" * 32, "p": 1, "s": b"\0" * 32})
+
+
+async def test_averagers_exclude_a_caught_owner_and_average_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through matchmaking: the honest Averagers' step fails naming the liar, which they exclude;
+    at the next step they group without it (its announcement ignored, its joins refused)."""
+    liar_weight = 1.2345  # how the patched reductions know they run on the liar
+    encode = reduction.PartReduction._encode
+
+    def lying_encode(self: reduction.PartReduction, average: torch.Tensor) -> memoryview:
+        return encode(self, -100 * average if self.weights[self.own_index] == liar_weight else average)
+
+    monkeypatch.setattr(reduction.PartReduction, "_encode", lying_encode)
+    hosts, dhts, averagers = [], [], []
+    try:
+        for _ in range(4):
+            host = await P2PHost(config=LOCAL).start()
+            dht = await DHTNode(initial_peers=hosts[0].visible_maddrs[:1] if hosts else [], host=host).start()
+            config = AveragingConfig(matchmaking_time=1.0, request_timeout=1.0, **SMALL)
+            hosts.append(host)
+            dhts.append(dht)
+            averagers.append(Averager(dht, host, "run", config))
+        vectors = deltas(4)
+        weights = [1.0, 1.0, 1.0, liar_weight]
+        liar = hosts[3].peer_id
+        outcomes = await asyncio.gather(
+            *(a.step([v], w, step=0) for a, v, w in zip(averagers, vectors, weights, strict=True)),
+            return_exceptions=True,
+        )
+        for averager, outcome in zip(averagers[:3], outcomes[:3], strict=True):
+            assert isinstance(outcome, AuditError) and outcome.owners == [liar], outcome
+            assert averager.excluded == {liar}
+        outcomes = await asyncio.gather(
+            *(a.step([v], w, step=1) for a, v, w in zip(averagers, vectors, weights, strict=True)),
+            return_exceptions=True,
+        )
+        for outcome in outcomes[:3]:
+            assert not isinstance(outcome, BaseException), outcome
+        reports = [o[1] for o in outcomes[:3]]
+        assert all(r.group_id == reports[0].group_id is not None for r in reports)
+        assert str(liar) not in reports[0].members and len(reports[0].members) == 3
+        assert all(torch.equal(o[0][0], outcomes[0][0][0]) for o in outcomes[:3])
+    finally:
+        for averager in averagers:
+            averager.close()
+        for dht in dhts:
+            await dht.close()
+        for host in hosts:
+            await host.close()
+
+
+async def test_an_owner_that_does_not_answer_is_only_logged(
+    make_group: MakeGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No receipt within request_timeout (the owner may have crashed after its broadcast): the
+    round completes and nobody is excluded."""
+    group, members = await make_group(3, weights=[1.0] * 3, **{**SMALL, "request_timeout": 0.5})
+    rounds = rounds_of(group, members, deltas(3))
+    serve = RoundAudit.serve
+
+    async def silent(self: RoundAudit, ctx: Any, args: Any, stream: Any) -> None:
+        if self.round is rounds[2]:
+            await asyncio.sleep(3.0)
+        await serve(self, ctx, args, stream)
+
+    monkeypatch.setattr(RoundAudit, "serve", silent)
+    outcomes = await run_all(rounds)
+    for outcome in outcomes:
+        assert not isinstance(outcome, BaseException), outcome
+    assert all(torch.equal(o[0], outcomes[0][0]) for o in outcomes)
+    assert all(o[1].audit_excluded == [] for o in outcomes)
+
+
+async def test_an_owner_that_sends_one_member_other_bytes_is_caught_by_that_member(
+    make_group: MakeGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Equivocation: the liar sends member 1 -100 x its part's average and everyone else the
+    true one. Member 1's bytes are not the ones the liar holds (another seed): it fails the round
+    and excludes the liar; the others' audit passes."""
+    group, members = await make_group(4, weights=[1.0] * 4, **SMALL)
+    rounds = rounds_of(group, members, deltas(4, seed=2))
+    liar = rounds[3]
+    reply = AllReduceRound._reply
+
+    async def equivocating(self: AllReduceRound, stream: Any, final: Any, index: int | None) -> None:
+        if self is liar and index == 1:
+            lo, hi = self.parts[3]
+            lie = []
+            for a, b, where in payload_layout(lo, hi, self.config.chunk_elements, self.codec.encoded_nbytes):
+                true = self.codec.decode(final[1][where], b - a)
+                lie.append(as_memoryview(self.codec.encode(-100 * true)).tobytes())
+            final = (final[0], memoryview(b"".join(lie)))
+        await reply(self, stream, final, index)
+
+    monkeypatch.setattr(AllReduceRound, "_reply", equivocating)
+    outcomes = await run_all(rounds)
+    assert isinstance(outcomes[1], AuditError) and outcomes[1].owners == [group.members[3].peer_id]
+    for i in (0, 2):
+        assert not isinstance(outcomes[i], BaseException), outcomes[i]
+        assert outcomes[i][1].audit_excluded == []
