@@ -7,9 +7,10 @@ would move θ_outer as it likes, however robust the rule it claims to run.
 
 The receipt. After the round every member holds every part's result bytes. The seed of part
 j's audit (`part_seed`) is SHA-256 over the group id, j and the SHA-256 of part j's result: the
-owner cannot know it before it has committed to its result, and re-picking its result changes
-the seed (grinding is hopeless: the sketch below leaves a lie no null space to hide in, whatever
-the seed). Every member knows it as soon as it holds part j's result, so the sketches of part j
+owner cannot know it before it has committed to its result. Re-picking its result re-rolls the
+seed: a dense lie has no null space to hide in, whatever the seed, but a lie of a few huge
+coordinates lands in one bucket with cancelling signs about once in 2 x buckets seeds; the
+exact, seed-free check |result|^2 = a^T G a below catches that one. Every member knows it as soon as it holds part j's result, so the sketches of part j
 are computed while the other parts are still on the wire (`audit_seed`, one seed over every
 part's result, is the stricter variant: it waits for the last result). Each owner then answers
 `avg.receipt` with:
@@ -26,8 +27,9 @@ relative error of about sqrt(2 / buckets) (2% at 4096).
 The checks (`check_receipt`), by every member, for every part it did not reduce itself:
 - consistency (every member gets the same verdict from the same receipt): the coefficients a
   of the rule recomputed from G (robust.robust_coefficients, deterministic) must reproduce the
-  result: S(result) = sum_k a_k sk_k within the int8 rounding of the result; and G must agree
-  with the sketches (<sk_k, sk_l> = G_kl within the sketch's error);
+  result: S(result) = sum_k a_k sk_k within the int8 rounding of the result, and
+  |result|^2 = a^T G a; and G must agree with the sketches (<sk_k, sk_l> = G_kl within the
+  sketch's error);
 - its own contribution: its G entry and its sketch must be those of what it sent (within the
   int8 rounding of its payload): an owner that misstates an honest member's input is caught by
   that member.
@@ -240,6 +242,14 @@ def check_receipt(
     scale = max(float(observed.norm()), float(claimed.norm()))
     if float((observed - claimed).norm()) > QUANTIZATION_TOL * scale + 1e-30:
         problems.append("the result is not the robust reduction the receipt describes")
+    # Exact, seed-free: |result|^2 = a^T G a. A lie the sketch could miss for one lucky seed (a
+    # few huge coordinates an owner re-rolls its result for) cannot keep the result's norm.
+    expected_sq = math.fsum(coefficients[k] * coefficients[m] * gram[k][m] for k in live for m in live)
+    result_sq = prepared.result_sq if math.isfinite(prepared.result_sq) else squared_norm(result)
+    if math.isfinite(result_sq) and abs(result_sq - expected_sq) > (
+        2 * QUANTIZATION_TOL * max(expected_sq, 0.0) + 1e-30
+    ):
+        problems.append("the result's norm is not the norm of the reduction the receipt describes")
     if me is not None and mine is not None and me in receipt.included:
         k = receipt.included.index(me)
         own, own_sq = prepared.own, prepared.own_sq
@@ -252,19 +262,22 @@ def check_receipt(
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """What check_receipt computes from this member's own data: S(result), S(mine), |mine|^2."""
+    """What check_receipt computes from this member's own data: S(result), S(mine), |mine|^2,
+    |result|^2."""
 
     observed: torch.Tensor
     own: torch.Tensor
     own_sq: float
+    result_sq: float = math.nan  # nan: not computed (check skipped)
 
 
 def prepare(result: torch.Tensor, mine: torch.Tensor | None, seed: bytes, part: int, buckets: int) -> Prepared:
     """check_receipt's passes over the part (worker thread), before the receipt is in."""
     plan = sketch_plan(seed, part, result.numel(), buckets)
+    result_sq = squared_norm(result) if result.dtype == torch.float32 else math.nan
     if mine is None:
-        return Prepared(_sketch(result, plan), torch.zeros(plan.buckets, dtype=torch.float64), 0.0)
-    return Prepared(_sketch(result, plan), _sketch(mine, plan), squared_norm(mine))
+        return Prepared(_sketch(result, plan), torch.zeros(plan.buckets, dtype=torch.float64), 0.0, result_sq)
+    return Prepared(_sketch(result, plan), _sketch(mine, plan), squared_norm(mine), result_sq)
 
 
 def squared_norm(x: torch.Tensor) -> float:

@@ -194,3 +194,15 @@ def test_a_payload_is_sketched_as_its_decoded_values(codec_name: str) -> None:
     sketch_payload_accumulate(direct, codec, codec.encode(x), 10_000, 12_345, plan)
     sketch_accumulate(decoded, codec.decode(codec.encode(x), 10_000), 12_345, plan, impl="reference")
     assert torch.equal(direct, decoded)
+
+
+def test_a_few_huge_coordinates_the_sketch_might_miss_are_caught_by_the_norm() -> None:
+    """An owner that adds +d and -d to two coordinates of one bucket column could re-roll its
+    result until both land in one bucket with cancelling signs: the result's norm still tells."""
+    xs, weights = contributions(), [1.0] * 5
+    receipt, result = honest(xs, weights)
+    bad = result.clone()
+    bad[7] += 1e6
+    bad[7 + 4096] -= 1e6
+    problems = check_receipt(receipt, weights=weights, result=bad, seed=SEED, part=PART)
+    assert "the result's norm is not the norm of the reduction the receipt describes" in problems
