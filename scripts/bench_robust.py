@@ -45,7 +45,7 @@ def attacker_argv(attack: str) -> list[str]:
 def run_swarm(attack: str | None, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     """One swarm of HONEST nodes (+ the attacker); what the honest nodes ended with."""
     from swarm.cli import sim
-    from swarm.cli.sim_report import DONE
+    from swarm.cli.sim_report import DONE, FAILED
 
     class AttackedSwarm(sim.Swarm):
         def node_argv(self, metrics: Path) -> list[str]:
@@ -54,6 +54,10 @@ def run_swarm(attack: str | None, args: argparse.Namespace, run_dir: Path) -> di
                 prefix = len(sim.console_script("swarm-node", "swarm.cli.node"))
                 argv = attacker_argv(attack) + argv[prefix:]
             return argv
+
+        def winding_down(self) -> bool:  # the attacker's claims (a far step, an exit) end nothing
+            honest = [c.record for c in self.children[:HONEST]]
+            return any(self.reached_end(r) or r.status in (DONE, FAILED) for r in honest)
 
     config = sim.SimConfig(
         nodes=HONEST + (attack is not None), model="tiny", outer_steps=args.outer_steps,
@@ -162,7 +166,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attacks", default=",".join(ATTACKS), help=f"any of {','.join(ATTACKS)}")
     parser.add_argument("--outer-steps", type=int, default=8)
-    parser.add_argument("--inner-steps", type=int, default=10)
+    parser.add_argument("--inner-steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)

@@ -214,8 +214,11 @@ class Matchmaker:
         view, skipped = decode_view(entries, self.config.max_weight)
         for item in skipped:
             self._bad_input.log(item.owner, "ready record", "ignoring %s (step %d)", item.reason, step)
-        if caught := self.excluded & view.ready.keys():  # owners our audits caught lying: never grouped with
+        if caught := self.excluded & (view.ready.keys() | view.formed.keys()):
+            # owners our audits caught lying: never grouped with, and their "formed" markers mean
+            # nothing (the liar applied its own result: no honest node waits for it)
             view = replace(view, ready={p: m for p, m in view.ready.items() if p not in caught},
+                           formed={p: s for p, s in view.formed.items() if p not in caught},
                            refused=view.refused | caught)  # seen: nobody waits for them  # fmt: skip
         return view
 

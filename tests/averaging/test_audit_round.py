@@ -173,6 +173,14 @@ async def test_averagers_exclude_a_caught_owner_and_average_without_it(monkeypat
         for averager, outcome in zip(averagers[:3], outcomes[:3], strict=True):
             assert isinstance(outcome, AuditError) and outcome.owners == [liar], outcome
             assert averager.excluded == {liar}
+            averager.round_failed(0)
+        # as a node does: the same step again, at once. The liar applied its own result and left
+        # its "formed" marker: the honest ones must not wait for that result, they regroup
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*(a.step([v], w, step=0) for a, v, w in zip(averagers[:3], vectors, weights, strict=False))),
+            30,
+        )
+        assert all(len(o[1].members) == 3 and str(liar) not in o[1].members for o in outcomes)
         outcomes = await asyncio.gather(
             *(a.step([v], w, step=1) for a, v, w in zip(averagers, vectors, weights, strict=True)),
             return_exceptions=True,
