@@ -21,7 +21,6 @@ from swarm.p2p.errors import HandshakeError
 from swarm.p2p.peer_id import PeerID
 
 logger = logging.getLogger(__name__)
-_flood_log = RateLimitedLog(logger)  # throwaway identities must not flood the log
 
 CALLED_PEERS_PER_SLOT = 4  # how many peers we called are remembered, per connection slot
 
@@ -35,6 +34,7 @@ class Gate:
         self.pending: dict[Connection, tuple[str, float]] = {}  # (source, since), oldest first
         self._called: OrderedDict[PeerID, None] = OrderedDict()  # most recent last
         self._exempt = {source_of(ip) for ip in config.exempt_ips}  # no per-source caps for these
+        self._flood_log = RateLimitedLog(logger)  # throwaway identities must not flood the log
 
     def may_handshake(self, ip: str) -> bool:
         """Whether a new inbound TCP connection from `ip` may handshake; drops the biggest
@@ -70,8 +70,8 @@ class Gate:
         )
         if not plan.admit:
             where = conn.remote_address[0]
-            _flood_log.log("refused", "%s: refusing connection from %s (%s): %s", self.peer_id, conn.peer_id, where,
-                           plan.reason)  # fmt: skip
+            message = "%s: refusing connection from %s (%s): %s"
+            self._flood_log.log("refused", message, self.peer_id, conn.peer_id, where, plan.reason)
             conn.close()
             return False, None
         if plan.evict is None:

@@ -37,7 +37,6 @@ from swarm.p2p.peer_id import PeerID
 from swarm.p2p.stream import Stream
 
 logger = logging.getLogger(__name__)
-_flood_log = RateLimitedLog(logger)  # a flood of throwaway sources must not flood the log
 
 CLOSE_GRACE_SECONDS = 2.0  # how long close() lets connections flush before aborting them
 PeerRef = PeerID | TcpAddress | str  # a PeerID we know an address for, or a multiaddr
@@ -58,6 +57,7 @@ class P2PHost:
         self._connections: dict[PeerID, list[Connection]] = {}
         self._handshaking: set[Connection] = set()
         self._gate = Gate(self.peer_id, self.config)  # which inbound connections we keep
+        self._flood_log = RateLimitedLog(logger)  # a flood of throwaway sources must not flood the log
         self._host_streams = HostStreams(self.config.max_host_streams)  # inbound streams, all connections
         self._dialing: dict[str, asyncio.Future[Connection]] = {}
         self._addresses: dict[PeerID, TcpAddress] = {}  # last address each peer was dialed at
@@ -319,7 +319,7 @@ class P2PHost:
         assert protocol.transport is not None
         peer = protocol.transport.get_extra_info("peername")
         if self._closing or not self._gate.may_handshake(str(peer[0]) if peer else "?"):
-            _flood_log.log(
+            self._flood_log.log(
                 "handshakes",
                 "%s: refusing connection from %s: %d handshakes pending (limits %d per source, %d in all)",
                 self.peer_id,
@@ -340,7 +340,7 @@ class P2PHost:
         try:
             await conn.handshake()
         except HandshakeError as e:
-            _flood_log.log("handshake failed", "%s: inbound handshake from %s failed: %s", self.peer_id, peer, e)
+            self._flood_log.log("handshake failed", "%s: inbound handshake from %s failed: %s", self.peer_id, peer, e)
             return
         finally:
             self._handshaking.discard(conn)
