@@ -10,8 +10,9 @@ j's audit (`part_seed`) is SHA-256 over the group id, j and the SHA-256 of part 
 owner cannot know it before it has committed to its result. Re-picking its result re-rolls the
 seed: a dense lie has no null space to hide in, whatever the seed, but a lie of a few huge
 coordinates lands in one bucket with cancelling signs about once in 2 x buckets seeds; the
-exact, seed-free check |result|^2 = a^T G a below catches that one. Every member knows it as soon as it holds part j's result, so the sketches of part j
-are computed while the other parts are still on the wire (`audit_seed`, one seed over every
+exact, seed-free check |result|^2 = a^T G a below catches that one. Every member knows the
+seed as soon as it holds part j's result, so the sketches of part j are computed while the
+other parts are still on the wire (`audit_seed`, one seed over every
 part's result, is the stricter variant: it waits for the last result). Each owner then answers
 `avg.receipt` with:
 
