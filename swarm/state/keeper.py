@@ -81,6 +81,9 @@ class StateKeeper:
         self.on_fetch_progress = on_fetch_progress
         self.vouching = vouching  # the node's --initial-peers: their states are preferred (trust.py)
         self._refused: set[str] = set()  # manifests that did not fit the model: never chosen again
+        # peers that advertised one: what they advertise next is not considered either (a new
+        # bad manifest every step would otherwise pull honest nodes out of every group)
+        self._refused_peers: set[PeerID] = set()
         self._distrusted = OncePerPeer(logger)
         self.current: Snapshot | None = None
         self._publishing: asyncio.Task[None] | None = None
@@ -159,7 +162,10 @@ class StateKeeper:
         except RefusedManifest as e:  # never chosen again; its holders are named once
             if len(self._refused) >= MAX_REFUSED:
                 self._refused.clear()
+            if len(self._refused_peers) >= MAX_REFUSED:
+                self._refused_peers.clear()
             self._refused.add(e.sha)
+            self._refused_peers.update(h.peer_id for h in donors if h.manifest == e.sha)
             for holder in donors:
                 self._distrusted.log(holder.peer_id, "manifest", "refusing the state it advertises: %s", e)
             raise
@@ -171,7 +177,8 @@ class StateKeeper:
         return why, report
 
     async def _holders(self) -> list[Holder]:
-        return [h for h in await find_holders(self.dht, self.run.run_id) if h.peer_id != self.host.peer_id]
+        found = await find_holders(self.dht, self.run.run_id)
+        return [h for h in found if h.peer_id != self.host.peer_id and h.peer_id not in self._refused_peers]
 
     # --- holding a state --------------------------------------------------------------------------
 
