@@ -50,6 +50,7 @@ import torch
 
 from swarm.averaging.audit import (
     BUCKETS,
+    SUSPECT,
     AuditFailure,
     Prepared,
     Receipt,
@@ -256,6 +257,11 @@ class RoundAudit:
             )  # fmt: skip
         except AuditFailure as e:
             return Verdict(j, k, "inconsistent", str(e))
+        suspect = [p for p in problems if p.startswith(SUSPECT)]
+        if suspect:
+            logger.warning("round %s: audit: owner %s of part %d: %s", r._tag(), r.group.members[k].peer_id, j,
+                           "; ".join(suspect))  # fmt: skip
+        problems = [p for p in problems if not p.startswith(SUSPECT)]
         inconsistent = [p for p in problems if not p.startswith(OURS)]
         if inconsistent:
             return Verdict(j, k, "inconsistent", "; ".join(inconsistent))
