@@ -29,7 +29,11 @@ def test_small_swarm_rows_are_identical_and_near_the_ideal_bytes() -> None:
         assert "error" not in row
         assert row["max_abs_err"] <= row["err_bound"]
         assert row["wire_bytes_per_member"] <= 1.05 * row["ideal_bytes_per_member"] + receipts(row), row
-        assert row["wire_bytes_per_member"] >= row["ideal_bytes_per_member"], row  # headers only add bytes
+        # headers only add bytes to the flat round; in the grid the median member's bytes vary
+        # with who forwards which final sub-part (about 1 run in 3 a quarter of the vector
+        # travels another way), so only a loose floor there
+        floor = 1.0 if row["path"] == "flat" else 0.75
+        assert row["wire_bytes_per_member"] >= floor * row["ideal_bytes_per_member"], row
         assert row["matchmaking_s"] > 0 and row["round_s"] > 0
 
 
