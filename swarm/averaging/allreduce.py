@@ -96,6 +96,8 @@ async def await_parts(
     finally:
         for task in [*tasks.values(), *helpers]:
             task.cancel()
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: a round cancelled from outside reports no part
         finished()
     failed = {j: t.exception() for j, t in tasks.items() if t.cancelled() or t.exception() is not None}
     if failed:

@@ -10,6 +10,7 @@ the connection with one log line; a bad request gets an ERROR reply and the conn
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -351,6 +352,8 @@ class Connection:
             await stream.end()
         except asyncio.CancelledError:
             pass  # the caller cancelled, or we are closing
+        except ConnectionLost:
+            pass  # the connection closed under the handler: nobody left to answer
         except Exception as e:
             self._send_handler_error(call_id, context, e)
         finally:
@@ -384,7 +387,8 @@ class Connection:
 
     def _send_error(self, call_id: int, code: str, message: str) -> None:
         if not self.protocol.closed:
-            self.send_frame({"k": Kind.ERROR, "i": call_id, "c": code, "e": message[:MAX_ERROR_MESSAGE_CHARS]})
+            with contextlib.suppress(ConnectionLost):  # closing under us: nobody left to tell
+                self.send_frame({"k": Kind.ERROR, "i": call_id, "c": code, "e": message[:MAX_ERROR_MESSAGE_CHARS]})
 
     # --- used by Stream ---------------------------------------------------------------------
 
