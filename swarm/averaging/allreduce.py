@@ -89,6 +89,8 @@ async def await_parts(
     """Wait for every part's task of a round (and, bounded, for the answers it still owes),
     then cancel the round's helper tasks and call `finished`; AllReduceError names the parts
     that could not be averaged."""
+    for task in tasks.values():  # a part that fails after the round was cancelled is not an error to report
+        task.add_done_callback(_retrieve)
     try:
         await asyncio.wait(tasks.values())
         if answering:  # so that the report counts the answers we owe
@@ -96,13 +98,16 @@ async def await_parts(
     finally:
         for task in [*tasks.values(), *helpers]:
             task.cancel()
-            if task.done() and not task.cancelled():
-                task.exception()  # retrieved: a round cancelled from outside reports no part
         finished()
     failed = {j: t.exception() for j, t in tasks.items() if t.cancelled() or t.exception() is not None}
     if failed:
         reasons = "; ".join(f"part {j}: {e}" for j, e in failed.items())
         raise AllReduceError(f"{len(failed)} of {len(tasks)} parts could not be averaged ({reasons})")
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: await_parts reports it, or the round was cancelled before
 
 
 async def write_encoded(stream: Stream, codec: Any, vector: torch.Tensor, lo: int, hi: int, chunk_elements: int) -> int:
