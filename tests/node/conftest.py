@@ -11,11 +11,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+
+from swarm.model.data import TokenData, load_data
+from tests.node.inprocess import LocalSwarm
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 SEEDER = Path(__file__).resolve().parents[2] / "scripts" / "state_seeder.py"
@@ -114,3 +118,21 @@ def swarm(tmp_path: Path) -> Iterator[Swarm]:
         yield s
     finally:
         s.close()
+
+
+@pytest.fixture(scope="module")
+def data() -> TokenData:
+    return load_data("stdlib")
+
+
+@pytest.fixture
+async def local(data: TokenData) -> AsyncIterator[LocalSwarm]:
+    """Many SwarmNodes in this test's event loop (inprocess.py); every one stopped at the end."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # many trainer threads on 2 cores
+    swarm = LocalSwarm(data)
+    try:
+        yield swarm
+    finally:
+        await swarm.close()
+        torch.set_num_threads(threads)

@@ -24,7 +24,7 @@ from swarm.dht import DHTNode
 from swarm.dht.records import owner_subkey
 from swarm.dht.run_keys import nodes_key
 from swarm.model.checkpoint import Snapshot, copy_state, make_snapshot
-from swarm.model.data import TokenData, load_data
+from swarm.model.data import TokenData
 from swarm.p2p import P2PHost
 from swarm.p2p.identity import Identity
 from swarm.state import fetcher
@@ -41,21 +41,6 @@ RUN_ID = "inproc"
 _clean: dict[str, Any] = {}
 
 
-@pytest.fixture(scope="module")
-def data() -> TokenData:
-    return load_data("stdlib")
-
-
-@pytest.fixture
-async def local(data: TokenData) -> AsyncIterator[LocalSwarm]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    swarm = LocalSwarm(data)
-    try:
-        yield swarm
-    finally:
-        await swarm.close()
-        torch.set_num_threads(threads)
 
 
 def start_honest(local: LocalSwarm, bootstrap: str, **settings: Any) -> list[Running]:

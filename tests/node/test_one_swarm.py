@@ -4,33 +4,16 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 import torch
 
 from swarm.averaging.hierarchical import GridRound
-from swarm.model.data import TokenData, load_data
 from tests.node.inprocess import LocalSwarm
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 
-@pytest.fixture(scope="module")
-def data() -> TokenData:
-    return load_data("stdlib")
-
-
-@pytest.fixture
-async def local(data: TokenData) -> AsyncIterator[LocalSwarm]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # many trainer threads on 2 cores
-    swarm = LocalSwarm(data)
-    try:
-        yield swarm
-    finally:
-        await swarm.close()
-        torch.set_num_threads(threads)
 
 
 def assert_one_state(local: LocalSwarm) -> dict[int, set[str]]:

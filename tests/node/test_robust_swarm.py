@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -14,27 +13,11 @@ import torch
 
 from swarm.averaging.averager import Averager
 from swarm.averaging.messages import GroupInfo
-from swarm.model.data import TokenData, load_data
 from tests.node.inprocess import LocalSwarm
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 
-@pytest.fixture(scope="module")
-def data() -> TokenData:
-    return load_data("stdlib")
-
-
-@pytest.fixture
-async def local(data: TokenData) -> AsyncIterator[LocalSwarm]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # many trainer threads on 2 cores
-    swarm = LocalSwarm(data)
-    try:
-        yield swarm
-    finally:
-        await swarm.close()
-        torch.set_num_threads(threads)
 
 
 async def test_a_1e30_delta_is_dropped_and_the_honest_nodes_train_on_in_agreement(local: LocalSwarm) -> None:
