@@ -86,23 +86,43 @@ def dialback_handler(host: _Host) -> Any:
 
 
 async def check_reachability(
-    host: _Host, maddrs: Sequence[str], helpers: Sequence[str], *, timeout: float = 2 * PROBE_TIMEOUT + 5
+    host: _Host,
+    maddrs: Sequence[str],
+    helpers: Sequence[str],
+    *,
+    timeout: float = 2 * PROBE_TIMEOUT + 5,
+    busy_retry: float = 0.5,
 ) -> Reachability:
-    """Ask each helper in turn (multiaddrs) to dial us back on `maddrs`; the first answer counts."""
+    """Ask each helper in turn (multiaddrs) to dial us back on `maddrs`; the first answer counts.
+    A helper probes one asker at a time, so nodes that start together through one bootstrap peer
+    get `busy`: those helpers are asked again until `timeout` has passed."""
     if not maddrs:
         return Reachability(False, reason="no announced address")
-    reasons = []
-    for helper in helpers:
-        try:
-            reply = await host.call(helper, DIALBACK, {"maddrs": list(maddrs)[:MAX_ADDRS]}, timeout=timeout)
-        except P2PError as e:
-            reasons.append(f"{helper}: {e}")
-            continue
-        if isinstance(reply, dict) and isinstance(reply.get("ok"), str):
-            return Reachability(True, confirmed_by=helper, address=reply["ok"])
-        if isinstance(reply, dict) and reply.get("error") != "busy":
-            return Reachability(False, reason=str(reply.get("error"))[:200])
-        reasons.append(f"{helper}: busy")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    reasons: list[str] = []
+    pending = list(helpers)
+    while pending:
+        busy = []
+        for helper in pending:
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            try:
+                reply = await host.call(helper, DIALBACK, {"maddrs": list(maddrs)[:MAX_ADDRS]}, timeout=left)
+            except P2PError as e:
+                reasons.append(f"{helper}: {e}")
+                continue
+            if isinstance(reply, dict) and isinstance(reply.get("ok"), str):
+                return Reachability(True, confirmed_by=helper, address=reply["ok"])
+            if isinstance(reply, dict) and reply.get("error") != "busy":
+                return Reachability(False, reason=str(reply.get("error"))[:200])
+            busy.append(helper)
+        if not busy or deadline - loop.time() <= busy_retry:
+            reasons += [f"{helper}: busy" for helper in busy]
+            break
+        await asyncio.sleep(busy_retry)
+        pending = busy
     return Reachability(None, reason="; ".join(reasons)[:500] or "no helper to ask")
 
 

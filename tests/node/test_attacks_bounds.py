@@ -56,7 +56,8 @@ async def finish(honest: list[Running], newcomers: tuple[Running, ...] = (), tim
     def done() -> bool:
         if any(n.task.done() for n in [*honest, *newcomers]):
             return True  # exited early: the check below says how
-        return all(STEPS - 1 in n.steps() for n in honest) and all(fetches(n) for n in newcomers)
+        # a node that fetched may skip a step number: its last step counts, not each one
+        return all(max(n.steps(), default=-1) >= STEPS - 1 for n in honest) and all(fetches(n) for n in newcomers)
 
     try:
         await asyncio.wait_for(_until(done), timeout)
@@ -78,15 +79,16 @@ def story(node: Running) -> list[tuple[Any, ...]]:
 
 
 def final_loss(honest: list[Running]) -> float:
-    return statistics.mean(n.steps()[STEPS - 1]["eval_loss"] for n in honest)
+    # a node that fell behind fetched past step STEPS - 1: the others' loss there is the swarm's
+    return statistics.mean(n.steps()[STEPS - 1]["eval_loss"] for n in honest if STEPS - 1 in n.steps())
 
 
 def assert_agree(honest: list[Running], newcomers: tuple[Running, ...] = ()) -> None:
-    """Every honest node completed every step, with one state per step (a newcomer's steps too)."""
+    """Every honest node reached the last step, with one state per step (a newcomer's steps too)."""
     for step in range(STEPS):
         hashes = {n.steps()[step]["state_sha256"] for n in [*honest, *newcomers] if step in n.steps()}
         assert len(hashes) == 1, f"step {step}: {len(hashes)} states among the honest nodes"
-    assert all(set(n.steps()) >= set(range(STEPS)) for n in honest)
+    assert all(max(n.steps(), default=-1) >= STEPS - 1 for n in honest)
 
 
 async def clean_run(data: TokenData) -> dict[str, Any]:

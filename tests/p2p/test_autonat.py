@@ -52,3 +52,21 @@ async def test_garbage_addresses_are_skipped(make_host) -> None:
     asker, helper = await make_host(), await make_host()
     reply = await asker.call(helper.visible_maddrs[0], DIALBACK, {"maddrs": ["nonsense", 7, *asker.visible_maddrs]})
     assert reply == {"ok": asker.visible_maddrs[0]}
+
+
+async def test_a_busy_helper_is_asked_again(make_host, monkeypatch) -> None:
+    """Nodes that start together through one bootstrap peer: the helper probes one at a time, so
+    the second asker gets `busy` and must ask again instead of giving up (it then could not tell
+    it is unreachable, and would not run in client mode)."""
+    monkeypatch.setattr("swarm.p2p.autonat.PROBE_TIMEOUT", 1.0)
+    first, second, helper = await make_host(), await make_host(), await make_host()
+    silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)  # accepts, never answers
+    try:
+        port = silent.sockets[0].getsockname()[1]
+        slow = asyncio.ensure_future(check_reachability(first, [f"/ip4/127.0.0.1/tcp/{port}"], helper.visible_maddrs))
+        await asyncio.sleep(0.2)  # the helper is now probing the silent port for `first`
+        result = await check_reachability(second, ["/ip4/127.0.0.1/tcp/9"], helper.visible_maddrs, timeout=5)
+        assert result.reachable is False and "answered" in result.reason
+        assert (await slow).reachable is False
+    finally:
+        silent.close()
