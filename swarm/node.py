@@ -99,6 +99,9 @@ POLL_SECONDS = 0.2  # how often the loop looks at the trainer's progress
 FINAL_STRETCH = 3.0  # seconds before matchmaking in which peers' progress is read often
 FINAL_REFRESH_SECONDS = 0.5
 RESULT_POLL = 0.5  # seconds between looks for a step's result while waiting for it
+# a group of our step formed without us: its result is seconds away, and the sooner we hold it
+# the more of the next step we train with the others (bounded by max_wait: a few lookups a second)
+AWAIT_POLL = 0.15
 LATE_GATHER = 0.3  # seconds a node joining an already gathering group waits for it
 
 
@@ -364,7 +367,12 @@ class SwarmNode:
             return Matchmade(None, 0.0)
 
     async def _finish_step(
-        self, averager: Averager, keeper: StateKeeper, book: ProgressBook, step: int, found: Matchmade,
+        self,
+        averager: Averager,
+        keeper: StateKeeper,
+        book: ProgressBook,
+        step: int,
+        found: Matchmade,
         stop: asyncio.Event,
     ) -> None:
         """The end of outer step `step`, whatever happened: average and apply with the group, or
@@ -400,10 +408,14 @@ class SwarmNode:
                 if await self._fetch(keeper, book, alone=False):
                     self._late = True
                     return
-                await asyncio.sleep(RESULT_POLL)
+                await asyncio.sleep(AWAIT_POLL)
             else:  # RETRY
-                logger.info("step %d: %s%s", step, plan.why,
-                            " (the step's result was computed without us; its holders may have left)" if late else "")
+                logger.info(
+                    "step %d: %s%s",
+                    step,
+                    plan.why,
+                    " (the step's result was computed without us; its holders may have left)" if late else "",
+                )
                 await asyncio.sleep(RESULT_POLL)
                 await self._wait_for_peers(book)
                 found = await self._matchmake(averager, book, step, float(diloco.tokens_since_outer))

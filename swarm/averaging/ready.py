@@ -12,7 +12,9 @@ which every node evaluates on its own view. The rules, in order:
    member of another state does not average: it fetches the swarm's state first.
 3. **One group.** Every ready member of the swarm's state is in the one group, in an order
    fixed by a hash of (step, PeerID); its leader is the first member that accepts inbound
-   connections (a client cannot lead). No server in view: no group.
+   connections (a client cannot lead). No server in view: no group. Nor when every member
+   contributes nothing (all weights 0: nodes that only joined to take the average): such a
+   group would apply a null step and, by rule 1, make the node that trained wait for it.
 
 Announcements are bounded (ISSUE 12): one per identity (its owner's subkey), and one whose
 weight exceeds what the run allows one step is skipped (`decode_view`), so it is neither
@@ -150,7 +152,7 @@ def decide(view: ReadyView, me: MemberInfo, step: int) -> Decision:
     order = group_order([p for p, m in view.ready.items() if m.state == chosen], step)
     members = tuple(view.ready[p] for p in order)
     leader = next((m for m in members if not m.client), None)
-    if leader is None:
+    if leader is None or not any(m.weight > 0 for m in members):
         return Decision("alone", members, swarm_state=chosen)
     if leader.peer_id == me.peer_id:
         return Decision("lead", members, swarm_state=chosen)

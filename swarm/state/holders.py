@@ -100,15 +100,22 @@ def choose_state(holders: Sequence[Holder], exclude: Sequence[PeerID] = ()) -> t
 
 SETTLE_SECONDS = 1.0  # longest wait for peers advertising an older step to advertise the chosen one
 SETTLE_POLL = 0.2
+SETTLE_MIN_BYTES = 16 << 20  # a smaller state comes from one donor in well under SETTLE_SECONDS
 
 
 async def settled_holders(holders: list[Holder], step: int, find: Callable[[], Awaitable[list[Holder]]], *,
-                          within: float = SETTLE_SECONDS, poll: float = SETTLE_POLL) -> list[Holder]:  # fmt: skip
+                          within: float = SETTLE_SECONDS, poll: float = SETTLE_POLL,
+                          min_bytes: int = SETTLE_MIN_BYTES) -> list[Holder]:  # fmt: skip
     """Peers that finished a step together advertise its state a moment apart: a fetch that
     started at the first advertisement would take it all from one donor. Read the holders
-    again (for at most `within` seconds) until none advertises a step older than `step`."""
+    again (for at most `within` seconds) until none advertises the step before `step`. Peers
+    further behind are not waited for (they are catching up themselves; with short steps the
+    chosen state would be gone by the time they advertise it), nor is anyone for a state under
+    `min_bytes` (one donor serves it faster than the wait)."""
+    if max((h.nbytes for h in holders if h.step == step), default=0) < min_bytes:
+        return holders
     deadline = time.monotonic() + within
-    while any(h.step < step for h in holders) and time.monotonic() < deadline:
+    while any(h.step == step - 1 for h in holders) and time.monotonic() < deadline:
         await asyncio.sleep(poll)
         holders = await find() or holders  # a failed lookup: keep what we knew
     return holders

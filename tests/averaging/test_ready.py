@@ -13,9 +13,9 @@ IDS = [Identity.generate().peer_id for _ in range(6)]
 A, B = bytes(32), b"\x01" * 32  # two states
 
 
-def member(i: int, state: bytes = A, client: bool = False) -> MemberInfo:
+def member(i: int, state: bytes = A, client: bool = False, weight: float = 1.0) -> MemberInfo:
     maddrs = () if client else (f"/ip4/127.0.0.1/tcp/{4000 + i}",)
-    return MemberInfo(IDS[i], maddrs, 1.0, 0.0 if client else 100.0, client, state)
+    return MemberInfo(IDS[i], maddrs, weight, 0.0 if client else 100.0, client, state)
 
 
 def view(*members: MemberInfo, formed: dict[int, bytes] | None = None, done: tuple[int, ...] = ()) -> ReadyView:
@@ -37,6 +37,9 @@ CASES = [
     ("a tie, from the larger hash", view(member(1, A)), member(0, B), "other_state"),
     ("formed members vote for their state", view(member(1), formed={2: B, 3: B, 4: B}), member(0), "other_state"),
     ("only clients: nobody can lead", view(member(1, client=True)), member(0, client=True), "alone"),
+    ("nobody contributes: no null step", view(member(1, weight=0.0)), member(0, weight=0.0), "alone"),
+    ("alone with nothing to contribute", view(), member(0, weight=0.0), "alone"),
+    ("one contributor is enough", view(member(1, weight=0.0)), member(0), None),
     ("done markers are not counted", view(member(1, B), done=(2, 3)), member(0, A), None),
 ]
 
@@ -51,7 +54,7 @@ def test_decide(what: str, seen: ReadyView, me: MemberInfo, kind: str | None) ->
         leader = leader_of(everyone)
         assert decision.kind == ("lead" if IDS[leader] == me.peer_id else "join")
         assert {m.peer_id for m in decision.members} == {IDS[i] for i in everyone}
-        assert decision.kind == "lead" or decision.leader == member(leader)
+        assert decision.kind == "lead" or (decision.leader is not None and decision.leader.peer_id == IDS[leader])
     else:
         assert decision.kind == kind
 

@@ -34,13 +34,11 @@ from tests.node.inprocess import LOCAL, QUICK, LocalSwarm, Running
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 
-STEPS = 3
+STEPS = 6
 LONG = 50  # max_outer_steps: the nodes are stopped once they have done STEPS (finish)
 HONEST_SEEDS = [bytes([i + 1]) * 32 for i in range(3)]  # the same honest identities (data order) in every run
 RUN_ID = "inproc"
 _clean: dict[str, Any] = {}
-
-
 
 
 def start_honest(local: LocalSwarm, bootstrap: str, **settings: Any) -> list[Running]:
@@ -48,16 +46,19 @@ def start_honest(local: LocalSwarm, bootstrap: str, **settings: Any) -> list[Run
             for seed in HONEST_SEEDS]  # fmt: skip
 
 
-async def finish(honest: list[Running], newcomers: tuple[Running, ...] = (), timeout: float = 120) -> None:
+async def finish(
+    honest: list[Running], newcomers: tuple[Running, ...] = (), timeout: float = 120, until: Any = lambda: True
+) -> None:
     """Wait until every honest node has completed STEPS outer steps (and every newcomer has
-    fetched the swarm's state), then stop them all. Nodes run LONG steps, so that none leaves
-    while another still needs its state; none may exit by itself meanwhile."""
+    fetched the swarm's state, and `until()` holds), then stop them all. Nodes run LONG steps,
+    so that none leaves while another still needs its state; none may exit by itself meanwhile."""
 
     def done() -> bool:
         if any(n.task.done() for n in [*honest, *newcomers]):
             return True  # exited early: the check below says how
         # a node that fetched may skip a step number: its last step counts, not each one
-        return all(max(n.steps(), default=-1) >= STEPS - 1 for n in honest) and all(fetches(n) for n in newcomers)
+        reached = all(max(n.steps(), default=-1) >= STEPS - 1 for n in honest)
+        return reached and all(fetches(n) for n in newcomers) and until()
 
     try:
         await asyncio.wait_for(_until(done), timeout)
@@ -79,8 +80,10 @@ def story(node: Running) -> list[tuple[Any, ...]]:
 
 
 def final_loss(honest: list[Running]) -> float:
-    # a node that fell behind fetched past step STEPS - 1: the others' loss there is the swarm's
-    return statistics.mean(n.steps()[STEPS - 1]["eval_loss"] for n in honest if STEPS - 1 in n.steps())
+    """The eval loss of the last 3 steps (it moves by ~0.1 from one outer step to the next at
+    this scale), over the honest nodes that completed them (one that fell behind fetched)."""
+    last = range(STEPS - 3, STEPS)
+    return statistics.mean(n.steps()[s]["eval_loss"] for n in honest for s in last if s in n.steps())
 
 
 def assert_agree(honest: list[Running], newcomers: tuple[Running, ...] = ()) -> None:
@@ -100,6 +103,8 @@ async def clean_run(data: TokenData) -> dict[str, Any]:
             started = time.monotonic()
             await finish(honest)
             _clean["loss"] = final_loss(honest)
+            _clean["tokens"] = [[(s, e["group_size"], e["tokens"], round(e["eval_loss"], 3)) for s, e in sorted(n.steps().items()) if s < STEPS]
+                                for n in honest]  # fmt: skip
             _clean["step_s"] = (time.monotonic() - started) / STEPS
         finally:
             await swarm.close()
@@ -108,7 +113,11 @@ async def clean_run(data: TokenData) -> dict[str, Any]:
 
 def assert_within_clean(honest: list[Running], clean: dict[str, Any]) -> None:
     ratio = final_loss(honest) / clean["loss"]
-    assert ratio <= 1.05, f"honest final eval loss {final_loss(honest):.4f} vs clean {clean['loss']:.4f}"
+    tokens = [[(s, e["group_size"], e["tokens"], round(e["eval_loss"], 3)) for s, e in sorted(n.steps().items()) if s < STEPS] for n in honest]
+    assert ratio <= 1.05, (
+        f"honest final eval loss {final_loss(honest):.4f} vs clean {clean['loss']:.4f}; "
+        f"(step, group, tokens, eval loss) {tokens} vs clean {clean['tokens']}"
+    )
 
 
 def record_rounds(monkeypatch: pytest.MonkeyPatch) -> list[AllReduceRound]:
@@ -167,9 +176,14 @@ async def test_attack_b_a_bandwidth_of_1e12_owns_a_bounded_share(
     honest = start_honest(local, bootstrap)
     attacker = local.start((bootstrap,))
     lie_in_announcements(monkeypatch, attacker, bandwidth=1e12)
-    await finish(honest)
+
+    def attacker_rounds() -> list[AllReduceRound]:
+        return [r for r in rounds if attacker.node.peer_id in {m.peer_id for m in r.group.members}]
+
+    # a node that starts a little late may fetch a step or two before it is grouped
+    await finish(honest, until=lambda: bool(attacker_rounds()))
     assert_agree(honest)
-    with_attacker = [r for r in rounds if attacker.node.peer_id in {m.peer_id for m in r.group.members}]
+    with_attacker = attacker_rounds()
     assert with_attacker, "the attacker was never grouped: the test shows nothing"
     for r in with_attacker:
         lo, hi = r.parts[r.group.index_of(attacker.node.peer_id)]
@@ -226,11 +240,25 @@ def fetches(node: Running) -> list[dict[str, Any]]:
     return [e for e in node.events if e["event"] == "fetch"]
 
 
+def assert_fetched_only_swarm_states(nodes: list[Running]) -> None:
+    """Nodes in sync never switch state; one that started a moment late may fetch to catch up,
+    and then only a state some node of the swarm computed at that step."""
+    computed = {(e["outer_step"] + 1, e["state_sha256"]) for n in nodes for e in n.steps().values()}
+    for n in nodes:
+        for e in fetches(n):
+            assert (e["outer_step"], e["state_sha256"]) in computed, f"fetched a state nobody computed: {e}"
+
+
+async def until_stepped(nodes: list[Running], timeout: float = 60) -> None:
+    """Until every node has done (or fetched past) a step: a pace is known."""
+    await asyncio.wait_for(_until(lambda: all(n.steps() for n in nodes)), timeout)
+
+
 async def test_attack_d_a_state_at_step_a_million_is_never_adopted(local: LocalSwarm, data: TokenData) -> None:
     clean = await clean_run(data)
     bootstrap = await local.start_bootstrap()
     honest = start_honest(local, bootstrap)
-    await asyncio.wait_for(_until(lambda: all(0 in n.steps() for n in honest)), 60)  # a pace is known
+    await until_stepped(honest)
     async with outsider(bootstrap) as (host, dht):
         advertising = await serve_fake_state(host, dht, fake_snapshot(honest[0], 1_000_000))
         try:
@@ -240,7 +268,7 @@ async def test_attack_d_a_state_at_step_a_million_is_never_adopted(local: LocalS
             advertising.cancel()
     assert_agree(honest, (newcomer,))
     assert not any(e["outer_step"] >= 1_000_000 for n in [*honest, newcomer] for e in fetches(n))
-    assert all(not fetches(n) for n in honest)  # nodes in sync never switch state
+    assert_fetched_only_swarm_states(honest)
     assert_within_clean(honest, clean)
 
 
@@ -260,7 +288,7 @@ async def test_attack_e_a_manifest_too_big_for_the_model_is_refused_before_alloc
     monkeypatch.setattr(fetcher._ShardFetch, "__init__", recording)
     bootstrap = await local.start_bootstrap()
     honest = start_honest(local, bootstrap)
-    await asyncio.wait_for(_until(lambda: all(0 in n.steps() for n in honest)), 60)
+    await until_stepped(honest)
     async with outsider(bootstrap) as (host, dht):
         snapshot = fake_snapshot(honest[0], 10_000, inflate=64 << 20)
         advertising = await serve_fake_state(host, dht, snapshot)
@@ -307,7 +335,7 @@ async def test_attack_f_absurd_progress_records_do_not_slow_or_redirect_steps(
             lying.cancel()
     step_s = (time.monotonic() - started) / STEPS
     assert_agree(honest)
-    assert all(not fetches(n) for n in honest)
+    assert_fetched_only_swarm_states(honest)
     assert step_s < clean["step_s"] + max_wait / 2, f"{step_s:.1f}s per step, {clean['step_s']:.1f}s without"
     assert_within_clean(honest, clean)
 

@@ -14,8 +14,6 @@ from tests.node.inprocess import LocalSwarm
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 
-
-
 def assert_one_state(local: LocalSwarm) -> dict[int, set[str]]:
     by_step = local.by_step()
     forks = {step: len(hashes) for step, hashes in by_step.items() if len(hashes) != 1}
