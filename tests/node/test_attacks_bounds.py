@@ -103,20 +103,24 @@ async def clean_run(data: TokenData) -> dict[str, Any]:
             started = time.monotonic()
             await finish(honest)
             _clean["loss"] = final_loss(honest)
-            _clean["tokens"] = [[(s, e["group_size"], e["tokens"], round(e["eval_loss"], 3)) for s, e in sorted(n.steps().items()) if s < STEPS]
-                                for n in honest]  # fmt: skip
+            _clean["trace"] = trace(honest)
             _clean["step_s"] = (time.monotonic() - started) / STEPS
         finally:
             await swarm.close()
     return _clean
 
 
+def trace(nodes: list[Running]) -> list[list[tuple[Any, ...]]]:
+    """(step, group size, tokens, eval loss) of each node's steps, for a failure's message."""
+    return [[(s, e["group_size"], e["tokens"], round(e["eval_loss"], 3)) for s, e in sorted(n.steps().items())]
+            for n in nodes]  # fmt: skip
+
+
 def assert_within_clean(honest: list[Running], clean: dict[str, Any]) -> None:
     ratio = final_loss(honest) / clean["loss"]
-    tokens = [[(s, e["group_size"], e["tokens"], round(e["eval_loss"], 3)) for s, e in sorted(n.steps().items()) if s < STEPS] for n in honest]
     assert ratio <= 1.05, (
         f"honest final eval loss {final_loss(honest):.4f} vs clean {clean['loss']:.4f}; "
-        f"(step, group, tokens, eval loss) {tokens} vs clean {clean['tokens']}"
+        f"(step, group, tokens, eval loss) {trace(honest)} vs clean {clean['trace']}"
     )
 
 
