@@ -54,7 +54,7 @@ from swarm.dht.config import DHTConfig
 from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
 from swarm.eventloop import cancel_and_wait
-from swarm.log_once import OncePerPeer
+from swarm.log_once import OncePerPeer, RateLimitedLog
 from swarm.model.checkpoint import CheckpointError, RunInfo
 from swarm.model.data import TokenData, eval_windows, load_data
 from swarm.model.diloco import DiLoCo
@@ -161,6 +161,7 @@ class SwarmNode:
         # does not know how far the run had come before it (a newcomer must still fetch step 500)
         self._known_at: tuple[int, float] | None = None
         self._bad_records = OncePerPeer(logger)
+        self._fetch_failures = RateLimitedLog(logger, burst=3, period=30.0)  # a late node looks a few times a second
         self._pace_seen = 0.0  # the last inner-step pace seen (ours or the peers' median); 0: none yet
 
     # --- lifecycle --------------------------------------------------------------------------
@@ -471,7 +472,7 @@ class SwarmNode:
         except CheckpointError as e:  # IncompatibleState: the run's state is not for this node
             raise NodeError(f"cannot use the run's state: {e}") from None
         except FetchError as e:
-            logger.warning("could not fetch the swarm's state: %s", e)
+            self._fetch_failures.log("fetch", "could not fetch the swarm's state: %s", e)
             return False
         if fetched is None:
             return False

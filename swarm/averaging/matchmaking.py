@@ -38,7 +38,16 @@ from typing import Any
 
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.messages import MAX_MEMBERS, GroupInfo, MemberInfo
-from swarm.averaging.ready import DONE, ReadyView, decide, decode_view, formed_marker, group_problem, may_finalize
+from swarm.averaging.ready import (
+    DONE,
+    ReadyView,
+    announcement,
+    decide,
+    decode_view,
+    formed_marker,
+    group_problem,
+    may_finalize,
+)
 from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
 from swarm.dht.records import owner_subkey
@@ -116,7 +125,8 @@ class Matchmaker:
         try:
             gather_until = started + (config.matchmaking_time if gather is None else gather)
             give_up_at = gather_until + 3 * config.request_timeout
-            announced = await self._store(step, me.encode(), config.matchmaking_time + 4 * config.request_timeout)
+            ttl = config.matchmaking_time + 4 * config.request_timeout
+            announced = await self._store(step, announcement(me, self.dht.id_nonce), ttl)
             if not announced:  # unseen by others; we may still join them
                 logger.warning("could not announce readiness for step %d", step)
             view = await self._gather(step, None if expected is None else expected - {me.peer_id}, gather_until)
@@ -151,7 +161,8 @@ class Matchmaker:
             state.role_known.set()
             self._steps.pop(step, None)
             group = outcome.group if outcome is not None else None
-            self._mark(step, formed_marker(me.state, group.group_id) if group is not None else DONE)
+            marker = formed_marker(me.state, group.group_id, self.dht.id_nonce) if group is not None else DONE
+            self._mark(step, marker)
 
     def round_failed(self, step: int) -> None:
         """Our group of `step` could not average: withdraw its FORMED marker, so that the step
@@ -211,7 +222,7 @@ class Matchmaker:
         if found is None or not isinstance(found.value, dict):
             return ReadyView()
         entries = {k: getattr(v, "value", None) for k, v in found.value.items()}
-        view, skipped = decode_view(entries, self.config.max_weight)
+        view, skipped = decode_view(entries, self.config.max_weight, self.dht.config.id_bits)
         for item in skipped:
             self._bad_input.log(item.owner, "ready record", "ignoring %s (step %d)", item.reason, step)
         if caught := self.excluded & (view.ready.keys() | view.formed.keys()):

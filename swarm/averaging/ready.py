@@ -21,9 +21,15 @@ weight exceeds what the run allows one step is skipped (`decode_view`), so it is
 counted nor waited for nor grouped. A member refuses a group that misstates its own
 announcement or lists an out-of-range weight (`group_problem`).
 
-    ready value:   MemberInfo.encode()               (an announcement: "I am ready")
-    FORMED marker: {"formed": state, "group": id}     (done: in a group of that state)
-    DONE marker:   "done"                             (done without a group: do not count me)
+Identities are priced: an announcement or FORMED marker counts only with its owner's proof of a
+costly DHT id (dht/id_proof.py: the nonce its DHT node proves itself with, 2^id_bits hashes to
+find, two to check). Without it, a flood of throwaway identities announcing another state would
+outvote the swarm (rule 2: every honest node would look for a state nobody serves), and fake
+members would take the leader's place or hold the majority a leader needs (may_finalize).
+
+    ready value:   {"member": MemberInfo.encode(), "proof": nonce}      ("I am ready")
+    FORMED marker: {"formed": state, "group": id, "proof": nonce}       (done: in a group of that state)
+    DONE marker:   "done"                                               (done without a group: do not count me)
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from typing import Any
 
 from swarm.averaging.messages import GroupInfo, MemberInfo
 from swarm.dht.errors import RecordError
+from swarm.dht.id_proof import BadIdProof, verify
 from swarm.dht.records import owner_of
 from swarm.p2p.errors import BadRequest
 from swarm.p2p.peer_id import PeerID
@@ -43,8 +50,12 @@ from swarm.p2p.peer_id import PeerID
 DONE = "done"
 
 
-def formed_marker(state: bytes, group_id: bytes) -> dict[str, bytes]:
-    return {"formed": state, "group": group_id}
+def announcement(member: MemberInfo, proof: bytes) -> dict[str, Any]:
+    return {"member": member.encode(), "proof": proof}
+
+
+def formed_marker(state: bytes, group_id: bytes, proof: bytes) -> dict[str, bytes]:
+    return {"formed": state, "group": group_id, "proof": proof}
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,11 +75,15 @@ class ReadyView:
         return ReadyView({**self.ready, me.peer_id: me}, self.formed, self.done, self.refused)
 
 
-def decode_view(entries: dict[Any, Any], max_weight: float = math.inf) -> tuple[ReadyView, list[Skipped]]:
+def decode_view(
+    entries: dict[Any, Any], max_weight: float = math.inf, id_bits: int | None = None
+) -> tuple[ReadyView, list[Skipped]]:
     """A view from the raw subkey -> value map; also each entry skipped, with its owner when
     known (peers' records are untrusted: a malformed one is skipped, never raised on). An
     announcement of a weight above `max_weight` (what the run allows one step) is skipped: that
-    member is not counted, not waited for and not grouped with."""
+    member is not counted, not waited for and not grouped with. With `id_bits`, so is an
+    announcement or FORMED marker whose owner's proof of a costly id does not check out (None:
+    proofs are not checked, for tests of the rules alone)."""
     ready: dict[PeerID, MemberInfo] = {}
     formed: dict[PeerID, bytes] = {}
     done: set[PeerID] = set()
@@ -83,26 +98,36 @@ def decode_view(entries: dict[Any, Any], max_weight: float = math.inf) -> tuple[
             continue
         if value == DONE:
             done.add(owner)
-        elif isinstance(value, dict):
+            continue
+        if not isinstance(value, dict):
+            skipped.append(Skipped(owner, "a malformed ready record"))
+            continue
+        if id_bits is not None:
+            try:
+                verify(owner, value.get("proof"), id_bits)
+            except BadIdProof as e:
+                skipped.append(Skipped(owner, f"a ready record without a proof of a costly id ({e})"))
+                continue
+        if "formed" in value:
             state = value.get("formed")
             if not isinstance(state, bytes) or len(state) not in (0, 32):
                 skipped.append(Skipped(owner, "a malformed FORMED marker"))
                 continue
             formed[owner] = state
-        else:
-            try:
-                member = MemberInfo.decode(value)
-            except (BadRequest, ValueError) as e:
-                skipped.append(Skipped(owner, f"a bad announcement: {e}"))
-                continue
-            if member.peer_id != owner:
-                skipped.append(Skipped(owner, "an announcement not under its owner's subkey"))
-                continue
-            if member.weight > max_weight:
-                why = f"an announced weight of {member.weight:.4g} above the run's {max_weight:.4g}"
-                skipped.append(Skipped(owner, why))
-                continue
-            ready[owner] = member
+            continue
+        try:
+            member = MemberInfo.decode(value.get("member"))
+        except (BadRequest, ValueError) as e:
+            skipped.append(Skipped(owner, f"a bad announcement: {e}"))
+            continue
+        if member.peer_id != owner:
+            skipped.append(Skipped(owner, "an announcement not under its owner's subkey"))
+            continue
+        if member.weight > max_weight:
+            why = f"an announced weight of {member.weight:.4g} above the run's {max_weight:.4g}"
+            skipped.append(Skipped(owner, why))
+            continue
+        ready[owner] = member
     refused = frozenset(item.owner for item in skipped if item.owner is not None) - set(ready)
     return ReadyView(ready, formed, frozenset(done), refused), skipped
 

@@ -101,6 +101,12 @@ class DHTNode(DHTServing):
 
     # --- lifecycle --------------------------------------------------------------------------
 
+    @property
+    def id_nonce(self) -> bytes:
+        """The nonce that proves our costly id (id_proof.py); other records carry it too
+        (averaging/ready.py), so that readers can price the identities behind them."""
+        return self.trust.nonce
+
     async def start(self) -> DHTNode:
         if self._started:
             return self

@@ -9,8 +9,8 @@ behind NAT or a firewall: it should run in client mode (it asks, serves nothing)
 making groups wait on a member nobody can reach.
 
 Abuse bounds: a peer only dials addresses on the IP the request came from (so it cannot be
-used to scan or flood third parties), at most MAX_ADDRS of them, one probe at a time per host
-(others get `busy`), each within PROBE_TIMEOUT seconds.
+used to scan or flood third parties), at most MAX_ADDRS of them, at most MAX_PROBES askers at a
+time per host (others get `busy` and ask again), each probe within PROBE_TIMEOUT seconds.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 DIALBACK = "p2p.dialback"
 MAX_ADDRS = 8
+MAX_PROBES = 8  # askers served at once: nodes that start together through one bootstrap are not serialized
 PROBE_TIMEOUT = 5.0
 
 
@@ -52,7 +53,7 @@ class Reachability:
 
 def dialback_handler(host: _Host) -> Any:
     """The `p2p.dialback` handler of `host`: {"maddrs": [...]} -> {"ok": maddr} or {"error": why}."""
-    busy = asyncio.Lock()
+    probing = asyncio.Semaphore(MAX_PROBES)
 
     async def handle(ctx: CallContext, args: Any) -> dict[str, Any]:
         maddrs = args.get("maddrs") if isinstance(args, dict) else None
@@ -64,9 +65,9 @@ def dialback_handler(host: _Host) -> Any:
                 addrs.append(parse_maddr(text) if isinstance(text, str) else None)
             except ValueError:
                 addrs.append(None)
-        if busy.locked():
+        if probing.locked():
             return {"error": "busy"}
-        async with busy:
+        async with probing:
             tried = 0
             for addr in addrs:
                 if addr is None or not _same_ip(addr.host, ctx.remote_address[0]):
@@ -91,7 +92,7 @@ async def check_reachability(
     helpers: Sequence[str],
     *,
     timeout: float = 2 * PROBE_TIMEOUT + 5,
-    busy_retry: float = 0.5,
+    busy_retry: float = 0.2,
 ) -> Reachability:
     """Ask each helper in turn (multiaddrs) to dial us back on `maddrs`; the first answer counts.
     A helper probes one asker at a time, so nodes that start together through one bootstrap peer

@@ -100,22 +100,28 @@ def choose_state(holders: Sequence[Holder], exclude: Sequence[PeerID] = ()) -> t
 
 SETTLE_SECONDS = 1.0  # longest wait for peers advertising an older step to advertise the chosen one
 SETTLE_POLL = 0.2
-SETTLE_MIN_BYTES = 16 << 20  # a smaller state comes from one donor in well under SETTLE_SECONDS
+SETTLE_MIN_BYTES = 4 << 20  # a smaller state comes from one donor in well under SETTLE_SECONDS
+SETTLE_DONORS = 2  # the fetch spreads over this many donors before it stops waiting for more
 
 
 async def settled_holders(holders: list[Holder], step: int, find: Callable[[], Awaitable[list[Holder]]], *,
                           within: float = SETTLE_SECONDS, poll: float = SETTLE_POLL,
                           min_bytes: int = SETTLE_MIN_BYTES) -> list[Holder]:  # fmt: skip
     """Peers that finished a step together advertise its state a moment apart: a fetch that
-    started at the first advertisement would take it all from one donor. Read the holders
-    again (for at most `within` seconds) until none advertises the step before `step`. Peers
-    further behind are not waited for (they are catching up themselves; with short steps the
-    chosen state would be gone by the time they advertise it), nor is anyone for a state under
-    `min_bytes` (one donor serves it faster than the wait)."""
+    started at the first advertisement would take it all from one donor. While the chosen step
+    has fewer than SETTLE_DONORS holders and some peer still advertises the step before it, read
+    the holders again (for at most `within` seconds). Peers further behind are not waited for
+    (they are catching up themselves; with short steps the chosen state would be gone by the
+    time they advertise it), nor is anyone for a state under `min_bytes`."""
     if max((h.nbytes for h in holders if h.step == step), default=0) < min_bytes:
         return holders
+
+    def unsettled(found: list[Holder]) -> bool:
+        donors = sum(1 for h in found if h.step == step)
+        return donors < SETTLE_DONORS and any(h.step == step - 1 for h in found)
+
     deadline = time.monotonic() + within
-    while any(h.step == step - 1 for h in holders) and time.monotonic() < deadline:
+    while unsettled(holders) and time.monotonic() < deadline:
         await asyncio.sleep(poll)
         holders = await find() or holders  # a failed lookup: keep what we knew
     return holders

@@ -10,7 +10,7 @@ import pytest
 
 from swarm.averaging.messages import GroupInfo, MemberInfo
 from swarm.averaging.partition import BANDWIDTH_CAP, capped_bandwidths, part_bounds
-from swarm.averaging.ready import decode_view, group_problem
+from swarm.averaging.ready import announcement, decode_view, group_problem
 from swarm.dht.records import owner_subkey
 from swarm.p2p.errors import BadRequest
 from swarm.p2p.identity import Identity
@@ -93,9 +93,9 @@ def test_a_group_of_another_step_is_refused() -> None:
 
 def test_announcements_above_the_runs_weight_are_ignored_with_their_owner_named() -> None:
     entries = {
-        owner_subkey(IDS[0]): member(0).encode(),
-        owner_subkey(IDS[1]): member(1, weight=MAX_WEIGHT).encode(),
-        owner_subkey(IDS[2]): member(2, weight=MAX_WEIGHT * 1e6).encode(),  # attack a
+        owner_subkey(IDS[0]): announcement(member(0), b""),
+        owner_subkey(IDS[1]): announcement(member(1, weight=MAX_WEIGHT), b""),
+        owner_subkey(IDS[2]): announcement(member(2, weight=MAX_WEIGHT * 1e6), b""),  # attack a
     }
     view, skipped = decode_view(entries, MAX_WEIGHT)
     assert set(view.ready) == {IDS[0], IDS[1]}

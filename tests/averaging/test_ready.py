@@ -5,7 +5,18 @@ from __future__ import annotations
 import pytest
 
 from swarm.averaging.messages import MemberInfo
-from swarm.averaging.ready import DONE, Decision, ReadyView, decide, decode_view, group_order, may_finalize
+from swarm.averaging.ready import (
+    DONE,
+    Decision,
+    ReadyView,
+    announcement,
+    decide,
+    decode_view,
+    formed_marker,
+    group_order,
+    may_finalize,
+)
+from swarm.dht.id_proof import solve
 from swarm.dht.records import owner_subkey
 from swarm.p2p.identity import Identity
 
@@ -90,15 +101,36 @@ def test_a_leader_finalizes_only_a_majority_and_only_one_group(size: int, final:
 
 def test_decode_view_skips_bad_records() -> None:
     entries = {
-        owner_subkey(IDS[0]): member(0).encode(),
-        owner_subkey(IDS[1]): member(2).encode(),  # under another's subkey
-        owner_subkey(IDS[2]): {"formed": A, "group": b"g"},
+        owner_subkey(IDS[0]): announcement(member(0), b""),
+        owner_subkey(IDS[1]): announcement(member(2), b""),  # under another's subkey
+        owner_subkey(IDS[2]): formed_marker(A, b"g", b""),
         owner_subkey(IDS[3]): DONE,
         owner_subkey(IDS[4]): {"formed": b"short"},
-        "not an owner": member(5).encode(),
+        "not an owner": announcement(member(5), b""),
         owner_subkey(IDS[5]): [1, 2, 3],
     }
     seen, skipped = decode_view(entries)
     assert set(seen.ready) == {IDS[0]} and seen.formed == {IDS[2]: A} and seen.done == {IDS[3]}
     assert len(skipped) == 4
     assert isinstance(decide(seen, member(0), 0), Decision)
+
+
+def test_only_records_with_a_proof_of_a_costly_id_count() -> None:
+    """A flood of throwaway identities announcing another state (or claiming a group formed)
+    without paying for their ids is seen but never counted: the honest nodes group as before."""
+    bits = 6
+    honest = [solve(IDS[i], bits) for i in range(2)]
+    entries = {owner_subkey(IDS[i]): announcement(member(i), honest[i]) for i in range(2)}
+    for i in range(2, 6):  # more fakes than honest members, of another state, or a fake FORMED marker
+        fake = announcement(member(i, B), b"\x00" * 8) if i < 5 else formed_marker(A, b"g", b"\x00" * 8)
+        entries[owner_subkey(IDS[i])] = fake
+    entries[owner_subkey(IDS[4])] = announcement(member(4, B), b"short")  # a malformed proof
+    view, skipped = decode_view(entries, id_bits=bits)
+    assert set(view.ready) == set(IDS[:2]) and not view.formed
+    assert {s.owner for s in skipped} == set(IDS[2:6]) and all("costly id" in s.reason for s in skipped)
+    assert set(IDS[2:6]) <= view.seen()  # nobody waits for them
+    assert decide(view, member(0), 0).kind in ("lead", "join")
+    unchecked, _ = decode_view(entries)  # the attack, were proofs not checked: no group of the honest
+    assert decide(unchecked, member(0), 0).kind == "late"
+    del unchecked.formed[IDS[5]]
+    assert decide(unchecked, member(0), 0).kind == "other_state"

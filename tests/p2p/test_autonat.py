@@ -59,6 +59,7 @@ async def test_a_busy_helper_is_asked_again(make_host, monkeypatch) -> None:
     the second asker gets `busy` and must ask again instead of giving up (it then could not tell
     it is unreachable, and would not run in client mode)."""
     monkeypatch.setattr("swarm.p2p.autonat.PROBE_TIMEOUT", 1.0)
+    monkeypatch.setattr("swarm.p2p.autonat.MAX_PROBES", 1)
     first, second, helper = await make_host(), await make_host(), await make_host()
     silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)  # accepts, never answers
     try:

@@ -190,7 +190,7 @@ async def test_a_fetch_waits_briefly_for_peers_still_advertising_the_previous_st
         return reads.pop(0)
 
     settled = await settled_holders(holders([6, 5, 5]), 6, find, within=5.0, poll=0.01, min_bytes=100)
-    assert [h.step for h in settled] == [6, 6, 6] and not reads
+    assert [h.step for h in settled] == [6, 6, 5] and len(reads) == 1  # two donors are enough
     same = lambda: _same(holders([6, 5, 5]))  # noqa: E731
     gone = await settled_holders(holders([6, 5, 5]), 6, same, within=0.1, poll=0.01, min_bytes=100)
     assert [h.step for h in gone] == [6, 5, 5]  # a peer that never advertises it costs `within` at most
@@ -205,8 +205,8 @@ async def test_a_fetch_does_not_wait_for_peers_further_behind_nor_for_a_small_st
     async def never() -> list[Holder]:
         raise AssertionError("read again")
 
-    stuck = await settled_holders(holders([6, 6, 2], 100), 6, never, within=5.0, poll=0.01, min_bytes=100)
-    assert [h.step for h in stuck] == [6, 6, 2]  # a peer stuck at step 2 is no reason to wait
+    stuck = await settled_holders(holders([6, 2, 2], 100), 6, never, within=5.0, poll=0.01, min_bytes=100)
+    assert [h.step for h in stuck] == [6, 2, 2]  # peers stuck at step 2 are no reason to wait
     small = await settled_holders(holders([6, 5, 5], 99), 6, never, within=5.0, poll=0.01, min_bytes=100)
     assert [h.step for h in small] == [6, 5, 5]
 
