@@ -1,0 +1,84 @@
+"""ISSUE 12, floods of throwaway identities in matchmaking: 3 honest SwarmNodes in one event loop
+over real sockets while a relay stores, at every step, 16 "ready" announcements of another state
+and a FORMED marker of the honest state, each signed by a fresh identity that never paid for a
+DHT id (averaging/ready.py). Before announcements carried proofs, the fakes outvoted the swarm's
+state (every honest node looked for a state nobody serves) or made every node wait for a group
+that never formed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from swarm.averaging.messages import MemberInfo
+from swarm.averaging.ready import announcement, formed_marker
+from swarm.dht import Record, owner_subkey
+from swarm.dht.run_keys import ready_key
+from swarm.model.data import TokenData
+from swarm.p2p import P2PHost
+from swarm.p2p.errors import P2PError
+from swarm.p2p.identity import Identity
+from tests.node.inprocess import LOCAL, LocalSwarm
+from tests.node.test_attacks_bounds import (
+    RUN_ID,
+    assert_agree,
+    assert_within_clean,
+    clean_run,
+    finish,
+    repeat,
+    start_honest,
+)
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
+
+FAKES = 16  # the most one source may store under one key (dht/quotas.py); more than the honest nodes
+
+
+def fake_records(step: int, honest_state: bytes, fakes: list[Identity]) -> list[dict[str, object]]:
+    """Ready announcements of another state from every fake but the last, and a FORMED marker
+    of the honest state from the last: all signed, none with a proof of a costly id."""
+    expiration, unproven = time.time() + 30, b"\x00" * 8
+    other = b"\x07" * 32
+    values = [announcement(MemberInfo(i.peer_id, ("/ip4/127.0.0.1/tcp/9",), 1.0, 100.0, False, other), unproven)
+              for i in fakes[:-1]]  # fmt: skip
+    values.append(formed_marker(honest_state, b"g" * 32, unproven))
+    key = ready_key(RUN_ID, step)
+    signed = zip(fakes, values, strict=True)
+    return [Record.create(key, owner_subkey(i.peer_id), v, expiration, i).to_wire() for i, v in signed]
+
+
+async def test_attack_g_a_flood_of_unproven_ready_records_does_not_stop_averaging(
+    local: LocalSwarm, data: TokenData
+) -> None:
+    clean = await clean_run(data)
+    bootstrap = await local.start_bootstrap()
+    honest = start_honest(local, bootstrap)
+    fakes = [Identity.generate() for _ in range(FAKES)]
+    stored: list[str] = []
+    async with P2PHost(config=LOCAL) as relay:
+
+        async def flood() -> None:
+            lead = max(honest, key=lambda n: n.node.diloco.outer_step).node
+            step, state = lead.diloco.outer_step, lead._state_sha
+            targets = [bootstrap, *(m for n in honest for m in n.node.maddrs[:1])]
+            for s in (step, step + 1):
+                records = fake_records(s, state, fakes)
+                for target in targets:
+                    try:
+                        reply = await relay.call(target, "dht.store", {"a": None, "records": records}, timeout=5)
+                    except P2PError:  # a node that is starting: the next round reaches it
+                        continue
+                    stored.extend(str(r) for r in reply["results"])
+
+        flooding = asyncio.ensure_future(repeat(0.3, flood))
+        try:
+            await finish(honest)
+        finally:
+            flooding.cancel()
+    assert stored.count("ok") >= FAKES, stored[:20]  # the fakes were in the DHT: the attack ran
+    assert_agree(honest)
+    steps = [e for n in honest for s, e in n.steps().items() if s >= 1]
+    assert steps and all(e["group_size"] >= 2 for e in steps), [e["group_size"] for e in steps]  # never alone
+    assert_within_clean(honest, clean)
