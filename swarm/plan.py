@@ -105,6 +105,8 @@ def plan_without_group(f: Facts, *, late: bool, other_state: bool, waited: float
         return StepPlan(FETCH, "the step's result is out")
     # a client can only average with a server; a server with anyone (clients join it)
     same = [p for p in live if p.step == f.step and not (f.client and p.client)]
+    if late and waited >= max_wait and not any(p.step >= f.step and not p.client for p in live):
+        late = False  # waited it out, and no server that could hold the result is left: it is lost
     if late or same:
         if late and waited < max_wait:
             return StepPlan(AWAIT_RESULT, "a group of our step formed without us")

@@ -95,8 +95,8 @@ async def check_reachability(
     busy_retry: float = 0.2,
 ) -> Reachability:
     """Ask each helper in turn (multiaddrs) to dial us back on `maddrs`; the first answer counts.
-    A helper probes one asker at a time, so nodes that start together through one bootstrap peer
-    get `busy`: those helpers are asked again until `timeout` has passed."""
+    A helper probes a few askers at a time (MAX_PROBES), so nodes that start together through
+    one bootstrap peer may get `busy`: those helpers are asked again until `timeout` has passed."""
     if not maddrs:
         return Reachability(False, reason="no announced address")
     loop = asyncio.get_running_loop()
