@@ -62,7 +62,7 @@ def run_swarm(attack: str | None, args: argparse.Namespace, run_dir: Path) -> di
     config = sim.SimConfig(
         nodes=HONEST + (attack is not None), model="tiny", outer_steps=args.outer_steps,
         inner_steps=args.inner_steps, batch_size=args.batch_size, seq_len=args.seq_len, compression="int8",
-        seed=args.seed, lr=None, warmup_steps=None, matchmaking_time=None, max_group_size=None,
+        seed=args.seed, lr=None, warmup_steps=None, matchmaking_time=None, max_group_size=None, part_timeout=None,
         kill_every=None, join_every=None, threads=1, run_dir=run_dir, metrics_out=run_dir / "metrics.json",
         plot_out=run_dir / "metrics.png", timeout=args.timeout, verbose=0,
     )  # fmt: skip

@@ -108,6 +108,11 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
 @_opt("compression", click.Choice(CODECS), "How pseudo-gradients travel.")
 @_opt("max-group-size", click.IntRange(2), "Largest flat all-reduce; all ready nodes still average as one group.")
 @_opt("matchmaking-time", click.FloatRange(0, min_open=True), "Longest wait for a step's expected peers.")
+@_opt(
+    "part-timeout",
+    click.FloatRange(0, min_open=True),
+    "Longest wait of the all-reduce for one member (a member that died mid-round costs this much).",
+)
 @_opt("max-outer-steps", click.IntRange(1), "Stop after this many outer steps (default: run until stopped).")
 @_opt("device", str, "Torch device: auto (cuda when present), cpu, cuda, cuda:1, ...")
 @_opt("offload-outer/--no-offload-outer", bool, "Keep θ_outer and outer momentum in CPU memory.")

@@ -90,6 +90,7 @@ class SimConfig:
     warmup_steps: int | None  # None: swarm-node's default
     matchmaking_time: float | None  # None: swarm-node's default
     max_group_size: int | None
+    part_timeout: float | None  # None: swarm-node's default
     kill_every: float | None  # seconds between SIGKILLs of a random running node; None: never
     join_every: float | None  # seconds between newcomers; None: never
     threads: int  # torch threads per node
@@ -225,6 +226,8 @@ class Swarm:
             argv += ["--matchmaking-time", f"{c.matchmaking_time:g}"]
         if c.max_group_size is not None:
             argv += ["--max-group-size", str(c.max_group_size)]
+        if c.part_timeout is not None:
+            argv += ["--part-timeout", f"{c.part_timeout:g}"]
         return argv + ["-v"] * c.verbose
 
     def poll(self) -> None:
@@ -480,6 +483,8 @@ def default_threads(nodes: int) -> int:
 @click.option("--warmup-steps", type=click.IntRange(min=0), help="Inner warmup steps. Default: swarm-node's.")
 @click.option("--matchmaking-time", type=float, callback=positive_seconds, metavar="SECONDS", help="Per node.")
 @click.option("--max-group-size", type=click.IntRange(min=1), help="Per node. Default: swarm-node's.")
+@click.option("--part-timeout", type=float, callback=positive_seconds, metavar="SECONDS",
+              help="Per node: the all-reduce's longest wait for one member. Default: swarm-node's.")  # fmt: skip
 @click.option(
     "--kill-every", type=float, callback=positive_seconds, metavar="SECONDS", help="SIGKILL a random running node."
 )
