@@ -16,9 +16,10 @@ from swarm.averaging.ready import (
     group_order,
     may_finalize,
 )
-from swarm.dht.id_proof import solve
+from swarm.dht.id_proof import BadIdProof, solve, verify
 from swarm.dht.records import owner_subkey
 from swarm.p2p.identity import Identity
+from swarm.p2p.peer_id import PeerID
 
 IDS = [Identity.generate().peer_id for _ in range(6)]
 A, B = bytes(32), b"\x01" * 32  # two states
@@ -115,6 +116,19 @@ def test_decode_view_skips_bad_records() -> None:
     assert isinstance(decide(seen, member(0), 0), Decision)
 
 
+def failing_nonce(peer: PeerID, bits: int) -> bytes:
+    """A nonce that does not prove a costly id for `peer` (a fixed one would, 1 time in 2^bits)."""
+    return next(n for n in (i.to_bytes(8, "big") for i in range(1000)) if not proves(peer, n, bits))
+
+
+def proves(peer: PeerID, nonce: bytes, bits: int) -> bool:
+    try:
+        verify(peer, nonce, bits)
+    except BadIdProof:
+        return False
+    return True
+
+
 def test_only_records_with_a_proof_of_a_costly_id_count() -> None:
     """A flood of throwaway identities announcing another state (or claiming a group formed)
     without paying for their ids is seen but never counted: the honest nodes group as before."""
@@ -122,7 +136,8 @@ def test_only_records_with_a_proof_of_a_costly_id_count() -> None:
     honest = [solve(IDS[i], bits) for i in range(2)]
     entries = {owner_subkey(IDS[i]): announcement(member(i), honest[i]) for i in range(2)}
     for i in range(2, 6):  # more fakes than honest members, of another state, or a fake FORMED marker
-        fake = announcement(member(i, B), b"\x00" * 8) if i < 5 else formed_marker(A, b"g", b"\x00" * 8)
+        unproven = failing_nonce(IDS[i], bits)
+        fake = announcement(member(i, B), unproven) if i < 5 else formed_marker(A, b"g", unproven)
         entries[owner_subkey(IDS[i])] = fake
     entries[owner_subkey(IDS[4])] = announcement(member(4, B), b"short")  # a malformed proof
     view, skipped = decode_view(entries, id_bits=bits)

@@ -14,12 +14,13 @@ import pytest
 
 from swarm.averaging.messages import MemberInfo
 from swarm.averaging.ready import announcement, formed_marker
-from swarm.dht import Record, owner_subkey
+from swarm.dht import DHTConfig, Record, owner_subkey
 from swarm.dht.run_keys import ready_key
 from swarm.model.data import TokenData
 from swarm.p2p import P2PHost
 from swarm.p2p.errors import P2PError
 from swarm.p2p.identity import Identity
+from tests.averaging.test_ready import failing_nonce
 from tests.node.inprocess import LOCAL, LocalSwarm
 from tests.node.test_attacks_bounds import (
     RUN_ID,
@@ -39,11 +40,11 @@ FAKES = 16  # the most one source may store under one key (dht/quotas.py); more 
 def fake_records(step: int, honest_state: bytes, fakes: list[Identity]) -> list[dict[str, object]]:
     """Ready announcements of another state from every fake but the last, and a FORMED marker
     of the honest state from the last: all signed, none with a proof of a costly id."""
-    expiration, unproven = time.time() + 30, b"\x00" * 8
-    other = b"\x07" * 32
-    values = [announcement(MemberInfo(i.peer_id, ("/ip4/127.0.0.1/tcp/9",), 1.0, 100.0, False, other), unproven)
-              for i in fakes[:-1]]  # fmt: skip
-    values.append(formed_marker(honest_state, b"g" * 32, unproven))
+    expiration, other = time.time() + 30, b"\x07" * 32
+    bits = DHTConfig().id_bits  # the tests' (conftest.py), as every node of this test uses
+    values = [announcement(MemberInfo(i.peer_id, ("/ip4/127.0.0.1/tcp/9",), 1.0, 100.0, False, other),
+                           failing_nonce(i.peer_id, bits)) for i in fakes[:-1]]  # fmt: skip
+    values.append(formed_marker(honest_state, b"g" * 32, failing_nonce(fakes[-1].peer_id, bits)))
     key = ready_key(RUN_ID, step)
     signed = zip(fakes, values, strict=True)
     return [Record.create(key, owner_subkey(i.peer_id), v, expiration, i).to_wire() for i, v in signed]

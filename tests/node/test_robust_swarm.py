@@ -26,9 +26,13 @@ async def test_a_1e30_delta_is_dropped_and_the_honest_nodes_train_on_in_agreemen
     attacker = nodes[4].node
     honest_deltas = attacker.diloco.pseudo_gradients
     attacker.diloco.pseudo_gradients = lambda: [d.fill_(1e30) for d in honest_deltas()]  # type: ignore[method-assign]
-    reasons = await local.finish(200)
-    assert reasons == ["finished"] * 5
     honest = nodes[:4]
+    reasons = await asyncio.wait_for(asyncio.gather(*(n.task for n in honest)), 200)
+    assert reasons == ["finished"] * 4
+    # the attacker's own audits blame the owners that dropped its input, so it may be left alone
+    # waiting for peers that are gone: its fate is not the test's, only that it ends cleanly
+    nodes[4].stop.set()
+    assert await asyncio.wait_for(nodes[4].task, 60) in ("stopped", "finished")
     for step in (0, 1, 2):
         events = [n.steps()[step] for n in honest]
         assert len({e["state_sha256"] for e in events}) == 1, f"honest nodes disagree at step {step}"
