@@ -261,7 +261,7 @@ def check_receipt(
         problems.append("the result's norm is not the norm of the reduction the receipt describes")
     # our own input is one the rule drops when its squared norm is not finite (1e30s): nothing an
     # owner wrote of it can be checked against it, and blaming the owner would split the group
-    own_checkable = prepared.own_sq is not None and math.isfinite(prepared.own_sq)
+    own_checkable = math.isfinite(prepared.own_sq)
     if me is not None and mine is not None and me in receipt.included and own_checkable:
         k = receipt.included.index(me)
         own, own_sq = prepared.own, prepared.own_sq
