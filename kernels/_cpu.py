@@ -33,8 +33,8 @@ _SIGNATURES = {
     "swarm_int8_quantize_bf16": ([_P, _I64, _I64, _P, _P], _I64),
     "swarm_int8_dequantize": ([_P, _P, _I64, _I64, _P, _P], ctypes.c_int),
     "swarm_int8_dequantize_accumulate": ([_P, _P, _P, _I64, _I64, ctypes.c_float, _P], ctypes.c_int),
-    "swarm_sketch_f32": ([_P, _I64, _I64, _I64, _P, _P, _P], ctypes.c_int),
-    "swarm_sketch_i8": ([_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P], ctypes.c_int),
+    "swarm_sketch_f32": ([_P, _I64, _I64, _I64, _P, _P, _P, _P], ctypes.c_int),
+    "swarm_sketch_i8": ([_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P], ctypes.c_int),
 }
 
 
@@ -131,13 +131,17 @@ def dequantize_accumulate(
 
 def sketch_accumulate(
     out: torch.Tensor, x: torch.Tensor, offset: int, signs: torch.Tensor, shifts: torch.Tensor
-) -> None:
-    """sketch.py's contract (checked there): out (float64[buckets]) += the sketch of x."""
+) -> float:
+    """sketch.py's contract (checked there): out (float64[buckets]) += the sketch of x; returns
+    x's sum of squares (double)."""
+    squares = ctypes.c_double(0.0)
     status = _require().swarm_sketch_f32(
-        x.data_ptr(), x.numel(), offset, out.numel(), signs.data_ptr(), shifts.data_ptr(), out.data_ptr()
-    )
+        x.data_ptr(), x.numel(), offset, out.numel(), signs.data_ptr(), shifts.data_ptr(), out.data_ptr(),
+        ctypes.byref(squares),
+    )  # fmt: skip
     if status:
         raise ValueError("swarm_sketch_f32: a row shift outside [0, buckets)")
+    return squares.value
 
 
 def sketch_int8_accumulate(
@@ -148,11 +152,14 @@ def sketch_int8_accumulate(
     offset: int,
     signs: torch.Tensor,
     shifts: torch.Tensor,
-) -> None:
-    """sketch_accumulate of the int8 payload (codes, scales) without decoding it (sketch.py)."""
+) -> float:
+    """sketch_accumulate of the int8 payload (codes, scales) without decoding it (sketch.py);
+    returns the decoded values' sum of squares (double)."""
+    squares = ctypes.c_double(0.0)
     status = _require().swarm_sketch_i8(
         codes.data_ptr(), scales.data_ptr(), codes.numel(), block_size, offset, out.numel(),
-        signs.data_ptr(), shifts.data_ptr(), out.data_ptr(),
+        signs.data_ptr(), shifts.data_ptr(), out.data_ptr(), ctypes.byref(squares),
     )  # fmt: skip
     if status:
         raise ValueError("swarm_sketch_i8: a row shift outside [0, buckets)")
+    return squares.value

@@ -254,6 +254,54 @@ SWARM_AVX2 bool has_code_min_avx2(const int8_t* c, int64_t len) {
   return !_mm256_testz_si256(b0, b0) || has_code_min_scalar(c + i, len - i);
 }
 
+// The audit sketch's runs: o[e] += s * double(x[e]) (and the same of int8 codes times their
+// block's fp32 scale), four doubles a lane. The same operations per element as the scalar
+// loops (no FMA: compiled with -ffp-contract=off), so the same sketch bit for bit. With Sq, the
+// run's sum of squares (each square exact in double) is added to *sq: in another order than the
+// scalar loop's, which the audit allows (it compares norms within a tolerance).
+SWARM_AVX2 inline void sketch_add8(double* o, __m256 v, __m256d vs, __m256d& sq) {
+  const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+  _mm256_storeu_pd(o, _mm256_add_pd(_mm256_loadu_pd(o), _mm256_mul_pd(vs, a)));
+  _mm256_storeu_pd(o + 4, _mm256_add_pd(_mm256_loadu_pd(o + 4), _mm256_mul_pd(vs, b)));
+  sq = _mm256_add_pd(sq, _mm256_add_pd(_mm256_mul_pd(a, a), _mm256_mul_pd(b, b)));
+}
+
+SWARM_AVX2 inline double hsum(__m256d v) {
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, v);
+  return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+}
+
+SWARM_AVX2 void sketch_run_f32_avx2(double* o, const float* x, int64_t len, double s, double* sq) {
+  const __m256d vs = _mm256_set1_pd(s);
+  __m256d acc = _mm256_setzero_pd();
+  int64_t e = 0;
+  for (; e + 8 <= len; e += 8) sketch_add8(o + e, _mm256_loadu_ps(x + e), vs, acc);
+  double tail = 0.0;
+  for (; e < len; ++e) {
+    const double v = static_cast<double>(x[e]);
+    o[e] += s * v;
+    tail += v * v;
+  }
+  if (sq != nullptr) *sq += hsum(acc) + tail;
+}
+
+SWARM_AVX2 void sketch_run_i8_avx2(double* o, const int8_t* c, int64_t len, float scale, double s, double* sq) {
+  const __m256 vscale = _mm256_set1_ps(scale);
+  const __m256d vs = _mm256_set1_pd(s);
+  __m256d acc = _mm256_setzero_pd();
+  int64_t e = 0;
+  for (; e + 8 <= len; e += 8)
+    sketch_add8(o + e, values8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + e)), vscale), vs, acc);
+  double tail = 0.0;
+  for (; e < len; ++e) {
+    const double v = static_cast<double>(static_cast<float>(c[e]) * scale);
+    o[e] += s * v;
+    tail += v * v;
+  }
+  if (sq != nullptr) *sq += hsum(acc) + tail;
+}
+
 #endif  // SWARM_X86_AVX2
 
 // --- dispatch between the two loop sets ------------------------------------------------------
@@ -286,6 +334,32 @@ bool block_dequant(const int8_t* c, int64_t len, float scale, float* out) {
   if (g_avx2) return dequant_avx2(c, len, scale, out);
 #endif
   return dequant_scalar(c, len, scale, out);
+}
+
+void sketch_run_f32(double* o, const float* x, int64_t len, double s, double* sq) {
+#ifdef SWARM_X86_AVX2
+  if (g_avx2) return sketch_run_f32_avx2(o, x, len, s, sq);
+#endif
+  double squares = 0.0;
+  for (int64_t e = 0; e < len; ++e) {
+    const double v = static_cast<double>(x[e]);
+    o[e] += s * v;
+    squares += v * v;
+  }
+  if (sq != nullptr) *sq += squares;
+}
+
+void sketch_run_i8(double* o, const int8_t* c, int64_t len, float scale, double s, double* sq) {
+#ifdef SWARM_X86_AVX2
+  if (g_avx2) return sketch_run_i8_avx2(o, c, len, scale, s, sq);
+#endif
+  double squares = 0.0;
+  for (int64_t e = 0; e < len; ++e) {
+    const double v = static_cast<double>(static_cast<float>(c[e]) * scale);
+    o[e] += s * v;
+    squares += v * v;
+  }
+  if (sq != nullptr) *sq += squares;
 }
 
 bool block_has_code_min(const int8_t* c, int64_t len) {
@@ -430,9 +504,11 @@ SWARM_API int swarm_int8_dequantize_accumulate(float* acc, const int8_t* codes, 
 // loops have no modulo and vectorize. Rows are added in order, one element to one bucket at a
 // time: the same sums, bit for bit, as the reference's out[t:t+h] += s * x[row] per row.
 // Single-threaded: the callers already run one sketch per worker thread.
+// `sq` (may be null): += the sum of squares of the elements, in double (the audit's norms: one
+// pass over the part instead of two).
 // Returns 0, or -1 on bad arguments (a shift outside [0, buckets)).
 SWARM_API int swarm_sketch_f32(const float* x, int64_t n, int64_t offset, int64_t buckets, const double* signs,
-                               const int64_t* shifts, double* out) {
+                               const int64_t* shifts, double* out, double* sq) {
   if (n < 0 || offset < 0 || buckets <= 0) return -1;
   int64_t k = 0;
   while (k < n) {
@@ -445,9 +521,8 @@ SWARM_API int swarm_sketch_f32(const float* x, int64_t n, int64_t offset, int64_
     const float* xs = x + k;
     const int64_t start = (c + t) % buckets;
     const int64_t head = std::min<int64_t>(len, buckets - start);  // up to the wrap
-    double* o = out + start;
-    for (int64_t e = 0; e < head; ++e) o[e] += s * static_cast<double>(xs[e]);
-    for (int64_t e = head; e < len; ++e) out[e - head] += s * static_cast<double>(xs[e]);
+    sketch_run_f32(out + start, xs, head, s, sq);
+    sketch_run_f32(out, xs + head, len - head, s, sq);
     k += len;
   }
   return 0;
@@ -458,7 +533,7 @@ SWARM_API int swarm_sketch_f32(const float* x, int64_t n, int64_t offset, int64_
 // writes, so the sums are those of decode-then-swarm_sketch_f32, bit for bit. It reads 1 byte
 // an element instead of 4. The payload was decoded (so checked) before: no check here.
 SWARM_API int swarm_sketch_i8(const int8_t* codes, const float* scales, int64_t n, int64_t block, int64_t offset,
-                              int64_t buckets, const double* signs, const int64_t* shifts, double* out) {
+                              int64_t buckets, const double* signs, const int64_t* shifts, double* out, double* sq) {
   if (n < 0 || offset < 0 || buckets <= 0 || block <= 0) return -1;
   // elements [k0, k0 + len) of the payload into o[0, len), times s
   auto add = [&](double* o, int64_t k0, int64_t len, double s) {
@@ -466,8 +541,8 @@ SWARM_API int swarm_sketch_i8(const int8_t* codes, const float* scales, int64_t 
     while (e < len) {
       const int64_t k = k0 + e, b = k / block;
       const int64_t end = std::min<int64_t>(len, (b + 1) * block - k0);
-      const float scale = scales[b];
-      for (; e < end; ++e) o[e] += s * static_cast<double>(static_cast<float>(codes[k0 + e]) * scale);
+      sketch_run_i8(o + e, codes + k0 + e, end - e, scales[b], s, sq);
+      e = end;
     }
   };
   int64_t k = 0;

@@ -6,14 +6,13 @@ what every member applies. An owner that lies (broadcasts -100x the average, or 
 would move θ_outer as it likes, however robust the rule it claims to run.
 
 The receipt. After the round every member holds every part's result bytes. The seed of part
-j's audit (`part_seed`) is SHA-256 over the group id, j and the SHA-256 of part j's result: the
-owner cannot know it before it has committed to its result. Re-picking its result re-rolls the
-seed: a dense lie has no null space to hide in, whatever the seed, but a lie of a few huge
-coordinates lands in one bucket with cancelling signs about once in 2 x buckets seeds; the
-exact, seed-free check |result|^2 = a^T G a below catches that one. Every member knows the
-seed as soon as it holds part j's result, so the sketches of part j are computed while the
-other parts are still on the wire (`audit_seed`, one seed over every
-part's result, is the stricter variant: it waits for the last result). Each owner then answers
+j's audit (`part_seed`) is SHA-256 over the group id, j and the BLAKE3 digest of part j's
+result (`result_digest`): the owner cannot know it before it has committed to its result.
+Re-picking its result re-rolls the seed: a dense lie has no null space to hide in, whatever
+the seed, but a lie of a few huge coordinates lands in one bucket with cancelling signs about
+once in 2 x buckets seeds; the exact, seed-free check |result|^2 = a^T G a below catches that
+one. Every member knows the seed as soon as it holds part j's result, so the sketches of part
+j are computed while the other parts are still on the wire. Each owner then answers
 `avg.receipt` with:
 
     {"inc": [member indices, in order], "g": [G_kl row by row], "b": buckets,
@@ -38,13 +37,14 @@ The checks (`check_receipt`), by every member, for every part it did not reduce 
 An owner that fails is reported; the round fails (the group averages again without it) and
 the owner is excluded for the rest of the run (audit_round.py, Averager.excluded).
 
-Cost (python -m scripts.bench_allreduce --sizes 4 --elements 64M --codecs int8 --aggregators
-mean,robust+audit,robust --json: 4 processes on 2 shared cores): +0.2% bytes (the receipts);
-per member and round ~0.17 CPU-s (SHA-256 of every result, 3 sketches of our own slices, 3 of
-the results and 4 of our part's contributions, read from the int8 payloads by swarm_sketch_i8):
-round time +35-65% there (mean 1.09 s, robust+audit 1.80 s, medians of 9), where the round is
-CPU-bound (0.43 -> 0.66 CPU-s per member); on real links the round is bound by the
-network and the audit's CPU runs beside it (it starts as each part's result arrives).
+Cost, per member and round at n = 4, 64M elements, int8: +0.2% bytes (the receipts); one
+BLAKE3 pass over every result, one sketch pass (with its squared norm) over each result and
+each of our slices, and one over each contribution to our own part (AVX2, straight from the
+int8 codes): ~76 ms of one core when alone (was ~200 ms with SHA-256, scalar sketches and
+separate norm passes), 24 ms per audited part and 51 ms per receipt measured inside
+`scripts/bench_allreduce.py`'s 4 processes on 2 cores. There the round is CPU-bound and the
+audit still adds +35-70% round time (the README's table); on real links the round is bound by
+the network and the audit's CPU runs beside it (it starts as each part's result arrives).
 
 Sketch accuracy: <S x, S y> has the relative error above for generic vectors; a structured one
 (constant rows, or rows that repeat at the rotation offsets) can be sketched far off its norm
@@ -64,6 +64,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import blake3
 import numpy as np
 import torch
 
@@ -119,22 +120,17 @@ class Receipt:
         return cls(included, gram, buckets, sketches)
 
 
-def audit_seed(group_id: bytes, results: Sequence[bytes | memoryview]) -> bytes:
-    """The seed of every sketch of a round: known only once every part's result is."""
-    return seed_of_digests(group_id, [hashlib.sha256(payload).digest() for payload in results])
+def result_digest(payload: bytes | memoryview) -> bytes:
+    """The commitment to a part's result bytes that its audit seed is made from: BLAKE3 (a
+    cryptographic hash: an owner that could pick a result with a chosen digest could pick the
+    seed, and hide a lie in that sketch's null space), 4x faster than SHA-256 here (5.5 GB/s
+    against 1.4, single-threaded), and it runs over every result of every round."""
+    return blake3.blake3(payload).digest()
 
 
-def seed_of_digests(group_id: bytes, digests: Sequence[bytes]) -> bytes:
-    """audit_seed from the SHA-256 of each part's result (hashed as each result arrives)."""
-    digest = hashlib.sha256(b"swarm-audit/1\x00" + group_id)
-    for d in digests:
-        digest.update(d)
-    return digest.digest()
-
-
-def part_seed(group_id: bytes, part: int, result_digest: bytes) -> bytes:
-    """The seed of part `part`'s audit: from the SHA-256 of that part's result bytes."""
-    return hashlib.sha256(b"swarm-audit/2\x00" + group_id + part.to_bytes(4, "big") + result_digest).digest()
+def part_seed(group_id: bytes, part: int, digest: bytes) -> bytes:
+    """The seed of part `part`'s audit, from its result's digest (result_digest)."""
+    return hashlib.sha256(b"swarm-audit/3\x00" + group_id + part.to_bytes(4, "big") + digest).digest()
 
 
 def audit_buckets(numel: int, members: int) -> int:
@@ -245,8 +241,7 @@ def check_receipt(
             claimed += coefficients[k] * sk[k]
     if prepared is None or prepared.observed.numel() != buckets:
         prepared = prepare(result, mine, seed, part, buckets)
-    observed = prepared.observed
-    result_sq = prepared.result_sq if math.isfinite(prepared.result_sq) else squared_norm(result)
+    observed, result_sq = prepared.observed, prepared.result_sq
     # relative to the result's exact norm too: a structured result can sketch far below its norm
     # while its int8 rounding does not, which made honest owners fail
     scale = max(float(observed.norm()), float(claimed.norm()), math.sqrt(max(result_sq, 0.0)))
@@ -259,9 +254,10 @@ def check_receipt(
         2 * QUANTIZATION_TOL * max(expected_sq, 0.0) + 1e-30
     ):
         problems.append("the result's norm is not the norm of the reduction the receipt describes")
-    # our own input is one the rule drops when its squared norm is not finite (1e30s): nothing an
-    # owner wrote of it can be checked against it, and blaming the owner would split the group
-    own_checkable = math.isfinite(prepared.own_sq)
+    # our own input is one the rule drops when its squared norm is not finite in fp32 (1e30s):
+    # nothing an owner wrote of it can be checked against it, and blaming the owner would split
+    # the group
+    own_checkable = prepared.own_sq < FP32_SAFE_SQUARES
     if me is not None and mine is not None and me in receipt.included and own_checkable:
         k = receipt.included.index(me)
         own, own_sq = prepared.own, prepared.own_sq
@@ -272,28 +268,27 @@ def check_receipt(
     return problems
 
 
+# The robust rule drops a contribution whose fp32 squared norm overflows; our own norm, summed
+# in float64, is judged as the rule did only below this (up to 2**128, it may have gone either way)
+FP32_SAFE_SQUARES = 2.0**127
+
+
 @dataclass(frozen=True, slots=True)
 class Prepared:
     """What check_receipt computes from this member's own data: S(result), S(mine), |mine|^2,
-    |result|^2."""
+    |result|^2 (float64 sums from the sketches' passes)."""
 
     observed: torch.Tensor
     own: torch.Tensor
     own_sq: float
-    result_sq: float = math.nan  # nan: not computed (check skipped)
+    result_sq: float
 
 
 def prepare(result: torch.Tensor, mine: torch.Tensor | None, seed: bytes, part: int, buckets: int) -> Prepared:
     """check_receipt's passes over the part (worker thread), before the receipt is in."""
     plan = sketch_plan(seed, part, result.numel(), buckets)
-    result_sq = squared_norm(result) if result.dtype == torch.float32 else math.nan
-    if mine is None:
-        return Prepared(_sketch(result, plan), torch.zeros(plan.buckets, dtype=torch.float64), 0.0, result_sq)
-    return Prepared(_sketch(result, plan), _sketch(mine, plan), squared_norm(mine), result_sq)
-
-
-def squared_norm(x: torch.Tensor) -> float:
-    """|x|^2: an fp32 dot product (BLAS, ~1e-6 relative: far inside the checks' tolerances, and
-    13x faster than a float64 copy of x), in float64 only if fp32 overflows."""
-    value = float(torch.dot(x, x))
-    return value if math.isfinite(value) else float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
+    observed = torch.zeros(plan.buckets, dtype=torch.float64)
+    result_sq = sketch_accumulate(observed, result, 0, plan)
+    own = torch.zeros(plan.buckets, dtype=torch.float64)
+    own_sq = 0.0 if mine is None else sketch_accumulate(own, mine, 0, plan)
+    return Prepared(observed, own, own_sq, result_sq)

@@ -7,7 +7,7 @@ every other part's owner once the round's results are in.
                  the owner), NotFound (no receipt of that part here), BadRequest (bad arguments)
 
 1. Seed. As soon as a member holds part j's result it computes the part's seed from the group id,
-   j and the SHA-256 of the result bytes (audit.part_seed): the same on every member holding the
+   j and the BLAKE3 digest of the result bytes (audit.part_seed): the same on every member holding the
    same bytes, unknown to the owner before it committed to them.
 2. Receipts and sketches, while the other parts are still on the wire. For each part it reduced
    itself (robust aggregator), a member re-decodes the contributions the rule ran on, chunk by
@@ -40,7 +40,6 @@ after broadcasting, and is not caught.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -57,8 +56,8 @@ from swarm.averaging.audit import (
     audit_buckets,
     check_receipt,
     part_seed,
+    result_digest,
     sketch_plan,
-    squared_norm,
 )
 from swarm.averaging.errors import AuditError
 from swarm.averaging.partition import payload_layout
@@ -114,15 +113,17 @@ def prepare_part(
     codec: Any, payload: memoryview, layout: list[tuple[int, int, slice]], mine: torch.Tensor,
     seed: bytes, part: int, buckets: int,
 ) -> Prepared:  # fmt: skip
-    """Our side of part `part`'s check (worker thread): the sketch of its result, straight from
-    the result's payload, and of our own slice (audit.prepare, without decoding again)."""
+    """Our side of part `part`'s check (worker thread): the sketch and squared norm of its
+    result, straight from the result's payload, and of our own slice (audit.prepare, without
+    decoding again): one pass over each."""
     plan = sketch_plan(seed, part, mine.numel(), buckets)
     observed = torch.zeros(plan.buckets, dtype=torch.float64)
+    result_sq = 0.0
     for a, b, where in layout:
-        sketch_payload_accumulate(observed, codec, payload[where], b - a, a, plan)
+        result_sq += sketch_payload_accumulate(observed, codec, payload[where], b - a, a, plan)
     own = torch.zeros(plan.buckets, dtype=torch.float64)
-    sketch_accumulate(own, mine, 0, plan)
-    return Prepared(observed, own, squared_norm(mine))
+    own_sq = sketch_accumulate(own, mine, 0, plan)
+    return Prepared(observed, own, own_sq, result_sq)
 
 
 def check(
@@ -165,7 +166,7 @@ class RoundAudit:
     async def _prepare(self, j: int, payload: memoryview, reducer: int) -> tuple[bytes, Prepared | None] | None:
         r = self.round
         try:
-            seed = part_seed(r.group.group_id, j, await asyncio.to_thread(_sha256, payload))
+            seed = part_seed(r.group.group_id, j, await asyncio.to_thread(result_digest, payload))
             reduction = r.reductions.get(j)
             if reducer == r.me:
                 if reduction is not None and reduction.order and _holds(reduction, payload):
@@ -294,10 +295,6 @@ class RoundAudit:
 def _retrieved(task: asyncio.Future[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.info("audit: a receipt could not be built: %r", task.exception())
-
-
-def _sha256(payload: memoryview) -> bytes:
-    return hashlib.sha256(payload).digest()
 
 
 def _holds(reduction: PartReduction, payload: memoryview) -> bool:

@@ -10,18 +10,19 @@ import torch
 from swarm.averaging.audit import (
     AuditFailure,
     Receipt,
-    audit_seed,
     check_receipt,
     make_receipt,
+    part_seed,
+    result_digest,
     sketch,
     sketch_plan,
 )
 from swarm.averaging.robust import gram_matrix, robust_aggregate
-from swarm_kernels import get_codec
+from swarm_kernels import _cpu, get_codec
 from swarm_kernels._cpu import available as cpu_available
 from swarm_kernels.sketch import sketch_accumulate, sketch_payload_accumulate
 
-SEED = audit_seed(b"g" * 32, [b"result-0", b"result-1"])
+SEED = part_seed(b"g" * 32, 1, result_digest(b"result-1"))
 PART = 1
 
 
@@ -52,7 +53,7 @@ def test_sketch_is_linear_and_estimates_inner_products() -> None:
     scale = float(x.double().norm() * y.double().norm())
     assert abs(float(sx @ sy) - true) < 0.1 * scale
     assert abs(float(sx @ sx) / float(x.double().norm() ** 2) - 1) < 0.1
-    other = sketch(x, audit_seed(b"h" * 32, []), PART)  # another seed, another sketch
+    other = sketch(x, part_seed(b"h" * 32, PART, result_digest(b"")), PART)  # another seed, another sketch
     assert not torch.allclose(sx, other)
 
 
@@ -143,19 +144,27 @@ def test_a_non_finite_receipt_is_a_problem_not_a_crash() -> None:
 
 @pytest.mark.parametrize("numel", [1, 100, 4096, 4097, 300_001])
 def test_the_cpp_sketch_equals_the_reference_chunk_by_chunk(numel: int) -> None:
-    """swarm_sketch_f32 gives the reference's sums bit for bit, and a part sketched in chunks at
-    their offsets (as the owner decodes wire chunks) gives the whole part's sketch."""
+    """swarm_sketch_f32 gives the reference's sums bit for bit, with and without AVX2, and a part
+    sketched in chunks at their offsets (as the owner decodes wire chunks) gives the whole part's
+    sketch; the sum of squares from the same pass is x's squared norm."""
     if not cpu_available():
         pytest.skip("the C++ extension is not built here")
     x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
     plan = sketch_plan(SEED, PART, numel)
     whole = torch.zeros(plan.buckets, dtype=torch.float64)
-    sketch_accumulate(whole, x, 0, plan, impl="reference")
-    for impl in ("cpu", "reference"):
-        chunked = torch.zeros(plan.buckets, dtype=torch.float64)
-        for lo in range(0, numel, 1000):
-            sketch_accumulate(chunked, x[lo : lo + 1000], lo, plan, impl=impl)
-        assert torch.equal(chunked, whole), impl
+    exact_sq = sketch_accumulate(whole, x, 0, plan, impl="reference")
+    assert exact_sq == pytest.approx(float(x.double() @ x.double()), rel=1e-12)
+    simd = _cpu.simd()
+    try:
+        for impl, avx2 in (("cpu", True), ("cpu", False), ("reference", False)):
+            _cpu.set_simd(avx2)
+            chunked, squares = torch.zeros(plan.buckets, dtype=torch.float64), 0.0
+            for lo in range(0, numel, 1000):
+                squares += sketch_accumulate(chunked, x[lo : lo + 1000], lo, plan, impl=impl)
+            assert torch.equal(chunked, whole), (impl, avx2)
+            assert squares == pytest.approx(exact_sq, rel=1e-12), (impl, avx2)
+    finally:
+        _cpu.set_simd(simd == "avx2")
     assert torch.equal(sketch(x, SEED, PART), whole)
 
 
@@ -177,6 +186,9 @@ def test_an_absurd_contribution_may_overflow_the_gram_matrix_an_honest_one_may_n
     receipt, result = honest(xs, weights)
     assert any(v == float("inf") for row in receipt.gram for v in row)
     assert check_receipt(receipt, weights=weights, result=result, seed=SEED, part=PART, me=1, mine=xs[1]) == []
+    # the attacker's own audit: the rule dropped its input, so nothing of it can be checked (its
+    # norm is finite in float64: judged as the rule's fp32 saw it, or it would blame the owner)
+    assert check_receipt(receipt, weights=weights, result=result, seed=SEED, part=PART, me=4, mine=xs[4]) == []
     gram = [row[:] for row in receipt.gram]
     gram[2][2] = float("inf")
     forged = Receipt(receipt.included, gram, receipt.buckets, receipt.sketches)
@@ -186,15 +198,26 @@ def test_an_absurd_contribution_may_overflow_the_gram_matrix_an_honest_one_may_n
 
 @pytest.mark.parametrize("codec_name", ["int8", "fp16"])
 def test_a_payload_is_sketched_as_its_decoded_values(codec_name: str) -> None:
-    """sketch_payload_accumulate (straight from the int8 codes) equals decode-then-sketch."""
+    """sketch_payload_accumulate (straight from the int8 codes) equals decode-then-sketch, with
+    and without AVX2, and returns the decoded values' squared norm."""
     codec = get_codec(codec_name, block_size=64)
-    x = torch.randn(10_000, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(10_001, generator=torch.Generator().manual_seed(4))
+    payload, decoded_x = codec.encode(x), codec.decode(codec.encode(x), 10_001)
     plan = sketch_plan(SEED, PART, 30_000)
-    direct = torch.zeros(plan.buckets, dtype=torch.float64)
     decoded = torch.zeros(plan.buckets, dtype=torch.float64)
-    sketch_payload_accumulate(direct, codec, codec.encode(x), 10_000, 12_345, plan)
-    sketch_accumulate(decoded, codec.decode(codec.encode(x), 10_000), 12_345, plan, impl="reference")
-    assert torch.equal(direct, decoded)
+    sketch_accumulate(decoded, decoded_x, 12_345, plan, impl="reference")
+    simd = _cpu.simd() if cpu_available() else "scalar"
+    try:
+        for avx2 in (True, False) if cpu_available() else (False,):
+            if cpu_available():
+                _cpu.set_simd(avx2)
+            direct = torch.zeros(plan.buckets, dtype=torch.float64)
+            squares = sketch_payload_accumulate(direct, codec, payload, 10_001, 12_345, plan)
+            assert torch.equal(direct, decoded), avx2
+            assert squares == pytest.approx(float(decoded_x.double() @ decoded_x.double()), rel=1e-12)
+    finally:
+        if cpu_available():
+            _cpu.set_simd(simd == "avx2")
 
 
 def test_a_few_huge_coordinates_the_sketch_might_miss_are_caught_by_the_norm() -> None:
