@@ -61,6 +61,7 @@ from swarm.model.diloco import DiLoCo
 from swarm.model.llama import build_model, count_parameters
 from swarm.model.loss import eval_loss
 from swarm.model.presets import preset
+from swarm.model.run_settings import disagreement, settings_digest, training_settings
 from swarm.node_config import NodeConfig
 from swarm.node_events import EventSink, resident_bytes
 from swarm.p2p.autonat import check_reachability
@@ -145,8 +146,11 @@ class SwarmNode:
             logger.info("model %s: %d parameters on %s", config.model, count_parameters(model_config), device)
             model = build_model(model_config, config.seed, device=device)
         self.diloco = DiLoCo(model, config.diloco_config())
+        self.settings = training_settings(config)
+        self._settings_digest = settings_digest(self.settings)
         self.run_info = RunInfo(run_id=config.run_id, model=config.model, model_config=dataclasses.asdict(model_config),
-                                seed=config.seed, data=data.name, inner_steps=config.inner_steps)  # fmt: skip
+                                seed=config.seed, data=data.name, inner_steps=config.inner_steps,
+                                settings=self.settings)  # fmt: skip
         self.eval_set = eval_windows(data.eval, config.seq_len, config.eval_windows)
         self.inner = InnerLoop(self.diloco, data, self.peer_id, batch_size=config.batch_size, seq_len=config.seq_len)
         self.maddrs: list[str] = []
@@ -196,8 +200,12 @@ class SwarmNode:
             await self._resume(keeper)
             if self.initial_peers:
                 await book.refresh()
+                problem = disagreement(self.settings, [(p.peer_id, p.settings) for p in book.peers],
+                                       initial_peer_ids(self.initial_peers))  # fmt: skip
+                if problem is not None:
+                    raise NodeError(problem)
                 await self._fetch(keeper, book, alone=False)
-            self._state_sha = bytes.fromhex(await self.inner.call(diloco.state_sha256))
+            self._holding(await self.inner.call(diloco.state_sha256))
             self.maddrs = [] if self.client_mode else host.visible_maddrs
             self.events.emit("start", maddrs=self.maddrs, run_id=config.run_id, outer_step=diloco.outer_step,
                              parameters=sum(p.numel() for p in diloco.params), client_mode=self.client_mode,
@@ -245,6 +253,8 @@ class SwarmNode:
         peers = []
         for p in book.peers:  # records the run cannot produce are not believed (progress.implausible)
             why = implausible(p, now=now, inner_steps=self.config.inner_steps, max_step=horizon)
+            if why is None and p.settings is not None and settings_digest(p.settings) != self._settings_digest:
+                why = "it trains with other run settings (never grouped with: not waited for)"
             if why is None:
                 peers.append(p)
             else:
@@ -445,7 +455,7 @@ class SwarmNode:
         if evaluate:
             self._last_eval = await self.inner.call(eval_loss, diloco.model, self.eval_set)
         sha = await self.inner.call(diloco.state_sha256)
-        self._state_sha = bytes.fromhex(sha)
+        self._holding(sha)
         progress = self.inner.snapshot()
         self._tokens += progress.inner_done * config.batch_size * config.seq_len
         self._last_group = len(report.members) if report.group_id is not None else 1
@@ -479,11 +489,15 @@ class SwarmNode:
         self._late = True
         self._known_at = (diloco.outer_step, time.time())
         sha = await self.inner.call(diloco.state_sha256)
-        self._state_sha = bytes.fromhex(sha)
+        self._holding(sha)
         self.events.fetched(diloco.outer_step, *fetched, sha)
         return True
 
     # --- progress in the DHT ------------------------------------------------------------------
+
+    def _holding(self, state_sha256: str) -> None:
+        """We now hold the state of this hash: what we announce in matchmaking."""
+        self._state_sha = bytes.fromhex(state_sha256)
 
     async def _publish_forever(self, book: ProgressBook) -> None:
         while True:
@@ -503,6 +517,7 @@ class SwarmNode:
             H=p.target, sec_per_step=sec, train_loss=sum(losses) / len(losses) if losses else None,
             eval_loss=self._last_eval, group_size=self._last_group,
             tokens_per_s=round(config.batch_size * config.seq_len / sec, 1) if sec > 0 else None,
+            settings=self.settings,
         ))  # fmt: skip
 
 

@@ -12,6 +12,8 @@ from swarm.dht.run_keys import check_run_id
 from swarm.model.checkpoint import DEFAULT_SHARD_BYTES
 from swarm.model.diloco import DiLoCoConfig
 from swarm.model.presets import PRESETS
+from swarm.model.run_settings import settings_digest, training_settings
+from swarm.model.schedule import DEFAULT_DECAY_FRACTION, DEFAULT_WARMUP_STEPS
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -26,8 +28,12 @@ class NodeConfig:
     batch_size: int = 8
     seq_len: int = 256
     lr: float = 1e-3
-    warmup_steps: int = 100
-    total_steps: int | None = None
+    warmup_steps: int = DEFAULT_WARMUP_STEPS
+    # constant: a volunteer run has no planned end, and a decaying schedule needs one (total_steps)
+    lr_schedule: str = "constant"
+    total_steps: int | None = None  # cosine / wsd: the run's length in inner steps (the swarm's clock)
+    decay_fraction: float = DEFAULT_DECAY_FRACTION  # wsd: the cool-down's share of total_steps
+    min_lr_ratio: float = 0.1  # cosine / wsd: the rate at total_steps, as a fraction of lr
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     # averaging
@@ -74,14 +80,17 @@ class NodeConfig:
             raise ValueError("max_wait must be a number of seconds >= 0")
         if self.device != "auto":
             torch.device(self.device)  # raises on nonsense
-        self.diloco_config()  # checks lr, outer lr and momentum, warmup
+        self.diloco_config()  # checks lr, outer lr and momentum, warmup, the schedule
 
     def diloco_config(self) -> DiLoCoConfig:
         return DiLoCoConfig(
             inner_steps=self.inner_steps,
             lr=self.lr,
             warmup_steps=self.warmup_steps,
+            lr_schedule=self.lr_schedule,
             total_steps=self.total_steps,
+            decay_fraction=self.decay_fraction,
+            min_lr_ratio=self.min_lr_ratio,
             outer_lr=self.outer_lr,
             outer_momentum=self.outer_momentum,
             offload_outer=self.offload_outer,
@@ -89,6 +98,7 @@ class NodeConfig:
 
     def averaging_config(self, client_mode: bool) -> AveragingConfig:
         return AveragingConfig(
+            settings=settings_digest(training_settings(self)),
             max_group_size=self.max_group_size,
             matchmaking_time=self.matchmaking_time,
             part_timeout=self.part_timeout,

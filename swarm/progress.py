@@ -2,7 +2,8 @@
 when the peers of an outer step will finish their inner steps.
 
     {"maddrs": [...], "client": bool, "step": outer step, "inner": inner steps done, "H": inner
-     steps per outer step, "sec_per_step": float, "time": unix time of the figures, ...}
+     steps per outer step, "sec_per_step": float, "time": unix time of the figures,
+     "settings": the run settings it trains with (model/run_settings.py), ...}
 
 plus display fields (`train_loss`, `eval_loss`, `tokens_per_s`, `group_size`) that
 `swarm-dht inspect --run-id` shows. Nodes use the timing fields to enter matchmaking together:
@@ -28,6 +29,7 @@ from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
 from swarm.dht.records import owner_subkey
 from swarm.dht.run_keys import nodes_key, owned_map
+from swarm.model.run_settings import decode_settings
 from swarm.p2p.errors import P2PError
 from swarm.p2p.peer_id import PeerID
 
@@ -48,6 +50,7 @@ class PeerProgress:
     sec_per_step: float
     time: float  # unix time of these figures
     client: bool
+    settings: dict[str, Any] | None = None  # the run settings it trains with (run_settings.py); None: not said
 
     def finish_time(self) -> float:
         """Unix time at which it should reach H inner steps (in the past when already there)."""
@@ -68,7 +71,8 @@ def decode_progress(subkey: Any, value: Any) -> PeerProgress | None:
         return None
     if not 0 <= sec <= MAX_SEC_PER_STEP:
         return None
-    return PeerProgress(peer, step, inner, h, float(sec), float(when), value.get("client") is True)
+    settings = decode_settings(value.get("settings"))
+    return PeerProgress(peer, step, inner, h, float(sec), float(when), value.get("client") is True, settings)
 
 
 def implausible(p: PeerProgress, *, now: float, inner_steps: int, max_step: int | None) -> str | None:
@@ -105,6 +109,7 @@ class OwnProgress:
     eval_loss: float | None
     tokens_per_s: float | None
     group_size: int
+    settings: dict[str, Any] | None = None
 
     def encode(self, now: float) -> dict[str, Any]:
         value = asdict(self)

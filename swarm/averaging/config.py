@@ -38,6 +38,9 @@ class AveragingConfig:
     # steps at the run's batch size and sequence length; the node sets it). Announcements above it are
     # ignored, groups listing one are refused, and weights count at most this much.
     max_weight: float = math.inf
+    # the digest of the run's settings (model/run_settings.py) ready records must carry to count;
+    # b"": not checked (the averaging used alone, in tests and benchmarks)
+    settings: bytes = b""
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:

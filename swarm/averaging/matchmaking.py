@@ -126,7 +126,7 @@ class Matchmaker:
             gather_until = started + (config.matchmaking_time if gather is None else gather)
             give_up_at = gather_until + 3 * config.request_timeout
             ttl = config.matchmaking_time + 4 * config.request_timeout
-            announced = await self._store(step, announcement(me, self.dht.id_nonce), ttl)
+            announced = await self._store(step, announcement(me, self.dht.id_nonce, self.config.settings), ttl)
             if not announced:  # unseen by others; we may still join them
                 logger.warning("could not announce readiness for step %d", step)
             view = await self._gather(step, None if expected is None else expected - {me.peer_id}, gather_until)
@@ -161,7 +161,11 @@ class Matchmaker:
             state.role_known.set()
             self._steps.pop(step, None)
             group = outcome.group if outcome is not None else None
-            marker = formed_marker(me.state, group.group_id, self.dht.id_nonce) if group is not None else DONE
+            marker = (
+                formed_marker(me.state, group.group_id, self.dht.id_nonce, self.config.settings)
+                if group is not None
+                else DONE
+            )
             self._mark(step, marker)
 
     def round_failed(self, step: int) -> None:
@@ -222,7 +226,7 @@ class Matchmaker:
         if found is None or not isinstance(found.value, dict):
             return ReadyView()
         entries = {k: getattr(v, "value", None) for k, v in found.value.items()}
-        view, skipped = decode_view(entries, self.config.max_weight, self.dht.config.id_bits)
+        view, skipped = decode_view(entries, self.config.max_weight, self.dht.config.id_bits, self.config.settings)
         for item in skipped:
             self._bad_input.log(item.owner, "ready record", "ignoring %s (step %d)", item.reason, step)
         if caught := self.excluded & (view.ready.keys() | view.formed.keys()):

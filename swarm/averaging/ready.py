@@ -27,8 +27,13 @@ find, two to check). Without it, a flood of throwaway identities announcing anot
 outvote the swarm (rule 2: every honest node would look for a state nobody serves), and fake
 members would take the leader's place or hold the majority a leader needs (may_finalize).
 
-    ready value:   {"member": MemberInfo.encode(), "proof": nonce}      ("I am ready")
-    FORMED marker: {"formed": state, "group": id, "proof": nonce}       (done: in a group of that state)
+    ready value:   {"member": MemberInfo.encode(), "proof": nonce, "settings": digest}  ("I am ready")
+    FORMED marker: {"formed": state, "group": id, "proof": nonce, "settings": digest}
+                   (done: in a group of that state)
+
+A record counts only for nodes of the same run settings (`settings`: model/run_settings.py's
+digest of H, schedule, model, ...): nodes of other settings never group, and their states are
+not "the swarm's" (a node does not try to fetch them).
     DONE marker:   "done"                                               (done without a group: do not count me)
 """
 
@@ -50,12 +55,12 @@ from swarm.p2p.peer_id import PeerID
 DONE = "done"
 
 
-def announcement(member: MemberInfo, proof: bytes) -> dict[str, Any]:
-    return {"member": member.encode(), "proof": proof}
+def announcement(member: MemberInfo, proof: bytes, settings: bytes = b"") -> dict[str, Any]:
+    return {"member": member.encode(), "proof": proof, "settings": settings}
 
 
-def formed_marker(state: bytes, group_id: bytes, proof: bytes) -> dict[str, bytes]:
-    return {"formed": state, "group": group_id, "proof": proof}
+def formed_marker(state: bytes, group_id: bytes, proof: bytes, settings: bytes = b"") -> dict[str, bytes]:
+    return {"formed": state, "group": group_id, "proof": proof, "settings": settings}
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,14 +81,16 @@ class ReadyView:
 
 
 def decode_view(
-    entries: dict[Any, Any], max_weight: float = math.inf, id_bits: int | None = None
+    entries: dict[Any, Any], max_weight: float = math.inf, id_bits: int | None = None, settings: bytes = b""
 ) -> tuple[ReadyView, list[Skipped]]:
     """A view from the raw subkey -> value map; also each entry skipped, with its owner when
     known (peers' records are untrusted: a malformed one is skipped, never raised on). An
     announcement of a weight above `max_weight` (what the run allows one step) is skipped: that
     member is not counted, not waited for and not grouped with. With `id_bits`, so is an
     announcement or FORMED marker whose owner's proof of a costly id does not check out (None:
-    proofs are not checked, for tests of the rules alone)."""
+    proofs are not checked, for tests of the rules alone). With `settings` (the digest of our run
+    settings), so is a record of other settings: a node of another schedule, H or model is not
+    of this swarm, whatever state it holds (b"": not checked)."""
     ready: dict[PeerID, MemberInfo] = {}
     formed: dict[PeerID, bytes] = {}
     done: set[PeerID] = set()
@@ -108,6 +115,9 @@ def decode_view(
             except BadIdProof as e:
                 skipped.append(Skipped(owner, f"a ready record without a proof of a costly id ({e})"))
                 continue
+        if settings and value.get("settings") != settings:
+            skipped.append(Skipped(owner, "a ready record of other run settings"))
+            continue
         if "formed" in value:
             state = value.get("formed")
             if not isinstance(state, bytes) or len(state) not in (0, 32):

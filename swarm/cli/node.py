@@ -39,6 +39,8 @@ from swarm.cli.node_display import MetricsFile, display_for_terminal
 from swarm.dht.id_proof import proof_path_for
 from swarm.model.data import DataUnavailableError
 from swarm.model.presets import PRESETS
+from swarm.model.run_settings import join_flags
+from swarm.model.schedule import SCHEDULES
 from swarm.node import Event, NodeError, SwarmNode
 from swarm.node_config import NodeConfig
 
@@ -103,6 +105,19 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
 @_opt("seq-len", click.IntRange(1), "Tokens per sequence.")
 @_opt("lr", click.FloatRange(0, min_open=True), "Peak inner AdamW learning rate.")
 @_opt("warmup-steps", click.IntRange(0), "Inner learning-rate warmup, in inner steps.")
+@_opt(
+    "lr-schedule",
+    click.Choice(SCHEDULES),
+    "Inner learning rate after warmup: constant, cosine to "
+    "--min-lr-ratio at --total-steps, or wsd (stable, then linear decay over the last --decay-fraction).",
+)
+@_opt(
+    "total-steps",
+    click.IntRange(1),
+    "The run's length in inner steps (outer step x H + inner): where cosine and wsd end. Required by them.",
+)
+@_opt("decay-fraction", click.FloatRange(0, 1, min_open=True), "wsd: the share of --total-steps spent decaying.")
+@_opt("min-lr-ratio", click.FloatRange(0, 1), "cosine and wsd: the final rate, as a fraction of --lr.")
 @_opt("outer-lr", click.FloatRange(0, min_open=True), "Outer SGD learning rate.")
 @_opt("outer-momentum", click.FloatRange(0, 1, max_open=True), "Outer Nesterov momentum.")
 @_opt("compression", click.Choice(CODECS), "How pseudo-gradients travel.")
@@ -219,5 +234,5 @@ def _print_join_line(event: Event, config: NodeConfig) -> None:
         return
     for maddr in maddrs:
         click.echo(f"listening on {maddr}")
-    join = f"swarm-node --run-id {config.run_id} --model {config.model} --initial-peers {maddrs[0]}"
+    join = f"swarm-node --run-id {config.run_id} {join_flags(config, _DEFAULTS)}--initial-peers {maddrs[0]}"
     click.echo(f"join with: {join}", color=False)

@@ -55,6 +55,7 @@ from swarm.cli.sim_report import (
     EventTail,
     NodeRecord,
 )
+from swarm.model.schedule import DEFAULT_DECAY_FRACTION, DEFAULT_WARMUP_STEPS, SCHEDULES, schedule_problem
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 POLL_S = 0.25  # how often the simulator reads the metrics files and checks its children
@@ -99,10 +100,23 @@ class SimConfig:
     plot_out: Path
     timeout: float | None  # the whole run; None: until the nodes finish
     verbose: int
+    lr_schedule: str = "constant"  # swarm-node's default; cosine / wsd end at total_steps
+    total_steps: int | None = None  # None with a decaying schedule: the whole run, outer_steps x inner_steps
+    decay_fraction: float | None = None  # None: swarm-node's default
 
     def __post_init__(self) -> None:
         if min(self.nodes, self.outer_steps, self.inner_steps, self.batch_size, self.seq_len, self.threads) < 1:
             raise ValueError("nodes, steps, batch size, sequence length and threads must be >= 1")
+        total = (
+            self.total_steps
+            if self.lr_schedule == "constant"
+            else self.total_steps or self.outer_steps * self.inner_steps
+        )
+        warmup = DEFAULT_WARMUP_STEPS if self.warmup_steps is None else self.warmup_steps
+        fraction = DEFAULT_DECAY_FRACTION if self.decay_fraction is None else self.decay_fraction
+        problem = schedule_problem(self.lr_schedule, warmup, total, fraction)
+        if problem is not None:  # before any node starts (each would refuse it alone)
+            raise ValueError(problem)
 
 
 # --- processes ------------------------------------------------------------------------------
@@ -222,6 +236,11 @@ class Swarm:
             argv += ["--lr", f"{c.lr:g}"]
         if c.warmup_steps is not None:
             argv += ["--warmup-steps", str(c.warmup_steps)]
+        argv += ["--lr-schedule", c.lr_schedule]
+        if c.lr_schedule != "constant":
+            argv += ["--total-steps", str(c.total_steps or c.outer_steps * c.inner_steps)]
+        if c.decay_fraction is not None:
+            argv += ["--decay-fraction", f"{c.decay_fraction:g}"]
         if c.matchmaking_time is not None:
             argv += ["--matchmaking-time", f"{c.matchmaking_time:g}"]
         if c.max_group_size is not None:
@@ -481,6 +500,11 @@ def default_threads(nodes: int) -> int:
 @click.option("--seed", type=int, default=0, show_default=True, help="Model init seed; also seeds the churn.")
 @click.option("--lr", type=click.FloatRange(0, min_open=True), help="Peak inner learning rate. Default: swarm-node's.")
 @click.option("--warmup-steps", type=click.IntRange(min=0), help="Inner warmup steps. Default: swarm-node's.")
+@click.option("--lr-schedule", type=click.Choice(SCHEDULES), default="constant", show_default=True,
+              help="Inner learning rate after warmup (swarm-node's --lr-schedule).")  # fmt: skip
+@click.option("--total-steps", type=click.IntRange(min=1),
+              help="Where cosine or wsd ends, in inner steps. Default: the whole run (outer x inner).")  # fmt: skip
+@click.option("--decay-fraction", type=click.FloatRange(0, 1, min_open=True), help="wsd's decay share.")
 @click.option("--matchmaking-time", type=float, callback=positive_seconds, metavar="SECONDS", help="Per node.")
 @click.option("--max-group-size", type=click.IntRange(min=1), help="Per node. Default: swarm-node's.")
 @click.option("--part-timeout", type=float, callback=positive_seconds, metavar="SECONDS",
@@ -521,10 +545,13 @@ def build_config(
             folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CliError(f"cannot create {e.filename or run_dir}: {e.strerror or e}") from None
-    return SimConfig(
-        run_dir=run_dir,
-        metrics_out=metrics_out,
-        plot_out=plot_out,
-        threads=threads or default_threads(options["nodes"]),
-        **options,
-    )
+    try:
+        return SimConfig(
+            run_dir=run_dir,
+            metrics_out=metrics_out,
+            plot_out=plot_out,
+            threads=threads or default_threads(options["nodes"]),
+            **options,
+        )
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None

@@ -30,12 +30,14 @@ import re
 import shutil
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save as safetensors_save
+
+from swarm.model.run_settings import decode_settings, differences
 
 FORMAT = "swarm-state/1"
 DEFAULT_SHARD_BYTES = 64 << 20
@@ -66,7 +68,9 @@ class RunInfo:
     model_config: dict[str, Any]  # dataclasses.asdict(ModelConfig)
     seed: int = 0
     data: str = "stdlib"
-    inner_steps: int = 0  # H when the state was made (informational)
+    inner_steps: int = 0  # H when the state was made (also in settings, which are checked)
+    # the run's settings (swarm/run_settings.py): a state made under others is not usable
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +102,7 @@ class Manifest:
             "seed": self.run.seed,
             "data": self.run.data,
             "inner_steps": self.run.inner_steps,
+            "settings": self.run.settings,
             "shards": [
                 {"name": s.name, "tensors": list(s.tensors), "bytes": s.nbytes, "sha256": s.sha256} for s in self.shards
             ],
@@ -122,6 +127,9 @@ class Manifest:
             raise IncompatibleState(
                 f"the state is of model {self.run.model!r} with another shape than this node's {expect.model!r}"
             )
+        if self.run.settings != expect.settings:
+            theirs = "; ".join(differences(expect.settings, self.run.settings)) or "other settings"
+            raise IncompatibleState(f"the state was made under other run settings: {theirs}")
 
 
 def parse_manifest(data: bytes) -> Manifest:
@@ -141,6 +149,7 @@ def parse_manifest(data: bytes) -> Manifest:
         seed=_get(body, "seed", int),
         data=_get(body, "data", str),
         inner_steps=_get(body, "inner_steps", int),
+        settings=_settings(body.get("settings", {})),
     )
     step = _get(body, "step", int)
     raw_shards = _get(body, "shards", list)
@@ -165,6 +174,13 @@ def parse_manifest(data: bytes) -> Manifest:
         seen_tensors.update(shard.tensors)
         shards.append(shard)
     return Manifest(run, step, tuple(shards))
+
+
+def _settings(value: Any) -> dict[str, Any]:
+    settings = decode_settings(value)
+    if settings is None:
+        raise CheckpointError("manifest: 'settings' must be a small map of plain values")
+    return settings
 
 
 def _get(body: dict[str, Any], key: str, kind: type) -> Any:

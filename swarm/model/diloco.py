@@ -8,7 +8,7 @@ from outside; the averaging is handed in, so this module never touches the netwo
     while True:
         for _ in range(H):
             inputs, targets = sample_batch(...)
-            stats = diloco.inner_step(inputs, targets)       # AdamW, warmup + cosine, clipping
+            stats = diloco.inner_step(inputs, targets)       # AdamW, warmup + schedule, clipping
         deltas = diloco.pseudo_gradients()                   # Δ = θ_outer - θ_inner, fp32
         averaged = <average deltas over the group, weighted by diloco.tokens_since_outer>
         diloco.apply_outer(averaged)                         # Nesterov SGD on θ_outer; θ_inner ← θ_outer
@@ -45,6 +45,12 @@ import torch
 from torch import nn
 
 from swarm.model.loss import autocast_for, lm_loss
+from swarm.model.schedule import (
+    DEFAULT_DECAY_FRACTION,
+    DEFAULT_WARMUP_STEPS,
+    inner_lr,
+    schedule_problem,
+)
 from swarm_kernels import as_memoryview
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -56,8 +62,10 @@ class DiLoCoConfig:
     inner_steps: int = 100  # H: inner steps per outer step
     # inner AdamW; the schedule runs on the swarm's clock: outer_step * H + inner steps done
     lr: float = 1e-3  # peak inner learning rate
-    warmup_steps: int = 100  # linear warmup from lr / warmup_steps to lr
-    total_steps: int | None = None  # cosine decay to lr * min_lr_ratio at this step; None: no decay
+    warmup_steps: int = DEFAULT_WARMUP_STEPS  # linear warmup from lr / warmup_steps to lr
+    lr_schedule: str = "constant"  # after warmup: one of SCHEDULES (schedule.inner_lr)
+    total_steps: int | None = None  # cosine / wsd: lr * min_lr_ratio from this step on
+    decay_fraction: float = DEFAULT_DECAY_FRACTION  # wsd: the decay takes this last fraction of total_steps
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1  # on matrices only (not norms)
     betas: tuple[float, float] = (0.9, 0.95)
@@ -76,8 +84,9 @@ class DiLoCoConfig:
                 raise ValueError(f"DiLoCoConfig.{name} must be a positive number, got {getattr(self, name)}")
         if self.warmup_steps < 0:
             raise ValueError(f"DiLoCoConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.total_steps is not None and self.total_steps <= self.warmup_steps:
-            raise ValueError("DiLoCoConfig.total_steps must exceed warmup_steps (or be None: no decay)")
+        problem = schedule_problem(self.lr_schedule, self.warmup_steps, self.total_steps, self.decay_fraction)
+        if problem is not None:
+            raise ValueError(problem)
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"DiLoCoConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.weight_decay < 0 or not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
@@ -86,17 +95,6 @@ class DiLoCoConfig:
             raise ValueError(f"DiLoCoConfig.grad_clip must be positive or None, got {self.grad_clip}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"DiLoCoConfig.outer_momentum must be in [0, 1), got {self.outer_momentum}")
-
-
-def inner_lr(config: DiLoCoConfig, step: int) -> float:
-    """The inner learning rate for global inner step `step` (0-based): linear warmup, then
-    cosine decay to lr * min_lr_ratio at total_steps (constant after; constant lr when None)."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    if config.total_steps is None:
-        return config.lr
-    progress = min(1.0, (step - config.warmup_steps) / (config.total_steps - config.warmup_steps))
-    return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -102,6 +102,24 @@ def test_a_state_for_another_run_or_model_is_incompatible() -> None:
         snap.manifest.check_usable_by(small)
 
 
+def test_a_state_made_under_other_run_settings_is_incompatible_and_says_which() -> None:
+    """The manifest carries the run's settings (a resumed node or a newcomer continues the
+    same schedule): a state of another schedule is refused, naming both values."""
+    ours = dataclasses.replace(RUN, settings={"lr_schedule": "cosine", "total_steps": 1000, "lr": 1e-3})
+    snap = make_snapshot(copy_state(_diloco(1).state_dict()), ours)
+    parsed = parse_manifest(snap.manifest.to_json())
+    assert parsed.run.settings == ours.settings
+    parsed.check_usable_by(ours)
+    other = dataclasses.replace(RUN, settings={"lr_schedule": "constant", "total_steps": None, "lr": 1e-3})
+    with pytest.raises(IncompatibleState, match=r"--lr-schedule 'cosine' \(this node: 'constant'\)"):
+        parsed.check_usable_by(other)
+    for bad in ({"x": [1]}, {"lr": float("nan")}, {str(i): i for i in range(40)}, "cosine"):
+        body = json.loads(snap.manifest.to_json())
+        body["settings"] = bad
+        with pytest.raises(CheckpointError, match="settings"):
+            parse_manifest(json.dumps(body).encode())
+
+
 def test_a_shard_with_other_tensors_than_listed_is_refused() -> None:
     a = make_snapshot(copy_state(_diloco(1).state_dict()), RUN, shard_bytes=1 << 20)
     first, second = a.manifest.shards[:2]

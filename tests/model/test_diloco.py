@@ -179,7 +179,7 @@ def test_state_dict_round_trip_and_refusals() -> None:
 
 
 def test_inner_schedule_warms_up_then_decays() -> None:
-    config = DiLoCoConfig(lr=1.0, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
+    config = DiLoCoConfig(lr=1.0, warmup_steps=10, lr_schedule="cosine", total_steps=110, min_lr_ratio=0.1)
     assert inner_lr(config, 0) == pytest.approx(0.1)
     assert inner_lr(config, 9) == pytest.approx(1.0)
     assert inner_lr(config, 60) == pytest.approx(0.55)
@@ -192,7 +192,7 @@ def test_inner_schedule_warms_up_then_decays() -> None:
     [
         {"inner_steps": 0},
         {"lr": 0.0},
-        {"warmup_steps": 10, "total_steps": 10},
+        {"warmup_steps": 10, "lr_schedule": "cosine", "total_steps": 10},
         {"outer_momentum": 1.0},
         {"grad_clip": 0.0},
     ],

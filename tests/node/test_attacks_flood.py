@@ -37,14 +37,15 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 FAKES = 16  # the most one source may store under one key (dht/quotas.py); more than the honest nodes
 
 
-def fake_records(step: int, honest_state: bytes, fakes: list[Identity]) -> list[dict[str, object]]:
+def fake_records(step: int, honest_state: bytes, fakes: list[Identity], settings: bytes) -> list[dict[str, object]]:
     """Ready announcements of another state from every fake but the last, and a FORMED marker
-    of the honest state from the last: all signed, none with a proof of a costly id."""
+    of the honest state from the last: all signed, of the run's settings (public: every ready
+    record carries them), none with a proof of a costly id."""
     expiration, other = time.time() + 30, b"\x07" * 32
     bits = DHTConfig().id_bits  # the tests' (conftest.py), as every node of this test uses
     values = [announcement(MemberInfo(i.peer_id, ("/ip4/127.0.0.1/tcp/9",), 1.0, 100.0, False, other),
-                           failing_nonce(i.peer_id, bits)) for i in fakes[:-1]]  # fmt: skip
-    values.append(formed_marker(honest_state, b"g" * 32, failing_nonce(fakes[-1].peer_id, bits)))
+                           failing_nonce(i.peer_id, bits), settings) for i in fakes[:-1]]  # fmt: skip
+    values.append(formed_marker(honest_state, b"g" * 32, failing_nonce(fakes[-1].peer_id, bits), settings))
     key = ready_key(RUN_ID, step)
     signed = zip(fakes, values, strict=True)
     return [Record.create(key, owner_subkey(i.peer_id), v, expiration, i).to_wire() for i, v in signed]
@@ -65,7 +66,7 @@ async def test_attack_g_a_flood_of_unproven_ready_records_does_not_stop_averagin
             step, state = lead.diloco.outer_step, lead._state_sha
             targets = [bootstrap, *(m for n in honest for m in n.node.maddrs[:1])]
             for s in (step, step + 1):
-                records = fake_records(s, state, fakes)
+                records = fake_records(s, state, fakes, honest[0].node.config.averaging_config(False).settings)
                 for target in targets:
                     try:
                         reply = await relay.call(target, "dht.store", {"a": None, "records": records}, timeout=5)

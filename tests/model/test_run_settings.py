@@ -1,0 +1,80 @@
+"""The run's settings (swarm/model/run_settings.py): whose settings are the run's, what a node of
+other settings is told, the join line's flags, and bounded decoding of peers' maps."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm.model.run_settings import (
+    decode_settings,
+    disagreement,
+    join_flags,
+    run_settings,
+    settings_digest,
+    training_settings,
+)
+from swarm.node_config import NodeConfig
+
+OURS = training_settings(NodeConfig())
+COSINE = training_settings(NodeConfig(lr_schedule="cosine", total_steps=1000))
+WSD = training_settings(NodeConfig(lr_schedule="wsd", total_steps=1000))
+
+
+@pytest.mark.parametrize(
+    ("peers", "vouched", "refused"),
+    [
+        ([], set(), False),  # nobody publishes yet: nothing to disagree with
+        ([("a", None), ("b", None)], set(), False),  # records without settings (older nodes)
+        ([("a", OURS), ("b", OURS)], set(), False),
+        ([("a", COSINE)], set(), True),
+        ([("a", COSINE), ("b", COSINE), ("c", OURS)], set(), True),  # most records: the run's
+        ([("a", OURS), ("b", OURS), ("x", COSINE)], set(), False),  # a minority is not the run
+        ([("a", COSINE), ("b", OURS)], set(), False),  # a tie: no run settings known
+        ([("a", COSINE), ("x", OURS), ("y", OURS)], {"a"}, True),  # our --initial-peers decide
+        ([("a", OURS), ("x", COSINE), ("y", COSINE)], {"a"}, False),  # even against a majority
+        ([("a", None), ("x", COSINE)], {"a"}, True),  # a vouched peer that says nothing: the records
+    ],
+)
+def test_whose_settings_are_the_runs(peers: list, vouched: set, refused: bool) -> None:
+    assert (disagreement(OURS, peers, vouched) is not None) == refused
+
+
+def test_the_refusal_names_both_values_of_each_field_that_differs() -> None:
+    problem = disagreement(OURS, [("a", WSD)], set())
+    assert problem is not None
+    assert "--lr-schedule 'wsd' (this node: 'constant')" in problem
+    assert "--total-steps 1000 (this node: None)" in problem
+    assert "--lr " not in problem  # equal fields are not named
+
+
+def test_run_settings_counts_the_records_that_carry_them() -> None:
+    settings, agreeing, known = run_settings([("a", COSINE), ("b", COSINE), ("c", OURS), ("d", None)], set())
+    assert settings == COSINE and (agreeing, known) == (2, 3)
+
+
+def test_numbers_that_msgpack_hands_back_as_another_type_still_agree() -> None:
+    assert disagreement({"lr": 1.0, "seed": 0}, [("a", {"lr": 1, "seed": 0.0})], set()) is None
+
+
+def test_the_join_line_carries_every_setting_that_is_not_the_default() -> None:
+    flags = join_flags(NodeConfig(inner_steps=10, batch_size=4, lr_schedule="cosine", total_steps=500), NodeConfig())
+    assert flags == "--model tiny --inner-steps 10 --batch-size 4 --lr-schedule cosine --total-steps 500 "
+    assert join_flags(NodeConfig(), NodeConfig()) == "--model tiny "
+
+
+def test_equal_settings_have_one_digest() -> None:
+    assert settings_digest(OURS) == settings_digest(dict(reversed(list(OURS.items()))))
+    assert settings_digest(OURS) != settings_digest(COSINE)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [None, "cosine", [1], {"a": [1]}, {"a": {"b": 1}}, {"a": float("inf")}, {"a": "x" * 200},
+     {str(i): i for i in range(33)}, {1: 2}],
+)  # fmt: skip
+def test_malformed_settings_from_a_peer_are_none(value: object) -> None:
+    assert decode_settings(value) is None
+
+
+def test_well_formed_settings_decode() -> None:
+    assert decode_settings(COSINE) == COSINE
