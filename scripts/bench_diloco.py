@@ -53,6 +53,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from diloco_sweep import Cache, Workload, gap_closed, node_identity, run_baselines  # noqa: E402  (a sibling script)
 
+from swarm.model.schedule import SCHEDULES  # noqa: E402
+
 CONFIGS = ("H50_int8", "H50_none", "H100_int8", "H100_none")
 COMPRESSIONS = ("int8", "fp16", "none")
 STOP_GRACE_S = 10.0
@@ -138,6 +140,16 @@ def read_json_line(proc: subprocess.Popen[bytes], timeout: float) -> dict[str, A
                 return obj
 
 
+def schedule_flags(workload: Workload) -> list[str]:
+    """swarm-node's flags for the workload's inner schedule (the baselines' too)."""
+    schedule = workload.schedule()
+    flags = ["--lr-schedule", schedule["lr_schedule"]]
+    if schedule["total_steps"] is not None:
+        flags += ["--total-steps", str(schedule["total_steps"]), "--min-lr-ratio", repr(schedule["min_lr_ratio"]),
+                  "--decay-fraction", repr(schedule["decay_fraction"])]  # fmt: skip
+    return flags
+
+
 def node_args(
     workload: Workload, config: SwarmConfig, options: NodeOptions, workdir: Path, index: int, peers: Sequence[str]
 ) -> list[str]:
@@ -153,6 +165,7 @@ def node_args(
         "--seq-len", str(workload.seq_len),
         "--lr", repr(options.lr),
         "--warmup-steps", str(options.warmup_steps),
+        *schedule_flags(workload),
         "--compression", config.compression,
         "--max-outer-steps", str(workload.steps // config.inner_steps),
         "--seed", str(workload.seed),
@@ -270,6 +283,7 @@ def results(workload: Workload, baselines: dict[str, float], runs: dict[str, lis
     ring = ring_allreduce_bytes(workload.workers, count_parameters(preset(workload.model)), workload.steps)
     out: dict[str, Any] = {
         "workload": dataclasses.asdict(workload),
+        "schedule": workload.schedule(),
         "ddp_eval_loss": ddp,
         "alone_eval_loss": alone,
         "ring_allreduce_bytes_per_node": ring,
@@ -299,7 +313,7 @@ def print_table(res: dict[str, Any]) -> None:
     w = res["workload"]
     table = Table(
         title=f"DiLoCo on 127.0.0.1: {w['workers']} nodes, {w['model']}, {w['steps']} inner steps, "
-        f"batch {w['batch_size']} x seq {w['seq_len']} per node"
+        f"batch {w['batch_size']} x seq {w['seq_len']} per node, {Workload(**w).schedule_label()}"
     )
     columns = (
         "run",
@@ -340,6 +354,13 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
     parser.add_argument("--repeat", type=int, default=1, help="swarm runs per configuration (medians reported)")
     parser.add_argument("--seed", type=int, default=0, help="model weights and node identities")
+    parser.add_argument(
+        "--lr-schedule",
+        choices=SCHEDULES,
+        default=defaults.lr_schedule,
+        help="inner schedule of the nodes and both baselines; decaying ones end at --steps",
+    )
+    parser.add_argument("--decay-fraction", type=float, default=defaults.decay_fraction, help="wsd's decay share")
     parser.add_argument("--lr", type=float, help="inner learning rate (default: DiLoCoConfig's)")
     parser.add_argument("--warmup-steps", type=int, help="default: DiLoCoConfig's")
     parser.add_argument("--outer-lr", type=float, help="default: the node's")
@@ -361,8 +382,10 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: `finally` stops the nodes
     try:
         configs = [SwarmConfig.parse(name) for name in args.configs.split(",")]
-        workload = Workload(steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, workers=args.nodes,
-                            seed=args.seed)  # fmt: skip
+        workload = Workload(
+            steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, workers=args.nodes, seed=args.seed,
+            lr_schedule=args.lr_schedule, decay_fraction=args.decay_fraction,
+        )  # fmt: skip
     except ValueError as e:
         parser.error(str(e))
     if bad := [c.name for c in configs if workload.steps % c.inner_steps]:

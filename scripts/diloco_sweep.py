@@ -11,7 +11,9 @@ applies the average (`apply_outer`). Two baselines see the same windows:
 
 and the share of the gap DiLoCo closes is  gap_closed = (L_alone - L_diloco) / (L_alone - L_ddp)
 (final loss on `eval_windows(data.eval, seq_len)`). The baselines run through `DiLoCo.inner_step`
-with H = the whole run (no outer step ever), so all three use one optimizer, schedule and clipping.
+with H = the whole run (no outer step ever), so all three use one optimizer, schedule and clipping:
+the workload's (`--lr-schedule`, default cosine to 10% at --steps, the README's protocol; the
+table's title and every JSON row say which).
 
 A "growing H" setting syncs more often early: H_k = min(target, start * factor**k) for outer
 step k (the run's last round is cut to end at --steps). Its clock (learning rate schedule and
@@ -54,6 +56,7 @@ from swarm.model.diloco import DiLoCo, DiLoCoConfig, tensors_sha256
 from swarm.model.llama import build_model
 from swarm.model.loss import eval_loss
 from swarm.model.presets import preset
+from swarm.model.schedule import SCHEDULES
 from swarm.p2p.identity import Identity
 
 IDENTITY_TAG = "swarm.bench_diloco"
@@ -70,11 +73,30 @@ class Workload:
     seq_len: int = 256
     seed: int = 0  # model weights and worker identities
     eval_windows: int = 64
+    # the inner schedule every run of the comparison uses (DiLoCo and both baselines): the README's
+    # stated protocol is warmup then cosine to 10% at the run's end (steps)
+    lr_schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+    decay_fraction: float = 0.2  # wsd only
 
     def __post_init__(self) -> None:
         for name in ("workers", "steps", "batch_size", "seq_len", "eval_windows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Workload.{name} must be >= 1, got {getattr(self, name)}")
+
+    def schedule(self) -> dict[str, Any]:
+        """The DiLoCoConfig schedule fields of this workload: a decaying one ends at `steps`."""
+        total = None if self.lr_schedule == "constant" else self.steps
+        return {"lr_schedule": self.lr_schedule, "total_steps": total, "min_lr_ratio": self.min_lr_ratio,
+                "decay_fraction": self.decay_fraction}  # fmt: skip
+
+    def schedule_label(self) -> str:
+        if self.lr_schedule == "constant":
+            return "constant inner lr after warmup"
+        end = f"{self.min_lr_ratio:g}x at step {self.steps}"
+        if self.lr_schedule == "wsd":
+            return f"wsd inner lr (decay over the last {self.decay_fraction:g}, to {end})"
+        return f"cosine inner lr to {end}"
 
     def key(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -117,10 +139,10 @@ class Setting:
     lr: float = 1e-3  # inner AdamW peak learning rate
     warmup_steps: int = 100
 
-    def diloco_config(self) -> DiLoCoConfig:
+    def diloco_config(self, workload: Workload) -> DiLoCoConfig:
         return DiLoCoConfig(
             inner_steps=self.h.target, lr=self.lr, warmup_steps=self.warmup_steps, outer_lr=self.outer_lr,
-            outer_momentum=self.outer_momentum, nesterov=self.nesterov,
+            outer_momentum=self.outer_momentum, nesterov=self.nesterov, **workload.schedule(),
         )  # fmt: skip
 
     def inner_key(self) -> tuple[float, int]:
@@ -166,8 +188,9 @@ def worker_batch(data: TokenData, workload: Workload, peer: bytes, step: int) ->
     return sample_batch(data.train, workload.batch_size, workload.seq_len, node_generator(peer, step))
 
 
-def inner_config(lr: float = 1e-3, warmup_steps: int = 100, **overrides: Any) -> DiLoCoConfig:
-    return DiLoCoConfig(lr=lr, warmup_steps=warmup_steps, **overrides)
+def inner_config(workload: Workload, lr: float = 1e-3, warmup_steps: int = 100, **overrides: Any) -> DiLoCoConfig:
+    """The baselines' inner optimizer: the workload's schedule, as every DiLoCo setting uses."""
+    return DiLoCoConfig(lr=lr, warmup_steps=warmup_steps, **{**workload.schedule(), **overrides})
 
 
 def train_data_parallel(data: TokenData, workload: Workload, peers: Sequence[bytes], config: DiLoCoConfig) -> RunResult:
@@ -217,7 +240,7 @@ def train_diloco(
 ) -> RunResult:
     """K DiLoCo workers from one initialization, averaging exactly after every round."""
     peers = worker_peers(workload)
-    config = setting.diloco_config()
+    config = setting.diloco_config(workload)
     workers = [_ScheduledDiLoCo(build_model(preset(workload.model), seed=workload.seed), config) for _ in peers]
     started, losses, done = time.perf_counter(), [], 0
     while done < workload.steps:
@@ -348,7 +371,7 @@ def run_baselines(
     out = {}
     for kind, chosen in (("ddp", peers), ("alone", peers[:1])):
         key = json.dumps([kind, workload.key(), lr, warmup_steps])
-        config = inner_config(lr, warmup_steps)
+        config = inner_config(workload, lr, warmup_steps)
         fresh = key not in cache.rows
         row = cache.get_or_run(key, lambda c=config, p=chosen: train_data_parallel(data, workload, p, c))
         if fresh:
@@ -363,7 +386,8 @@ def run_setting(cache: Cache, workload: Workload, setting: Setting, log: Callabl
     key = json.dumps(["diloco", workload.key(), params], sort_keys=True)
     row = cache.get_or_run(key, lambda: train_diloco(load_corpus(), workload, setting))
     out = {
-        **setting.row(), "steps": workload.steps, "seq_len": workload.seq_len, "eval_loss": row["eval_loss"],
+        **setting.row(), "steps": workload.steps, "seq_len": workload.seq_len, "seed": workload.seed,
+        "schedule": workload.schedule(), "eval_loss": row["eval_loss"],
         "train_loss": row["train_loss"], "outer_steps": row["outer_steps"], "seconds": row["seconds"],
         "ddp_eval_loss": base["ddp"], "alone_eval_loss": base["alone"],
         "ratio_to_ddp": row["eval_loss"] / base["ddp"],
@@ -462,6 +486,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--lr-schedule",
+        choices=SCHEDULES,
+        default=Workload().lr_schedule,
+        help="inner schedule of every run (DiLoCo and both baselines); decaying ones end at --steps",
+    )
+    parser.add_argument("--decay-fraction", type=float, default=Workload().decay_fraction, help="wsd's decay share")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cache", help="JSON-lines file of results: reused, appended to")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list")
@@ -470,7 +501,7 @@ def main() -> None:
     base = CHEAP if args.stage == "cheap" else FULL
     workload = dataclasses.replace(
         base, steps=args.steps or base.steps, seq_len=args.seq_len or base.seq_len, batch_size=args.batch_size,
-        workers=args.workers, seed=args.seed,
+        workers=args.workers, seed=args.seed, lr_schedule=args.lr_schedule, decay_fraction=args.decay_fraction,
     )  # fmt: skip
     cache = Cache(args.cache)
 
@@ -492,7 +523,8 @@ def main() -> None:
     else:
         title = (
             f"DiLoCo, {workload.workers} workers, {workload.model}, {workload.steps} inner steps, "
-            f"batch {workload.batch_size} x seq {workload.seq_len} per worker (seed {workload.seed})"
+            f"batch {workload.batch_size} x seq {workload.seq_len} per worker (seed {workload.seed}), "
+            f"{workload.schedule_label()}"
         )
         print_table(title, rows)
 

@@ -41,7 +41,7 @@ def test_one_worker_with_plain_averaging_is_the_node_alone() -> None:
     windows, same clock (a growing H included), same optimizer."""
     data = sweep.load_corpus()
     one = dataclasses.replace(TINY, workers=1)
-    config = sweep.inner_config(lr=3e-3, warmup_steps=2)
+    config = sweep.inner_config(one, lr=3e-3, warmup_steps=2)
     alone = sweep.train_data_parallel(data, one, sweep.worker_peers(one), config)
     for h in (sweep.HSchedule(target=3), sweep.HSchedule(target=4, start=1)):
         setting = sweep.Setting(
@@ -54,7 +54,7 @@ def test_one_worker_with_plain_averaging_is_the_node_alone() -> None:
 
 def test_runs_are_deterministic_and_ddp_sees_every_worker() -> None:
     data = sweep.load_corpus()
-    config = sweep.inner_config(lr=3e-3, warmup_steps=2)
+    config = sweep.inner_config(TINY, lr=3e-3, warmup_steps=2)
     peers = sweep.worker_peers(TINY)
     ddp = sweep.train_data_parallel(data, TINY, peers, config)
     assert sweep.train_data_parallel(data, TINY, peers, config).sha256 == ddp.sha256
@@ -62,6 +62,48 @@ def test_runs_are_deterministic_and_ddp_sees_every_worker() -> None:
     setting = sweep.Setting(name="s", h=sweep.HSchedule(target=3), lr=3e-3, warmup_steps=2)
     first, second = sweep.train_diloco(data, TINY, setting), sweep.train_diloco(data, TINY, setting)
     assert first.sha256 == second.sha256 and first.eval_loss == second.eval_loss
+
+
+def test_every_run_of_a_comparison_uses_the_workloads_schedule() -> None:
+    """DiLoCo settings and both baselines take the workload's inner schedule (cosine to 10% at
+    the run's end by default, the README's protocol), and a decaying one ends at --steps."""
+    assert TINY.schedule() == {"lr_schedule": "cosine", "total_steps": 6, "min_lr_ratio": 0.1, "decay_fraction": 0.2}
+    setting = sweep.Setting(name="s", h=sweep.HSchedule(target=3), warmup_steps=2)
+    for workload in (
+        TINY,
+        dataclasses.replace(TINY, lr_schedule="wsd"),
+        dataclasses.replace(TINY, lr_schedule="constant"),
+    ):
+        baseline, diloco = sweep.inner_config(workload, warmup_steps=2), setting.diloco_config(workload)
+        for config in (baseline, diloco):
+            assert config.lr_schedule == workload.lr_schedule
+            assert config.total_steps == (None if workload.lr_schedule == "constant" else workload.steps)
+    assert "wsd" in bench_diloco.schedule_flags(dataclasses.replace(TINY, lr_schedule="wsd"))
+    assert bench_diloco.schedule_flags(dataclasses.replace(TINY, lr_schedule="constant")) == [
+        "--lr-schedule",
+        "constant",
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_the_sweeps_json_names_its_schedule_and_its_baselines_follow_it() -> None:
+    """From the sweep's own JSON: the schedule is reported, and the baselines change with it."""
+    import json
+    import subprocess
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "diloco_sweep.py"
+    rows = {}
+    for schedule in ("constant", "cosine"):
+        out = subprocess.run(
+            [sys.executable, str(script), "--steps", "8", "--seq-len", "16", "--workers", "2", "--batch-size", "1",
+             "--settings", "H=4,warmup_steps=2,lr=0.003", "--lr-schedule", schedule, "--json"],
+            capture_output=True, text=True, timeout=100, check=True,
+        )  # fmt: skip
+        (rows[schedule],) = json.loads(out.stdout)
+    assert rows["cosine"]["schedule"]["lr_schedule"] == "cosine" and rows["cosine"]["schedule"]["total_steps"] == 8
+    assert rows["constant"]["schedule"]["total_steps"] is None
+    for kind in ("ddp_eval_loss", "alone_eval_loss", "eval_loss"):
+        assert rows["cosine"][kind] != rows["constant"][kind], kind
 
 
 def test_gap_closed() -> None:
