@@ -410,13 +410,13 @@ class SwarmNode:
                 return await self._stepped(keeper, step, GroupReport(None, matchmaking_s=found.seconds))
             if plan.action == FETCH:
                 logger.info("step %d: %s: fetching the swarm's state", step, plan.why)
-                if await self._fetch(keeper, book, alone=False, other_state=found.swarm_state is not None):
+                if await self._fetch(keeper, book, alone=False, other_state=found.swarm_state is not None, missed=late):
                     self._late = True  # the peers are already training on it
                     return
                 found = Matchmade(None, found.seconds)  # nothing to fetch yet: look again
                 await asyncio.sleep(RESULT_POLL)
             elif plan.action == AWAIT_RESULT:  # the holders may show the result before the records do
-                if await self._fetch(keeper, book, alone=False):
+                if await self._fetch(keeper, book, alone=False, missed=late):
                     self._late = True
                     return
                 await asyncio.sleep(AWAIT_POLL)
@@ -473,12 +473,15 @@ class SwarmNode:
                          rss_bytes=resident_bytes())  # fmt: skip
         await keeper.publish(diloco)
 
-    async def _fetch(self, keeper: StateKeeper, book: ProgressBook, *, alone: bool, other_state: bool = False) -> bool:
-        """Fetch the swarm's state when we should (swarm/state/keeper.py); True after a fetch."""
+    async def _fetch(
+        self, keeper: StateKeeper, book: ProgressBook, *, alone: bool, other_state: bool = False, missed: bool = False
+    ) -> bool:
+        """Fetch the swarm's state when we should (swarm/state/keeper.py); True after a fetch.
+        `missed`: a group of our state formed at this step without us (trust.Known.missed)."""
         diloco = self.diloco
         try:
             fetched = await keeper.catch_up(diloco, alone_last_step=alone, servers_behind=servers_behind(
-                self._facts(book)), other_state=other_state, horizon=self._horizon(book))  # fmt: skip
+                self._facts(book)), other_state=other_state, horizon=self._horizon(book), missed=missed)  # fmt: skip
         except CheckpointError as e:  # IncompatibleState: the run's state is not for this node
             raise NodeError(f"cannot use the run's state: {e}") from None
         except FetchError as e:

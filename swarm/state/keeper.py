@@ -120,14 +120,16 @@ class StateKeeper:
         servers_behind: bool = False,
         other_state: bool = False,
         horizon: int | None = None,
+        missed: bool = False,
     ) -> tuple[str, FetchReport] | None:
         """Fetch and load the swarm's state when this node should (see the module docstring),
         choosing only among the states it may trust (trust.py; `horizon`: the highest step the
-        run can have reached, None: unknown). Returns (why, report) after a fetch, None when the
+        run can have reached, None: unknown; `missed`: a group of our state formed at our step
+        without us, trust.Known.missed). Returns (why, report) after a fetch, None when the
         node's own state is right. Raises FetchError or IncompatibleState when a needed fetch
         fails."""
         holders = [h for h in await self._holders() if h.manifest not in self._refused]
-        verdict = choose_trusted(holders, Known(diloco.outer_step, horizon, self.vouching))
+        verdict = choose_trusted(holders, Known(diloco.outer_step, horizon, self.vouching, missed))
         for peer, reason in verdict.refused:
             kind = "unreachable" if "reachable" in reason else "backing"
             self._distrusted.log(peer, kind, "not adopting the state it advertises: %s", reason)

@@ -14,7 +14,12 @@ itself at step K0 some seconds ago (when it started, or last fetched):
    that advertise it. A state newer than K is adopted only when at least as many peers back it
    as stand at the node's own step (the node itself and the peers advertising step K): a node in
    sync with its group is never pulled off by fewer peers than it computed its state with; a
-   newcomer (at its own step alone) takes the best-backed state.
+   newcomer (at its own step alone) takes the best-backed state. A node that *missed* its step
+   (a group of its state formed without it: `Known.missed`) asks for MISSED_STEP_BACKERS (2)
+   backers at most: otherwise peers parked at the old step (other late nodes, or one attacker
+   that never moves on) outnumber a group of 2 that moved on, and the late nodes wait forever
+   (seen with a 1e30 attacker: 2 honest late nodes and the attacker at step 0, 2 at step 1). One
+   identity alone still cannot pull a late node anywhere.
 3. **Vouched.** States backed by one of the node's own --initial-peers are preferred: when one
    is among the newer candidates, only those are considered (the operator chose to trust them).
 4. **Best backed.** Among the newer candidates left: the most backers, then the older step
@@ -40,6 +45,7 @@ from swarm.model.checkpoint import Manifest
 from swarm.p2p.peer_id import PeerID
 from swarm.state.holders import Holder
 
+MISSED_STEP_BACKERS = 2  # what a node that missed its step's group asks of a newer state (rule 2)
 SLACK_STEPS = 2  # steps beyond what the observed pace allows (clock skew, a step under way)
 PACE_FACTOR = 4.0  # the swarm is taken to step at most this many times faster than observed
 HEADER_BYTES = 4096  # safetensors header allowance per shard (its JSON length prefix + padding) ...
@@ -53,6 +59,9 @@ class Known:
     step: int  # the step of the state it holds
     horizon: int | None = None  # the highest reachable step now (step_horizon); None: no bound
     vouching: frozenset[PeerID] = frozenset()  # its --initial-peers
+    # it knows a group of its own state formed at its step without it (a FORMED marker): it is
+    # behind by the swarm's lineage, and the peers parked at its step are no reason to stay
+    missed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +91,8 @@ def choose_trusted(holders: Sequence[Holder], known: Known) -> Verdict:
     # the node itself and the peers at its step (whatever their hash: a node whose snapshot of a
     # step just finished is not made yet still counts them)
     own_backing = 1 + len({peer for (step, _), peers in backers.items() if step == known.step for peer in peers})
+    if known.missed:
+        own_backing = min(own_backing, MISSED_STEP_BACKERS)
     newer = {c: peers for c, peers in backers.items() if c[0] > known.step and len(peers) >= own_backing}
     for (step, sha), peers in backers.items():
         if step > known.step and (step, sha) not in newer:

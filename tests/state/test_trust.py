@@ -45,6 +45,12 @@ CASES = [
      [held(0, 6, ZERO), held(0, 6, ZERO), held(1, 5), held(2, 5)], Known(5), (5, GOOD), {0}),
     ("nothing newer: the newest at or below ours (fetch_reason decides)",
      [held(1, 4), held(2, 5, OTHER), held(3, 5, OTHER)], Known(5), (5, OTHER), set()),
+    ("a node that missed its group is not held back by the late peers (and an attacker) at its step",
+     [held(1, 1), held(2, 1), held(3, 0), held(4, 0), held(0, 0)], Known(0, horizon=40, missed=True), (1, GOOD), set()),
+    ("... while a node that did not miss it stays with them",
+     [held(1, 1), held(2, 1), held(3, 0), held(4, 0), held(0, 0)], Known(0, horizon=40), (0, GOOD), {1, 2}),
+    ("a node that missed its group still does not follow one identity",
+     [held(0, 1, ZERO), held(3, 0), held(4, 0)], Known(0, horizon=40, missed=True), (0, GOOD), {0}),
     ("nobody advertises", [], Known(3), None, set()),
     ("only an unreachable step", [held(0, 1_000_000, ZERO)], Known(3, horizon=10), None, {0}),
 ]  # fmt: skip
