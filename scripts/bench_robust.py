@@ -77,6 +77,9 @@ def run_swarm(attack: str | None, args: argparse.Namespace, run_dir: Path) -> di
             error = str(e)
         finally:
             swarm.close()
+        if stop.requested:  # SIGINT/SIGTERM ends the benchmark, not just this attack's swarm
+            print("bench_robust: interrupted", file=sys.stderr)
+            raise SystemExit(130)
     honest = [c.record for c in swarm.children[:HONEST]]
     finals = [r.steps[-1].get("eval_loss") for r in honest if r.steps]
     finals = [f for f in finals if isinstance(f, int | float)]
