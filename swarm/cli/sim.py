@@ -116,6 +116,8 @@ class SimConfig:
         fraction = DEFAULT_DECAY_FRACTION if self.decay_fraction is None else self.decay_fraction
         problem = schedule_problem(self.lr_schedule, warmup, total, fraction)
         if problem is not None:  # before any node starts (each would refuse it alone)
+            if self.total_steps is None and total is not None:
+                problem += f" (--total-steps defaults to the whole run: --outer-steps x --inner-steps = {total})"
             raise ValueError(problem)
 
 

@@ -212,6 +212,8 @@ def _has_outer_step(path: Path) -> bool:
         ("--kill-every", "-1"),
         ("--outer-steps", "x"),
         ("extra",),
+        ("--lr-schedule", "cosine", "--outer-steps", "2", "--inner-steps", "5"),  # the whole run is inside warmup
+        ("--total-steps", "500"),  # with the constant schedule
     ],
 )
 def test_bad_flags_give_one_line_and_exit_2(args: tuple[str, ...]) -> None:
@@ -241,6 +243,27 @@ def test_the_choices_match_what_swarm_node_accepts() -> None:
     from swarm.model.presets import PRESETS
 
     assert (tuple(PRESETS), tuple(CODECS)) == (sim.MODELS, sim.CODECS)
+
+
+def test_the_nodes_get_the_schedule_and_a_decaying_one_ends_with_the_run(tmp_path: Path) -> None:
+    from swarm.cli import sim
+    from swarm.cli.sim_report import PlainDisplay
+
+    def argv(**options: Any) -> list[str]:
+        config = sim.build_config(run_dir=tmp_path, metrics_out=None, plot_out=None, threads=1, **{
+            "nodes": 2, "model": "tiny", "outer_steps": 10, "inner_steps": 20, "batch_size": 2, "seq_len": 16,
+            "compression": "int8", "seed": 0, "lr": None, "warmup_steps": None, "matchmaking_time": None,
+            "max_group_size": None, "part_timeout": None, "kill_every": None, "join_every": None, "timeout": None,
+            "verbose": 0, **options,
+        })  # fmt: skip
+        return sim.Swarm(config, PlainDisplay()).node_argv(tmp_path / "m.jsonl")
+
+    cosine = argv(lr_schedule="cosine")
+    assert cosine[cosine.index("--lr-schedule") + 1] == "cosine" and cosine[cosine.index("--total-steps") + 1] == "200"
+    wsd = argv(lr_schedule="wsd", total_steps=300, decay_fraction=0.5)
+    assert wsd[wsd.index("--total-steps") + 1] == "300" and wsd[wsd.index("--decay-fraction") + 1] == "0.5"
+    constant = argv(lr_schedule="constant")
+    assert constant[constant.index("--lr-schedule") + 1] == "constant" and "--total-steps" not in constant
 
 
 def _event(kind: str, **fields: Any) -> bytes:
