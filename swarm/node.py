@@ -205,7 +205,7 @@ class SwarmNode:
                 if problem is not None:
                     raise NodeError(problem)
                 await self._fetch(keeper, book, alone=False)
-            self._holding(await self.inner.call(diloco.state_sha256))
+            self._state_sha = bytes.fromhex(await self.inner.call(diloco.state_sha256))
             self.maddrs = [] if self.client_mode else host.visible_maddrs
             self.events.emit("start", maddrs=self.maddrs, run_id=config.run_id, outer_step=diloco.outer_step,
                              parameters=sum(p.numel() for p in diloco.params), client_mode=self.client_mode,
@@ -455,7 +455,7 @@ class SwarmNode:
         if evaluate:
             self._last_eval = await self.inner.call(eval_loss, diloco.model, self.eval_set)
         sha = await self.inner.call(diloco.state_sha256)
-        self._holding(sha)
+        self._state_sha = bytes.fromhex(sha)
         progress = self.inner.snapshot()
         self._tokens += progress.inner_done * config.batch_size * config.seq_len
         self._last_group = len(report.members) if report.group_id is not None else 1
@@ -492,15 +492,11 @@ class SwarmNode:
         self._late = True
         self._known_at = (diloco.outer_step, time.time())
         sha = await self.inner.call(diloco.state_sha256)
-        self._holding(sha)
+        self._state_sha = bytes.fromhex(sha)
         self.events.fetched(diloco.outer_step, *fetched, sha)
         return True
 
     # --- progress in the DHT ------------------------------------------------------------------
-
-    def _holding(self, state_sha256: str) -> None:
-        """We now hold the state of this hash: what we announce in matchmaking."""
-        self._state_sha = bytes.fromhex(state_sha256)
 
     async def _publish_forever(self, book: ProgressBook) -> None:
         while True:

@@ -30,11 +30,11 @@ members would take the leader's place or hold the majority a leader needs (may_f
     ready value:   {"member": MemberInfo.encode(), "proof": nonce, "settings": digest}  ("I am ready")
     FORMED marker: {"formed": state, "group": id, "proof": nonce, "settings": digest}
                    (done: in a group of that state)
+    DONE marker:   "done"   (done without a group: do not count me)
 
 A record counts only for nodes of the same run settings (`settings`: model/run_settings.py's
 digest of H, schedule, model, ...): nodes of other settings never group, and their states are
 not "the swarm's" (a node does not try to fetch them).
-    DONE marker:   "done"                                               (done without a group: do not count me)
 """
 
 from __future__ import annotations
