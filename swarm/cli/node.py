@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import sys
@@ -20,6 +21,7 @@ from typing import Any
 
 import click
 import torch
+from click.core import ParameterSource
 
 from swarm.averaging.config import CODECS
 from swarm.cli.common import (
@@ -39,10 +41,11 @@ from swarm.cli.node_display import MetricsFile, display_for_terminal
 from swarm.dht.id_proof import proof_path_for
 from swarm.model.data import DataUnavailableError
 from swarm.model.presets import PRESETS
-from swarm.model.run_settings import join_flags
+from swarm.model.run_settings import FIELDS, FLAGS, join_flags, training_settings
 from swarm.model.schedule import SCHEDULES
-from swarm.node import Event, NodeError, SwarmNode
+from swarm.node import Event, NodeError, SwarmNode, initial_peer_ids
 from swarm.node_config import NodeConfig
+from swarm.run_lookup import adoptable_settings, read_run_settings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -168,6 +171,8 @@ def main(
         p2p_config = limits.p2p(host_maddrs=host_maddrs or DEFAULT_HOST_MADDRS, announce_maddrs=announce_maddrs)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    if initial_peers:
+        config = _adopt_run_settings(config, initial_peers, limits)
     sinks: list[Any] = []
     try:
         if metrics_file is not None:
@@ -199,6 +204,28 @@ def main(
     finally:
         for sink in sinks:
             sink.close()
+
+
+def _adopt_run_settings(config: NodeConfig, initial_peers: tuple[str, ...], limits: OpenNetworkLimits) -> NodeConfig:
+    """Every run setting not given on the command line or in --config takes the run's value
+    (swarm/run_lookup.py); said in one line."""
+    ctx = click.get_current_context()
+    given = {n for n in FIELDS if ctx.get_parameter_source(n) not in (ParameterSource.DEFAULT, None)}
+    if given >= set(FIELDS):
+        return config
+    lookup = limits.p2p(host_maddrs=("/ip4/0.0.0.0/tcp/0",))
+    theirs = run_network(lambda: read_run_settings(config.run_id, initial_peers, lookup, limits.dht(),
+                                                   initial_peer_ids(initial_peers)))  # fmt: skip
+    adopted = adoptable_settings(theirs, given, training_settings(config))
+    if not adopted:
+        return config
+    try:
+        config = dataclasses.replace(config, **adopted)
+    except ValueError as e:  # the run publishes settings this node cannot run: say whose
+        raise CliError(f"run {config.run_id!r} publishes settings this node cannot use: {e}") from None
+    flags = " ".join(f"{FLAGS[n]} {v}" for n, v in adopted.items())
+    click.echo(f"run {config.run_id!r}: adopting its settings {flags}", err=True)
+    return config
 
 
 async def _run_until_signalled(node: SwarmNode) -> str:

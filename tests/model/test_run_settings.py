@@ -78,3 +78,19 @@ def test_malformed_settings_from_a_peer_are_none(value: object) -> None:
 
 def test_well_formed_settings_decode() -> None:
     assert decode_settings(COSINE) == COSINE
+
+
+@pytest.mark.parametrize(
+    ("theirs", "given", "adopted"),
+    [
+        (None, set(), {}),  # the run says nothing: our own settings
+        (OURS, set(), {}),  # the same: nothing to adopt
+        (COSINE, set(), {"lr_schedule": "cosine", "total_steps": 1000}),
+        (COSINE, {"lr_schedule"}, {"total_steps": 1000}),  # a given flag is never overridden (it is refused later)
+        ({**COSINE, "unknown": 1}, set(), {"lr_schedule": "cosine", "total_steps": 1000}),  # only known settings
+    ],
+)
+def test_a_joining_node_adopts_every_setting_it_was_not_given(theirs: dict | None, given: set, adopted: dict) -> None:
+    from swarm.run_lookup import adoptable_settings
+
+    assert adoptable_settings(theirs, given, OURS) == adopted

@@ -73,6 +73,34 @@ def test_three_nodes_train_together_with_identical_state(swarm: Swarm) -> None:
 
 
 @pytest.mark.timeout(240)
+def test_a_volunteer_joins_with_the_run_id_and_a_peer_and_adopts_the_runs_settings(swarm: Swarm) -> None:
+    """The run's settings travel in its progress records: a node given none of them adopts them
+    (and says so), trains in the run's groups; a flag that contradicts them is refused."""
+    swarm.start_bootstrap()
+    run = ("--run-id", "adopt", "--matchmaking-time", "2")
+    first = swarm.node(
+        "a", *run, "--inner-steps", "6", "--lr-schedule", "cosine", "--total-steps", "600", "--max-outer-steps", "200"
+    )  # fmt: skip (outlasts the others; stopped below)
+    swarm.wait_for(lambda: len(swarm.events("a", "outer_step")) >= 1, 150, "the first node's first outer step")
+    joiner = swarm.node("b", *run, "--max-outer-steps", "200")  # stopped below, like the first
+    contrary = swarm.node("c", *run, "--inner-steps", "5", "--max-outer-steps", "3")
+    assert contrary.wait(120) != 0
+    assert "--inner-steps 6 (this node: 5)" in swarm.stderr("c"), swarm.stderr("c")
+    assert "adopting its settings --inner-steps 6 --lr-schedule cosine --total-steps 600" in swarm.stderr("b")
+
+    def grouped() -> list[dict[str, Any]]:
+        return [e for e in swarm.events("b", "outer_step") if e["group_size"] == 2]
+
+    swarm.wait_for(lambda: len(grouped()) >= 2, 150, "two outer steps of the newcomer with the first node")
+    theirs = {e["outer_step"]: e["state_sha256"] for e in swarm.events("a", "outer_step")}
+    assert all(e["state_sha256"] == theirs[e["outer_step"]] for e in grouped() if e["outer_step"] in theirs)
+    joiner.send_signal(signal.SIGTERM)
+    assert joiner.wait(60) == 0, swarm.stderr("b")
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(60) == 0, swarm.stderr("a")
+
+
+@pytest.mark.timeout(240)
 def test_a_node_killed_mid_run_does_not_stop_the_others(swarm: Swarm) -> None:
     swarm.start_bootstrap()
     args = ("--run-id", "kill", "--inner-steps", "6", "--max-outer-steps", "6", "--matchmaking-time", "1.5")
