@@ -3,6 +3,9 @@
     swarm-node --run-id demo                                   # the first node of a run
     swarm-node --run-id demo --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...
 
+A node with --initial-peers adopts the run's settings (model, H, batch, schedule, ...) that it
+was not given (swarm/run_lookup.py); a given one that contradicts the run is refused.
+
 `--config FILE` reads the same options from TOML (`inner-steps = 50` or `inner_steps = 50`);
 flags on the command line override it. SIGINT or SIGTERM: finish the round under way, leave,
 exit 0; a second signal stops at once (exit 130).
