@@ -86,7 +86,7 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
     return click.option(f"--{name}", type=type_, default=default, show_default=True, help=help, **kwargs)
 
 
-@click.command(cls=OneLineCommand, context_settings={"show_default": True})
+@click.command(cls=OneLineCommand, context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @click.option(
     "--config",
     type=click.Path(dir_okay=False, path_type=Path),

@@ -431,6 +431,7 @@ def run(config: SimConfig) -> None:
     began = time.time()
     failure: CliError | None = None
     title = f"swarm-sim · model {config.model} · H={config.inner_steps}"
+    click.echo(f"run directory: {config.run_dir} (node logs, metrics)")  # before the live table
     with stop_on_signals() as stop, sim_report.open_display(title) as display:
         swarm = Swarm(config, display)
         try:

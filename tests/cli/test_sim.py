@@ -99,6 +99,7 @@ def test_swarm_trains_agrees_and_reports(tmp_path: Path) -> None:
     code, out, err = _run("--nodes", "2", *QUICK, "--run-dir", str(run_dir), "--metrics-out", str(metrics))
     assert code == 0, f"{out}\n{err}"
     _assert_no_leftovers(run_dir)
+    assert out.splitlines()[0] == f"run directory: {run_dir} (node logs, metrics)"  # first, before any table
 
     nodes = json.loads(metrics.read_text())["nodes"]
     assert len(nodes) == 2
