@@ -1,0 +1,17 @@
+"""-h and --help on every command (issue 16: swarm-node refused -h)."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from swarm.cli.dht import main as dht_main
+from swarm.cli.node import main as node_main
+from swarm.cli.sim import main as sim_main
+
+
+@pytest.mark.parametrize("command", [node_main, dht_main, sim_main], ids=["swarm-node", "swarm-dht", "swarm-sim"])
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_every_command_takes_h_and_help(command: object, flag: str) -> None:
+    result = CliRunner().invoke(command, [flag])  # type: ignore[arg-type]
+    assert result.exit_code == 0 and result.output.startswith("Usage:"), result.output
