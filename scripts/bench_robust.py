@@ -33,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 HONEST = 4
 # what an honest node logs when a defense acted (any of them counts as detected)
-DETECTION = ("clipped", "dropped", "refus", "ignor", "implausible", "audit", "excluded", "capped")
+DETECTION = ("clipped", "dropped", "refus", "ignor", "implausible", "audit", "excluded", "capped", "not adopting")
 
 
 def attacker_argv(attack: str) -> list[str]:
