@@ -69,8 +69,6 @@ from swarm.p2p.config import P2PConfig
 from swarm.p2p.errors import P2PError
 from swarm.p2p.host import P2PHost
 from swarm.p2p.identity import Identity
-from swarm.p2p.maddr import parse_maddr
-from swarm.p2p.peer_id import PeerID
 from swarm.plan import (
     APPLY_OWN,
     AWAIT_RESULT,
@@ -86,6 +84,7 @@ from swarm.plan import (
     servers_behind,
 )  # fmt: skip
 from swarm.progress import OwnProgress, ProgressBook, implausible
+from swarm.run_lookup import initial_peer_ids
 from swarm.state.fetcher import FetchError
 from swarm.state.keeper import StateKeeper
 from swarm.state.trust import step_horizon
@@ -518,17 +517,6 @@ class SwarmNode:
             tokens_per_s=round(config.batch_size * config.seq_len / sec, 1) if sec > 0 else None,
             settings=self.settings,
         ))  # fmt: skip
-
-
-def initial_peer_ids(maddrs: tuple[str, ...]) -> frozenset[PeerID]:
-    """The PeerIDs named in --initial-peers (their advertised states are preferred: trust.py)."""
-    ids = set()
-    for text in maddrs:
-        with contextlib.suppress(ValueError):
-            peer_id = parse_maddr(text).peer_id
-            if peer_id is not None:
-                ids.add(peer_id)
-    return frozenset(ids)
 
 
 def _report_crash(task: asyncio.Task[Any]) -> None:

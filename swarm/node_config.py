@@ -1,19 +1,22 @@
-"""NodeConfig: everything a training node is told (swarm-node's flags), checked when built."""
+"""NodeConfig: everything a training node is told (swarm-node's flags), checked when built.
+No torch import at load (only to check an explicit --device): swarm-node's flag errors come in a
+moment."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from swarm.averaging.config import CODECS, AveragingConfig
 from swarm.dht.run_keys import check_run_id
-from swarm.model.checkpoint import DEFAULT_SHARD_BYTES
-from swarm.model.diloco import DiLoCoConfig
+from swarm.model.configs import DEFAULT_SHARD_BYTES, DiLoCoConfig
 from swarm.model.presets import PRESETS
 from swarm.model.run_settings import settings_digest, training_settings
 from swarm.model.schedule import DEFAULT_DECAY_FRACTION, DEFAULT_WARMUP_STEPS
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,6 +82,8 @@ class NodeConfig:
         if not (math.isfinite(self.max_wait) and self.max_wait >= 0):
             raise ValueError("max_wait must be a number of seconds >= 0")
         if self.device != "auto":
+            import torch
+
             torch.device(self.device)  # raises on nonsense
         self.diloco_config()  # checks lr, outer lr and momentum, warmup, the schedule
 
@@ -114,6 +119,8 @@ class NodeConfig:
         return float(self.inner_steps * self.batch_size * self.seq_len)
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)

@@ -15,6 +15,7 @@ run_settings.run_settings's rule (the initial peers' first, else most records').
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -26,6 +27,7 @@ from swarm.dht.run_keys import nodes_key
 from swarm.model.run_settings import FIELDS, run_settings
 from swarm.p2p import P2PConfig
 from swarm.p2p.errors import P2PError
+from swarm.p2p.maddr import parse_maddr
 from swarm.p2p.peer_id import PeerID
 from swarm.progress import decode_progress
 
@@ -71,3 +73,14 @@ def adoptable_settings(theirs: Mapping[str, Any] | None, given: set[str], ours: 
     return {
         name: theirs[name] for name in FIELDS if name in theirs and name not in given and theirs[name] != ours.get(name)
     }
+
+
+def initial_peer_ids(maddrs: tuple[str, ...]) -> frozenset[PeerID]:
+    """The PeerIDs named in --initial-peers (their advertised states are preferred: trust.py)."""
+    ids = set()
+    for text in maddrs:
+        with contextlib.suppress(ValueError):
+            peer_id = parse_maddr(text).peer_id
+            if peer_id is not None:
+                ids.add(peer_id)
+    return frozenset(ids)

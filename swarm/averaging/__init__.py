@@ -1,18 +1,28 @@
-"""swarm.averaging: DHT matchmaking and the fault-tolerant butterfly all-reduce of a group."""
+"""swarm.averaging: DHT matchmaking and the fault-tolerant butterfly all-reduce of a group.
 
-from swarm.averaging.allreduce import AllReduceError, RoundReport
-from swarm.averaging.averager import Averager, GroupReport
-from swarm.averaging.config import AveragingConfig
-from swarm.averaging.errors import AuditError
-from swarm.averaging.messages import GroupInfo, MemberInfo
+The names below load on first use (PEP 562), so that `swarm.averaging.config` (no torch) is
+quick to import for the command line's checks."""
 
-__all__ = [
-    "AllReduceError",
-    "AuditError",
-    "Averager",
-    "AveragingConfig",
-    "GroupInfo",
-    "GroupReport",
-    "MemberInfo",
-    "RoundReport",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "AllReduceError": "allreduce",
+    "RoundReport": "allreduce",
+    "Averager": "averager",
+    "GroupReport": "averager",
+    "AveragingConfig": "config",
+    "AuditError": "errors",
+    "GroupInfo": "messages",
+    "MemberInfo": "messages",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'swarm.averaging' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"swarm.averaging.{_WHERE[name]}"), name)

@@ -130,8 +130,8 @@ def load_identity(path: Path | None) -> Identity | None:
         return None
     try:
         return Identity.load_or_create(path)
-    except P2PError as e:
-        raise CliError(str(e)) from None
+    except P2PError as e:  # a file that is not a key: say how to get going again
+        raise CliError(f"{e} (move it away to make a new identity, or pass another --identity)") from None
     except OSError as e:
         raise CliError(f"cannot create identity file {path}: {e.strerror or e}") from None
 

@@ -20,10 +20,9 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-import torch
 from click.core import ParameterSource
 
 from swarm.averaging.config import CODECS
@@ -42,13 +41,14 @@ from swarm.cli.common import (
 )
 from swarm.cli.node_display import MetricsFile, display_for_terminal
 from swarm.dht.id_proof import proof_path_for
-from swarm.model.data import DataUnavailableError
 from swarm.model.presets import PRESETS
 from swarm.model.run_settings import FIELDS, FLAGS, join_flags, training_settings
 from swarm.model.schedule import SCHEDULES
-from swarm.node import Event, NodeError, SwarmNode, initial_peer_ids
 from swarm.node_config import NodeConfig
-from swarm.run_lookup import adoptable_settings, read_run_settings
+from swarm.run_lookup import adoptable_settings, initial_peer_ids, read_run_settings
+
+if TYPE_CHECKING:  # torch and the node load inside main(), after the flags are checked
+    from swarm.node import Event, SwarmNode
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -70,13 +70,21 @@ def _read_config(ctx: click.Context, param: click.Parameter, path: Path | None) 
         raise click.BadParameter(f"cannot read {path}: {e.strerror or e}", ctx, param) from None
     except tomllib.TOMLDecodeError as e:
         raise click.BadParameter(f"{path} is not valid TOML: {e}", ctx, param) from None
+    options = {p.name: p for p in ctx.command.params if p.name and p.name != "config" and isinstance(p, click.Option)}
+    written = {key.replace("-", "_"): key for key in table}  # reported as the file spells them
     values = {key.replace("-", "_"): value for key, value in table.items()}
-    unknown = sorted(set(values) - {p.name for p in ctx.command.params if p.name and p.name != "config"})
+    unknown = sorted(written[k] for k in set(values) - set(options))
     if unknown:
-        raise click.BadParameter(f"{path}: unknown option(s) {', '.join(unknown)}", ctx, param)
+        valid = ", ".join(sorted(n.replace("_", "-") for n in options))
+        raise click.BadParameter(f"{path}: unknown option(s) {', '.join(unknown)}; valid: {valid}", ctx, param)
     for key in ("initial_peers", "host_maddrs", "announce_maddrs"):
         if isinstance(values.get(key), str):
             values[key] = [values[key]]
+    for key, value in values.items():  # typed here, so that a bad value names the file, not a flag
+        try:
+            options[key].type_cast_value(ctx, value)
+        except click.BadParameter as e:
+            raise click.BadParameter(f"{path}: {written[key]} = {value!r}: {e.message}", ctx, param) from None
     ctx.default_map = {**(ctx.default_map or {}), **values}
     return path
 
@@ -168,6 +176,11 @@ def main(
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     node_identity = load_identity(identity)
+    import torch  # the flags are checked: now the slow imports (seconds on a busy machine)
+
+    from swarm.model.data import DataUnavailableError
+    from swarm.node import NodeError, SwarmNode
+
     if threads is not None:
         torch.set_num_threads(threads)
     try:

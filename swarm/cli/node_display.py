@@ -7,11 +7,12 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import click
 
-from swarm.node import Event
+if TYPE_CHECKING:
+    from swarm.node import Event
 
 
 def _fmt(value: Any, spec: str = ".4f") -> str:

@@ -37,10 +37,10 @@ from typing import Any
 import torch
 from safetensors.torch import save as safetensors_save
 
+from swarm.model.configs import DEFAULT_SHARD_BYTES
 from swarm.model.run_settings import decode_settings, differences
 
 FORMAT = "swarm-state/1"
-DEFAULT_SHARD_BYTES = 64 << 20
 MAX_MANIFEST_BYTES = 4 << 20
 MAX_SHARDS = 65_536
 MAX_SHARD_BYTES = 4 << 30

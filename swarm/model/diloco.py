@@ -44,57 +44,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from swarm.model.configs import DiLoCoConfig
 from swarm.model.loss import autocast_for, lm_loss
-from swarm.model.schedule import (
-    DEFAULT_DECAY_FRACTION,
-    DEFAULT_WARMUP_STEPS,
-    inner_lr,
-    schedule_problem,
-)
+from swarm.model.schedule import inner_lr
 from swarm_kernels import as_memoryview
+
+__all__ = ["DiLoCo", "DiLoCoConfig", "InnerStats", "NonFiniteLossError", "inner_lr", "state_sha256", "tensors_sha256"]
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 Average = Callable[[list[torch.Tensor], float], "list[torch.Tensor] | Awaitable[list[torch.Tensor]]"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DiLoCoConfig:
-    inner_steps: int = 100  # H: inner steps per outer step
-    # inner AdamW; the schedule runs on the swarm's clock: outer_step * H + inner steps done
-    lr: float = 1e-3  # peak inner learning rate
-    warmup_steps: int = DEFAULT_WARMUP_STEPS  # linear warmup from lr / warmup_steps to lr
-    lr_schedule: str = "constant"  # after warmup: one of SCHEDULES (schedule.inner_lr)
-    total_steps: int | None = None  # cosine / wsd: lr * min_lr_ratio from this step on
-    decay_fraction: float = DEFAULT_DECAY_FRACTION  # wsd: the decay takes this last fraction of total_steps
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1  # on matrices only (not norms)
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float | None = 1.0  # max global gradient norm; None: no clipping
-    # outer SGD (the DiLoCo paper's defaults)
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    nesterov: bool = True
-    offload_outer: bool = False  # keep θ_outer and momentum in CPU memory (saves accelerator memory)
-
-    def __post_init__(self) -> None:
-        if self.inner_steps < 1:
-            raise ValueError(f"DiLoCoConfig.inner_steps must be >= 1, got {self.inner_steps}")
-        for name in ("lr", "outer_lr"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
-                raise ValueError(f"DiLoCoConfig.{name} must be a positive number, got {getattr(self, name)}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"DiLoCoConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
-        problem = schedule_problem(self.lr_schedule, self.warmup_steps, self.total_steps, self.decay_fraction)
-        if problem is not None:
-            raise ValueError(problem)
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"DiLoCoConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.weight_decay < 0 or not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
-            raise ValueError("need weight_decay >= 0 and two betas in [0, 1)")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(f"DiLoCoConfig.grad_clip must be positive or None, got {self.grad_clip}")
-        if not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"DiLoCoConfig.outer_momentum must be in [0, 1), got {self.outer_momentum}")
 
 
 @dataclass(frozen=True, slots=True)

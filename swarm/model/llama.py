@@ -19,57 +19,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swarm.model.configs import ModelConfig
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ModelConfig:
-    vocab_size: int = 256  # 256: byte-level tokens (the built-in corpus)
-    dim: int  # width of the residual stream
-    n_layers: int
-    n_heads: int  # query heads; head_dim = dim // n_heads (must be even for rotary embeddings)
-    n_kv_heads: int | None = None  # key/value heads (grouped-query attention); None: = n_heads
-    ffn_dim: int | None = None  # SwiGLU hidden width; None: 8/3 * dim rounded up to multiple_of
-    multiple_of: int = 64
-    max_seq_len: int = 512  # longest sequence the rotary tables cover
-    rope_theta: float = 10_000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True  # the output projection reuses the token embedding matrix
-    init_std: float = 0.02  # residual output projections are further scaled by 1/sqrt(2 * n_layers)
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "multiple_of", "max_seq_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.dim % self.n_heads:
-            raise ValueError(f"ModelConfig.dim ({self.dim}) must be a multiple of n_heads ({self.n_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim = dim // n_heads must be even for rotary embeddings, got {self.head_dim}")
-        if self.n_kv_heads is not None and (self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads):
-            raise ValueError(f"n_kv_heads ({self.n_kv_heads}) must be positive and divide n_heads ({self.n_heads})")
-        if self.ffn_dim is not None and self.ffn_dim <= 0:
-            raise ValueError(f"ModelConfig.ffn_dim must be positive, got {self.ffn_dim}")
-        for name in ("rope_theta", "norm_eps", "init_std"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def hidden_dim(self) -> int:
-        if self.ffn_dim is not None:
-            return self.ffn_dim
-        return self.multiple_of * math.ceil(8 * self.dim / 3 / self.multiple_of)
+__all__ = ["Llama", "ModelConfig", "build_model", "count_parameters"]
 
 
 def count_parameters(config: ModelConfig) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from swarm.model.llama import ModelConfig
+from swarm.model.configs import ModelConfig
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(dim=128, n_layers=6, n_heads=4, max_seq_len=512),
