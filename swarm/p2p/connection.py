@@ -459,13 +459,21 @@ class Connection:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def _on_lost(self, reason: Exception | None) -> None:
-        if isinstance(reason, (ProtocolError, MessageTooLarge)):
+        garbled = isinstance(reason, (ProtocolError, MessageTooLarge))
+        # what we dialed answered in another protocol (an HTTP server, a wrong port): the caller's
+        # error says so in one line, no warning beside it
+        not_a_node = garbled and not self.authenticated and self.role == hs.DIALER
+        if garbled:
             peer = self.peer_id if self.authenticated else "an unauthenticated peer"
-            logger.warning("%s: closed connection to %s (%s): %s", self.identity.peer_id, peer, self._where(), reason)
+            logger.log(logging.INFO if not_a_node else logging.WARNING, "%s: closed connection to %s (%s): %s",
+                       self.identity.peer_id, peer, self._where(), reason)  # fmt: skip
         if self._idle_handle is not None:
             self._idle_handle.cancel()
         who = self.peer_id if self.authenticated else self._where()
         error = ConnectionLost(f"connection to {who} lost: {reason or 'closed'}")
+        if not_a_node:
+            error = ConnectionLost(f"{who} answered, but not as a swarm node (another kind of server? check the "
+                                   f"address and port): {reason}")  # fmt: skip
         for future, _ in self._pending.values():
             if not future.done():
                 future.set_exception(error)

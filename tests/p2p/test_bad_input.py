@@ -257,3 +257,26 @@ async def test_close_does_not_hang_on_a_peer_that_stops_reading(make_host) -> No
     await asyncio.wait_for(host.close(), 10)
     assert loop.time() - start < 6
     await peer.close()
+
+
+async def test_dialing_a_server_of_another_protocol_says_so(make_host) -> None:
+    """An initial peer pasted with the port of a web server: the dial fails with one error that
+    says the address answered but is not a swarm node (before: only a frame size)."""
+
+    async def http_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(4096)
+        writer.write(b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/html\r\n\r\n<!DOCTYPE HTML><html></html>")
+        await writer.drain()
+        writer.close()
+
+    web = await asyncio.start_server(http_server, "127.0.0.1", 0)
+    try:
+        port = web.sockets[0].getsockname()[1]
+        client = await make_host()
+        other = Identity.generate().peer_id
+        with pytest.raises(Exception, match="answered, but not as a swarm node") as caught:
+            await client.call(f"/ip4/127.0.0.1/tcp/{port}/p2p/{other}", "t.echo", "x", timeout=5)
+        assert "check the address and port" in str(caught.value)
+    finally:
+        web.close()
+        await web.wait_closed()
