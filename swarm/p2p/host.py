@@ -18,6 +18,7 @@ and both sides then prefer the one dialed by the smaller PeerID (the other idles
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 from typing import Any
@@ -79,9 +80,15 @@ class P2PHost:
                 addr = parse_maddr(text)
                 if addr.host_protocol not in ("ip4", "ip6"):
                     raise MultiaddrError(f"listen address {text!r} must be /ip4 or /ip6")
-                server = await loop.create_server(
-                    self._accept, addr.host, addr.port, backlog=self.config.listen_backlog, reuse_address=True
-                )
+                try:
+                    server = await loop.create_server(
+                        self._accept, addr.host, addr.port, backlog=self.config.listen_backlog, reuse_address=True
+                    )
+                except OSError as e:
+                    if e.errno != errno.EADDRINUSE:
+                        raise
+                    raise OSError(e.errno, f"port {addr.port} of {addr.host} is in use (another node?): pick another "
+                                           f"--host-maddrs, or /tcp/0 for any free port") from None  # fmt: skip
                 self._servers.append(server)
                 port = server.sockets[0].getsockname()[1]
                 self._listen_addrs.append(TcpAddress(addr.host_protocol, addr.host, port, self.peer_id))

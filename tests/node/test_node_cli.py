@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import resource
 import signal
+import socket
 import subprocess
 from collections import defaultdict
 from pathlib import Path
@@ -170,6 +171,15 @@ def test_a_bad_flag_is_refused_before_torch_loads(args: list[str]) -> None:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert line.startswith("swarm-node: error:") and cpu < 1.0, (line, cpu)
+
+
+def test_a_busy_port_says_what_to_do() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = _one_error_line(_run("--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--max-outer-steps", "1", *FAST))
+    assert f"port {port} of 127.0.0.1 is in use" in line and "/tcp/0 for any free port" in line, line
 
 
 def test_bad_config_file_gives_one_line(tmp_path: Path) -> None:
