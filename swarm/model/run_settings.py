@@ -120,4 +120,5 @@ def disagreement(
     if not diff:
         return None
     return ("this run trains with other settings: " + "; ".join(diff)
-            + ". Pass the run's values (every node of a run must use the same) or pick another --run-id")  # fmt: skip
+            + ". Leave these flags out (a joining node adopts the run's settings it is not given), pass the run's "
+            "values, or pick another --run-id")  # fmt: skip
