@@ -8,7 +8,9 @@ real StateServer until SIGTERM. Its first stdout line is JSON:
 {"peer_id", "maddrs", "manifest", "state_sha256" (as DiLoCo.state_sha256 hashes it),
 "state_bytes"}. Tests and scripts/bench_state.py use it as a donor they can slow down, corrupt
 or kill; `--upload-delay` sleeps between chunks, `--corrupt` flips one byte of every shard it
-sends, `--claim-run`/`--claim-model` write another run id or model into its manifest.
+sends, `--claim-run`/`--claim-model` write another run id or model into its manifest, and
+`--node-settings` the run settings of swarm-nodes of the same flags (without it: none, as
+scripts/bench_state.py expects).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from swarm.model.checkpoint import RunInfo, Snapshot, make_snapshot
 from swarm.model.diloco import state_sha256
 from swarm.model.llama import build_model
 from swarm.model.presets import preset
+from swarm.model.run_settings import training_settings
+from swarm.node_config import NodeConfig
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.host import P2PHost
 from swarm.p2p.stream import Stream
@@ -53,6 +57,11 @@ def make_state(model: str, seed: int, step: int) -> dict[str, Any]:
 
 def run_info(args: argparse.Namespace) -> RunInfo:
     config = preset(args.claim_model or args.model)
+    settings = {}
+    if args.node_settings:  # the run settings of swarm-nodes given these flags (model/run_settings.py)
+        node = NodeConfig(run_id=args.run_id, model=args.model, seed=args.seed, inner_steps=args.inner_steps,
+                          batch_size=args.batch_size, seq_len=args.seq_len)  # fmt: skip
+        settings = training_settings(node)
     return RunInfo(
         run_id=args.claim_run or args.run_id,
         model=args.claim_model or args.model,
@@ -60,6 +69,7 @@ def run_info(args: argparse.Namespace) -> RunInfo:
         seed=args.seed,
         data="stdlib",
         inner_steps=args.inner_steps,
+        settings=settings,
     )
 
 
@@ -130,6 +140,11 @@ def main() -> None:
     parser.add_argument("--corrupt", action="store_true")
     parser.add_argument("--claim-run", default=None)
     parser.add_argument("--claim-model", default=None)
+    parser.add_argument("--node-settings", action="store_true",
+                        help="write into the manifest the run settings of swarm-nodes with these --model, --seed, "
+                        "--inner-steps, --batch-size and --seq-len (their defaults otherwise), so that they adopt it")
+    parser.add_argument("--batch-size", type=int, default=NodeConfig().batch_size)
+    parser.add_argument("--seq-len", type=int, default=NodeConfig().seq_len)
     eventloop.run(serve(parser.parse_args()))
 
 

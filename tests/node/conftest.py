@@ -25,7 +25,8 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 SEEDER = Path(__file__).resolve().parents[2] / "scripts" / "state_seeder.py"
 ENV = {k: v for k, v in os.environ.items() if k != "SWARM_INITIAL_PEERS"} | {"OMP_NUM_THREADS": "1"}
 # small and quick: tiny model, short windows, one torch thread per node (2-core machines)
-FAST = ("--model", "tiny", "--batch-size", "2", "--seq-len", "64", "--threads", "1", "--eval-windows", "8")
+FAST_SETTINGS = ("--model", "tiny", "--batch-size", "2", "--seq-len", "64")  # run settings: state_seeder too
+FAST = (*FAST_SETTINGS, "--threads", "1", "--eval-windows", "8")
 
 
 def console_script(name: str) -> str:

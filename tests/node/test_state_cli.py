@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.node.conftest import Swarm
+from tests.node.conftest import FAST_SETTINGS, Swarm
 
 pytestmark = pytest.mark.swarm
 SHARDS = ("--shard-mb", "0.5")  # the tiny model's 10 MB state in about 21 shards: several donors
@@ -46,7 +46,8 @@ def test_a_newcomer_fetches_from_several_peers_and_then_agrees_with_them(swarm: 
 
 
 def _seeders(swarm: Swarm, *extra: tuple[str, ...]) -> list[tuple[subprocess.Popen[str], dict]]:
-    base = ("--run-id", "seeded", "--model", "tiny", "--step", "5", "--shard-bytes", str(256 << 10))
+    base = ("--run-id", "seeded", "--step", "5", "--shard-bytes", str(256 << 10),
+            "--node-settings", "--inner-steps", "2", *FAST_SETTINGS)  # the newcomers' settings (_newcomer)
     return [swarm.seeder(f"seeder{i}", *base, *more) for i, more in enumerate(extra)]
 
 
