@@ -79,6 +79,7 @@ from swarm.plan import (
     expected_peers,
     matchmaking_start,
     median_pace,
+    peers_still_behind,
     plan_step,
     plan_without_group,
     servers_behind,
@@ -306,7 +307,22 @@ class SwarmNode:
                 if found is None:
                     return "stopped"
             await self._finish_step(averager, keeper, book, step, found, stop)
+        await self._linger(book, stop)
         return "finished"
+
+    async def _linger(self, book: ProgressBook, stop: asyncio.Event) -> None:
+        """Done: serve our state a while longer to the live peers still on an earlier step
+        (plan.peers_still_behind), at most max_wait."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.max_wait
+        while not stop.is_set() and loop.time() < deadline:
+            await book.refresh()
+            behind = peers_still_behind(self._facts(book))
+            if not behind:
+                return
+            logger.info("finished; serving our state to %d peer(s) still behind", len(behind))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), RESULT_POLL)
 
     async def _train_and_matchmake(
         self, averager: Averager, book: ProgressBook, step: int, target: int, stop: asyncio.Event

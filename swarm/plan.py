@@ -180,3 +180,10 @@ def servers_behind(f: Facts) -> bool:
     inner steps that would bring its next state to ours. False when no server is live."""
     servers = [p for p in f.live() if not p.client]
     return bool(servers) and all(p.step + (p.inner >= p.inner_steps) < f.step for p in servers)
+
+
+def peers_still_behind(f: Facts) -> list[PeerProgress]:
+    """The live peers (clients too) still working on a step before ours. A node that finished the
+    run's last step stays while there are any (up to max_wait): they missed its group and can
+    only catch up by fetching its state; had it left at once, they would step alone and fork."""
+    return [p for p in f.live() if p.step < f.step]

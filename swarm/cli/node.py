@@ -229,7 +229,7 @@ def _adopt_run_settings(config: NodeConfig, initial_peers: tuple[str, ...], limi
     given = {n for n in FIELDS if ctx.get_parameter_source(n) not in (ParameterSource.DEFAULT, None)}
     if given >= set(FIELDS):
         return config
-    lookup = limits.p2p(host_maddrs=("/ip4/0.0.0.0/tcp/0",))
+    lookup = limits.p2p(host_maddrs=("/ip4/127.0.0.1/tcp/0",))  # it only dials out
     theirs = run_network(lambda: read_run_settings(config.run_id, initial_peers, lookup, limits.dht(),
                                                    initial_peer_ids(initial_peers)))  # fmt: skip
     adopted = adoptable_settings(theirs, given, training_settings(config))

@@ -19,6 +19,7 @@ from swarm.plan import (
     expected_peers,
     latest_finish,
     median_pace,
+    peers_still_behind,
     plan_step,
     plan_without_group,
     servers_behind,
@@ -163,3 +164,18 @@ def test_one_peer_claiming_a_late_finish_is_not_waited_for() -> None:
     # with a fast pace, the records' freshness window (10 s here) is the least a peer is given
     quick = facts(peer(5, 6, sec=0.01, i=0), peer(5, 0, sec=0.9, i=1), own_sec=0.01)  # NOW + 0.04, NOW + 9
     assert IDS[1] in expected_peers(quick, own_finish=NOW + 0.04, max_wait=30)
+
+
+@pytest.mark.parametrize(
+    ("peers", "behind"),
+    [
+        ((), 0),  # alone: nobody to wait for
+        ((peer(5, 0), peer(6, 0, i=1)), 0),  # everyone at our step or past it (step 5 is ours)
+        ((peer(4, 10),), 1),  # it missed our group: it fetches our state, so we stay
+        ((peer(4, 3, client=True),), 1),  # a client too
+        ((peer(4, 10, age=30.0),), 0),  # a stale record: a dead node is not waited for
+        ((peer(2, 0), peer(5, 0, i=1)), 1),
+    ],
+)
+def test_peers_still_behind_the_last_step(peers: tuple[PeerProgress, ...], behind: int) -> None:
+    assert len(peers_still_behind(facts(*peers))) == behind

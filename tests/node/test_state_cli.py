@@ -46,8 +46,18 @@ def test_a_newcomer_fetches_from_several_peers_and_then_agrees_with_them(swarm: 
 
 
 def _seeders(swarm: Swarm, *extra: tuple[str, ...]) -> list[tuple[subprocess.Popen[str], dict]]:
-    base = ("--run-id", "seeded", "--step", "5", "--shard-bytes", str(256 << 10),
-            "--node-settings", "--inner-steps", "2", *FAST_SETTINGS)  # the newcomers' settings (_newcomer)
+    base = (
+        "--run-id",
+        "seeded",
+        "--step",
+        "5",
+        "--shard-bytes",
+        str(256 << 10),
+        "--node-settings",
+        "--inner-steps",
+        "2",
+        *FAST_SETTINGS,
+    )  # the newcomers' settings (_newcomer)
     return [swarm.seeder(f"seeder{i}", *base, *more) for i, more in enumerate(extra)]
 
 
