@@ -140,9 +140,12 @@ def main() -> None:
     parser.add_argument("--corrupt", action="store_true")
     parser.add_argument("--claim-run", default=None)
     parser.add_argument("--claim-model", default=None)
-    parser.add_argument("--node-settings", action="store_true",
-                        help="write into the manifest the run settings of swarm-nodes with these --model, --seed, "
-                        "--inner-steps, --batch-size and --seq-len (their defaults otherwise), so that they adopt it")
+    parser.add_argument(
+        "--node-settings",
+        action="store_true",
+        help="write into the manifest the run settings of swarm-nodes with these --model, --seed, "
+        "--inner-steps, --batch-size and --seq-len (their defaults otherwise), so that they adopt it",
+    )
     parser.add_argument("--batch-size", type=int, default=NodeConfig().batch_size)
     parser.add_argument("--seq-len", type=int, default=NodeConfig().seq_len)
     eventloop.run(serve(parser.parse_args()))
