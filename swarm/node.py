@@ -253,7 +253,7 @@ class SwarmNode:
         peers = []
         for p in book.peers:  # records the run cannot produce are not believed (progress.implausible)
             why = implausible(p, now=now, inner_steps=self.config.inner_steps, max_step=horizon)
-            if why is None and p.settings is not None and settings_digest(p.settings) != self._settings_digest:
+            if why is None and p.settings_digest not in (None, self._settings_digest):
                 why = "it trains with other run settings (never grouped with: not waited for)"
             if why is None:
                 peers.append(p)

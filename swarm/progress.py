@@ -29,7 +29,7 @@ from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
 from swarm.dht.records import owner_subkey
 from swarm.dht.run_keys import nodes_key, owned_map
-from swarm.model.run_settings import decode_settings
+from swarm.model.run_settings import decode_settings, settings_digest
 from swarm.p2p.errors import P2PError
 from swarm.p2p.peer_id import PeerID
 
@@ -51,6 +51,7 @@ class PeerProgress:
     time: float  # unix time of these figures
     client: bool
     settings: dict[str, Any] | None = None  # the run settings it trains with (run_settings.py); None: not said
+    settings_digest: bytes | None = None  # settings_digest(settings), computed once when decoded
 
     def finish_time(self) -> float:
         """Unix time at which it should reach H inner steps (in the past when already there)."""
@@ -72,7 +73,8 @@ def decode_progress(subkey: Any, value: Any) -> PeerProgress | None:
     if not 0 <= sec <= MAX_SEC_PER_STEP:
         return None
     settings = decode_settings(value.get("settings"))
-    return PeerProgress(peer, step, inner, h, float(sec), float(when), value.get("client") is True, settings)
+    digest = settings_digest(settings) if settings is not None else None
+    return PeerProgress(peer, step, inner, h, float(sec), float(when), value.get("client") is True, settings, digest)
 
 
 def implausible(p: PeerProgress, *, now: float, inner_steps: int, max_step: int | None) -> str | None:

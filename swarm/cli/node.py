@@ -45,6 +45,7 @@ from swarm.model.presets import PRESETS
 from swarm.model.run_settings import FIELDS, FLAGS, join_flags, training_settings
 from swarm.model.schedule import SCHEDULES
 from swarm.node_config import NodeConfig
+from swarm.p2p.identity import Identity
 from swarm.run_lookup import adoptable_settings, initial_peer_ids, read_run_settings
 
 if TYPE_CHECKING:  # torch and the node load inside main(), after the flags are checked
@@ -175,7 +176,8 @@ def main(
         config = NodeConfig(**options, shard_bytes=max(1, int(shard_mb * 2**20)))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    node_identity = load_identity(identity)
+    node_identity = load_identity(identity) or Identity.generate()  # one for the settings lookup and the node
+    proof_path = proof_path_for(identity) if identity is not None else None  # its costly id, solved once
     import torch  # the flags are checked: now the slow imports (seconds on a busy machine)
 
     from swarm.model.data import DataUnavailableError
@@ -188,7 +190,7 @@ def main(
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if initial_peers:
-        config = _adopt_run_settings(config, initial_peers, limits)
+        config = _adopt_run_settings(config, initial_peers, limits, node_identity, proof_path)
     sinks: list[Any] = []
     try:
         if metrics_file is not None:
@@ -211,7 +213,7 @@ def main(
                 initial_peers=initial_peers,
                 p2p_config=p2p_config,
                 on_event=on_event,
-                id_proof_path=proof_path_for(identity) if identity is not None else None,
+                id_proof_path=proof_path,
                 dht_config=limits.dht(),
             )
             run_network(lambda: _run_until_signalled(node))
@@ -222,7 +224,10 @@ def main(
             sink.close()
 
 
-def _adopt_run_settings(config: NodeConfig, initial_peers: tuple[str, ...], limits: OpenNetworkLimits) -> NodeConfig:
+def _adopt_run_settings(
+    config: NodeConfig, initial_peers: tuple[str, ...], limits: OpenNetworkLimits, identity: Identity,
+    proof_path: Path | None,
+) -> NodeConfig:  # fmt: skip
     """Every run setting not given on the command line or in --config takes the run's value
     (swarm/run_lookup.py); said in one line."""
     ctx = click.get_current_context()
@@ -231,7 +236,7 @@ def _adopt_run_settings(config: NodeConfig, initial_peers: tuple[str, ...], limi
         return config
     lookup = limits.p2p(host_maddrs=("/ip4/127.0.0.1/tcp/0",))  # it only dials out
     theirs = run_network(lambda: read_run_settings(config.run_id, initial_peers, lookup, limits.dht(),
-                                                   initial_peer_ids(initial_peers)))  # fmt: skip
+                                                   initial_peer_ids(initial_peers), identity, proof_path))  # fmt: skip
     adopted = adoptable_settings(theirs, given, training_settings(config))
     if not adopted:
         return config

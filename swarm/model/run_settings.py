@@ -50,7 +50,7 @@ def join_flags(config: Any, defaults: Any) -> str:
     """The flags a joining node needs to train with config's settings: `--model` and every
     setting that differs from `defaults` (a NodeConfig()), each followed by a space."""
     settings, usual = training_settings(config), training_settings(defaults)
-    names = ["model"] + [n for n in FIELDS if n != "model" and not _same(settings[n], usual[n])]
+    names = ["model"] + [n for n in FIELDS if n != "model" and not same_value(settings[n], usual[n])]
     return "".join(f"{FLAGS[n]} {settings[n]} " for n in names if settings[n] is not None)
 
 
@@ -82,38 +82,39 @@ def differences(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]
     """`field: the run's value vs ours` for each field that differs, in FIELDS order."""
     names = [n for n in FIELDS if n in ours or n in theirs] + sorted((set(ours) | set(theirs)) - set(FIELDS))
     return [f"{FLAGS.get(n, n)} {theirs.get(n)!r} (this node: {ours.get(n)!r})"
-            for n in names if not _same(ours.get(n), theirs.get(n))]  # fmt: skip
+            for n in names if not same_value(ours.get(n), theirs.get(n))]  # fmt: skip
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, int | float) and isinstance(b, int | float) and not isinstance(a, bool | str):
-        return float(a) == float(b)  # msgpack may hand back 1e-3 and an int 0 alike; 0.0 == 0
+def same_value(a: Any, b: Any) -> bool:
+    """Equal settings values: numbers by value (msgpack may hand back 1 for 1.0), bools as bools."""
+    numbers = isinstance(a, int | float) and isinstance(b, int | float)
+    if numbers and not isinstance(a, bool) and not isinstance(b, bool):
+        return float(a) == float(b)
     return a == b
 
 
 def run_settings(
     peers: Iterable[tuple[Any, dict[str, Any] | None]], vouched: frozenset[Any] | set[Any]
-) -> tuple[dict[str, Any] | None, int, int]:
-    """The run's settings as this node sees them: (settings, records that carry them, records
-    with settings at all). Those of the peers in `vouched` (our --initial-peers) when any of them
-    publishes some; else the settings most records carry (ties: none wins, None)."""
+) -> dict[str, Any] | None:
+    """The run's settings as this node sees them: those of the peers in `vouched` (our
+    --initial-peers) when any of them publishes some; else those most records carry (a tie, or
+    no settings at all: None)."""
     known = [(peer, s) for peer, s in peers if s is not None]
-    if not known:
-        return None, 0, 0
     pool = [s for peer, s in known if peer in vouched] or [s for _, s in known]
-    counts = Counter(settings_digest(s) for s in pool)
-    (best, n), *rest = counts.most_common()
+    if not pool:
+        return None
+    digests = [settings_digest(s) for s in pool]
+    (best, n), *rest = Counter(digests).most_common()
     if rest and rest[0][1] == n:
-        return None, 0, len(known)
-    chosen = next(s for s in pool if settings_digest(s) == best)
-    return chosen, sum(settings_digest(s) == best for _, s in known), len(known)
+        return None
+    return pool[digests.index(best)]
 
 
 def disagreement(
     ours: Mapping[str, Any], peers: Iterable[tuple[Any, dict[str, Any] | None]], vouched: frozenset[Any] | set[Any]
 ) -> str | None:
     """Why this node must not train in this run (None: it may): the line to print. Pure."""
-    theirs, _, _ = run_settings(peers, vouched)
+    theirs = run_settings(peers, vouched)
     if theirs is None:
         return None
     diff = differences(ours, theirs)
