@@ -13,7 +13,7 @@ from swarm.dht.run_keys import nodes_key
 from swarm.node import NodeError
 from tests.node.inprocess import LocalSwarm
 
-pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 
 async def published_settings(local: LocalSwarm, run_id: str = "inproc") -> None:
@@ -40,7 +40,7 @@ async def test_a_node_with_another_schedule_refuses_to_start_naming_both_values(
     assert "--total-steps 200 (this node: None)" in message
     assert not other.steps() and not first.task.done()
     same = local.start((bootstrap,), max_outer_steps=2, lr_schedule="cosine", total_steps=200)
-    assert await asyncio.wait_for(same.task, 60) == "finished"  # the run's own settings are welcome
+    assert await asyncio.wait_for(same.task, 150) == "finished"  # the run's own settings are welcome
     assert any(e.get("group_size", 0) >= 2 for e in same.steps().values())
 
 
