@@ -277,7 +277,7 @@ class Swarm:
         self.display.event(f"{record.label()} exited with code {code} ({record.status})")
 
     def reached_end(self, record: NodeRecord) -> bool:
-        return record.outer_step is not None and record.outer_step >= self.config.outer_steps - 1
+        return record.holds_final_state(self.config.outer_steps)
 
     def running(self) -> list[Child]:
         gone = (KILLED, CANCELLED, STRANDED)

@@ -62,6 +62,7 @@ class NodeRecord:
     peer_id: str | None = None
     joined_at_step: int | None = None
     outer_step: int | None = None  # the last completed outer step
+    fetched_step: int | None = None  # the outer step of the last state it fetched
     inner_step: int = 0  # inner steps done in the current round
     inner_steps: int = 0  # H
     train_loss: float | None = None
@@ -93,6 +94,7 @@ class NodeRecord:
         if kind == "outer_step":
             return self._outer_step(event)
         if kind == "fetch":  # state exchange: a newcomer, or a node that fell behind, caught up
+            self.fetched_step = _int(event.get("outer_step"))
             if not self.steps:  # a newcomer joins the swarm at the step it fetched, not at its own 0
                 self.joined_at_step = _int(event.get("outer_step"))
             size = (_int(event.get("bytes")) or 0) / 1e6
@@ -120,6 +122,12 @@ class NodeRecord:
             f"eval {_num(self.eval_loss)} group {self.group_size} tok/s {_num(self.tokens_per_s, 0)} "
             f"state {_short_hash(self.state_sha256)}"
         )
+
+    def holds_final_state(self, outer_steps: int) -> bool:
+        """It completed the last outer step, or fetched the state after it: a newcomer that
+        arrives as the run ends holds the final state without stepping."""
+        stepped = self.outer_step is not None and self.outer_step >= outer_steps - 1
+        return stepped or (self.fetched_step is not None and self.fetched_step >= outer_steps)
 
     def label(self) -> str:
         return f"{self.name} ({short_peer(self.peer_id)})" if self.peer_id else self.name

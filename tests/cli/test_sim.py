@@ -303,6 +303,10 @@ def test_record_folds_events_and_writes_reports(tmp_path: Path) -> None:
     for line in (_event("start", outer_step=0), _event("fetch", outer_step=5, bytes=10**6, peers=2, reason="behind")):
         newcomer.apply(json.loads(line))
     assert newcomer.joined_at_step == 5  # it joined where the swarm was, not at its own step 0
+    # a run of 2 outer steps: node0 completed step 1; the newcomer holds step 5's state; a 6-step
+    # run's last state is neither's
+    assert record.holds_final_state(2) and newcomer.holds_final_state(5) and not newcomer.holds_final_state(6)
+    assert not record.holds_final_state(3)
     never_started = NodeRecord(name="node1", log=tmp_path / "node1.log")
     assert loss_summary([record, never_started]) == "eval loss 3.000 at outer step 0 -> 2.500 at outer step 1"
 
