@@ -62,6 +62,9 @@ logger = logging.getLogger(__name__)
 
 JOIN = "avg.join"
 POLL = 0.15  # seconds between reads of the ready set while peers are still missing
+# seconds a DONE marker does not count as arrived: longer than a retrying node's pause between
+# rounds (node.py RESULT_POLL), so that retrying nodes' windows overlap
+DONE_GRACE = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,11 +210,16 @@ class Matchmaker:
 
     async def _gather(self, step: int, expected: frozenset[PeerID] | None, until: float) -> ReadyView:
         """Read the ready set until it holds every expected peer (or a group of the step has
-        formed already), or `until` passes; returns the last view."""
+        formed already), or `until` passes; returns the last view. A peer marked DONE counts as
+        in only after DONE_GRACE: it may be about to announce again (nodes that found no group
+        retry, each on its own cadence; taking each other's DONE for "in" kept 3 nodes apart
+        for minutes)."""
         loop = asyncio.get_running_loop()
+        done_counts_at = loop.time() + DONE_GRACE
         while True:
             view = await self._read(step)
-            if view.formed or (expected is not None and expected <= view.seen()):
+            arrived = view.seen() if loop.time() >= done_counts_at else view.seen() - view.done
+            if view.formed or (expected is not None and expected <= arrived):
                 return view
             if loop.time() >= until:
                 return view

@@ -169,6 +169,22 @@ async def test_a_failed_round_lets_the_step_be_matchmade_again(make_peers: MakeP
     assert len(check_agreement([f.group for f in again], peers)) == 1
 
 
+async def test_nodes_that_retry_apart_still_meet_though_each_sees_the_others_done_marker(make_peers: MakePeers) -> None:
+    """Each found no group (DONE markers stored), then matchmakes again 0.6 s after the other,
+    expecting the other: a DONE marker must not end the gathering at once (it did, and 3 nodes
+    stayed apart for minutes, each deciding "alone" on the others' DONE)."""
+    peers = await make_peers(2, matchmaking_time=4.0)
+    for p in peers:  # each alone in turn: both leave DONE for step 7
+        assert (await p.matchmaker.form_group(7, p.me(), gather=0.2, expected=frozenset())).group is None
+    await asyncio.sleep(0.5)  # the DONE markers are stored in the background
+    expect = [frozenset({peers[1].host.peer_id}), frozenset({peers[0].host.peer_id})]
+    first = asyncio.ensure_future(peers[0].matchmaker.form_group(7, peers[0].me(), expected=expect[0]))
+    await asyncio.sleep(0.6)
+    second = await peers[1].matchmaker.form_group(7, peers[1].me(), expected=expect[1])
+    formed = check_agreement([(await first).group, second.group], peers)
+    assert len(formed) == 1 and len(formed[0].members) == 2
+
+
 async def test_a_leader_that_rewrites_a_members_weight_loses_that_member(
     make_peers: MakePeers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
