@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -56,12 +57,21 @@ from swarm.dht.node import DHTNode
 from swarm.eventloop import cancel_and_wait
 from swarm.log_once import OncePerPeer, RateLimitedLog
 from swarm.model.checkpoint import CheckpointError, RunInfo
+from swarm.model.configs import ModelConfig
 from swarm.model.data import TokenData, eval_windows, load_data
-from swarm.model.diloco import DiLoCo
+from swarm.model.diloco import DiLoCo, OptimizerFactory, model_fingerprint
 from swarm.model.llama import build_model, count_parameters
 from swarm.model.loss import eval_loss
 from swarm.model.presets import preset
-from swarm.model.run_settings import disagreement, settings_digest, training_settings
+from swarm.model.run_settings import (
+    API_REMEDY,
+    CLI_REMEDY,
+    CUSTOM_MODEL,
+    custom_settings,
+    disagreement,
+    settings_digest,
+    training_settings,
+)
 from swarm.node_config import NodeConfig
 from swarm.node_events import EventSink, resident_bytes
 from swarm.p2p.autonat import check_reachability
@@ -90,6 +100,7 @@ from swarm.state.fetcher import FetchError
 from swarm.state.keeper import StateKeeper
 from swarm.state.trust import step_horizon
 from swarm.trainer import InnerLoop, NodeError
+from swarm.user_steps import UserSteps
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +133,8 @@ class SwarmNode:
         model: nn.Module | None = None,
         id_proof_path: Path | None = None,
         dht_config: DHTConfig | None = None,
+        inner_optimizer: OptimizerFactory | None = None,
+        evaluate: Callable[[nn.Module], float] | None = None,
     ) -> None:
         self.config = config
         self.id_proof_path = id_proof_path  # the DHT id's proof of work, kept next to the identity file
@@ -132,27 +145,33 @@ class SwarmNode:
         self.p2p_config = p2p_config or P2PConfig()
         self.events = EventSink(str(self.peer_id), on_event)
         self.client_mode = config.client_mode
-        if data is None:
-            try:
-                data = load_data(config.data, tokenizer=config.tokenizer)
-            except ValueError as e:
-                raise NodeError(str(e)) from None
-        self.data = data
-        model_config = preset(config.model, vocab_size=data.vocab_size)
-        if model is None:
-            device = config.torch_device()
-            if device.type == "cuda" and not torch.cuda.is_available():
-                raise NodeError(f"--device {config.device}: no CUDA device here")
-            logger.info("model %s: %d parameters on %s", config.model, count_parameters(model_config), device)
-            model = build_model(model_config, config.seed, device=device)
-        self.diloco = DiLoCo(model, config.diloco_config())
-        self.settings = training_settings(config)
+        self.inner: InnerLoop | UserSteps
+        if config.model == CUSTOM_MODEL:  # swarm.join: the caller's model, optimizer and loop
+            if model is None:
+                raise NodeError("model 'custom' trains the caller's own model: hand it in (swarm.join)")
+            self.diloco = DiLoCo(model, config.diloco_config(), inner_optimizer=inner_optimizer)
+            architecture, initial = model_fingerprint(self.diloco)
+            self.settings = custom_settings(config, architecture=architecture, initial_state=initial)
+            model_config: dict[str, Any] = {"architecture": architecture, "parameters": self.diloco.parameter_count}
+            data_name = "caller"
+            self._evaluate = None if evaluate is None else functools.partial(evaluate, model)
+            self.inner = UserSteps(self.diloco)
+        else:
+            data = data if data is not None else _load(config)
+            preset_config = preset(config.model, vocab_size=data.vocab_size)
+            model_config, data_name = dataclasses.asdict(preset_config), data.name
+            if model is None:
+                model = _build(config, preset_config)
+            self.diloco = DiLoCo(model, config.diloco_config())
+            self.settings = training_settings(config)
+            eval_set = eval_windows(data.eval, config.seq_len, config.eval_windows)
+            self._evaluate = functools.partial(eval_loss, model, eval_set)
+            self.inner = InnerLoop(self.diloco, data, self.peer_id, batch_size=config.batch_size,
+                                   seq_len=config.seq_len)  # fmt: skip
         self._settings_digest = settings_digest(self.settings)
-        self.run_info = RunInfo(run_id=config.run_id, model=config.model, model_config=dataclasses.asdict(model_config),
-                                seed=config.seed, data=data.name, inner_steps=config.inner_steps,
+        self.run_info = RunInfo(run_id=config.run_id, model=config.model, model_config=model_config,
+                                seed=config.seed, data=data_name, inner_steps=config.inner_steps,
                                 settings=self.settings)  # fmt: skip
-        self.eval_set = eval_windows(data.eval, config.seq_len, config.eval_windows)
-        self.inner = InnerLoop(self.diloco, data, self.peer_id, batch_size=config.batch_size, seq_len=config.seq_len)
         self.maddrs: list[str] = []
         self._state_sha = b""  # of the state we hold: what we announce in matchmaking
         self._late = bool(initial_peers)  # the first step after joining or fetching
@@ -186,7 +205,7 @@ class SwarmNode:
         dht = DHTNode(host=host, initial_peers=self.initial_peers, config=self.dht_config, client_mode=self.client_mode,
                       id_proof_path=self.id_proof_path)  # fmt: skip
         await dht.start()
-        averager = Averager(dht, host, config.run_id, config.averaging_config(self.client_mode))
+        averager = Averager(dht, host, config.run_id, config.averaging_config(self.client_mode, self._settings_digest))
         keeper = StateKeeper(host, dht, self.run_info, in_trainer=self.inner.call, serve=not self.client_mode,
                              checkpoint_dir=Path(config.checkpoint_dir) if config.checkpoint_dir else None,
                              checkpoint_every=config.checkpoint_every, shard_bytes=config.shard_bytes,
@@ -200,8 +219,9 @@ class SwarmNode:
             await self._resume(keeper)
             if self.initial_peers:
                 await book.refresh()
+                remedy = API_REMEDY if config.model == CUSTOM_MODEL else CLI_REMEDY
                 problem = disagreement(self.settings, [(p.peer_id, p.settings) for p in book.peers],
-                                       initial_peer_ids(self.initial_peers))  # fmt: skip
+                                       initial_peer_ids(self.initial_peers), remedy)  # fmt: skip
                 if problem is not None:
                     raise NodeError(problem)
                 await self._fetch(keeper, book, alone=False)
@@ -307,6 +327,7 @@ class SwarmNode:
                 if found is None:
                     return "stopped"
             await self._finish_step(averager, keeper, book, step, found, stop)
+        await self._publish(book)  # our last record says we are done: nobody lingers for us
         await self._linger(book, stop)
         return "finished"
 
@@ -467,8 +488,8 @@ class SwarmNode:
         diloco, config = self.diloco, self.config
         last = config.max_outer_steps is not None and diloco.outer_step >= config.max_outer_steps
         evaluate = last or diloco.outer_step % config.eval_every == 0
-        if evaluate:
-            self._last_eval = await self.inner.call(eval_loss, diloco.model, self.eval_set)
+        if evaluate and self._evaluate is not None:
+            self._last_eval = float(await self.inner.call(self._evaluate))
         sha = await self.inner.call(diloco.state_sha256)
         self._state_sha = bytes.fromhex(sha)
         progress = self.inner.snapshot()
@@ -533,6 +554,21 @@ class SwarmNode:
             tokens_per_s=round(config.batch_size * config.seq_len / sec, 1) if sec > 0 else None,
             settings=self.settings,
         ))  # fmt: skip
+
+
+def _load(config: NodeConfig) -> TokenData:
+    try:
+        return load_data(config.data, tokenizer=config.tokenizer)
+    except ValueError as e:
+        raise NodeError(str(e)) from None
+
+
+def _build(config: NodeConfig, model_config: ModelConfig) -> nn.Module:
+    device = config.torch_device()
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise NodeError(f"--device {config.device}: no CUDA device here")
+    logger.info("model %s: %d parameters on %s", config.model, count_parameters(model_config), device)
+    return build_model(model_config, config.seed, device=device)
 
 
 def _report_crash(task: asyncio.Task[Any]) -> None:

@@ -12,7 +12,7 @@ from swarm.averaging.config import CODECS, AveragingConfig
 from swarm.dht.run_keys import check_run_id
 from swarm.model.configs import DEFAULT_SHARD_BYTES, DiLoCoConfig
 from swarm.model.presets import PRESETS
-from swarm.model.run_settings import settings_digest, training_settings
+from swarm.model.run_settings import CUSTOM_MODEL, settings_digest, training_settings
 from swarm.model.schedule import DEFAULT_DECAY_FRACTION, DEFAULT_WARMUP_STEPS
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class NodeConfig:
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
-        if self.model not in PRESETS:
+        if self.model not in PRESETS and self.model != CUSTOM_MODEL:
             raise ValueError(f"unknown model {self.model!r}: choose one of {', '.join(PRESETS)}")
         if self.compression not in CODECS:
             raise ValueError(f"compression must be one of {', '.join(CODECS)}, got {self.compression!r}")
@@ -71,7 +71,7 @@ class NodeConfig:
         for name in positive:
             if not getattr(self, name) >= 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.seq_len > PRESETS[self.model].max_seq_len:
+        if self.model in PRESETS and self.seq_len > PRESETS[self.model].max_seq_len:
             limit = PRESETS[self.model].max_seq_len
             raise ValueError(f"seq_len {self.seq_len} exceeds the {self.model} model's {limit}")
         if self.max_outer_steps is not None and self.max_outer_steps < 1:
@@ -101,9 +101,11 @@ class NodeConfig:
             offload_outer=self.offload_outer,
         )
 
-    def averaging_config(self, client_mode: bool) -> AveragingConfig:
+    def averaging_config(self, client_mode: bool, settings: bytes | None = None) -> AveragingConfig:
+        """`settings`: the digest of the node's run settings (default: this config's own; a
+        custom model's node hands in its own, run_settings.custom_settings)."""
         return AveragingConfig(
-            settings=settings_digest(training_settings(self)),
+            settings=settings if settings is not None else settings_digest(training_settings(self)),
             max_group_size=self.max_group_size,
             matchmaking_time=self.matchmaking_time,
             part_timeout=self.part_timeout,

@@ -260,8 +260,11 @@ class RoundMember:
         for _, (member, fate) in sorted(touched.items()):
             peer = self.group.members[member].peer_id
             what = f"dropped ({fate.dropped})" if fate.dropped else f"clipped to {fate.clip:.3g} of its distance"
-            logger.warning("round %s: part %d: the contribution of member %d (%s) was %s",
-                           self.group.group_id.hex()[:8], part, member, peer, what)  # fmt: skip
+            # a clip is routine among honest members whose data differ (it still counts, bounded):
+            # said at INFO; a drop leaves a member out: a warning
+            level = logging.WARNING if fate.dropped else logging.INFO
+            logger.log(level, "round %s: part %d: the contribution of member %d (%s) was %s",
+                       self.group.group_id.hex()[:8], part, member, peer, what)  # fmt: skip
         if touched:
             members = {member for member, _ in touched.values()} | set(self.report.clipped.get(part, []))
             self.report.clipped[part] = sorted(members)

@@ -49,10 +49,15 @@ from swarm.model.loss import autocast_for, lm_loss
 from swarm.model.schedule import inner_lr
 from swarm_kernels import as_memoryview
 
-__all__ = ["DiLoCo", "DiLoCoConfig", "InnerStats", "NonFiniteLossError", "inner_lr", "state_sha256", "tensors_sha256"]
+__all__ = [
+    "DiLoCo", "DiLoCoConfig", "InnerStats", "NonFiniteLossError", "inner_lr", "model_fingerprint", "state_sha256",
+    "tensors_sha256",
+]  # fmt: skip
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 Average = Callable[[list[torch.Tensor], float], "list[torch.Tensor] | Awaitable[list[torch.Tensor]]"]
+# builds the inner optimizer over the trainable parameters (swarm.join: the caller's own)
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +75,14 @@ class DiLoCo:
     """Wraps `model` (its parameters are θ_inner) with θ_outer, the outer momentum and the inner
     AdamW; see the module docstring for the loop."""
 
-    def __init__(self, model: nn.Module, config: DiLoCoConfig, *, loss_fn: LossFn = lm_loss) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: DiLoCoConfig,
+        *,
+        loss_fn: LossFn = lm_loss,
+        inner_optimizer: OptimizerFactory | None = None,
+    ) -> None:
         self.model, self.config, self.loss_fn = model, config, loss_fn
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
@@ -84,7 +96,19 @@ class DiLoCo:
         self.outer_step = 0  # outer steps applied: the swarm's clock
         self.inner_done = 0  # inner steps since the last outer step
         self.tokens_since_outer = 0  # target tokens trained on since the last outer step: the averaging weight
-        self.inner_optimizer = _adamw(named, config, fused=self.device.type == "cuda")
+        # a caller's own optimizer sets its own learning rate; ours follows config's schedule
+        self.owns_lr = inner_optimizer is None
+        if inner_optimizer is None:
+            self.inner_optimizer = _adamw(named, config, fused=self.device.type == "cuda")
+        else:
+            self.inner_optimizer = inner_optimizer(self.params)
+            if not isinstance(self.inner_optimizer, torch.optim.Optimizer):
+                raise TypeError(f"inner_optimizer(params) must return a torch.optim.Optimizer, got "
+                                f"{type(self.inner_optimizer).__name__}")  # fmt: skip
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.params)
 
     @property
     def global_inner_step(self) -> int:
@@ -97,26 +121,50 @@ class DiLoCo:
     def inner_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> InnerStats:
         """One AdamW step on one batch. Raises RuntimeError after H steps (apply_outer first) and
         NonFiniteLossError, with nothing changed, when the loss or gradient is not finite."""
-        if self.ready_for_outer:
-            raise RuntimeError(f"{self.config.inner_steps} inner steps done: apply an outer step first")
-        lr = inner_lr(self.config, self.global_inner_step)
-        for group in self.inner_optimizer.param_groups:
-            group["lr"] = lr
+        self._check_room()
+        lr = self._set_lr()
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         with autocast_for(self.device):
             loss = self.loss_fn(self.model, inputs, targets)
         loss.backward()
+        return self.step_after_backward(targets.numel(), loss=loss.detach(), lr=lr)
+
+    def step_after_backward(self, tokens: int, *, loss: torch.Tensor | float | None = None,
+                            lr: float | None = None) -> InnerStats:  # fmt: skip
+        """The rest of an inner step whose forward and backward the caller ran (swarm.join's loop):
+        clip, check, the optimizer's step, count `tokens` toward the averaging weight. Raises
+        like inner_step; on NonFiniteLossError the gradients are dropped and nothing else changes."""
+        self._check_room()
+        if lr is None:
+            lr = self._set_lr()
         max_norm = self.config.grad_clip if self.config.grad_clip is not None else math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-        loss_value, norm_value = torch.stack([loss.detach().float(), norm.float()]).tolist()  # one sync
-        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+        loss_t = torch.as_tensor(math.nan if loss is None else loss, dtype=torch.float32, device=norm.device)
+        loss_value, norm_value = torch.stack([loss_t.detach().float().reshape(()), norm.float()]).tolist()  # one sync
+        finite_loss = loss is None or math.isfinite(loss_value)
+        if not (finite_loss and math.isfinite(norm_value)):
             self.inner_optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLossError(f"loss {loss_value}, gradient norm {norm_value} at step {self.global_inner_step}")
         self.inner_optimizer.step()
         self.inner_optimizer.zero_grad(set_to_none=True)
         self.inner_done += 1
-        self.tokens_since_outer += targets.numel()
+        self.tokens_since_outer += tokens
         return InnerStats(loss_value, norm_value, lr)
+
+    def _check_room(self) -> None:
+        if self.ready_for_outer:
+            raise RuntimeError(f"{self.config.inner_steps} inner steps done: apply an outer step first")
+
+    def _set_lr(self) -> float:
+        """Our schedule's rate for this step, set on our optimizer; a caller's optimizer keeps its
+        own (its first group's rate is reported)."""
+        groups = self.inner_optimizer.param_groups
+        if not self.owns_lr:
+            return float(groups[0].get("lr", math.nan))
+        lr = inner_lr(self.config, self.global_inner_step)
+        for group in groups:
+            group["lr"] = lr
+        return lr
 
     @torch.no_grad()
     def pseudo_gradients(self) -> list[torch.Tensor]:
@@ -213,6 +261,16 @@ def state_sha256(state: dict[str, Any]) -> str:
     for t in [*state["params"].values(), *state["momentum"].values()]:
         digest.update(as_memoryview(t.detach().cpu().contiguous()))
     return digest.hexdigest()
+
+
+def model_fingerprint(diloco: DiLoCo) -> tuple[str, str]:
+    """(architecture, initial state) of a wrapped model as short hex digests: its trainable
+    parameters' names, shapes and dtypes, and θ_outer's bytes. Equal on two processes that
+    build the same model from the same seed."""
+    layout = hashlib.sha256(b"swarm-architecture/1")
+    for name, p in zip(diloco.names, diloco.params, strict=True):
+        layout.update(f"{name}:{tuple(p.shape)}:{p.dtype}\n".encode())
+    return layout.hexdigest()[:32], tensors_sha256(diloco.outer_params)[:32]
 
 
 def tensors_sha256(tensors: Iterable[torch.Tensor]) -> str:

@@ -46,6 +46,21 @@ def training_settings(config: Any) -> dict[str, Any]:
     return {name: getattr(config, name) for name in FIELDS}
 
 
+CUSTOM_MODEL = "custom"  # NodeConfig.model of a node that trains the caller's own model (swarm.join)
+# what every node of a custom-model run must agree on: the rest of FIELDS belong to the caller's
+# loop (data, batches, inner optimizer and its schedule), which the swarm does not see
+CUSTOM_FIELDS = ("model", "inner_steps", "batch_size", "seq_len", "outer_lr", "outer_momentum", "compression")
+
+
+def custom_settings(config: Any, *, architecture: str, initial_state: str) -> dict[str, Any]:
+    """The run settings of a node that trains a caller's model: CUSTOM_FIELDS, the model's
+    architecture (parameter names, shapes, dtypes) and its initial weights, both as digests:
+    nodes that would average tensors of other shapes, or start from other weights, never train
+    together."""
+    return {**{n: getattr(config, n) for n in CUSTOM_FIELDS}, "architecture": architecture,
+            "initial_state": initial_state}  # fmt: skip
+
+
 def join_flags(config: Any, defaults: Any) -> str:
     """The flags a joining node needs to train with config's settings: `--model` and every
     setting that differs from `defaults` (a NodeConfig()), each followed by a space."""
@@ -110,8 +125,17 @@ def run_settings(
     return pool[digests.index(best)]
 
 
+CLI_REMEDY = ("Leave these flags out (a joining node adopts the run's settings it is not given), pass the run's "
+              "values, or pick another --run-id")  # fmt: skip
+API_REMEDY = ("Build the same model from the same seed on every process (torch.manual_seed before building it), "
+              "pass the run's values, or pick another run_id")  # fmt: skip
+
+
 def disagreement(
-    ours: Mapping[str, Any], peers: Iterable[tuple[Any, dict[str, Any] | None]], vouched: frozenset[Any] | set[Any]
+    ours: Mapping[str, Any],
+    peers: Iterable[tuple[Any, dict[str, Any] | None]],
+    vouched: frozenset[Any] | set[Any],
+    remedy: str = CLI_REMEDY,
 ) -> str | None:
     """Why this node must not train in this run (None: it may): the line to print. Pure."""
     theirs = run_settings(peers, vouched)
@@ -120,6 +144,4 @@ def disagreement(
     diff = differences(ours, theirs)
     if not diff:
         return None
-    return ("this run trains with other settings: " + "; ".join(diff)
-            + ". Leave these flags out (a joining node adopts the run's settings it is not given), pass the run's "
-            "values, or pick another --run-id")  # fmt: skip
+    return "this run trains with other settings: " + "; ".join(diff) + ". " + remedy

@@ -1,0 +1,89 @@
+"""Run an example as several local processes of one swarm and check that they agree.
+
+    python examples/custom_model.py --processes 3        # uses run_local_swarm below
+
+The first process starts the run and prints where it listens; the others join it through that
+address. Each process prints one JSON line per outer step ({"outer_step", "state", "loss"}); this
+launcher checks that every process ends with the same state and that the loss fell, prints a
+table, and exits 1 if not. Every process it starts is stopped when it returns.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+LISTENING = "listening "  # the line a worker prints once it trains: "listening <maddr>"
+
+
+def run_local_swarm(script: str, processes: int, worker_args: list[str], timeout: float = 600.0) -> int:
+    """Start `processes` workers of `script` (its --worker mode), wait for them, report."""
+    command = [sys.executable, script, "--worker", *worker_args]
+    deadline = time.monotonic() + timeout
+    children: list[subprocess.Popen[str]] = []
+    try:
+        first = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        children.append(first)
+        maddr = _read_maddr(first, deadline)
+        for _ in range(processes - 1):
+            children.append(subprocess.Popen([*command, "--initial-peers", maddr], stdout=subprocess.PIPE, text=True))
+        reports = [_collect(child, deadline) for child in children]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+            child.wait()
+    return _report(reports, [child.returncode for child in children])
+
+
+def _read_maddr(child: subprocess.Popen[str], deadline: float) -> str:
+    assert child.stdout is not None
+    while time.monotonic() < deadline:
+        line = child.stdout.readline()
+        if not line:
+            raise SystemExit(f"the first process exited (code {child.wait()}) before listening")
+        if line.startswith(LISTENING):
+            return line[len(LISTENING) :].strip()
+    raise SystemExit("the first process did not start in time")
+
+
+def _collect(child: subprocess.Popen[str], deadline: float) -> list[dict[str, Any]]:
+    out, _ = child.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]  # steps, then {"end"}
+
+
+def _report(reports: list[list[dict[str, Any]]], codes: list[int | None]) -> int:
+    print(f"{'process':>7} {'outer steps':>11} {'first loss':>10} {'last loss':>9}  state")
+    finals, ends = [], []
+    for i, (lines, code) in enumerate(zip(reports, codes, strict=True)):
+        steps = [line for line in lines if "outer_step" in line]
+        ends.append(next((line["end"] for line in lines if "end" in line), None))
+        losses = [s["loss"] for s in steps if s.get("loss") is not None]
+        held = [line["state"] for line in lines if "state" in line]  # after a step or a fetch
+        final = held[-1][:16] if held else "-"
+        finals.append(final)
+        first, last = (f"{losses[0]:.4f}", f"{losses[-1]:.4f}") if losses else ("-", "-")
+        print(f"{i:>7} {len(steps):>11} {first:>10} {last:>9}  {final}  ({ends[-1]}, exit {code})")
+    agree = len(set(finals)) == 1 and "-" not in finals and all(code == 0 for code in codes)
+    losses = [s["loss"] for s in reports[0] if s.get("loss") is not None]
+    fell = len(losses) >= 2 and losses[-1] < losses[0]
+    print(f"one state on every process: {'yes' if agree else 'NO'}; the loss fell: {'yes' if fell else 'NO'}")
+    return 0 if agree and fell else 1
+
+
+def print_end(session: Any) -> None:
+    """A worker's last line: why its session ended ("finished", "stopped")."""
+    print(json.dumps({"end": session.reason}), flush=True)
+
+
+def print_step(event: dict[str, Any]) -> None:
+    """A worker's `on_event` for swarm.join: one line per completed outer step, with the eval
+    loss of the state (the same on every process that holds it)."""
+    if event["event"] == "outer_step":
+        line = {"outer_step": event["outer_step"], "state": event["state_sha256"], "loss": event.get("eval_loss")}
+        print(json.dumps(line), flush=True)
+    elif event["event"] == "fetch":  # caught up with the swarm: the state it holds now
+        print(json.dumps({"fetched": event["outer_step"], "state": event["state_sha256"]}), flush=True)

@@ -1,0 +1,146 @@
+"""UserSteps: the inner loop of a node whose inner steps the caller runs, in its own thread (swarm.join).
+
+The node (on its event loop) hands out permits; the caller's thread spends them:
+
+    steps = UserSteps(diloco)
+    # node side, as with InnerLoop (trainer.py):  await steps.train(target); await steps.call(fn)
+    # caller's thread, after its own forward and backward:
+    steps.step(tokens, loss=loss)          # clip, optimizer step, count; spends one permit
+    steps.wait_for_permit()                # False once the node is done
+
+Why permits: the node writes the model's parameters (the outer step, a fetched state) and the
+caller's loop reads and writes them (forward, backward, the optimizer). They must never overlap.
+The caller holds a permit from the moment `wait_for_permit` returns until its `step`, which covers
+its forward and backward; the node touches the parameters only while no permit is out, when the
+caller is blocked in `wait_for_permit`. θ_outer, which the node reads at any time (hashing,
+serving), is written only by the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from swarm.model.diloco import DiLoCo, InnerStats
+from swarm.trainer import InnerProgress
+
+T = TypeVar("T")
+
+
+class SessionClosed(RuntimeError):
+    """The swarm session has ended: no inner step may run."""
+
+
+class UserSteps:
+    """Owns the permits, the progress the node reads (same shape as InnerLoop's) and one worker
+    thread for the node's own work on the model (`call`)."""
+
+    def __init__(self, diloco: DiLoCo) -> None:
+        self.diloco = diloco
+        self._cond = threading.Condition()
+        self._permits = 0  # inner steps the caller may still run this outer step
+        self._closed = False
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
+        self._target = diloco.config.inner_steps
+        self._inner_done = 0
+        self._losses: list[float] = []
+        self._sec_per_step = 0.0
+        self._inner_s = 0.0
+        self._mark = time.perf_counter()  # when the caller's current inner step began (its permit)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="swarm-model")
+
+    # --- the node's side (its event loop) ----------------------------------------------------
+
+    def close(self) -> None:
+        """No more permits: a caller waiting for one, or stepping, is told (SessionClosed)."""
+        with self._cond:
+            self._closed = True
+            self._release_waiter()
+            self._cond.notify_all()
+        self._executor.shutdown(wait=True)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def start_step(self, target: int) -> None:
+        with self._cond:
+            self._target, self._inner_done, self._losses = target, self.diloco.inner_done, []
+
+    async def train(self, target: int) -> None:
+        """Let the caller run inner steps until `target` are done this outer step (or the session
+        closes)."""
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            self._target, self._inner_done = target, self.diloco.inner_done
+            if self.diloco.inner_done == 0:
+                self._losses = []
+            self._permits = target - self.diloco.inner_done
+            if self._permits <= 0 or self._closed:
+                self._permits = 0
+                return
+            done: asyncio.Future[None] = loop.create_future()
+            self._waiter = (loop, done)
+            self._mark = time.perf_counter()
+            self._cond.notify_all()
+        await done
+
+    def snapshot(self) -> InnerProgress:
+        with self._cond:
+            return InnerProgress(self._inner_done, self._target, self._sec_per_step, tuple(self._losses),
+                                 self._inner_s)  # fmt: skip
+
+    def seconds_left(self) -> float:
+        p = self.snapshot()
+        return max(0, p.target - p.inner_done) * p.sec_per_step if p.sec_per_step > 0 else float("inf")
+
+    # --- the caller's side (its training thread) ---------------------------------------------
+
+    def wait_for_permit(self, timeout: float | None = None) -> bool:
+        """Block until the caller may run an inner step (True) or the session is over (False).
+        Raises TimeoutError after `timeout` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._permits > 0 or self._closed, timeout):
+                raise TimeoutError(f"no inner step allowed within {timeout:g}s")
+            return not self._closed
+
+    def step(self, tokens: int, *, loss: Any = None) -> InnerStats:
+        """The inner step the caller's forward and backward began: spends one permit. Raises
+        SessionClosed, RuntimeError (no permit: call wait_for_permit first) and, with the step
+        skipped and the permit kept, NonFiniteLossError."""
+        with self._cond:
+            if self._closed:
+                raise SessionClosed("the swarm session has ended")
+            if self._permits <= 0:
+                raise RuntimeError("no inner step is open: wait for the swarm's outer step first")
+        stats = self.diloco.step_after_backward(tokens, loss=loss)  # the permit keeps the node off the model
+        now = time.perf_counter()
+        with self._cond:
+            took, self._mark = now - self._mark, now
+            self._inner_done = self.diloco.inner_done
+            self._losses.append(stats.loss)
+            self._inner_s += took
+            self._sec_per_step = took if self._sec_per_step == 0 else 0.8 * self._sec_per_step + 0.2 * took
+            self._permits -= 1
+            if self._permits == 0:
+                self._release_waiter()
+        return stats
+
+    def _release_waiter(self) -> None:
+        if self._waiter is not None:
+            loop, done = self._waiter
+            self._waiter = None
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_set_done, done)
+
+
+def _set_done(done: asyncio.Future[None]) -> None:
+    if not done.done():
+        done.set_result(None)

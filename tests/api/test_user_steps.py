@@ -1,0 +1,78 @@
+"""UserSteps (the permits between a node and its caller's loop) and DiLoCo with a caller's optimizer."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from swarm.model.diloco import DiLoCo, DiLoCoConfig
+from swarm.user_steps import SessionClosed, UserSteps
+
+
+def wrapped(inner_steps: int = 3) -> DiLoCo:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    return DiLoCo(model, DiLoCoConfig(inner_steps=inner_steps), inner_optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
+
+
+def backward(diloco: DiLoCo) -> torch.Tensor:
+    loss = diloco.model(torch.ones(2, 4)).pow(2).mean()
+    loss.backward()
+    return loss
+
+
+def test_a_callers_optimizer_keeps_its_rate_and_its_steps_count_tokens() -> None:
+    diloco = wrapped()
+    stats = diloco.step_after_backward(7, loss=backward(diloco))
+    assert stats.lr == 0.5 and diloco.inner_optimizer.param_groups[0]["lr"] == 0.5  # no schedule of ours
+    assert diloco.inner_done == 1 and diloco.tokens_since_outer == 7 and stats.loss > 0
+    assert all(p.grad is None for p in diloco.params)  # zero_grad done
+    assert diloco.pseudo_gradients()[0].abs().sum() > 0
+
+
+async def test_the_caller_steps_only_with_a_permit_and_the_node_waits_for_its_steps() -> None:
+    diloco = wrapped()
+    steps = UserSteps(diloco)
+    with pytest.raises(RuntimeError, match="no inner step is open"):
+        steps.step(1)
+    with pytest.raises(TimeoutError):
+        steps.wait_for_permit(0.05)
+    spent: list[int] = []
+
+    def caller() -> None:
+        while steps.wait_for_permit(5.0):
+            backward(diloco)
+            steps.step(4)
+            spent.append(diloco.inner_done)
+            if diloco.inner_done == 3:
+                return
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    await asyncio.wait_for(steps.train(2), 5.0)  # returns once the caller spent both permits
+    assert diloco.inner_done == 2 and steps.snapshot().inner_done == 2 and steps.snapshot().target == 2
+    await asyncio.sleep(0.1)
+    assert diloco.inner_done == 2  # no third step without a permit
+    await asyncio.wait_for(steps.train(3), 5.0)
+    thread.join(5.0)
+    assert spent == [1, 2, 3] and len(steps.snapshot().losses) == 3 and steps.snapshot().sec_per_step > 0
+    steps.close()
+
+
+async def test_closing_releases_the_caller_and_the_node() -> None:
+    diloco = wrapped()
+    steps = UserSteps(diloco)
+    waiting = asyncio.ensure_future(steps.train(3))
+    await asyncio.sleep(0.05)
+    assert steps.wait_for_permit(1.0) is True
+    steps.close()
+    await asyncio.wait_for(waiting, 5.0)  # the node is not left waiting for steps that never come
+    assert steps.wait_for_permit(1.0) is False
+    backward(diloco)
+    with pytest.raises(SessionClosed):
+        steps.step(1)
+    assert await asyncio.wait_for(steps.train(3), 1.0) is None and diloco.inner_done == 0
