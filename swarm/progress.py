@@ -28,7 +28,7 @@ from typing import Any
 from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
 from swarm.dht.records import owner_subkey
-from swarm.dht.run_keys import nodes_key, owned_map
+from swarm.dht.run_keys import RUNS_KEY, nodes_key, owned_map
 from swarm.model.run_settings import decode_settings, settings_digest
 from swarm.p2p.errors import P2PError
 from swarm.p2p.peer_id import PeerID
@@ -36,6 +36,7 @@ from swarm.p2p.peer_id import PeerID
 logger = logging.getLogger(__name__)
 
 MAX_STEP = 1 << 40
+RUN_LISTING_INTERVAL = 60.0  # seconds between a node's listings of its run (RUNS_KEY)
 MAX_SEC_PER_STEP = 3600.0
 MIN_SEC_PER_STEP = 1e-4  # a timed inner step faster than this is a lie (0: not timed yet)
 MAX_CLOCK_SKEW = 10.0  # seconds a record's time may lie ahead of ours
@@ -133,6 +134,8 @@ class ProgressBook:
         self.first_read = time.time()  # set again at the first read: how long we have watched
         self._read_once = False
         self.read_ok = False  # the last read found records (ours at least, once published)
+        self.run_id = run_id
+        self._listed_at = -math.inf  # when we last listed our run under RUNS_KEY
 
     @property
     def fresh_for(self) -> float:
@@ -141,6 +144,9 @@ class ProgressBook:
 
     async def publish(self, own: OwnProgress) -> bool:
         now = time.time()
+        if now - self._listed_at >= RUN_LISTING_INTERVAL:
+            self._listed_at = now
+            await self._list_run(own, now)
         expiration = now + 4 * self.publish_interval + 10
         try:
             accepted = await self.dht.store(self.key, own.encode(now), expiration, owner_subkey(self.dht.peer_id))
@@ -150,6 +156,20 @@ class ProgressBook:
         if accepted == 0:
             logger.warning("could not publish progress: no DHT node accepted the record")
         return accepted > 0
+
+    async def _list_run(self, own: OwnProgress, now: float) -> None:
+        """Our run in the DHT's list of runs (RUNS_KEY): a node given a mistyped --run-id is
+        told which runs exist (run_lookup.unknown_run_warning)."""
+        model = (own.settings or {}).get("model")
+        value = {"run": self.run_id, "model": model if isinstance(model, str) else None, "step": own.step}
+        try:
+            accepted = await self.dht.store(RUNS_KEY, value, now + 3 * RUN_LISTING_INTERVAL,
+                                            owner_subkey(self.dht.peer_id))  # fmt: skip
+        except (P2PError, DHTError, TimeoutError) as e:
+            logger.info("could not list our run: %s", e)
+            return
+        if accepted == 0:
+            logger.info("could not list our run: no DHT node accepted the record")
 
     async def refresh(self) -> None:
         if not self._read_once:

@@ -61,6 +61,7 @@ from swarm.dht.node import DHTNode, user_value
 from swarm.dht.records import OWNER_PREFIX, Record, ValueWithExpiration, owner_of, owner_subkey
 from swarm.p2p.identity import Identity
 from swarm.p2p.maddr import parse_maddr
+from swarm.run_lookup import listed_runs
 
 T = TypeVar("T")
 
@@ -325,7 +326,9 @@ def peers(opts: ClientOptions) -> None:
 # --- inspect --------------------------------------------------------------------------------
 
 
-def run_id_option(ctx: click.Context, param: click.Parameter, value: str) -> str:
+def run_id_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is None:
+        return None
     try:
         return run_keys.check_run_id(value)
     except ValueError as e:
@@ -333,10 +336,13 @@ def run_id_option(ctx: click.Context, param: click.Parameter, value: str) -> str
 
 
 @main.command()
-@click.option("--run-id", required=True, callback=run_id_option, help="The run to inspect.")
+@click.option("--run-id", default=None, callback=run_id_option, help="The run to inspect (default: list the runs).")
 @client_options()
-def inspect(run_id: str, opts: ClientOptions) -> None:
-    """What a training run publishes: its nodes (outer step, addresses) and its state holders."""
+def inspect(run_id: str | None, opts: ClientOptions) -> None:
+    """What a training run publishes: its nodes (outer step, addresses) and its state holders;
+    without --run-id, the runs this DHT carries."""
+    if run_id is None:
+        return _list_runs(opts)
     keys = {"nodes": run_keys.nodes_key(run_id), "state": run_keys.state_key(run_id)}
 
     async def op(node: DHTNode) -> list[ValueWithExpiration | None]:
@@ -377,6 +383,31 @@ def inspect(run_id: str, opts: ClientOptions) -> None:
                 cell(other if other else ""),
             )
         print_table(table)
+
+
+MAX_RUNS_LISTED = 100  # rows of `swarm-dht inspect` without --run-id (the most listed runs)
+
+
+def _list_runs(opts: ClientOptions) -> None:
+    async def op(node: DHTNode) -> ValueWithExpiration | None:
+        result = await node.lookup_value(run_keys.RUNS_KEY, latest=True)
+        if not result.closest:
+            raise CliError(f"no DHT node answered the lookup of the runs ({result.asked} asked); try again")
+        return user_value(result.records(run_keys.RUNS_KEY, time.time()))
+
+    entries = run_entries(with_client(opts, op))
+    runs = listed_runs(((e["subkey"], e["value"]) for e in entries), limit=MAX_RUNS_LISTED)
+    if opts.as_json:
+        echo_json({"runs": [{"run_id": run, "nodes": r.nodes, "step": r.step, "model": r.model}
+                            for run, r in runs.items()]})  # fmt: skip
+        return
+    if not runs:
+        raise CliError("this DHT lists no runs: no training node has published under it (yet)")
+    table = new_table("run", "nodes", "outer step", "model", title=f"runs: {len(runs)}")
+    for run, r in runs.items():
+        table.add_row(cell(run), str(r.nodes), str(r.step), cell(r.model or ""))
+    print_table(table)
+    click.echo(f"inspect one with: swarm-dht inspect --run-id {next(iter(runs))} --initial-peers ...")
 
 
 def run_entries(found: ValueWithExpiration | None) -> list[dict[str, Any]]:

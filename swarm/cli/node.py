@@ -46,7 +46,7 @@ from swarm.model.run_settings import FIELDS, FLAGS, join_flags, training_setting
 from swarm.model.schedule import SCHEDULES
 from swarm.node_config import NodeConfig
 from swarm.p2p.identity import Identity
-from swarm.run_lookup import adoptable_settings, initial_peer_ids, read_run_settings
+from swarm.run_lookup import adoptable_settings, initial_peer_ids, look_up_run, unknown_run_warning
 
 if TYPE_CHECKING:  # torch and the node load inside main(), after the flags are checked
     from swarm.node import Event, SwarmNode
@@ -198,11 +198,12 @@ def main(
                 sinks.append(MetricsFile(metrics_file))
             except OSError as e:
                 raise CliError(f"cannot write --metrics-file {metrics_file}: {e.strerror or e}") from None
-        sinks.append(display_for_terminal())
+        display = display_for_terminal()
+        sinks.append(display)
 
         def on_event(event: Event) -> None:
-            if event["event"] == "start":
-                _print_join_line(event, config)
+            if event["event"] == "start":  # above the live panel, where its redraws leave it
+                display.banner(_join_lines(event, config))
             for sink in sinks:
                 sink(event)
 
@@ -229,15 +230,19 @@ def _adopt_run_settings(
     proof_path: Path | None,
 ) -> NodeConfig:  # fmt: skip
     """Every run setting not given on the command line or in --config takes the run's value
-    (swarm/run_lookup.py); said in one line."""
+    (swarm/run_lookup.py); said in one line. A --run-id nobody trains, where others are
+    trained, is warned about."""
     ctx = click.get_current_context()
     given = {n for n in FIELDS if ctx.get_parameter_source(n) not in (ParameterSource.DEFAULT, None)}
-    if given >= set(FIELDS):
+    dial_out = limits.p2p(host_maddrs=("/ip4/127.0.0.1/tcp/0",))  # it only dials out
+    lookup = run_network(lambda: look_up_run(config.run_id, initial_peers, dial_out, limits.dht(),
+                                             initial_peer_ids(initial_peers), identity, proof_path))  # fmt: skip
+    if lookup is None:
         return config
-    lookup = limits.p2p(host_maddrs=("/ip4/127.0.0.1/tcp/0",))  # it only dials out
-    theirs = run_network(lambda: read_run_settings(config.run_id, initial_peers, lookup, limits.dht(),
-                                                   initial_peer_ids(initial_peers), identity, proof_path))  # fmt: skip
-    adopted = adoptable_settings(theirs, given, training_settings(config))
+    warning = unknown_run_warning(config.run_id, lookup)
+    if warning is not None:
+        click.echo(f"warning: {warning}", err=True)
+    adopted = adoptable_settings(lookup.settings, given, training_settings(config))
     if not adopted:
         return config
     try:
@@ -273,14 +278,12 @@ async def _run_until_signalled(node: SwarmNode) -> str:
         raise click.exceptions.Exit(130) from None
 
 
-def _print_join_line(event: Event, config: NodeConfig) -> None:
+def _join_lines(event: Event, config: NodeConfig) -> list[str]:
     maddrs = event["maddrs"]
     where = f"run {config.run_id!r}, model {config.model}, outer step {event['outer_step']}"
-    click.echo(f"swarm-node {event['peer_id']} ({where})")
+    lines = [f"swarm-node {event['peer_id']} ({where})"]
     if not maddrs:
-        click.echo("client mode: this node dials out only; peers cannot join through it")
-        return
-    for maddr in maddrs:
-        click.echo(f"listening on {maddr}")
+        return [*lines, "client mode: this node dials out only; peers cannot join through it"]
+    lines += [f"listening on {maddr}" for maddr in maddrs]
     join = f"swarm-node --run-id {config.run_id} {join_flags(config, _DEFAULTS)}--initial-peers {maddrs[0]}"
-    click.echo(f"join with: {join}", color=False)
+    return [*lines, f"join with: {join}"]

@@ -43,6 +43,11 @@ class PlainLines:
             return
         click.echo(f"{time.strftime('%H:%M:%S')} swarm-node: {line}", err=True)
 
+    def banner(self, lines: list[str]) -> None:
+        """The node's identity and join line, on stdout."""
+        for line in lines:
+            click.echo(line, color=False)
+
     def close(self) -> None:
         pass
 
@@ -103,6 +108,16 @@ class LivePanel:
                 self.fetch_task = None
             self.live.console.print(state_line(event))
         self.live.update(self._render())
+
+    def banner(self, lines: list[str]) -> None:
+        """On stdout as always; when stdout is the panel's terminal too, through the panel's
+        console, which prints above the live region (a plain print there was erased by the
+        next redraw, join line included)."""
+        if not sys.stdout.isatty():
+            PlainLines().banner(lines)
+            return
+        for line in lines:
+            self.live.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def _render(self) -> Any:
         from rich.console import Group

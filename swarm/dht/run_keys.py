@@ -4,8 +4,11 @@
     <run>/state     subkey [owner:<PeerID>]  -> {"step": step held, "manifest": sha256 hex, "maddrs": [...]}
     <run>/ready/<N> subkey [owner:<PeerID>]  -> matchmaking announcements for outer step N
 
+    runs            subkey [owner:<PeerID>]  -> {"run": run id, "model": ..., "step": ...}: which runs
+                    this DHT carries (every training node lists its own; no slash: never a run's key)
+
 Each value is a map; later layers may add fields, and readers ignore fields they don't know.
-`swarm-dht inspect --run-id RUN` shows the first two.
+`swarm-dht inspect --run-id RUN` shows the first two; `swarm-dht inspect` lists the runs.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ from typing import Any
 
 from swarm.dht.errors import RecordError
 from swarm.dht.records import owner_of
+from swarm.dht.ttl_caps import RUNS_KEY
 from swarm.p2p.peer_id import PeerID
 
 MAX_RUN_ID_CHARS = 128
+__all__ = ["RUNS_KEY", "check_run_id", "nodes_key", "owned_map", "ready_key", "state_key"]
 
 
 def owned_map(subkey: Any, value: Any) -> tuple[PeerID, dict[str, Any]] | None:

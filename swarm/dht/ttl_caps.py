@@ -2,7 +2,7 @@
 
 Kinds are the run keys of run_keys.py, matched on the key's shape (a run id has no '/'):
 
-    <run>/nodes -> "nodes"     <run>/state -> "state"     <run>/ready/<N> -> "ready"
+    <run>/nodes -> "nodes"     <run>/state -> "state"     <run>/ready/<N> -> "ready"     runs -> "runs"
 
 Any other key is capped by DHTConfig.max_ttl alone. A signed record cannot be shortened by the
 node that stores it (the signature covers the expiration), so one that asks for too long is
@@ -14,10 +14,14 @@ from __future__ import annotations
 from swarm.dht.config import DHTConfig
 from swarm.dht.ids import Key
 
+RUNS_KEY = "runs"  # the DHT's list of runs (run_keys.py; here to avoid an import cycle)
+
 
 def key_kind(key: Key) -> str | None:
     if not isinstance(key, str):
         return None
+    if key == RUNS_KEY:
+        return "runs"
     run, sep, rest = key.partition("/")
     if not run or not sep:
         return None

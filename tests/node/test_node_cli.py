@@ -89,6 +89,13 @@ def test_a_volunteer_joins_with_the_run_id_and_a_peer_and_adopts_the_runs_settin
     assert contrary.wait(120) != 0
     assert "--inner-steps 6 (this node: 5)" in swarm.stderr("c"), swarm.stderr("c")
     assert "adopting its settings --inner-steps 6 --lr-schedule cosine --total-steps 600" in swarm.stderr("b")
+    # a mistyped run id starts a run alone, but says which runs the DHT has; swarm-dht lists them
+    typo = swarm.node("d", "--run-id", "adpot", "--inner-steps", "2", "--max-outer-steps", "1")
+    assert typo.wait(120) == 0, swarm.stderr("d")
+    assert "no node of this DHT trains run 'adpot': starting it anew. The DHT has 'adopt' (" in swarm.stderr("d")
+    listing = subprocess.run([console_script("swarm-dht"), "inspect", "--initial-peers", str(swarm.bootstrap)],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert listing.returncode == 0 and "adopt" in listing.stdout and "adpot" in listing.stdout, listing
 
     def grouped() -> list[dict[str, Any]]:
         return [e for e in swarm.events("b", "outer_step") if e["group_size"] == 2]
@@ -269,14 +276,15 @@ def test_resident_memory_does_not_grow_over_outer_steps(swarm: Swarm) -> None:
 
 @pytest.mark.timeout(120)
 def test_on_a_terminal_it_shows_a_live_panel(tmp_path: Path) -> None:
-    """stderr on a pseudo-terminal: the rich panel (progress bar, losses) instead of log lines."""
+    """stdout and stderr on one pseudo-terminal: the rich panel (progress bar, losses) instead of
+    log lines, and the join line stays on the screen above it (a redraw used to erase it)."""
     import os
     import pty
 
     controller, terminal = pty.openpty()
     command = [console_script("swarm-node"), "--run-id", "tty", "--inner-steps", "3", "--max-outer-steps", "2",
                "--matchmaking-time", "0.2", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *FAST]  # fmt: skip
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=terminal, start_new_session=True)
+    proc = subprocess.Popen(command, stdout=terminal, stderr=terminal, start_new_session=True)
     os.close(terminal)
     shown = b""
     try:
@@ -296,3 +304,32 @@ def test_on_a_terminal_it_shows_a_live_panel(tmp_path: Path) -> None:
         os.close(controller)
     text = shown.decode(errors="replace")
     assert "inner steps" in text and "eval loss" in text and "\x1b[" in text  # drawn, not logged
+    screen = "\n".join(terminal_screen(text))
+    assert "join with: swarm-node --run-id tty" in screen and "eval loss" in screen, screen
+
+
+def terminal_screen(text: str) -> list[str]:
+    """What a terminal shows after `text`: enough of VT100 for rich's Live (cursor up and down,
+    erase line, carriage return, newline); other escape sequences are dropped."""
+    import re
+
+    lines, row, col = [""], 0, 0
+    for token in re.findall(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b.|[\r\n]|[^\x1b\r\n]+", text):
+        if token == "\n":
+            row += 1
+            lines += [""] * (row + 1 - len(lines))
+        elif token == "\r":
+            col = 0
+        elif token.startswith("\x1b["):
+            count = int(token[2:-1] or 1) if token[2:-1].isdigit() else 1
+            if token[-1] == "A":
+                row = max(0, row - count)
+            elif token[-1] == "B":
+                row += count
+                lines += [""] * (row + 1 - len(lines))
+            elif token[-1] == "K":  # 2K: the whole line; K / 0K: from the cursor on
+                lines[row] = "" if token[2:-1] == "2" else lines[row][:col]
+        elif not token.startswith("\x1b"):
+            lines[row] = lines[row][:col].ljust(col) + token + lines[row][col + len(token) :]
+            col += len(token)
+    return lines
