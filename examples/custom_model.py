@@ -10,10 +10,9 @@ process), `swarm.join` it with an optimizer factory, and call `session.step()` a
 from __future__ import annotations
 
 import argparse
-import logging
 
 import torch
-from launch import LISTENING, print_end, print_step, run_local_swarm
+from launch import LISTENING, example_main, print_end, print_step
 from torch import nn
 
 import swarm
@@ -50,25 +49,5 @@ def worker(args: argparse.Namespace) -> None:
     print_end(session)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--processes", type=int, default=3)
-    parser.add_argument("--outer-steps", type=int, default=6)
-    parser.add_argument("--inner-steps", type=int, default=20)
-    parser.add_argument("--worker", action="store_true", help="run one process of the swarm")
-    parser.add_argument("--initial-peers", nargs="*", default=[])
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what the swarm does (INFO)")
-    args = parser.parse_args()
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(process)d %(asctime)s %(name)s: %(message)s"
-    )
-    if args.worker:
-        worker(args)
-    else:
-        flags = ["--outer-steps", str(args.outer_steps), "--inner-steps", str(args.inner_steps)]
-        flags += ["--verbose"] if args.verbose else []
-        raise SystemExit(run_local_swarm(__file__, args.processes, flags))
-
-
 if __name__ == "__main__":
-    main()
+    example_main(__doc__, __file__, worker, outer_steps=6)

@@ -10,13 +10,38 @@ table, and exits 1 if not. Every process it starts is stopped when it returns.
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 LISTENING = "listening "  # the line a worker prints once it trains: "listening <maddr>"
+
+
+def example_main(doc: str | None, script: str, worker: Callable[[argparse.Namespace], None], *,
+                 outer_steps: int, inner_steps: int = 20) -> None:  # fmt: skip
+    """An example's command line: `--worker` runs one process of the swarm; otherwise it starts
+    `--processes` of them and reports (run_local_swarm)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--processes", type=int, default=3)
+    parser.add_argument("--outer-steps", type=int, default=outer_steps)
+    parser.add_argument("--inner-steps", type=int, default=inner_steps)
+    parser.add_argument("--worker", action="store_true", help="run one process of the swarm")
+    parser.add_argument("--initial-peers", nargs="*", default=[])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the swarm does (INFO)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(process)d %(asctime)s %(name)s: %(message)s")  # fmt: skip
+    if args.worker:
+        worker(args)
+        return
+    flags = ["--outer-steps", str(args.outer_steps), "--inner-steps", str(args.inner_steps)]
+    flags += ["--verbose"] if args.verbose else []
+    raise SystemExit(run_local_swarm(script, args.processes, flags))
 
 
 def run_local_swarm(script: str, processes: int, worker_args: list[str], timeout: float = 600.0) -> int:

@@ -383,7 +383,9 @@ class SwarmNode:
             training.result()  # raises NodeError on divergence
             await self._publish(book)
             if matchmaking is None:  # nobody told us to start yet: wait for slower peers, bounded
-                await self._wait_for_peers(book, stopping)
+                await self._wait_for_peers(book, stop)
+                if stop.is_set():
+                    return None
                 matchmaking = asyncio.ensure_future(self._matchmake(averager, book, step, weight))
             return await matchmaking
         finally:
@@ -391,16 +393,15 @@ class SwarmNode:
             if matchmaking is not None and not matchmaking.done() and stop.is_set():
                 matchmaking.cancel()
 
-    async def _wait_for_peers(self, book: ProgressBook, stopping: asyncio.Future[Any] | None = None) -> None:
+    async def _wait_for_peers(self, book: ProgressBook, stop: asyncio.Event) -> None:
+        """Until the slowest live peer of our step should be done (bounded by max_wait), or stop."""
         await book.refresh()
         now = time.time()
         delay = matchmaking_start(self._facts(book), now, self.config.matchmaking_time, self.config.max_wait) - now
         if delay > 0:
             logger.info("waiting %.1fs for slower peers of step %d", delay, self.diloco.outer_step)
-            if stopping is None:
-                await asyncio.sleep(delay)
-            else:
-                await asyncio.wait({stopping}, timeout=delay)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
 
     async def _matchmake(self, averager: Averager, book: ProgressBook, step: int, weight: float, *,
                          gather: float | None = None, joining: bool = False) -> Matchmade:  # fmt: skip
@@ -464,7 +465,9 @@ class SwarmNode:
                     " (the step's result was computed without us; its holders may have left)" if late else "",
                 )
                 await asyncio.sleep(RESULT_POLL)
-                await self._wait_for_peers(book)
+                await self._wait_for_peers(book, stop)
+                if stop.is_set():
+                    return
                 found = await self._matchmake(averager, book, step, float(diloco.tokens_since_outer))
                 without_group_since = None if found.group is not None else loop.time()
 

@@ -94,6 +94,14 @@ class Swarm:
     def stderr(self, name: str) -> str:
         return (self.workdir / f"{name}.err").read_text()
 
+    def exit_code(self, name: str, proc: subprocess.Popen[str], timeout: float) -> int:
+        """The exit code of node `name`; a node that does not exit in time fails the test with the
+        end of its stderr (what it was doing)."""
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{name} did not exit within {timeout:g}s; its stderr ends:\n{self.stderr(name)[-4000:]}")
+
     def wait_for(self, condition: Callable[[], bool], timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
         while not condition():

@@ -81,7 +81,17 @@ def test_a_volunteer_joins_with_the_run_id_and_a_peer_and_adopts_the_runs_settin
     swarm.start_bootstrap()
     run = ("--run-id", "adopt", "--matchmaking-time", "2")
     first = swarm.node(
-        "a", *run, "--inner-steps", "6", "--lr-schedule", "cosine", "--total-steps", "600", "--max-outer-steps", "200"
+        "a",
+        *run,
+        "--inner-steps",
+        "6",
+        "--lr-schedule",
+        "cosine",
+        "--total-steps",
+        "600",
+        "--max-outer-steps",
+        "200",
+        "-v",  # its log, should it not stop in time (it did not once, under CI load)
     )  # fmt: skip (outlasts the others; stopped below)
     swarm.wait_for(lambda: len(swarm.events("a", "outer_step")) >= 1, 150, "the first node's first outer step")
     joiner = swarm.node("b", *run, "--max-outer-steps", "200")  # stopped below, like the first
@@ -104,9 +114,9 @@ def test_a_volunteer_joins_with_the_run_id_and_a_peer_and_adopts_the_runs_settin
     theirs = {e["outer_step"]: e["state_sha256"] for e in swarm.events("a", "outer_step")}
     assert all(e["state_sha256"] == theirs[e["outer_step"]] for e in grouped() if e["outer_step"] in theirs)
     joiner.send_signal(signal.SIGTERM)
-    assert joiner.wait(60) == 0, swarm.stderr("b")
+    assert swarm.exit_code("b", joiner, 60) == 0, swarm.stderr("b")
     first.send_signal(signal.SIGTERM)
-    assert first.wait(60) == 0, swarm.stderr("a")
+    assert swarm.exit_code("a", first, 60) == 0, swarm.stderr("a")
 
 
 @pytest.mark.timeout(240)
