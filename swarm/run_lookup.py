@@ -111,15 +111,34 @@ def listed_runs(entries: Iterable[tuple[Any, Any]], limit: int = MAX_RUNS_SHOWN)
     return {run: RunSeen(len(rows), max(s for s, _ in rows), rows[0][1]) for run, rows in most}
 
 
+class RunChoiceError(ValueError):
+    """The node was given no --run-id and the DHT carries several runs: which one is not ours to pick."""
+
+
+def run_to_join(run_id: str, given: bool, lookup: RunLookup) -> tuple[str, str | None]:
+    """The run a node joins and the line to say about it (pure). A given --run-id is kept (a
+    warning when no node trains it while others run). Not given: the default run when it has
+    nodes or is listed; else the DHT's only run; several: RunChoiceError naming them."""
+    if given or lookup.nodes > 0 or not lookup.runs or run_id in lookup.runs:
+        return run_id, unknown_run_warning(run_id, lookup) if given else None
+    if len(lookup.runs) == 1:
+        only = next(iter(lookup.runs))
+        return only, f"joining run {only!r}, the one run this DHT carries (--run-id {only})"
+    raise RunChoiceError(f"this DHT carries several runs: {_named(lookup.runs)}; pass --run-id to pick one")
+
+
+def _named(runs: Mapping[str, RunSeen]) -> str:
+    return ", ".join(f"{run!r} ({seen.nodes} node{'s' * (seen.nodes != 1)}, model {seen.model}, outer step "
+                     f"{seen.step})" for run, seen in runs.items())  # fmt: skip
+
+
 def unknown_run_warning(run_id: str, lookup: RunLookup) -> str | None:
     """The warning for a --run-id that no node of this DHT trains while others are (pure): the
     likely typo, with the runs it sees."""
     if lookup.nodes > 0 or run_id in lookup.runs or not lookup.runs:
         return None
-    runs = ", ".join(f"{run!r} ({seen.nodes} node{'s' * (seen.nodes != 1)}, model {seen.model}, outer step "
-                     f"{seen.step})" for run, seen in lookup.runs.items())  # fmt: skip
     return (
-        f"no node of this DHT trains run {run_id!r}: starting it anew. The DHT has {runs}; "
+        f"no node of this DHT trains run {run_id!r}: starting it anew. The DHT has {_named(lookup.runs)}; "
         "check --run-id if you meant to join one of them"
     )
 

@@ -46,7 +46,7 @@ from swarm.model.run_settings import FIELDS, FLAGS, join_flags, training_setting
 from swarm.model.schedule import SCHEDULES
 from swarm.node_config import NodeConfig
 from swarm.p2p.identity import Identity
-from swarm.run_lookup import adoptable_settings, initial_peer_ids, look_up_run, unknown_run_warning
+from swarm.run_lookup import RunChoiceError, RunLookup, adoptable_settings, initial_peer_ids, look_up_run, run_to_join
 
 if TYPE_CHECKING:  # torch and the node load inside main(), after the flags are checked
     from swarm.node import Event, SwarmNode
@@ -229,19 +229,32 @@ def _adopt_run_settings(
     config: NodeConfig, initial_peers: tuple[str, ...], limits: OpenNetworkLimits, identity: Identity,
     proof_path: Path | None,
 ) -> NodeConfig:  # fmt: skip
-    """Every run setting not given on the command line or in --config takes the run's value
-    (swarm/run_lookup.py); said in one line. A --run-id nobody trains, where others are
-    trained, is warned about."""
+    """The run to join (without --run-id: the DHT's one run) and every run setting not given on
+    the command line or in --config, from the run's records (swarm/run_lookup.py); each said in
+    one line. A --run-id nobody trains, where others are trained, is warned about."""
     ctx = click.get_current_context()
     given = {n for n in FIELDS if ctx.get_parameter_source(n) not in (ParameterSource.DEFAULT, None)}
     dial_out = limits.p2p(host_maddrs=("/ip4/127.0.0.1/tcp/0",))  # it only dials out
-    lookup = run_network(lambda: look_up_run(config.run_id, initial_peers, dial_out, limits.dht(),
-                                             initial_peer_ids(initial_peers), identity, proof_path))  # fmt: skip
+
+    def look_up(run_id: str) -> RunLookup | None:
+        return run_network(lambda: look_up_run(run_id, initial_peers, dial_out, limits.dht(),
+                                               initial_peer_ids(initial_peers), identity, proof_path))  # fmt: skip
+
+    lookup = look_up(config.run_id)
     if lookup is None:
         return config
-    warning = unknown_run_warning(config.run_id, lookup)
-    if warning is not None:
-        click.echo(f"warning: {warning}", err=True)
+    run_given = ctx.get_parameter_source("run_id") not in (ParameterSource.DEFAULT, None)
+    try:
+        run_id, said = run_to_join(config.run_id, run_given, lookup)
+    except RunChoiceError as e:
+        raise CliError(str(e)) from None
+    if said is not None:
+        click.echo(said if run_id != config.run_id else f"warning: {said}", err=True)
+    if run_id != config.run_id:
+        config = dataclasses.replace(config, run_id=run_id)
+        lookup = look_up(run_id)
+        if lookup is None:
+            return config
     adopted = adoptable_settings(lookup.settings, given, training_settings(config))
     if not adopted:
         return config

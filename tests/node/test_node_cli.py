@@ -94,11 +94,13 @@ def test_a_volunteer_joins_with_the_run_id_and_a_peer_and_adopts_the_runs_settin
         "-v",  # its log, should it not stop in time (it did not once, under CI load)
     )  # fmt: skip (outlasts the others; stopped below)
     swarm.wait_for(lambda: len(swarm.events("a", "outer_step")) >= 1, 150, "the first node's first outer step")
-    joiner = swarm.node("b", *run, "--max-outer-steps", "200")  # stopped below, like the first
+    # no --run-id: the DHT's one run (stopped below, like the first)
+    joiner = swarm.node("b", "--matchmaking-time", "2", "--max-outer-steps", "200")
     contrary = swarm.node("c", *run, "--inner-steps", "5", "--max-outer-steps", "3")
     assert contrary.wait(120) != 0
     assert "--inner-steps 6 (this node: 5)" in swarm.stderr("c"), swarm.stderr("c")
     assert "adopting its settings --inner-steps 6 --lr-schedule cosine --total-steps 600" in swarm.stderr("b")
+    assert "joining run 'adopt', the one run this DHT carries (--run-id adopt)" in swarm.stderr("b")
     # a mistyped run id starts a run alone, but says which runs the DHT has; swarm-dht lists them
     typo = swarm.node("d", "--run-id", "adpot", "--inner-steps", "2", "--max-outer-steps", "1")
     assert typo.wait(120) == 0, swarm.stderr("d")
@@ -106,6 +108,9 @@ def test_a_volunteer_joins_with_the_run_id_and_a_peer_and_adopts_the_runs_settin
     listing = subprocess.run([console_script("swarm-dht"), "inspect", "--initial-peers", str(swarm.bootstrap)],
                              capture_output=True, text=True, timeout=60)  # fmt: skip
     assert listing.returncode == 0 and "adopt" in listing.stdout and "adpot" in listing.stdout, listing
+    unsure = swarm.node("e", "--max-outer-steps", "1")  # two runs now, and no --run-id: which one?
+    assert unsure.wait(60) == 1
+    assert "this DHT carries several runs: 'adopt' (" in swarm.stderr("e") and "pass --run-id" in swarm.stderr("e")
 
     def grouped() -> list[dict[str, Any]]:
         return [e for e in swarm.events("b", "outer_step") if e["group_size"] == 2]
