@@ -9,7 +9,9 @@ A test may inject the data and the model (`data=`, `model=`) and run many nodes 
 One outer step (the decisions are swarm/plan.py's; this module only executes them):
 1. plan_step: fetch the swarm's state first, train H inner steps (fewer for a node that arrived
    while its peers were training), or join the peers' forming group at once with weight 0.
-2. Inner steps run in the InnerLoop's thread (swarm/trainer.py); the event loop keeps serving.
+2. Inner steps run in a thread, outside the event loop, which keeps serving: swarm-node's
+   DataLoop (swarm/trainer.py) or the caller's own loop (swarm.join), each given permits
+   (swarm/user_steps.py).
    Matchmaking starts `matchmaking_time` before the slowest live peer of the step should finish
    and ends as soon as every expected peer has announced: one group of every ready node whose
    state equals the swarm's (swarm/averaging/matchmaking.py).
@@ -99,7 +101,7 @@ from swarm.run_lookup import initial_peer_ids
 from swarm.state.fetcher import FetchError
 from swarm.state.keeper import StateKeeper
 from swarm.state.trust import step_horizon
-from swarm.trainer import InnerLoop, NodeError
+from swarm.trainer import DataLoop, NodeError
 from swarm.user_steps import UserSteps
 
 logger = logging.getLogger(__name__)
@@ -115,11 +117,13 @@ RESULT_POLL = 0.5  # seconds between looks for a step's result while waiting for
 # the more of the next step we train with the others (bounded by max_wait: a few lookups a second)
 AWAIT_POLL = 0.15
 LATE_GATHER = 0.3  # seconds a node joining an already gathering group waits for it
+DATA_LOOP_END_WAIT = 60.0  # seconds for the training thread to finish its inner step at exit
 
 
 class SwarmNode:
-    """One training process: owns its model (DiLoCo), its InnerLoop thread and, while `run`
-    runs, its host, DHT node, averager, state keeper and progress book."""
+    """One training process: owns its model (DiLoCo), its inner-step permits (and swarm-node's
+    training thread) and, while `run` runs, its host, DHT node, averager, state keeper and
+    progress book."""
 
     def __init__(
         self,
@@ -145,7 +149,7 @@ class SwarmNode:
         self.p2p_config = p2p_config or P2PConfig()
         self.events = EventSink(str(self.peer_id), on_event)
         self.client_mode = config.client_mode
-        self.inner: InnerLoop | UserSteps
+        self._data_loop: DataLoop | None = None  # swarm-node's own training loop (the caller's, in swarm.join)
         if config.model == CUSTOM_MODEL:  # swarm.join: the caller's model, optimizer and loop
             if model is None:
                 raise NodeError("model 'custom' trains the caller's own model: hand it in (swarm.join)")
@@ -155,7 +159,6 @@ class SwarmNode:
             model_config: dict[str, Any] = {"architecture": architecture, "parameters": self.diloco.parameter_count}
             data_name = "caller"
             self._evaluate = None if evaluate is None else functools.partial(evaluate, model)
-            self.inner = UserSteps(self.diloco)
         else:
             data = data if data is not None else _load(config)
             preset_config = preset(config.model, vocab_size=data.vocab_size)
@@ -166,8 +169,10 @@ class SwarmNode:
             self.settings = training_settings(config)
             eval_set = eval_windows(data.eval, config.seq_len, config.eval_windows)
             self._evaluate = functools.partial(eval_loss, model, eval_set)
-            self.inner = InnerLoop(self.diloco, data, self.peer_id, batch_size=config.batch_size,
-                                   seq_len=config.seq_len)  # fmt: skip
+        self.inner = UserSteps(self.diloco)  # inner steps run only while the node allows them
+        if config.model != CUSTOM_MODEL:
+            self._data_loop = DataLoop(self.inner, data, self.peer_id, batch_size=config.batch_size,
+                                       seq_len=config.seq_len)  # fmt: skip
         self._settings_digest = settings_digest(self.settings)
         self.run_info = RunInfo(run_id=config.run_id, model=config.model, model_config=model_config,
                                 seed=config.seed, data=data_name, inner_steps=config.inner_steps,
@@ -192,11 +197,15 @@ class SwarmNode:
     async def run(self, stop: asyncio.Event) -> str:
         """Train until stop is set or max_outer_steps are done; returns why it ended. Raises
         NodeError (bad data, unreachable peers, divergence), DHTError or P2PError."""
+        if self._data_loop is not None:
+            self._data_loop.start()
         try:
             async with P2PHost(self.identity, self.p2p_config) as host:
                 return await self._run_with(host, stop)
         finally:
             self.inner.close()
+            if self._data_loop is not None:  # it ends after the inner step under way
+                await asyncio.to_thread(self._data_loop.join, DATA_LOOP_END_WAIT)
 
     async def _run_with(self, host: P2PHost, stop: asyncio.Event) -> str:
         config, diloco = self.config, self.diloco

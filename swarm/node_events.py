@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from swarm.state.fetcher import FetchProgress, FetchReport
-from swarm.trainer import InnerProgress
+from swarm.user_steps import InnerProgress
 
 logger = logging.getLogger(__name__)
 

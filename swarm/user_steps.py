@@ -23,12 +23,23 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from swarm.model.diloco import DiLoCo, InnerStats
-from swarm.trainer import InnerProgress
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class InnerProgress:
+    """What the node reads of the inner steps (its records, its pace, its events)."""
+
+    inner_done: int
+    target: int  # inner steps this step: H, or fewer for a node that arrived late
+    sec_per_step: float  # moving average; 0.0 before the first step
+    losses: tuple[float, ...]  # this step's
+    inner_s: float  # seconds in inner steps, all steps
 
 
 class SessionClosed(RuntimeError):
@@ -44,6 +55,7 @@ class UserSteps:
         self._cond = threading.Condition()
         self._permits = 0  # inner steps the caller may still run this outer step
         self._closed = False
+        self._failure: BaseException | None = None
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
         self._target = diloco.config.inner_steps
         self._inner_done = 0
@@ -62,6 +74,15 @@ class UserSteps:
             self._release_waiter()
             self._cond.notify_all()
         self._executor.shutdown(wait=True)
+
+    def fail(self, error: BaseException) -> None:
+        """The caller's loop cannot go on (swarm-node's DataLoop: a divergence): the node's
+        `train` raises `error`, and no more permits are given."""
+        with self._cond:
+            self._failure = error
+            self._permits = 0
+            self._release_waiter()
+            self._cond.notify_all()
 
     @property
     def closed(self) -> bool:
@@ -82,6 +103,8 @@ class UserSteps:
             self._target, self._inner_done = target, self.diloco.inner_done
             if self.diloco.inner_done == 0:
                 self._losses = []
+            if self._failure is not None:
+                raise self._failure
             self._permits = target - self.diloco.inner_done
             if self._permits <= 0 or self._closed:
                 self._permits = 0
@@ -91,6 +114,8 @@ class UserSteps:
             self._mark = time.perf_counter()
             self._cond.notify_all()
         await done
+        if self._failure is not None:
+            raise self._failure
 
     def snapshot(self) -> InnerProgress:
         with self._cond:
@@ -107,9 +132,9 @@ class UserSteps:
         """Block until the caller may run an inner step (True) or the session is over (False).
         Raises TimeoutError after `timeout` seconds."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._permits > 0 or self._closed, timeout):
+            if not self._cond.wait_for(lambda: self._permits > 0 or self._closed or self._failure, timeout):
                 raise TimeoutError(f"no inner step allowed within {timeout:g}s")
-            return not self._closed
+            return not (self._closed or self._failure)
 
     def step(self, tokens: int, *, loss: Any = None) -> InnerStats:
         """The inner step the caller's forward and backward began: spends one permit. Raises

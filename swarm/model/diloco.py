@@ -123,11 +123,17 @@ class DiLoCo:
         NonFiniteLossError, with nothing changed, when the loss or gradient is not finite."""
         self._check_room()
         lr = self._set_lr()
+        loss, tokens = self.forward_backward(inputs, targets)
+        return self.step_after_backward(tokens, loss=loss, lr=lr)
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The loss of one batch (on the model's device, under autocast there) and its backward:
+        (the detached loss, the batch's target tokens). step_after_backward finishes the step."""
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         with autocast_for(self.device):
             loss = self.loss_fn(self.model, inputs, targets)
         loss.backward()
-        return self.step_after_backward(targets.numel(), loss=loss.detach(), lr=lr)
+        return loss.detach(), targets.numel()
 
     def step_after_backward(self, tokens: int, *, loss: torch.Tensor | float | None = None,
                             lr: float | None = None) -> InnerStats:  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 
 import pytest
@@ -76,3 +77,30 @@ async def test_closing_releases_the_caller_and_the_node() -> None:
     with pytest.raises(SessionClosed):
         steps.step(1)
     assert await asyncio.wait_for(steps.train(3), 1.0) is None and diloco.inner_done == 0
+
+
+async def test_swarm_nodes_own_loop_steps_with_permits_and_a_divergence_fails_the_node() -> None:
+    from swarm.model.data import stdlib_corpus
+    from swarm.p2p.identity import Identity
+    from swarm.trainer import DataLoop, NodeError
+
+    data = stdlib_corpus(100_000)
+    torch.manual_seed(0)
+    nan_after = {"steps": 2}
+
+    def loss_fn(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = model(inputs).float().pow(2).mean()
+        nan_after["steps"] -= 1
+        return loss if nan_after["steps"] >= 0 else loss * math.nan
+
+    diloco = DiLoCo(nn.Embedding(256, 4), DiLoCoConfig(inner_steps=5), loss_fn=loss_fn)
+    steps = UserSteps(diloco)
+    loop = DataLoop(steps, data, Identity.generate().peer_id, batch_size=2, seq_len=8)
+    loop.start()
+    await asyncio.wait_for(steps.train(2), 10.0)  # two good steps, then it waits for a permit
+    assert diloco.inner_done == 2 and steps.snapshot().inner_done == 2
+    with pytest.raises(NodeError, match=r"training diverged \(loss nan.*lower --lr or --outer-lr"):
+        await asyncio.wait_for(steps.train(5), 10.0)
+    assert diloco.inner_done == 2  # the bad step changed nothing
+    steps.close()
+    await asyncio.to_thread(loop.join, 10.0)
