@@ -56,7 +56,6 @@ from swarm.averaging.matchmaking import Matchmade
 from swarm.dht.config import DHTConfig
 from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
-from swarm.eventloop import cancel_and_wait
 from swarm.log_once import OncePerPeer, RateLimitedLog
 from swarm.model.checkpoint import CheckpointError, RunInfo
 from swarm.model.configs import ModelConfig
@@ -101,6 +100,7 @@ from swarm.run_lookup import initial_peer_ids
 from swarm.state.fetcher import FetchError
 from swarm.state.keeper import StateKeeper
 from swarm.state.trust import step_horizon
+from swarm.supervised import Supervised
 from swarm.trainer import DataLoop, NodeError
 from swarm.user_steps import UserSteps
 
@@ -222,7 +222,7 @@ class SwarmNode:
                              on_fetch_progress=self.events.fetch_progress,
                              vouching=initial_peer_ids(self.initial_peers))  # fmt: skip
         book = ProgressBook(dht, config.run_id, config.publish_interval)
-        publisher: asyncio.Task[None] | None = None
+        publisher: Supervised | None = None
         reason = "stopped"
         try:
             await self._resume(keeper)
@@ -242,14 +242,13 @@ class SwarmNode:
             # serve what we hold from the start, step 0 too: a client that trained alone ahead of
             # every server follows the servers' state (swarm/state/keeper.py)
             await keeper.publish(diloco, checkpoint=False)
-            publisher = asyncio.ensure_future(self._publish_forever(book))
-            publisher.add_done_callback(_report_crash)
+            publisher = Supervised("progress records", lambda: self._publish_forever(book)).start()
             self._started = asyncio.get_running_loop().time()
             reason = await self._train(averager, keeper, book, stop)
             return reason
         finally:
-            if publisher is not None:
-                await cancel_and_wait(publisher)
+            if publisher is not None and (error := await publisher.close()) is not None:
+                logger.warning("publishing our progress had failed %d time(s), last: %r", publisher.failures, error)
             await keeper.close()
             averager.close()
             await dht.close()
@@ -581,9 +580,3 @@ def _build(config: NodeConfig, model_config: ModelConfig) -> nn.Module:
         raise NodeError(f"--device {config.device}: no CUDA device here")
     logger.info("model %s: %d parameters on %s", config.model, count_parameters(model_config), device)
     return build_model(model_config, config.seed, device=device)
-
-
-def _report_crash(task: asyncio.Task[Any]) -> None:
-    """A background task must not die unseen."""
-    if not task.cancelled() and task.exception() is not None:
-        logger.error("background task %s failed", task.get_name(), exc_info=task.exception())

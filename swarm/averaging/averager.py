@@ -57,6 +57,10 @@ class GroupReport:
 
 
 class Averager:
+    """One node's averaging for a run: owns its Matchmaker, its round registry (the all-reduce
+    handlers on the shared host) and the set of owners its audits caught. Call `step` once per
+    outer step, or `form_group` then `run_round` (module docstring); `close` when done."""
+
     def __init__(self, dht: DHTNode, host: P2PHost, run_id: str, config: AveragingConfig | None = None) -> None:
         self.dht, self.host, self.run_id = dht, host, run_id
         self.config = config or AveragingConfig()

@@ -92,6 +92,11 @@ class _StepState:
 
 
 class Matchmaker:
+    """Forms the groups of one run's outer steps (module docstring): owns the `avg.join` handler
+    (not in client mode), this node's ready announcements and markers per step, and the state of
+    the step it is matchmaking. `form_group` once per step; `round_failed` when the group's round
+    could not average; `close` when done."""
+
     def __init__(
         self, dht: DHTNode, host: P2PHost, run_id: str, config: AveragingConfig, *, excluded: Set[PeerID] = frozenset()
     ) -> None:

@@ -43,6 +43,7 @@ from swarm.p2p.errors import BadRequest, P2PError
 from swarm.p2p.host import P2PHost
 from swarm.p2p.identity import Identity
 from swarm.p2p.peer_id import PeerID
+from swarm.supervised import Supervised
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,11 @@ UNBOUNDED = 1 << 62  # merge containers for one lookup's results: bounded by the
 
 
 class DHTNode(DHTServing):
+    """One Kademlia node. Owns its routing table, its record storage and cache, its RPC handlers
+    (PING, FIND, STORE: none in client mode), its own records to republish, and its supervised
+    maintenance (bucket refresh, republishing). Use it as an async context manager or with
+    `start()` / `close()`; `store`, `get` and `find_node` are the whole API (module docstring)."""
+
     def __init__(
         self,
         identity: Identity | None = None,
@@ -84,7 +90,7 @@ class DHTNode(DHTServing):
         self.cache = RecordStorage(self.config.max_cache_records, per_key, trust.cache_quotas, trust.standings)
         self._own_records: dict[tuple[Key, Key | None], Record] = {}  # what we republish
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._maintenance: asyncio.Task[None] | None = None
+        self._maintenance: Supervised | None = None
         self._started = False
         self._closed = False
         self._addrs: tuple[str, ...] | None = None
@@ -129,7 +135,7 @@ class DHTNode(DHTServing):
         except BaseException:
             await self.close()
             raise
-        self._maintenance = asyncio.ensure_future(self._maintain())
+        self._maintenance = Supervised("DHT maintenance", self._maintain).start()
         return self
 
     async def bootstrap(self, maddrs: list[str]) -> None:
@@ -147,9 +153,11 @@ class DHTNode(DHTServing):
             return
         self._closed = True
         self.trust.stop_solving()
-        for task in [*self._tasks, *([self._maintenance] if self._maintenance else [])]:
+        for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, *([self._maintenance] if self._maintenance else []), return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._maintenance is not None and (error := await self._maintenance.close()) is not None:
+            logger.warning("DHT maintenance had failed %d time(s), last: %r", self._maintenance.failures, error)
         if not self.client_mode and self._addrs is not None:
             for method in (proto.PING, proto.FIND, proto.STORE):
                 self.transport.remove_handler(method)

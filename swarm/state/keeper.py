@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from swarm.dht.node import DHTNode
-from swarm.eventloop import cancel_and_wait
 from swarm.log_once import OncePerPeer
 from swarm.model.checkpoint import KINDS, CheckpointDir, Manifest, RunInfo, Snapshot, copy_state, make_snapshot
 from swarm.model.diloco import DiLoCo
@@ -41,6 +40,7 @@ from swarm.state.fetcher import FetchProgress, FetchReport, RefusedManifest, fet
 from swarm.state.holders import Holder, advertise, find_holders, settled_holders
 from swarm.state.server import StateServer
 from swarm.state.trust import Known, choose_trusted
+from swarm.supervised import Supervised
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,11 @@ def tensor_sizes(diloco: DiLoCo) -> dict[str, int]:
 
 
 class StateKeeper:
+    """A training node's side of the swarm state: owns its StateServer (unless a client), its
+    advertisement in the DHT (refreshed under supervision), its local checkpoints and the
+    current snapshot. `resume_local` once at start, `catch_up` whenever the node may be behind,
+    `publish` after each outer step, `close` at exit (module docstring)."""
+
     def __init__(
         self,
         host: P2PHost,
@@ -87,13 +92,13 @@ class StateKeeper:
         self._distrusted = OncePerPeer(logger)
         self.current: Snapshot | None = None
         self._publishing: asyncio.Task[None] | None = None
-        self._refresher: asyncio.Task[None] | None = None
+        self._refresher: Supervised | None = None
 
     async def close(self) -> None:
         if self._publishing is not None:
             await asyncio.gather(self._publishing, return_exceptions=True)
-        if self._refresher is not None:
-            await cancel_and_wait(self._refresher)
+        if self._refresher is not None and (error := await self._refresher.close()) is not None:
+            logger.warning("the state advertisement had failed %d time(s), last: %r", self._refresher.failures, error)
         if self.server is not None:
             self.server.close()
 
@@ -203,7 +208,7 @@ class StateKeeper:
                 self.server.publish(snapshot)
                 await self._advertise(snapshot.manifest)
                 if self._refresher is None:
-                    self._refresher = asyncio.ensure_future(self._refresh_forever())
+                    self._refresher = Supervised("state advertisement", self._refresh_forever).start()
             if checkpoint and self.checkpoints is not None:
                 started = time.perf_counter()
                 where = await asyncio.to_thread(self.checkpoints.write, snapshot)

@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 
 class StateServer:
+    """Serves a node's last snapshots to peers: owns the `state.manifest` and `state.shard`
+    handlers on the host, the current and the previous snapshot (kept `grace` seconds), and the
+    upload slots. `publish(snapshot)` after each outer step; `close` removes the handlers."""
+
     def __init__(
         self, host: P2PHost, run_id: str, *, max_uploads: int = 4, timeout: float = 60.0, grace: float = 30.0
     ) -> None:
