@@ -79,7 +79,9 @@ def test_a_volunteer_joins_with_the_run_id_and_a_peer_and_adopts_the_runs_settin
     """The run's settings travel in its progress records: a node given none of them adopts them
     (and says so), trains in the run's groups; a flag that contradicts them is refused."""
     swarm.start_bootstrap()
-    run = ("--run-id", "adopt", "--matchmaking-time", "2")
+    # a node stopped while its group forms leaves the others waiting part_timeout: 10 s, not 60
+    timing = ("--matchmaking-time", "2", "--part-timeout", "10")
+    run = ("--run-id", "adopt", *timing)
     first = swarm.node(
         "a",
         *run,
@@ -95,7 +97,7 @@ def test_a_volunteer_joins_with_the_run_id_and_a_peer_and_adopts_the_runs_settin
     )  # fmt: skip (outlasts the others; stopped below)
     swarm.wait_for(lambda: len(swarm.events("a", "outer_step")) >= 1, 150, "the first node's first outer step")
     # no --run-id: the DHT's one run (stopped below, like the first)
-    joiner = swarm.node("b", "--matchmaking-time", "2", "--max-outer-steps", "200")
+    joiner = swarm.node("b", *timing, "--max-outer-steps", "200")
     contrary = swarm.node("c", *run, "--inner-steps", "5", "--max-outer-steps", "3")
     assert contrary.wait(120) != 0
     assert "--inner-steps 6 (this node: 5)" in swarm.stderr("c"), swarm.stderr("c")
