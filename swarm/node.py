@@ -366,14 +366,17 @@ class SwarmNode:
         matchmaking: asyncio.Future[Matchmade] | None = None
         timed, last_event, last_refresh = False, 0.0, 0.0
         try:
-            while not training.done() and not stopping.done():
-                await asyncio.wait({training, stopping}, timeout=POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+            # a stop ends the step at once unless matchmaking has begun: then the group may count
+            # on us, and we finish the inner steps and the round ("finishes the round under way")
+            while not training.done() and not (stopping.done() and matchmaking is None):
+                waits = {training} if stopping.done() else {training, stopping}
+                await asyncio.wait(waits, timeout=POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
                 now = time.time()
                 if not timed and self.inner.snapshot().inner_done > 0:  # peers learn our pace at once
                     timed = True
                     await self._publish(book)
                 left = self.inner.seconds_left()
-                if matchmaking is None and left <= self.config.matchmaking_time + FINAL_STRETCH:
+                if matchmaking is None and not stopping.done() and left <= self.config.matchmaking_time + FINAL_STRETCH:
                     if now - last_refresh >= FINAL_REFRESH_SECONDS:  # a late peer's record must not be missed
                         last_refresh = now
                         await book.refresh()
@@ -384,7 +387,7 @@ class SwarmNode:
                 if now - last_event >= 2.0:
                     last_event = now
                     self.events.progress(step, self.inner.snapshot(), self.config.inner_steps)
-            if stopping.done():
+            if stopping.done() and matchmaking is None:
                 self.inner.close()
                 await asyncio.gather(training, return_exceptions=True)
                 return None
@@ -436,13 +439,15 @@ class SwarmNode:
         diloco, loop = self.diloco, asyncio.get_running_loop()
         without_group_since: float | None = None
         late = False  # a group of our state formed without us at this step: its result exists
-        while diloco.outer_step == step and not stop.is_set():
-            if found.group is not None:
+        while diloco.outer_step == step:
+            if found.group is not None:  # stopping or not: the group counts on our part
                 report = await self._average(averager, found)
                 if report is not None:
                     return await self._stepped(keeper, step, report)
                 averager.round_failed(step)
                 found = Matchmade(None, found.seconds)
+            if stop.is_set():
+                return
             if without_group_since is None:
                 without_group_since = loop.time()
             late = late or found.late
