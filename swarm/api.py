@@ -120,9 +120,11 @@ class SwarmSession:
         return self._wait_for_permit()
 
     def close(self, timeout: float = 60.0) -> None:
-        """Stop the node after its current round and wait for its thread (bounded)."""
+        """Stop the node after its current round and wait for its thread (bounded). The caller's
+        loop has stopped stepping: a group that counts on us averages what we trained so far."""
         if self._loop is not None and self._stop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._stop.set)
+        self._steps.finish()
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning("the swarm node did not stop within %.0fs; leaving its thread", timeout)

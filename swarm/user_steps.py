@@ -67,12 +67,18 @@ class UserSteps:
 
     # --- the node's side (its event loop) ----------------------------------------------------
 
-    def close(self) -> None:
-        """No more permits: a caller waiting for one, or stepping, is told (SessionClosed)."""
+    def finish(self) -> None:
+        """No more permits: a caller waiting for one, or stepping, is told (SessionClosed), and
+        the node's `train` returns at once; `call` still works (the node may have a round to
+        finish)."""
         with self._cond:
             self._closed = True
             self._release_waiter()
             self._cond.notify_all()
+
+    def close(self) -> None:
+        """finish, and stop the worker thread of `call`."""
+        self.finish()
         self._executor.shutdown(wait=True)
 
     def fail(self, error: BaseException) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -153,3 +154,28 @@ def test_the_run_ends_step_says_so_and_a_nan_step_changes_nothing(sessions: list
     assert session.step() is False  # over: it stays over
     session.close()
     assert session.step() is False
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(150)
+def test_closing_mid_step_returns_promptly_though_the_group_is_forming(sessions: list[SwarmSession]) -> None:
+    """The caller stops stepping and closes while its group forms: the node averages what it
+    trained and ends; close does not wait for inner steps that will never come."""
+    options = dict(run_id="closing", inner_steps=20, tokens_per_step=32, host_maddrs=LOCAL, max_outer_steps=6, **QUICK)
+    models = [make_model(), make_model()]
+    first = swarm.join(models[0], adam, **options)
+    second = swarm.join(models[1], adam, initial_peers=first.maddrs, **options)
+    sessions.extend([first, second])
+    result: dict[int, Any] = {}
+    steady = threading.Thread(target=train, args=(first, models[0], 0, result))
+    steady.start()
+    generator = torch.Generator().manual_seed(1)
+    while second.outer_step < 2 or second.inner_step < 19:  # into step 2, the group forming
+        x, y = batch(generator)
+        nn.functional.mse_loss(models[1](x), y).backward()
+        assert second.step()
+    began = time.monotonic()
+    second.close()
+    assert time.monotonic() - began < 20 and second.reason == "stopped"
+    steady.join(120)
+    assert not isinstance(result.get(0), BaseException) and result[0][0] == 6  # the other trained on
