@@ -46,7 +46,7 @@ from swarm.node import Event, SwarmNode
 from swarm.node_config import NodeConfig
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.identity import Identity
-from swarm.user_steps import SessionClosed, UserSteps
+from swarm.user_steps import SessionClosed
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +68,8 @@ class SwarmSession:
     """A running swarm node around the caller's model: made by `join`, ended by `close` (or
     the `with` block). Owns the node's background thread and its event loop."""
 
-    def __init__(self, node: SwarmNode, steps: UserSteps) -> None:
-        self._node, self._steps = node, steps
+    def __init__(self, node: SwarmNode) -> None:
+        self._node, self._steps = node, node.inner  # the permits the caller's steps spend
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
@@ -228,8 +228,6 @@ def join(
     node = SwarmNode(config, identity=identity, initial_peers=tuple(initial_peers), p2p_config=p2p_config,
                      on_event=on_event, model=model, inner_optimizer=inner_optimizer, evaluate=evaluate,
                      id_proof_path=proof_path, dht_config=DHTConfig())  # fmt: skip
-    if not isinstance(node.inner, UserSteps):
-        raise AssertionError("a custom-model node runs the caller's steps")
-    session = SwarmSession(node, node.inner)
+    session = SwarmSession(node)
     session._start(start_timeout)
     return session
