@@ -1,9 +1,9 @@
-"""UserSteps: the inner loop of a node whose inner steps the caller runs, in its own thread (swarm.join).
+"""UserSteps: the permits between a node and the thread that runs its inner steps (swarm.join or DataLoop).
 
 The node (on its event loop) hands out permits; the caller's thread spends them:
 
     steps = UserSteps(diloco)
-    # node side, as with InnerLoop (trainer.py):  await steps.train(target); await steps.call(fn)
+    # node side (its event loop):  await steps.train(target); await steps.call(fn)
     # caller's thread, after its own forward and backward:
     steps.step(tokens, loss=loss)          # clip, optimizer step, count; spends one permit
     steps.wait_for_permit()                # False once the node is done
@@ -47,8 +47,8 @@ class SessionClosed(RuntimeError):
 
 
 class UserSteps:
-    """Owns the permits, the progress the node reads (same shape as InnerLoop's) and one worker
-    thread for the node's own work on the model (`call`)."""
+    """Owns the permits, the progress the node reads (InnerProgress) and one worker thread for
+    the node's own work on the model (`call`)."""
 
     def __init__(self, diloco: DiLoCo) -> None:
         self.diloco = diloco
