@@ -22,6 +22,11 @@
    (a node arriving later at this step is late), a node without one with DONE (not counted).
    A node whose round then fails overwrites FORMED with DONE, so that the step can be retried.
 
+Only peers that proved they are alive count (liveness.py): during the gather the node asks
+each server it sees (`avg.alive`), and announcements or FORMED markers of owners that did not
+answer neither vote, nor lead, nor make anyone late, nor count for a leader's majority; the
+leader does not wait for members whose check failed.
+
 Client-mode nodes take part the same way; they only never lead. A node finds no group when it
 is alone, late, of another state, or the leader gave up: the caller decides what follows (the
 training node fetches the swarm's state; swarm/plan.py).
@@ -37,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from swarm.averaging.config import AveragingConfig
+from swarm.averaging.liveness import Liveness
 from swarm.averaging.messages import MAX_MEMBERS, GroupInfo, MemberInfo
 from swarm.averaging.ready import (
     DONE,
@@ -65,6 +71,7 @@ POLL = 0.15  # seconds between reads of the ready set while peers are still miss
 # seconds a DONE marker does not count as arrived: longer than a retrying node's pause between
 # rounds (node.py RESULT_POLL), so that retrying nodes' windows overlap
 DONE_GRACE = 1.5
+SETTLE = 2.0  # seconds we wait for the liveness check of a peer we did not expect
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,10 +114,12 @@ class Matchmaker:
         self._stored: dict[int, float] = {}  # step -> expiration of our last record (later wins)
         self._markers: set[asyncio.Task[None]] = set()
         self._bad_input = OncePerPeer(logger)
+        self.liveness = Liveness(host, run_id, config.request_timeout, serve=not config.client_mode)
         if not config.client_mode:
             host.add_handler(JOIN, self._rpc_join)
 
     def close(self) -> None:
+        self.liveness.close()
         if not self.config.client_mode:
             self.host.remove_handler(JOIN)
         for state in self._steps.values():
@@ -138,6 +147,7 @@ class Matchmaker:
             if not announced:  # unseen by others; we may still join them
                 logger.warning("could not announce readiness for step %d", step)
             view = await self._gather(step, None if expected is None else expected - {me.peer_id}, gather_until)
+            view = await self._settled(step, view, expected or frozenset())
             dead: set[PeerID] = set()
             while loop.time() < give_up_at:
                 for peer in dead:
@@ -160,7 +170,7 @@ class Matchmaker:
                 dead.add(joined)  # the leader failed: decide again without it
                 state.leader = None
                 state.role_known.clear()
-                view = await self._read(step)
+                view = await self._settled(step, await self._read(step), expected or frozenset())
             outcome = Matchmade(None, loop.time() - started)
             return outcome
         finally:
@@ -170,7 +180,7 @@ class Matchmaker:
             self._steps.pop(step, None)
             group = outcome.group if outcome is not None else None
             marker = (
-                formed_marker(me.state, group.group_id, self.dht.id_nonce, self.config.settings)
+                formed_marker(me.state, group.group_id, self.dht.id_nonce, self.config.settings, me)
                 if group is not None
                 else DONE
             )
@@ -223,12 +233,31 @@ class Matchmaker:
         done_counts_at = loop.time() + DONE_GRACE
         while True:
             view = await self._read(step)
+            self.liveness.ask(step, [*view.ready.values(), *view.formers.values()], expected or frozenset())
             arrived = view.seen() if loop.time() >= done_counts_at else view.seen() - view.done
-            if view.formed or (expected is not None and expected <= arrived):
+            if self.liveness.alive(view.formed) or (expected is not None and expected <= arrived):
                 return view
             if loop.time() >= until:
                 return view
             await asyncio.sleep(min(POLL, max(0.0, until - loop.time())))
+
+    async def _settled(self, step: int, view: ReadyView, expected: Set[PeerID]) -> ReadyView:
+        """`view` with the owners that have not proven they are alive marked unverified, after
+        asking the ones not asked yet and waiting for the answers (request_timeout at most for
+        the peers we expect, SETTLE for the others)."""
+        self.liveness.ask(step, [*view.ready.values(), *view.formers.values()], expected)
+        now = asyncio.get_running_loop().time()
+        owners = view.ready.keys() | view.formed.keys()
+        # the peers we expect are worth a request's wait; an unknown one (maybe a flood of
+        # addresses that never answer) only a short one: it counts once it has answered
+        await self.liveness.settle(owners & expected, now + self.config.request_timeout)
+        await self.liveness.settle(owners - expected, now + min(SETTLE, self.config.request_timeout))
+        return self._marked(view)
+
+    def _marked(self, view: ReadyView) -> ReadyView:
+        """`view` with the owners not known to be alive marked unverified."""
+        owners = view.ready.keys() | view.formed.keys()
+        return replace(view, unverified=frozenset(owners - self.liveness.alive(owners)))
 
     async def _read(self, step: int) -> ReadyView:
         try:
@@ -257,7 +286,8 @@ class Matchmaker:
         ourselves late (a group of our state formed elsewhere, or most of it is not with us)."""
         loop = asyncio.get_running_loop()
         state.leading, state.leader = True, None
-        state.expected = {m.peer_id for m in group if m.peer_id != self.peer_id}
+        # not waiting for members whose liveness check failed (they may still join in time)
+        state.expected = {m.peer_id for m in group if m.peer_id != self.peer_id} - self.liveness.failed()
         state.role_known.set()
         deadline = min(give_up_at, loop.time() + self.config.request_timeout)
         while not state.expected <= set(state.joiners) and loop.time() < deadline:
@@ -271,7 +301,7 @@ class Matchmaker:
         members.sort(key=lambda m: (order.get(m.peer_id, len(order)), m.peer_id.to_bytes()))
         result, late = None, False
         if len(members) >= self.config.min_group_size:
-            final_view = (await self._read(step)).with_member(state.me)
+            final_view = self._marked(await self._read(step)).with_member(state.me)
             if may_finalize(len(members), final_view, state.me.state):
                 result = GroupInfo.create(self.run_id, step, tuple(members))
             else:

@@ -27,9 +27,15 @@ find, two to check). Without it, a flood of throwaway identities announcing anot
 outvote the swarm (rule 2: every honest node would look for a state nobody serves), and fake
 members would take the leader's place or hold the majority a leader needs (may_finalize).
 
+Identities must also be alive (liveness.py): the matchmaker marks the owners that have not
+answered it `unverified`, and those neither vote for the swarm's state (rule 2), nor lead (rule
+3), nor count as announced for a leader's majority (`may_finalize`), nor make anyone late (rule
+1). They may still join a group: a leader groups whoever actually joins it.
+
     ready value:   {"member": MemberInfo.encode(), "proof": nonce, "settings": digest}  ("I am ready")
-    FORMED marker: {"formed": state, "group": id, "proof": nonce, "settings": digest}
-                   (done: in a group of that state)
+    FORMED marker: {"formed": state, "group": id, "proof": nonce, "settings": digest,
+                    "member": MemberInfo.encode()}  (done: in a group of that state; "member"
+                   says where to ask whether its owner is alive)
     DONE marker:   "done"   (done without a group: do not count me)
 
 A record counts only for nodes of the same run settings (`settings`: model/run_settings.py's
@@ -42,7 +48,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from swarm.averaging.messages import GroupInfo, MemberInfo
@@ -59,8 +65,13 @@ def announcement(member: MemberInfo, proof: bytes, settings: bytes = b"") -> dic
     return {"member": member.encode(), "proof": proof, "settings": settings}
 
 
-def formed_marker(state: bytes, group_id: bytes, proof: bytes, settings: bytes = b"") -> dict[str, bytes]:
-    return {"formed": state, "group": group_id, "proof": proof, "settings": settings}
+def formed_marker(
+    state: bytes, group_id: bytes, proof: bytes, settings: bytes = b"", member: MemberInfo | None = None
+) -> dict[str, Any]:
+    marker: dict[str, Any] = {"formed": state, "group": group_id, "proof": proof, "settings": settings}
+    if member is not None:
+        marker["member"] = member.encode()
+    return marker
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,13 +82,24 @@ class ReadyView:
     formed: dict[PeerID, bytes] = field(default_factory=dict)  # done, in a group: the state it averaged
     done: frozenset[PeerID] = frozenset()  # done without a group
     refused: frozenset[PeerID] = frozenset()  # announced something we do not accept (decode_view)
+    formers: dict[PeerID, MemberInfo] = field(default_factory=dict)  # where a FORMED marker's owner is
+    # owners (ready or formed) that have not proven they are alive (liveness.py): not counted
+    unverified: frozenset[PeerID] = frozenset()
 
     def seen(self) -> set[PeerID]:
         """Who has shown up: nobody waits any longer for these (a refused announcement too)."""
         return set(self.ready) | set(self.formed) | set(self.done) | set(self.refused)
 
     def with_member(self, me: MemberInfo) -> ReadyView:
-        return ReadyView({**self.ready, me.peer_id: me}, self.formed, self.done, self.refused)
+        return replace(self, ready={**self.ready, me.peer_id: me}, unverified=self.unverified - {me.peer_id})
+
+    def counted_ready(self) -> dict[PeerID, MemberInfo]:
+        """The ready members that count (alive, when liveness is checked)."""
+        return {p: m for p, m in self.ready.items() if p not in self.unverified}
+
+    def counted_formed(self) -> dict[PeerID, bytes]:
+        """The FORMED markers that count (of owners alive, when liveness is checked)."""
+        return {p: s for p, s in self.formed.items() if p not in self.unverified}
 
 
 def decode_view(
@@ -93,6 +115,7 @@ def decode_view(
     of this swarm, whatever state it holds (b"": not checked)."""
     ready: dict[PeerID, MemberInfo] = {}
     formed: dict[PeerID, bytes] = {}
+    formers: dict[PeerID, MemberInfo] = {}
     done: set[PeerID] = set()
     skipped = []
     for subkey, value in entries.items():
@@ -124,6 +147,13 @@ def decode_view(
                 skipped.append(Skipped(owner, "a malformed FORMED marker"))
                 continue
             formed[owner] = state
+            if "member" in value:
+                try:
+                    former = MemberInfo.decode(value["member"])
+                except (BadRequest, ValueError):
+                    former = None
+                if former is not None and former.peer_id == owner:
+                    formers[owner] = former
             continue
         try:
             member = MemberInfo.decode(value.get("member"))
@@ -139,7 +169,7 @@ def decode_view(
             continue
         ready[owner] = member
     refused = frozenset(item.owner for item in skipped if item.owner is not None) - set(ready)
-    return ReadyView(ready, formed, frozenset(done), refused), skipped
+    return ReadyView(ready, formed, frozenset(done), refused, formers), skipped
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,9 +191,10 @@ class Decision:
 
 
 def swarm_state(view: ReadyView) -> bytes | None:
-    """The state most members in view start from (ties: the smaller hash); None: nobody."""
-    votes = Counter(m.state for m in view.ready.values())
-    votes.update(view.formed.values())
+    """The state most members in view start from (ties: the smaller hash); None: nobody.
+    Unverified owners do not vote."""
+    votes = Counter(m.state for m in view.counted_ready().values())
+    votes.update(view.counted_formed().values())
     if not votes:
         return None
     return min(votes, key=lambda s: (-votes[s], s))
@@ -178,7 +209,7 @@ def decide(view: ReadyView, me: MemberInfo, step: int) -> Decision:
     """This node's part in step `step`, by the rules in the module docstring. `view` need not
     contain `me`: it is added."""
     view = view.with_member(me)
-    if me.state in view.formed.values():
+    if me.state in view.counted_formed().values():
         return Decision("late", swarm_state=me.state)
     chosen = swarm_state(view)
     assert chosen is not None  # we are in the view
@@ -186,7 +217,7 @@ def decide(view: ReadyView, me: MemberInfo, step: int) -> Decision:
         return Decision("other_state", swarm_state=chosen)
     order = group_order([p for p, m in view.ready.items() if m.state == chosen], step)
     members = tuple(view.ready[p] for p in order)
-    leader = next((m for m in members if not m.client), None)
+    leader = next((m for m in members if not m.client and m.peer_id not in view.unverified), None)
     if leader is None or not any(m.weight > 0 for m in members):
         return Decision("alone", members, swarm_state=chosen)
     if leader.peer_id == me.peer_id:
@@ -199,9 +230,9 @@ def may_finalize(group_size: int, final_view: ReadyView, state: bytes) -> bool:
     group of this state has formed meanwhile elsewhere (a second group would fork the model),
     and not with fewer than half of the members of this state still announced: then the
     leader is the late one, seeing announcements the others have not withdrawn yet."""
-    if state in final_view.formed.values():
+    if state in final_view.counted_formed().values():
         return False
-    announced = sum(1 for m in final_view.ready.values() if m.state == state)
+    announced = sum(1 for m in final_view.counted_ready().values() if m.state == state)
     return 2 * group_size > announced
 
 

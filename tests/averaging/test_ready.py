@@ -30,9 +30,12 @@ def member(i: int, state: bytes = A, client: bool = False, weight: float = 1.0) 
     return MemberInfo(IDS[i], maddrs, weight, 0.0 if client else 100.0, client, state)
 
 
-def view(*members: MemberInfo, formed: dict[int, bytes] | None = None, done: tuple[int, ...] = ()) -> ReadyView:
+def view(
+    *members: MemberInfo, formed: dict[int, bytes] | None = None, done: tuple[int, ...] = (), dead: tuple[int, ...] = ()
+) -> ReadyView:
+    """`dead`: owners that did not prove they are alive (liveness.py)."""
     return ReadyView({m.peer_id: m for m in members}, {IDS[i]: s for i, s in (formed or {}).items()},
-                     frozenset(IDS[i] for i in done))  # fmt: skip
+                     frozenset(IDS[i] for i in done), unverified=frozenset(IDS[i] for i in dead))  # fmt: skip
 
 
 def leader_of(ids: list[int], step: int = 0) -> int:
@@ -53,6 +56,21 @@ CASES = [
     ("alone with nothing to contribute", view(), member(0, weight=0.0), "alone"),
     ("one contributor is enough", view(member(1, weight=0.0)), member(0), None),
     ("done markers are not counted", view(member(1, B), done=(2, 3)), member(0, A), None),
+    # owners that did not answer a liveness check neither vote, nor lead, nor make anyone late
+    (
+        "a dead majority of another state does not vote",
+        view(member(1, B), member(2, B), dead=(1, 2)),
+        member(0),
+        "lead",
+    ),
+    ("a dead owner's FORMED marker of our state: not late", view(member(1), formed={2: A}, dead=(2,)), member(0), None),
+    ("a live owner's FORMED marker of our state: late", view(member(1), formed={2: A}, dead=(1,)), member(0), "late"),
+    (
+        "dead servers cannot lead",
+        view(*(member(i) for i in range(1, 6)), dead=(1, 2, 3, 4, 5)),
+        member(0, client=True),
+        "alone",
+    ),
 ]
 
 
@@ -63,7 +81,7 @@ def test_decide(what: str, seen: ReadyView, me: MemberInfo, kind: str | None) ->
         everyone = [i for i in range(6) if IDS[i] in {*seen.ready, me.peer_id}]
         state = min(m.state for m in [*seen.ready.values(), me])
         everyone = [i for i in everyone if (seen.ready.get(IDS[i]) or me).state == state]
-        leader = leader_of(everyone)
+        leader = leader_of([i for i in everyone if IDS[i] not in seen.unverified])
         assert decision.kind == ("lead" if IDS[leader] == me.peer_id else "join")
         assert {m.peer_id for m in decision.members} == {IDS[i] for i in everyone}
         assert decision.kind == "lead" or (decision.leader is not None and decision.leader.peer_id == IDS[leader])
@@ -94,6 +112,9 @@ def test_a_client_never_leads() -> None:
         (2, view(member(0), member(1), member(2), member(3)), False),  # half: we may be the late ones
         (3, view(member(0), member(1), member(2), formed={4: A}), False),  # a group of our state formed
         (3, view(member(0), member(1), member(2), formed={4: B}), True),
+        # announced members that never answered do not count: 16 fakes cannot block every leader
+        (2, view(member(0), member(1), member(2), member(3), member(4), dead=(2, 3, 4)), True),
+        (3, view(member(0), member(1), member(2), formed={4: A}, dead=(4,)), True),  # a dead owner's marker
     ],
 )
 def test_a_leader_finalizes_only_a_majority_and_only_one_group(size: int, final: ReadyView, ok: bool) -> None:
