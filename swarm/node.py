@@ -80,6 +80,7 @@ from swarm.p2p.config import P2PConfig
 from swarm.p2p.errors import P2PError
 from swarm.p2p.host import P2PHost
 from swarm.p2p.identity import Identity
+from swarm.p2p.peer_id import PeerID
 from swarm.plan import (
     APPLY_OWN,
     AWAIT_RESULT,
@@ -439,6 +440,7 @@ class SwarmNode:
         diloco, loop = self.diloco, asyncio.get_running_loop()
         without_group_since: float | None = None
         late = False  # a group of our state formed without us at this step: its result exists
+        late_by: frozenset[PeerID] = frozenset()  # whose FORMED markers said so
         while diloco.outer_step == step:
             if found.group is not None:  # stopping or not: the group counts on our part
                 report = await self._average(averager, found)
@@ -450,7 +452,7 @@ class SwarmNode:
                 return
             if without_group_since is None:
                 without_group_since = loop.time()
-            late = late or found.late
+            late, late_by = late or found.late, late_by | found.late_by
             await book.refresh()
             waited = loop.time() - without_group_since
             plan = plan_without_group(self._facts(book), late=late, other_state=found.swarm_state is not None,
@@ -471,6 +473,11 @@ class SwarmNode:
                     return
                 await asyncio.sleep(AWAIT_POLL)
             else:  # RETRY
+                if late and late_by and loop.time() - without_group_since >= self.config.max_wait:
+                    # we waited max_wait for the result of their group: none came. Believing
+                    # their markers again would keep us (and anyone they fool) waiting forever
+                    averager.distrust_formed(late_by)
+                    late, late_by = False, frozenset()
                 logger.info(
                     "step %d: %s%s",
                     step,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 
 import torch
@@ -119,6 +119,10 @@ class Averager:
             if peer not in self.excluded and peer != self.host.peer_id:
                 self.excluded.add(peer)
                 logger.warning("excluding peer %s from averaging for the rest of the run: %s", peer, why)
+
+    def distrust_formed(self, peers: Set[PeerID]) -> None:
+        """Their FORMED markers made us wait max_wait for a result that never came: ignore them."""
+        self.matchmaker.distrust_formed(peers)
 
     def round_failed(self, step: int) -> None:
         """The round of `step` failed: the step may be matchmade again (see matchmaking.py)."""

@@ -50,6 +50,7 @@ from swarm.averaging.ready import (
     announcement,
     decide,
     decode_view,
+    formed_by,
     formed_marker,
     group_problem,
     may_finalize,
@@ -72,6 +73,7 @@ POLL = 0.15  # seconds between reads of the ready set while peers are still miss
 # rounds (node.py RESULT_POLL), so that retrying nodes' windows overlap
 DONE_GRACE = 1.5
 SETTLE = 2.0  # seconds we wait for the liveness check of a peer we did not expect
+MAX_DISTRUSTED = 4096  # peers whose FORMED markers we ignore (a bound on memory)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +86,7 @@ class Matchmade:
     seconds: float
     late: bool = False  # a group of our state formed without us
     swarm_state: bytes | None = None
+    late_by: frozenset[PeerID] = frozenset()  # late: the owners of the FORMED markers that said so
 
 
 @dataclass
@@ -93,6 +96,7 @@ class _StepState:
     leader: MemberInfo | None = None  # whom we joined, when not leading
     joiners: dict[PeerID, MemberInfo] = field(default_factory=dict)
     expected: set[PeerID] = field(default_factory=set)
+    late_by: frozenset[PeerID] = frozenset()  # the leader found itself late: whose FORMED markers said so
     result: asyncio.Future[GroupInfo | None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     role_known: asyncio.Event = field(default_factory=asyncio.Event)  # leading, or joined a leader
     joined: asyncio.Event = field(default_factory=asyncio.Event)  # a joiner arrived (the leader waits on it)
@@ -109,6 +113,7 @@ class Matchmaker:
     ) -> None:
         self.dht, self.host, self.run_id, self.config = dht, host, run_id, config
         self.excluded = excluded  # peers the owner audit caught (the Averager's set, shared): see _read
+        self.distrusted: set[PeerID] = set()  # their FORMED markers never came with a result: see _read
         self.peer_id = host.peer_id
         self._steps: dict[int, _StepState] = {}
         self._stored: dict[int, float] = {}  # step -> expiration of our last record (later wins)
@@ -155,12 +160,14 @@ class Matchmaker:
                 decision = decide(view, me, step)
                 if decision.kind in ("late", "other_state", "alone"):
                     logger.info("step %d: no group: %s", step, decision.kind.replace("_", " "))
-                    outcome = Matchmade(None, loop.time() - started, decision.kind == "late",
-                                        decision.swarm_state if decision.kind == "other_state" else None)  # fmt: skip
+                    late = decision.kind == "late"
+                    outcome = Matchmade(None, loop.time() - started, late,
+                                        decision.swarm_state if decision.kind == "other_state" else None,
+                                        formed_by(view, me.state) if late else frozenset())  # fmt: skip
                     return outcome
                 if decision.kind == "lead":
                     group, late = await self._lead(state, list(decision.members), step, give_up_at)
-                    outcome = Matchmade(group, loop.time() - started, late=late)
+                    outcome = Matchmade(group, loop.time() - started, late=late, late_by=state.late_by)
                     return outcome
                 assert decision.leader is not None
                 joined = await self._join(state, decision.leader, step, give_up_at)
@@ -185,6 +192,19 @@ class Matchmaker:
                 else DONE
             )
             self._mark(step, marker)
+
+    def distrust_formed(self, peers: Set[PeerID]) -> None:
+        """Ignore these peers' FORMED markers from now on: they made us wait for a result that
+        did not come in max_wait (node.py). Without this, one identity that renews a FORMED
+        marker of our state (it answers liveness checks, so it counts) would keep every node
+        "late" forever; with it, each identity delays the swarm by one max_wait at most."""
+        fresh = set(peers) - self.distrusted - {self.peer_id}
+        if fresh:
+            logger.warning("ignoring the FORMED markers of %s from now on: no result came of them",
+                           ", ".join(str(p) for p in sorted(fresh, key=PeerID.to_bytes)))  # fmt: skip
+        self.distrusted |= fresh
+        while len(self.distrusted) > MAX_DISTRUSTED:
+            self.distrusted.pop()
 
     def round_failed(self, step: int) -> None:
         """Our group of `step` could not average: withdraw its FORMED marker, so that the step
@@ -271,6 +291,9 @@ class Matchmaker:
         view, skipped = decode_view(entries, self.config.max_weight, self.dht.config.id_bits, self.config.settings)
         for item in skipped:
             self._bad_input.log(item.owner, "ready record", "ignoring %s (step %d)", item.reason, step)
+        if ignored := self.distrusted & view.formed.keys():  # their markers are not believed
+            view = replace(view, formed={p: s for p, s in view.formed.items() if p not in ignored},
+                           refused=view.refused | ignored)  # fmt: skip
         if caught := self.excluded & (view.ready.keys() | view.formed.keys()):
             # owners our audits caught lying: never grouped with, and their "formed" markers mean
             # nothing (the liar applied its own result: no honest node waits for it)
@@ -305,7 +328,7 @@ class Matchmaker:
             if may_finalize(len(members), final_view, state.me.state):
                 result = GroupInfo.create(self.run_id, step, tuple(members))
             else:
-                late = True
+                late, state.late_by = True, formed_by(final_view, state.me.state)
                 logger.info("step %d: not leading a group of %d: another formed, or we are late", step, len(members))
         state.result.set_result(result)
         return result, late

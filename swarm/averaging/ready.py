@@ -200,6 +200,11 @@ def swarm_state(view: ReadyView) -> bytes | None:
     return min(votes, key=lambda s: (-votes[s], s))
 
 
+def formed_by(view: ReadyView, state: bytes) -> frozenset[PeerID]:
+    """The owners of the counted FORMED markers that name `state`."""
+    return frozenset(p for p, s in view.counted_formed().items() if s == state)
+
+
 def group_order(peers: list[PeerID], step: int) -> list[PeerID]:
     """A hash of (step, PeerID) orders the group: the leader changes from step to step."""
     return sorted(set(peers), key=lambda p: hashlib.sha256(step.to_bytes(8, "big") + p.to_bytes()).digest())

@@ -8,10 +8,12 @@ that never formed."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
 
+from swarm.averaging.liveness import Liveness
 from swarm.averaging.messages import MemberInfo
 from swarm.averaging.ready import announcement, formed_marker
 from swarm.dht import DHTConfig, Record, owner_subkey
@@ -45,13 +47,15 @@ def fake_records(
     settings: bytes,
     proofs: list[bytes] | None = None,
     kind: str = "both",
+    former: MemberInfo | None = None,
 ) -> list[dict[str, object]]:
     """Signed records of the run's settings (public: every ready record carries them), without
     a proof of a costly id unless `proofs` (one valid nonce per fake) are given. kind "both":
     ready announcements of another state from every fake but the last, and a FORMED marker of
     the honest state from the last; "other_state" / "same_state": announcements only, of
-    another state / of the honest state; "formed": the last fake's FORMED marker only. Every
-    fake's address is a closed port: none of them answers."""
+    another state / of the honest state; "formed": the last fake's FORMED marker only, naming
+    `former` as where to reach it when given. Every other fake's address is a closed port: none
+    of them answers."""
     expiration, other = time.time() + 30, b"\x07" * 32
     bits = DHTConfig().id_bits  # the tests' (conftest.py), as every node of this test uses
     nonces = proofs if proofs is not None else [failing_nonce(i.peer_id, bits) for i in fakes]
@@ -61,7 +65,7 @@ def fake_records(
         values = [announcement(MemberInfo(i.peer_id, ("/ip4/127.0.0.1/tcp/9",), 1.0, 100.0, False, announced), n,
                                settings) for i, n in zip(fakes[:-1], nonces, strict=False)]  # fmt: skip
     if kind in ("both", "formed"):
-        values.append(formed_marker(honest_state, b"g" * 32, nonces[-1], settings))
+        values.append(formed_marker(honest_state, b"g" * 32, nonces[-1], settings, former))
     else:
         values.append(announcement(MemberInfo(fakes[-1].peer_id, ("/ip4/127.0.0.1/tcp/9",), 1.0, 100.0, False,
                                               announced), nonces[-1], settings))  # fmt: skip
@@ -89,7 +93,19 @@ async def test_attack_g_proven_identities_that_never_answer_do_not_stop_averagin
     await run_flood(local, data, kind, proven=True)
 
 
-async def run_flood(local: LocalSwarm, data: TokenData, kind: str, *, proven: bool) -> None:
+async def test_attack_g_a_live_identitys_formed_marker_delays_the_swarm_once(
+    local: LocalSwarm, data: TokenData, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The attacker paid for its id and answers liveness checks, and renews a FORMED marker of
+    the honest state every 0.3 s: every honest node is "late" and waits for a result that never
+    comes. After max_wait (10 s here) each ignores that identity's markers and the swarm goes
+    on; before, it waited forever."""
+    caplog.set_level(logging.WARNING, logger="swarm.averaging.matchmaking")
+    await run_flood(local, data, "formed", proven=True, live=True)
+    assert "ignoring the FORMED markers of" in caplog.text
+
+
+async def run_flood(local: LocalSwarm, data: TokenData, kind: str, *, proven: bool, live: bool = False) -> None:
     clean = await clean_run(data)
     bootstrap = await local.start_bootstrap()
     honest = start_honest(local, bootstrap)
@@ -97,7 +113,10 @@ async def run_flood(local: LocalSwarm, data: TokenData, kind: str, *, proven: bo
     bits = DHTConfig().id_bits
     proofs = [solve(i.peer_id, bits) for i in fakes] if proven else None
     stored: list[str] = []
-    async with P2PHost(config=LOCAL) as relay:
+    async with P2PHost(fakes[-1], config=LOCAL) as relay:
+        # the last fake is the relay itself: it answers liveness checks (live) as a node would
+        alive = Liveness(relay, RUN_ID, 2.0) if live else None
+        former = MemberInfo(relay.peer_id, tuple(relay.visible_maddrs), 0.0, 100.0, False) if live else None
 
         async def flood() -> None:
             lead = max(honest, key=lambda n: n.node.diloco.outer_step).node
@@ -105,7 +124,7 @@ async def run_flood(local: LocalSwarm, data: TokenData, kind: str, *, proven: bo
             targets = [bootstrap, *(m for n in honest for m in n.node.maddrs[:1])]
             for s in (step, step + 1):
                 settings = honest[0].node.config.averaging_config(False).settings
-                records = fake_records(s, state, fakes, settings, proofs, kind)
+                records = fake_records(s, state, fakes, settings, proofs, kind, former)
                 for target in targets:
                     try:
                         reply = await relay.call(target, "dht.store", {"a": None, "records": records}, timeout=5)
@@ -118,6 +137,8 @@ async def run_flood(local: LocalSwarm, data: TokenData, kind: str, *, proven: bo
             await finish(honest, timeout=90)
         finally:
             flooding.cancel()
+            if alive is not None:
+                alive.close()
     # the fakes were in the DHT: the attack ran
     assert stored.count("ok") >= (1 if kind == "formed" else FAKES), stored[:20]
     assert_agree(honest)
