@@ -91,6 +91,7 @@ class StateKeeper:
         self._refused_peers: set[PeerID] = set()
         self._distrusted = OncePerPeer(logger)
         self.current: Snapshot | None = None
+        self.advertised = False  # the last advertisement of `current` was stored by some DHT node
         self._publishing: asyncio.Task[None] | None = None
         self._refresher: Supervised | None = None
 
@@ -219,9 +220,17 @@ class StateKeeper:
         except Exception:
             logger.exception("could not publish the state")
 
-    async def _advertise(self, manifest: Manifest) -> None:
-        maddrs = self.host.visible_maddrs
-        await advertise(self.dht, self.run.run_id, manifest, maddrs, time.time() + self.advertise_ttl)
+    async def _advertise(self, manifest: Manifest) -> bool:
+        """Advertise the state we serve; False when it is stored nowhere (store_or_warn warned):
+        peers cannot fetch from us until the refresh, advertise_ttl / 3 later, succeeds."""
+        maddrs, refresh = self.host.visible_maddrs, self.advertise_ttl / 3
+        ok = await advertise(self.dht, self.run.run_id, manifest, maddrs, time.time() + self.advertise_ttl,
+                             within=refresh)  # fmt: skip
+        if not ok:  # store_or_warn said why, at WARNING: this line says what it costs
+            logger.info("the state of outer step %d is not advertised: peers cannot fetch it from us; trying again "
+                        "in %.0fs", manifest.step, refresh)  # fmt: skip
+        self.advertised = ok
+        return ok
 
     async def _refresh_forever(self) -> None:
         """Keep the advertisement alive between outer steps (it expires soon after we stop)."""
