@@ -17,12 +17,14 @@ from swarm.p2p import P2PConfig, P2PHost
 from swarm.p2p.errors import RemoteError
 from swarm.p2p.identity import Identity
 from swarm.state import protocol
+from swarm.state.config import FetchConfig
 from swarm.state.fetcher import FetchError, RefusedManifest, fetch_state
 from swarm.state.holders import Holder, choose_state, decode_holder, settled_holders
 from swarm.state.keeper import fetch_reason
 from swarm.state.server import StateServer
 
 RUN = RunInfo(run_id="run", model="tiny", model_config={"dim": 8}, seed=0)
+ONE_STREAM = FetchConfig(streams_per_peer=1)
 
 
 def _state(step: int = 3, seed: int = 0) -> dict:
@@ -66,7 +68,7 @@ async def test_fetch_from_three_peers_spreads_shards_and_loads_the_exact_state(t
     try:
         holders = [_holder(h, snapshot) for h in hosts]
         manifest, state, report = await fetch_state(
-            fetcher, "run", holders, expect=RUN, dest=tmp_path, streams_per_peer=1, on_progress=seen.append
+            fetcher, "run", holders, expect=RUN, dest=tmp_path, config=ONE_STREAM, on_progress=seen.append
         )
         assert manifest.sha256 == snapshot.manifest.sha256
         _assert_same(state, _state())
@@ -95,7 +97,7 @@ async def test_a_corrupt_peer_is_detected_avoided_and_its_shards_fetched_elsewhe
     fetcher = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
     try:
         holders = [_holder(h, good) for h in hosts]
-        _, state, report = await fetch_state(fetcher, "run", holders, expect=RUN, dest=tmp_path, streams_per_peer=1)
+        _, state, report = await fetch_state(fetcher, "run", holders, expect=RUN, dest=tmp_path, config=ONE_STREAM)
         _assert_same(state, _state())
         assert report.corrupt_peers == [str(hosts[0].peer_id)]
         assert report.bytes_by_peer == {str(hosts[1].peer_id): good.manifest.total_bytes}
@@ -135,7 +137,7 @@ async def test_a_peer_dying_mid_fetch_is_replaced_by_the_others(tmp_path: Path) 
     try:
         holders = [_holder(h, snapshot) for h in hosts]
         _, state, report = await fetch_state(
-            fetcher, "run", holders, expect=RUN, dest=tmp_path, streams_per_peer=1, timeout=5
+            fetcher, "run", holders, expect=RUN, dest=tmp_path, config=FetchConfig(streams_per_peer=1, timeout=5)
         )
         _assert_same(state, _state())
         assert str(hosts[0].peer_id) in report.failed_peers
@@ -167,8 +169,8 @@ async def test_peers_that_advertise_the_state_later_join_the_fetch() -> None:
 
     try:
         _, state, report = await fetch_state(
-            fetcher, "run", [_holder(hosts[0], snapshot)], expect=RUN, streams_per_peer=1, timeout=5,
-            find_holders=find_holders, recruit_every=0.1,
+            fetcher, "run", [_holder(hosts[0], snapshot)], expect=RUN,
+            config=FetchConfig(streams_per_peer=1, timeout=5, recruit_every=0.1), find_holders=find_holders,
         )  # fmt: skip
         _assert_same(state, _state())
         assert asked >= 1
@@ -221,7 +223,12 @@ async def test_a_busy_peer_is_asked_again(tmp_path: Path) -> None:
     fetcher = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
     try:
         _, state, _ = await fetch_state(
-            fetcher, "run", [_holder(hosts[0], snapshot)], expect=RUN, dest=tmp_path, streams_per_peer=4
+            fetcher,
+            "run",
+            [_holder(hosts[0], snapshot)],
+            expect=RUN,
+            dest=tmp_path,
+            config=FetchConfig(streams_per_peer=4),
         )
         _assert_same(state, _state())
     finally:
