@@ -192,6 +192,7 @@ async def newcomer_main(args: argparse.Namespace) -> dict[str, Any]:
     from swarm.dht.node import DHTNode
     from swarm.model.diloco import state_sha256
     from swarm.p2p import P2PConfig, P2PHost
+    from swarm.state.config import FetchConfig
     from swarm.state.fetcher import FetchProgress, fetch_state, remove_fetch_dir
 
     torch.set_num_threads(1)
@@ -218,7 +219,8 @@ async def newcomer_main(args: argparse.Namespace) -> dict[str, Any]:
                 started = time.perf_counter()
                 manifest, state, report = await fetch_state(
                     host, RUN_ID, holders, expect=expect, dest=Path(args.fetch_dest) if args.fetch_dest else None,
-                    streams_per_peer=args.streams_per_peer, timeout=args.timeout, on_progress=on_progress,
+                    config=FetchConfig(streams_per_peer=args.streams_per_peer, timeout=args.timeout),
+                    on_progress=on_progress,
                 )  # fmt: skip
                 finished = time.perf_counter()
                 cpu_after = resource.getrusage(resource.RUSAGE_SELF)

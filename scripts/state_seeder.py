@@ -1,4 +1,4 @@
-"""A process that holds one swarm state and serves it, as a training node would, without training.
+"""A donor that holds one swarm state and serves it, as a training node would, without training.
 
     python scripts/state_seeder.py --initial-peers MADDR --run-id RUN --model tiny --step 5
 
@@ -6,11 +6,14 @@ It builds a deterministic state (the model's seed weights, moved by a seeded ran
 seeded momentum), joins the DHT, advertises the state under `<run>/state` and serves it with the
 real StateServer until SIGTERM. Its first stdout line is JSON:
 {"peer_id", "maddrs", "manifest", "state_sha256" (as DiLoCo.state_sha256 hashes it),
-"state_bytes"}. Tests and scripts/bench_state.py use it as a donor they can slow down, corrupt
-or kill; `--upload-delay` sleeps between chunks, `--corrupt` flips one byte of every shard it
-sends, `--claim-run`/`--claim-model` write another run id or model into its manifest, and
-`--node-settings` the run settings of swarm-nodes of the same flags (without it: none, as
-scripts/bench_state.py expects).
+"state_bytes"}. scripts/bench_state.py runs it as a separate process; tests run the same donor
+in their own event loop (`Seeder.start`, through the `seeder` fixture of tests/state/conftest.py).
+
+A donor can be made slow, lying or stalled through StateServer's public fault hook (ServeFaults):
+`--upload-delay` sleeps after each 256 KiB, `--corrupt` flips one byte of every shard it sends.
+`--claim-run`/`--claim-model` write another run id or model into its manifest (a state of
+another run, correctly hashed), and `--node-settings` the run settings of swarm-nodes of the same
+flags (without it: none, as scripts/bench_state.py expects).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,10 +40,10 @@ from swarm.model.run_settings import training_settings
 from swarm.node_config import NodeConfig
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.host import P2PHost
-from swarm.p2p.stream import Stream
-from swarm.state import protocol
 from swarm.state.holders import advertise
-from swarm.state.server import StateServer
+from swarm.state.server import ServeFaults, StateServer
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
 def make_state(model: str, seed: int, step: int) -> dict[str, Any]:
@@ -55,75 +59,111 @@ def make_state(model: str, seed: int, step: int) -> dict[str, Any]:
     return {"outer_step": step, "params": params, "momentum": momentum}
 
 
-def run_info(args: argparse.Namespace) -> RunInfo:
-    config = preset(args.claim_model or args.model)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SeedSpec:
+    """Which state a donor holds and what its manifest says about it."""
+
+    run_id: str  # advertised and served under this run
+    model: str = "tiny"
+    seed: int = 0
+    step: int = 5
+    inner_steps: int = 100
+    shard_bytes: int = 64 << 20
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # run settings in the manifest
+    claim_run: str | None = None  # the manifest names this run instead (a state of another run)
+    claim_model: str | None = None  # the manifest names this model instead (a state of another model)
+
+    @classmethod
+    def like_node(cls, node: NodeConfig, **changes: Any) -> SeedSpec:
+        """The state of the run that swarm-nodes of `node`'s flags train: they adopt it."""
+        spec = cls(run_id=node.run_id, model=node.model, seed=node.seed, inner_steps=node.inner_steps,
+                   settings=training_settings(node))  # fmt: skip
+        return dataclasses.replace(spec, **changes)
+
+    def run_info(self) -> RunInfo:
+        model = self.claim_model or self.model
+        return RunInfo(
+            run_id=self.claim_run or self.run_id,
+            model=model,
+            model_config=dataclasses.asdict(preset(model)),
+            seed=self.seed,
+            data="stdlib",
+            inner_steps=self.inner_steps,
+            settings=self.settings,
+        )
+
+    def snapshot(self) -> tuple[Snapshot, str]:
+        """(the snapshot served, the state's state_sha256). CPU-heavy: call it in a thread."""
+        state = make_state(self.model, self.seed, self.step)
+        state_hash = state_sha256(state)
+        return make_snapshot(state, self.run_info(), self.shard_bytes), state_hash  # the state itself is dropped
+
+
+class Seeder:
+    """One donor in the caller's event loop: a host, a DHT node, a StateServer (with `faults`)
+    and the advertisement of its one state. `await Seeder.start(...)`, then `close()`."""
+
+    def __init__(self, host: P2PHost, dht: DHTNode, server: StateServer, snapshot: Snapshot, state_hash: str) -> None:
+        self.host, self.dht, self.server, self.snapshot, self.state_hash = host, dht, server, snapshot, state_hash
+
+    @classmethod
+    async def start(cls, spec: SeedSpec, initial_peers: Sequence[str], *, faults: ServeFaults | None = None,
+                    max_uploads: int = 4) -> Seeder:  # fmt: skip
+        snapshot, state_hash = await asyncio.to_thread(spec.snapshot)
+        host = await P2PHost(config=P2PConfig(host_maddrs=(LOOPBACK,))).start()
+        try:
+            dht = await DHTNode(host=host, initial_peers=initial_peers).start()
+        except BaseException:
+            await host.close()
+            raise
+        server = StateServer(host, spec.run_id, max_uploads=max_uploads, faults=faults)
+        server.publish(snapshot)
+        seeder = cls(host, dht, server, snapshot, state_hash)
+        expiration = time.time() + 3600
+        if not await advertise(dht, spec.run_id, snapshot.manifest, host.visible_maddrs, expiration):
+            await seeder.close()
+            raise RuntimeError("no DHT node stored the seeder's advertisement")
+        return seeder
+
+    def line(self) -> dict[str, Any]:
+        """What the script prints first (module docstring)."""
+        return {
+            "peer_id": str(self.host.peer_id),
+            "maddrs": self.host.visible_maddrs,
+            "manifest": self.snapshot.manifest.sha256,
+            "state_sha256": self.state_hash,
+            "state_bytes": self.snapshot.manifest.total_bytes,
+        }
+
+    async def close(self) -> None:
+        """Stop serving at once, as a donor that dies would (its connections close). Idempotent."""
+        self.server.close()
+        await self.dht.close()
+        await self.host.close()
+
+
+async def serve(args: argparse.Namespace) -> None:
     settings = {}
     if args.node_settings:  # the run settings of swarm-nodes given these flags (model/run_settings.py)
         node = NodeConfig(run_id=args.run_id, model=args.model, seed=args.seed, inner_steps=args.inner_steps,
                           batch_size=args.batch_size, seq_len=args.seq_len)  # fmt: skip
         settings = training_settings(node)
-    return RunInfo(
-        run_id=args.claim_run or args.run_id,
-        model=args.claim_model or args.model,
-        model_config=dataclasses.asdict(config),
-        seed=args.seed,
-        data="stdlib",
-        inner_steps=args.inner_steps,
-        settings=settings,
-    )
-
-
-class SlowOrBadServer(StateServer):
-    """The real server, optionally slowed down or lying about its bytes."""
-
-    def __init__(self, *args: Any, upload_delay: float, corrupt: bool, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.upload_delay, self.corrupt = upload_delay, corrupt
-
-    async def _rpc_shard(self, ctx: Any, args: Any, stream: Stream) -> None:
-        if not self.upload_delay and not self.corrupt:
-            return await super()._rpc_shard(ctx, args, stream)
-        sha, name = protocol.parse_shard_args(args, self.run_id)
-        data = bytearray(self._snapshot(sha).shards[name])
-        if self.corrupt:
-            data[len(data) // 2] ^= 0xFF
-        step = 256 << 10
-        for start in range(0, len(data), step):
-            await stream.write(memoryview(data)[start : start + step])
-            await asyncio.sleep(self.upload_delay)
-        await stream.end()
-
-
-async def serve(args: argparse.Namespace) -> None:
-    state = make_state(args.model, args.seed, args.step)
-    state_hash = state_sha256(state)
-    snapshot: Snapshot = await asyncio.to_thread(make_snapshot, state, run_info(args), args.shard_bytes)
-    del state  # only the serialized snapshot is served: a donor holds the state once
-    host = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
-    dht = DHTNode(host=host, initial_peers=args.initial_peers)
-    server = SlowOrBadServer(host, args.run_id, upload_delay=args.upload_delay, corrupt=args.corrupt,
-                             max_uploads=args.max_uploads)  # fmt: skip
+    spec = SeedSpec(run_id=args.run_id, model=args.model, seed=args.seed, step=args.step, inner_steps=args.inner_steps,
+                    shard_bytes=args.shard_bytes, settings=settings, claim_run=args.claim_run,
+                    claim_model=args.claim_model)  # fmt: skip
+    faults = None
+    if args.upload_delay or args.corrupt:
+        faults = ServeFaults(chunk_delay=args.upload_delay, corrupt=args.corrupt)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    seeder = await Seeder.start(spec, args.initial_peers, faults=faults, max_uploads=args.max_uploads)
     try:
-        await dht.start()
-        server.publish(snapshot)
-        await advertise(dht, args.run_id, snapshot.manifest, host.visible_maddrs, time.time() + 3600)
-        line = {
-            "peer_id": str(host.peer_id),
-            "maddrs": host.visible_maddrs,
-            "manifest": snapshot.manifest.sha256,
-            "state_sha256": state_hash,
-            "state_bytes": snapshot.manifest.total_bytes,
-        }
-        sys.stdout.write(json.dumps(line) + "\n")
+        sys.stdout.write(json.dumps(seeder.line()) + "\n")
         sys.stdout.flush()
         await stop.wait()
     finally:
-        server.close()
-        await dht.close()
-        await host.close()
+        await seeder.close()
 
 
 def main() -> None:

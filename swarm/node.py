@@ -218,9 +218,7 @@ class SwarmNode:
         averager = Averager(dht, host, config.run_id, config.averaging_config(self.client_mode, self._settings_digest))
         keeper = StateKeeper(host, dht, self.run_info, in_trainer=self.inner.call, serve=not self.client_mode,
                              checkpoint_dir=Path(config.checkpoint_dir) if config.checkpoint_dir else None,
-                             checkpoint_every=config.checkpoint_every, shard_bytes=config.shard_bytes,
-                             max_uploads=config.max_uploads, fetch_timeout=config.fetch_timeout,
-                             on_fetch_progress=self.events.fetch_progress,
+                             config=config.keeper_config(), on_fetch_progress=self.events.fetch_progress,
                              vouching=initial_peer_ids(self.initial_peers))  # fmt: skip
         book = ProgressBook(dht, config.run_id, config.publish_interval)
         publisher: Supervised | None = None

@@ -14,6 +14,7 @@ from swarm.model.configs import DEFAULT_SHARD_BYTES, DiLoCoConfig
 from swarm.model.presets import PRESETS
 from swarm.model.run_settings import CUSTOM_MODEL, settings_digest, training_settings
 from swarm.model.schedule import DEFAULT_DECAY_FRACTION, DEFAULT_WARMUP_STEPS
+from swarm.state.config import FetchConfig, KeeperConfig
 
 if TYPE_CHECKING:
     import torch
@@ -112,6 +113,15 @@ class NodeConfig:
             codec=self.compression,
             client_mode=client_mode,
             max_weight=self.max_weight,
+        )
+
+    def keeper_config(self) -> KeeperConfig:
+        """The state keeper's tunables (swarm/state/config.py) from these flags."""
+        return KeeperConfig(
+            shard_bytes=self.shard_bytes,
+            checkpoint_every=self.checkpoint_every,
+            max_uploads=self.max_uploads,
+            fetch=FetchConfig(timeout=self.fetch_timeout),
         )
 
     @property

@@ -29,6 +29,7 @@ from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
 from swarm.dht.records import owner_subkey
 from swarm.dht.run_keys import RUNS_KEY, nodes_key, owned_map
+from swarm.dht.store_retry import store_or_warn
 from swarm.model.run_settings import decode_settings, settings_digest
 from swarm.p2p.errors import P2PError
 from swarm.p2p.peer_id import PeerID
@@ -143,33 +144,27 @@ class ProgressBook:
         return 3 * self.publish_interval + 2.0
 
     async def publish(self, own: OwnProgress) -> bool:
+        """Store our record (tried again within one publish interval); False when it is stored
+        nowhere, which store_or_warn has logged: the next publication tries again."""
         now = time.time()
-        if now - self._listed_at >= RUN_LISTING_INTERVAL:
+        expiration = now + 4 * self.publish_interval + 10
+        subkey = owner_subkey(self.dht.peer_id)
+        accepted = await store_or_warn(self.dht, self.key, own.encode(now), expiration, subkey, kind="progress",
+                                       within=self.publish_interval)  # fmt: skip
+        if now - self._listed_at >= RUN_LISTING_INTERVAL:  # after the progress: peers wait on that one
             self._listed_at = now
             await self._list_run(own, now)
-        expiration = now + 4 * self.publish_interval + 10
-        try:
-            accepted = await self.dht.store(self.key, own.encode(now), expiration, owner_subkey(self.dht.peer_id))
-        except (P2PError, DHTError, TimeoutError) as e:
-            logger.warning("could not publish progress: %s", e)
-            return False
-        if accepted == 0:
-            logger.warning("could not publish progress: no DHT node accepted the record")
         return accepted > 0
 
     async def _list_run(self, own: OwnProgress, now: float) -> None:
         """Our run in the DHT's list of runs (RUNS_KEY): a node given a mistyped --run-id is
-        told which runs exist (run_lookup.unknown_run_warning)."""
+        told which runs exist (run_lookup.unknown_run_warning). A failure is logged by
+        store_or_warn; the listing is tried again RUN_LISTING_INTERVAL later."""
         model = (own.settings or {}).get("model")
         value = {"run": self.run_id, "model": model if isinstance(model, str) else None, "step": own.step}
-        try:
-            accepted = await self.dht.store(RUNS_KEY, value, now + 3 * RUN_LISTING_INTERVAL,
-                                            owner_subkey(self.dht.peer_id))  # fmt: skip
-        except (P2PError, DHTError, TimeoutError) as e:
-            logger.info("could not list our run: %s", e)
-            return
-        if accepted == 0:
-            logger.info("could not list our run: no DHT node accepted the record")
+        expiration = now + 3 * RUN_LISTING_INTERVAL
+        await store_or_warn(self.dht, RUNS_KEY, value, expiration, owner_subkey(self.dht.peer_id), kind="runs",
+                            within=self.publish_interval)  # fmt: skip
 
     async def refresh(self) -> None:
         if not self._read_once:

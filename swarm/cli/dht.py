@@ -59,6 +59,7 @@ from swarm.dht.errors import RecordError
 from swarm.dht.id_proof import proof_path_for
 from swarm.dht.node import DHTNode, user_value
 from swarm.dht.records import OWNER_PREFIX, Record, ValueWithExpiration, owner_of, owner_subkey
+from swarm.dht.store_retry import store_or_warn
 from swarm.p2p.identity import Identity
 from swarm.p2p.maddr import parse_maddr
 from swarm.run_lookup import listed_runs
@@ -213,9 +214,8 @@ def store(key: str, value: str, subkey: str | None, owned: bool, ttl: float, opt
         hint = " (use the owner's --identity)" if e.code == "bad_signature" else ""
         raise CliError(f"record refused [{e.code}]: {e.message}{hint}") from None
 
-    async def op(node: DHTNode) -> int:
-        accepted = await node.store(key, item, expiration, subkey)
-        return accepted
+    async def op(node: DHTNode) -> int:  # a few tries: a refusal or a lost reply is often brief
+        return await store_or_warn(node, key, item, expiration, subkey, kind="command-line")
 
     accepted = with_client(opts, op)
     if opts.as_json:
@@ -224,7 +224,7 @@ def store(key: str, value: str, subkey: str | None, owned: bool, ttl: float, opt
         where = f"{key!r}" + (f" subkey {subkey!r}" if subkey is not None else "")
         click.echo(f"stored {where} on {accepted} node{'s' * (accepted != 1)}, expires in {duration(ttl)}")
     if accepted == 0:
-        raise CliError("no node accepted the record (each holds one that expires later, or none answered)")
+        raise CliError("no node accepted the record (each holds one that expires later, or none answered; -v says why)")
 
 
 @main.command()

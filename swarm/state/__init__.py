@@ -4,6 +4,8 @@
     holders.py   who holds which state: advertise in the DHT under `<run>/state`, read, choose
     server.py    StateServer: serves the last finished outer step's immutable snapshot
     fetcher.py   fetch_state: a manifest, then verified shards in parallel from several peers
+    keeper.py    StateKeeper: a training node's side of it all (resume, catch up, publish)
+    config.py    their tunables: FetchConfig, KeeperConfig (one frozen config each, nested)
 
 The state's format (manifest + safetensors shards) is swarm/model/checkpoint.py.
 """

@@ -1,13 +1,14 @@
 """fetch_state: bring a node up to the swarm's state from several peers at once.
 
-    manifest, state, report = await fetch_state(host, run_id, holders, expect=run_info, dest=dir)
+    manifest, state, report = await fetch_state(host, run_id, holders, expect=run_info, dest=dir,
+                                                config=FetchConfig(timeout=60.0, streams_per_peer=2))
     diloco.load_state_dict(state)
 
 1. Choose (holders.choose_state): the newest step, the manifest hash most peers advertise.
 2. Manifest: asked from the holders in random order; believed only when its bytes hash to the
    advertised value, and refused (RefusedManifest) when it is of another run or model, or
    when its tensors or shard sizes do not fit the model (trust.py).
-3. Shards, in parallel: `streams_per_peer` downloads per holder at a time. Shard i prefers
+3. Shards, in parallel: `config.streams_per_peer` downloads per holder at a time. Shard i prefers
    holder (i + r) mod n for a random r, so each shard comes from a different peer where possible
    and many newcomers spread over all holders; an idle holder takes any shard still waiting.
    Each shard streams into a buffer of its size, is hashed in a thread (the event loop never
@@ -15,7 +16,7 @@
    match the manifest. A shard that fails verification marks its peer as corrupt (avoided for
    the rest of the fetch); a peer that dies or moves on to a newer state is dropped; either
    way the shard goes back to the queue for another peer. A busy peer is retried after a pause.
-   With `find_holders`, the holders are read again every `recruit_every` seconds while shards
+   With `find_holders`, the holders are read again every `config.recruit_every` seconds while shards
    are missing: peers that advertise the same state later (they finished the outer step a
    moment after the first ones) join the fetch.
    With `dest`, each verified shard is also written to `<dest>/fetch-<sha>/` by a writer thread,
@@ -55,6 +56,7 @@ from swarm.p2p.errors import P2PError, RemoteError
 from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
 from swarm.state import protocol
+from swarm.state.config import FetchConfig
 from swarm.state.holders import Holder, choose_state
 from swarm.state.trust import manifest_problem
 
@@ -116,35 +118,34 @@ async def fetch_state(
     *,
     expect: RunInfo,
     dest: Path | None = None,
-    streams_per_peer: int = 2,
-    timeout: float = 60.0,
+    config: FetchConfig | None = None,
     on_progress: Callable[[FetchProgress], None] | None = None,
     rng: random.Random | None = None,
     find_holders: Callable[[], Awaitable[Sequence[Holder]]] | None = None,
-    recruit_every: float = 2.0,
     expect_tensors: Mapping[str, int] | None = None,
 ) -> tuple[Manifest, dict[str, Any], FetchReport]:
-    """Fetch, verify and load the state to use (see the module docstring). Raises FetchError;
-    RefusedManifest for a state of another run or model (anyone can advertise one under our
-    run's key: it must not stop the node). With `expect_tensors` (each
-    tensor name of the state -> its raw byte size), a manifest that does not fit them is refused
-    (RefusedManifest) before any shard buffer is allocated."""
+    """Fetch, verify and load the state to use (see the module docstring), tuned by `config`
+    (None: FetchConfig's defaults). Raises FetchError; RefusedManifest for a state of another
+    run or model (anyone can advertise one under our run's key: it must not stop the node).
+    With `expect_tensors` (each tensor name of the state -> its raw byte size), a manifest that
+    does not fit them is refused (RefusedManifest) before any shard buffer is allocated."""
+    config = config or FetchConfig()
     rng = rng or random.Random()
     chosen = choose_state(holders)
     if chosen is None:
         raise FetchError(f"nobody advertises a state of run {run_id!r}")
     _, sha, peers = chosen
     rng.shuffle(peers)
-    manifest = await _fetch_manifest(host, run_id, peers, sha, expect, timeout)
+    manifest = await _fetch_manifest(host, run_id, peers, sha, expect, config.timeout)
     if expect_tensors is not None and (problem := manifest_problem(manifest, expect_tensors)) is not None:
         raise RefusedManifest(sha, problem)
     directory = None
     if dest is not None:
         directory = Path(dest) / f"fetch-{sha[:16]}"
         await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
-    fetch = _ShardFetch(host, run_id, manifest, peers, directory, streams_per_peer, timeout, on_progress, rng)
+    fetch = _ShardFetch(host, run_id, manifest, peers, directory, config, on_progress, rng)
     try:
-        await fetch.run(find_holders, recruit_every)
+        await fetch.run(find_holders)
     finally:
         await fetch.writes_done()
     shards = [fetch.buffers[i] for i in range(len(manifest.shards))]
@@ -187,13 +188,12 @@ class _ShardFetch:
         manifest: Manifest,
         peers: list[Holder],
         directory: Path | None,
-        streams_per_peer: int,
-        timeout: float,
+        config: FetchConfig,
         on_progress: Callable[[FetchProgress], None] | None,
         rng: random.Random,
     ) -> None:
         self.host, self.run_id, self.manifest, self.peers = host, run_id, manifest, peers
-        self.directory, self.streams_per_peer, self.timeout = directory, max(1, streams_per_peer), timeout
+        self.directory, self.config, self.timeout = directory, config, config.timeout
         self.on_progress = on_progress
         self.offset = rng.randrange(len(peers))
         self.pending: list[int] = []  # shard indices still to fetch
@@ -218,7 +218,7 @@ class _ShardFetch:
         if self._writer is not None:
             self._writer.shutdown(wait=False)
 
-    async def run(self, find_holders: Callable[[], Awaitable[Sequence[Holder]]] | None, recruit_every: float) -> None:
+    async def run(self, find_holders: Callable[[], Awaitable[Sequence[Holder]]] | None) -> None:
         for i, info in enumerate(self.manifest.shards):
             kept = None
             if self.directory is not None:
@@ -238,7 +238,7 @@ class _ShardFetch:
             self._start_workers(peer, workers)
         recruiter = None
         if find_holders is not None:
-            recruiter = asyncio.ensure_future(self._recruit(find_holders, recruit_every, workers))
+            recruiter = asyncio.ensure_future(self._recruit(find_holders, self.config.recruit_every, workers))
         try:
             while workers:  # the recruiter may add some meanwhile
                 done, _ = await asyncio.wait(set(workers), return_when=asyncio.FIRST_COMPLETED)
@@ -256,7 +256,7 @@ class _ShardFetch:
             )
 
     def _start_workers(self, peer: Holder, workers: set[asyncio.Future[None]]) -> None:
-        for _ in range(self.streams_per_peer):
+        for _ in range(self.config.streams_per_peer):
             workers.add(asyncio.ensure_future(self._worker(peer)))
 
     async def _recruit(

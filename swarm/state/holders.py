@@ -24,6 +24,7 @@ from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
 from swarm.dht.records import owner_subkey
 from swarm.dht.run_keys import owned_map, state_key
+from swarm.dht.store_retry import store_or_warn
 from swarm.model.checkpoint import Manifest
 from swarm.p2p.errors import P2PError
 from swarm.p2p.maddr import parse_maddr
@@ -44,12 +45,15 @@ class Holder:
     nbytes: int
 
 
-async def advertise(dht: DHTNode, run_id: str, manifest: Manifest, maddrs: Sequence[str], expiration: float) -> None:
+async def advertise(dht: DHTNode, run_id: str, manifest: Manifest, maddrs: Sequence[str], expiration: float, *,
+                    within: float | None = None) -> bool:  # fmt: skip
+    """Advertise that we hold `manifest`'s state; False when no DHT node stored the record
+    (store_or_warn retried it within `within` seconds and logged a warning): nobody can find
+    this state until the caller advertises it again."""
     value = {"step": manifest.step, "manifest": manifest.sha256, "maddrs": list(maddrs), "bytes": manifest.total_bytes}
-    try:
-        await dht.store(state_key(run_id), value, expiration, owner_subkey(dht.peer_id))
-    except (P2PError, DHTError, TimeoutError) as e:
-        logger.info("could not advertise state of step %d: %s", manifest.step, e)
+    subkey = owner_subkey(dht.peer_id)
+    return await store_or_warn(dht, state_key(run_id), value, expiration, subkey, kind="state holders",
+                               within=within) > 0  # fmt: skip
 
 
 def decode_holder(subkey: Any, value: Any) -> Holder | None:

@@ -1,6 +1,7 @@
 """StateKeeper: a training node's side of the swarm state (DESIGN invariants 5-7).
 
-    keeper = StateKeeper(host, dht, run_info, in_trainer=..., ...)
+    keeper = StateKeeper(host, dht, run_info, in_trainer=..., serve=True, checkpoint_dir=None,
+                         config=KeeperConfig(shard_bytes=64 << 20, fetch=FetchConfig(timeout=120.0)))
     await keeper.resume_local(diloco)          # from --checkpoint-dir, after a crash
     await keeper.catch_up(diloco, ...)         # fetch from peers when they are ahead
     await keeper.publish(diloco)               # after each outer step: serve, advertise, checkpoint
@@ -36,6 +37,7 @@ from swarm.model.checkpoint import KINDS, CheckpointDir, Manifest, RunInfo, Snap
 from swarm.model.diloco import DiLoCo
 from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
+from swarm.state.config import KeeperConfig
 from swarm.state.fetcher import FetchProgress, FetchReport, RefusedManifest, fetch_state, remove_fetch_dir
 from swarm.state.holders import Holder, advertise, find_holders, settled_holders
 from swarm.state.server import StateServer
@@ -69,20 +71,14 @@ class StateKeeper:
         in_trainer: InTrainer,
         serve: bool,
         checkpoint_dir: Path | None,
-        checkpoint_every: int = 1,
-        shard_bytes: int,
-        max_uploads: int = 4,
-        fetch_timeout: float = 120.0,
-        advertise_ttl: float = 60.0,
+        config: KeeperConfig,
         on_fetch_progress: Callable[[FetchProgress], None] | None = None,
         vouching: frozenset[PeerID] = frozenset(),
     ) -> None:
-        self.host, self.dht, self.run = host, dht, run
+        self.host, self.dht, self.run, self.config = host, dht, run, config
         self.in_trainer = in_trainer
-        self.server = StateServer(host, run.run_id, max_uploads=max_uploads) if serve else None
+        self.server = StateServer(host, run.run_id, max_uploads=config.max_uploads) if serve else None
         self.checkpoints = CheckpointDir(checkpoint_dir) if checkpoint_dir is not None else None
-        self.checkpoint_every, self.shard_bytes = checkpoint_every, shard_bytes
-        self.fetch_timeout, self.advertise_ttl = fetch_timeout, advertise_ttl
         self.on_fetch_progress = on_fetch_progress
         self.vouching = vouching  # the node's --initial-peers: their states are preferred (trust.py)
         self._refused: set[str] = set()  # manifests that did not fit the model: never chosen again
@@ -91,6 +87,7 @@ class StateKeeper:
         self._refused_peers: set[PeerID] = set()
         self._distrusted = OncePerPeer(logger)
         self.current: Snapshot | None = None
+        self.advertised = False  # the last advertisement of `current` was stored by some DHT node
         self._publishing: asyncio.Task[None] | None = None
         self._refresher: Supervised | None = None
 
@@ -157,7 +154,7 @@ class StateKeeper:
                 donors,
                 expect=self.run,
                 dest=dest,
-                timeout=self.fetch_timeout,
+                config=self.config.fetch,
                 on_progress=self.on_fetch_progress,
                 find_holders=self._holders,
                 expect_tensors=await self.in_trainer(tensor_sizes, diloco),
@@ -196,12 +193,12 @@ class StateKeeper:
             await asyncio.gather(self._publishing, return_exceptions=True)
         copied = await self.in_trainer(lambda: copy_state(diloco.state_dict()))
         if checkpoint is None:
-            checkpoint = copied["outer_step"] % self.checkpoint_every == 0
+            checkpoint = copied["outer_step"] % self.config.checkpoint_every == 0
         self._publishing = asyncio.ensure_future(self._publish(copied, checkpoint))
 
     async def _publish(self, copied: dict[str, Any], checkpoint: bool) -> None:
         try:
-            snapshot = await asyncio.to_thread(make_snapshot, copied, self.run, self.shard_bytes)
+            snapshot = await asyncio.to_thread(make_snapshot, copied, self.run, self.config.shard_bytes)
             del copied
             self.current = snapshot
             if self.server is not None:
@@ -219,14 +216,22 @@ class StateKeeper:
         except Exception:
             logger.exception("could not publish the state")
 
-    async def _advertise(self, manifest: Manifest) -> None:
-        maddrs = self.host.visible_maddrs
-        await advertise(self.dht, self.run.run_id, manifest, maddrs, time.time() + self.advertise_ttl)
+    async def _advertise(self, manifest: Manifest) -> bool:
+        """Advertise the state we serve; False when it is stored nowhere (store_or_warn warned):
+        peers cannot fetch from us until the refresh, advertise_ttl / 3 later, succeeds."""
+        maddrs, ttl = self.host.visible_maddrs, self.config.advertise_ttl
+        refresh = ttl / 3
+        ok = await advertise(self.dht, self.run.run_id, manifest, maddrs, time.time() + ttl, within=refresh)
+        if not ok:  # store_or_warn said why, at WARNING: this line says what it costs
+            logger.info("the state of outer step %d is not advertised: peers cannot fetch it from us; trying again "
+                        "in %.0fs", manifest.step, refresh)  # fmt: skip
+        self.advertised = ok
+        return ok
 
     async def _refresh_forever(self) -> None:
         """Keep the advertisement alive between outer steps (it expires soon after we stop)."""
         while True:
-            await asyncio.sleep(self.advertise_ttl / 3)
+            await asyncio.sleep(self.config.advertise_ttl / 3)
             if self.current is not None:
                 await self._advertise(self.current.manifest)
 

@@ -258,6 +258,16 @@ def test_inspect_shows_the_nodes_and_state_holders_of_a_run(lone_node: dict[str,
     assert_one_line_error(nothing, "publishes nothing", exit_code=1)
 
 
+def test_a_store_no_node_accepts_is_tried_again_and_exits_1(lone_node: dict[str, Any]) -> None:
+    """The node already holds the key until later (a newer expiration wins): the record is
+    refused on every try; -v shows the tries and the warning, the exit code says it failed."""
+    maddr, key = lone_node["maddrs"][0], f"refused-{os.getpid()}"
+    assert dht_json("store", key, "first", "--initial-peers", maddr, "--ttl", "600")["accepted"] == 1
+    result = dht("store", key, "older", "--initial-peers", maddr, "--ttl", "60", "-v", "--timeout", CLIENT_TIMEOUT)
+    assert result.returncode == 1 and "no node accepted the record" in result.stderr, result.stderr
+    assert result.stderr.count("trying again") == 2 and "(3 tries)" in result.stderr, result.stderr
+
+
 # --- bad input: one line on stderr, a non-zero exit, never a traceback -----------------------
 
 

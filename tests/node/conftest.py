@@ -22,10 +22,9 @@ from swarm.model.data import TokenData, load_data
 from tests.node.inprocess import LocalSwarm
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
-SEEDER = Path(__file__).resolve().parents[2] / "scripts" / "state_seeder.py"
 ENV = {k: v for k, v in os.environ.items() if k != "SWARM_INITIAL_PEERS"} | {"OMP_NUM_THREADS": "1"}
 # small and quick: tiny model, short windows, one torch thread per node (2-core machines)
-FAST_SETTINGS = ("--model", "tiny", "--batch-size", "2", "--seq-len", "64")  # run settings: state_seeder too
+FAST_SETTINGS = ("--model", "tiny", "--batch-size", "2", "--seq-len", "64")  # the run settings of FAST
 FAST = (*FAST_SETTINGS, "--threads", "1", "--eval-windows", "8")
 
 
@@ -68,18 +67,6 @@ class Swarm:
         proc = subprocess.Popen(command, stdout=out, stderr=err, text=True, env=ENV, start_new_session=True)
         self.procs.append(proc)
         return proc
-
-    def seeder(self, name: str, *args: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-        """Start scripts/state_seeder.py (a state donor that does not train); returns its first line."""
-        err = open(self.workdir / f"{name}.err", "w")  # noqa: SIM115
-        command = [sys.executable, str(SEEDER), "--initial-peers", str(self.bootstrap), *args]
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True, env=ENV, start_new_session=True)
-        self.procs.append(proc)
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        line = proc.stdout.readline() if ready else ""
-        assert line, f"seeder {name} did not start: {self.stderr(name)}"
-        return proc, json.loads(line)
 
     def metrics_path(self, name: str) -> Path:
         return self.workdir / f"{name}.jsonl"

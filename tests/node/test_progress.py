@@ -4,12 +4,16 @@ be ready."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 
+from swarm.dht import store_retry
 from swarm.dht.records import owner_subkey
+from swarm.dht.run_keys import RUNS_KEY, nodes_key
 from swarm.p2p.identity import Identity
-from swarm.progress import OwnProgress, PeerProgress, decode_progress, implausible
+from swarm.progress import OwnProgress, PeerProgress, ProgressBook, decode_progress, implausible
+from tests.dht.refusing import refusing_dht
 
 PEER = Identity.from_seed(b"\x01" * 32).peer_id
 GOOD = {"step": 3, "inner": 40, "H": 50, "sec_per_step": 0.5, "time": 1000.0, "client": False, "maddrs": []}
@@ -67,3 +71,22 @@ HONEST = PeerProgress(PEER, 5, 3, 10, 0.5, NOW - 1.0, False)
 def test_implausible_records_are_named(change: dict, max_step: int | None, problem: str | None) -> None:
     found = implausible(dataclasses.replace(HONEST, **change), now=NOW, inner_steps=10, max_step=max_step)
     assert (found is None) if problem is None else (found is not None and problem in found), found
+
+
+async def test_a_progress_record_no_node_stores_is_retried_and_warned(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md "Stop": a store accepted by 0 nodes is not ignored. The progress record and the
+    run listing are each tried STORE_TRIES times, then a warning names them."""
+    monkeypatch.setattr(store_retry, "STORE_BACKOFF", 0.01)
+    own = OwnProgress(maddrs=[], client=True, step=4, inner=1, H=8, sec_per_step=0.25, train_loss=None,
+                      eval_loss=None, tokens_per_s=None, group_size=1)  # fmt: skip
+    async with refusing_dht() as dht:
+        book = ProgressBook(dht.client, "run", publish_interval=3.0)
+        assert await book.publish(own) is False
+        assert dht.stored(nodes_key("run")) == store_retry.STORE_TRIES
+        assert dht.stored(RUNS_KEY) == store_retry.STORE_TRIES
+        dht.refuse = 0  # the DHT recovers: the next publication is stored
+        assert await book.publish(own) is True
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("the progress record" in w for w in warned) and any("the runs record" in w for w in warned), warned

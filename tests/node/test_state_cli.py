@@ -1,16 +1,16 @@
-"""Issue 6 through the CLI: newcomers fetch the swarm's state from several peers, survive dying
-and lying donors, refuse foreign states, and restart from whole local checkpoints."""
+"""Issue 6 through the CLI: newcomers fetch the swarm's state from several peers and agree with
+them, and a node killed mid-checkpoint restarts from a whole one. Dying, lying and foreign
+donors are tests/state/test_seeded.py (in one event loop)."""
 
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.node.conftest import FAST_SETTINGS, Swarm
+from tests.node.conftest import Swarm
 
 pytestmark = pytest.mark.swarm
 SHARDS = ("--shard-mb", "0.5")  # the tiny model's 10 MB state in about 21 shards: several donors
@@ -43,73 +43,6 @@ def test_a_newcomer_fetches_from_several_peers_and_then_agrees_with_them(swarm: 
     for e in mine:  # bit-identical θ_outer from its first outer step on
         assert e["state_sha256"] == others[e["outer_step"]], (e["outer_step"], [x["group_size"] for x in mine])
     assert mine[0]["group_size"] == 4
-
-
-def _seeders(swarm: Swarm, *extra: tuple[str, ...]) -> list[tuple[subprocess.Popen[str], dict]]:
-    base = (
-        "--run-id",
-        "seeded",
-        "--step",
-        "5",
-        "--shard-bytes",
-        str(256 << 10),
-        "--node-settings",
-        "--inner-steps",
-        "2",
-        *FAST_SETTINGS,
-    )  # the newcomers' settings (_newcomer)
-    return [swarm.seeder(f"seeder{i}", *base, *more) for i, more in enumerate(extra)]
-
-
-def _newcomer(swarm: Swarm, name: str = "new", *args: str) -> subprocess.Popen[str]:
-    return swarm.node(name, "--run-id", "seeded", "--inner-steps", "2", "--max-outer-steps", "6",
-                      "--matchmaking-time", "0.3", *args)  # fmt: skip
-
-
-@pytest.mark.timeout(180)
-def test_a_donor_killed_mid_fetch_does_not_stop_it(swarm: Swarm) -> None:
-    swarm.start_bootstrap()
-    seeders = _seeders(swarm, ("--upload-delay", "0.5"), (), ())
-    slow, info = seeders[0]
-    newcomer = _newcomer(swarm)
-    swarm.wait_for(lambda: bool(swarm.events("new", "fetch_progress")) or newcomer.poll() is not None, 120, "a fetch")
-    slow.kill()  # mid-fetch: its first shard takes seconds to arrive
-    assert newcomer.wait(120) == 0, swarm.stderr("new")
-    fetch = swarm.events("new", "fetch")[0]
-    assert fetch["outer_step"] == 5 and fetch["state_sha256"] == info["state_sha256"]
-    assert fetch["peers"] == 2  # the two live donors sent everything
-
-
-@pytest.mark.timeout(180)
-def test_a_corrupt_donor_is_detected_and_its_bytes_never_loaded(swarm: Swarm) -> None:
-    swarm.start_bootstrap()
-    seeders = _seeders(swarm, ("--corrupt",), (), ())
-    bad_id, good = seeders[0][1]["peer_id"], seeders[1][1]
-    assert seeders[0][1]["manifest"] == good["manifest"]  # it advertises the right state, sends wrong bytes
-    newcomer = _newcomer(swarm)
-    assert newcomer.wait(120) == 0, swarm.stderr("new")
-    fetch = swarm.events("new", "fetch")[0]
-    assert fetch["corrupt_peers"] == [bad_id]
-    assert fetch["state_sha256"] == good["state_sha256"]
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize(("claim", "needle"), [(("--claim-run", "someone-else"), "run"), ((), "model")])
-def test_a_state_of_another_run_or_model_is_refused_and_the_node_stays_up(swarm: Swarm, claim, needle: str) -> None:
-    """Anyone can advertise a state under our run's key: one of another run or model is refused
-    with a line that says why, and never stops the node (issue 12: no remote kill switch)."""
-    swarm.start_bootstrap()
-    _seeders(swarm, claim)
-    model = ("--model", "small", "--seq-len", "64") if needle == "model" else ()
-    newcomer = _newcomer(swarm, "new", *model)
-    swarm.wait_for(lambda: "refusing state" in swarm.stderr("new") or newcomer.poll() is not None, 120, "a refusal")
-    assert newcomer.poll() is None, swarm.stderr("new")
-    refusal = next(line for line in swarm.stderr("new").splitlines() if "refusing state" in line)
-    assert needle in refusal and "not adopted" in refusal, refusal
-    assert not swarm.events("new", "fetch")
-    newcomer.send_signal(signal.SIGINT)
-    assert newcomer.wait(60) == 0, swarm.stderr("new")
-    assert "Traceback" not in swarm.stderr("new")
 
 
 @pytest.mark.timeout(300)

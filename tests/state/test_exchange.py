@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -17,12 +18,14 @@ from swarm.p2p import P2PConfig, P2PHost
 from swarm.p2p.errors import RemoteError
 from swarm.p2p.identity import Identity
 from swarm.state import protocol
+from swarm.state.config import FetchConfig
 from swarm.state.fetcher import FetchError, RefusedManifest, fetch_state
 from swarm.state.holders import Holder, choose_state, decode_holder, settled_holders
 from swarm.state.keeper import fetch_reason
-from swarm.state.server import StateServer
+from swarm.state.server import ServeFaults, StateServer
 
 RUN = RunInfo(run_id="run", model="tiny", model_config={"dim": 8}, seed=0)
+ONE_STREAM = FetchConfig(streams_per_peer=1)
 
 
 def _state(step: int = 3, seed: int = 0) -> dict:
@@ -37,9 +40,13 @@ def _snapshot(step: int = 3, run: RunInfo = RUN) -> Snapshot:
     return make_snapshot(copy_state(_state(step)), run, shard_bytes=40_000)  # 12 tensors of 16 KiB: 6 shards
 
 
-async def _servers(n: int, snapshot: Snapshot, **kwargs) -> tuple[list[P2PHost], list[StateServer]]:
+async def _servers(
+    n: int, snapshot: Snapshot, *, faults: Sequence[ServeFaults | None] = (), **kwargs
+) -> tuple[list[P2PHost], list[StateServer]]:
+    """n hosts serving snapshot; server i misbehaves as faults[i] says (None or absent: it does not)."""
     hosts = [await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start() for _ in range(n)]
-    servers = [StateServer(h, "run", **kwargs) for h in hosts]
+    faults = list(faults) + [None] * (n - len(faults))
+    servers = [StateServer(h, "run", faults=f, **kwargs) for h, f in zip(hosts, faults, strict=True)]
     for server in servers:
         server.publish(snapshot)
     return hosts, servers
@@ -66,7 +73,7 @@ async def test_fetch_from_three_peers_spreads_shards_and_loads_the_exact_state(t
     try:
         holders = [_holder(h, snapshot) for h in hosts]
         manifest, state, report = await fetch_state(
-            fetcher, "run", holders, expect=RUN, dest=tmp_path, streams_per_peer=1, on_progress=seen.append
+            fetcher, "run", holders, expect=RUN, dest=tmp_path, config=ONE_STREAM, on_progress=seen.append
         )
         assert manifest.sha256 == snapshot.manifest.sha256
         _assert_same(state, _state())
@@ -95,7 +102,7 @@ async def test_a_corrupt_peer_is_detected_avoided_and_its_shards_fetched_elsewhe
     fetcher = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
     try:
         holders = [_holder(h, good) for h in hosts]
-        _, state, report = await fetch_state(fetcher, "run", holders, expect=RUN, dest=tmp_path, streams_per_peer=1)
+        _, state, report = await fetch_state(fetcher, "run", holders, expect=RUN, dest=tmp_path, config=ONE_STREAM)
         _assert_same(state, _state())
         assert report.corrupt_peers == [str(hosts[0].peer_id)]
         assert report.bytes_by_peer == {str(hosts[1].peer_id): good.manifest.total_bytes}
@@ -120,8 +127,7 @@ async def test_only_corrupt_peers_fail_the_fetch_without_loading(tmp_path: Path)
 
 async def test_a_peer_dying_mid_fetch_is_replaced_by_the_others(tmp_path: Path) -> None:
     snapshot = _snapshot()
-    hosts, servers = await _servers(3, snapshot)
-    original = servers[0]._rpc_shard
+    hosts, _ = await _servers(3, snapshot)
 
     async def die_after_first_chunk(ctx, args, stream) -> None:  # the peer's process dies mid-upload
         await stream.write(memoryview(snapshot.shards[args["shard"]])[:1000])
@@ -130,12 +136,11 @@ async def test_a_peer_dying_mid_fetch_is_replaced_by_the_others(tmp_path: Path) 
 
     hosts[0].remove_handler(protocol.SHARD)
     hosts[0].add_stream_handler(protocol.SHARD, die_after_first_chunk)
-    assert original is not None
     fetcher = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
     try:
         holders = [_holder(h, snapshot) for h in hosts]
         _, state, report = await fetch_state(
-            fetcher, "run", holders, expect=RUN, dest=tmp_path, streams_per_peer=1, timeout=5
+            fetcher, "run", holders, expect=RUN, dest=tmp_path, config=FetchConfig(streams_per_peer=1, timeout=5)
         )
         _assert_same(state, _state())
         assert str(hosts[0].peer_id) in report.failed_peers
@@ -145,17 +150,49 @@ async def test_a_peer_dying_mid_fetch_is_replaced_by_the_others(tmp_path: Path) 
             await h.close()
 
 
+async def test_a_stalled_upload_times_out_and_its_shards_come_from_the_others(tmp_path: Path) -> None:
+    snapshot = _snapshot()
+    hosts, _ = await _servers(2, snapshot, faults=[ServeFaults(stall_after=1000)])  # 1000 bytes, then nothing
+    fetcher = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
+    try:
+        holders = [_holder(h, snapshot) for h in hosts]
+        _, state, report = await fetch_state(
+            fetcher, "run", holders, expect=RUN, dest=tmp_path, config=FetchConfig(streams_per_peer=1, timeout=0.5)
+        )
+        _assert_same(state, _state())
+        assert report.failed_peers == [str(hosts[0].peer_id)]
+        assert report.bytes_by_peer == {str(hosts[1].peer_id): snapshot.manifest.total_bytes}
+    finally:
+        for h in [*hosts, fetcher]:
+            await h.close()
+
+
+async def test_faults_corrupt_only_the_named_shards_and_slow_each_piece(tmp_path: Path) -> None:
+    snapshot = _snapshot()
+    names = sorted(snapshot.shards)
+    faults = ServeFaults(corrupt=frozenset(names[:1]), chunk_bytes=4096, chunk_delay=0.001)
+    hosts, servers = await _servers(1, snapshot, faults=[faults])
+    client = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
+    try:
+        for name in names[:2]:
+            args = protocol.shard_args("run", snapshot.manifest.sha256, name)
+            async with await client.open_stream(hosts[0].visible_maddrs[0], protocol.SHARD, args) as stream:
+                await stream.end()
+                received = bytearray()
+                while (chunk := await stream.read(timeout=5)) is not None:
+                    received += chunk
+            assert len(received) == len(snapshot.shards[name])
+            assert (bytes(received) == snapshot.shards[name]) is (name != names[0])
+        assert snapshot.shards[names[0]] == _snapshot().shards[names[0]]  # the snapshot itself is untouched
+        assert servers[0].uploads == 0
+    finally:
+        for h in [*hosts, client]:
+            await h.close()
+
+
 async def test_peers_that_advertise_the_state_later_join_the_fetch() -> None:
     snapshot = _snapshot()
-    hosts, servers = await _servers(3, snapshot)
-    first = servers[0]._rpc_shard
-
-    async def slow_shard(ctx, args, stream) -> None:  # the first holder alone would take 6 x 0.4 s
-        await asyncio.sleep(0.4)
-        await first(ctx, args, stream)
-
-    hosts[0].remove_handler(protocol.SHARD)
-    hosts[0].add_stream_handler(protocol.SHARD, slow_shard)
+    hosts, _ = await _servers(3, snapshot, faults=[ServeFaults(shard_delay=0.4)])  # alone: 6 x 0.4 s
     fetcher = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
     asked = 0
 
@@ -167,8 +204,8 @@ async def test_peers_that_advertise_the_state_later_join_the_fetch() -> None:
 
     try:
         _, state, report = await fetch_state(
-            fetcher, "run", [_holder(hosts[0], snapshot)], expect=RUN, streams_per_peer=1, timeout=5,
-            find_holders=find_holders, recruit_every=0.1,
+            fetcher, "run", [_holder(hosts[0], snapshot)], expect=RUN,
+            config=FetchConfig(streams_per_peer=1, timeout=5, recruit_every=0.1), find_holders=find_holders,
         )  # fmt: skip
         _assert_same(state, _state())
         assert asked >= 1
@@ -221,7 +258,12 @@ async def test_a_busy_peer_is_asked_again(tmp_path: Path) -> None:
     fetcher = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
     try:
         _, state, _ = await fetch_state(
-            fetcher, "run", [_holder(hosts[0], snapshot)], expect=RUN, dest=tmp_path, streams_per_peer=4
+            fetcher,
+            "run",
+            [_holder(hosts[0], snapshot)],
+            expect=RUN,
+            dest=tmp_path,
+            config=FetchConfig(streams_per_peer=4),
         )
         _assert_same(state, _state())
     finally:

@@ -11,6 +11,7 @@ import torch
 from swarm.model.checkpoint import RunInfo, ShardInfo, Snapshot, copy_state, make_snapshot
 from swarm.p2p import P2PConfig, P2PHost
 from swarm.p2p.identity import Identity
+from swarm.state.config import FetchConfig
 from swarm.state.fetcher import RefusedManifest, fetch_state
 from swarm.state.holders import Holder
 from swarm.state.server import StateServer
@@ -128,7 +129,8 @@ async def test_a_fetch_refuses_a_manifest_too_big_for_the_model_before_downloadi
         m = bloated.manifest
         holder = Holder(attacker.peer_id, m.step, m.sha256, tuple(attacker.visible_maddrs), m.total_bytes)
         with pytest.raises(RefusedManifest, match="bytes") as refused:
-            await fetch_state(fetcher, "run", [holder], expect=RUN, expect_tensors=_sizes(state), timeout=5.0)
+            await fetch_state(fetcher, "run", [holder], expect=RUN, expect_tensors=_sizes(state),
+                              config=FetchConfig(timeout=5.0))  # fmt: skip
         assert refused.value.sha == m.sha256
         assert server.bytes_sent == 0  # not a shard asked for: nothing was allocated for it
     finally:
