@@ -122,7 +122,7 @@ class Averager:
 
     def distrust_formed(self, peers: Set[PeerID]) -> None:
         """Their FORMED markers made us wait max_wait for a result that never came: ignore them."""
-        self.matchmaker.distrust_formed(peers)
+        self.matchmaker.board.distrust_formed(peers)
 
     def round_failed(self, step: int) -> None:
         """The round of `step` failed: the step may be matchmade again (see matchmaking.py)."""

@@ -38,23 +38,22 @@ import asyncio
 import logging
 import time
 from collections.abc import Set
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from swarm.averaging.config import AveragingConfig
-from swarm.averaging.liveness import Liveness
 from swarm.averaging.messages import MAX_MEMBERS, GroupInfo, MemberInfo
 from swarm.averaging.ready import (
     DONE,
     ReadyView,
     announcement,
     decide,
-    decode_view,
     formed_by,
     formed_marker,
     group_problem,
     may_finalize,
 )
+from swarm.averaging.ready_board import ReadyBoard
 from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
 from swarm.dht.records import owner_subkey
@@ -72,8 +71,6 @@ POLL = 0.15  # seconds between reads of the ready set while peers are still miss
 # seconds a DONE marker does not count as arrived: longer than a retrying node's pause between
 # rounds (node.py RESULT_POLL), so that retrying nodes' windows overlap
 DONE_GRACE = 1.5
-SETTLE = 2.0  # seconds we wait for the liveness check of a peer we did not expect
-MAX_DISTRUSTED = 4096  # peers whose FORMED markers we ignore (a bound on memory)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,19 +109,18 @@ class Matchmaker:
         self, dht: DHTNode, host: P2PHost, run_id: str, config: AveragingConfig, *, excluded: Set[PeerID] = frozenset()
     ) -> None:
         self.dht, self.host, self.run_id, self.config = dht, host, run_id, config
-        self.excluded = excluded  # peers the owner audit caught (the Averager's set, shared): see _read
-        self.distrusted: set[PeerID] = set()  # their FORMED markers never came with a result: see _read
+        self.excluded = excluded  # peers the owner audit caught (the Averager's set, shared)
         self.peer_id = host.peer_id
         self._steps: dict[int, _StepState] = {}
         self._stored: dict[int, float] = {}  # step -> expiration of our last record (later wins)
         self._markers: set[asyncio.Task[None]] = set()
         self._bad_input = OncePerPeer(logger)
-        self.liveness = Liveness(host, run_id, config.request_timeout, serve=not config.client_mode)
+        self.board = ReadyBoard(dht, host, run_id, config, excluded, self._bad_input)
         if not config.client_mode:
             host.add_handler(JOIN, self._rpc_join)
 
     def close(self) -> None:
-        self.liveness.close()
+        self.board.close()
         if not self.config.client_mode:
             self.host.remove_handler(JOIN)
         for state in self._steps.values():
@@ -152,7 +148,7 @@ class Matchmaker:
             if not announced:  # unseen by others; we may still join them
                 logger.warning("could not announce readiness for step %d", step)
             view = await self._gather(step, None if expected is None else expected - {me.peer_id}, gather_until)
-            view = await self._settled(step, view, expected or frozenset())
+            view = await self.board.settled(step, view, expected or frozenset())
             dead: set[PeerID] = set()
             while loop.time() < give_up_at:
                 for peer in dead:
@@ -177,7 +173,7 @@ class Matchmaker:
                 dead.add(joined)  # the leader failed: decide again without it
                 state.leader = None
                 state.role_known.clear()
-                view = await self._settled(step, await self._read(step), expected or frozenset())
+                view = await self.board.settled(step, await self.board.read(step), expected or frozenset())
             outcome = Matchmade(None, loop.time() - started)
             return outcome
         finally:
@@ -192,19 +188,6 @@ class Matchmaker:
                 else DONE
             )
             self._mark(step, marker)
-
-    def distrust_formed(self, peers: Set[PeerID]) -> None:
-        """Ignore these peers' FORMED markers from now on: they made us wait for a result that
-        did not come in max_wait (node.py). Without this, one identity that renews a FORMED
-        marker of our state (it answers liveness checks, so it counts) would keep every node
-        "late" forever; with it, each identity delays the swarm by one max_wait at most."""
-        fresh = set(peers) - self.distrusted - {self.peer_id}
-        if fresh:
-            logger.warning("ignoring the FORMED markers of %s from now on: no result came of them",
-                           ", ".join(str(p) for p in sorted(fresh, key=PeerID.to_bytes)))  # fmt: skip
-        self.distrusted |= fresh
-        while len(self.distrusted) > MAX_DISTRUSTED:
-            self.distrusted.pop()
 
     def round_failed(self, step: int) -> None:
         """Our group of `step` could not average: withdraw its FORMED marker, so that the step
@@ -252,55 +235,14 @@ class Matchmaker:
         loop = asyncio.get_running_loop()
         done_counts_at = loop.time() + DONE_GRACE
         while True:
-            view = await self._read(step)
-            self.liveness.ask(step, [*view.ready.values(), *view.formers.values()], expected or frozenset())
+            view = await self.board.read(step)
+            self.board.ask(step, view, expected or frozenset())
             arrived = view.seen() if loop.time() >= done_counts_at else view.seen() - view.done
-            if self.liveness.alive(view.formed) or (expected is not None and expected <= arrived):
+            if self.board.liveness.alive(view.formed) or (expected is not None and expected <= arrived):
                 return view
             if loop.time() >= until:
                 return view
             await asyncio.sleep(min(POLL, max(0.0, until - loop.time())))
-
-    async def _settled(self, step: int, view: ReadyView, expected: Set[PeerID]) -> ReadyView:
-        """`view` with the owners that have not proven they are alive marked unverified, after
-        asking the ones not asked yet and waiting for the answers (request_timeout at most for
-        the peers we expect, SETTLE for the others)."""
-        self.liveness.ask(step, [*view.ready.values(), *view.formers.values()], expected)
-        now = asyncio.get_running_loop().time()
-        owners = view.ready.keys() | view.formed.keys()
-        # the peers we expect are worth a request's wait; an unknown one (maybe a flood of
-        # addresses that never answer) only a short one: it counts once it has answered
-        await self.liveness.settle(owners & expected, now + self.config.request_timeout)
-        await self.liveness.settle(owners - expected, now + min(SETTLE, self.config.request_timeout))
-        return self._marked(view)
-
-    def _marked(self, view: ReadyView) -> ReadyView:
-        """`view` with the owners not known to be alive marked unverified."""
-        owners = view.ready.keys() | view.formed.keys()
-        return replace(view, unverified=frozenset(owners - self.liveness.alive(owners)))
-
-    async def _read(self, step: int) -> ReadyView:
-        try:
-            found = await self.dht.get(ready_key(self.run_id, step), latest=True)
-        except (P2PError, DHTError, TimeoutError) as e:
-            logger.warning("could not read who is ready for step %d: %s", step, e)
-            return ReadyView()
-        if found is None or not isinstance(found.value, dict):
-            return ReadyView()
-        entries = {k: getattr(v, "value", None) for k, v in found.value.items()}
-        view, skipped = decode_view(entries, self.config.max_weight, self.dht.config.id_bits, self.config.settings)
-        for item in skipped:
-            self._bad_input.log(item.owner, "ready record", "ignoring %s (step %d)", item.reason, step)
-        if ignored := self.distrusted & view.formed.keys():  # their markers are not believed
-            view = replace(view, formed={p: s for p, s in view.formed.items() if p not in ignored},
-                           refused=view.refused | ignored)  # fmt: skip
-        if caught := self.excluded & (view.ready.keys() | view.formed.keys()):
-            # owners our audits caught lying: never grouped with, and their "formed" markers mean
-            # nothing (the liar applied its own result: no honest node waits for it)
-            view = replace(view, ready={p: m for p, m in view.ready.items() if p not in caught},
-                           formed={p: s for p, s in view.formed.items() if p not in caught},
-                           refused=view.refused | caught)  # seen: nobody waits for them  # fmt: skip
-        return view
 
     async def _lead(
         self, state: _StepState, group: list[MemberInfo], step: int, give_up_at: float
@@ -310,7 +252,7 @@ class Matchmaker:
         loop = asyncio.get_running_loop()
         state.leading, state.leader = True, None
         # not waiting for members whose liveness check failed (they may still join in time)
-        state.expected = {m.peer_id for m in group if m.peer_id != self.peer_id} - self.liveness.failed()
+        state.expected = {m.peer_id for m in group if m.peer_id != self.peer_id} - self.board.liveness.failed()
         state.role_known.set()
         deadline = min(give_up_at, loop.time() + self.config.request_timeout)
         while not state.expected <= set(state.joiners) and loop.time() < deadline:
@@ -324,7 +266,7 @@ class Matchmaker:
         members.sort(key=lambda m: (order.get(m.peer_id, len(order)), m.peer_id.to_bytes()))
         result, late = None, False
         if len(members) >= self.config.min_group_size:
-            final_view = self._marked(await self._read(step)).with_member(state.me)
+            final_view = self.board.marked(await self.board.read(step)).with_member(state.me)
             if may_finalize(len(members), final_view, state.me.state):
                 result = GroupInfo.create(self.run_id, step, tuple(members))
             else:

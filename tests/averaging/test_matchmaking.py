@@ -140,7 +140,7 @@ async def test_a_leader_that_dies_mid_matchmaking_is_replaced(make_peers: MakePe
     peers = await make_peers(4)
     tasks = [asyncio.ensure_future(p.matchmaker.form_group(3, p.me())) for p in peers]
     await asyncio.sleep(0.6)  # all announced; nobody has decided yet
-    view = await peers[0].matchmaker._read(3)
+    view = await peers[0].matchmaker.board.read(3)
     leader = group_order(list(view.ready), 3)[0]
     dying = next(p for p in peers if p.host.peer_id == leader)
     tasks[peers.index(dying)].cancel()

@@ -125,7 +125,7 @@ def test_decode_view_skips_bad_records() -> None:
     entries = {
         owner_subkey(IDS[0]): announcement(member(0), b""),
         owner_subkey(IDS[1]): announcement(member(2), b""),  # under another's subkey
-        owner_subkey(IDS[2]): formed_marker(A, b"g", b""),
+        owner_subkey(IDS[2]): formed_marker(A, b"g", b"", member=member(2)),  # where to ask if it is alive
         owner_subkey(IDS[3]): DONE,
         owner_subkey(IDS[4]): {"formed": b"short"},
         "not an owner": announcement(member(5), b""),
@@ -133,6 +133,7 @@ def test_decode_view_skips_bad_records() -> None:
     }
     seen, skipped = decode_view(entries)
     assert set(seen.ready) == {IDS[0]} and seen.formed == {IDS[2]: A} and seen.done == {IDS[3]}
+    assert seen.formers == {IDS[2]: member(2)}
     assert len(skipped) == 4
     assert isinstance(decide(seen, member(0), 0), Decision)
 
