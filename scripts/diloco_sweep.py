@@ -53,6 +53,7 @@ import torch
 
 from swarm.model.data import TokenData, eval_windows, node_generator, sample_batch, stdlib_corpus
 from swarm.model.diloco import DiLoCo, DiLoCoConfig, tensors_sha256
+from swarm.model.error_feedback import ErrorFeedback
 from swarm.model.llama import build_model
 from swarm.model.loss import eval_loss
 from swarm.model.presets import preset
@@ -60,6 +61,7 @@ from swarm.model.schedule import SCHEDULES
 from swarm.p2p.identity import Identity
 
 IDENTITY_TAG = "swarm.bench_diloco"
+CODEC_BLOCK = 64  # the all-reduce's block size (AveragingConfig.block_size)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -138,6 +140,11 @@ class Setting:
     nesterov: bool = True
     lr: float = 1e-3  # inner AdamW peak learning rate
     warmup_steps: int = 100
+    # how pseudo-gradients travel: "none" averages them exactly; a codec ("int8", ...) carries
+    # each worker's and the average (as a part owner's result), with error feedback of this
+    # decay when > 0 (swarm/model/error_feedback.py)
+    codec: str = "none"
+    error_feedback: float = 0.0
 
     def diloco_config(self, workload: Workload) -> DiLoCoConfig:
         return DiLoCoConfig(
@@ -153,7 +160,7 @@ class Setting:
         return {
             "setting": self.name, "H": self.h.label(), "outer_lr": self.outer_lr,
             "outer_momentum": self.outer_momentum, "nesterov": self.nesterov, "lr": self.lr,
-            "warmup_steps": self.warmup_steps,
+            "warmup_steps": self.warmup_steps, "codec": self.codec, "error_feedback": self.error_feedback,
         }  # fmt: skip
 
 
@@ -242,6 +249,8 @@ def train_diloco(
     peers = worker_peers(workload)
     config = setting.diloco_config(workload)
     workers = [_ScheduledDiLoCo(build_model(preset(workload.model), seed=workload.seed), config) for _ in peers]
+    feedback = [] if setting.codec == "none" else [
+        ErrorFeedback(setting.codec, CODEC_BLOCK, setting.error_feedback or 1.0) for _ in peers]  # fmt: skip
     started, losses, done = time.perf_counter(), [], 0
     while done < workload.steps:
         h = min(setting.h.at(workers[0].outer_step), workload.steps - done)
@@ -253,7 +262,10 @@ def train_diloco(
                 stats = worker.inner_step(*worker_batch(data, workload, peer, step))
                 if index == 0:
                     losses.append(stats.loss)
-        averaged = average_deltas([w.pseudo_gradients() for w in workers], [w.tokens_since_outer for w in workers])
+        deltas = carry(feedback, [w.pseudo_gradients() for w in workers], keep=setting.error_feedback > 0)
+        averaged = average_deltas(deltas, [w.tokens_since_outer for w in workers])
+        if feedback:  # the owners' results travel through the codec too
+            averaged = ErrorFeedback(setting.codec, CODEC_BLOCK).compensate(averaged).sent
         for worker in workers:
             worker.apply_outer(averaged)
         done += h
@@ -265,6 +277,22 @@ def train_diloco(
         raise AssertionError("DiLoCo workers ended with different θ_outer")
     windows = eval_windows(data.eval, workload.seq_len, workload.eval_windows)
     return RunResult(eval_loss(workers[0].model, windows), _tail_mean(losses), seconds, workers[0].outer_step, *hashes)
+
+
+def carry(
+    feedback: Sequence[ErrorFeedback], deltas: list[list[torch.Tensor]], *, keep: bool
+) -> list[list[torch.Tensor]]:
+    """Each worker's pseudo-gradients as its codec carries them, keeping what it drops for the
+    next round when `keep` (error feedback); unchanged without a codec."""
+    if not feedback:
+        return deltas
+    sent = []
+    for ef, worker in zip(feedback, deltas, strict=True):
+        compensated = ef.compensate(worker)
+        if keep:
+            ef.commit(compensated)
+        sent.append(compensated.sent)
+    return sent
 
 
 def gap_closed(alone: float, ddp: float, diloco: float) -> float:
