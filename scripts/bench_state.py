@@ -68,7 +68,6 @@ from swarm import process_control
 from swarm.process_control import console_script
 from swarm.process_memory import status_kib
 
-SEEDER = Path(__file__).resolve().with_name("state_seeder.py")
 MARK = "BENCH_STATE "
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 RUN_ID = "bench"
@@ -438,8 +437,8 @@ def measure_swarm(
             name = f"donor{len(donors)}"
             require_memory(DONOR_PEAK_PER_STATE_BYTE * state_bytes + PROCESS_FIXED_BYTES, f"{name} ({opts.model})")
             proc = children.start(name, [
-                sys.executable, str(SEEDER), "--initial-peers", bootstrap, "--run-id", RUN_ID, "--model", opts.model,
-                "--seed", str(SEED), "--step", str(STEP), "--inner-steps", str(INNER_STEPS),
+                *module_command("scripts.state_seeder"), "--initial-peers", bootstrap, "--run-id", RUN_ID,
+                "--model", opts.model, "--seed", str(SEED), "--step", str(STEP), "--inner-steps", str(INNER_STEPS),
                 "--shard-bytes", str(opts.shard_bytes),
             ])  # fmt: skip
             donors.append(children.first_line(proc, name, 1800))
