@@ -25,13 +25,11 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import worker_process  # noqa: E402  (a sibling script module)
-from worker_process import WorkerProcess, exit_on_sigterm  # noqa: E402
+from scripts import worker_process
+from scripts.worker_process import WorkerProcess
+from swarm.process_control import exit_on_sigterm
 
 MARK = "BENCH_ALLREDUCE "
 BYTES_PER_ELEMENT = {"none": 4, "fp16": 2, "int8": 1}
@@ -115,7 +113,7 @@ def measure_swarm(
     from swarm.p2p import PeerID
     from swarm_kernels import get_codec
 
-    workers = [WorkerProcess(str(Path(__file__).resolve()), ["--_worker"], MARK, f"member {i}") for i in range(n)]
+    workers = [WorkerProcess("scripts.bench_allreduce", ["--_worker"], MARK, f"member {i}") for i in range(n)]
     rows = []
     try:
         hello = [w.receive(60) for w in workers]
@@ -166,7 +164,7 @@ def measure_swarm(
 
 
 def loopback_mbps() -> float:
-    from bench_p2p import measure_raw
+    from scripts.bench_p2p import measure_raw
 
     return measure_raw(rpc_calls=10, stream_bytes=256 << 20)["stream_MBps"]
 
@@ -228,7 +226,7 @@ def main() -> None:
         for aggregator in args.aggregators.split(","):
             rows += measure_swarm(n, elements, codecs, args.repeats, args.seed, aggregator)
     if args.compare:
-        from hivemind_allreduce import run_hivemind_allreduce
+        from scripts.hivemind_allreduce import run_hivemind_allreduce
 
         for n in sizes:
             for count in elements:

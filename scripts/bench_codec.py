@@ -2,9 +2,9 @@
 per implementation, next to the machine's memcpy bandwidth measured in the same run, and with
 ``--compare hivemind`` hivemind's Uniform8BitQuantization (and bitsandbytes where installed).
 
-    python scripts/bench_codec.py                      # table, medians of --repeat runs
-    python scripts/bench_codec.py --compare hivemind   # + hivemind 1.1.12 (pip extra "bench")
-    python scripts/bench_codec.py --json               # one JSON object
+    python -m scripts.bench_codec                      # table, medians of --repeat runs
+    python -m scripts.bench_codec --compare hivemind   # + hivemind 1.1.12 (pip extra "bench")
+    python -m scripts.bench_codec --json               # one JSON object
 
 Throughput is GB/s of fp32 input (4 bytes x elements / seconds; GB = 1e9 bytes), the median of
 ``--repeat`` timed runs after one warm-up, on one vector of ``--elements`` (default 64M) values.

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
 import json
 import math
@@ -42,10 +41,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import worker_process  # noqa: E402  (a sibling script module)
-from worker_process import WorkerProcess, exit_on_sigterm  # noqa: E402
+from scripts import worker_process
+from scripts.worker_process import WorkerProcess
+from swarm.process_control import exit_on_sigterm
+from swarm.process_memory import pss_bytes
 
 MARK = "BENCH_DHT "
 VALUE_TTL = 600.0
@@ -65,12 +64,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def pss_mb(pids: list[int]) -> float:
-    """Summed PSS of live processes, from Linux's /proc/<pid>/smaps_rollup (no psutil needed)."""
-    total_kb = 0
-    for pid in pids:
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/smaps_rollup") as f:
-            total_kb += next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
-    return total_kb / 1024
+    """Summed PSS of live processes in MiB (no psutil needed)."""
+    return pss_bytes(pids) / 2**20
 
 
 # --- worker processes ------------------------------------------------------------------------
@@ -133,7 +128,7 @@ class SwarmDHTBackend:
 def make_backend(system: str) -> Any:
     if system == "swarm":
         return SwarmDHTBackend()
-    from hivemind_dht import HivemindDHTBackend
+    from scripts.hivemind_dht import HivemindDHTBackend
 
     return HivemindDHTBackend()
 
@@ -143,7 +138,7 @@ def reply(obj: dict[str, Any]) -> None:
 
 
 def start_worker(system: str, index: int) -> WorkerProcess:
-    return WorkerProcess(str(Path(__file__).resolve()), ["--_worker", system], MARK, f"{system} worker {index}")
+    return WorkerProcess("scripts.bench_dht", ["--_worker", system], MARK, f"{system} worker {index}")
 
 
 async def worker_main(system: str) -> None:

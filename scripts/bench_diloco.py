@@ -25,20 +25,17 @@ spent in a full group (a node alone for a step applies its own pseudo-gradient).
 With --repeat R each swarm configuration runs R times and the medians are reported (the swarm is
 not deterministic: group timing varies); the baselines are deterministic and run once.
 
-    python scripts/bench_diloco.py                        # all four configurations, 1,000 steps
-    python scripts/bench_diloco.py --steps 100 --configs H50_int8 --json
+    python -m scripts.bench_diloco                        # all four configurations, 1,000 steps
+    python -m scripts.bench_diloco --steps 100 --configs H50_int8 --json
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
-import select
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -49,11 +46,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from diloco_sweep import Cache, Workload, gap_closed, node_identity, run_baselines  # noqa: E402  (a sibling script)
-
-from swarm.model.schedule import SCHEDULES  # noqa: E402
+from scripts.diloco_sweep import Cache, Workload, gap_closed, node_identity, run_baselines
+from swarm import process_control
+from swarm.model.schedule import SCHEDULES
+from swarm.process_control import console_script
 
 CONFIGS = ("H50_int8", "H50_none", "H100_int8", "H100_none")
 COMPRESSIONS = ("int8", "fp16", "none")
@@ -91,53 +87,9 @@ class NodeOptions:
 # --- processes ----------------------------------------------------------------------------------
 
 
-def command(name: str) -> str:
-    """A console script of this environment (next to its python), else from PATH."""
-    local = Path(sys.executable).parent / name
-    found = str(local) if local.exists() else shutil.which(name)
-    if found is None:
-        raise RuntimeError(f"{name} is not installed: pip install -e . in this environment")
-    return found
-
-
 def spawn(args: list[str], log: IO[bytes] | None, stdout: int | IO[bytes] | None = None) -> subprocess.Popen[bytes]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        args, stdout=stdout if stdout is not None else log, stderr=log, env=env, start_new_session=True
-    )
-
-
-def stop(procs: Sequence[subprocess.Popen[bytes]], grace: float = STOP_GRACE_S) -> None:
-    """SIGTERM each process still running, then SIGKILL those alive after `grace` seconds."""
-    for proc in procs:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for proc in procs:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            proc.wait(10)
-
-
-def read_json_line(proc: subprocess.Popen[bytes], timeout: float) -> dict[str, Any]:
-    """The first line of `proc`'s stdout that parses as a JSON object."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    while True:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
-            raise TimeoutError(f"no JSON line from {proc.args} within {timeout:.0f}s")
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{proc.args} exited (code {proc.poll()}) before printing its address")
-        with contextlib.suppress(ValueError):
-            obj = json.loads(line)
-            if isinstance(obj, dict):
-                return obj
+    return process_control.start(args, stdout=stdout if stdout is not None else log, stderr=log, env=env)
 
 
 def schedule_flags(workload: Workload) -> list[str]:
@@ -154,7 +106,7 @@ def node_args(
     workload: Workload, config: SwarmConfig, options: NodeOptions, workdir: Path, index: int, peers: Sequence[str]
 ) -> list[str]:
     args = [
-        command("swarm-node"),
+        console_script("swarm-node"),
         *(arg for maddr in peers for arg in ("--initial-peers", maddr)),
         "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
         "--identity", str(workdir / f"node{index}.key"),
@@ -196,9 +148,9 @@ def run_swarm(
     started = time.monotonic()
     try:
         logs.append(open(workdir / "bootstrap.log", "wb"))  # noqa: SIM115  (closed in finally)
-        dht_args = [command("swarm-dht"), "serve", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--json"]
+        dht_args = [console_script("swarm-dht"), "serve", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--json"]
         procs.append(spawn(dht_args, logs[0], stdout=subprocess.PIPE))
-        bootstrap = read_json_line(procs[0], timeout=60)["maddrs"]
+        bootstrap = process_control.read_json_line(procs[0], timeout=60, what="the bootstrap DHT node")["maddrs"]
         for index in range(workload.workers):
             logs.append(open(workdir / f"node{index}.log", "wb"))  # noqa: SIM115
             procs.append(spawn(node_args(workload, config, options, workdir, index, bootstrap), logs[-1]))
@@ -215,7 +167,7 @@ def run_swarm(
                 raise RuntimeError(f"{config.name}: node {index} exited with code {code} ({workdir}); log:\n{tail}")
         wall = time.monotonic() - started
     finally:
-        stop(procs)
+        process_control.stop_all(procs, STOP_GRACE_S)  # SIGTERM, SIGKILL after the grace
         for f in logs:
             f.close()
     summary = summarize(config, [read_metrics(workdir / f"node{i}.jsonl") for i in range(workload.workers)])
@@ -379,7 +331,7 @@ def main() -> None:
     from swarm.model.diloco import DiLoCoConfig
 
     torch.set_num_threads(1)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: `finally` stops the nodes
+    process_control.exit_on_sigterm()  # unwind: `finally` stops the nodes
     try:
         configs = [SwarmConfig.parse(name) for name in args.configs.split(",")]
         workload = Workload(

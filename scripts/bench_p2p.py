@@ -3,9 +3,9 @@
 machine's limit (plain Python sockets between two processes) measured in the same run, and with
 ``--compare hivemind`` the same workloads on hivemind's P2P (TLS on, its default).
 
-    python scripts/bench_p2p.py                      # table, median of --repeat runs
-    python scripts/bench_p2p.py --compare hivemind   # + hivemind 1.1.12 (pip extra "bench")
-    python scripts/bench_p2p.py --json               # one JSON object
+    python -m scripts.bench_p2p                      # table, median of --repeat runs
+    python -m scripts.bench_p2p --compare hivemind   # + hivemind 1.1.12 (pip extra "bench")
+    python -m scripts.bench_p2p --json               # one JSON object
 
 Workloads (the same for every system): ``--rpc-calls`` sequential echo calls of a 24-byte
 payload after 100 warm-up calls (p50/p99 round trip), and one stream of ``--stream-mib`` MiB
@@ -24,17 +24,16 @@ import asyncio
 import contextlib
 import json
 import os
-import select
 import socket
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # for hivemind_p2p beside this file
+from scripts.worker_process import ROOT, module_command
+from swarm import process_control
 
 MiB = 2**20
 CHUNK = 4 * MiB
@@ -52,28 +51,15 @@ def child(role: str, timeout: float = 60.0) -> Iterator[dict[str, Any]]:
     """Run this script as `--_role ROLE`; yield the JSON object of its first stdout line. The
     child exits when its stdin closes; it is killed if it does not, and always reaped."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--_role", role],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        env=env,
-    )
+    proc = process_control.start(
+        module_command("scripts.bench_p2p", "--_role", role),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=ROOT, new_session=False,
+    )  # fmt: skip
     try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], timeout)
-        line = proc.stdout.readline() if ready else b""
-        if not line:
-            raise RuntimeError(f"{role} child did not start (exit code {proc.poll()})")
-        yield json.loads(line)
+        yield process_control.read_json_line(proc, timeout, what=f"{role} child")
     finally:
-        with contextlib.suppress(OSError):
-            assert proc.stdin is not None
-            proc.stdin.close()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        process_control.close_stdin(proc)
+        process_control.stop(proc, 10.0, term=None, reap_s=None)
 
 
 def _wait_for_stdin_eof() -> None:
@@ -219,7 +205,7 @@ def measure_swarm_plaintext(rpc_calls: int, stream_bytes: int) -> dict[str, floa
 
 def measure_hivemind(rpc_calls: int, stream_bytes: int) -> dict[str, float]:
     try:
-        from hivemind_p2p import measure_hivemind_p2p
+        from scripts.hivemind_p2p import measure_hivemind_p2p
     except ImportError as e:  # pragma: no cover - shown to the user
         raise SystemExit(f"--compare hivemind needs the bench extra: pip install -e '.[bench]' ({e})") from e
     return measure_hivemind_p2p(rpc_calls=rpc_calls, stream_bytes=stream_bytes, chunk_bytes=CHUNK)

@@ -30,16 +30,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from scripts.worker_process import module_command
+
 HONEST = 4
 # what an honest node logs when a defense acted (any of them counts as detected)
 DETECTION = ("clipped", "dropped", "refus", "ignor", "implausible", "audit", "excluded", "capped", "not adopting")
 
 
 def attacker_argv(attack: str) -> list[str]:
-    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from scripts.attacker import main; "
-    code += "sys.exit(main(sys.argv[1:]))"
-    return [sys.executable, "-c", code, attack]
+    """`python -m scripts.attacker ATTACK`: swarm-sim starts it in our working directory, the
+    repository root, where `python -m scripts.bench_robust` runs (see scripts/__init__.py)."""
+    return module_command("scripts.attacker", attack)
 
 
 def run_swarm(attack: str | None, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:

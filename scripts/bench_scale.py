@@ -20,7 +20,7 @@ starts run_round everywhere. Reported per row (median over `--repeats` rounds):
   identical               every member got the whole swarm as its group, and the very same bits
                           (sha256), within the int8 bound of the exact mean; otherwise "error" says why
 
-    python scripts/bench_scale.py [--sizes 4,16,64] [--json]      (or python -m scripts.bench_scale)
+    python -m scripts.bench_scale [--sizes 4,16,64] [--json]
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import contextlib
 import hashlib
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,10 +38,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-if __package__:  # python -m scripts.bench_scale, or imported as scripts.bench_scale
-    from . import worker_process
-else:  # python scripts/bench_scale.py: the sibling module is on sys.path
-    import worker_process
+from scripts import worker_process
+from swarm import process_control
 
 MARK = "BENCH_SCALE "
 PATHS = ("flat", "hierarchical")
@@ -216,9 +213,8 @@ class Workers:
         self.procs: list[worker_process.WorkerProcess] = []
 
     def spawn(self, count: int) -> None:
-        script = str(Path(__file__).resolve())
         for i in range(count):
-            self.procs.append(worker_process.WorkerProcess(script, ["--_worker"], MARK, f"worker {i}"))
+            self.procs.append(worker_process.WorkerProcess("scripts.bench_scale", ["--_worker"], MARK, f"worker {i}"))
 
     def ask(self, cmds: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
         """One command to each worker (in order), then every answer; a worker's error raises."""
@@ -232,21 +228,11 @@ class Workers:
 
     def stop(self, grace: float = 10.0) -> None:
         """Close their stdin (the signal to finish), then SIGTERM, then SIGKILL, each by PID."""
-        for proc in self.procs:
-            with contextlib.suppress(OSError, ValueError):
-                proc.proc.stdin.close()  # type: ignore[union-attr]
-        for signal_them, wait in ((None, grace), ("terminate", 5.0), ("kill", 10.0)):
-            alive = [p.proc for p in self.procs if p.proc.poll() is None]
-            if not alive:
-                break
-            for proc in alive:
-                if signal_them:
-                    with contextlib.suppress(ProcessLookupError):
-                        getattr(proc, signal_them)()  # Popen.terminate / kill: os.kill on its PID
-            deadline = time.monotonic() + wait
-            for proc in alive:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(max(0.0, deadline - time.monotonic()))
+        procs = [p.proc for p in self.procs]
+        for proc in procs:
+            process_control.close_stdin(proc)
+        process_control.wait_all(procs, grace)
+        process_control.stop_all(procs, 5.0)
         self.procs = []
 
 
@@ -408,7 +394,7 @@ def main() -> None:
 
         run(worker_main())
         return
-    worker_process.exit_on_sigterm()
+    process_control.exit_on_sigterm()
     paths = args.paths.split(",")
     if any(p not in PATHS for p in paths):
         parser.error(f"paths are {PATHS}")

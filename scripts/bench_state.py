@@ -1,8 +1,8 @@
 """State-exchange benchmark (issue 6): how fast a newcomer fetches and verifies the swarm state
 from 1, 2, 4 local peers, how much memory that takes, and how close it comes to the loopback limit.
 
-    python scripts/bench_state.py --model small --peers 1,2           # quick (25.8M params, 206 MB)
-    python scripts/bench_state.py --model 150m --repeat 3 --compare hivemind --json
+    python -m scripts.bench_state --model small --peers 1,2           # quick (25.8M params, 206 MB)
+    python -m scripts.bench_state --model 150m --repeat 3 --compare hivemind --json
 
 Workload. A `swarm-dht serve` bootstrap node, then up to max(--peers) donors started one after the
 other (scripts/state_seeder.py: the `--model` preset's deterministic state, θ_outer + outer
@@ -45,15 +45,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import dataclasses
 import hashlib
 import json
 import os
 import resource
-import select
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -65,12 +62,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # hivemind_state.py beside this file
-from bench_p2p import sink_one_transfer  # noqa: E402  (sibling scripts)
-from worker_process import status_kib  # noqa: E402
+from scripts.bench_p2p import sink_one_transfer
+from scripts.worker_process import ROOT, module_command
+from swarm import process_control
+from swarm.process_control import console_script
+from swarm.process_memory import status_kib
 
-SEEDER = HERE / "state_seeder.py"
 MARK = "BENCH_STATE "
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 RUN_ID = "bench"
@@ -88,6 +85,7 @@ NEWCOMER_PEAK_PER_STATE_BYTE = 1.3
 PROCESS_FIXED_BYTES = 600 * MiB
 TARGET_OF_LOOPBACK = 0.5
 TARGET_RSS_OF_STATE = 1.5
+STOP_GRACE_S = 15.0  # between SIGTERM and SIGKILL when stopping a child
 
 
 # --- the newcomer: a child process that fetches once ---------------------------------------------
@@ -283,8 +281,8 @@ class LoopbackProbe:
 
     def __init__(self, children: Children, nbytes: int, transfers: int) -> None:
         self.children, self.nbytes = children, nbytes
-        self.proc = children.start("sink", [sys.executable, __file__, "--_sink", str(transfers)])
-        self.port = children.first_line(self.proc, "sink", 60)["port"]
+        self.proc = children.start("sink", module_command("scripts.bench_state", "--_sink", str(transfers)))
+        self.port = children.first_line(self.proc, "sink", 60, prefix=MARK)["port"]
         self.block = memoryview(bytes(range(256)) * (SEND_BLOCK // 256))  # real pages, not the shared zero page
         self.rates: list[float] = []
 
@@ -331,7 +329,7 @@ def machine_rates(dest: Path, nbytes: int = 256 * MiB) -> dict[str, float]:
 
 class Children:
     """The processes of one run, each in its own session with its stderr in `<workdir>/<name>.err`;
-    stop() ends one by its pid (SIGTERM, then SIGKILL), close() all that are left."""
+    close() stops all that are left, each by its pid (SIGTERM, then SIGKILL)."""
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
@@ -341,47 +339,27 @@ class Children:
     def start(self, name: str, command: list[str]) -> subprocess.Popen[bytes]:
         err = open(self.workdir / f"{name}.err", "wb")  # noqa: SIM115 (closed in close())
         self._logs.append(err)
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, env=ENV, start_new_session=True,
-                                preexec_fn=_die_with_parent)  # fmt: skip
+        # cwd: `python -m scripts.bench_state` children import the scripts package from there
+        proc = process_control.start(command, stdout=subprocess.PIPE, stderr=err, env=ENV, cwd=ROOT,
+                                     die_with_parent=True)  # fmt: skip
         self.procs.append(proc)
         return proc
 
-    def first_line(self, proc: subprocess.Popen[bytes], name: str, timeout: float) -> dict[str, Any]:
-        """The JSON object of the process's first stdout line (after MARK when it has one)."""
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], timeout)
-        line = proc.stdout.readline().decode() if ready else ""
-        if not line:
-            raise RuntimeError(f"{name} did not start in {timeout:.0f}s (exit code {proc.poll()}): {self.tail(name)}")
-        return json.loads(line.removeprefix(MARK))
+    def first_line(self, proc: subprocess.Popen[bytes], name: str, timeout: float, prefix: str = "") -> dict[str, Any]:
+        """The JSON object the process prints once it is ready (after `prefix`)."""
+        try:
+            return process_control.read_json_line(proc, timeout, prefix=prefix, what=name)
+        except (TimeoutError, process_control.ChildExited) as e:
+            raise RuntimeError(f"{name} did not start: {e}: {self.tail(name)}") from None
 
     def tail(self, name: str, chars: int = 2000) -> str:
         path = self.workdir / f"{name}.err"
         return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
-    def stop(self, proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
     def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            self.stop(proc)
+        process_control.stop_all(self.procs, STOP_GRACE_S)
         for log in self._logs:
             log.close()
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the benchmark dies, even by SIGKILL (PR_SET_PDEATHSIG)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
 
 
 def mem_available() -> int:
@@ -406,14 +384,6 @@ def estimated_state_bytes(model: str) -> int:
     return 2 * 4 * sum(p.numel() for p in build_model(preset(model), SEED, device="meta").parameters())
 
 
-def command(name: str) -> str:
-    beside_python = Path(sys.executable).parent / name  # the venv's console scripts
-    path = str(beside_python) if beside_python.exists() else shutil.which(name)
-    if path is None:
-        raise RuntimeError(f"{name} is not installed (pip install -e .)")
-    return path
-
-
 # --- the swarm side --------------------------------------------------------------------------------
 
 
@@ -433,7 +403,7 @@ def run_newcomer(children: Children, opts: Options, bootstrap: str, donors: list
     fetch_dest = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=opts.dest))
     try:
         proc = children.start(name, [
-            sys.executable, __file__, "--_newcomer", "--model", opts.model, "--bootstrap", bootstrap,
+            *module_command("scripts.bench_state"), "--_newcomer", "--model", opts.model, "--bootstrap", bootstrap,
             "--holders", ",".join(d["peer_id"] for d in donors),
             "--streams-per-peer", str(opts.streams_per_peer), "--timeout", str(opts.timeout),
             *(["--fetch-dest", str(fetch_dest)] if opts.to_disk else []),
@@ -441,7 +411,7 @@ def run_newcomer(children: Children, opts: Options, bootstrap: str, donors: list
         try:
             out, _ = proc.communicate(timeout=opts.timeout * 10)
         except subprocess.TimeoutExpired:
-            children.stop(proc)
+            process_control.stop(proc, STOP_GRACE_S)
             raise RuntimeError(f"{name} did not finish in {opts.timeout * 10:.0f}s: {children.tail(name)}") from None
         lines = [line for line in out.decode().splitlines() if line.startswith(MARK)]
         if proc.returncode != 0 or not lines:
@@ -460,7 +430,7 @@ def measure_swarm(
 ) -> dict[int, list[dict[str, Any]]]:
     """{n: [one newcomer's result per repeat]} (see the module docstring); a loopback transfer
     (probe) just before each newcomer."""
-    boot = children.start("bootstrap", [command("swarm-dht"), "serve", "--host-maddrs", LOOPBACK, "--json"])
+    boot = children.start("bootstrap", [console_script("swarm-dht"), "serve", "--host-maddrs", LOOPBACK, "--json"])
     bootstrap = children.first_line(boot, "bootstrap", 60)["maddrs"][0]
     donors: list[dict[str, Any]] = []
     runs: dict[int, list[dict[str, Any]]] = {}
@@ -469,8 +439,8 @@ def measure_swarm(
             name = f"donor{len(donors)}"
             require_memory(DONOR_PEAK_PER_STATE_BYTE * state_bytes + PROCESS_FIXED_BYTES, f"{name} ({opts.model})")
             proc = children.start(name, [
-                sys.executable, str(SEEDER), "--initial-peers", bootstrap, "--run-id", RUN_ID, "--model", opts.model,
-                "--seed", str(SEED), "--step", str(STEP), "--inner-steps", str(INNER_STEPS),
+                *module_command("scripts.state_seeder"), "--initial-peers", bootstrap, "--run-id", RUN_ID,
+                "--model", opts.model, "--seed", str(SEED), "--step", str(STEP), "--inner-steps", str(INNER_STEPS),
                 "--shard-bytes", str(opts.shard_bytes),
             ])  # fmt: skip
             donors.append(children.first_line(proc, name, 1800))
@@ -619,12 +589,13 @@ def main() -> None:
     if args.table_from is not None:
         print_table(json.loads(args.table_from.read_text()))
         return
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind through `finally`: children stop
+    process_control.exit_on_sigterm()  # unwind through `finally`: children stop
     peers = sorted({int(x) for x in args.peers.split(",")})
     if not peers or peers[0] < 1 or args.repeat < 1:
         parser.error("--peers are >= 1 and --repeat >= 1")
+    dest = args.dest.resolve()  # absolute: the newcomers run in the repository (cwd=ROOT)
     opts = Options(
-        args.model, peers, args.repeat, args.shard_bytes, args.streams_per_peer, args.timeout, args.dest, args.to_disk
+        args.model, peers, args.repeat, args.shard_bytes, args.streams_per_peer, args.timeout, dest, args.to_disk
     )
     summary = bench(opts, args.compare)
     if args.json:
@@ -649,7 +620,7 @@ def bench(opts: Options, compare: str | None) -> dict[str, Any]:
         state_bytes = runs[opts.peers[0]][0]["bytes"]  # exact: the manifest's total
         hivemind = None
         if compare == "hivemind":
-            from hivemind_state import run_hivemind_state
+            from scripts.hivemind_state import run_hivemind_state
 
             require_memory((DONOR_PEAK_PER_STATE_BYTE + 2.5) * state_bytes + 3 * PROCESS_FIXED_BYTES, "hivemind")
             hivemind = run_hivemind_state(opts.model, repeat=opts.repeat, timeout=opts.timeout, workdir=work)

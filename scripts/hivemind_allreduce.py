@@ -69,7 +69,7 @@ whatever the size, plus ~3x its input in hivemind's buffers and the input itself
 shared memory (``/dev/shm``); the run refuses to start when the machine has less memory available
 than that estimate.
 
-Run: ``python scripts/hivemind_allreduce.py --n 4 --elements 16M --codec int8 --repeats 3``
+Run: ``python -m scripts.hivemind_allreduce --n 4 --elements 16M --codec int8 --repeats 3``
 (prints the result dict as one JSON line).
 """
 
@@ -78,7 +78,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import ctypes
 import json
 import math
 import multiprocessing as mp
@@ -97,7 +96,9 @@ from typing import Any
 
 import numpy as np
 import psutil
-from worker_process import running  # a sibling script module
+
+from scripts.hivemind_procs import P2PD_LISTEN_ARG, remove_files, running, socket_files
+from swarm import process_control
 
 # hivemind reads these when it is first imported: keep its INFO logs out of benchmark output.
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
@@ -110,9 +111,6 @@ DHT_KWARGS: dict[str, Any] = {
 CODEC_BYTES = {"none": 4, "fp16": 2, "int8": 1}
 
 _LOOPBACK_PREFIX = "/ip4/127.0.0.1/tcp/"
-_P2PD_LISTEN_ARG = "-listen=/unix"
-_SOCKET_PREFIX = "/tmp/hivemind-"
-_PR_SET_PDEATHSIG = 1
 _STOP_GRACE_S = 15.0
 _REAP_TIMEOUT_S = 5.0
 _STAGE_POLL_S = 0.005
@@ -200,10 +198,6 @@ class _Stop(Exception):
     """The parent said stop (or went away)."""
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
 def _peer_main(
     index: int, conn: mp_connection.Connection, inherited: list[Any], cfg: _Config, exact: np.ndarray
 ) -> None:
@@ -211,9 +205,8 @@ def _peer_main(
     for c in inherited:  # parent-side pipe ends: only the parent may hold them (EOF on its death)
         c.close()
     os.setsid()
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    process_control.exit_on_sigterm()
+    process_control.die_with_parent()
     if os.getppid() != cfg.parent_pid:
         os._exit(1)
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -237,15 +230,13 @@ def _peer_main(
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         sockets: set[str] = set()
         with contextlib.suppress(psutil.Error):
-            sockets = _socket_files(psutil.Process().children(recursive=True))
+            sockets = socket_files(psutil.Process().children(recursive=True))
         for key in ("averager", "dht"):  # hivemind's graceful stop (each bounded: join + terminate)
             obj = state.get(key)
             if obj is not None:
                 with contextlib.suppress(BaseException):
                     obj.shutdown()
-        for path in sockets:
-            with contextlib.suppress(OSError):
-                os.remove(path)
+        remove_files(sockets)
         with contextlib.suppress(OSError):
             conn.close()
         if orphaned:  # nobody will clean up after us: take the whole process group down
@@ -444,27 +435,9 @@ def _record(peer: _Peer) -> None:
     peer.procs.extend(p for p in children if p.pid not in known)
     for proc in peer.procs:
         with contextlib.suppress(psutil.Error):
-            if any(arg.startswith(_P2PD_LISTEN_ARG) for arg in proc.cmdline()):
+            if any(arg.startswith(P2PD_LISTEN_ARG) for arg in proc.cmdline()):
                 peer.p2pd_pid = proc.pid
-    peer.sockets |= _socket_files(peer.procs)
-
-
-def _socket_files(procs: list[psutil.Process]) -> set[str]:
-    """Unix socket files of hivemind's p2pd (from its ``-listen=`` argument, with the matching
-    p2pclient socket of the P2P that started it) and of the other p2p clients (``replicate_p2p``,
-    e.g. the averager's) that these processes listen on. hivemind's shutdown leaves the latter."""
-    paths = set()
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            for arg in proc.cmdline():
-                if arg.startswith(_P2PD_LISTEN_ARG):
-                    daemon_sock = arg[len(_P2PD_LISTEN_ARG) :]
-                    paths |= {daemon_sock, daemon_sock.replace("/hivemind-p2pd-", "/hivemind-p2pclient-")}
-        with contextlib.suppress(psutil.Error):
-            for unix in proc.net_connections(kind="unix"):
-                if isinstance(unix.laddr, str) and unix.laddr.startswith(_SOCKET_PREFIX):
-                    paths.add(unix.laddr)
-    return paths
+    peer.sockets |= socket_files(peer.procs)
 
 
 _SS_PID = re.compile(r"pid=(\d+)")
@@ -552,9 +525,7 @@ def _shutdown(peers: list[_Peer]) -> list[str]:
                 time.sleep(0.01)
             if running(proc):
                 left.append(f"pid {proc.pid}")
-        for path in peer.sockets:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
+        remove_files(peer.sockets)
         if peer.proc.exitcode is None:
             left.append(f"peer {peer.index} (pid {peer.proc.pid})")
     return left

@@ -29,7 +29,7 @@ Blocking hivemind calls (import, fork + readiness wait, ``get_visible_maddrs``, 
 threads so that the worker's event loop keeps running. p2pd is found with psutil among the DHT
 process's children; its unix socket paths come from its ``-listen=`` argument.
 
-Smoke test: ``python scripts/hivemind_dht.py --nodes 8`` (prints one JSON line).
+Smoke test: ``python -m scripts.hivemind_dht --nodes 8`` (prints one JSON line).
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
-from worker_process import running  # a sibling script module
+
+from scripts.hivemind_procs import exists, remove_files, running, socket_files
+from swarm.process_memory import pss_bytes
 
 # hivemind reads this once, when it is first imported: keep its INFO logs out of benchmark output.
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
@@ -58,7 +60,6 @@ DHT_KWARGS: dict[str, Any] = {
     "auto_nat": False,
 }
 _LOOPBACK_PREFIX = "/ip4/127.0.0.1/tcp/"
-_P2PD_LISTEN_ARG = "-listen=/unix"
 _READY_POLL_S = 0.1
 _REAP_TIMEOUT_S = 5.0
 
@@ -214,7 +215,7 @@ class HivemindDHTBackend:
             known = {p.pid for p in node.procs}
             node.procs.extend(p for p in node.procs[0].children(recursive=True) if p.pid not in known)
         # cmdlines are read again each time: a child caught between fork and exec still shows ours
-        node.sockets = sorted(set(node.sockets) | set(_p2pd_sockets(node.procs[1:])))
+        node.sockets = sorted(set(node.sockets) | socket_files(node.procs[1:], connections=False))
 
     @staticmethod
     def _destroy(nodes: list[_Node]) -> None:
@@ -229,7 +230,7 @@ class HivemindDHTBackend:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
         deadline = time.monotonic() + 1.0
-        while any(_exists(p) for p in p2pds) and time.monotonic() < deadline:
+        while any(exists(p) for p in p2pds) and time.monotonic() < deadline:
             time.sleep(0.002)
         for node in nodes:
             for proc in node.procs[:1]:
@@ -243,37 +244,12 @@ class HivemindDHTBackend:
         while any(running(p) for p in p2pds) and time.monotonic() < deadline:
             time.sleep(0.01)
         for node in nodes:
-            for path in node.sockets:
-                with contextlib.suppress(OSError):
-                    os.remove(path)
+            remove_files(node.sockets)
 
 
 async def _await_mpfuture(future: Any) -> Any:
     """Await a hivemind MPFuture (its __await__ works only in the loop thread that created it)."""
     return await future
-
-
-def _exists(proc: psutil.Process) -> bool:
-    """True while the process exists, zombie or not (False for a pid that has been reused)."""
-    try:
-        return proc.is_running()
-    except psutil.Error:
-        return False
-
-
-def _p2pd_sockets(procs: list[psutil.Process]) -> list[str]:
-    """Unix socket files of p2pd (``-listen=/unix/tmp/hivemind-p2pd-<uid>.sock``) and its client."""
-    paths = []
-    for proc in procs:
-        try:
-            cmdline = proc.cmdline()
-        except psutil.Error:
-            continue
-        for arg in cmdline:
-            if arg.startswith(_P2PD_LISTEN_ARG):
-                daemon_sock = arg[len(_P2PD_LISTEN_ARG) :]
-                paths += [daemon_sock, daemon_sock.replace("/hivemind-p2pd-", "/hivemind-p2pclient-")]
-    return paths
 
 
 # ----------------------------------------------------------------------------- smoke test
@@ -286,14 +262,6 @@ def _p50_ms(values: list[float]) -> float:
     return round(median * 1e3, 2)
 
 
-def _pss_bytes(pids: list[int]) -> int:
-    total = 0
-    for pid in pids:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            total += psutil.Process(pid).memory_full_info().pss
-    return total
-
-
 async def _smoke(args: argparse.Namespace, backend: HivemindDHTBackend) -> dict[str, Any]:
     from hivemind.utils import get_dht_time
 
@@ -304,7 +272,7 @@ async def _smoke(args: argparse.Namespace, backend: HivemindDHTBackend) -> dict[
         await backend.start(n, [], rng)
         start_total = time.perf_counter() - t0
         processes = len(backend.memory_pids())
-        mem_per_node = _pss_bytes(backend.memory_pids()) / n
+        mem_per_node = pss_bytes(backend.memory_pids()) / n
 
         keys = {f"smoke-{i}": os.urandom(args.value_bytes) for i in range(args.keys)}
         expiration = get_dht_time() + 600
@@ -334,7 +302,7 @@ async def _smoke(args: argparse.Namespace, backend: HivemindDHTBackend) -> dict[
         miss_t = time.perf_counter()
         missing = await backend.get(alive[0], "smoke-missing-key")
         miss_s = time.perf_counter() - miss_t
-        mem_after = _pss_bytes(backend.memory_pids()) / len(alive)
+        mem_after = pss_bytes(backend.memory_pids()) / len(alive)
         result = {
             "nodes": n,
             "processes_per_node": processes / n,
@@ -375,7 +343,7 @@ def _leftovers(backend: HivemindDHTBackend) -> dict[str, list[Any]]:
             if not any("torch_shm_manager" in arg for arg in child.cmdline()[:1]):
                 children.append(f"{child.pid}:{child.name()}:{child.status()}")
     return {
-        "pids": [f"{p.pid}:{p.status()}" for p in recorded if _exists(p)],
+        "pids": [f"{p.pid}:{p.status()}" for p in recorded if exists(p)],
         "children": children,
         "sockets": [s for s in sockets if os.path.exists(s)],
     }

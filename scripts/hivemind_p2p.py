@@ -1,7 +1,7 @@
 """Measure hivemind's P2P layer (``hivemind.p2p.P2P``, the p2pd wrapper) on 127.0.0.1.
 
 Two OS processes, each with its own P2P and p2pd (4 processes in all), started as
-``python hivemind_p2p.py --_role server|client`` so that nothing depends on how the caller
+``python -m scripts.hivemind_p2p --_role server|client`` so that nothing depends on how the caller
 imported this module. The calling process only orchestrates and never imports hivemind.
 
 hivemind APIs used (the ones hivemind's own components use):
@@ -25,13 +25,16 @@ import asyncio
 import contextlib
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from typing import IO, Any
+
+from scripts.hivemind_procs import remove_files
+from scripts.worker_process import ROOT, module_command
+from swarm import process_control
 
 _ECHO = "swarm_bench.hivemind_echo"
 _SINK = "swarm_bench.hivemind_sink"
@@ -239,18 +242,11 @@ class _Child:
         env["OMP_NUM_THREADS"] = "1"
         env.setdefault("MKL_NUM_THREADS", "1")
         env.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
-        cmd = [sys.executable, os.path.abspath(__file__), *argv]
-        self.proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.stderr,
-            env=env,
-            bufsize=0,
-            start_new_session=True,
-        )
+        self.proc = process_control.start(
+            module_command("scripts.hivemind_p2p", *argv),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=env, cwd=ROOT,
+        )  # fmt: skip
         self.info: dict[str, dict[str, Any]] = {}
-        self._buf = b""
 
     def stderr_tail(self, n: int = 3000) -> str:
         with contextlib.suppress(OSError, ValueError):
@@ -261,53 +257,31 @@ class _Child:
 
     def wait_for(self, kind: str, deadline: float) -> dict[str, Any]:
         """Read marker lines from the child's stdout until one of ``kind`` arrives."""
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
+        name = f"hivemind {self.name}"
         while kind not in self.info:
-            if b"\n" in self._buf:
-                line, self._buf = self._buf.split(b"\n", 1)
-                text = line.decode(errors="replace")
-                if text.startswith(_MARK):
-                    msg = json.loads(text[len(_MARK) :])
-                    self.info[msg.pop("kind")] = msg
-                continue
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                what = f"hivemind {self.name} gave no {kind!r} in time"
-                raise TimeoutError(what + ":\n" + self.stderr_tail())
-            readable, _, _ = select.select([fd], [], [], min(remaining, 1.0))
-            if readable:
-                data = os.read(fd, 1 << 16)
-                if not data:
-                    rc = self.proc.wait()
-                    what = f"hivemind {self.name} exited (rc={rc}) before {kind!r}"
-                    raise RuntimeError(what + ":\n" + self.stderr_tail())
-                self._buf += data
+            try:
+                timeout = max(0.0, deadline - time.monotonic())
+                msg = process_control.read_json_line(self.proc, timeout, prefix=_MARK, what=name)
+            except TimeoutError:
+                raise TimeoutError(f"{name} gave no {kind!r} in time:\n{self.stderr_tail()}") from None
+            except process_control.ChildExited as e:
+                raise RuntimeError(f"{e} (waiting for {kind!r}):\n{self.stderr_tail()}") from None
+            self.info[msg.pop("kind")] = msg
         return self.info[kind]
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Graceful stop (stdin EOF + SIGTERM), then SIGKILL whatever is left of its session."""
         proc = self.proc
-        if proc.poll() is None:
-            with contextlib.suppress(OSError):
-                assert proc.stdin is not None
-                proc.stdin.close()
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(grace_s)
-        # proc.pid is the process group of the child and of the p2pd it started.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        process_control.close_stdin(proc)
+        process_control.send_signal(proc, signal.SIGTERM)  # the role process only: its P2P stops p2pd
+        # proc.pid is the process group of the child and of the p2pd it started (which may outlive it)
+        process_control.stop(proc, grace_s, term=None, group=True, reap_s=None)
         p2pd_pid = self.info.get("p2pd", {}).get("p2pd_pid")
         if p2pd_pid is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 if os.getpgid(p2pd_pid) == proc.pid:  # still ours (not a reused pid)
                     os.kill(p2pd_pid, signal.SIGKILL)
-        for path in self.info.get("p2pd", {}).get("sockets", []):
-            with contextlib.suppress(OSError):
-                os.remove(path)
+        remove_files(self.info.get("p2pd", {}).get("sockets", []))
         for f in (proc.stdin, proc.stdout, self.stderr):
             with contextlib.suppress(OSError):
                 if f is not None:

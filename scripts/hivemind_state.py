@@ -1,7 +1,7 @@
 """Time hivemind 1.1.12's ``DecentralizedAverager.load_state_from_peers`` on a swarm state's tensors.
 
 ``run_hivemind_state(model, repeat=3)`` is called by ``scripts/bench_state.py --compare hivemind``.
-It starts, each as ``python scripts/hivemind_state.py --role ...`` in its own session (so that its
+It starts, each as ``python -m scripts.hivemind_state --role ...`` in its own session (so that its
 DHT process, averager process and p2pd can be stopped together):
 
 - one donor (``--role donor``): the same state as scripts/state_seeder.py (``make_state``: θ_outer
@@ -32,18 +32,15 @@ exits); after a grace period its process group is SIGKILLed while its leader is 
 removed. A child whose parent dies gets SIGTERM (PR_SET_PDEATHSIG) and shuts down the same way.
 
 Needs Linux (/proc, prctl), hivemind 1.1.12 with numpy < 2.3, psutil (the ``bench`` extra).
-Run alone: ``python scripts/hivemind_state.py --model small --repeat 1`` (prints one JSON line).
+Run alone: ``python -m scripts.hivemind_state --model small --repeat 1`` (prints one JSON line).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
-import select
-import signal
 import statistics
 import subprocess
 import sys
@@ -51,7 +48,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from worker_process import status_kib  # beside this file
+from scripts.hivemind_procs import remove_files, socket_files
+from scripts.worker_process import ROOT, module_command
+from swarm import process_control
+from swarm.process_memory import status_kib
 
 MARK = "HIVEMIND_STATE "
 SEED = 0
@@ -59,11 +59,7 @@ STEP = 5
 MB = 1e6
 DHT_KWARGS: dict[str, Any] = {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "nat_port_map": False, "auto_nat": False}
 _LOOPBACK_PREFIX = "/ip4/127.0.0.1/tcp/"
-_SOCKET_PREFIX = "/tmp/hivemind-"
-_P2PD_LISTEN_ARG = "-listen=/unix"
-_PR_SET_PDEATHSIG = 1
 _STOP_GRACE_S = 20.0
-_POLL_S = 0.05
 
 
 # ----------------------------------------------------------------------------- child processes
@@ -76,9 +72,8 @@ def _reply(obj: dict[str, Any]) -> None:
 
 def _child_setup() -> None:
     """SIGTERM (also sent when the parent dies) unwinds through `finally`: hivemind shuts down."""
-    signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    process_control.exit_on_sigterm()
+    process_control.die_with_parent()
     import multiprocessing as mp
 
     mp.set_start_method("fork", force=True)  # DecentralizedAverager and DHT must be forked (BASELINES.md)
@@ -99,24 +94,7 @@ def _socket_files() -> list[str]:
     """hivemind's unix socket files of this process and its descendants (its shutdown leaves some)."""
     import psutil
 
-    paths: set[str] = set()
-    for proc in [psutil.Process(), *_descendants()]:
-        with contextlib.suppress(psutil.Error):
-            for arg in proc.cmdline():
-                if arg.startswith(_P2PD_LISTEN_ARG):
-                    daemon = arg[len(_P2PD_LISTEN_ARG) :]
-                    paths |= {daemon, daemon.replace("/hivemind-p2pd-", "/hivemind-p2pclient-")}
-        with contextlib.suppress(psutil.Error):
-            for unix in proc.net_connections(kind="unix"):
-                if isinstance(unix.laddr, str) and unix.laddr.startswith(_SOCKET_PREFIX):
-                    paths.add(unix.laddr)
-    return sorted(paths)
-
-
-def _remove(paths: list[str]) -> None:
-    for path in paths:
-        with contextlib.suppress(OSError):
-            os.remove(path)
+    return sorted(socket_files([psutil.Process(), *_descendants()]))
 
 
 def _wait_for_record(dht: Any, prefix: str, peer_id: str | None, timeout: float) -> None:
@@ -148,8 +126,8 @@ def donor_main(model: str, prefix: str, timeout: float) -> None:
     _child_setup()
     from hivemind import DHT
     from hivemind.averaging import DecentralizedAverager
-    from state_seeder import make_state  # a sibling script module
 
+    from scripts.state_seeder import make_state
     from swarm.model.diloco import tensors_sha256
 
     state = make_state(model, SEED, STEP)
@@ -177,7 +155,7 @@ def donor_main(model: str, prefix: str, timeout: float) -> None:
     finally:
         sockets = sorted({*sockets, *_socket_files()})  # also when we failed before reporting them
         _shutdown(objs)
-        _remove(sockets)
+        remove_files(sockets)
 
 
 def newcomer_main(prefix: str, initial_peers: list[str], timeout: float) -> None:
@@ -223,67 +201,45 @@ def newcomer_main(prefix: str, initial_peers: list[str], timeout: float) -> None
     finally:
         sockets = sorted({*sockets, *_socket_files()})  # also when we failed before reporting them
         _shutdown(objs)
-        _remove(sockets)
+        remove_files(sockets)
 
 
 # ----------------------------------------------------------------------------- parent side
 
 
 class _Child:
-    """`python hivemind_state.py ARGS` in its own session, its stderr in `<workdir>/<name>.err`."""
+    """`python -m scripts.hivemind_state ARGS` in its own session, its stderr in `<workdir>/<name>.err`."""
 
     def __init__(self, name: str, args: list[str], workdir: Path) -> None:
         self.name, self.workdir = name, workdir
         self.sockets: list[str] = []
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HIVEMIND_LOGLEVEL": "WARNING"}
         with open(workdir / f"{name}.err", "wb") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), *args],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True,
+            self.proc = process_control.start(
+                module_command("scripts.hivemind_state", *args), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=err, env=env, cwd=ROOT,
             )  # fmt: skip
 
     def answer(self, timeout: float) -> dict[str, Any]:
         """The child's MARK line; raises when it exits or stays silent for `timeout` seconds."""
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while True:
-            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise RuntimeError(f"hivemind {self.name} did not answer in {timeout:.0f}s: {self.tail()}")
-            line = self.proc.stdout.readline().decode()
-            if not line:
-                raise RuntimeError(f"hivemind {self.name} exited ({self._status()}): {self.tail()}")
-            if line.startswith(MARK):
-                answer = json.loads(line[len(MARK) :])
-                self.sockets = answer.get("sockets", [])
-                return answer
+        try:  # the child stays unreaped: close() stops its process group by the leader's pid
+            answer = process_control.read_json_line(self.proc, timeout, prefix=MARK, what=f"hivemind {self.name}")
+        except (TimeoutError, process_control.ChildExited) as e:
+            raise RuntimeError(f"{e}: {self.tail()}") from None
+        self.sockets = answer.get("sockets", [])
+        return answer
 
     def tail(self, chars: int = 3000) -> str:
         return (self.workdir / f"{self.name}.err").read_text(errors="replace")[-chars:]
 
-    def _status(self) -> str:
-        """Whether it exited, without reaping it (its pid stays its own until proc.wait())."""
-        try:
-            info = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            return "reaped"
-        return "running" if info is None else f"exited, status {info.si_status}"
-
     def close(self) -> None:
         """Ask it to stop (stdin closed), wait, then SIGKILL its process group, reap it."""
-        with contextlib.suppress(OSError):
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-        deadline = time.monotonic() + _STOP_GRACE_S
-        while self._status() == "running" and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
-        if self._status() != "reaped":  # the leader is unreaped: its group id is still ours
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
+        process_control.close_stdin(self.proc)
+        # group: the leader stays unreaped through the grace, so its group id is still ours
+        process_control.stop(self.proc, _STOP_GRACE_S, term=None, group=True)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
-        _remove(self.sockets)
+        remove_files(self.sockets)
 
 
 def run_hivemind_state(model: str, *, repeat: int = 3, timeout: float = 120.0, workdir: Path) -> dict[str, Any]:
@@ -348,7 +304,7 @@ def main() -> None:
     else:
         import tempfile
 
-        signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
+        process_control.exit_on_sigterm()
         with tempfile.TemporaryDirectory(prefix="hivemind_state_") as work:
             print(json.dumps(run_hivemind_state(args.model, repeat=args.repeat, timeout=args.timeout,
                                                 workdir=Path(work))))  # fmt: skip

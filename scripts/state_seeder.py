@@ -1,6 +1,6 @@
 """A donor that holds one swarm state and serves it, as a training node would, without training.
 
-    python scripts/state_seeder.py --initial-peers MADDR --run-id RUN --model tiny --step 5
+    python -m scripts.state_seeder --initial-peers MADDR --run-id RUN --model tiny --step 5
 
 It builds a deterministic state (the model's seed weights, moved by a seeded random step, plus a
 seeded momentum), joins the DHT, advertises the state under `<run>/state` and serves it with the

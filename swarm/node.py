@@ -74,7 +74,7 @@ from swarm.model.run_settings import (
     training_settings,
 )
 from swarm.node_config import NodeConfig
-from swarm.node_events import EventSink, resident_bytes
+from swarm.node_events import EventSink
 from swarm.p2p.autonat import check_reachability
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.errors import P2PError
@@ -96,6 +96,7 @@ from swarm.plan import (
     plan_without_group,
     servers_behind,
 )  # fmt: skip
+from swarm.process_memory import resident_bytes
 from swarm.progress import OwnProgress, ProgressBook, implausible
 from swarm.run_lookup import initial_peer_ids
 from swarm.state.fetcher import FetchError

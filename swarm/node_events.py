@@ -3,10 +3,7 @@ dicts with "event", "time" and "peer_id" (the list is in swarm/node.py's docstri
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import resource
 import time
 from collections.abc import Callable
 from typing import Any
@@ -58,10 +55,3 @@ class EventSink:
         self.emit("fetch_progress", outer_step=progress.step, done_bytes=progress.done_bytes,
                   total_bytes=progress.total_bytes, MBps=round(progress.rate_MBps, 1),
                   peers=progress.peers)  # fmt: skip
-
-
-def resident_bytes() -> int:
-    """This process's resident memory now (Linux /proc), else its peak (getrusage)."""
-    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

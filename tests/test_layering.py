@@ -4,9 +4,10 @@ Every import of every file of a layer is read with `ast` (relative imports resol
 TYPE_CHECKING included: a type-only import upward still couples the layers), mapped to the layer
 it names, and checked against the layer's allowed set; a failure lists every offender.
 
-Beyond DESIGN.md's list: `swarm/eventloop.py`, `log_once.py` and `supervised.py` are shared helpers
-that every layer may use and that import no layer; the other modules at the top of swarm/ (node.py
-and its parts: node_config, plan, progress, trainer, ...) form the node layer; `swarm/api.py` (and
+Beyond DESIGN.md's list: `swarm/eventloop.py`, `log_once.py`, `supervised.py`, `process_control.py`
+and `process_memory.py` are shared helpers that every layer may use and that import no layer; the
+other modules at the top of swarm/ (node.py and its parts: node_config, plan, progress, trainer,
+...) form the node layer; `swarm/api.py` (and
 `swarm/__init__.py`, which re-exports it) sits on the node, and cli/ on everything.
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HELPERS = {"eventloop", "log_once", "supervised"}  # swarm/<name>.py usable from every layer
+HELPERS = {"eventloop", "log_once", "supervised", "process_control", "process_memory"}  # swarm/<name>.py usable from every layer
 API = {"api", "__init__"}
 
 # layer -> the layers it may import (itself included); DESIGN.md order: p2p, dht, kernels,

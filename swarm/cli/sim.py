@@ -40,6 +40,7 @@ from typing import Any
 
 import click
 
+from swarm import process_control
 from swarm.cli import sim_report
 from swarm.cli.common import CliError, OneLineCommand, positive_seconds
 from swarm.cli.sim_report import (
@@ -140,29 +141,18 @@ def spawn(argv: Sequence[str], log: Path, stdout: Path | None = None) -> subproc
     with contextlib.ExitStack() as files:  # the child holds its own copies of the descriptors
         err = files.enter_context(open(log, "wb"))
         out = files.enter_context(open(stdout, "wb")) if stdout is not None else err
-        return subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
+        return process_control.start(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
 
 
 def send(proc: subprocess.Popen[bytes], sig: int) -> None:
     """Signal a child's process group, only while the child is unreaped (its PID, and so its
     group id, cannot have been reused yet)."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
+    process_control.send_signal(proc, sig, group=True)
 
 
 def stop_processes(procs: Sequence[subprocess.Popen[bytes]], grace: float = GRACE_S) -> None:
     """SIGTERM all, wait up to `grace` seconds in total, then SIGKILL whatever still runs."""
-    for proc in procs:
-        send(proc, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for proc in procs:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            send(proc, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(GRACE_S)
+    process_control.stop_all(procs, grace, group=True, reap_s=GRACE_S)
 
 
 def last_line(path: Path) -> str:

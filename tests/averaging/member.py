@@ -1,4 +1,5 @@
-"""One group member in its own process, for the multi-process fault tests.
+"""One group member in its own process, for the multi-process fault tests
+(`python -m tests.averaging.member`, run from the repository root).
 
 Prints one JSON line {"peer_id", "maddr"}, reads one JSON line {"group": hex msgpack,
 "elements", "seed"}, runs one all-reduce round, prints {"sha256", "contributions"} or
@@ -25,9 +26,7 @@ from swarm.averaging.messages import GroupInfo
 from swarm.eventloop import run
 from swarm.p2p import P2PConfig, P2PHost
 from swarm_kernels import as_memoryview
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from faults import garbage_codec
+from tests.averaging.faults import garbage_codec
 
 
 def inject(fault: str, round_: AllReduceRound) -> None:

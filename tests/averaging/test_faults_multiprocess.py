@@ -13,10 +13,12 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from swarm import process_control
 from swarm.averaging.messages import GroupInfo, MemberInfo
 from swarm.p2p import PeerID
 
-MEMBER = Path(__file__).with_name("member.py")
+ROOT = Path(__file__).resolve().parents[2]  # where `python -m tests.averaging.member` imports from
+ANSWER_TIMEOUT_S = 90.0
 pytestmark = pytest.mark.swarm
 
 
@@ -25,17 +27,16 @@ def spawn() -> Iterator[list[subprocess.Popen[str]]]:
     procs: list[subprocess.Popen[str]] = []
     yield procs
     for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
+        process_control.kill(proc)
 
 
 def start_members(procs: list[subprocess.Popen[str]], faults: list[str]) -> list[dict[str, str]]:
     for fault in faults:
         env = {**os.environ, "SWARM_TEST_FAULT": fault, "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(MEMBER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      text=True, env=env))  # fmt: skip
-    return [json.loads(p.stdout.readline()) for p in procs]  # type: ignore[union-attr]
+        command = [sys.executable, "-m", "tests.averaging.member"]
+        procs.append(process_control.start(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                           env=env, cwd=ROOT, new_session=False))  # fmt: skip
+    return [process_control.read_json_line(p, ANSWER_TIMEOUT_S, what=f"member {i}") for i, p in enumerate(procs)]
 
 
 def run_round(procs: list[subprocess.Popen[str]], hello: list[dict[str, str]], elements: int) -> list[dict | None]:
@@ -48,10 +49,12 @@ def run_round(procs: list[subprocess.Popen[str]], hello: list[dict[str, str]], e
     for proc in procs:
         proc.stdin.write(json.dumps({"group": packed, "elements": elements, "seed": 1}) + "\n")  # type: ignore[union-attr]
         proc.stdin.flush()  # type: ignore[union-attr]
-    answers = []
-    for proc in procs:
-        line = proc.stdout.readline()  # type: ignore[union-attr]
-        answers.append(json.loads(line) if line else None)
+    answers: list[dict | None] = []
+    for i, proc in enumerate(procs):
+        try:
+            answers.append(process_control.read_json_line(proc, ANSWER_TIMEOUT_S, what=f"member {i}"))
+        except process_control.ChildExited:  # it died in the round
+            answers.append(None)
     for proc in procs:
         if proc.poll() is None:
             proc.stdin.write("\n")  # type: ignore[union-attr]

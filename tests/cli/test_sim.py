@@ -9,17 +9,17 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from swarm import process_control
 from swarm.cli.sim_report import STEP_KEYS, EventTail, NodeRecord, loss_summary, write_metrics, write_plot
+from swarm.process_control import console_script
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ENV = {k: v for k, v in os.environ.items() if k != "SWARM_INITIAL_PEERS"}
@@ -30,17 +30,9 @@ QUICK = (
 )  # fmt: skip
 
 
-def _script() -> str:
-    beside_python = Path(sys.executable).parent / "swarm-sim"  # the venv's scripts, activated or not
-    path = str(beside_python) if beside_python.exists() else shutil.which("swarm-sim")
-    assert path is not None, "swarm-sim is not installed as a console script"
-    return path
-
-
 def _start(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [_script(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True
-    )
+    argv = [console_script("swarm-sim"), *args]
+    return process_control.start(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
 
 
 def _finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str, str]:
@@ -48,12 +40,8 @@ def _finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str, str]
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
+        process_control.stop(proc, 30.0, reap_s=None)  # its output is small: the pipes hold it meanwhile
+        out, err = proc.communicate()
         pytest.fail(f"swarm-sim did not finish within {timeout}s:\n{out}\n{err}")
     return proc.returncode, out, err
 
@@ -63,9 +51,7 @@ def _run(*args: str, timeout: float = 240) -> tuple[int, str, str]:
     try:
         return _finish(proc, timeout)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        process_control.kill(proc, reap_s=None)
 
 
 def _leftovers(run_dir: Path) -> list[str]:
@@ -185,9 +171,7 @@ def test_sigint_stops_every_child_and_still_writes_the_metrics(tmp_path: Path) -
         proc.send_signal(signal.SIGINT)
         code, out, err = _finish(proc, timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        process_control.kill(proc, reap_s=None)
     assert code == 130, f"{out}\n{err}"
     assert err.strip().splitlines()[-1] == "swarm-sim: interrupted"
     _assert_no_leftovers(run_dir)

@@ -7,11 +7,9 @@ from __future__ import annotations
 import json
 import os
 import select
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,24 +19,19 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from swarm import process_control
 from swarm.cli.common import jsonable
 from swarm.cli.dht import main, parse_value
 from swarm.dht import DHT, owner_subkey, run_keys
 from swarm.p2p import Identity, P2PConfig
+from swarm.process_control import console_script
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 CLIENT_TIMEOUT = "5"  # seconds, --timeout of the client commands
 OTHER_PEER = Identity.from_seed(b"\x07" * 32).peer_id
 
 
-def _script() -> str:
-    beside_python = Path(sys.executable).parent / "swarm-dht"  # the venv's scripts, activated or not
-    path = str(beside_python) if beside_python.exists() else shutil.which("swarm-dht")
-    assert path is not None, "swarm-dht is not installed as a console script"
-    return path
-
-
-SCRIPT = _script()
+SCRIPT = console_script("swarm-dht")
 ENV = {k: v for k, v in os.environ.items() if k != "SWARM_INITIAL_PEERS"}
 
 
@@ -53,30 +46,19 @@ class Processes:
         """Start `swarm-dht serve --json` and read its first line: {"peer_id", "maddrs"}."""
         log = self.logs / f"serve{len(self.procs)}.err"
         with open(log, "w") as err:
-            proc = subprocess.Popen(
+            proc = process_control.start(
                 [SCRIPT, "serve", "--json", "--host-maddrs", LOOPBACK, *args],
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                env=ENV,
-            )
+                stdout=subprocess.PIPE, stderr=err, text=True, env=ENV, new_session=False,
+            )  # fmt: skip
         self.procs.append(proc)
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 30)
-        line = proc.stdout.readline() if ready else ""
-        assert line, f"serve did not start (exit {proc.poll()}): {log.read_text()}"
-        return proc, json.loads(line)
+        try:
+            return proc, process_control.read_json_line(proc, 30, what="serve")
+        except (TimeoutError, process_control.ChildExited) as e:
+            pytest.fail(f"{e}: {log.read_text()}")
 
     def close(self) -> None:
+        process_control.stop_all(self.procs, 10.0)
         for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
             if proc.stdout is not None:
                 proc.stdout.close()
 

@@ -34,6 +34,7 @@ from swarm.dht.run_keys import nodes_key
 from swarm.dht.storage import RecordStorage
 from swarm.dht.ttl_caps import key_kind, max_ttl_for
 from swarm.p2p import Identity, P2PConfig, P2PHost, PeerID
+from swarm.process_memory import resident_bytes
 
 CONFIG = DHTConfig(rpc_timeout=2.0, lookup_timeout=10.0, bootstrap_timeout=10.0)
 A, B, C = (Identity.from_seed(bytes([i]) * 32).peer_id for i in (1, 2, 3))
@@ -194,11 +195,6 @@ def test_peer_standings_remember_proof_and_forget_the_oldest() -> None:
 # --- the attacks, over real sockets ----------------------------------------------------------
 
 
-def rss_bytes() -> int:
-    with open(f"/proc/{os.getpid()}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 async def honest_store_and_get(node: DHTNode, key: str) -> None:
     async with DHTNode(initial_peers=[node.visible_maddrs[0]], config=CONFIG, p2p_config=on("127.0.0.1")) as honest:
         assert await honest.store(key, {"honest": True}, time.time() + 60) >= 1
@@ -235,7 +231,7 @@ async def test_6000_unowned_60kib_records_from_one_peer_keep_memory_bounded() ->
         DHTNode(config=CONFIG, p2p_config=on("127.0.0.1")) as node,
         P2PHost(config=on("127.0.0.5")) as attacker,
     ):
-        rss_before = rss_bytes()
+        rss_before = resident_bytes()
         expiration = time.time() + 3600
         value = pack_value(os.urandom(60 * 1024))
         accepted = 0
@@ -253,7 +249,7 @@ async def test_6000_unowned_60kib_records_from_one_peer_keep_memory_bounded() ->
         records, held = node.storage.held_by(attacker.peer_id)
         assert accepted == records <= CONFIG.max_records_per_source
         assert held <= CONFIG.max_bytes_per_source and node.storage.total_bytes <= CONFIG.max_storage_bytes
-        growth = rss_bytes() - rss_before
+        growth = resident_bytes() - rss_before
         assert growth < 128 * 1024 * 1024, f"memory grew by {growth / 2**20:.0f} MiB"  # 360 MiB were sent
         await honest_store_and_get(node, "after/junk")
 

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import bench_diloco  # a script module (scripts/ is not a package)
-import diloco_sweep as sweep
+from scripts import bench_diloco
+from scripts import diloco_sweep as sweep
 
 TINY = sweep.Workload(workers=2, steps=6, batch_size=1, seq_len=16, eval_windows=2)
 

@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import select
-import shutil
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -18,7 +14,9 @@ from typing import Any
 import pytest
 import torch
 
+from swarm import process_control
 from swarm.model.data import TokenData, load_data
+from swarm.process_control import console_script
 from tests.node.inprocess import LocalSwarm
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -26,13 +24,6 @@ ENV = {k: v for k, v in os.environ.items() if k != "SWARM_INITIAL_PEERS"} | {"OM
 # small and quick: tiny model, short windows, one torch thread per node (2-core machines)
 FAST_SETTINGS = ("--model", "tiny", "--batch-size", "2", "--seq-len", "64")  # the run settings of FAST
 FAST = (*FAST_SETTINGS, "--threads", "1", "--eval-windows", "8")
-
-
-def console_script(name: str) -> str:
-    beside_python = Path(sys.executable).parent / name  # the venv's scripts, activated or not
-    path = str(beside_python) if beside_python.exists() else shutil.which(name)
-    assert path is not None, f"{name} is not installed as a console script"
-    return path
 
 
 class Swarm:
@@ -45,16 +36,12 @@ class Swarm:
 
     def start_bootstrap(self) -> str:
         err = open(self.workdir / "bootstrap.err", "w")  # noqa: SIM115 (the child holds it)
-        proc = subprocess.Popen(
+        proc = process_control.start(
             [console_script("swarm-dht"), "serve", "--json", "--host-maddrs", LOOPBACK],
-            stdout=subprocess.PIPE, stderr=err, text=True, env=ENV, start_new_session=True,
+            stdout=subprocess.PIPE, stderr=err, text=True, env=ENV,
         )  # fmt: skip
         self.procs.append(proc)
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 30)
-        line = proc.stdout.readline() if ready else ""
-        assert line, f"bootstrap did not start: {(self.workdir / 'bootstrap.err').read_text()}"
-        self.bootstrap = json.loads(line)["maddrs"][0]
+        self.bootstrap = self.ready_line("bootstrap", proc, 30)["maddrs"][0]
         return self.bootstrap
 
     def node(self, name: str, *args: str, initial: bool = True) -> subprocess.Popen[str]:
@@ -64,9 +51,16 @@ class Swarm:
         err = open(self.workdir / f"{name}.err", "w")  # noqa: SIM115
         command = [console_script("swarm-node"), "--host-maddrs", LOOPBACK, *peers, *FAST,
                    "--metrics-file", str(self.metrics_path(name)), "-v", *args]  # fmt: skip
-        proc = subprocess.Popen(command, stdout=out, stderr=err, text=True, env=ENV, start_new_session=True)
+        proc = process_control.start(command, stdout=out, stderr=err, text=True, env=ENV)
         self.procs.append(proc)
         return proc
+
+    def ready_line(self, name: str, proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+        """The JSON line `name` prints once it serves; the test fails with its stderr if none comes."""
+        try:
+            return process_control.read_json_line(proc, timeout, what=name)
+        except (TimeoutError, process_control.ChildExited) as e:
+            pytest.fail(f"{e}; its stderr:\n{self.stderr(name)[-4000:]}")
 
     def metrics_path(self, name: str) -> Path:
         return self.workdir / f"{name}.jsonl"
@@ -96,15 +90,7 @@ class Swarm:
             time.sleep(0.2)
 
     def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        process_control.stop_all(self.procs, 15.0)
 
 
 @pytest.fixture

@@ -15,8 +15,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from swarm import process_control
 from swarm.cli.node import main
-from tests.node.conftest import FAST, Swarm, console_script
+from swarm.process_control import console_script
+from tests.node.conftest import FAST, Swarm
 
 pytestmark = pytest.mark.swarm
 
@@ -301,7 +303,7 @@ def test_on_a_terminal_it_shows_a_live_panel(tmp_path: Path) -> None:
     controller, terminal = pty.openpty()
     command = [console_script("swarm-node"), "--run-id", "tty", "--inner-steps", "3", "--max-outer-steps", "2",
                "--matchmaking-time", "0.2", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *FAST]  # fmt: skip
-    proc = subprocess.Popen(command, stdout=terminal, stderr=terminal, start_new_session=True)
+    proc = process_control.start(command, stdout=terminal, stderr=terminal)
     os.close(terminal)
     shown = b""
     try:
@@ -315,9 +317,7 @@ def test_on_a_terminal_it_shows_a_live_panel(tmp_path: Path) -> None:
             shown += chunk
         assert proc.wait(90) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        process_control.kill(proc)
         os.close(controller)
     text = shown.decode(errors="replace")
     assert "inner steps" in text and "eval loss" in text and "\x1b[" in text  # drawn, not logged

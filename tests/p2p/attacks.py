@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from swarm.p2p import CallContext, P2PConfig, P2PError, P2PHost, Stream
+from swarm.process_memory import resident_bytes
 from tests.p2p.rawpeer import RawPeer
 
 RETRY_PAUSE_S = 0.05  # an attacker slot waits this long after its socket is closed, then retries
@@ -130,11 +130,6 @@ def buffered_on(host: P2PHost) -> int:
     return sum(len(chunk) for conn in connections_of(host) for s in conn._streams.values() for chunk in s._chunks)
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 async def stream_flood(
     attacker: P2PHost, maddr: str, method: str, *, streams: int, nbytes: int
 ) -> list[tuple[Stream, asyncio.Task[None]]]:
@@ -160,13 +155,13 @@ async def _measure(kind: str) -> None:
 
     server.add_stream_handler("t.later", later)
     maddr = server.visible_maddrs[0]
-    rss0, peak, t0 = rss_bytes(), 0, time.perf_counter()
+    rss0, peak, t0 = resident_bytes(), 0, time.perf_counter()
     try:
         if kind == "streams":
             async with P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))) as attacker:
                 opened = await stream_flood(attacker, maddr, "t.later", streams=64, nbytes=16 * 2**20)
                 await asyncio.sleep(2)
-                peak, rss = buffered_on(server), rss_bytes() - rss0
+                peak, rss = buffered_on(server), resident_bytes() - rss0
                 ok = await honest_pings(maddr, 25)
                 release.set()
                 await asyncio.gather(*(writing for _, writing in opened))
@@ -176,7 +171,7 @@ async def _measure(kind: str) -> None:
             pause = 0.001 if silent else RETRY_PAUSE_S  # silent: back at once in the slot an honest peer took
             async with Flood(maddr, addresses, 8 if silent else 16, handshake=not silent, pause=pause) as flood:
                 await asyncio.sleep(2 if silent else 5)  # silent: before the 5 s handshake deadline
-                rss = rss_bytes() - rss0
+                rss = resident_bytes() - rss0
                 print(f"{len(server._handshaking)} handshaking, {len(connections_of(server))} open")
                 ok = await honest_pings(maddr, 25)  # from 127.0.0.1: a source of its own
             print(f"attacker: {flood.stats}")

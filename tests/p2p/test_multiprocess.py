@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import select
 import subprocess
 import sys
 from collections.abc import Iterator
 
 import pytest
 
+from swarm import process_control
 from swarm.p2p import P2PConfig, P2PHost
 
 SERVER = """
@@ -39,24 +38,15 @@ run(main())
 
 @pytest.fixture
 def server_process() -> Iterator[dict]:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SERVER],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = process_control.start(
+        [sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, new_session=False,
+    )  # fmt: skip
     try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        assert ready, "server process did not start"
-        yield json.loads(proc.stdout.readline())
+        yield process_control.read_json_line(proc, 60, what="the server process")
     finally:
-        proc.stdin.close()  # type: ignore[union-attr]
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        process_control.close_stdin(proc)  # its cue to stop
+        process_control.stop(proc, 10.0, term=None, reap_s=None)
 
 
 @pytest.mark.swarm

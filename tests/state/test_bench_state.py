@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_state.py"
+ROOT = Path(__file__).resolve().parents[2]  # `python -m scripts.bench_state` runs from there
 
 
 @pytest.mark.swarm
 @pytest.mark.timeout(300)
 def test_tiny_state_from_one_peer_prints_the_json_keys(tmp_path: Path) -> None:
-    command = [sys.executable, str(SCRIPT), "--model", "tiny", "--peers", "1", "--repeat", "1", "--json",
-               "--dest", str(tmp_path)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=280)
+    command = [sys.executable, "-m", "scripts.bench_state", "--model", "tiny", "--peers", "1", "--repeat", "1",
+               "--json", "--dest", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     for key in ("state_MB", "loopback_MBps", "fetch_MBps_1", "peak_rss_MB_1"):
