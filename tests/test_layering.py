@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HELPERS = {"eventloop", "log_once", "supervised", "process_control", "process_memory"}  # swarm/<name>.py usable from every layer
+# swarm/<name>.py usable from every layer
+HELPERS = {"eventloop", "log_once", "supervised", "process_control", "process_memory"}
 API = {"api", "__init__"}
 
 # layer -> the layers it may import (itself included); DESIGN.md order: p2p, dht, kernels,
