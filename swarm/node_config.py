@@ -42,6 +42,9 @@ class NodeConfig:
     outer_momentum: float = 0.9
     # averaging
     compression: str = "int8"
+    # error feedback (model/error_feedback.py): what the codec dropped from our pseudo-gradient is
+    # added to the next one, the residual decayed by this factor each step; 0: off
+    error_feedback: float = 0.0
     max_group_size: int = 64  # largest flat all-reduce; beyond it the one group averages hierarchically
     matchmaking_time: float = 5.0
     part_timeout: float = 60.0  # longest wait for a member's slice (a member that died before sending)
@@ -80,6 +83,8 @@ class NodeConfig:
         for name in ("matchmaking_time", "publish_interval", "fetch_timeout", "part_timeout"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"{name} must be a positive number of seconds")
+        if not 0.0 <= self.error_feedback <= 1.0:
+            raise ValueError(f"error_feedback is a decay in [0, 1] (0: off), got {self.error_feedback}")
         if not (math.isfinite(self.max_wait) and self.max_wait >= 0):
             raise ValueError("max_wait must be a number of seconds >= 0")
         if self.device != "auto":

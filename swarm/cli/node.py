@@ -136,6 +136,7 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
 @_opt("outer-lr", click.FloatRange(0, min_open=True), "Outer SGD learning rate.")
 @_opt("outer-momentum", click.FloatRange(0, 1, max_open=True), "Outer Nesterov momentum.")
 @_opt("compression", click.Choice(CODECS), "How pseudo-gradients travel.")
+@_opt("error-feedback", click.FloatRange(0, 1), "Send what the codec dropped in later steps, decayed by this (0: off).")
 @_opt("max-group-size", click.IntRange(2), "Largest flat all-reduce; all ready nodes still average as one group.")
 @_opt("matchmaking-time", click.FloatRange(0, min_open=True), "Longest wait for a step's expected peers.")
 @_opt(

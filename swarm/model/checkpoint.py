@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -35,10 +36,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 from swarm.model.configs import DEFAULT_SHARD_BYTES
 from swarm.model.run_settings import decode_settings, differences
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "swarm-state/1"
 MAX_MANIFEST_BYTES = 4 << 20
@@ -48,6 +53,7 @@ _SHARD_NAME = re.compile(r"^shard-\d{5}\.safetensors$")
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 KINDS = ("params", "momentum")
+LOCAL_FILE = "local.safetensors"  # a node's own tensors beside a checkpoint's shards (never served)
 
 
 class CheckpointError(ValueError):
@@ -320,7 +326,9 @@ class CheckpointDir:
             raise ValueError("keep must be >= 1")
         self.path, self.keep = Path(path), keep
 
-    def write(self, snapshot: Snapshot) -> Path:
+    def write(self, snapshot: Snapshot, local: Mapping[str, torch.Tensor] | None = None) -> Path:
+        """Write the snapshot (and `local`: this node's own tensors, never served, e.g. its
+        error-feedback residual, in LOCAL_FILE beside the shards) as one step directory."""
         self.path.mkdir(parents=True, exist_ok=True)
         final = self.path / f"step-{snapshot.manifest.step:08d}"
         temp = self.path / f"{final.name}.tmp-{os.getpid()}"
@@ -329,6 +337,8 @@ class CheckpointDir:
         for name, data in snapshot.shards.items():
             _write_synced(temp / name, data)
         _write_synced(temp / "manifest.json", snapshot.manifest.to_json())
+        if local:
+            _write_synced(temp / LOCAL_FILE, safetensors_save({k: v.contiguous() for k, v in local.items()}))
         _fsync_dir(temp)
         if final.exists():  # the same step written again (after a restart): replace it whole
             shutil.rmtree(final)
@@ -364,6 +374,16 @@ class CheckpointDir:
         if errors:
             raise CheckpointError(f"no whole checkpoint in {self.path}: {'; '.join(errors)}")
         return None
+
+    def load_local(self, step: int) -> dict[str, torch.Tensor]:
+        """The node's own tensors written with the checkpoint of `step` ({} when there are none
+        or they cannot be read: they are an optimisation, never a reason not to resume)."""
+        path = self.path / f"step-{step:08d}" / LOCAL_FILE
+        try:
+            return safetensors_load(bytes(read_file(path))) if path.exists() else {}
+        except (OSError, SafetensorError) as e:
+            logger.warning("ignoring the unreadable %s: %s", path, e)
+            return {}
 
     def _candidates(self) -> list[Path]:
         """Step directories, the one LATEST names first, then the others newest first."""

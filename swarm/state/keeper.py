@@ -31,6 +31,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from swarm.dht.node import DHTNode
 from swarm.log_once import OncePerPeer
 from swarm.model.checkpoint import KINDS, CheckpointDir, Manifest, RunInfo, Snapshot, copy_state, make_snapshot
@@ -186,17 +188,32 @@ class StateKeeper:
 
     # --- holding a state --------------------------------------------------------------------------
 
-    async def publish(self, diloco: DiLoCo, *, checkpoint: bool | None = None) -> None:
+    async def publish(
+        self,
+        diloco: DiLoCo,
+        *,
+        checkpoint: bool | None = None,
+        local: Callable[[], dict[str, torch.Tensor]] | None = None,
+    ) -> None:
         """Copy the state now (in the trainer's thread); serve, advertise and checkpoint it in
-        the background. A previous publication still under way is finished first."""
+        the background. A previous publication still under way is finished first. `local`: this
+        node's own tensors to checkpoint beside the state (never served), read in the trainer's
+        thread too (load_local gives them back)."""
         if self._publishing is not None:
             await asyncio.gather(self._publishing, return_exceptions=True)
         copied = await self.in_trainer(lambda: copy_state(diloco.state_dict()))
         if checkpoint is None:
             checkpoint = copied["outer_step"] % self.config.checkpoint_every == 0
-        self._publishing = asyncio.ensure_future(self._publish(copied, checkpoint))
+        own = await self.in_trainer(local) if local is not None and checkpoint and self.checkpoints else None
+        self._publishing = asyncio.ensure_future(self._publish(copied, checkpoint, own))
 
-    async def _publish(self, copied: dict[str, Any], checkpoint: bool) -> None:
+    async def load_local(self, step: int) -> dict[str, torch.Tensor]:
+        """The node's own tensors checkpointed with the state of `step` ({}: none)."""
+        if self.checkpoints is None:
+            return {}
+        return await asyncio.to_thread(self.checkpoints.load_local, step)
+
+    async def _publish(self, copied: dict[str, Any], checkpoint: bool, local: dict[str, torch.Tensor] | None) -> None:
         try:
             snapshot = await asyncio.to_thread(make_snapshot, copied, self.run, self.config.shard_bytes)
             del copied
@@ -208,7 +225,7 @@ class StateKeeper:
                     self._refresher = Supervised("state advertisement", self._refresh_forever).start()
             if checkpoint and self.checkpoints is not None:
                 started = time.perf_counter()
-                where = await asyncio.to_thread(self.checkpoints.write, snapshot)
+                where = await asyncio.to_thread(self.checkpoints.write, snapshot, local)
                 logger.info("checkpoint of outer step %d written to %s in %.2fs", snapshot.manifest.step, where,
                             time.perf_counter() - started)  # fmt: skip
         except OSError as e:  # a full disk must not stop training: say so, try again next step
