@@ -7,7 +7,9 @@ it names, and checked against the layer's allowed set; a failure lists every off
 Beyond DESIGN.md's list: `swarm/eventloop.py`, `log_once.py` and `supervised.py` are shared helpers
 that every layer may use and that import no layer; the other modules at the top of swarm/ (node.py
 and its parts: node_config, plan, progress, trainer, ...) form the node layer; `swarm/api.py` (and
-`swarm/__init__.py`, which re-exports it) sits on the node, and cli/ on everything.
+`swarm/__init__.py`, which re-exports it) sits on the node, and cli/ on everything. `swarm/netlab/`
+(network namespaces and shaped links for swarm-sim and the benchmarks) is pure stdlib: it imports
+nothing of ours, and only cli/ imports it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ API = {"api", "__init__"}
 ALLOWED: dict[str, set[str]] = {
     "helpers": {"helpers"},
     "kernels": {"kernels"},
+    "netlab": {"netlab"},
     "p2p": {"helpers", "p2p"},
     "dht": {"helpers", "p2p", "dht"},
     "averaging": {"helpers", "p2p", "dht", "kernels", "averaging"},
@@ -34,7 +37,7 @@ ALLOWED: dict[str, set[str]] = {
     "state": {"helpers", "p2p", "dht", "kernels", "model", "state"},
     "node": {"helpers", "p2p", "dht", "kernels", "averaging", "model", "state", "node"},
     "api": {"helpers", "p2p", "dht", "kernels", "averaging", "model", "state", "node", "api"},
-    "cli": {"helpers", "p2p", "dht", "kernels", "averaging", "model", "state", "node", "api", "cli"},
+    "cli": {"helpers", "p2p", "dht", "kernels", "averaging", "model", "state", "node", "api", "netlab", "cli"},
 }
 
 
