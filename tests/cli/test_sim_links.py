@@ -91,6 +91,7 @@ def test_three_nodes_on_50mbit_links_train_and_agree(tmp_path: Path) -> None:
 
 
 @needs_links
+@pytest.mark.swarm
 @pytest.mark.timeout(120)
 def test_sigterm_stops_the_nodes_and_removes_the_links(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
@@ -109,6 +110,7 @@ def test_sigterm_stops_the_nodes_and_removes_the_links(tmp_path: Path) -> None:
 
 
 @needs_links
+@pytest.mark.swarm
 @pytest.mark.timeout(120)
 def test_a_killed_runs_nodes_and_links_go_at_the_next_start(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"

@@ -1,7 +1,7 @@
 """swarm.netlab on this machine: a shaped link moves data at its rate, and a lab leaves nothing
 behind, whether it is closed, fails while being built, or its owner is SIGKILLed.
 
-Needs root and iproute2 (skipped otherwise, with what is missing). Every test removes its own
+The lab tests need root and iproute2 (skipped otherwise, with what is missing). Every test removes its own
 namespaces and stops its own processes, pass or fail."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 from swarm.netlab import PREFIX, Lab, LabError, exec_prefix, missing, parse_rate
 from swarm.netlab import lab as lab_module
 
-pytestmark = pytest.mark.skipif(missing() is not None, reason=f"a lab {missing()}")
+needs_lab = pytest.mark.skipif(missing() is not None, reason=f"a lab {missing()}")
 
 RECEIVER = """
 import json, socket, sys, time
@@ -93,6 +93,7 @@ def _goodput(lab: Lab, sender: str, receiver: str, rate_bits: int) -> float:
     return measured["bytes"] * 8 / measured["seconds"]
 
 
+@needs_lab
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("rate", ["20mbit", "50mbit"])
 def test_a_shaped_link_moves_data_at_its_rate_both_ways(run_name: str, rate: str) -> None:
@@ -113,6 +114,7 @@ def test_a_shaped_link_moves_data_at_its_rate_both_ways(run_name: str, rate: str
 # --- nothing is left behind ------------------------------------------------------------------------
 
 
+@needs_lab
 @pytest.mark.timeout(60)
 def test_closing_removes_everything_even_when_the_user_fails(run_name: str) -> None:
     host_before = _host_links()
@@ -141,6 +143,7 @@ def test_closing_removes_everything_even_when_the_user_fails(run_name: str) -> N
             sleeper.wait()
 
 
+@needs_lab
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("fail_at", [1, 3, 4, 8, 11, 12, 13])  # the bridge, then endpoint a's 9 commands, then b's
 @pytest.mark.parametrize("error", [LabError, KeyboardInterrupt])
@@ -163,6 +166,7 @@ def test_a_build_that_fails_midway_leaves_nothing(
     assert not _left(_lab_prefix(run_name)), f"left after failing at {calls[-1]}"
 
 
+@needs_lab
 @pytest.mark.timeout(60)
 def test_a_command_the_kernel_refuses_is_one_line_and_nothing_is_left(run_name: str) -> None:
     with Lab.create(run_name) as lab:
@@ -205,6 +209,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@needs_lab
 @pytest.mark.timeout(60)
 def test_a_killed_runs_leftovers_are_removed_at_the_next_start(run_name: str) -> None:
     owner = subprocess.Popen(
