@@ -7,9 +7,7 @@ it names, and checked against the layer's allowed set; a failure lists every off
 Beyond DESIGN.md's list: `swarm/eventloop.py`, `log_once.py` and `supervised.py` are shared helpers
 that every layer may use and that import no layer; the other modules at the top of swarm/ (node.py
 and its parts: node_config, plan, progress, trainer, ...) form the node layer; `swarm/api.py` (and
-`swarm/__init__.py`, which re-exports it) sits on the node, and cli/ on everything. `swarm/netlab/`
-(network namespaces and shaped links for swarm-sim and the benchmarks) is pure stdlib: it imports
-nothing of ours, and only cli/ imports it.
+`swarm/__init__.py`, which re-exports it) sits on the node, and cli/ on everything.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ API = {"api", "__init__"}
 ALLOWED: dict[str, set[str]] = {
     "helpers": {"helpers"},
     "kernels": {"kernels"},
-    "netlab": {"netlab"},
+    "netlab": {"netlab"},  # shaped links for swarm-sim and the benchmarks: pure stdlib, imports nothing of ours
     "p2p": {"helpers", "p2p"},
     "dht": {"helpers", "p2p", "dht"},
     "averaging": {"helpers", "p2p", "dht", "kernels", "averaging"},
