@@ -29,6 +29,7 @@ API = {"api", "__init__"}
 ALLOWED: dict[str, set[str]] = {
     "helpers": {"helpers"},
     "kernels": {"kernels"},
+    "netlab": {"netlab"},  # shaped links for swarm-sim and the benchmarks: pure stdlib, imports nothing of ours
     "p2p": {"helpers", "p2p"},
     "dht": {"helpers", "p2p", "dht"},
     "averaging": {"helpers", "p2p", "dht", "kernels", "averaging"},
@@ -36,7 +37,7 @@ ALLOWED: dict[str, set[str]] = {
     "state": {"helpers", "p2p", "dht", "kernels", "model", "state"},
     "node": {"helpers", "p2p", "dht", "kernels", "averaging", "model", "state", "node"},
     "api": {"helpers", "p2p", "dht", "kernels", "averaging", "model", "state", "node", "api"},
-    "cli": {"helpers", "p2p", "dht", "kernels", "averaging", "model", "state", "node", "api", "cli"},
+    "cli": {"helpers", "p2p", "dht", "kernels", "averaging", "model", "state", "node", "api", "netlab", "cli"},
 }
 
 

@@ -1,7 +1,8 @@
-"""swarm-sim: a training swarm of local processes on 127.0.0.1 (issue #5).
+"""swarm-sim: a training swarm of local processes on 127.0.0.1 (issue #5), or on shaped links.
 
     swarm-sim                                     # the demo: 3 tiny nodes, the loss falls in minutes
     swarm-sim --nodes 4 --outer-steps 20 --kill-every 40 --join-every 60
+    sudo swarm-sim --nodes 4 --links 100mbit,100mbit,100mbit,20mbit   # each node on its own link
 
 It starts a bootstrap DHT node (`swarm-dht serve`) and N `swarm-node` processes with the command
 lines a user would type, each in its own session (so a Ctrl+C on the terminal reaches only the
@@ -10,6 +11,10 @@ shows one table for the whole swarm (a live table on a terminal, log lines other
 churn, SIGKILLs a random running node or starts a newcomer every so many seconds. At the end, on
 Ctrl+C or on SIGTERM it stops every child (SIGTERM, then SIGKILL after a grace period) and writes
 the metrics JSON and the loss plot (see sim_report.py) from whatever the nodes reported.
+
+With --link or --links (root and iproute2), each child runs inside a network namespace of its
+own (`ip netns exec`), listening on its address there, behind a link shaped by tc to its rate in
+both directions (swarm.netlab; the namespaces are removed with the children).
 
 Churn starts when the first node has started, keeps at least one node alive, and stops once any
 node reaches the last outer step or exits (killing or adding nodes then measures nothing);
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -33,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -57,6 +63,7 @@ from swarm.cli.sim_report import (
     NodeRecord,
 )
 from swarm.model.schedule import DEFAULT_DECAY_FRACTION, DEFAULT_WARMUP_STEPS, SCHEDULES, schedule_problem
+from swarm.netlab import Lab, LabError, Rate, exec_prefix, missing, parse_rate, parse_rates
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 POLL_S = 0.25  # how often the simulator reads the metrics files and checks its children
@@ -104,10 +111,23 @@ class SimConfig:
     lr_schedule: str = "constant"  # swarm-node's default; cosine / wsd end at total_steps
     total_steps: int | None = None  # None with a decaying schedule: the whole run, outer_steps x inner_steps
     decay_fraction: float | None = None  # None: swarm-node's default
+    link: Rate | None = None  # every node (newcomers too) and the bootstrap on a link of this rate
+    links: tuple[Rate, ...] | None = None  # one rate per starting node; the bootstrap gets the fastest
 
     def __post_init__(self) -> None:
         if min(self.nodes, self.outer_steps, self.inner_steps, self.batch_size, self.seq_len, self.threads) < 1:
             raise ValueError("nodes, steps, batch size, sequence length and threads must be >= 1")
+        if self.link is not None and self.links is not None:
+            raise ValueError("give --link (one rate for all) or --links (one per node), not both")
+        if self.links is not None and len(self.links) != self.nodes:
+            raise ValueError(
+                f"--links has {len(self.links)} rate(s) for {self.nodes} nodes: give one per node (--nodes), "
+                "or one rate for all with --link"
+            )
+        if self.links is not None and self.join_every is not None:
+            raise ValueError(
+                "--links gives the starting nodes their rates, not newcomers: use --link with --join-every"
+            )
         total = (
             self.total_steps
             if self.lr_schedule == "constant"
@@ -120,6 +140,12 @@ class SimConfig:
             if self.total_steps is None and total is not None:
                 problem += f" (--total-steps defaults to the whole run: --outer-steps x --inner-steps = {total})"
             raise ValueError(problem)
+
+    def rate(self, index: int | None) -> Rate | None:
+        """The link of the index-th node (None: the bootstrap); None on 127.0.0.1."""
+        if self.links is not None:
+            return max(self.links) if index is None else self.links[index]
+        return self.link
 
 
 # --- processes ------------------------------------------------------------------------------
@@ -183,15 +209,40 @@ class Swarm:
         self.bootstrap: subprocess.Popen[bytes] | None = None
         self.initial_peers: list[str] = []
         self.rng = random.Random(config.seed)
+        self.lab: Lab | None = None  # with --link: every child's network namespace
 
     @property
     def records(self) -> list[NodeRecord]:
         return [c.record for c in self.children]
 
+    def open_links(self) -> None:
+        """With --link: the bridge the children's links meet at (each child's link is added
+        when it starts); killed runs' leftovers are removed first."""
+        if self.config.rate(None) is not None:
+            try:
+                self.lab = Lab.create(self.run_id)
+            except LabError as e:
+                raise CliError(f"cannot build the links: {e}") from None
+
+    def place(self, name: str, rate: Rate | None, record: NodeRecord | None = None) -> tuple[list[str], str]:
+        """Where a child runs: (argv prefix, listen multiaddr). With --link, in a namespace of
+        its own behind a link of `rate` each way; otherwise on 127.0.0.1."""
+        if self.lab is None or rate is None:
+            return [], LOOPBACK
+        try:
+            endpoint = self.lab.add(name, rate)
+        except LabError as e:
+            raise CliError(f"cannot put {name} on its link: {e}") from None
+        if record is not None:
+            record.link, record.address = str(rate), endpoint.address
+        self.display.event(f"{name} on its own link: {endpoint.address}, {rate} each way")
+        return exec_prefix(endpoint), f"/ip4/{endpoint.address}/tcp/0"
+
     def start_bootstrap(self, stop: StopRequest) -> None:
         """Start `swarm-dht serve --json` and read its first line: {"peer_id", "maddrs"}."""
         log, out = self.config.run_dir / "bootstrap.log", self.config.run_dir / "bootstrap.out"
-        argv = [*console_script("swarm-dht", "swarm.cli.dht"), "serve", "--json", "--host-maddrs", LOOPBACK]
+        prefix, listen = self.place("bootstrap", self.config.rate(None))
+        argv = [*prefix, *console_script("swarm-dht", "swarm.cli.dht"), "serve", "--json", "--host-maddrs", listen]
         argv += ["-v"] * self.config.verbose
         self.bootstrap = spawn(argv, log, stdout=out)
         deadline = time.monotonic() + BOOTSTRAP_TIMEOUT_S
@@ -210,17 +261,18 @@ class Swarm:
         record = NodeRecord(name=name, log=self.config.run_dir / f"{name}.log")
         metrics = self.config.run_dir / f"{name}.jsonl"
         metrics.unlink(missing_ok=True)  # a file left by an earlier run in the same --run-dir
-        proc = spawn(self.node_argv(metrics), record.log)
+        prefix, listen = self.place(name, self.config.rate(index), record)
+        proc = spawn([*prefix, *self.node_argv(metrics, listen)], record.log)
         child = Child(record, proc, EventTail(metrics), time.monotonic())
         self.children.append(child)
         return child
 
-    def node_argv(self, metrics: Path) -> list[str]:
+    def node_argv(self, metrics: Path, listen: str = LOOPBACK) -> list[str]:
         c = self.config
         argv = [*console_script("swarm-node", "swarm.cli.node")]
         for maddr in self.initial_peers:
             argv += ["--initial-peers", maddr]
-        argv += ["--host-maddrs", LOOPBACK, "--run-id", self.run_id, "--model", c.model]
+        argv += ["--host-maddrs", listen, "--run-id", self.run_id, "--model", c.model]
         argv += ["--inner-steps", str(c.inner_steps), "--batch-size", str(c.batch_size), "--seq-len", str(c.seq_len)]
         argv += ["--compression", c.compression, "--max-outer-steps", str(c.outer_steps), "--seed", str(c.seed)]
         argv += ["--threads", str(c.threads), "--metrics-file", str(metrics), "--eval-every", "1"]
@@ -319,9 +371,14 @@ class Swarm:
                 self.display.event(f"{child.record.name} cancelled: the swarm is finishing")
 
     def close(self) -> None:
-        """Stop every child, then read what the nodes wrote while stopping."""
+        """Stop every child and remove the links, then read what the nodes wrote while stopping."""
         procs = [c.proc for c in self.children] + ([self.bootstrap] if self.bootstrap else [])
         stop_processes(procs)
+        if self.lab is not None:
+            try:
+                self.lab.close()
+            except LabError as e:  # shown; the next run on this machine removes what is left
+                self.display.event(f"could not remove every link: {e}")
         for child in self.children:
             for event in child.tail.read():
                 child.record.apply(event)
@@ -397,6 +454,7 @@ class Churn:
 def simulate(swarm: Swarm, stop: StopRequest) -> None:
     """Start the swarm and follow it until every node has exited, churning on the way."""
     config = swarm.config
+    swarm.open_links()
     swarm.start_bootstrap(stop)
     for _ in range(config.nodes):
         if not stop.requested:
@@ -458,6 +516,7 @@ def write_reports(swarm: Swarm, wall_s: float, *, interrupted: bool) -> None:
         "compression": c.compression,
         "wall_s": round(wall_s, 3),
         "interrupted": interrupted,
+        "bootstrap_link": None if c.rate(None) is None else str(c.rate(None)),
     }
     title = f"swarm-sim: {len(swarm.children)} nodes, model {c.model}, H={c.inner_steps}"
     try:
@@ -467,6 +526,8 @@ def write_reports(swarm: Swarm, wall_s: float, *, interrupted: bool) -> None:
         raise CliError(f"cannot write the metrics: {e}") from None
     summary = sim_report.loss_summary(swarm.records)
     click.echo(f"swarm-sim: {len(swarm.children)} nodes in {wall_s:.0f}s; {summary}")
+    if swarm.lab is not None:
+        click.echo("links: " + ", ".join(f"{e.name} {e.rate} ({e.address})" for e in swarm.lab.endpoints))
     click.echo(f"metrics: {c.metrics_out}\nplot: {c.plot_out}\nlogs: {c.run_dir}")
 
 
@@ -480,6 +541,14 @@ def default_threads(nodes: int) -> int:
     except AttributeError:  # macOS, Windows
         cpus = os.cpu_count() or 1
     return max(1, cpus // nodes)
+
+
+def parsed(ctx: click.Context, param: click.Parameter, text: str | None, parse: Callable[[str], Any]) -> Any:
+    """An option's value through `parse`; its ValueError is a bad parameter (one line, exit 2)."""
+    try:
+        return None if text is None else parse(text)
+    except ValueError as e:
+        raise click.BadParameter(str(e), ctx, param) from None
 
 
 @click.command(cls=OneLineCommand, name="swarm-sim", context_settings={"help_option_names": ["-h", "--help"]})
@@ -507,6 +576,12 @@ def default_threads(nodes: int) -> int:
 )
 @click.option("--join-every", type=float, callback=positive_seconds, metavar="SECONDS", help="Start a newcomer.")
 @click.option("--threads", type=click.IntRange(min=1), help="Torch threads per node. Default: CPUs / --nodes.")
+@click.option("--link", callback=functools.partial(parsed, parse=parse_rate), metavar="RATE",
+              help="Run each node and the bootstrap in a network namespace of its own, on a link shaped to RATE "
+                   "each way (20mbit, 100mbit, 1gbit; no added delay). Needs root and iproute2.")  # fmt: skip
+@click.option("--links", callback=functools.partial(parsed, parse=parse_rates),
+              metavar="R1,R2,...", help="As --link, one rate per node (as many as --nodes); the bootstrap gets "
+                                        "the fastest.")  # fmt: skip
 @click.option(
     "--run-dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -528,8 +603,18 @@ def main(**options: Any) -> None:
 def build_config(
     *, run_dir: Path | None, metrics_out: Path | None, plot_out: Path | None, threads: int | None, **options: Any
 ) -> SimConfig:
-    """The config, with the folders made now: a path that cannot be written fails before any
-    node has trained, not after."""
+    """The config, checked before anything is made (links need root and iproute2: without them,
+    one line), then the folders, made now: a path that cannot be written fails before any node
+    has trained, not after."""
+    try:
+        unplaced = Path()  # the folders come after the checks
+        threads = threads or default_threads(options["nodes"])
+        config = SimConfig(run_dir=unplaced, metrics_out=unplaced, plot_out=unplaced, threads=threads, **options)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    flag = "--link" if config.link else "--links" if config.links else None
+    if flag is not None and (problem := missing()) is not None:
+        raise CliError(f"{flag} {problem}")
     try:
         run_dir = Path(tempfile.mkdtemp(prefix="swarm-sim-")) if run_dir is None else run_dir
         metrics_out = metrics_out or run_dir / "metrics.json"
@@ -538,13 +623,4 @@ def build_config(
             folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CliError(f"cannot create {e.filename or run_dir}: {e.strerror or e}") from None
-    try:
-        return SimConfig(
-            run_dir=run_dir,
-            metrics_out=metrics_out,
-            plot_out=plot_out,
-            threads=threads or default_threads(options["nodes"]),
-            **options,
-        )
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
+    return dataclasses.replace(config, run_dir=run_dir, metrics_out=metrics_out, plot_out=plot_out)

@@ -9,8 +9,8 @@ simulator adds what only it knows (the node was killed, or exited with a code).
 The metrics JSON:
 
     {"run_id", "model", "nodes_started", "outer_steps", "inner_steps", "batch_size", "seq_len",
-     "compression", "wall_s", "interrupted",
-     "nodes": [{"name", "peer_id", "joined_at_step", "status", "exit_code",
+     "compression", "wall_s", "interrupted", "bootstrap_link",
+     "nodes": [{"name", "peer_id", "joined_at_step", "status", "exit_code", "link",
                 "steps": [{"outer_step", "train_loss", "eval_loss", "state_sha256",
                            "group_size", "bytes_sent", "group_id", "tokens_per_s"}]}]}
 
@@ -18,6 +18,8 @@ joined_at_step is the first outer step the node trained: the step of its "start"
 the step whose state it fetched from peers before its first outer step (a newcomer catching up).
 train_loss is null for a round whose loss the node did not report; eval_loss for a step it
 did not evaluate (see swarm-node --eval-every); group_id is null for a node that averaged alone.
+link is {"rate": "50mbit", "address": "10.77.0.2"} for a node on a shaped link (swarm-sim --link),
+null on 127.0.0.1; bootstrap_link is the bootstrap's rate, or null.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ class NodeRecord:
     state_sha256: str | None = None
     exit_code: int | None = None
     exit_reason: str | None = None
+    link: str | None = None  # "50mbit": its shaped link each way (swarm-sim --link); None on 127.0.0.1
+    address: str | None = None  # its address on that link
     steps: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -139,6 +143,7 @@ class NodeRecord:
             "joined_at_step": self.joined_at_step,
             "status": self.status,
             "exit_code": self.exit_code,
+            "link": None if self.link is None else {"rate": self.link, "address": self.address},
             "steps": self.steps,
         }
 
@@ -245,7 +250,7 @@ def table_rows(records: Sequence[NodeRecord]) -> list[tuple[str, ...]]:
     """One row of text per node, in COLUMNS order."""
     return [
         (
-            r.name,
+            r.name if r.link is None else f"{r.name} {r.link}",
             short_peer(r.peer_id),
             "-" if r.outer_step is None else str(r.outer_step),
             f"{r.inner_step}/{r.inner_steps}" if r.inner_steps else "-",
