@@ -12,6 +12,10 @@ the same configurations run on hivemind's DecentralizedAverager (scripts/hivemin
 `--aggregators mean,robust` measures the part owners' rules one after the other (issue 12: the
 robust reduction's cost is robust's round time against mean's); "robust+audit" adds the owner
 audit (audit_round.py), which the other names leave off.
+
+`--link RATE` (as root) puts each member in a network namespace of its own behind a link shaped
+to RATE both ways (swarm.netlab, as `swarm-sim --link`), instead of 127.0.0.1; the table then
+gives the link bound 2(n-1)/n x payload / rate beside each round.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def parse_count(text: str) -> int:
 # --- worker process: one group member -----------------------------------------------------------
 
 
-async def worker_main() -> None:
+async def worker_main(host_ip: str) -> None:
     import msgpack
     import torch
 
@@ -63,7 +67,7 @@ async def worker_main() -> None:
 
     torch.set_num_threads(1)  # n members share 2 cores
     loop = asyncio.get_running_loop()
-    config = P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))
+    config = P2PConfig(host_maddrs=(f"/ip4/{host_ip}/tcp/0",))
     async with P2PHost(config=config) as host:
         registry: RoundRegistry | None = None
         reply({"peer_id": host.peer_id.to_bytes().hex(), "maddr": host.visible_maddrs[0]})
@@ -103,7 +107,13 @@ def reply(obj: dict[str, Any]) -> None:
 
 
 def measure_swarm(
-    n: int, elements_list: list[int], codecs: list[str], repeats: int, seed: int, aggregator: str = "robust"
+    n: int,
+    elements_list: list[int],
+    codecs: list[str],
+    repeats: int,
+    seed: int,
+    aggregator: str = "robust",
+    link: str | None = None,
 ) -> list[dict[str, Any]]:
     import msgpack
     import torch
@@ -113,9 +123,22 @@ def measure_swarm(
     from swarm.p2p import PeerID
     from swarm_kernels import get_codec
 
-    workers = [WorkerProcess("scripts.bench_allreduce", ["--_worker"], MARK, f"member {i}") for i in range(n)]
+    lab, rate = None, None
+    if link is not None:
+        from swarm.netlab import Lab, exec_prefix, parse_rate
+
+        rate = parse_rate(link)
+        lab = Lab.create(f"allreduce{n}", [(f"m{i}", rate) for i in range(n)])
+    workers: list[WorkerProcess] = []
     rows = []
     try:
+        for i in range(n):
+            if lab is None:
+                workers.append(WorkerProcess("scripts.bench_allreduce", ["--_worker"], MARK, f"member {i}"))
+            else:
+                endpoint = lab.endpoint(f"m{i}")
+                workers.append(WorkerProcess("scripts.bench_allreduce", ["--_worker", "--_host", endpoint.address],
+                                             MARK, f"member {i}", prefix=exec_prefix(endpoint)))  # fmt: skip
         hello = [w.receive(60) for w in workers]
         members = tuple(
             MemberInfo(PeerID(bytes.fromhex(h["peer_id"])), (h["maddr"],), 1.0, 100.0, False) for h in hello
@@ -148,18 +171,22 @@ def measure_swarm(
                 if len(hashes) != 1:
                     raise RuntimeError(f"members disagree: {len(hashes)} different results (n={n}, {codec})")
                 payload = get_codec(codec, block_size=AveragingConfig().block_size).encoded_nbytes(elements)
+                ideal = 2 * (n - 1) / n * payload
                 rows.append({
+                    "link": link, "link_bound_s": ideal / rate.bytes_per_s if rate is not None else None,
                     "impl": "swarm", "n": n, "elements": elements, "codec": codec, "aggregator": aggregator,
                     "round_s": statistics.median(times), "round_s_all": times,
                     "wire_bytes_per_member": statistics.median(sent),
                     "wire_received_per_member": statistics.median(received),
                     "cpu_s_per_member": statistics.median(cpu),
-                    "ideal_bytes_per_member": 2 * (n - 1) / n * payload,
+                    "ideal_bytes_per_member": ideal,
                     "rel_rms_err": ((result.double() - exact).norm() / exact.norm()).item(),
                 })  # fmt: skip
     finally:
         for w in workers:
             w.close()
+        if lab is not None:
+            lab.close()
     return rows
 
 
@@ -173,15 +200,18 @@ def print_table(loopback: float, rows: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"All-reduce, one process per member on 127.0.0.1 (raw loopback {loopback:,.0f} MB/s)")
-    for column in ("impl", "n", "elements", "codec", "rule", "round s", "wire MB / member", "vs ideal", "rel RMS err"):
+    where = f"on {rows[0]['link']} links" if rows and rows[0].get("link") else "on 127.0.0.1"
+    table = Table(title=f"All-reduce, one process per member {where} (raw loopback {loopback:,.0f} MB/s)")
+    columns = ["impl", "n", "elements", "codec", "rule", "round s", "link bound s", "wire MB / member", "vs ideal",
+               "rel RMS err"]  # fmt: skip
+    for column in columns:
         table.add_column(column, justify="right")
     theirs = {(r["n"], r["elements"], r["codec"]): r for r in rows if r["impl"] == "hivemind"}
     for row in rows:
         wire, ideal = row["wire_bytes_per_member"], row["ideal_bytes_per_member"]
         table.add_row(
             row["impl"], str(row["n"]), f"{row['elements'] / 2**20:.0f}M", row["codec"], row.get("aggregator", "mean"),
-            f"{row['round_s']:.2f}",
+            f"{row['round_s']:.2f}", f"{row['link_bound_s']:.2f}" if row.get("link_bound_s") else "-",
             f"{wire / 1e6:,.1f}", f"{wire / ideal:.3f}", f"{row['rel_rms_err']:.2%}",
         )  # fmt: skip
     Console().print(table)
@@ -207,14 +237,25 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--aggregators", default="robust", help="part owners' rule(s): robust, mean, robust+audit")
     parser.add_argument("--compare", choices=["hivemind"])
+    parser.add_argument("--link", metavar="RATE", help="each member on its own link of RATE (e.g. 100mbit; root)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--_host", default="127.0.0.1", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._worker:
         from swarm.eventloop import run
 
-        run(worker_main())
+        run(worker_main(args._host))
         return
+    if args.link is not None:
+        from swarm.netlab import missing, parse_rate
+
+        try:
+            parse_rate(args.link)
+        except ValueError as e:
+            parser.error(str(e))
+        if (lacking := missing()) is not None:
+            parser.error(f"--link {lacking}")
     exit_on_sigterm()
     sizes = [int(x) for x in args.sizes.split(",")]
     elements = [parse_count(x) for x in args.elements.split(",")]
@@ -224,7 +265,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for n in sizes:
         for aggregator in args.aggregators.split(","):
-            rows += measure_swarm(n, elements, codecs, args.repeats, args.seed, aggregator)
+            rows += measure_swarm(n, elements, codecs, args.repeats, args.seed, aggregator, args.link)
     if args.compare:
         from scripts.hivemind_allreduce import run_hivemind_allreduce
 

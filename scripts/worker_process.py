@@ -29,13 +29,20 @@ def reply(mark: str, obj: dict[str, Any]) -> None:
 class WorkerProcess:
     """`python -m MODULE ARGS...` in its own session (so that close() can reach its children)."""
 
-    def __init__(self, module: str, args: list[str], mark: str, name: str = "worker") -> None:
+    def __init__(
+        self, module: str, args: list[str], mark: str, name: str = "worker", prefix: list[str] | None = None
+    ) -> None:
+        """`prefix`: an argv prefix the child runs under (e.g. `ip netns exec NS`: a shaped link)."""
         self.mark, self.name = mark, name
         env = {"OMP_NUM_THREADS": "1", "HIVEMIND_LOGLEVEL": "ERROR",
                # a fixed mmap threshold: glibc returns freed tensor-sized buffers to the OS at once
                "MALLOC_MMAP_THRESHOLD_": "1048576", **os.environ}  # fmt: skip
         self.proc = process_control.start(
-            module_command(module, *args), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=ROOT
+            [*(prefix or []), *module_command(module, *args)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=ROOT,
         )
         self.alive = True
 
