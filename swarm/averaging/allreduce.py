@@ -45,8 +45,8 @@ from swarm.averaging.messages import GroupInfo
 from swarm.averaging.partition import capped_bandwidths, chunk_bounds, part_bounds, payload_layout, payload_size
 from swarm.averaging.reduction import PartReduction, byte_buffer
 from swarm.averaging.robust import Fate
-from swarm.p2p.connection import CallContext
 from swarm.p2p.errors import BadRequest, P2PError
+from swarm.p2p.handlers import CallContext
 from swarm.p2p.host import P2PHost
 from swarm.p2p.stream import Stream
 from swarm_kernels import MalformedPayload, as_memoryview, get_codec

@@ -83,8 +83,8 @@ from swarm.averaging.grid import make_grid
 from swarm.averaging.messages import GroupInfo
 from swarm.averaging.partition import payload_layout, payload_size
 from swarm.averaging.reduction import ColReduction, RowReduction
-from swarm.p2p.connection import CallContext
 from swarm.p2p.errors import BadRequest, NotFound, P2PError
+from swarm.p2p.handlers import CallContext
 from swarm.p2p.host import P2PHost
 from swarm.p2p.stream import Stream
 from swarm_kernels import MalformedPayload

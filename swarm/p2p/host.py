@@ -1,5 +1,5 @@
 """P2PHost: a node's endpoint. Listens, dials, authenticates and encrypts (wire.py), keeps one
-connection per peer, and serves registered handlers.
+connection per peer, and serves registered handlers (serving.py).
 
     async with P2PHost(identity, P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))) as host:
         host.add_handler("demo.echo", echo)
@@ -28,10 +28,11 @@ from swarm.p2p import handshake as hs
 from swarm.p2p.autonat import DIALBACK, dialback_handler
 from swarm.p2p.budget import HostStreams
 from swarm.p2p.config import P2PConfig
-from swarm.p2p.connection import CallContext, Connection, Handler, StreamHandler, UnaryHandler
+from swarm.p2p.connection import Connection
 from swarm.p2p.errors import ConnectionClosed, ConnectionLost, HandshakeError, MultiaddrError, RPCTimeout
 from swarm.p2p.framing import FrameProtocol, Traffic
 from swarm.p2p.gate import Gate
+from swarm.p2p.handlers import CallContext, Handler, StreamHandler, UnaryHandler
 from swarm.p2p.identity import Identity
 from swarm.p2p.maddr import TcpAddress, parse_maddr
 from swarm.p2p.peer_id import PeerID
