@@ -67,22 +67,15 @@ from typing import Any
 import msgpack
 import torch
 
-from swarm.averaging.allreduce import (
-    AllReduceError,
-    Final,
-    RoundMember,
-    RoundRegistry,
-    RoundReport,
-    await_parts,
-    read_exactly,
-    read_header,
-    write_encoded,
-)
 from swarm.averaging.config import AveragingConfig
+from swarm.averaging.errors import AllReduceError
 from swarm.averaging.grid import make_grid
 from swarm.averaging.messages import GroupInfo
 from swarm.averaging.partition import payload_layout, payload_size
 from swarm.averaging.reduction import ColReduction, RowReduction
+from swarm.averaging.registry import COL, DOWN, ROW, RoundRegistry
+from swarm.averaging.round_member import RoundMember, RoundReport, await_parts
+from swarm.averaging.round_streams import Final, read_exactly, read_header, write_encoded
 from swarm.p2p.errors import BadRequest, NotFound, P2PError
 from swarm.p2p.handlers import CallContext
 from swarm.p2p.host import P2PHost
@@ -91,7 +84,8 @@ from swarm_kernels import MalformedPayload
 
 logger = logging.getLogger(__name__)
 
-ROW, COL, DOWN = "avg.row", "avg.col", "avg.down"
+__all__ = ["COL", "DOWN", "ROW", "GridRound"]  # the method names are registry.py's, imported from here too
+
 FAILURES = (P2PError, AllReduceError, MalformedPayload, TimeoutError, ValueError)
 
 
