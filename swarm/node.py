@@ -6,19 +6,7 @@
 
 A test may inject the data and the model (`data=`, `model=`) and run many nodes in one loop.
 
-One outer step (the decisions are swarm/plan.py's; this module only executes them):
-1. plan_step: fetch the swarm's state first, train H inner steps (fewer for a node that arrived
-   while its peers were training), or join the peers' forming group at once with weight 0.
-2. Inner steps run in a thread, outside the event loop, which keeps serving: swarm-node's
-   DataLoop (swarm/trainer.py) or the caller's own loop (swarm.join), each given permits
-   (swarm/user_steps.py).
-   Matchmaking starts `matchmaking_time` before the slowest live peer of the step should finish
-   and ends as soon as every expected peer has announced: one group of every ready node whose
-   state equals the swarm's (swarm/averaging/matchmaking.py).
-3. With a group: Δ = θ_outer - θ_inner averaged (int8 by default), weighted by tokens; the outer
-   Nesterov step. Without one (plan_without_group): fetch the swarm's result, wait for it,
-   matchmake again, or, when no live peer works on this step, apply our own Δ.
-4. finish_step: eval loss, the state's hash, one `outer_step` event, publish the state.
+One outer step: swarm/outer_step.py (OuterStepLoop, which SwarmNode is made of).
 
 Events (`on_event`, called on the event loop; the CLI writes them as JSON lines):
     {"event": "start", "peer_id", "maddrs", "run_id", "outer_step", "parameters", "client_mode", ...}
@@ -38,11 +26,9 @@ but owns no part of an all-reduce and serves nothing, so it never stalls a group
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,11 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from swarm.averaging.allreduce import AllReduceError
-from swarm.averaging.averager import Averager, GroupReport
-from swarm.averaging.matchmaking import Matchmade
+from swarm.averaging.averager import Averager
 from swarm.dht.config import DHTConfig
-from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
 from swarm.log_once import OncePerPeer, RateLimitedLog
 from swarm.model.checkpoint import CheckpointError, RunInfo
@@ -75,33 +58,15 @@ from swarm.model.run_settings import (
 )
 from swarm.node_config import NodeConfig
 from swarm.node_events import EventSink
+from swarm.outer_step import OuterStepLoop
 from swarm.p2p.autonat import check_reachability
 from swarm.p2p.config import P2PConfig
-from swarm.p2p.errors import P2PError
 from swarm.p2p.host import P2PHost
 from swarm.p2p.identity import Identity
-from swarm.p2p.peer_id import PeerID
-from swarm.plan import (
-    APPLY_OWN,
-    AWAIT_RESULT,
-    FETCH,
-    JOIN_FORMING,
-    Facts,
-    borrowed_pace,
-    expected_peers,
-    matchmaking_start,
-    median_pace,
-    peers_still_behind,
-    plan_step,
-    plan_without_group,
-    servers_behind,
-)  # fmt: skip
-from swarm.process_memory import resident_bytes
-from swarm.progress import OwnProgress, ProgressBook, implausible
+from swarm.plan import borrowed_pace
+from swarm.progress import OwnProgress, ProgressBook
 from swarm.run_lookup import initial_peer_ids
-from swarm.state.fetcher import FetchError
 from swarm.state.keeper import StateKeeper
-from swarm.state.trust import step_horizon
 from swarm.supervised import Supervised
 from swarm.trainer import DataLoop, NodeError
 from swarm.user_steps import UserSteps
@@ -111,21 +76,17 @@ logger = logging.getLogger(__name__)
 __all__ = ["Event", "NodeError", "SwarmNode"]
 
 Event = dict[str, Any]
-POLL_SECONDS = 0.2  # how often the loop looks at the trainer's progress
-FINAL_STRETCH = 3.0  # seconds before matchmaking in which peers' progress is read often
-FINAL_REFRESH_SECONDS = 0.5
-RESULT_POLL = 0.5  # seconds between looks for a step's result while waiting for it
-# a group of our step formed without us: its result is seconds away, and the sooner we hold it
-# the more of the next step we train with the others (bounded by max_wait: a few lookups a second)
-AWAIT_POLL = 0.15
-LATE_GATHER = 0.3  # seconds a node joining an already gathering group waits for it
 DATA_LOOP_END_WAIT = 60.0  # seconds for the training thread to finish its inner step at exit
 
 
-class SwarmNode:
+class SwarmNode(OuterStepLoop):
     """One training process: owns its model (DiLoCo), its inner-step permits (and swarm-node's
     training thread) and, while `run` runs, its host, DHT node, averager, state keeper and
-    progress book."""
+    progress book.
+
+    The orchestrator: `run` builds those, resumes or fetches the swarm's state, hands them to
+    the outer-step loop (OuterStepLoop, outer_step.py) and closes them; meanwhile it publishes
+    our progress record in the DHT."""
 
     def __init__(
         self,
@@ -272,287 +233,6 @@ class SwarmNode:
                 result.reason,
             )
             self.client_mode = True
-
-    # --- the steps --------------------------------------------------------------------------
-
-    def _facts(self, book: ProgressBook) -> Facts:
-        pace, now = self.inner.snapshot().sec_per_step, time.time()
-        horizon = self._horizon(book)
-        peers = []
-        for p in book.peers:  # records the run cannot produce are not believed (progress.implausible)
-            why = implausible(p, now=now, inner_steps=self.config.inner_steps, max_step=horizon)
-            if why is None and p.settings_digest not in (None, self._settings_digest):
-                why = "it trains with other run settings (never grouped with: not waited for)"
-            if why is None:
-                peers.append(p)
-            else:
-                self._bad_records.log(p.peer_id, "progress", "ignoring its progress record: %s", why)
-        return Facts(step=self.diloco.outer_step, inner_steps=self.config.inner_steps, own_sec=pace,
-                     client=self.client_mode, peers=tuple(peers), now=now, fresh_for=book.fresh_for,
-                     late=self._late, watched_for=now - book.first_read, sees_peers=book.read_ok)  # fmt: skip
-
-    def _horizon(self, book: ProgressBook) -> int | None:
-        """The highest outer step the run can have reached by now (trust.step_horizon), from the
-        swarm's step we last knew (a fetch, a step with a group), at our pace or the peers'
-        median, whichever is faster (a slow node among fast ones must still follow them). None
-        before we know any."""
-        own = self.inner.snapshot().sec_per_step
-        paces = [s for s in (own, median_pace(list(book.peers))) if s > 0]
-        if paces:  # remembered: a newcomer whose peers all left still knows how fast the run went
-            self._pace_seen = min(paces)
-        if self._known_at is None:
-            return None
-        step, since = self._known_at
-        return step_horizon(step, time.time() - since, self._pace_seen, self.config.inner_steps)
-
-    async def _train(self, averager: Averager, keeper: StateKeeper, book: ProgressBook, stop: asyncio.Event) -> str:
-        config, diloco = self.config, self.diloco
-        while config.max_outer_steps is None or diloco.outer_step < config.max_outer_steps:
-            if stop.is_set():
-                return "stopped"
-            if self._last_group > 0:  # after our first step here: fell behind? missed a group?
-                await self._fetch(keeper, book, alone=self._last_group == 1)
-            if config.max_outer_steps is not None and diloco.outer_step >= config.max_outer_steps:
-                break
-            await book.refresh()
-            plan = plan_step(self._facts(book))
-            self._late = False
-            step = diloco.outer_step
-            if plan.action == FETCH:
-                if not await self._fetch(keeper, book, alone=False):
-                    with contextlib.suppress(asyncio.TimeoutError):  # look again soon, unless stopped
-                        await asyncio.wait_for(stop.wait(), RESULT_POLL)
-                continue
-            if plan.action == JOIN_FORMING:
-                logger.info("step %d: %s: joining with no inner steps of ours", step, plan.why)
-                self.inner.start_step(0)
-                found = await self._matchmake(averager, book, step, weight=0.0, gather=LATE_GATHER, joining=True)
-            else:
-                if plan.inner_steps < config.inner_steps:
-                    logger.info("step %d: %s: %d of %d inner steps", step, plan.why, plan.inner_steps,
-                                config.inner_steps)  # fmt: skip
-                found = await self._train_and_matchmake(averager, book, step, plan.inner_steps, stop)
-                if found is None:
-                    return "stopped"
-            await self._finish_step(averager, keeper, book, step, found, stop)
-        await self._publish(book)  # our last record says we are done: nobody lingers for us
-        await self._linger(book, stop)
-        return "finished"
-
-    async def _linger(self, book: ProgressBook, stop: asyncio.Event) -> None:
-        """Done: serve our state a while longer to the live peers still on an earlier step
-        (plan.peers_still_behind), at most max_wait."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.max_wait
-        while not stop.is_set() and loop.time() < deadline:
-            await book.refresh()
-            behind = peers_still_behind(self._facts(book))
-            if not behind:
-                return
-            logger.info("finished; serving our state to %d peer(s) still behind", len(behind))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), RESULT_POLL)
-
-    async def _train_and_matchmake(
-        self, averager: Averager, book: ProgressBook, step: int, target: int, stop: asyncio.Event
-    ) -> Matchmade | None:
-        """Train `target` inner steps; start matchmaking while the last ones run (module
-        docstring, 2). None when stopped."""
-        self.inner.start_step(target)
-        await self._publish(book)
-        weight = float(target * self.config.batch_size * self.config.seq_len)  # tokens this step
-        training = asyncio.ensure_future(self.inner.train(target))
-        stopping = asyncio.ensure_future(stop.wait())
-        matchmaking: asyncio.Future[Matchmade] | None = None
-        timed, last_event, last_refresh = False, 0.0, 0.0
-        try:
-            # a stop ends the step at once unless matchmaking has begun: then the group may count
-            # on us, and we finish the inner steps and the round ("finishes the round under way")
-            while not training.done() and not (stopping.done() and matchmaking is None):
-                waits = {training} if stopping.done() else {training, stopping}
-                await asyncio.wait(waits, timeout=POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
-                now = time.time()
-                if not timed and self.inner.snapshot().inner_done > 0:  # peers learn our pace at once
-                    timed = True
-                    await self._publish(book)
-                left = self.inner.seconds_left()
-                if matchmaking is None and not stopping.done() and left <= self.config.matchmaking_time + FINAL_STRETCH:
-                    if now - last_refresh >= FINAL_REFRESH_SECONDS:  # a late peer's record must not be missed
-                        last_refresh = now
-                        await book.refresh()
-                    start = matchmaking_start(self._facts(book), now + left, self.config.matchmaking_time,
-                                              self.config.max_wait)  # fmt: skip
-                    if now >= start:
-                        matchmaking = asyncio.ensure_future(self._matchmake(averager, book, step, weight))
-                if now - last_event >= 2.0:
-                    last_event = now
-                    self.events.progress(step, self.inner.snapshot(), self.config.inner_steps)
-            if stopping.done() and matchmaking is None:
-                self.inner.close()
-                await asyncio.gather(training, return_exceptions=True)
-                return None
-            training.result()  # raises NodeError on divergence
-            await self._publish(book)
-            if matchmaking is None:  # nobody told us to start yet: wait for slower peers, bounded
-                await self._wait_for_peers(book, stop)
-                if stop.is_set():
-                    return None
-                matchmaking = asyncio.ensure_future(self._matchmake(averager, book, step, weight))
-            return await matchmaking
-        finally:
-            stopping.cancel()
-            if matchmaking is not None and not matchmaking.done() and stop.is_set():
-                matchmaking.cancel()
-
-    async def _wait_for_peers(self, book: ProgressBook, stop: asyncio.Event) -> None:
-        """Until the slowest live peer of our step should be done (bounded by max_wait), or stop."""
-        await book.refresh()
-        now = time.time()
-        delay = matchmaking_start(self._facts(book), now, self.config.matchmaking_time, self.config.max_wait) - now
-        if delay > 0:
-            logger.info("waiting %.1fs for slower peers of step %d", delay, self.diloco.outer_step)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
-
-    async def _matchmake(self, averager: Averager, book: ProgressBook, step: int, weight: float, *,
-                         gather: float | None = None, joining: bool = False) -> Matchmade:  # fmt: skip
-        facts = self._facts(book)
-        expected = frozenset() if joining else expected_peers(facts, time.time(), self.config.max_wait)
-        try:
-            return await averager.form_group(weight, step, self._state_sha, gather=gather, expected=expected,
-                                             as_client=joining)  # fmt: skip
-        except (P2PError, DHTError, TimeoutError) as e:
-            logger.warning("matchmaking for step %d failed: %s", step, e)
-            return Matchmade(None, 0.0)
-
-    async def _finish_step(
-        self,
-        averager: Averager,
-        keeper: StateKeeper,
-        book: ProgressBook,
-        step: int,
-        found: Matchmade,
-        stop: asyncio.Event,
-    ) -> None:
-        """The end of outer step `step`, whatever happened: average and apply with the group, or
-        (plan_without_group) take the swarm's result, matchmake again, or apply our own Δ."""
-        diloco, loop = self.diloco, asyncio.get_running_loop()
-        without_group_since: float | None = None
-        late = False  # a group of our state formed without us at this step: its result exists
-        late_by: frozenset[PeerID] = frozenset()  # whose FORMED markers said so
-        while diloco.outer_step == step:
-            if found.group is not None:  # stopping or not: the group counts on our part
-                report = await self._average(averager, found)
-                if report is not None:
-                    return await self._stepped(keeper, step, report)
-                averager.round_failed(step)
-                found = Matchmade(None, found.seconds)
-            if stop.is_set():
-                return
-            if without_group_since is None:
-                without_group_since = loop.time()
-            late, late_by = late or found.late, late_by | found.late_by
-            await book.refresh()
-            waited = loop.time() - without_group_since
-            plan = plan_without_group(self._facts(book), late=late, other_state=found.swarm_state is not None,
-                                      waited=waited, max_wait=self.config.max_wait)  # fmt: skip
-            if plan.action == APPLY_OWN:
-                await self.inner.call(diloco.apply_own)
-                return await self._stepped(keeper, step, GroupReport(None, matchmaking_s=found.seconds))
-            if plan.action == FETCH:
-                logger.info("step %d: %s: fetching the swarm's state", step, plan.why)
-                if await self._fetch(keeper, book, alone=False, other_state=found.swarm_state is not None, missed=late):
-                    self._late = True  # the peers are already training on it
-                    return
-                found = Matchmade(None, found.seconds)  # nothing to fetch yet: look again
-                await asyncio.sleep(RESULT_POLL)
-            elif plan.action == AWAIT_RESULT:  # the holders may show the result before the records do
-                if await self._fetch(keeper, book, alone=False, missed=late):
-                    self._late = True
-                    return
-                await asyncio.sleep(AWAIT_POLL)
-            else:  # RETRY
-                if late and late_by and loop.time() - without_group_since >= self.config.max_wait:
-                    # we waited max_wait for the result of their group: none came. Believing
-                    # their markers again would keep us (and anyone they fool) waiting forever
-                    averager.distrust_formed(late_by)
-                    late, late_by = False, frozenset()
-                logger.info(
-                    "step %d: %s%s",
-                    step,
-                    plan.why,
-                    " (the step's result was computed without us; its holders may have left)" if late else "",
-                )
-                await asyncio.sleep(RESULT_POLL)
-                await self._wait_for_peers(book, stop)
-                if stop.is_set():
-                    return
-                found = await self._matchmake(averager, book, step, float(diloco.tokens_since_outer))
-                without_group_since = None if found.group is not None else loop.time()
-
-    async def _average(self, averager: Averager, found: Matchmade) -> GroupReport | None:
-        diloco = self.diloco
-        deltas = await self.inner.call(diloco.pseudo_gradients)
-        try:
-            averaged, report = await averager.run_round(found.group, deltas, found.seconds)
-        except AllReduceError as e:
-            logger.warning("all-reduce of step %d failed: %s", diloco.outer_step, e)
-            return None
-        try:
-            await self.inner.call(diloco.apply_outer, averaged)
-        except ValueError as e:  # a non-finite average (never from a robust round): θ_outer stays
-            logger.error("step %d: refusing the group's average, as if the round failed: %s", diloco.outer_step, e)
-            return None
-        return report
-
-    async def _stepped(self, keeper: StateKeeper, step: int, report: GroupReport) -> None:
-        """After the outer step is applied: eval, hash, event, publish."""
-        diloco, config = self.diloco, self.config
-        last = config.max_outer_steps is not None and diloco.outer_step >= config.max_outer_steps
-        evaluate = last or diloco.outer_step % config.eval_every == 0
-        if evaluate and self._evaluate is not None:
-            self._last_eval = float(await self.inner.call(self._evaluate))
-        sha = await self.inner.call(diloco.state_sha256)
-        self._state_sha = bytes.fromhex(sha)
-        progress = self.inner.snapshot()
-        self._tokens += progress.inner_done * config.batch_size * config.seq_len
-        self._last_group = len(report.members) if report.group_id is not None else 1
-        if report.group_id is not None:  # in sync with a group: the swarm was at this step now
-            self._known_at = (diloco.outer_step, time.time())
-        wall_s = asyncio.get_running_loop().time() - self._started
-        self.events.emit("outer_step", outer_step=step,
-                         train_loss=sum(progress.losses) / len(progress.losses) if progress.losses else None,
-                         eval_loss=self._last_eval if evaluate else None, state_sha256=sha,
-                         group_size=self._last_group, group_id=report.group_id, bytes_sent=report.bytes_sent,
-                         bytes_received=report.bytes_received, matchmaking_s=round(report.matchmaking_s, 4),
-                         clipped=sum(len(members) for members in report.clipped.values()),
-                         inner_s=round(progress.inner_s, 4), wall_s=round(wall_s, 4), tokens=self._tokens,
-                         tokens_per_s=round(self._tokens / wall_s, 1) if wall_s > 0 else 0.0,
-                         rss_bytes=resident_bytes())  # fmt: skip
-        await keeper.publish(diloco)
-
-    async def _fetch(
-        self, keeper: StateKeeper, book: ProgressBook, *, alone: bool, other_state: bool = False, missed: bool = False
-    ) -> bool:
-        """Fetch the swarm's state when we should (swarm/state/keeper.py); True after a fetch.
-        `missed`: a group of our state formed at this step without us (trust.Known.missed)."""
-        diloco = self.diloco
-        try:
-            fetched = await keeper.catch_up(diloco, alone_last_step=alone, servers_behind=servers_behind(
-                self._facts(book)), other_state=other_state, horizon=self._horizon(book), missed=missed)  # fmt: skip
-        except CheckpointError as e:  # IncompatibleState: the run's state is not for this node
-            raise NodeError(f"cannot use the run's state: {e}") from None
-        except FetchError as e:
-            self._fetch_failures.log("fetch", "could not fetch the swarm's state: %s", e)
-            return False
-        if fetched is None:
-            return False
-        self._late = True
-        self._known_at = (diloco.outer_step, time.time())
-        sha = await self.inner.call(diloco.state_sha256)
-        self._state_sha = bytes.fromhex(sha)
-        self.events.fetched(diloco.outer_step, *fetched, sha)
-        return True
 
     # --- progress in the DHT ------------------------------------------------------------------
 

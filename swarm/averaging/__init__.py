@@ -10,7 +10,7 @@ from typing import Any
 
 _WHERE = {
     "AllReduceError": "allreduce",
-    "RoundReport": "allreduce",
+    "RoundReport": "round_member",
     "Averager": "averager",
     "GroupReport": "averager",
     "AveragingConfig": "config",

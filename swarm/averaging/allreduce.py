@@ -31,243 +31,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import torch
 
-from swarm.averaging.audit_round import RECEIPT, RoundAudit
+from swarm.averaging.audit_round import RoundAudit
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.errors import AllReduceError
 from swarm.averaging.messages import GroupInfo
-from swarm.averaging.partition import capped_bandwidths, chunk_bounds, part_bounds, payload_layout, payload_size
-from swarm.averaging.reduction import PartReduction, byte_buffer
-from swarm.averaging.robust import Fate
-from swarm.p2p.connection import CallContext
+from swarm.averaging.partition import part_bounds, payload_layout, payload_size
+from swarm.averaging.reduction import PartReduction
+from swarm.averaging.registry import FETCH, PART, RoundRegistry
+from swarm.averaging.round_member import RoundMember, RoundReport, await_parts
+from swarm.averaging.round_streams import Final, read_exactly, read_header, write_encoded
 from swarm.p2p.errors import BadRequest, P2PError
+from swarm.p2p.handlers import CallContext
 from swarm.p2p.host import P2PHost
 from swarm.p2p.stream import Stream
-from swarm_kernels import MalformedPayload, as_memoryview, get_codec
+from swarm_kernels import MalformedPayload
 
 logger = logging.getLogger(__name__)
 
-PART = "avg.part"
-FETCH = "avg.fetch"
-# Every stream method a round may serve, and the round's method serving it: the flat round
-# serves the first two, hierarchical.py's grid round the last three; a round asked for a method
-# it does not serve answers BadRequest.
-SERVED = {PART: "serve_part", FETCH: "serve_fetch", "avg.row": "serve_row", "avg.col": "serve_col",
-          "avg.down": "serve_down", RECEIPT: "serve_receipt"}  # fmt: skip
-MAX_HEADER_BYTES = 64 * 1024
-MAX_PENDING_GROUPS = 64
-
-Final = tuple[list[int], memoryview]  # (member indices included, encoded average)
-
-
-async def read_exactly(stream: Stream, size: int, timeout: float) -> memoryview:
-    """The rest of a stream, which must be `size` bytes, copied once into one buffer."""
-    buffer, got = byte_buffer(size), 0
-    while (chunk := await stream.read(timeout=timeout)) is not None:
-        if got + len(chunk) > size:
-            raise AllReduceError(f"more than the {size} bytes expected")
-        buffer[got : got + len(chunk)] = chunk
-        got += len(chunk)
-    if got != size:
-        raise AllReduceError(f"got {got} bytes, expected {size}")
-    return buffer
-
-
-async def await_parts(
-    tasks: dict[int, asyncio.Future[Any]],
-    helpers: list[asyncio.Task[Any]],
-    finished: Callable[[], None],
-    answering: set[asyncio.Future[Any]] | None = None,
-    answer_timeout: float = 0.0,
-) -> None:
-    """Wait for every part's task of a round (and, bounded, for the answers it still owes),
-    then cancel the round's helper tasks and call `finished`; AllReduceError names the parts
-    that could not be averaged."""
-    for task in tasks.values():  # a part that fails after the round was cancelled is not an error to report
-        task.add_done_callback(_retrieve)
-    try:
-        await asyncio.wait(tasks.values())
-        if answering:  # so that the report counts the answers we owe
-            await asyncio.wait(set(answering), timeout=answer_timeout)
-    finally:
-        for task in [*tasks.values(), *helpers]:
-            task.cancel()
-        finished()
-    failed = {j: t.exception() for j, t in tasks.items() if t.cancelled() or t.exception() is not None}
-    if failed:
-        reasons = "; ".join(f"part {j}: {e}" for j, e in failed.items())
-        raise AllReduceError(f"{len(failed)} of {len(tasks)} parts could not be averaged ({reasons})")
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # retrieved: await_parts reports it, or the round was cancelled before
-
-
-async def write_encoded(stream: Stream, codec: Any, vector: torch.Tensor, lo: int, hi: int, chunk_elements: int) -> int:
-    """Stream vector[lo:hi] encoded chunk by chunk (chunk i+1 is encoded in a worker thread
-    while chunk i is on the wire), as payload_layout(lo, hi) lays it out; the bytes written."""
-    chunks = chunk_bounds(lo, hi, chunk_elements)
-    sent = 0
-    encoding = asyncio.ensure_future(asyncio.to_thread(codec.encode, vector[lo : chunks[0][1]]))
-    try:
-        for c in range(len(chunks)):
-            payload = await encoding
-            if c + 1 < len(chunks):
-                a, b = chunks[c + 1]
-                encoding = asyncio.ensure_future(asyncio.to_thread(codec.encode, vector[a:b]))
-            data = as_memoryview(payload)
-            await stream.write(data)
-            sent += len(data)
-    finally:
-        encoding.cancel()
-    return sent
-
-
-async def read_header(stream: Stream, timeout: float) -> tuple[dict[str, Any], int]:
-    """The msgpack map that heads a result (and its size); AllReduceError on anything else,
-    including {"none": true} (the peer holds no result)."""
-    header_raw = await stream.read(timeout=timeout)
-    if header_raw is None or len(header_raw) > MAX_HEADER_BYTES:
-        raise AllReduceError("no result header")
-    try:
-        header = msgpack.unpackb(header_raw, raw=False)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise AllReduceError(f"unreadable result header: {type(e).__name__}") from None
-    if not isinstance(header, dict):
-        raise AllReduceError("malformed result header")
-    if header.get("none"):
-        raise AllReduceError("the peer holds no result for this part")
-    return header, len(header_raw)
-
-
-@dataclass
-class RoundReport:
-    group_id: bytes
-    members: list[str]
-    contributions: dict[int, list[int]]  # part index -> indices of the members it includes
-    # part index (as in `contributions`) -> members whose contribution this member's robust
-    # reduction of that part dropped or clipped: only the parts this member reduced (their
-    # owners know the others). Grid round: a row stage is noted under its owner's own sub-part,
-    # and at the column stage a row's partial counts as its sender's (the row owner's).
-    clipped: dict[int, list[int]] = field(default_factory=dict)
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    reduce_s: float = 0.0  # from the start until this member's own part was averaged
-    total_s: float = 0.0
-    audit_excluded: list[Any] = field(default_factory=list)  # PeerIDs that misstated our contribution
-
-
-class RoundRegistry:
-    """Routes `avg.part` / `avg.fetch` streams to their round (one registry per host). A finished
-    round lingers for part_timeout so that survivors can still fetch what it holds."""
-
-    def __init__(self, host: P2PHost, config: AveragingConfig) -> None:
-        self.host, self.config = host, config
-        self.rounds: dict[bytes, Any] = {}  # an AllReduceRound or a hierarchical GridRound
-        self._arrived: dict[bytes, asyncio.Event] = {}
-        self._timers: dict[bytes, asyncio.TimerHandle] = {}
-        for method, serve in SERVED.items():
-            host.add_stream_handler(method, self._route(method, serve))
-
-    def close(self) -> None:
-        for method in SERVED:
-            self.host.remove_handler(method)
-        for timer in self._timers.values():
-            timer.cancel()
-
-    def add(self, round_: Any) -> None:
-        group_id = round_.group.group_id
-        self.rounds[group_id] = round_
-        self._arrived.setdefault(group_id, asyncio.Event()).set()
-
-    def finished(self, round_: Any) -> None:
-        """Keep only what a finished round may still serve (its encoded averages), for a while."""
-        round_.release()
-        group_id = round_.group.group_id
-        loop = asyncio.get_running_loop()
-        self._timers[group_id] = loop.call_later(self.config.part_timeout, self._forget, group_id)
-
-    def forget_finished(self) -> None:
-        """Drop every finished round now (a caller that knows all members are done with them)."""
-        for group_id in [g for g, r in self.rounds.items() if r.finished]:
-            self._timers.pop(group_id).cancel()
-            self._forget(group_id)
-
-    def _forget(self, group_id: bytes) -> None:
-        self.rounds.pop(group_id, None)
-        self._arrived.pop(group_id, None)
-        self._timers.pop(group_id, None)
-
-    async def _find(self, args: Any) -> Any:
-        if not isinstance(args, dict) or not isinstance(args.get("g"), bytes):
-            raise BadRequest("needs a group id")
-        group_id = args["g"]
-        if group_id not in self.rounds and len(self._arrived) < MAX_PENDING_GROUPS:
-            event = self._arrived.setdefault(group_id, asyncio.Event())  # the caller may be a moment ahead
-            try:
-                await asyncio.wait_for(event.wait(), self.config.request_timeout)
-            except asyncio.TimeoutError:
-                if group_id not in self.rounds:
-                    self._arrived.pop(group_id, None)
-        round_ = self.rounds.get(group_id)
-        if round_ is None:
-            raise BadRequest("no such group here")
-        return round_
-
-    def _route(self, method: str, serve: str) -> Any:
-        async def handler(ctx: CallContext, args: Any, stream: Stream) -> None:
-            serving = getattr(await self._find(args), serve, None)
-            if serving is None:
-                raise BadRequest(f"{method}: this group's round does not serve it")
-            await serving(ctx, args, stream)
-
-        return handler
-
-
-class RoundMember:
-    """What every kind of round knows of itself: the group, our index in it, our vector, the
-    codec, the members' weights and bandwidths (0 for clients: they own nothing)."""
-
-    def __init__(
-        self, host: P2PHost, registry: RoundRegistry, group: GroupInfo, vector: torch.Tensor, config: AveragingConfig
-    ) -> None:
-        if vector.dtype != torch.float32 or vector.dim() != 1 or not vector.is_contiguous():
-            raise ValueError("the all-reduce takes one contiguous 1-D fp32 vector")
-        self.host, self.registry, self.group, self.config = host, registry, group, config
-        self.me = group.index_of(host.peer_id)
-        self.vector = vector
-        self.codec = get_codec(config.codec, block_size=config.block_size)
-        # self-announced numbers count only within the run's bounds (messages.py); both are
-        # computed from the agreed group alone, so every member splits the vector alike
-        self.weights = [min(m.weight, config.max_weight) for m in group.members]
-        self.bandwidths = capped_bandwidths([0.0 if m.client else m.bandwidth for m in group.members])
-        self.result = torch.empty_like(vector)
-        self.report = RoundReport(group.group_id, [str(m.peer_id) for m in group.members], {})
-        self._tasks: list[asyncio.Task[Any]] = []  # helpers, cancelled when the round ends
-        self._started = 0.0
-        self.finished = False
-
-    def note_fates(self, part: int, touched: dict[int, tuple[int, Fate]]) -> None:
-        """Log and report the contributions a robust reduction of `part` dropped or clipped:
-        contribution index -> (the member who sent it, its fate)."""
-        for _, (member, fate) in sorted(touched.items()):
-            peer = self.group.members[member].peer_id
-            what = f"dropped ({fate.dropped})" if fate.dropped else f"clipped to {fate.clip:.3g} of its distance"
-            # a clip is routine among honest members whose data differ (it still counts, bounded):
-            # said at INFO; a drop leaves a member out: a warning
-            level = logging.WARNING if fate.dropped else logging.INFO
-            logger.log(level, "round %s: part %d: the contribution of member %d (%s) was %s",
-                       self.group.group_id.hex()[:8], part, member, peer, what)  # fmt: skip
-        if touched:
-            members = {member for member, _ in touched.values()} | set(self.report.clipped.get(part, []))
-            self.report.clipped[part] = sorted(members)
+# imported from here by callers: the round, what it reports and raises, and the registry it joins
+__all__ = ["AllReduceError", "AllReduceRound", "RoundRegistry", "RoundReport"]
 
 
 class AllReduceRound(RoundMember):

@@ -62,8 +62,8 @@ from swarm.averaging.audit import (
 from swarm.averaging.errors import AuditError
 from swarm.averaging.partition import payload_layout
 from swarm.averaging.reduction import PartReduction
-from swarm.p2p.connection import CallContext
 from swarm.p2p.errors import BadRequest, NotFound, P2PError, RemoteError
+from swarm.p2p.handlers import CallContext
 from swarm.p2p.peer_id import PeerID
 from swarm.p2p.stream import Stream
 from swarm_kernels.sketch import sketch_accumulate, sketch_payload_accumulate

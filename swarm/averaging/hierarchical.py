@@ -64,35 +64,24 @@ import logging
 import time
 from typing import Any
 
-import msgpack
 import torch
 
-from swarm.averaging.allreduce import (
-    AllReduceError,
-    Final,
-    RoundMember,
-    RoundRegistry,
-    RoundReport,
-    await_parts,
-    read_exactly,
-    read_header,
-    write_encoded,
-)
 from swarm.averaging.config import AveragingConfig
+from swarm.averaging.errors import AllReduceError
 from swarm.averaging.grid import make_grid
+from swarm.averaging.grid_serving import FAILURES, GridServing
 from swarm.averaging.messages import GroupInfo
 from swarm.averaging.partition import payload_layout, payload_size
 from swarm.averaging.reduction import ColReduction, RowReduction
-from swarm.p2p.connection import CallContext
-from swarm.p2p.errors import BadRequest, NotFound, P2PError
+from swarm.averaging.registry import COL, DOWN, ROW, RoundRegistry
+from swarm.averaging.round_member import RoundMember, RoundReport, await_parts
+from swarm.averaging.round_streams import Final, read_exactly, read_header, write_encoded
 from swarm.p2p.host import P2PHost
 from swarm.p2p.stream import Stream
-from swarm_kernels import MalformedPayload
 
 logger = logging.getLogger(__name__)
 
-ROW, COL, DOWN = "avg.row", "avg.col", "avg.down"
-FAILURES = (P2PError, AllReduceError, MalformedPayload, TimeoutError, ValueError)
+__all__ = ["COL", "DOWN", "ROW", "GridRound"]  # the method names are registry.py's, imported from here too
 
 
 def _fail(future: asyncio.Future[Any], error: BaseException) -> None:
@@ -101,8 +90,11 @@ def _fail(future: asyncio.Future[Any], error: BaseException) -> None:
         future.exception()  # retrieved: nobody may be waiting any more
 
 
-class GridRound(RoundMember):
-    """One member's side of one hierarchical round: call `run()` once (as AllReduceRound)."""
+class GridRound(GridServing, RoundMember):
+    """One member's side of one hierarchical round: call `run()` once (as AllReduceRound).
+
+    The member's side of each stage is here; the owner's side, which answers the other members'
+    avg.row, avg.col and avg.down streams, is GridServing's (grid_serving.py)."""
 
     def __init__(
         self, host: P2PHost, registry: RoundRegistry, group: GroupInfo, vector: torch.Tensor, config: AveragingConfig
@@ -349,125 +341,3 @@ class GridRound(RoundMember):
 
     def _tag(self) -> str:
         return self.group.group_id.hex()[:8]
-
-    # --- serving -------------------------------------------------------------------------------
-
-    def _sender(self, ctx: CallContext, args: dict[str, Any], method: str) -> int:
-        index, part = args.get("i"), args.get("p")
-        members = self.group.members
-        if not isinstance(index, int) or not 0 <= index < len(members) or members[index].peer_id != ctx.peer_id:
-            raise BadRequest(f"{method}: sender index does not match the caller")
-        if not isinstance(part, int) or part != self.col or part < 0 or index == self.me:
-            raise BadRequest(f"{method}: no such part here")
-        return index
-
-    async def _drain(self, stream: Stream, incoming: Any) -> bool:
-        """Read a sender's payload into `incoming`; False (sender left out) if it breaks."""
-        try:
-            while (chunk := await stream.read(timeout=self.config.part_timeout)) is not None:
-                incoming.add(chunk)
-                self.report.bytes_received += len(chunk)
-            incoming.finish()
-            return True
-        except (P2PError, MalformedPayload, TimeoutError) as e:
-            logger.info("round %s: sender %d left out of a partial: %s", self._tag(), incoming.index, e)
-            incoming.failed = True
-            return False
-
-    async def serve_row(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
-        index = self._sender(ctx, args, ROW)
-        if self.grid.row_of[index] != self.row or self.row_reduction is None:
-            raise BadRequest("avg.row: the sender is not in this row")
-        if self.finished and not self.part_done.done():
-            raise BadRequest("avg.row: this member's round is over")
-        try:
-            incoming = self.row_reduction.incoming(index)
-        except ValueError as e:
-            raise BadRequest(str(e)) from None
-        try:
-            if not await self._drain(stream, incoming):
-                return
-        finally:
-            self.row_reduction.changed.set()
-        await self._answer_part(stream)
-
-    async def serve_col(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
-        index = self._sender(ctx, args, COL)
-        s, members, row = args.get("s"), args.get("inc"), self.grid.row_of[index]
-        if self.grid.col_of[index] != self.col or not isinstance(s, int) or not 0 <= s < self.grid.rows or s == row:
-            raise BadRequest("avg.col: no such sub-part for this sender")
-        if (
-            not isinstance(members, list)
-            or not members
-            or not all(isinstance(i, int) for i in members)
-            or members != sorted(set(members))
-            or not set(members) <= set(self.grid.row_members[row])
-        ):
-            raise BadRequest("avg.col: the partial's members must be its row's, sorted")
-        if (self.col, s) in self.final and s not in self.col_reductions:  # we already hold it
-            while await stream.read(timeout=self.config.part_timeout) is not None:
-                pass
-            await self._answer(stream, [self.final[(self.col, s)]])
-            return
-        if self.finished:
-            raise BadRequest("avg.col: this member's round is over")
-        reduction = self._col_reduction(s)
-        try:
-            incoming = reduction.incoming(row)
-        except ValueError as e:
-            raise BadRequest(str(e)) from None
-        reduction.set_row(row, members)
-        try:
-            if not await self._drain(stream, incoming):
-                return
-        finally:
-            reduction.changed.set()
-        try:
-            final = await asyncio.wait_for(asyncio.shield(reduction.result), 4 * self.config.part_timeout)
-        except FAILURES as e:  # the sender tries the next reducer
-            raise NotFound(f"avg.col: sub-part {s} could not be reduced here: {e}") from None
-        await self._answer(stream, [final])
-
-    async def serve_down(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
-        part, s = args.get("p"), args.get("s")
-        if ctx.peer_id not in self.peers:
-            raise BadRequest("avg.down: only members of the group")
-        if not isinstance(part, int) or part != self.col or part < 0:
-            raise BadRequest("avg.down: no such part here")
-        if not isinstance(s, int) or not -1 <= s < self.grid.rows:
-            raise BadRequest("avg.down: no such sub-part")
-        if s >= 0:
-            final = self.final.get((part, s))
-            if final is None:
-                await stream.write(msgpack.packb({"none": True}))
-                return
-            await self._answer(stream, [final])
-            return
-        await self._answer_part(stream)
-
-    async def _answer_part(self, stream: Stream) -> None:
-        try:
-            await asyncio.wait_for(asyncio.shield(self.part_done), 4 * self.config.part_timeout)
-        except FAILURES as e:  # the sender asks another row for the part
-            raise NotFound(f"part {self.col} could not be averaged here: {e}") from None
-        empty: Final = ([], memoryview(b""))  # a sub-part too small to own any block
-        await self._answer(stream, [self.final.get((self.col, s), empty) for s in range(self.grid.rows)], whole=True)
-
-    async def _answer(self, stream: Stream, finals: list[Final], whole: bool = False) -> None:
-        header = msgpack.packb({"inc": [f[0] for f in finals] if whole else finals[0][0]})
-        size = len(header) + sum(len(f[1]) for f in finals)
-        self.report.bytes_sent += size  # counted as it starts, so that run() sees it (see run)
-        answering = asyncio.current_task()
-        if answering is not None:
-            self._answering.add(answering)
-        try:
-            await stream.write(header)
-            for _, payload in finals:
-                if payload:
-                    await stream.write(memoryview(payload))
-            await stream.end()
-        except P2PError as e:  # the caller left before its answer: its loss alone
-            logger.info("round %s: a member left before its result: %s", self._tag(), e)
-            self.report.bytes_sent -= size
-        finally:
-            self._answering.discard(answering)  # type: ignore[arg-type]

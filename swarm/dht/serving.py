@@ -18,8 +18,8 @@ from swarm.dht.ids import Key, key_id
 from swarm.dht.records import Record
 from swarm.dht.routing import RoutingTable
 from swarm.dht.storage import RecordStorage
-from swarm.p2p.connection import CallContext
 from swarm.p2p.errors import BadRequest
+from swarm.p2p.handlers import CallContext
 from swarm.p2p.peer_id import PeerID
 
 logger = logging.getLogger("swarm.dht.node")

@@ -10,8 +10,8 @@ from typing import Any, Protocol
 
 import msgpack
 
-from swarm.p2p.connection import CallContext
 from swarm.p2p.errors import ConnectionLost, RemoteError, RPCError
+from swarm.p2p.handlers import CallContext
 from swarm.p2p.host import P2PHost
 from swarm.p2p.maddr import parse_maddr
 from swarm.p2p.peer_id import PeerID

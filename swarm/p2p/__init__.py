@@ -1,7 +1,7 @@
 """swarm.p2p: identities, multiaddrs, and authenticated, encrypted, multiplexed msgpack RPC over TCP."""
 
 from swarm.p2p.config import P2PConfig
-from swarm.p2p.connection import CallContext
+from swarm.p2p.dialer import PeerRef
 from swarm.p2p.errors import (
     BadRequest,
     Busy,
@@ -17,7 +17,8 @@ from swarm.p2p.errors import (
     RPCError,
     RPCTimeout,
 )
-from swarm.p2p.host import P2PHost, PeerRef
+from swarm.p2p.handlers import CallContext
+from swarm.p2p.host import P2PHost
 from swarm.p2p.identity import Identity
 from swarm.p2p.maddr import TcpAddress, parse_maddr, parse_maddrs
 from swarm.p2p.peer_id import PeerID

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from swarm.p2p.connection import CallContext
 from swarm.p2p.errors import BadRequest, P2PError
+from swarm.p2p.handlers import CallContext
 from swarm.p2p.maddr import TcpAddress, parse_maddr
 from swarm.p2p.peer_id import PeerID
 

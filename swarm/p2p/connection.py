@@ -1,19 +1,17 @@
 """Connection: one authenticated, encrypted, multiplexed link to a peer (see wire.py).
 
 It runs the handshake (handshake.py), installs the session's ciphers in the FrameProtocol, then
-routes every frame by call id: replies to the caller's future,
-stream frames to their Stream, new calls to a handler task. Inbound calls are bounded
-(config.max_concurrent_calls) and every handler has a deadline; a protocol violation closes
-the connection with one log line; a bad request gets an ERROR reply and the connection stays up.
+routes every frame by call id: replies to the caller's future, stream frames to their Stream,
+new calls to InboundCalls (serving.py), which bounds them (config.max_concurrent_calls) and
+gives every handler a deadline. A protocol violation closes the connection with one log line; a
+bad request gets an ERROR reply and the connection stays up.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from swarm.p2p import handshake as hs
@@ -26,35 +24,19 @@ from swarm.p2p.errors import (
     PeerIDMismatch,
     ProtocolError,
     RemoteError,
-    RPCError,
     RPCTimeout,
 )
 from swarm.p2p.framing import FrameProtocol
+from swarm.p2p.handlers import CallContext, Handler
 from swarm.p2p.identity import Identity
 from swarm.p2p.peer_id import PeerID
+from swarm.p2p.serving import InboundCalls
 from swarm.p2p.stream import Stream
-from swarm.p2p.wire import MAX_CALL_ID, MAX_ERROR_MESSAGE_CHARS, MAX_METHOD_CHARS, ErrorCode, Kind, field
+from swarm.p2p.wire import MAX_CALL_ID, MAX_ERROR_MESSAGE_CHARS, Kind, field
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True, slots=True)
-class CallContext:
-    """What a handler knows about the call it serves."""
-
-    peer_id: PeerID  # the authenticated caller
-    method: str
-    remote_address: tuple[str, int]  # the caller's IP and port as seen by us
-
-
-UnaryHandler = Callable[[CallContext, Any], Awaitable[Any]]
-StreamHandler = Callable[[CallContext, Any, Stream], Awaitable[None]]
-
-
-@dataclass(frozen=True, slots=True)
-class Handler:
-    fn: UnaryHandler | StreamHandler
-    is_stream: bool
+__all__ = ["CallContext", "Connection"]  # CallContext lives in handlers.py; imported from here too
 
 
 class Connection:
@@ -74,7 +56,6 @@ class Connection:
         self.role = role
         self.identity = identity
         self.config = config
-        self._handlers = handlers
         self._host_streams = host_streams or HostStreams(config.max_host_streams)  # shared by a host's connections
         self.peer_id: PeerID = identity.peer_id  # replaced by the remote id after the handshake
         self.remote_address: tuple[str, int] = ("?", 0)
@@ -91,8 +72,7 @@ class Connection:
         self._next_call_id = 1 if role == hs.DIALER else 2
         self._pending: dict[int, tuple[asyncio.Future[Any], str]] = {}  # our unary calls, with their method
         self._streams: dict[int, Stream] = {}  # streams of both sides
-        self._inbound: dict[int, asyncio.Task[None]] = {}  # handler tasks of the peer's calls
-        self._deadlines: dict[int, asyncio.TimerHandle] = {}  # unary handlers whose deadline has not passed
+        self._inbound = InboundCalls(self, handlers, self._host_streams, self._streams)  # the peer's calls
         self._last_activity = self._loop.time()
         self.budget = InboundBudget(config.connection_buffer_bytes)  # shared by all streams (budget.py)
         self._idle_handle: asyncio.TimerHandle | None = None
@@ -246,7 +226,8 @@ class Connection:
         if kind == Kind.CALL:
             if ours:
                 raise ProtocolError("peer started a call with an id from our range")
-            self._on_call(call_id, head)
+            self._last_activity = self._loop.time()
+            self._inbound.on_call(call_id, head)
         elif kind == Kind.REPLY or kind == Kind.ERROR:
             self._on_reply(call_id, head, ours)
         elif kind == Kind.DATA:
@@ -262,7 +243,7 @@ class Connection:
             if (stream := self._streams.get(call_id)) is not None:
                 stream.on_credit(credit)
         elif kind == Kind.CANCEL:
-            if not ours and (task := self._inbound.get(call_id)) is not None:
+            if not ours and (task := self._inbound.tasks.get(call_id)) is not None:
                 task.cancel()
         else:
             raise ProtocolError(f"unexpected {Kind(kind).name} frame after the handshake")
@@ -284,111 +265,6 @@ class Connection:
             pending[0].set_exception(error)
         elif stream is not None:
             stream.on_error(error)
-
-    def _on_call(self, call_id: int, head: dict[str, Any]) -> None:
-        self._last_activity = self._loop.time()
-        method = field(head, "m", str)
-        is_stream = head.get("s") is True
-        n_streams = sum(not s.is_caller for s in self._streams.values()) if is_stream else 0
-        busy = n_streams >= self.config.max_concurrent_streams or (is_stream and not self._host_streams.admit(self))
-        if len(self._inbound) >= self.config.max_concurrent_calls or busy:
-            logger.warning(
-                "%s: refusing %s from %s: %d calls (%d streams) in flight",
-                self.identity.peer_id,
-                method[:64],
-                self.peer_id,
-                len(self._inbound),
-                n_streams,
-            )
-            self._send_error(call_id, ErrorCode.BUSY, "too many concurrent calls on this connection")
-            return  # DATA the peer sends for it meanwhile finds no stream and is dropped
-        if call_id in self._inbound or call_id in self._streams:
-            raise ProtocolError(f"peer reused call id {call_id} while it was in flight")
-        handler = self._handlers.get(method) if len(method) <= MAX_METHOD_CHARS else None
-        if handler is None:
-            logger.info("%s: unknown method %r called by %s", self.identity.peer_id, method[:64], self.peer_id)
-            self._send_error(call_id, ErrorCode.UNKNOWN_METHOD, f"no method named {method[:MAX_METHOD_CHARS]!r}")
-            return
-        if handler.is_stream != is_stream:
-            kind = "a stream" if handler.is_stream else "a unary"
-            self._send_error(call_id, ErrorCode.BAD_REQUEST, f"{method} is {kind} method")
-            return
-        context = CallContext(self.peer_id, method, self.remote_address)
-        if is_stream:
-            stream = Stream(self, call_id, method, is_caller=False, timeout=self.config.stream_timeout)
-            self._streams[call_id] = stream
-            self._host_streams.opened(self)
-            coro = self._serve_stream(handler.fn, context, head.get("a"), stream)  # type: ignore[arg-type]
-        else:
-            coro = self._serve_unary(handler.fn, context, head.get("a"), call_id)  # type: ignore[arg-type]
-        task = self._loop.create_task(coro)
-        self._inbound[call_id] = task
-        if not is_stream:
-            self._deadlines[call_id] = self._loop.call_later(self.config.handler_timeout, self._deadline, call_id, task)
-
-    def _deadline(self, call_id: int, task: asyncio.Task[None]) -> None:
-        del self._deadlines[call_id]  # its absence tells _serve_unary why it was cancelled
-        task.cancel()
-
-    async def _serve_unary(self, fn: UnaryHandler, context: CallContext, args: Any, call_id: int) -> None:
-        try:
-            result = await fn(context, args)
-            self._send_reply(call_id, context.method, result)
-        except asyncio.CancelledError:
-            if call_id not in self._deadlines:
-                self._send_error(call_id, ErrorCode.TIMEOUT, f"handler ran over {self.config.handler_timeout}s")
-            # otherwise the caller cancelled or we are closing: nothing more to say
-        except Exception as e:
-            self._send_handler_error(call_id, context, e)
-        finally:
-            self._inbound.pop(call_id, None)
-            if (deadline := self._deadlines.pop(call_id, None)) is not None:
-                deadline.cancel()
-
-    async def _serve_stream(self, fn: StreamHandler, context: CallContext, args: Any, stream: Stream) -> None:
-        call_id = stream.call_id
-        try:
-            await fn(context, args, stream)
-            await stream.end()
-        except asyncio.CancelledError:
-            pass  # the caller cancelled, or we are closing
-        except ConnectionLost:
-            pass  # the connection closed under the handler: nobody left to answer
-        except Exception as e:
-            self._send_handler_error(call_id, context, e)
-        finally:
-            self._inbound.pop(call_id, None)
-            self.forget_stream(stream)
-
-    def _send_reply(self, call_id: int, method: str, result: Any) -> None:
-        try:
-            self.send_frame({"k": Kind.REPLY, "i": call_id, "r": result})
-        except MessageTooLarge as e:
-            self._send_error(call_id, ErrorCode.TOO_LARGE, str(e))
-        except (TypeError, ValueError, OverflowError) as e:  # not msgpack-able: our handler's bug
-            logger.error("%s: reply of %s cannot be encoded: %s", self.identity.peer_id, method, e)
-            self._send_error(call_id, ErrorCode.INTERNAL, "the reply could not be encoded")
-
-    def _send_handler_error(self, call_id: int, context: CallContext, error: Exception) -> None:
-        if isinstance(error, RPCError):
-            logger.info("%s: %s from %s refused: %s", self.identity.peer_id, context.method, context.peer_id, error)
-            self._send_error(call_id, error.code, error.message)
-        elif isinstance(error, ConnectionLost):
-            pass
-        else:
-            logger.exception(
-                "%s: handler %s failed on a call from %s",
-                self.identity.peer_id,
-                context.method,
-                context.peer_id,
-                exc_info=error,
-            )
-            self._send_error(call_id, ErrorCode.INTERNAL, f"{type(error).__name__} in the handler")
-
-    def _send_error(self, call_id: int, code: str, message: str) -> None:
-        if not self.protocol.closed:
-            with contextlib.suppress(ConnectionLost):  # closing under us: nobody left to tell
-                self.send_frame({"k": Kind.ERROR, "i": call_id, "c": code, "e": message[:MAX_ERROR_MESSAGE_CHARS]})
 
     # --- used by Stream ---------------------------------------------------------------------
 
@@ -414,7 +290,7 @@ class Connection:
 
     @property
     def busy(self) -> bool:
-        return bool(self._pending or self._streams or self._inbound)
+        return bool(self._pending or self._streams or self._inbound.tasks)
 
     @property
     def ours_in_flight(self) -> bool:
@@ -424,7 +300,7 @@ class Connection:
     @property
     def theirs_in_flight(self) -> bool:
         """The peer's calls on this connection are being served."""
-        return bool(self._inbound)
+        return bool(self._inbound.tasks)
 
     @property
     def idle_seconds(self) -> float:
@@ -454,7 +330,7 @@ class Connection:
 
     async def wait_closed(self) -> None:
         await self._closed_future
-        tasks = list(self._inbound.values())
+        tasks = list(self._inbound.tasks.values())
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -479,7 +355,7 @@ class Connection:
                 future.set_exception(error)
         for stream in list(self._streams.values()):
             stream.on_error(error)
-        for task in self._inbound.values():
+        for task in self._inbound.tasks.values():
             task.cancel()
         if self._handshake_done is not None and not self._handshake_done.done():
             self._handshake_done.set_exception(error)

@@ -1,5 +1,5 @@
-"""P2PHost: a node's endpoint. Listens, dials, authenticates and encrypts (wire.py), keeps one
-connection per peer, and serves registered handlers.
+"""P2PHost: a node's endpoint. Listens, dials (dialer.py), authenticates and encrypts (wire.py),
+keeps one connection per peer, and serves registered handlers (serving.py).
 
     async with P2PHost(identity, P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))) as host:
         host.add_handler("demo.echo", echo)
@@ -28,10 +28,12 @@ from swarm.p2p import handshake as hs
 from swarm.p2p.autonat import DIALBACK, dialback_handler
 from swarm.p2p.budget import HostStreams
 from swarm.p2p.config import P2PConfig
-from swarm.p2p.connection import CallContext, Connection, Handler, StreamHandler, UnaryHandler
+from swarm.p2p.connection import Connection
+from swarm.p2p.dialer import Dialer, PeerRef
 from swarm.p2p.errors import ConnectionClosed, ConnectionLost, HandshakeError, MultiaddrError, RPCTimeout
 from swarm.p2p.framing import FrameProtocol, Traffic
 from swarm.p2p.gate import Gate
+from swarm.p2p.handlers import CallContext, Handler, StreamHandler, UnaryHandler
 from swarm.p2p.identity import Identity
 from swarm.p2p.maddr import TcpAddress, parse_maddr
 from swarm.p2p.peer_id import PeerID
@@ -40,13 +42,16 @@ from swarm.p2p.stream import Stream
 logger = logging.getLogger(__name__)
 
 CLOSE_GRACE_SECONDS = 2.0  # how long close() lets connections flush before aborting them
-PeerRef = PeerID | TcpAddress | str  # a PeerID we know an address for, or a multiaddr
 
 __all__ = ["CallContext", "P2PHost", "PeerRef"]
 
 
 class P2PHost:
-    """Listens on config.host_maddrs, dials peers, serves handlers. See the module docstring."""
+    """Listens on config.host_maddrs, dials peers, serves handlers. See the module docstring.
+
+    Owns the listening sockets, the handler table, the pool of authenticated connections (by
+    peer) and of those still handshaking, the admission gate of inbound ones (gate.py) and the
+    dialer with its address book (dialer.py). Use it with ``async with`` or start()/close()."""
 
     def __init__(self, identity: Identity | None = None, config: P2PConfig | None = None) -> None:
         self.identity = identity or Identity.generate()
@@ -60,9 +65,8 @@ class P2PHost:
         self._gate = Gate(self.peer_id, self.config)  # which inbound connections we keep
         self._flood_log = RateLimitedLog(logger)  # a flood of throwaway sources must not flood the log
         self._host_streams = HostStreams(self.config.max_host_streams)  # inbound streams, all connections
-        self._dialing: dict[str, asyncio.Future[Connection]] = {}
-        self._addresses: dict[PeerID, TcpAddress] = {}  # last address each peer was dialed at
-        self._peer_at: dict[str, PeerID] = {}  # who answered at a dialed address (for maddrs without /p2p/)
+        self._dialer = Dialer(self.config, new_protocol=self._new_protocol, new_connection=self._new_connection,
+                              handshaking=self._handshaking, best=self._best_connection, adopt=self._adopt)  # fmt: skip
         self._tasks: set[asyncio.Task[Any]] = set()
         self.traffic = Traffic()  # bytes on the wire, all connections together (benchmarks read it)
         self._started = False
@@ -105,8 +109,7 @@ class P2PHost:
         self._closing = True
         for server in self._servers:
             server.close()
-        for dial in self._dialing.values():
-            dial.cancel()
+        self._dialer.close()
         conns = [c for group in self._connections.values() for c in group] + list(self._handshaking)
         for conn in conns:
             conn.close()
@@ -177,7 +180,7 @@ class P2PHost:
         return [peer for peer, conns in self._connections.items() if conns]
 
     def address_of(self, peer: PeerID) -> TcpAddress | None:
-        return self._addresses.get(peer)
+        return self._dialer.address_of(peer)
 
     # --- calls ------------------------------------------------------------------------------
 
@@ -215,87 +218,13 @@ class P2PHost:
 
     async def connect(self, peer: PeerRef, *, timeout: float | None = None) -> Connection:
         """The connection to a peer: an open one if any, else a new dial (deduplicated)."""
-        if self._closing:
-            raise ConnectionLost("host is closed")
-        addr: TcpAddress | None
-        if isinstance(peer, PeerID):
-            if (conn := self._best_connection(peer)) is not None:
-                return conn
-            addr = self._addresses.get(peer)
-            if addr is None:
-                raise ConnectionLost(f"no connection to {peer} and no known address for it")
-        else:
-            addr = parse_maddr(peer) if isinstance(peer, str) else peer
-            known = addr.peer_id or self._peer_at.get(addr.to_maddr(with_peer_id=False))
-            if known is not None and (conn := self._best_connection(known)) is not None:
-                return conn
-        key = addr.to_maddr()
-        dial = self._dialing.get(key)
-        if dial is None:
-            dial = asyncio.ensure_future(self._dial(addr))
-            self._dialing[key] = dial
-            dial.add_done_callback(lambda done: self._dial_done(key, done))
-        timeout = self.config.connect_timeout + self.config.handshake_timeout if timeout is None else timeout
-        try:
-            return await asyncio.wait_for(asyncio.shield(dial), timeout)
-        except asyncio.TimeoutError:
-            raise RPCTimeout(f"could not connect to {addr} within {timeout:.3g}s") from None
-
-    def _dial_done(self, key: str, dial: asyncio.Future[Connection]) -> None:
-        self._dialing.pop(key, None)
-        if not dial.cancelled():
-            dial.exception()  # retrieved: every caller may have given up (timeout, cancelled lookup)
+        return await self._dialer.connect(peer, timeout=timeout)
 
     async def probe(self, peer: TcpAddress | str, *, timeout: float | None = None) -> PeerID:
         """Dial `peer` on a fresh connection, authenticate, and close it: proves the address
         reaches the peer it names (the dial-back of swarm.p2p.autonat). Never reuses or keeps
         a connection. Raises like connect()."""
-        addr = parse_maddr(peer) if isinstance(peer, str) else peer
-        timeout = self.config.connect_timeout + self.config.handshake_timeout if timeout is None else timeout
-        try:
-            conn = await asyncio.wait_for(self._open_authenticated(addr, probe=True), timeout)
-        except asyncio.TimeoutError:
-            raise RPCTimeout(f"could not reach {addr} within {timeout:.3g}s") from None
-        conn.close()
-        return conn.peer_id
-
-    async def _open_authenticated(self, addr: TcpAddress, *, probe: bool = False) -> Connection:
-        loop = asyncio.get_running_loop()
-        try:
-            _, protocol = await asyncio.wait_for(
-                loop.create_connection(self._new_protocol, addr.host, addr.port), self.config.connect_timeout
-            )
-        except asyncio.TimeoutError:
-            raise RPCTimeout(f"TCP connect to {addr} timed out") from None
-        except OSError as e:
-            raise ConnectionLost(f"cannot connect to {addr}: {e.strerror or e}") from None
-        _set_nodelay(protocol.transport)
-        conn = self._new_connection(protocol, hs.DIALER)
-        self._handshaking.add(conn)
-        try:
-            await conn.handshake(addr.peer_id, probe=probe)
-        except BaseException:  # a failed or cancelled handshake leaves no half-open socket
-            conn.close()
-            raise
-        finally:
-            self._handshaking.discard(conn)
-        return conn
-
-    async def _dial(self, addr: TcpAddress) -> Connection:
-        conn = await self._open_authenticated(addr)
-        if self._closing:
-            conn.close()
-            raise ConnectionLost("host is closing")
-        self._addresses[conn.peer_id] = addr.with_peer_id(conn.peer_id)
-        self._peer_at[addr.to_maddr(with_peer_id=False)] = conn.peer_id
-        existing = self._best_connection(conn.peer_id)
-        if existing is not None and existing.role == hs.DIALER:
-            # we dialed this peer before under another address: keep one connection. (An inbound
-            # one from the peer is kept: the peer may be closing its duplicate of ours right now.)
-            conn.close()
-            return existing
-        self._adopt(conn)
-        return conn
+        return await self._dialer.probe(peer, timeout=timeout)
 
     # --- inbound ----------------------------------------------------------------------------
 
@@ -308,6 +237,7 @@ class P2PHost:
         )
 
     def _new_connection(self, protocol: FrameProtocol, role: str) -> Connection:
+        _set_nodelay(protocol.transport)
         return Connection(
             protocol,
             role=role,
@@ -337,7 +267,6 @@ class P2PHost:
             )
             protocol.transport.abort()
             return
-        _set_nodelay(protocol.transport)
         conn = self._new_connection(protocol, hs.LISTENER)
         self._handshaking.add(conn)
         self._gate.handshaking(conn)

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.model.checkpoint import Snapshot
-from swarm.p2p.connection import CallContext
 from swarm.p2p.errors import Busy, NotFound, P2PError
+from swarm.p2p.handlers import CallContext
 from swarm.p2p.host import P2PHost
 from swarm.p2p.stream import Stream
 from swarm.state import protocol

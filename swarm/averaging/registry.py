@@ -1,0 +1,97 @@
+"""RoundRegistry: routes the avg.* streams a host receives to the round of their group.
+
+Every stream method a round may serve is named here, with the round's method that serves it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from swarm.averaging.audit_round import RECEIPT
+from swarm.averaging.config import AveragingConfig
+from swarm.p2p.errors import BadRequest
+from swarm.p2p.handlers import CallContext
+from swarm.p2p.host import P2PHost
+from swarm.p2p.stream import Stream
+
+PART, FETCH = "avg.part", "avg.fetch"  # the flat round's (allreduce.py)
+ROW, COL, DOWN = "avg.row", "avg.col", "avg.down"  # the grid round's (hierarchical.py)
+# Every stream method a round may serve, and the round's method serving it: the flat round
+# serves the first two, hierarchical.py's grid round the next three, an audited flat round the
+# receipt (audit_round.py); a round asked for a method it does not serve answers BadRequest.
+SERVED = {PART: "serve_part", FETCH: "serve_fetch", ROW: "serve_row", COL: "serve_col", DOWN: "serve_down",
+          RECEIPT: "serve_receipt"}  # fmt: skip
+MAX_PENDING_GROUPS = 64
+
+
+class RoundRegistry:
+    """Routes the avg.* streams (SERVED) to their round (one registry per host). A finished
+    round lingers for part_timeout so that survivors can still fetch what it holds.
+
+    Owns the handlers of every SERVED method on the host and the rounds by group id. A round
+    joins with add() as it starts and calls finished() when it ends; a stream for a group not
+    here yet waits for it up to request_timeout (its sender may be a moment ahead of us), for
+    at most MAX_PENDING_GROUPS unknown groups at once."""
+
+    def __init__(self, host: P2PHost, config: AveragingConfig) -> None:
+        self.host, self.config = host, config
+        self.rounds: dict[bytes, Any] = {}  # an AllReduceRound or a hierarchical GridRound
+        self._arrived: dict[bytes, asyncio.Event] = {}
+        self._timers: dict[bytes, asyncio.TimerHandle] = {}
+        for method, serve in SERVED.items():
+            host.add_stream_handler(method, self._route(method, serve))
+
+    def close(self) -> None:
+        for method in SERVED:
+            self.host.remove_handler(method)
+        for timer in self._timers.values():
+            timer.cancel()
+
+    def add(self, round_: Any) -> None:
+        group_id = round_.group.group_id
+        self.rounds[group_id] = round_
+        self._arrived.setdefault(group_id, asyncio.Event()).set()
+
+    def finished(self, round_: Any) -> None:
+        """Keep only what a finished round may still serve (its encoded averages), for a while."""
+        round_.release()
+        group_id = round_.group.group_id
+        loop = asyncio.get_running_loop()
+        self._timers[group_id] = loop.call_later(self.config.part_timeout, self._forget, group_id)
+
+    def forget_finished(self) -> None:
+        """Drop every finished round now (a caller that knows all members are done with them)."""
+        for group_id in [g for g, r in self.rounds.items() if r.finished]:
+            self._timers.pop(group_id).cancel()
+            self._forget(group_id)
+
+    def _forget(self, group_id: bytes) -> None:
+        self.rounds.pop(group_id, None)
+        self._arrived.pop(group_id, None)
+        self._timers.pop(group_id, None)
+
+    async def _find(self, args: Any) -> Any:
+        if not isinstance(args, dict) or not isinstance(args.get("g"), bytes):
+            raise BadRequest("needs a group id")
+        group_id = args["g"]
+        if group_id not in self.rounds and len(self._arrived) < MAX_PENDING_GROUPS:
+            event = self._arrived.setdefault(group_id, asyncio.Event())  # the caller may be a moment ahead
+            try:
+                await asyncio.wait_for(event.wait(), self.config.request_timeout)
+            except asyncio.TimeoutError:
+                if group_id not in self.rounds:
+                    self._arrived.pop(group_id, None)
+        round_ = self.rounds.get(group_id)
+        if round_ is None:
+            raise BadRequest("no such group here")
+        return round_
+
+    def _route(self, method: str, serve: str) -> Any:
+        async def handler(ctx: CallContext, args: Any, stream: Stream) -> None:
+            serving = getattr(await self._find(args), serve, None)
+            if serving is None:
+                raise BadRequest(f"{method}: this group's round does not serve it")
+            await serving(ctx, args, stream)
+
+        return handler

@@ -1,0 +1,149 @@
+"""Dialer: a host's outbound side. It dials peers, authenticates them, and remembers where each
+peer answered (the address book).
+
+connect() returns the open connection to a peer if there is one, else dials: one dial per
+address at a time, shared by every caller of that address, each caller bounded by its own
+timeout (a caller that gives up leaves the dial to the others). A dial that reaches a different
+PeerID than its /p2p/ part fails with PeerIDMismatch. probe() dials a fresh connection only to
+prove that an address reaches the peer it names, and closes it.
+
+The address book holds the address each peer was last dialed at (so a bare PeerID can be called
+again) and who answered at an address dialed without /p2p/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from swarm.p2p import handshake as hs
+from swarm.p2p.config import P2PConfig
+from swarm.p2p.connection import Connection
+from swarm.p2p.errors import ConnectionLost, RPCTimeout
+from swarm.p2p.framing import FrameProtocol
+from swarm.p2p.maddr import TcpAddress, parse_maddr
+from swarm.p2p.peer_id import PeerID
+
+PeerRef = PeerID | TcpAddress | str  # a PeerID we know an address for, or a multiaddr
+
+
+class Dialer:
+    """The dials of one host (see the module docstring).
+
+    Owns the dials in flight (by address) and the address book. The host's connection pool stays
+    the host's: the dialer asks it for a peer's open connection (`best`) and hands it every new
+    connection it keeps (`adopt`); a connection still handshaking sits in the host's
+    `handshaking` set, so that closing the host closes it. `close()` cancels the dials in flight
+    and refuses new ones."""
+
+    def __init__(
+        self,
+        config: P2PConfig,
+        *,
+        new_protocol: Callable[[], FrameProtocol],
+        new_connection: Callable[[FrameProtocol, str], Connection],
+        handshaking: set[Connection],
+        best: Callable[[PeerID], Connection | None],
+        adopt: Callable[[Connection], None],
+    ) -> None:
+        self.config = config
+        self._new_protocol = new_protocol
+        self._new_connection = new_connection
+        self._handshaking = handshaking
+        self._best_connection = best
+        self._adopt = adopt
+        self._dialing: dict[str, asyncio.Future[Connection]] = {}
+        self._addresses: dict[PeerID, TcpAddress] = {}  # last address each peer was dialed at
+        self._peer_at: dict[str, PeerID] = {}  # who answered at a dialed address (for maddrs without /p2p/)
+        self._closing = False
+
+    def close(self) -> None:
+        self._closing = True
+        for dial in self._dialing.values():
+            dial.cancel()
+
+    def address_of(self, peer: PeerID) -> TcpAddress | None:
+        return self._addresses.get(peer)
+
+    async def connect(self, peer: PeerRef, *, timeout: float | None = None) -> Connection:
+        """The connection to a peer: an open one if any, else a new dial (deduplicated)."""
+        if self._closing:
+            raise ConnectionLost("host is closed")
+        addr: TcpAddress | None
+        if isinstance(peer, PeerID):
+            if (conn := self._best_connection(peer)) is not None:
+                return conn
+            addr = self._addresses.get(peer)
+            if addr is None:
+                raise ConnectionLost(f"no connection to {peer} and no known address for it")
+        else:
+            addr = parse_maddr(peer) if isinstance(peer, str) else peer
+            known = addr.peer_id or self._peer_at.get(addr.to_maddr(with_peer_id=False))
+            if known is not None and (conn := self._best_connection(known)) is not None:
+                return conn
+        key = addr.to_maddr()
+        dial = self._dialing.get(key)
+        if dial is None:
+            dial = asyncio.ensure_future(self._dial(addr))
+            self._dialing[key] = dial
+            dial.add_done_callback(lambda done: self._dial_done(key, done))
+        timeout = self.config.connect_timeout + self.config.handshake_timeout if timeout is None else timeout
+        try:
+            return await asyncio.wait_for(asyncio.shield(dial), timeout)
+        except asyncio.TimeoutError:
+            raise RPCTimeout(f"could not connect to {addr} within {timeout:.3g}s") from None
+
+    def _dial_done(self, key: str, dial: asyncio.Future[Connection]) -> None:
+        self._dialing.pop(key, None)
+        if not dial.cancelled():
+            dial.exception()  # retrieved: every caller may have given up (timeout, cancelled lookup)
+
+    async def probe(self, peer: TcpAddress | str, *, timeout: float | None = None) -> PeerID:
+        """Dial `peer` on a fresh connection, authenticate, and close it: proves the address
+        reaches the peer it names (the dial-back of swarm.p2p.autonat). Never reuses or keeps
+        a connection. Raises like connect()."""
+        addr = parse_maddr(peer) if isinstance(peer, str) else peer
+        timeout = self.config.connect_timeout + self.config.handshake_timeout if timeout is None else timeout
+        try:
+            conn = await asyncio.wait_for(self._open_authenticated(addr, probe=True), timeout)
+        except asyncio.TimeoutError:
+            raise RPCTimeout(f"could not reach {addr} within {timeout:.3g}s") from None
+        conn.close()
+        return conn.peer_id
+
+    async def _open_authenticated(self, addr: TcpAddress, *, probe: bool = False) -> Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            _, protocol = await asyncio.wait_for(
+                loop.create_connection(self._new_protocol, addr.host, addr.port), self.config.connect_timeout
+            )
+        except asyncio.TimeoutError:
+            raise RPCTimeout(f"TCP connect to {addr} timed out") from None
+        except OSError as e:
+            raise ConnectionLost(f"cannot connect to {addr}: {e.strerror or e}") from None
+        conn = self._new_connection(protocol, hs.DIALER)
+        self._handshaking.add(conn)
+        try:
+            await conn.handshake(addr.peer_id, probe=probe)
+        except BaseException:  # a failed or cancelled handshake leaves no half-open socket
+            conn.close()
+            raise
+        finally:
+            self._handshaking.discard(conn)
+        return conn
+
+    async def _dial(self, addr: TcpAddress) -> Connection:
+        conn = await self._open_authenticated(addr)
+        if self._closing:
+            conn.close()
+            raise ConnectionLost("host is closing")
+        self._addresses[conn.peer_id] = addr.with_peer_id(conn.peer_id)
+        self._peer_at[addr.to_maddr(with_peer_id=False)] = conn.peer_id
+        existing = self._best_connection(conn.peer_id)
+        if existing is not None and existing.role == hs.DIALER:
+            # we dialed this peer before under another address: keep one connection. (An inbound
+            # one from the peer is kept: the peer may be closing its duplicate of ours right now.)
+            conn.close()
+            return existing
+        self._adopt(conn)
+        return conn
