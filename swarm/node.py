@@ -44,6 +44,7 @@ from swarm.model.checkpoint import CheckpointError, RunInfo
 from swarm.model.configs import ModelConfig
 from swarm.model.data import TokenData, eval_windows, load_data
 from swarm.model.diloco import DiLoCo, OptimizerFactory, model_fingerprint
+from swarm.model.error_feedback import ErrorFeedback
 from swarm.model.llama import build_model, count_parameters
 from swarm.model.loss import eval_loss
 from swarm.model.presets import preset
@@ -154,6 +155,13 @@ class SwarmNode(OuterStepLoop):
         self._bad_records = OncePerPeer(logger)
         self._fetch_failures = RateLimitedLog(logger, burst=3, period=30.0)  # a late node looks a few times a second
         self._pace_seen = 0.0  # the last inner-step pace seen (ours or the peers' median); 0: none yet
+        self._feedback = (
+            ErrorFeedback(
+                config.compression, config.averaging_config(self.client_mode).block_size, config.error_feedback
+            )
+            if config.error_feedback > 0 and config.compression != "none"
+            else None
+        )
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -220,8 +228,14 @@ class SwarmNode(OuterStepLoop):
             step = await keeper.resume_local(self.diloco)
         except CheckpointError as e:
             raise NodeError(f"cannot resume from --checkpoint-dir: {e}") from None
-        if step is not None:
-            self.events.emit("resume", outer_step=step, checkpoint_dir=self.config.checkpoint_dir)
+        if step is None:
+            return
+        self.events.emit("resume", outer_step=step, checkpoint_dir=self.config.checkpoint_dir)
+        if self._feedback is not None:
+            try:
+                self._feedback.load_state_dict(await keeper.load_local(step))
+            except ValueError as e:  # an optimisation lost, never a reason not to resume
+                logger.warning("starting without the checkpoint's error-feedback residual: %s", e)
 
     async def _check_reachability(self, host: P2PHost) -> None:
         result = await check_reachability(host, host.visible_maddrs, self.initial_peers[:3])

@@ -55,6 +55,7 @@ from swarm.trainer import NodeError
 if TYPE_CHECKING:
     from swarm.log_once import OncePerPeer, RateLimitedLog
     from swarm.model.diloco import DiLoCo
+    from swarm.model.error_feedback import ErrorFeedback
     from swarm.node_config import NodeConfig
     from swarm.node_events import EventSink
     from swarm.user_steps import UserSteps
@@ -97,6 +98,7 @@ class OuterStepLoop:
     _bad_records: OncePerPeer
     _fetch_failures: RateLimitedLog
     _pace_seen: float
+    _feedback: ErrorFeedback | None  # --error-feedback: the codec's residual (model/error_feedback.py)
 
     def _facts(self, book: ProgressBook) -> Facts:
         pace, now = self.inner.snapshot().sec_per_step, time.time()
@@ -314,8 +316,12 @@ class OuterStepLoop:
                 without_group_since = None if found.group is not None else loop.time()
 
     async def _average(self, averager: Averager, found: Matchmade) -> GroupReport | None:
-        diloco = self.diloco
+        diloco, feedback = self.diloco, self._feedback
         deltas = await self.inner.call(diloco.pseudo_gradients)
+        compensated = None
+        if feedback is not None:  # what the codec dropped before goes with this step's Δ
+            compensated = await self.inner.call(feedback.compensate, deltas)
+            deltas = compensated.sent
         try:
             averaged, report = await averager.run_round(found.group, deltas, found.seconds)
         except AllReduceError as e:
@@ -326,6 +332,8 @@ class OuterStepLoop:
         except ValueError as e:  # a non-finite average (never from a robust round): θ_outer stays
             logger.error("step %d: refusing the group's average, as if the round failed: %s", diloco.outer_step, e)
             return None
+        if feedback is not None and compensated is not None:
+            feedback.commit(compensated)
         return report
 
     async def _stepped(self, keeper: StateKeeper, step: int, report: GroupReport) -> None:
@@ -352,7 +360,7 @@ class OuterStepLoop:
                          inner_s=round(progress.inner_s, 4), wall_s=round(wall_s, 4), tokens=self._tokens,
                          tokens_per_s=round(self._tokens / wall_s, 1) if wall_s > 0 else 0.0,
                          rss_bytes=resident_bytes())  # fmt: skip
-        await keeper.publish(diloco)
+        await keeper.publish(diloco, local=self._feedback.state_dict if self._feedback is not None else None)
 
     async def _fetch(
         self, keeper: StateKeeper, book: ProgressBook, *, alone: bool, other_state: bool = False, missed: bool = False
@@ -370,6 +378,8 @@ class OuterStepLoop:
             return False
         if fetched is None:
             return False
+        if self._feedback is not None:  # its residual is of a state we no longer hold
+            self._feedback.reset()
         self._late = True
         self._known_at = (diloco.outer_step, time.time())
         sha = await self.inner.call(diloco.state_sha256)

@@ -199,3 +199,15 @@ def test_shards_load_as_views_of_their_bytes_and_bad_headers_are_refused() -> No
     for raw in (bytearray(b"\x01"), bytearray((10**9).to_bytes(8, "little")), bytearray(b"\x02" + bytes(7) + b"{x")):
         with pytest.raises(CheckpointError):
             tensors_in_safetensors(raw)
+
+
+def test_a_nodes_own_tensors_travel_beside_the_checkpoint_never_in_its_manifest(tmp_path: Path) -> None:
+    ckpt = CheckpointDir(tmp_path)
+    residual = torch.randn(1000)
+    ckpt.write(make_snapshot(copy_state(_diloco(7).state_dict()), RUN), {"error_feedback/residual": residual})
+    manifest, _ = ckpt.load_latest(RUN)
+    assert all("error_feedback" not in name for shard in manifest.shards for name in shard.tensors)
+    assert torch.equal(ckpt.load_local(7)["error_feedback/residual"], residual)
+    assert ckpt.load_local(6) == {}  # no such step: nothing
+    (tmp_path / "step-00000007" / "local.safetensors").write_bytes(b"not safetensors")
+    assert ckpt.load_local(7) == {}  # unreadable: resumed without it, and a warning says so
