@@ -30,6 +30,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import random
@@ -295,11 +296,12 @@ class _ShardFetch:
             if index is None:  # nothing for us now; a download under way may still fail and come back
                 if not self.in_flight:
                     return
+                # keep waiting while one is under way (each is bounded by its own timeout): a worker
+                # that left after `timeout` of idling left nobody to take a shard whose stalled
+                # download timed out at that very moment, and the fetch failed
                 self.changed.clear()
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), self.timeout)
-                except asyncio.TimeoutError:
-                    return
                 continue
             self.pending.remove(index)
             info = self.manifest.shards[index]
