@@ -155,11 +155,11 @@ class SwarmNode(OuterStepLoop):
         self._bad_records = OncePerPeer(logger)
         self._fetch_failures = RateLimitedLog(logger, burst=3, period=30.0)  # a late node looks a few times a second
         self._pace_seen = 0.0  # the last inner-step pace seen (ours or the peers' median); 0: none yet
+        self._compression = config.compression_spec()
+        self._block_size = config.averaging_config(self.client_mode).block_size
         self._feedback = (
-            ErrorFeedback(
-                config.compression, config.averaging_config(self.client_mode).block_size, config.error_feedback
-            )
-            if config.error_feedback > 0 and config.compression != "none"
+            ErrorFeedback(self._compression.codec, self._block_size, config.error_feedback)
+            if config.error_feedback > 0 and self._compression.codec != "none"
             else None
         )
 

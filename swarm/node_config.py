@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from swarm.averaging.config import CODECS, AveragingConfig
 from swarm.dht.run_keys import check_run_id
+from swarm.model.compression_spec import CompressionSpec
 from swarm.model.configs import DEFAULT_SHARD_BYTES, DiLoCoConfig
 from swarm.model.presets import PRESETS
 from swarm.model.run_settings import CUSTOM_MODEL, settings_digest, training_settings
@@ -68,8 +69,7 @@ class NodeConfig:
         check_run_id(self.run_id)
         if self.model not in PRESETS and self.model != CUSTOM_MODEL:
             raise ValueError(f"unknown model {self.model!r}: choose one of {', '.join(PRESETS)}")
-        if self.compression not in CODECS:
-            raise ValueError(f"compression must be one of {', '.join(CODECS)}, got {self.compression!r}")
+        self.compression_spec()  # raises on an unknown codec or a bad density
         positive = ("inner_steps", "batch_size", "seq_len", "eval_every", "eval_windows", "max_group_size",
                     "checkpoint_every", "shard_bytes", "max_uploads")  # fmt: skip
         for name in positive:
@@ -93,6 +93,10 @@ class NodeConfig:
             torch.device(self.device)  # raises on nonsense
         self.diloco_config()  # checks lr, outer lr and momentum, warmup, the schedule
 
+    def compression_spec(self) -> CompressionSpec:
+        """`compression` as CODEC[:DENSITY] (model/compression.py)."""
+        return CompressionSpec.parse(self.compression, CODECS)
+
     def diloco_config(self) -> DiLoCoConfig:
         return DiLoCoConfig(
             inner_steps=self.inner_steps,
@@ -115,7 +119,7 @@ class NodeConfig:
             max_group_size=self.max_group_size,
             matchmaking_time=self.matchmaking_time,
             part_timeout=self.part_timeout,
-            codec=self.compression,
+            codec=self.compression_spec().codec,
             client_mode=client_mode,
             max_weight=self.max_weight,
         )

@@ -29,6 +29,7 @@ from swarm.averaging.averager import Averager, GroupReport
 from swarm.averaging.matchmaking import Matchmade
 from swarm.dht.errors import DHTError
 from swarm.model.checkpoint import CheckpointError
+from swarm.model.compression import outgoing
 from swarm.p2p.errors import P2PError
 from swarm.p2p.peer_id import PeerID
 from swarm.plan import (
@@ -54,6 +55,7 @@ from swarm.trainer import NodeError
 
 if TYPE_CHECKING:
     from swarm.log_once import OncePerPeer, RateLimitedLog
+    from swarm.model.compression_spec import CompressionSpec
     from swarm.model.diloco import DiLoCo
     from swarm.model.error_feedback import ErrorFeedback
     from swarm.node_config import NodeConfig
@@ -99,6 +101,8 @@ class OuterStepLoop:
     _fetch_failures: RateLimitedLog
     _pace_seen: float
     _feedback: ErrorFeedback | None  # --error-feedback: the codec's residual (model/error_feedback.py)
+    _compression: CompressionSpec  # --compression CODEC[:DENSITY] (model/compression.py)
+    _block_size: int
 
     def _facts(self, book: ProgressBook) -> Facts:
         pace, now = self.inner.snapshot().sec_per_step, time.time()
@@ -318,22 +322,22 @@ class OuterStepLoop:
     async def _average(self, averager: Averager, found: Matchmade) -> GroupReport | None:
         diloco, feedback = self.diloco, self._feedback
         deltas = await self.inner.call(diloco.pseudo_gradients)
-        compensated = None
-        if feedback is not None:  # what the codec dropped before goes with this step's Δ
-            compensated = await self.inner.call(feedback.compensate, deltas)
-            deltas = compensated.sent
+        # what this step sends: the residual of earlier steps with it (error feedback), only the
+        # step's chosen blocks with a density below 1
+        payload = await self.inner.call(outgoing, deltas, self._compression, feedback, self.config.run_id,
+                                        diloco.outer_step, self._block_size)  # fmt: skip
         try:
-            averaged, report = await averager.run_round(found.group, deltas, found.seconds)
+            averaged, report = await averager.run_round(found.group, payload.tensors, found.seconds)
         except AllReduceError as e:
             logger.warning("all-reduce of step %d failed: %s", diloco.outer_step, e)
             return None
         try:
-            await self.inner.call(diloco.apply_outer, averaged)
+            await self.inner.call(lambda: diloco.apply_outer(payload.unpack(averaged)))
         except ValueError as e:  # a non-finite average (never from a robust round): θ_outer stays
             logger.error("step %d: refusing the group's average, as if the round failed: %s", diloco.outer_step, e)
             return None
-        if feedback is not None and compensated is not None:
-            feedback.commit(compensated)
+        if feedback is not None and payload.compensated is not None:
+            feedback.commit(payload.compensated)
         return report
 
     async def _stepped(self, keeper: StateKeeper, step: int, report: GroupReport) -> None:

@@ -26,6 +26,7 @@ from swarm import eventloop
 from swarm.dht.config import DHTConfig
 from swarm.dht.errors import DHTError, RecordError
 from swarm.dht.node import DHTNode
+from swarm.model.compression_spec import CompressionSpec
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.errors import P2PError
 from swarm.p2p.identity import Identity
@@ -422,3 +423,16 @@ def duration(seconds: float) -> str:
     if s < 86400:
         return f"{s // 3600}h {s % 3600 // 60}m"
     return f"{s // 86400}d {s % 86400 // 3600}h"
+
+
+def compression_option(codecs: Sequence[str]) -> Callable[[click.Context, click.Parameter, str], str]:
+    """The click callback of `--compression CODEC[:DENSITY]` (model/compression_spec.py)."""
+
+    def check(ctx: click.Context, param: click.Parameter, value: str) -> str:
+        try:
+            CompressionSpec.parse(value, codecs)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+        return value
+
+    return check

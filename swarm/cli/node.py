@@ -30,6 +30,7 @@ from swarm.cli.common import (
     CliError,
     OneLineCommand,
     OpenNetworkLimits,
+    compression_option,
     identity_option,
     initial_peers_option,
     load_identity,
@@ -135,7 +136,9 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
 @_opt("min-lr-ratio", click.FloatRange(0, 1), "cosine and wsd: the final rate, as a fraction of --lr.")
 @_opt("outer-lr", click.FloatRange(0, min_open=True), "Outer SGD learning rate.")
 @_opt("outer-momentum", click.FloatRange(0, 1, max_open=True), "Outer Nesterov momentum.")
-@_opt("compression", click.Choice(CODECS), "How pseudo-gradients travel.")
+@_opt("compression", str, f"How pseudo-gradients travel: {'|'.join(CODECS)}, optionally :DENSITY, the share "
+      "of their blocks each outer step sends (e.g. int8:0.25).", callback=compression_option(CODECS),
+      metavar="CODEC[:D]")  # fmt: skip
 @_opt("error-feedback", click.FloatRange(0, 1), "Send what the codec dropped in later steps, decayed by this (0: off).")
 @_opt("max-group-size", click.IntRange(2), "Largest flat all-reduce; all ready nodes still average as one group.")
 @_opt("matchmaking-time", click.FloatRange(0, min_open=True), "Longest wait for a step's expected peers.")

@@ -48,7 +48,7 @@ import click
 
 from swarm import process_control
 from swarm.cli import sim_report
-from swarm.cli.common import CliError, OneLineCommand, positive_seconds
+from swarm.cli.common import CliError, OneLineCommand, compression_option, positive_seconds
 from swarm.cli.sim_report import (
     ALIVE,
     CANCELLED,
@@ -558,7 +558,14 @@ def parsed(ctx: click.Context, param: click.Parameter, text: str | None, parse: 
 @click.option("--inner-steps", type=click.IntRange(min=1), default=DEFAULT_INNER_STEPS, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=DEFAULT_BATCH_SIZE, show_default=True)
 @click.option("--seq-len", type=click.IntRange(min=1), default=DEFAULT_SEQ_LEN, show_default=True)
-@click.option("--compression", type=click.Choice(CODECS), default="int8", show_default=True)
+@click.option(
+    "--compression",
+    default="int8",
+    show_default=True,
+    callback=compression_option(CODECS),
+    metavar="CODEC[:D]",
+    help=f"{'|'.join(CODECS)}, optionally :DENSITY (the share of blocks each outer step sends)",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Model init seed; also seeds the churn.")
 @click.option("--lr", type=click.FloatRange(0, min_open=True), help="Peak inner learning rate. Default: swarm-node's.")
 @click.option("--warmup-steps", type=click.IntRange(min=0), help="Inner warmup steps. Default: swarm-node's.")

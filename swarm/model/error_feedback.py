@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from swarm.model.sparse_blocks import BlockSelection
 from swarm_kernels.codecs import get_codec
 
 
@@ -40,6 +41,7 @@ class Compensated:
 
     sent: list[torch.Tensor]
     residual: torch.Tensor  # flat fp32
+    compact: torch.Tensor | None = None  # with a block selection: the chosen blocks of `sent`, dense
 
 
 class ErrorFeedback:
@@ -56,23 +58,31 @@ class ErrorFeedback:
         self.decay = decay
         self.residual: torch.Tensor | None = None
 
-    def compensate(self, deltas: Sequence[torch.Tensor]) -> Compensated:
-        """`deltas` plus the (decayed) residual, as the codec will carry it, and what it drops."""
+    def compensate(self, deltas: Sequence[torch.Tensor], selection: BlockSelection | None = None) -> Compensated:
+        """`deltas` plus the (decayed) residual, as the codec will carry it, and what it drops.
+        With a block selection (sparse_blocks.py) only its blocks are carried: the others stay in
+        the residual whole."""
         flat = torch.cat([d.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for d in deltas])
         if self.residual is not None:
             if self.residual.numel() != flat.numel():
                 raise ValueError(f"a residual of {self.residual.numel()} values for {flat.numel()} parameters")
             flat.add_(self.residual, alpha=self.decay)
-        payload = self.codec.encode(flat)
-        carried = torch.zeros_like(flat)
-        self.codec.decode_accumulate(carried, payload, 1.0)
+        compact = None
+        if selection is None:
+            carried = torch.zeros_like(flat)
+            self.codec.decode_accumulate(carried, self.codec.encode(flat), 1.0)
+        else:
+            chosen = selection.gather(flat)
+            compact = torch.zeros_like(chosen)
+            self.codec.decode_accumulate(compact, self.codec.encode(chosen), 1.0)
+            carried = selection.scatter(compact)
         residual = flat.sub_(carried)  # v - q, in v's buffer
         sent, offset = [], 0
         for d in deltas:
             n = d.numel()
             sent.append(carried[offset : offset + n].view(d.shape).to(device=d.device, dtype=d.dtype))
             offset += n
-        return Compensated(sent, residual)
+        return Compensated(sent, residual, compact)
 
     def commit(self, compensated: Compensated) -> None:
         """The round averaged `compensated.sent` and the average was applied: keep what it dropped."""

@@ -1,6 +1,7 @@
-"""Error feedback in a swarm (--error-feedback): 3 SwarmNodes in one event loop over real sockets
-average what their codec carries of Δ plus their residuals, agree bit for bit at every step, keep
-a residual of their own, and checkpoint it beside (never inside) the state they serve."""
+"""Error feedback and reducible sparsity in a swarm (--error-feedback, --compression int8:0.25): 3
+SwarmNodes in one event loop over real sockets average what their codec carries of Δ plus their
+residuals (of the step's chosen blocks only, when sparse), agree bit for bit at every step, keep a
+residual of their own, and checkpoint it beside (never inside) the state they serve."""
 
 from __future__ import annotations
 
@@ -35,3 +36,17 @@ async def test_nodes_with_error_feedback_agree_and_checkpoint_their_residual(
     saved = CheckpointDir(tmp_path).load_local(manifest.step)
     assert torch.equal(saved["error_feedback/residual"], residuals[0])
     assert all("error_feedback" not in name for shard in manifest.shards for name in shard.tensors)
+
+
+async def test_sparse_steps_send_a_quarter_of_the_bytes_and_agree(local: LocalSwarm, data: TokenData) -> None:
+    bootstrap = await local.start_bootstrap()
+    honest = [local.start((bootstrap,), identity=Identity.from_seed(seed), max_outer_steps=LONG, error_feedback=1.0,
+                          compression="int8:0.25")
+              for seed in HONEST_SEEDS]  # fmt: skip
+    await finish(honest)
+    assert_agree(honest)
+    steps = [e for n in honest for s, e in n.steps().items() if s >= 1 and e["group_size"] == 3]
+    assert steps
+    full = honest[0].node.diloco.parameter_count * 1.0625 * 2 * 2 / 3  # int8 bytes a dense round sends
+    sent = sorted(e["bytes_sent"] for e in steps)
+    assert 0.15 * full < sent[len(sent) // 2] < 0.35 * full, (sent, full)  # a quarter of the blocks, and headers
