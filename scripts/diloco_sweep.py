@@ -58,6 +58,7 @@ from swarm.model.llama import build_model
 from swarm.model.loss import eval_loss
 from swarm.model.presets import preset
 from swarm.model.schedule import SCHEDULES
+from swarm.model.sparse_blocks import BlockSelection, step_seed
 from swarm.p2p.identity import Identity
 
 IDENTITY_TAG = "swarm.bench_diloco"
@@ -145,6 +146,7 @@ class Setting:
     # decay when > 0 (swarm/model/error_feedback.py)
     codec: str = "none"
     error_feedback: float = 0.0
+    density: float = 1.0  # the share of blocks each round carries (swarm/model/sparse_blocks.py)
 
     def diloco_config(self, workload: Workload) -> DiLoCoConfig:
         return DiLoCoConfig(
@@ -161,6 +163,7 @@ class Setting:
             "setting": self.name, "H": self.h.label(), "outer_lr": self.outer_lr,
             "outer_momentum": self.outer_momentum, "nesterov": self.nesterov, "lr": self.lr,
             "warmup_steps": self.warmup_steps, "codec": self.codec, "error_feedback": self.error_feedback,
+            "density": self.density,
         }  # fmt: skip
 
 
@@ -262,7 +265,14 @@ def train_diloco(
                 stats = worker.inner_step(*worker_batch(data, workload, peer, step))
                 if index == 0:
                     losses.append(stats.loss)
-        deltas = carry(feedback, [w.pseudo_gradients() for w in workers], keep=setting.error_feedback > 0)
+        selection = None
+        if setting.density < 1:  # the same blocks for every worker of the round, as in a swarm
+            numel = sum(p.numel() for p in workers[0].params)
+            selection = BlockSelection.choose(
+                numel, CODEC_BLOCK, setting.density, step_seed("sweep", workers[0].outer_step)
+            )
+        deltas = carry(feedback, [w.pseudo_gradients() for w in workers], keep=setting.error_feedback > 0,
+                       selection=selection)  # fmt: skip
         averaged = average_deltas(deltas, [w.tokens_since_outer for w in workers])
         if feedback:  # the owners' results travel through the codec too
             averaged = ErrorFeedback(setting.codec, CODEC_BLOCK).compensate(averaged).sent
@@ -280,15 +290,20 @@ def train_diloco(
 
 
 def carry(
-    feedback: Sequence[ErrorFeedback], deltas: list[list[torch.Tensor]], *, keep: bool
+    feedback: Sequence[ErrorFeedback],
+    deltas: list[list[torch.Tensor]],
+    *,
+    keep: bool,
+    selection: BlockSelection | None = None,
 ) -> list[list[torch.Tensor]]:
-    """Each worker's pseudo-gradients as its codec carries them, keeping what it drops for the
-    next round when `keep` (error feedback); unchanged without a codec."""
+    """Each worker's pseudo-gradients as its codec carries them (only the `selection`'s blocks,
+    zeros elsewhere, when given), keeping what it drops for the next round when `keep` (error
+    feedback); unchanged without a codec."""
     if not feedback:
         return deltas
     sent = []
     for ef, worker in zip(feedback, deltas, strict=True):
-        compensated = ef.compensate(worker)
+        compensated = ef.compensate(worker, selection)
         if keep:
             ef.commit(compensated)
         sent.append(compensated.sent)
