@@ -189,7 +189,7 @@ class SwarmNode(OuterStepLoop):
         keeper = StateKeeper(host, dht, self.run_info, in_trainer=self.inner.call, serve=not self.client_mode,
                              checkpoint_dir=Path(config.checkpoint_dir) if config.checkpoint_dir else None,
                              config=config.keeper_config(), on_fetch_progress=self.events.fetch_progress,
-                             vouching=initial_peer_ids(self.initial_peers))  # fmt: skip
+                             vouching=initial_peer_ids(self.initial_peers), elders=self.initial_peers)  # fmt: skip
         book = ProgressBook(dht, config.run_id, config.publish_interval)
         publisher: Supervised | None = None
         reason = "stopped"

@@ -27,18 +27,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from swarm.dht.ages import ages_known_by
 from swarm.dht.node import DHTNode
 from swarm.log_once import OncePerPeer
 from swarm.model.checkpoint import KINDS, CheckpointDir, Manifest, RunInfo, Snapshot, copy_state, make_snapshot
 from swarm.model.diloco import DiLoCo
+from swarm.p2p.errors import P2PError
 from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
+from swarm.state import trust
 from swarm.state.config import KeeperConfig
 from swarm.state.fetcher import FetchProgress, FetchReport, RefusedManifest, fetch_state, remove_fetch_dir
 from swarm.state.holders import Holder, advertise, find_holders, settled_holders
@@ -50,6 +53,10 @@ logger = logging.getLogger(__name__)
 
 InTrainer = Callable[..., Awaitable[Any]]
 MAX_REFUSED = 64  # refused manifests remembered
+MAX_ELDERS = 3  # initial peers asked how long they have known a state's holders
+AGES_TIMEOUT_S = 5.0
+AGES_KEPT_S = 30.0  # a holder not seasoned yet is asked about again after this long
+MAX_AGES = 4096
 
 
 def tensor_sizes(diloco: DiLoCo) -> dict[str, int]:
@@ -76,6 +83,7 @@ class StateKeeper:
         config: KeeperConfig,
         on_fetch_progress: Callable[[FetchProgress], None] | None = None,
         vouching: frozenset[PeerID] = frozenset(),
+        elders: Sequence[str] = (),
     ) -> None:
         self.host, self.dht, self.run, self.config = host, dht, run, config
         self.in_trainer = in_trainer
@@ -83,6 +91,9 @@ class StateKeeper:
         self.checkpoints = CheckpointDir(checkpoint_dir) if checkpoint_dir is not None else None
         self.on_fetch_progress = on_fetch_progress
         self.vouching = vouching  # the node's --initial-peers: their states are preferred (trust.py)
+        self.elders = tuple(elders)  # their addresses: asked how long they have known a state's holders
+        self._known_since: dict[PeerID, float] = {}  # peer -> when an elder first saw it (our monotonic clock)
+        self._asked: dict[PeerID, float] = {}  # peer -> when we last asked the elders about it
         self._refused: set[str] = set()  # manifests that did not fit the model: never chosen again
         # peers that advertised one: what they advertise next is not considered either (a new
         # bad manifest every step would otherwise pull honest nodes out of every group)
@@ -133,7 +144,8 @@ class StateKeeper:
         node's own state is right. Raises FetchError or IncompatibleState when a needed fetch
         fails."""
         holders = [h for h in await self._holders() if h.manifest not in self._refused]
-        verdict = choose_trusted(holders, Known(diloco.outer_step, horizon, self.vouching, missed))
+        seasoned = await self._seasoned([h.peer_id for h in holders if h.step > diloco.outer_step])
+        verdict = choose_trusted(holders, Known(diloco.outer_step, horizon, self.vouching, missed, seasoned))
         for peer, reason in verdict.refused:
             kind = "unreachable" if "reachable" in reason else "backing"
             self._distrusted.log(peer, kind, "not adopting the state it advertises: %s", reason)
@@ -181,6 +193,37 @@ class StateKeeper:
                     report.total_bytes / 1e6, len(report.bytes_by_peer), report.elapsed_s)  # fmt: skip
         await self.publish(diloco, checkpoint=True)
         return why, report
+
+    async def _seasoned(self, peers: Sequence[PeerID]) -> frozenset[PeerID]:
+        """The peers among `peers` one of our --initial-peers has known for SEASONED_S or more
+        (trust.py rule 3). A peer not seasoned yet is asked about again after AGES_KEPT_S; an
+        elder that cannot answer counts for nothing (logged at INFO)."""
+        now = time.monotonic()
+
+        def seasoned(peer: PeerID) -> bool:
+            return peer in self._known_since and now - self._known_since[peer] >= trust.SEASONED_S
+
+        ask = [
+            p for p in dict.fromkeys(peers) if not seasoned(p) and now - self._asked.get(p, -AGES_KEPT_S) >= AGES_KEPT_S
+        ]
+        if ask and self.elders:
+            elders = self.elders[:MAX_ELDERS]
+            answers = await asyncio.gather(*(ages_known_by(self.dht, maddr, ask, AGES_TIMEOUT_S) for maddr in elders),
+                                           return_exceptions=True)  # fmt: skip
+            if len(self._known_since) > MAX_AGES or len(self._asked) > MAX_AGES:
+                self._known_since.clear()
+                self._asked.clear()
+            for peer in ask:
+                self._asked[peer] = now
+            for maddr, answer in zip(elders, answers, strict=True):
+                if isinstance(answer, BaseException):
+                    if not isinstance(answer, P2PError | TimeoutError):
+                        raise answer
+                    logger.info("could not ask %s how long it has known the state's holders: %s", maddr, answer)
+                    continue
+                for peer, age in answer.items():  # the earliest sight any elder reports
+                    self._known_since[peer] = min(self._known_since.get(peer, now), now - age)
+        return frozenset(p for p in peers if seasoned(p))
 
     async def _holders(self) -> list[Holder]:
         found = await find_holders(self.dht, self.run.run_id)
