@@ -1,0 +1,169 @@
+"""An outer step that overlaps the next inner steps, simulated: what each way of applying a late
+average costs in loss (issue 14, part 3), against blocking DiLoCo at the same H.
+
+K workers as in scripts/diloco_sweep.py (one process, the same windows and schedule). In a
+swarm the all-reduce of round t runs while the nodes already train round t+1; here it "lands"
+after `delay` x H inner steps of round t+1 (1.0: the round takes a whole inner phase, the worst
+case that still overlaps fully). Then every worker computes the same θ_outer(t+1) from the same
+average (bit-identical, as in the swarm) and moves its local weights onto it, keeping what it
+trained since (so the next pseudo-gradient is exactly round t+1's progress):
+
+    blocking  the average is applied before round t+1 trains (today's swarm-node)
+    delayed   round t+1 starts from the worker's own end of round t; on landing,
+              θ_local += θ_outer(t+1) - θ_local(end of round t)    (Streaming DiLoCo's overlap)
+    eager     round t+1 starts from θ_outer(t) moved by the worker's OWN Δ_t through the outer
+              optimizer (a proxy of the average); on landing,
+              θ_local += θ_outer(t+1) - proxy                        ("eager updates")
+
+    python -m scripts.overlap_sweep --modes blocking,delayed,eager --delays 1,0.25 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from typing import Any
+
+import torch
+
+from scripts.diloco_sweep import (
+    CHEAP,
+    HSchedule,
+    Setting,
+    Workload,
+    _ScheduledDiLoCo,
+    average_deltas,
+    load_corpus,
+    train_diloco,
+    worker_batch,
+    worker_peers,
+)
+from swarm.model.data import eval_windows
+from swarm.model.llama import build_model
+from swarm.model.loss import eval_loss
+from swarm.model.presets import preset
+
+MODES = ("blocking", "delayed", "eager")
+
+
+@torch.no_grad()
+def outer_update(worker: _ScheduledDiLoCo, grads: list[torch.Tensor], *, commit: bool) -> list[torch.Tensor]:
+    """θ_outer moved by `grads` through the outer optimizer (apply_outer's arithmetic): committed
+    to θ_outer and its momentum when `commit`, else returned as new tensors (eager's proxy)."""
+    lr, mu, nesterov = worker.config.outer_lr, worker.config.outer_momentum, worker.config.nesterov
+    out = []
+    for theta, m, g in zip(worker.outer_params, worker.outer_momentum, grads, strict=True):
+        m_new = m.mul(mu).add_(g)
+        update = m_new.mul(mu).add_(g) if nesterov else m_new.clone()
+        moved = theta - update.mul_(lr)
+        if commit:
+            m.copy_(m_new)
+            theta.copy_(moved)
+        out.append(moved)
+    return out
+
+
+@torch.no_grad()
+def land(worker: _ScheduledDiLoCo, averaged: list[torch.Tensor], base: list[torch.Tensor]) -> None:
+    """The late average lands: θ_outer(t+1) from it; the local weights move by θ_outer(t+1) - base."""
+    outer_update(worker, averaged, commit=True)
+    for p, theta, b in zip(worker.params, worker.outer_params, base, strict=True):
+        p.add_(theta - b)
+    worker.outer_step += 1
+
+
+def train_overlapped(data: Any, workload: Workload, setting: Setting, mode: str, delay: float) -> tuple[float, float]:
+    """(final eval loss, seconds) of K workers whose round-t average lands `delay` x H inner steps
+    into round t+1, applied the `mode` way."""
+    peers = worker_peers(workload)
+    config = setting.diloco_config(workload)
+    workers = [_ScheduledDiLoCo(build_model(preset(workload.model), seed=workload.seed), config) for _ in peers]
+    h = setting.h.target
+    started, losses, done = time.perf_counter(), [], 0
+    pending: tuple[list[torch.Tensor], list[list[torch.Tensor]]] | None = None  # (average, each worker's base)
+    while done < workload.steps:
+        steps = min(h, workload.steps - done)
+        landing = done + (min(steps, max(1, round(delay * h))) if pending is not None else 0)
+        for worker in workers:
+            worker.config = dataclasses.replace(config, inner_steps=steps)
+            worker.steps_before, worker.inner_done, worker.tokens_since_outer = done, 0, 0
+        for step in range(done, done + steps):
+            if pending is not None and step == landing:
+                averaged, bases = pending
+                for worker, base in zip(workers, bases, strict=True):
+                    land(worker, averaged, base)
+                pending = None
+            for index, (worker, peer) in enumerate(zip(workers, peers, strict=True)):
+                stats = worker.inner_step(*worker_batch(data, workload, peer, step))
+                if index == 0:
+                    losses.append(stats.loss)
+        if pending is not None:  # the round was shorter than the delay: it lands now
+            averaged, bases = pending
+            for worker, base in zip(workers, bases, strict=True):
+                land(worker, averaged, base)
+        deltas = [w.pseudo_gradients() for w in workers]
+        averaged = average_deltas(deltas, [w.tokens_since_outer for w in workers])
+        done += steps
+        bases = []
+        for worker, delta in zip(workers, deltas, strict=True):
+            if mode == "eager":  # start the next round from our own Δ's outer step (a proxy of the average)
+                proxy = outer_update(worker, delta, commit=False)
+                with torch.no_grad():
+                    for p, q in zip(worker.params, proxy, strict=True):
+                        p.copy_(q)
+                bases.append(proxy)
+            else:
+                bases.append([p.detach().clone() for p in worker.params])
+        pending = (averaged, bases)
+        if done >= workload.steps:  # the last round: nothing left to overlap with
+            for worker, base in zip(workers, bases, strict=True):
+                land(worker, averaged, base)
+    if len({w.outer_sha256() for w in workers}) != 1:
+        raise AssertionError("workers ended with different θ_outer")
+    windows = eval_windows(data.eval, workload.seq_len, workload.eval_windows)
+    with torch.no_grad():
+        for p, theta in zip(workers[0].params, workers[0].outer_params, strict=True):
+            p.copy_(theta)  # evaluate θ_outer, as the blocking run does after its last outer step
+    return eval_loss(workers[0].model, windows), time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", default="blocking,delayed,eager")
+    parser.add_argument("--delays", default="1", help="when the average lands, as a fraction of H")
+    parser.add_argument("--h", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=CHEAP.steps)
+    parser.add_argument("--seq-len", type=int, default=CHEAP.seq_len)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    workload = Workload(steps=args.steps, seq_len=args.seq_len)
+    setting = Setting(name=f"H{args.h}", h=HSchedule(target=args.h))
+    data = load_corpus()
+    rows: list[dict[str, Any]] = []
+    blocking = None
+    for mode in args.modes.split(","):
+        for delay in [0.0] if mode == "blocking" else [float(d) for d in args.delays.split(",")]:
+            started = time.perf_counter()
+            loss = train_diloco(data, workload, setting).eval_loss if mode == "blocking" else \
+                train_overlapped(data, workload, setting, mode, delay)[0]  # fmt: skip
+            blocking = loss if mode == "blocking" else blocking
+            rows.append({"mode": mode, "delay": delay, "H": args.h, "eval_loss": round(loss, 4),
+                         "vs_blocking": round(loss / blocking, 4) if blocking else None,
+                         "seconds": round(time.perf_counter() - started, 1)})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    shape = f"{workload.workers} workers, {workload.model}, {workload.steps} inner steps, seq {workload.seq_len}"
+    print(f"\n{shape}, H {args.h}")
+    print("| mode | lands after | eval loss | vs blocking |\n|---|---:|---:|---:|")
+    for r in rows:
+        lands = "-" if r["mode"] == "blocking" else f"{r['delay']:g} H"
+        ratio = f"{r['vs_blocking']:.4f}" if r["vs_blocking"] else "-"
+        print(f"| {r['mode']} | {lands} | {r['eval_loss']:.4f} | {ratio} |")
+    if args.json:
+        print(json.dumps({"rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
