@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -95,12 +96,9 @@ def test_three_nodes_on_50mbit_links_train_and_agree(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_sigterm_stops_the_nodes_and_removes_the_links(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = _start("--nodes", "2", "--link", "20mbit", *QUICK, "--outer-steps", "1000", "--run-dir", str(run_dir))
+    proc = _start_two_linked(run_dir)
     with _removed_after(proc.pid):
-        deadline = time.monotonic() + 60
-        while len(_namespaces_of(proc.pid)) < 4 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)  # the bridge's, the bootstrap's and both nodes'
-        assert len(_namespaces_of(proc.pid)) == 4, proc.communicate()
+        _wait_for_four_namespaces(proc)
         time.sleep(1)  # the nodes are importing inside their namespaces
         proc.send_signal(signal.SIGTERM)
         code, out, err = _finish(proc, timeout=60)
@@ -114,12 +112,9 @@ def test_sigterm_stops_the_nodes_and_removes_the_links(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_a_killed_runs_nodes_and_links_go_at_the_next_start(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = _start("--nodes", "2", "--link", "20mbit", *QUICK, "--outer-steps", "1000", "--run-dir", str(run_dir))
+    proc = _start_two_linked(run_dir)
     with _removed_after(proc.pid):
-        deadline = time.monotonic() + 60
-        while len(_namespaces_of(proc.pid)) < 4 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert len(_namespaces_of(proc.pid)) == 4, proc.communicate()
+        _wait_for_four_namespaces(proc)
         os.kill(proc.pid, signal.SIGKILL)  # no chance to clean up: its nodes run on, in their namespaces
         proc.communicate(timeout=30)
         assert _leftovers(run_dir), "the killed run's nodes are expected to outlive it"
@@ -164,3 +159,16 @@ def test_without_root_one_line_and_nothing_made(flag: tuple[str, str], monkeypat
         result.output
         == f"swarm-sim: error: {flag[0]} needs root to make network namespaces and shape links (run it with sudo)\n"
     )
+
+
+def _start_two_linked(run_dir: Path) -> subprocess.Popen[str]:
+    """A long swarm-sim of 2 nodes on 20mbit links."""
+    return _start("--nodes", "2", "--link", "20mbit", *QUICK, "--outer-steps", "1000", "--run-dir", str(run_dir))
+
+
+def _wait_for_four_namespaces(proc: subprocess.Popen[str]) -> None:
+    """Until the run's 4 namespaces exist: the bridge's, the bootstrap's and both nodes'."""
+    deadline = time.monotonic() + 60
+    while len(_namespaces_of(proc.pid)) < 4 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)  # polling `ip netns`: there is no event to wait on
+    assert len(_namespaces_of(proc.pid)) == 4, proc.communicate()
