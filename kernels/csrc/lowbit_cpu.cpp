@@ -233,17 +233,41 @@ SWARM_AVX2 inline uint32_t absmax_bits_avx2(const typename In::T* x, int64_t len
   return std::max(hmax_epu31(_mm256_max_epi32(m0, m1)), absmax_bits_scalar<In>(x + i, len - i));
 }
 
-// eight codes (int32 lanes) of rule 4; thr: the thresholds broadcast
+// The thresholds as an AVX2 code needs them: int2 its one threshold broadcast; int4 a binary
+// search over its seven: T[4] broadcast, then (by the index found so far, vpermps) T[2] or T[6],
+// then T[1], T[3], T[5] or T[7]. Either counts the thresholds below t, as the scalar loop does.
+struct Thresholds {
+  __m256 first, second, third;
+};
+
+template <int BITS>
+SWARM_AVX2 inline Thresholds thresholds() {
+  const float T1 = Fmt<BITS>::thr(0);  // T[1]
+  if (BITS == 2) return {_mm256_set1_ps(T1), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  const float T2 = Fmt<BITS>::thr(1), T3 = Fmt<BITS>::thr(2), T4 = Fmt<BITS>::thr(3);
+  const float T5 = Fmt<BITS>::thr(4), T6 = Fmt<BITS>::thr(5), T7 = Fmt<BITS>::thr(6);
+  return {_mm256_set1_ps(T4), _mm256_setr_ps(T2, 0, 0, 0, T6, 0, 0, 0), _mm256_setr_ps(T1, 0, T3, 0, T5, 0, T7, 0)};
+}
+
+SWARM_AVX2 inline __m256i above(__m256 t, __m256 threshold) {  // t > T: all ones (-1) per lane
+  return _mm256_castps_si256(_mm256_cmp_ps(t, threshold, _CMP_GT_OQ));
+}
+
+// eight codes (int32 lanes) of rule 4
 template <int BITS, class In>
-SWARM_AVX2 inline __m256i codes8(const typename In::T* x, __m256 inv, const __m256* thr) {
+SWARM_AVX2 inline __m256i codes8(const typename In::T* x, __m256 inv, const Thresholds& thr) {
   const __m256i xb = load8_bits(x);
   const __m256 t = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(xb, _mm256_set1_epi32(int(kAbsMask)))), inv);
-  const __m256i nonzero = _mm256_castps_si256(_mm256_cmp_ps(t, thr[0], _CMP_GT_OQ));  // m > 0: t > T[1]
-  __m256i m = _mm256_sub_epi32(_mm256_setzero_si256(), nonzero);  // t > T: all ones (-1), so m -= mask
-  for (int j = 1; j + 1 < Fmt<BITS>::kMags; ++j)
-    m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(t, thr[j], _CMP_GT_OQ)));
+  __m256i m;
+  if (BITS == 2) {
+    m = _mm256_sub_epi32(_mm256_setzero_si256(), above(t, thr.first));
+  } else {
+    m = _mm256_and_si256(above(t, thr.first), _mm256_set1_epi32(4));
+    m = _mm256_or_si256(m, _mm256_and_si256(above(t, _mm256_permutevar8x32_ps(thr.second, m)), _mm256_set1_epi32(2)));
+    m = _mm256_sub_epi32(m, above(t, _mm256_permutevar8x32_ps(thr.third, m)));
+  }
   const __m256i sign = _mm256_and_si256(_mm256_srai_epi32(xb, 31), _mm256_set1_epi32(int(Fmt<BITS>::kSign)));
-  return _mm256_or_si256(m, _mm256_and_si256(sign, nonzero));
+  return _mm256_or_si256(m, _mm256_andnot_si256(_mm256_cmpeq_epi32(m, _mm256_setzero_si256()), sign));
 }
 
 // 32 codes -> 32 / k bytes at out: the codes as 32 bytes in order, then each k of them summed
@@ -269,8 +293,7 @@ template <int BITS, class In>
 SWARM_AVX2 int64_t quantize_blocks_avx2(const typename In::T* x, int64_t n, int64_t block, int64_t k0, int64_t k1,
                                         uint8_t* packed, float* scales) {
   constexpr int K = Fmt<BITS>::kPerByte;
-  __m256 thr[Fmt<BITS>::kMags - 1];
-  for (int j = 0; j + 1 < Fmt<BITS>::kMags; ++j) thr[j] = _mm256_set1_ps(Fmt<BITS>::thr(j));
+  const Thresholds thr = thresholds<BITS>();
   int64_t bad = -1;
   for (int64_t k = k0; k < k1; ++k) {
     const int64_t start = k * block, len = std::min(block, n - start);
