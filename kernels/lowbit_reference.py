@@ -22,25 +22,31 @@ or bf16 widened exactly to fp32), blocks ``x[j*B : (j+1)*B]`` (the last one may 
 6. Fused accumulate with weight w (rounded once to fp32 ``w32``, finite):
    ``acc_i = fp32(acc_i + fp32(w32 * v_i))``.
 
-The grids G (magnitudes of |x| / absmax; their fp32 bits are GRID_BITS below):
+The grids G (magnitudes of |x| / absmax; INT4 and INT2 below hold their fp32 bits):
 
 - int4: ``0, 0.0751, 0.1663, 0.2738, 0.4003, 0.5516, 0.7405, 1``: codes -7..7;
 - int2: ``0, 0.4``: ternary, values ``{-0.4, 0, +0.4} * absmax``.
 
-Why these grids (relative RMS error ``|x - v| / |x|``, blocks of 64, equal bytes per parameter;
-scripts/bench_codec.py prints these figures for the shipped grids): int4's grid was fitted by
-Lloyd-Max (1-D k-means) to |x| / absmax of gaussian, Laplace, Student-t(3) and gaussian x
-lognormal samples, with 0 and 1 pinned. Against the plain absmax grid k/7 it cuts the error from
-0.108 to 0.098 on gaussian data, 0.181 to 0.123 on Student-t(3), 0.184 to 0.125 on the
-lognormal mixture, and 0.113 to 0.099 on real DiLoCo pseudo-gradients (a tiny Llama, 50 AdamW
-steps; not used in the fit); at blocks of 256 the gains grow (pseudo-gradients 0.145 -> 0.114).
-int2 keeps 0 on its grid: grids without 0 ({±1/3, ±1}, or a Lloyd fit) gave errors above 1 on
-heavy-tailed data (worse than sending nothing), while with 0 on the grid |x_i - v_i| <= |x_i|
-(up to rounding) always holds. Its level 0.4 (the ternary threshold 0.2 * absmax) against the
-plain absmax ternary {-1, 0, 1} cuts the error from 0.72 to 0.45 (gaussian), 0.68 to 0.58
-(Student-t(3)) and 0.70 to 0.47 (pseudo-gradients); 0.4 was the best level within 0.02 from
-blocks of 64 to 1024. int8 at blocks of 64 errs 0.006 (gaussian), 0.011 (t3), 0.006
-(pseudo-gradients) for 1.0625 bytes a parameter; int4 sends 0.5625 and int2 0.3125.
+Why these grids (relative RMS error ``|x - v| / |x|`` of one encoding, at equal bytes: the same
+block size B; "pseudo-gradients": 50 AdamW steps of a tiny Llama, theta_before - theta_after, not
+used in any fit). int4's grid was fitted by Lloyd-Max (1-D k-means) to |x| / absmax of blocks of
+64 of gaussian, Laplace, Student-t(3) and gaussian x lognormal samples, with 0 and 1 pinned.
+Against the plain absmax grid k/7 (codes -7..7 on a uniform grid):
+
+    int4, B = 64      gaussian 0.108 -> 0.098   t(3) 0.181 -> 0.123   pseudo-gradients 0.113 -> 0.099
+    int4, B = 4096    gaussian 0.159 -> 0.121   t(3) 0.530 -> 0.351   pseudo-gradients 0.230 -> 0.153
+
+int2 keeps 0 on its grid: grids without 0 (``{±1/3, ±1}``, or a Lloyd fit) erred above 1 on
+heavy-tailed data (worse than sending nothing); with 0 on the grid and nearest rounding,
+|x_i - v_i| <= |x_i| (up to rounding) always. Against the plain absmax ternary {-1, 0, 1}:
+
+    int2, B = 64      gaussian 0.718 -> 0.454   t(3) 0.681 -> 0.584   pseudo-gradients 0.705 -> 0.468
+
+The level 0.4 is within 0.015 of the best level tried (0.25-0.5) on pseudo-gradients at blocks
+of 64 and 256 (the averaging's default block is 64); at blocks of 1024-4096 a level of 0.25-0.3
+would err 0.02-0.08 less: int2 wants small blocks. For scale: int8 errs 0.006 (gaussian), 0.011
+(t(3)), 0.006 (pseudo-gradients) at B = 64, for 1.0625 bytes a parameter; int4 sends 0.5625 and
+int2 0.3125 (0.501 and 0.251 at B = 4096).
 
 Wire layout (little-endian): ``scales fp32[ceil(n/B)]`` then ``ceil(n/k)`` bytes of codes; the
 code of element i sits in byte ``i // k`` at bits ``[b*(i % k), b*(i % k) + b)`` (the first

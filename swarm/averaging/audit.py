@@ -78,7 +78,8 @@ MAX_BUCKETS = 1 << 16
 QUANTIZATION_TOL = 0.03  # int8 blocks of 64 round by ~0.6% (rms); a lie of 3% of the norm is caught
 # The low-bit codecs round far coarser (swarm_kernels/lowbit_reference.py; relative RMS error of
 # one encoding): int4 ~0.10-0.13 at blocks of 64, up to ~0.35 on heavy-tailed data at blocks of
-# 4096; int2 ~0.45-0.60 at 64, ~0.75 at 4096, and never above 1 (0 is on its grid: |x - v| <= |x|).
+# 4096; int2 ~0.45-0.60 at 64, up to ~0.83 at 4096, and never above 1 (0 is on its grid:
+# |x - v| <= |x|).
 # With 0.03 every honest owner failed. The audit then catches only lies beyond these: with int4
 # a result off by more than half its norm, with int2 a sign flip or a scaled result (the -100x
 # owner, by its norm), not a part zeroed or shrunk by an owner.
