@@ -44,7 +44,8 @@ def check_block_size(block_size: int, fmt: Format | str) -> int:
 
 
 def resolve_impl(impl: str | None, device: torch.device) -> str:
-    """ "reference" or "cpu": int8.resolve_impl's choice, with "gpu" meaning the reference."""
+    """The implementation that runs for tensors on ``device``, "reference" or "cpu": int8's
+    choice (int8.resolve_impl), with "gpu" meaning the reference (there is no GPU kernel)."""
     name = _int8.resolve_impl(impl, device)
     return "reference" if name == "gpu" else name
 

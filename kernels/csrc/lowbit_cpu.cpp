@@ -6,8 +6,8 @@
 // byte), so threads that take different blocks never share a byte, and the bytes do not depend
 // on the thread count.
 //
-// Codes are sign-magnitude: m | sign, with m the index of a grid magnitude G[m] (lowbit_reference
-// GRID_BITS). A block's values are fp32(G[m] * scale), so each block's table of kMags products
+// Codes are sign-magnitude: m | sign, with m the index of a grid magnitude G[m] (lowbit_reference.py
+// INT4 / INT2). A block's values are fp32(G[m] * scale), so each block's table of kMags products
 // is computed once and every element looks its value up (AVX2: one vpermps) and flips its sign.
 //
 // Returns (no exception crosses the C boundary):
