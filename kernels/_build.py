@@ -1,7 +1,8 @@
 """Build (once) and load the C++ CPU extension.
 
-The extension is compiled by ``torch.utils.cpp_extension.load`` into a cache directory keyed by
-a hash of the source, the compiler flags, the torch and Python versions and the machine:
+The extension (csrc/int8_cpu.cpp and csrc/lowbit_cpu.cpp, one library) is compiled by
+``torch.utils.cpp_extension.load`` into a cache directory keyed by a hash of the sources, the
+compiler flags, the torch and Python versions and the machine:
 
     $TORCH_EXTENSIONS_DIR/swarm_kernels/int8_cpu-<key>/   if TORCH_EXTENSIONS_DIR is set, else
     ${XDG_CACHE_HOME:-~/.cache}/swarm_kernels/int8_cpu-<key>/
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "int8_cpu.cpp"
+LOWBIT_SOURCE = SOURCE.with_name("lowbit_cpu.cpp")  # the int4 / int2 codecs
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-fvisibility=hidden")
 LDFLAGS = ("-fopenmp",)
 BUILD_WAIT_S = 600.0
@@ -47,8 +49,14 @@ def cache_root() -> Path:
     return Path(base) / "swarm_kernels"
 
 
+def sources() -> list[Path]:
+    return [SOURCE, LOWBIT_SOURCE]
+
+
 def build_key() -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for source in sources():
+        h.update(source.read_bytes() + b"\0")
     for part in (*CFLAGS, "|", *LDFLAGS, torch.__version__, sys.version, platform.machine(), sys.platform):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
@@ -110,7 +118,7 @@ def load_extension(verbose: bool = False) -> ctypes.CDLL:
 
         cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in sources()],
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(build_dir),

@@ -1,6 +1,7 @@
-"""The CPU implementation: thin ctypes bindings to csrc/int8_cpu.cpp (built by _build.py).
+"""The CPU implementation: thin ctypes bindings to csrc/int8_cpu.cpp and csrc/lowbit_cpu.cpp
+(one library, built by _build.py).
 
-The callers (int8.py) have already checked dtypes, lengths, devices, contiguity and scale
+The callers (int8.py, lowbit.py) have already checked dtypes, lengths, devices, contiguity and scale
 alignment; this module only passes addresses. ctypes releases the GIL for each call, so encode
 and decode in worker threads run beside the event loop; inside a call at::parallel_for spreads
 the blocks over torch's intra-op threads (torch.set_num_threads).
@@ -15,8 +16,9 @@ import warnings
 
 import torch
 
-from . import _build, reference
+from . import _build, lowbit_reference, reference
 from .errors import MalformedPayload
+from .lowbit_reference import Format
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,11 @@ _SIGNATURES = {
     "swarm_int8_quantize_bf16": ([_P, _I64, _I64, _P, _P], _I64),
     "swarm_int8_dequantize": ([_P, _P, _I64, _I64, _P, _P], ctypes.c_int),
     "swarm_int8_dequantize_accumulate": ([_P, _P, _P, _I64, _I64, ctypes.c_float, _P], ctypes.c_int),
+    "swarm_lowbit_simd": ([], ctypes.c_int),
+    "swarm_lowbit_set_simd": ([ctypes.c_int], ctypes.c_int),
+    "swarm_lowbit_quantize": ([ctypes.c_int, ctypes.c_int, _P, _I64, _I64, _P, _P], _I64),
+    "swarm_lowbit_dequantize": ([ctypes.c_int, _P, _P, _I64, _I64, _P, _P], ctypes.c_int),
+    "swarm_lowbit_dequantize_accumulate": ([ctypes.c_int, _P, _P, _P, _I64, _I64, ctypes.c_float, _P], ctypes.c_int),
     "swarm_sketch_f32": ([_P, _I64, _I64, _I64, _P, _P, _P, _P], ctypes.c_int),
     "swarm_sketch_i8": ([_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P], ctypes.c_int),
 }
@@ -75,12 +82,13 @@ def build_error() -> str | None:
 def simd() -> str:
     """'avx2' or 'scalar': the loop set the extension runs."""
     lib = _require()
-    return "avx2" if lib.swarm_int8_simd() else "scalar"
+    return "avx2" if lib.swarm_int8_simd() and lib.swarm_lowbit_simd() else "scalar"
 
 
 def set_simd(avx2: bool) -> str:
     """Tests only (not thread-safe): force the scalar loops, or back to AVX2 where supported."""
     _require().swarm_int8_set_simd(int(avx2))
+    _require().swarm_lowbit_set_simd(int(avx2))
     return simd()
 
 
@@ -127,6 +135,54 @@ def dequantize_accumulate(
     )
     if status:
         _raise_malformed(status, where.value)
+
+
+def lowbit_quantize_into(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, block_size: int, fmt: Format
+) -> None:
+    """lowbit.py's contract: x flat contiguous fp32 or bf16, packed uint8[ceil(n/k)], scales fp32
+    (aligned), block_size a multiple of the codes a byte."""
+    bf16 = int(x.dtype == torch.bfloat16)
+    k = _require().swarm_lowbit_quantize(
+        fmt.bits, bf16, x.data_ptr(), x.numel(), block_size, packed.data_ptr(), scales.data_ptr()
+    )
+    if k < -1:
+        raise RuntimeError(f"swarm_kernels CPU {fmt.name} quantize failed inside the extension ({k})")
+    if k >= 0:
+        raise lowbit_reference.nonfinite_error(fmt, x.reshape(-1))
+
+
+def _raise_lowbit(fmt: Format, status: int, where: int, numel: int) -> None:
+    if status == 1:
+        raise MalformedPayload(f"{fmt.name} payload: scale {where} is negative, non-finite or out of range")
+    if status == 2:
+        raise MalformedPayload(f"{fmt.name} payload: code {where} is -0 (the sign bit alone)")
+    if status == 3:
+        raise MalformedPayload(f"{fmt.name} payload: the padding bits after code {numel - 1} are not 0")
+    raise RuntimeError(f"swarm_kernels CPU {fmt.name} decode failed inside the extension (status {status})")
+
+
+def lowbit_dequantize_into(
+    packed: torch.Tensor, scales: torch.Tensor, block_size: int, out: torch.Tensor, fmt: Format
+) -> None:
+    where = ctypes.c_int64(0)
+    status = _require().swarm_lowbit_dequantize(
+        fmt.bits, packed.data_ptr(), scales.data_ptr(), out.numel(), block_size, out.data_ptr(), ctypes.byref(where)
+    )
+    if status:
+        _raise_lowbit(fmt, status, where.value, out.numel())
+
+
+def lowbit_dequantize_accumulate(
+    acc: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, w32: float, block_size: int, fmt: Format
+) -> None:
+    where = ctypes.c_int64(0)
+    status = _require().swarm_lowbit_dequantize_accumulate(
+        fmt.bits, acc.data_ptr(), packed.data_ptr(), scales.data_ptr(), acc.numel(), block_size, w32,
+        ctypes.byref(where),
+    )  # fmt: skip
+    if status:
+        _raise_lowbit(fmt, status, where.value, acc.numel())
 
 
 def sketch_accumulate(

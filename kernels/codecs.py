@@ -1,6 +1,6 @@
 """Codecs for the averaging layer: a flat fp32 vector <-> one byte buffer on the wire.
 
-    codec = get_codec("int8", block_size=4096)          # or "fp16", "none" (or "bnb8" on CUDA)
+    codec = get_codec("int8", block_size=4096)          # or "int4", "int2", "fp16", "none" ("bnb8" on CUDA)
     payload = codec.encode(x)                           # uint8 tensor, contiguous
     sock.send(as_memoryview(payload))                   # zero-copy (no numpy needed)
     codec.decode_accumulate(acc, received, weight)      # acc += weight * decode(received)
@@ -8,12 +8,16 @@
 Wire layouts (little-endian; ``encoded_nbytes(n)`` is their exact length):
 
 - ``int8``: ``scales fp32[ceil(n/B)]`` then ``codes int8[n]`` (reference.py is the spec);
+- ``int4`` / ``int2``: ``scales fp32[ceil(n/B)]`` then the codes packed 2 / 4 a byte, first in
+  the low bits (lowbit_reference.py is the spec); B must be a multiple of 2 / 4;
 - ``fp16``: ``half[n]`` (IEEE binary16, round to nearest even);
 - ``none``: ``fp32[n]``.
 
-Chunking: encoding a slice ``x[a:b]`` whose start ``a`` is a multiple of the block size gives
-the whole vector's scales ``[a/B : ceil(b/B)]`` followed by its codes ``[a:b]`` (for fp16/none,
-simply the byte slice), so a sender may encode a big vector chunk by chunk.
+Chunking: encoding a slice ``x[a:b]`` whose start ``a`` is a multiple of the block size and
+whose end ``b`` is one too (or the vector's end) gives the whole vector's scales
+``[a/B : ceil(b/B)]`` followed by its codes ``[a:b]`` (int4 / int2: its code bytes
+``[a/k : ceil(b/k)]``, k codes a byte: B is a multiple of k, so a block starts on a byte; for
+fp16/none simply the byte slice), so a sender may encode a big vector chunk by chunk.
 
 Decoding checks the length and every value (MalformedPayload) before it writes anything, so a
 sender's garbage never reaches the accumulator. Encoding refuses NaN, inf and values the codec
@@ -33,11 +37,13 @@ from typing import ClassVar
 import torch
 
 from . import int8 as _int8
+from . import lowbit as _lowbit
 from .errors import KernelUnavailable, MalformedPayload, NonFiniteError
+from .lowbit_reference import INT2, INT4, Format
 from .reference import DEFAULT_BLOCK_SIZE, num_blocks, to_fp32_weight
 
 Payload = bytes | bytearray | memoryview | torch.Tensor
-CODECS = ("int8", "fp16", "none")
+CODECS = ("int8", "int4", "int2", "fp16", "none")
 FP16_MAX = 65504.0
 
 if sys.byteorder != "little":  # pragma: no cover - the layouts above are native views
@@ -168,6 +174,65 @@ class Int8Codec(Codec):
         return _int8.dequantize(codes, scales, self.block_size, impl=self.impl, out=out)
 
 
+@dataclass(frozen=True, slots=True)
+class _LowBitCodec(Codec):
+    """Blockwise absmax on a lookup grid, codes packed below a byte (lowbit_reference.py)."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    impl: str | None = None  # None: SWARM_KERNELS_IMPL, else by device (lowbit.resolve_impl)
+    fmt: ClassVar[Format]
+
+    def __post_init__(self) -> None:
+        _lowbit.check_block_size(self.block_size, self.fmt)
+        if self.impl is not None and self.impl not in (*_int8.IMPLS, "auto"):
+            raise ValueError(f"impl={self.impl!r}: expected one of {', '.join((*_int8.IMPLS, 'auto'))}")
+
+    def encoded_nbytes(self, numel: int) -> int:
+        return self.fmt.nbytes(numel, self.block_size)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        x = _flat_input(x)
+        nb = num_blocks(x.numel(), self.block_size)
+        out = torch.empty(self.encoded_nbytes(x.numel()), dtype=torch.uint8, device=x.device)
+        _lowbit.quantize(
+            x, self.fmt, self.block_size, impl=self.impl, out=(out[4 * nb :], out[: 4 * nb].view(torch.float32))
+        )
+        return out
+
+    def _split(self, payload: Payload, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        buf = as_uint8(payload)
+        _check_length(buf, self.encoded_nbytes(numel), self.name, numel)
+        buf = buf.to(device)
+        nb = num_blocks(numel, self.block_size)
+        return buf[4 * nb :], _view_as(buf[: 4 * nb], torch.float32)
+
+    def decode_accumulate(self, acc: torch.Tensor, payload: Payload, weight: float) -> None:
+        acc = _check_acc(acc)
+        packed, scales = self._split(payload, acc.numel(), acc.device)
+        _lowbit.dequantize_accumulate(acc, packed, scales, weight, self.fmt, self.block_size, impl=self.impl)
+
+    def decode(self, payload: Payload, numel: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        device = out.device if out is not None else torch.device("cpu")
+        packed, scales = self._split(payload, numel, device)
+        return _lowbit.dequantize(packed, scales, numel, self.fmt, self.block_size, impl=self.impl, out=out)
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Codec(_LowBitCodec):
+    """Codes -7..7 on a fitted grid: n/2 + 4*ceil(n/B) bytes, ~7x smaller than fp32."""
+
+    name: ClassVar[str] = "int4"
+    fmt: ClassVar[Format] = INT4
+
+
+@dataclass(frozen=True, slots=True)
+class Int2Codec(_LowBitCodec):
+    """Ternary {-0.4, 0, 0.4} * absmax: n/4 + 4*ceil(n/B) bytes, ~13x smaller than fp32."""
+
+    name: ClassVar[str] = "int2"
+    fmt: ClassVar[Format] = INT2
+
+
 class _RawCodec(Codec):
     """fp16 / fp32 values as they are; every decoded value must be finite."""
 
@@ -231,10 +296,15 @@ class NoneCodec(_RawCodec):
 
 
 def get_codec(name: str, *, block_size: int = DEFAULT_BLOCK_SIZE, impl: str | None = None) -> Codec:
-    """The codec called ``name``: "int8" (block_size, impl apply), "fp16", "none", or "bnb8"
-    (bitsandbytes' blockwise dynamic 8-bit; needs CUDA and bitsandbytes)."""
+    """The codec called ``name``: "int8", "int4", "int2" (block_size, impl apply; int4 / int2 need
+    a block size that is a multiple of 2 / 4), "fp16", "none", or "bnb8" (bitsandbytes' blockwise
+    dynamic 8-bit; needs CUDA and bitsandbytes)."""
     if name == "int8":
         return Int8Codec(block_size=block_size, impl=impl)
+    if name == "int4":
+        return Int4Codec(block_size=block_size, impl=impl)
+    if name == "int2":
+        return Int2Codec(block_size=block_size, impl=impl)
     if name == "fp16":
         return Fp16Codec()
     if name == "none":

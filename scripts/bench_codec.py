@@ -1,8 +1,10 @@
-"""Benchmark of the int8 codec (swarm_kernels): quantize and the fused dequantize_accumulate,
-per implementation, next to the machine's memcpy bandwidth measured in the same run, and with
-``--compare hivemind`` hivemind's Uniform8BitQuantization (and bitsandbytes where installed).
+"""Benchmark of the codecs (swarm_kernels): int8, and the low-bit int4 and int2: quantize and
+the fused dequantize_accumulate, per implementation, next to the machine's memcpy bandwidth
+measured in the same run, and with ``--compare hivemind`` hivemind's Uniform8BitQuantization
+(and bitsandbytes where installed).
 
-    python -m scripts.bench_codec                      # table, medians of --repeat runs
+    python -m scripts.bench_codec                      # tables, medians of --repeat runs
+    python -m scripts.bench_codec --codecs int4,int2 --impl cpu --block-size 64
     python -m scripts.bench_codec --compare hivemind   # + hivemind 1.1.12 (pip extra "bench")
     python -m scripts.bench_codec --json               # one JSON object
 
@@ -22,8 +24,14 @@ of load on a shared machine hits every number alike.
 - bitsandbytes: ``functional.quantize_blockwise`` and ``dequantize_blockwise`` + ``add_``,
   on the device where the other numbers are taken (CPU here), when it runs there.
 
+- int4 / int2 (``swarm_kernels.lowbit``): the same two workloads on the packed codes; their
+  rows (JSON keys ``int4_cpu_quantize_GBps`` ...) also give the bytes a parameter on the wire
+  and the relative RMS error ``|x - decode(encode(x))| / |x|`` on gaussian data (the timed
+  vector) and on heavy-tailed data (gaussian x lognormal: ``randn * exp(randn)``), int8's too.
+
 Each implementation's codes, scales and accumulator are checked against the reference's
-(bit for bit) in the same run. Targets (issue 4): cpu >= 50% of memcpy, >= 3x hivemind.
+(bit for bit) in the same run. Targets: int8 (issue 4) cpu >= 50% of memcpy, >= 3x hivemind;
+int4 / int2 (issue 15) cpu >= 50% of memcpy.
 """
 
 from __future__ import annotations
@@ -38,11 +46,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from swarm_kernels import available_impls, dequantize_accumulate, quantize
+from swarm_kernels import available_impls, dequantize_accumulate, get_codec, lowbit, quantize
 from swarm_kernels.reference import num_blocks
 
 WEIGHT = 0.25
 HIVEMIND_PART_BYTES = 2**19  # hivemind's DecentralizedAverager part_size_bytes default
+LOWBIT = ("int4", "int2")
+ERROR_ELEMENTS = 1 << 22  # the error figures' sample size (at most)
 
 
 Timer = tuple[Callable[[], object], Callable[[], None]]  # (workload, sync after it)
@@ -93,6 +103,44 @@ def impl_timers(impl: str, x: torch.Tensor, block: int) -> tuple[dict[str, Timer
         f"{impl}_quantize": (lambda: quantize(x, block, impl=impl, out=(codes, scales)), sync),
         f"{impl}_dequant_acc": (lambda: dequantize_accumulate(acc, codes, scales, WEIGHT, block, impl=impl), sync),
     }, outputs
+
+
+def lowbit_timers(name: str, impl: str, x: torch.Tensor, block: int) -> tuple[dict[str, Timer], Callable[[], tuple]]:
+    """Timers of the low-bit codec ``name`` for one implementation, and its outputs' function."""
+    fmt = lowbit.FORMATS[name]
+    packed = torch.empty(fmt.packed_nbytes(x.numel()), dtype=torch.uint8)
+    scales = torch.empty(num_blocks(x.numel(), block), dtype=torch.float32)
+    acc = torch.zeros_like(x)
+
+    def outputs() -> tuple:
+        p, s = lowbit.quantize(x, fmt, block, impl=impl)
+        check = torch.zeros_like(x)
+        lowbit.dequantize_accumulate(check, p, s, WEIGHT, fmt, block, impl=impl)
+        return p, s, check
+
+    def quantize_into() -> None:
+        lowbit.quantize(x, fmt, block, impl=impl, out=(packed, scales))
+
+    def accumulate() -> None:
+        lowbit.dequantize_accumulate(acc, packed, scales, WEIGHT, fmt, block, impl=impl)
+
+    return {
+        f"{name}_{impl}_quantize": (quantize_into, _no_sync),
+        f"{name}_{impl}_dequant_acc": (accumulate, _no_sync),
+    }, outputs
+
+
+def codec_figures(name: str, block: int, n: int) -> dict[str, float]:
+    """Bytes a parameter and relative RMS errors (gaussian, heavy-tailed) of a codec."""
+    codec = get_codec(name, block_size=block)
+    g = torch.Generator().manual_seed(1)
+    samples = {"gaussian": torch.randn(n, generator=g)}
+    samples["heavy"] = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))
+    figures = {f"{name}_bytes_per_param": codec.encoded_nbytes(n) / n}
+    for kind, x in samples.items():
+        v = codec.decode(codec.encode(x), n)
+        figures[f"{name}_rel_error_{kind}"] = float((x.double() - v.double()).norm() / x.double().norm())
+    return figures
 
 
 def hivemind_timers(x: torch.Tensor) -> dict[str, Timer]:
@@ -154,15 +202,20 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     notes: list[str] = []
     result: dict[str, Any] = {"elements": args.elements, "block_size": args.block_size}
     result["threads"] = torch.get_num_threads()
+    codecs = args.codecs.split(",")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.elements, generator=g)
     timers = memcpy_timers(args.elements)
     impls = [i for i in args.impl.split(",") if i in available_impls()]
     notes += [f"{i}: not available here" for i in args.impl.split(",") if i not in impls]
-    outputs = {}
-    for impl in impls:
+    outputs: dict[str, Callable[[], tuple]] = {}
+    for impl in impls if "int8" in codecs else []:
         more, outputs[impl] = impl_timers(impl, x.cuda() if impl == "gpu" else x, args.block_size)
         timers.update(more)
+    for name in (c for c in LOWBIT if c in codecs):
+        for impl in (i for i in impls if i != "gpu"):  # no GPU kernel: CUDA tensors run the reference
+            more, outputs[f"{name}_{impl}"] = lowbit_timers(name, impl, x, args.block_size)
+            timers.update(more)
     if args.compare == "hivemind":
         timers.update(hivemind_timers(x))
         more, why = bitsandbytes_timers(x, args.block_size)
@@ -171,13 +224,18 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     gb = args.elements * 4 / 1e9
     result.update({f"{name}_GBps": gb / seconds for name, seconds in interleaved_medians(timers, args.repeat).items()})
     result["memcpy_GBps"] = max(result["torch_copy_GBps"], result["numpy_copyto_GBps"])
-    if "reference" in outputs:
-        expected = outputs["reference"]()
-        for impl, produce in outputs.items():
-            same = impl == "reference" or all(torch.equal(a, b) for a, b in zip(produce(), expected, strict=True))
-            result[f"{impl}_bit_identical"] = same
-            if not same:
-                notes.append(f"{impl}: results DIFFER from the reference")
+    for prefix in ("", *(f"{c}_" for c in LOWBIT)):
+        if f"{prefix}reference" not in outputs:
+            continue
+        expected = outputs[f"{prefix}reference"]()
+        for key, produce in outputs.items():
+            if key.startswith(prefix) and (prefix or key in impls) and not key.endswith("reference"):
+                same = all(torch.equal(a.cpu(), b) for a, b in zip(produce(), expected, strict=True))
+                result[f"{key}_bit_identical"] = same
+                if not same:
+                    notes.append(f"{key}: results DIFFER from the reference")
+    for name in codecs:
+        result.update(codec_figures(name, args.block_size, min(args.elements, ERROR_ELEMENTS)))
     return result, notes
 
 
@@ -236,23 +294,68 @@ def print_table(r: dict[str, Any], notes: list[str]) -> None:
         console.print(f"note: {note}")
 
 
+def print_lowbit_table(r: dict[str, Any]) -> None:
+    """int4 / int2 next to int8 (cpu): speed, bytes a parameter, error."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=130)
+    mem = r["memcpy_GBps"]
+    table = Table(
+        title=f"low-bit codecs, {r['elements']:,} fp32 elements, block {r['block_size']}, {r['threads']} threads "
+        "(GB/s of fp32 input, medians; errors: |x - decoded| / |x|)"
+    )
+    for col in ("codec", "quantize", "% memcpy", "dequant+acc", "% memcpy", "bytes/param", "err gauss", "err heavy"):
+        table.add_column(col, justify="left" if col == "codec" else "right", no_wrap=True)
+    lowest = None
+    for name in ("int8", *LOWBIT):
+        if f"{name}_bytes_per_param" not in r:
+            continue
+        for impl in ("reference", "cpu"):
+            prefix = impl if name == "int8" else f"{name}_{impl}"
+            q, d = r.get(f"{prefix}_quantize_GBps"), r.get(f"{prefix}_dequant_acc_GBps")
+            if q is None:
+                continue
+            if impl == "cpu" and name != "int8":
+                lowest = min(lowest or q, q, d)
+            same = "" if r.get(f"{prefix}_bit_identical", True) else " (DIFFERS)"
+            table.add_row(
+                f"{name} {impl}{same}",
+                f"{q:.2f}",
+                f"{100 * q / mem:.0f}%",
+                f"{d:.2f}",
+                f"{100 * d / mem:.0f}%",
+                f"{r[f'{name}_bytes_per_param']:.4f}",
+                f"{r[f'{name}_rel_error_gaussian']:.4f}",
+                f"{r[f'{name}_rel_error_heavy']:.4f}",
+            )
+    console.print(table)
+    if lowest is not None:
+        met = "met" if lowest >= 0.5 * mem else "NOT met"
+        console.print(f"target int4 / int2 cpu >= 50% of memcpy ({mem:.2f} GB/s): {met} ({100 * lowest / mem:.0f}%)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--elements", type=int, default=64 * 2**20, help="fp32 elements (default 64M)")
     parser.add_argument("--block-size", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per number; medians are reported")
     parser.add_argument("--impl", default="reference,cpu,gpu", help="comma-separated; missing ones are skipped")
+    parser.add_argument("--codecs", default="int8,int4,int2", help="comma-separated, of int8, int4, int2")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--compare", choices=["hivemind"], help="also time hivemind's Uniform8BitQuantization")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args()
     if args.elements < 1 or args.repeat < 1:
         parser.error("--elements and --repeat must be positive")
+    if not set(args.codecs.split(",")) <= {"int8", *LOWBIT}:
+        parser.error(f"--codecs: expected some of int8, {', '.join(LOWBIT)}")
     result, notes = run(args)
     if args.json:
         print(json.dumps(result | ({"notes": notes} if notes else {})))
     else:
         print_table(result, notes)
+        print_lowbit_table(result)
 
 
 if __name__ == "__main__":

@@ -76,11 +76,24 @@ MIN_BUCKETS = 16
 AUDIT_BYTES = 1 / 128  # receipts add at most ~2 x this of the round's bytes (see audit_buckets)
 MAX_BUCKETS = 1 << 16
 QUANTIZATION_TOL = 0.03  # int8 blocks of 64 round by ~0.6% (rms); a lie of 3% of the norm is caught
+# The low-bit codecs round far coarser (swarm_kernels/lowbit_reference.py; relative RMS error of
+# one encoding): int4 ~0.10-0.13 at blocks of 64, up to ~0.35 on heavy-tailed data at blocks of
+# 4096; int2 ~0.45-0.60 at 64, up to ~0.83 at 4096, and never above 1 (0 is on its grid:
+# |x - v| <= |x|).
+# With 0.03 every honest owner failed. The audit then catches only lies beyond these: with int4
+# a result off by more than half its norm, with int2 a sign flip or a scaled result (the -100x
+# owner, by its norm), not a part zeroed or shrunk by an owner.
+CODEC_TOL = {"int4": 0.5, "int2": 1.0}
 SKETCH_SIGMAS = 8.0  # Gram entries may differ from the sketch estimate by this many standard errors
 # A Gram entry the sketches disagree with is only suspect: on structured vectors (a few large
 # coordinates colliding in a bucket) the sketch's estimate can be far off for an honest owner
 # (seen in a real tiny-model run), so it is logged, never a reason to fail a round or exclude.
 SUSPECT = "suspect:"
+
+
+def quantization_tol(codec: str) -> float:
+    """check_receipt's relative slack for the rounding of `codec` (AveragingConfig.codec)."""
+    return CODEC_TOL.get(codec, QUANTIZATION_TOL)
 
 
 class AuditFailure(Exception):
@@ -195,11 +208,13 @@ def check_receipt(
     included: Sequence[int] | None = None,
     members: int | None = None,
     prepared: Prepared | None = None,
+    tolerance: float = QUANTIZATION_TOL,
 ) -> list[str]:
     """What is wrong with an owner's receipt for part `part` (empty: nothing). `weights` are the
     members' agreed weights, `result` the decoded result of the part, `mine` this member's own
     exact fp32 slice of it (when it contributed), `included` the members the result's header
-    says it includes (the rule, recomputed, must keep exactly those). Pure; run it in a worker
+    says it includes (the rule, recomputed, must keep exactly those), `tolerance` the relative
+    slack for the codec's rounding (quantization_tol). Pure; run it in a worker
     thread. `members`: the group's size, which sets the sketch width (audit_buckets; None: the
     full width, BUCKETS). `prepared`: the sketches of `result` and `mine` computed beforehand
     (`prepare`, while the round went on)."""
@@ -245,14 +260,12 @@ def check_receipt(
     # relative to the result's exact norm too: a structured result can sketch far below its norm
     # while its int8 rounding does not, which made honest owners fail
     scale = max(float(observed.norm()), float(claimed.norm()), math.sqrt(max(result_sq, 0.0)))
-    if float((observed - claimed).norm()) > QUANTIZATION_TOL * scale + 1e-30:
+    if float((observed - claimed).norm()) > tolerance * scale + 1e-30:
         problems.append("the result is not the robust reduction the receipt describes")
     # Exact, seed-free: |result|^2 = a^T G a. A lie the sketch could miss for one lucky seed (a
     # few huge coordinates an owner re-rolls its result for) cannot keep the result's norm.
     expected_sq = math.fsum(coefficients[k] * coefficients[m] * gram[k][m] for k in live for m in live)
-    if math.isfinite(result_sq) and abs(result_sq - expected_sq) > (
-        2 * QUANTIZATION_TOL * max(expected_sq, 0.0) + 1e-30
-    ):
+    if math.isfinite(result_sq) and abs(result_sq - expected_sq) > (2 * tolerance * max(expected_sq, 0.0) + 1e-30):
         problems.append("the result's norm is not the norm of the reduction the receipt describes")
     # our own input is one the rule drops when its squared norm is not finite in fp32 (1e30s):
     # nothing an owner wrote of it can be checked against it, and blaming the owner would split
@@ -261,9 +274,9 @@ def check_receipt(
     if me is not None and mine is not None and me in receipt.included and own_checkable:
         k = receipt.included.index(me)
         own, own_sq = prepared.own, prepared.own_sq
-        if abs(gram[k][k] - own_sq) > 2 * QUANTIZATION_TOL * own_sq + 1e-30:
+        if abs(gram[k][k] - own_sq) > 2 * tolerance * own_sq + 1e-30:
             problems.append("the receipt misstates our contribution's norm")
-        if float((own - sk[k]).norm()) > QUANTIZATION_TOL * max(float(own.norm()), math.sqrt(own_sq)) + 1e-30:
+        if float((own - sk[k]).norm()) > tolerance * max(float(own.norm()), math.sqrt(own_sq)) + 1e-30:
             problems.append("the receipt misstates our contribution")
     return problems
 

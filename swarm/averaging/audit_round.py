@@ -56,6 +56,7 @@ from swarm.averaging.audit import (
     audit_buckets,
     check_receipt,
     part_seed,
+    quantization_tol,
     result_digest,
     sketch_plan,
 )
@@ -128,7 +129,7 @@ def prepare_part(
 
 def check(
     raw: bytes, *, members: int, weights: list[float], included: list[int], result: torch.Tensor,
-    seed: bytes, part: int, me: int, mine: torch.Tensor, prepared: Prepared,
+    seed: bytes, part: int, me: int, mine: torch.Tensor, prepared: Prepared, tolerance: float,
 ) -> list[str]:  # fmt: skip
     """What is wrong with a fetched receipt (worker thread); AuditFailure when it is malformed."""
     try:
@@ -137,7 +138,7 @@ def check(
         raise AuditFailure(f"unreadable receipt: {type(e).__name__}") from None
     receipt = Receipt.decode(msg, members)
     return check_receipt(receipt, weights=weights, result=result, seed=seed, part=part, me=me, mine=mine,
-                         included=included, members=members, prepared=prepared)  # fmt: skip
+                         included=included, members=members, prepared=prepared, tolerance=tolerance)  # fmt: skip
 
 
 class RoundAudit:
@@ -255,6 +256,7 @@ class RoundAudit:
             problems = await asyncio.to_thread(
                 check, bytes(raw), members=len(r.group.members), weights=r.weights, included=r.final[j][0],
                 result=r.result[lo:hi], seed=seed, part=j, me=r.me, mine=r.vector[lo:hi], prepared=prepared,
+                tolerance=quantization_tol(r.config.codec),
             )  # fmt: skip
         except AuditFailure as e:
             return Verdict(j, k, "inconsistent", str(e))

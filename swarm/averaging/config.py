@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-CODECS = ("int8", "fp16", "none")
+CODECS = ("int8", "int4", "int2", "fp16", "none")
+# int4 / int2 pack 2 / 4 codes a byte, so their block_size must be a multiple of that (this module
+# stays free of torch: swarm_kernels.lowbit_reference.FORMATS says the same, a test checks it)
+CODES_PER_BYTE = {"int4": 2, "int2": 4}
 AGGREGATORS = ("robust", "mean")
 
 
@@ -21,7 +24,8 @@ class AveragingConfig:
     request_timeout: float = 5.0  # one matchmaking request; also how long a leader waits for joins
     # all-reduce
     codec: str = "int8"
-    block_size: int = 64  # int8 codec: elements per scale (64: 1/4 of hivemind's error for 6% more bytes)
+    # int8 / int4 / int2 codecs: elements per scale (int8 at 64: 1/4 of hivemind's error for 6% more bytes)
+    block_size: int = 64
     chunk_elements: int = 1 << 21  # elements per chunk on the wire (2 MiB of int8)
     bandwidth: float = 100.0  # MB/s this node announces; parts are split in proportion to it
     client_mode: bool = False  # accepts no inbound connections: owns no part, still contributes
@@ -58,3 +62,7 @@ class AveragingConfig:
             raise ValueError("AveragingConfig.max_weight must be positive")
         if self.block_size <= 0 or self.chunk_elements <= 0 or self.chunk_elements % self.block_size:
             raise ValueError("chunk_elements must be a positive multiple of block_size")
+        if self.block_size % CODES_PER_BYTE.get(self.codec, 1):
+            raise ValueError(
+                f"AveragingConfig.block_size must be a multiple of {CODES_PER_BYTE[self.codec]} for {self.codec}"
+            )

@@ -73,7 +73,7 @@ GRACE_S = 10.0  # between SIGTERM and SIGKILL when stopping the children
 # swarm.model.presets.PRESETS and swarm.averaging.config.CODECS, written out: importing either pulls in
 # torch, seconds before a bad flag can be answered (tests/cli/test_sim.py checks that they match)
 MODELS = ("tiny", "small", "150m", "1b")
-CODECS = ("int8", "fp16", "none")
+CODECS = ("int8", "int4", "int2", "fp16", "none")
 
 # The demo (`swarm-sim` with no options), measured on a 2-core laptop CPU: see the README.
 DEFAULT_NODES = 3

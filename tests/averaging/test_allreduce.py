@@ -35,15 +35,32 @@ async def test_int8_rounds_agree_bit_for_bit_and_stay_within_the_error_bound(mak
         assert report.bytes_sent > 0 and report.bytes_received > 0
 
 
-@pytest.mark.parametrize("codec", ["none", "fp16"])
+@pytest.mark.parametrize("codec", ["none", "fp16", "int4", "int2"])
 async def test_other_codecs(make_group: MakeGroup, codec: str) -> None:
     group, members = await make_group(3, codec=codec, block_size=1024, chunk_elements=4096, **EXACT)
     vectors = inputs(3, 10_000)
     outcomes = await run_round(group, members, vectors)
     results = [o[0] for o in outcomes]  # type: ignore[index]
     assert all(torch.equal(r, results[0]) for r in results)
+    mean = exact_mean(vectors, group)
+    if codec in ("int4", "int2"):  # relative RMS error: each sender's, then the owner's encoding of the result
+        error = ((results[0].double() - mean).norm() / mean.norm()).item()
+        assert 0 < error <= {"int4": 0.2, "int2": 0.7}[codec]
+        return
     tolerance = 1e-5 if codec == "none" else 2e-2
-    assert torch.allclose(results[0].double(), exact_mean(vectors, group), rtol=tolerance, atol=tolerance)
+    assert torch.allclose(results[0].double(), mean, rtol=tolerance, atol=tolerance)
+
+
+def test_the_low_bit_codecs_config_rules_match_the_kernels() -> None:
+    from swarm.averaging.config import CODECS, CODES_PER_BYTE, AveragingConfig
+    from swarm_kernels import CODECS as KERNEL_CODECS
+    from swarm_kernels.lowbit_reference import FORMATS
+
+    assert set(CODECS) <= set(KERNEL_CODECS)
+    assert {name: f.codes_per_byte for name, f in FORMATS.items()} == CODES_PER_BYTE
+    assert AveragingConfig(codec="int2", block_size=64).codec == "int2"
+    with pytest.raises(ValueError, match="multiple of 4"):
+        AveragingConfig(codec="int2", block_size=66, chunk_elements=66 * 100)
 
 
 async def test_a_client_mode_member_contributes_but_owns_no_part(make_group: MakeGroup) -> None:

@@ -196,7 +196,7 @@ def test_an_absurd_contribution_may_overflow_the_gram_matrix_an_honest_one_may_n
     assert "the receipt misstates our contribution's norm" in problems
 
 
-@pytest.mark.parametrize("codec_name", ["int8", "fp16"])
+@pytest.mark.parametrize("codec_name", ["int8", "int4", "int2", "fp16"])
 def test_a_payload_is_sketched_as_its_decoded_values(codec_name: str) -> None:
     """sketch_payload_accumulate (straight from the int8 codes) equals decode-then-sketch, with
     and without AVX2, and returns the decoded values' squared norm."""

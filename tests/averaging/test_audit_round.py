@@ -67,8 +67,9 @@ def lie_when_owner_is(liar: AllReduceRound, monkeypatch: pytest.MonkeyPatch, how
         monkeypatch.setattr(reduction.PartReduction, "_robust", substituting)
 
 
-async def test_an_honest_round_passes_the_audit_bit_identically(make_group: MakeGroup) -> None:
-    group, members = await make_group(5, clients=1, weights=[1.0, 2.0, 1.0, 1.5, 1.0], **SMALL)
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
+async def test_an_honest_round_passes_the_audit_bit_identically(make_group: MakeGroup, codec: str) -> None:
+    group, members = await make_group(5, clients=1, weights=[1.0, 2.0, 1.0, 1.5, 1.0], codec=codec, **SMALL)
     outcomes = await run_all(rounds_of(group, members, deltas(5)))
     for outcome in outcomes:
         assert not isinstance(outcome, BaseException), outcome
@@ -79,10 +80,11 @@ async def test_an_honest_round_passes_the_audit_bit_identically(make_group: Make
     assert all(o[1].bytes_received > 0 for o in outcomes)
 
 
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
 async def test_an_owner_that_broadcasts_a_lie_fails_the_round_and_is_excluded(
-    make_group: MakeGroup, monkeypatch: pytest.MonkeyPatch
+    make_group: MakeGroup, monkeypatch: pytest.MonkeyPatch, codec: str
 ) -> None:
-    group, members = await make_group(5, weights=[1.0] * 5, **SMALL)
+    group, members = await make_group(5, weights=[1.0] * 5, codec=codec, **SMALL)
     vectors = deltas(5)
     rounds = rounds_of(group, members, vectors)
     liar = 2
@@ -108,10 +110,11 @@ async def test_an_owner_that_broadcasts_a_lie_fails_the_round_and_is_excluded(
     assert all(o[1].audit_excluded == [] for o in outcomes)
 
 
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
 async def test_an_owner_that_substitutes_our_input_is_caught_by_us_alone(
-    make_group: MakeGroup, monkeypatch: pytest.MonkeyPatch
+    make_group: MakeGroup, monkeypatch: pytest.MonkeyPatch, codec: str
 ) -> None:
-    group, members = await make_group(4, weights=[1.0] * 4, **SMALL)
+    group, members = await make_group(4, weights=[1.0] * 4, codec=codec, **SMALL)
     rounds = rounds_of(group, members, deltas(4, seed=1))
     liar = 3
     lie_when_owner_is(rounds[liar], monkeypatch, "substitute")

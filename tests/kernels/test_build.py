@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm_kernels import _build, as_memoryview, dequantize_accumulate, quantize
+from swarm_kernels import _build, as_memoryview, dequantize_accumulate, get_codec, quantize
 
 KERNELS = Path(_build.__file__).resolve().parent
 ROOT = Path(__file__).resolve().parents[2]  # so that the probes import tests.kernels
@@ -40,13 +40,19 @@ print(json.dumps({
 
 
 def digest(impl: str | None) -> str:
-    """sha256 of quantize and dequantize_accumulate results on a fixed input."""
+    """sha256 of quantize and dequantize_accumulate results on a fixed input (int8, int4, int2)."""
     g = torch.Generator().manual_seed(42)
     x = torch.randn(300_001, generator=g) * torch.exp(torch.randn(300_001, generator=g) * 3)
     codes, scales = quantize(x, 1024, impl=impl)
     acc = torch.randn(300_001, generator=g)
     dequantize_accumulate(acc, codes, scales, 0.125, 1024, impl=impl)
-    return hashlib.sha256(b"".join(as_memoryview(t) for t in (codes, scales, acc))).hexdigest()
+    outputs = [codes, scales, acc]
+    for name in ("int4", "int2"):
+        codec = get_codec(name, block_size=1024, impl=impl)
+        payload = codec.encode(x)
+        codec.decode_accumulate(acc, payload, 0.125)
+        outputs += [payload, acc.clone()]
+    return hashlib.sha256(b"".join(as_memoryview(t) for t in outputs)).hexdigest()
 
 
 def _probe(env: dict[str, str]) -> subprocess.Popen[str]:

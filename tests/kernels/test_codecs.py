@@ -45,7 +45,13 @@ def test_encoded_length_and_type(codec, n: int) -> None:
     payload = codec.encode(sample(n, n))
     assert payload.dtype == torch.uint8 and payload.dim() == 1 and payload.is_contiguous()
     assert payload.numel() == codec.encoded_nbytes(n)
-    expected = {"int8": n + 4 * num_blocks(n, 1024), "fp16": 2 * n, "none": 4 * n}[codec.name]
+    expected = {
+        "int8": n + 4 * num_blocks(n, 1024),
+        "int4": (n + 1) // 2 + 4 * num_blocks(n, 1024),
+        "int2": (n + 3) // 4 + 4 * num_blocks(n, 1024),
+        "fp16": 2 * n,
+        "none": 4 * n,
+    }[codec.name]
     assert codec.encoded_nbytes(n) == expected
 
 
@@ -102,10 +108,11 @@ def test_chunk_encode_equals_slice_of_whole(codec) -> None:
     decoded = []
     for a, b in itertools.pairwise(bounds):
         chunk = codec.encode(x[a:b])
-        if codec.name == "int8":
+        if codec.name in ("int8", "int4", "int2"):
+            k = {"int8": 1, "int4": 2, "int2": 4}[codec.name]  # codes a byte
             nb_all, ka, kb = num_blocks(x.numel(), 1024), a // 1024, num_blocks(b, 1024)
             scales = whole[4 * ka : 4 * kb]
-            codes = whole[4 * nb_all + a : 4 * nb_all + b]
+            codes = whole[4 * nb_all + a // k : 4 * nb_all + -(-b // k)]
             assert torch.equal(chunk, torch.cat([scales, codes]))
         else:
             size = codec.encoded_nbytes(1)
@@ -127,8 +134,8 @@ def test_wrong_length_refused(codec) -> None:
 
 def test_bad_values_refused_and_acc_untouched(codec) -> None:
     payload = codec.encode(sample(N, 8)).clone()
-    if codec.name == "int8":
-        payload[4 * num_blocks(N, 1024) + 5] = 0x80  # code -128
+    if codec.name in ("int8", "int4", "int2"):
+        payload[4 * num_blocks(N, 1024) + 5] = {"int8": 0x80, "int4": 0x08, "int2": 0x02}[codec.name]  # code "-0"
         bad_payloads = [payload]
         scales_bad = codec.encode(sample(N, 8)).clone()
         scales_bad[:4].view(torch.float32)[0] = float("nan")
@@ -173,7 +180,7 @@ def test_int8_round_trip_bound_through_the_codec(impl: str) -> None:
 
 def test_get_codec_and_arguments() -> None:
     with pytest.raises(ValueError, match="unknown codec"):
-        get_codec("int4")
+        get_codec("int3")
     with pytest.raises(ValueError, match="block_size"):
         get_codec("int8", block_size=0)
     with pytest.raises(ValueError, match="impl"):

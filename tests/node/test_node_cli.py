@@ -172,7 +172,7 @@ def _one_error_line(result: subprocess.CompletedProcess[str]) -> str:
     [
         (["--inner-steps", "0"], "--inner-steps"),
         (["--model", "huge"], "--model"),
-        (["--compression", "int4"], "--compression"),
+        (["--compression", "int3"], "--compression"),
         (["--initial-peers", "/ip4/1.2.3/tcp/1"], "--initial-peers"),
         (["--seq-len", "100000"], "seq_len"),
         (["--outer-momentum", "1.5"], "--outer-momentum"),
