@@ -14,9 +14,10 @@ from swarm.averaging import matchmaking
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.matchmaking import Matchmade, Matchmaker
 from swarm.averaging.messages import GroupInfo, MemberInfo
-from swarm.averaging.ready import group_order
+from swarm.averaging.ready import ReadyView, group_order
 from swarm.dht import DHTNode
 from swarm.p2p import P2PConfig, P2PHost
+from tests.waiting import until
 
 LOCAL = P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))
 FAST = {"matchmaking_time": 1.5, "request_timeout": 2.0}
@@ -80,6 +81,18 @@ async def form(peers: list[Peer], step: int, **kwargs: object) -> list[Matchmade
     return list(await asyncio.gather(*(p.matchmaker.form_group(step, p.me(), **kwargs) for p in peers)))
 
 
+async def board_shows(reader: Peer, step: int, owners: list[Peer], kind: str) -> ReadyView:
+    """The ready set of `step` as `reader` reads it from the DHT, once it shows each of `owners`
+    as `kind` ("ready": announced, so gathering; "done": its DONE marker, stored in the background)."""
+    wanted = {p.host.peer_id for p in owners}
+
+    async def look() -> ReadyView | None:
+        view = await reader.matchmaker.board.read(step)
+        return view if wanted <= set(getattr(view, kind)) else None
+
+    return await until(look, 10, f"{len(wanted)} peers {kind} at step {step}")
+
+
 async def test_eight_nodes_form_one_group_and_stop_gathering_once_everyone_is_in(make_peers: MakePeers) -> None:
     peers = await make_peers(8, matchmaking_time=20.0)
     everyone = frozenset(p.host.peer_id for p in peers)
@@ -128,7 +141,7 @@ async def test_members_of_another_state_are_not_mixed_in(make_peers: MakePeers) 
 async def test_a_node_that_arrives_while_the_others_gather_joins_their_group(make_peers: MakePeers) -> None:
     peers = await make_peers(4)
     on_time = [asyncio.ensure_future(p.matchmaker.form_group(6, p.me())) for p in peers[:3]]
-    await asyncio.sleep(0.7)  # well inside their 1.5 s window: a short gather lands in their view
+    await board_shows(peers[3], 6, peers[:3], "ready")  # they announced: they gather for 1.5 s, it arrives now
     as_client = dataclasses.replace(peers[3].me(), maddrs=(), bandwidth=0.0, client=True)  # as swarm-node joins
     late = await peers[3].matchmaker.form_group(6, as_client, gather=0.2)
     groups = await asyncio.gather(*on_time)
@@ -139,8 +152,7 @@ async def test_a_node_that_arrives_while_the_others_gather_joins_their_group(mak
 async def test_a_leader_that_dies_mid_matchmaking_is_replaced(make_peers: MakePeers) -> None:
     peers = await make_peers(4)
     tasks = [asyncio.ensure_future(p.matchmaker.form_group(3, p.me())) for p in peers]
-    await asyncio.sleep(0.6)  # all announced; nobody has decided yet
-    view = await peers[0].matchmaker.board.read(3)
+    view = await board_shows(peers[0], 3, peers, "ready")  # all announced; nobody decides before 1.5 s
     leader = group_order(list(view.ready), 3)[0]
     dying = next(p for p in peers if p.host.peer_id == leader)
     tasks[peers.index(dying)].cancel()
@@ -164,22 +176,35 @@ async def test_a_failed_round_lets_the_step_be_matchmade_again(make_peers: MakeP
     assert len(check_agreement([f.group for f in await form(peers, 4)], peers)) == 1
     for p in peers:
         p.matchmaker.round_failed(4)
-    await asyncio.sleep(0.5)  # the DONE markers are stored in the background
+    await board_shows(peers[0], 4, peers, "done")  # the DONE markers (stored in the background) replaced FORMED
     again = await form(peers, 4)
     assert len(check_agreement([f.group for f in again], peers)) == 1
 
 
-async def test_nodes_that_retry_apart_still_meet_though_each_sees_the_others_done_marker(make_peers: MakePeers) -> None:
-    """Each found no group (DONE markers stored), then matchmakes again 0.6 s after the other,
-    expecting the other: a DONE marker must not end the gathering at once (it did, and 3 nodes
-    stayed apart for minutes, each deciding "alone" on the others' DONE)."""
+async def test_nodes_that_retry_apart_still_meet_though_each_sees_the_others_done_marker(
+    make_peers: MakePeers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each found no group (DONE markers stored), then matchmakes again, expecting the other: the
+    second only once the first, gathering, has read the second's DONE marker. A DONE marker must
+    not end the gathering at once (it did, and 3 nodes stayed apart for minutes, each deciding
+    "alone" on the others' DONE)."""
     peers = await make_peers(2, matchmaking_time=4.0)
     for p in peers:  # each alone in turn: both leave DONE for step 7
         assert (await p.matchmaker.form_group(7, p.me(), gather=0.2, expected=frozenset())).group is None
-    await asyncio.sleep(0.5)  # the DONE markers are stored in the background
+    await board_shows(peers[0], 7, peers, "done")  # the DONE markers are stored in the background
+    saw_done = asyncio.Event()
+    board, read = peers[0].matchmaker.board, peers[0].matchmaker.board.read
+
+    async def spied_read(step: int) -> ReadyView:  # the first's reads while it gathers
+        view = await read(step)
+        if peers[0].host.peer_id in view.ready and peers[1].host.peer_id in view.done:
+            saw_done.set()
+        return view
+
+    monkeypatch.setattr(board, "read", spied_read)
     expect = [frozenset({peers[1].host.peer_id}), frozenset({peers[0].host.peer_id})]
     first = asyncio.ensure_future(peers[0].matchmaker.form_group(7, peers[0].me(), expected=expect[0]))
-    await asyncio.sleep(0.6)
+    await asyncio.wait_for(saw_done.wait(), 10)  # the first has read the second's DONE since it announced
     second = await peers[1].matchmaker.form_group(7, peers[1].me(), expected=expect[1])
     formed = check_agreement([(await first).group, second.group], peers)
     assert len(formed) == 1 and len(formed[0].members) == 2

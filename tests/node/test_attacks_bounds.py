@@ -31,6 +31,7 @@ from swarm.state import fetcher
 from swarm.state.holders import advertise
 from swarm.state.server import StateServer
 from tests.node.inprocess import LOCAL, QUICK, LocalSwarm, Running
+from tests.waiting import until as until_true
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 
@@ -60,9 +61,9 @@ async def finish(
         reached = all(max(n.steps(), default=-1) >= STEPS - 1 for n in honest)
         return reached and all(fetches(n) for n in newcomers) and until()
 
-    try:
-        await asyncio.wait_for(_until(done), timeout)
-    except asyncio.TimeoutError:
+    try:  # the nodes' event lists are plain lists the nodes append to: nothing to wait on but a look
+        await until_true(done, timeout, "the steps", poll=0.1)
+    except AssertionError:
         raise AssertionError(f"not done in {timeout}s: {[story(n) for n in [*honest, *newcomers]]}") from None
     early = [story(n) for n in [*honest, *newcomers] if n.task.done()]
     assert not early, f"a node exited: {early}"
@@ -255,7 +256,7 @@ def assert_fetched_only_swarm_states(nodes: list[Running]) -> None:
 
 async def until_stepped(nodes: list[Running], timeout: float = 60) -> None:
     """Until every node has done (or fetched past) a step: a pace is known."""
-    await asyncio.wait_for(_until(lambda: all(n.steps() for n in nodes)), timeout)
+    await until_true(lambda: all(n.steps() for n in nodes), timeout, "a step of every node", poll=0.1)
 
 
 async def test_attack_d_a_state_at_step_a_million_is_never_adopted(local: LocalSwarm, data: TokenData) -> None:
@@ -342,9 +343,3 @@ async def test_attack_f_absurd_progress_records_do_not_slow_or_redirect_steps(
     assert_fetched_only_swarm_states(honest)
     assert step_s < clean["step_s"] + max_wait / 2, f"{step_s:.1f}s per step, {clean['step_s']:.1f}s without"
     assert_within_clean(honest, clean)
-
-
-async def _until(condition: Any) -> None:
-    """Poll the nodes' event lists (plain lists the nodes append to: no event to wait on)."""
-    while not condition():  # noqa: ASYNC110
-        await asyncio.sleep(0.1)

@@ -11,6 +11,7 @@ import pytest
 
 from swarm.averaging.matchmaking import Matchmade
 from tests.node.inprocess import LocalSwarm
+from tests.waiting import until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 
@@ -21,7 +22,7 @@ async def test_a_node_stopped_after_its_group_formed_finishes_the_round(local: L
     settings: dict[str, Any] = dict(max_outer_steps=20, part_timeout=60.0, inner_steps=30, matchmaking_time=2.0)
     a = local.start((bootstrap,), **settings)
     b = local.start((bootstrap,), **settings)
-    await asyncio.wait_for(_until(lambda: 0 in a.steps() and 0 in b.steps()), 120)  # paces known
+    await until(lambda: 0 in a.steps() and 0 in b.steps(), 120, "a step of each", poll=0.1)  # paces known
     stopped_at: list[tuple[int, float]] = []
     matchmake = b.node._matchmake
 
@@ -36,14 +37,6 @@ async def test_a_node_stopped_after_its_group_formed_finishes_the_round(local: L
     assert await asyncio.wait_for(b.task, 90) == "stopped"
     step, when = stopped_at[0]
     assert step in b.steps() and b.steps()[step]["group_size"] == 2  # b finished its round
-    await asyncio.wait_for(_until(lambda: step in a.steps()), 30)
+    await until(lambda: step in a.steps(), 30, f"a to finish step {step}", poll=0.1)
     assert a.steps()[step]["group_size"] == 2 and a.steps()[step]["state_sha256"] == b.steps()[step]["state_sha256"]
     assert time.monotonic() - when < 30, "a waited for a part b never sent (part_timeout is 60 s)"
-
-
-async def _until(condition: Any) -> None:
-    """Until the nodes' recorded events satisfy `condition` (callers bound it with wait_for)."""
-    while True:
-        if condition():
-            return
-        await asyncio.sleep(0.1)

@@ -24,17 +24,11 @@ from swarm.p2p.admission import (
 from swarm.p2p.budget import credit_to_grant, may_open_stream
 from tests.p2p.attacks import Flood, buffered_on, connections_of, echo, honest_pings, sources, stream_flood
 from tests.p2p.rawpeer import RawPeer
+from tests.waiting import until
 
 KiB, MiB = 1024, 1024 * 1024
 PINGS = 25
 MIN_ANSWERED = 24  # >= 95% of PINGS
-
-
-async def wait_until(condition: Callable[[], bool], timeout: float) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 class Sampler:
@@ -70,7 +64,7 @@ async def test_silent_sockets_from_many_addresses_do_not_lock_out_honest_peers(m
     async with Flood(maddr, sources(1, 8), 8, handshake=False, pause=0.001) as flood:
 
         async def all_slots_held() -> None:  # so that every honest handshake has to take one
-            await wait_until(lambda: len(server._handshaking) >= 64, 10)
+            await until(lambda: len(server._handshaking) >= 64, 10, "64 handshakes pending", poll=0.02)
 
         async with Sampler(lambda: len(server._gate.pending)) as pending:  # a dropped one is gone at once
             answered = await honest_pings(maddr, PINGS, before_each=all_slots_held)
@@ -99,7 +93,7 @@ async def test_throwaway_identities_do_not_lock_out_honest_peers_nor_evict_usefu
     async with Flood(maddr, sources(1, 4), 20, handshake=True) as flood:
 
         async def full() -> None:  # so that every honest connection has to take a slot
-            await wait_until(lambda: len(connections_of(server)) >= 48, 20)
+            await until(lambda: len(connections_of(server)) >= 48, 20, "48 connections", poll=0.02)
 
         async with Sampler(lambda: len(connections_of(server))) as open_conns, Sampler(per_source) as biggest:
             answered = await honest_pings(maddr, PINGS, before_each=full)
@@ -144,7 +138,9 @@ async def test_streams_nobody_reads_pin_only_their_initial_window(make_host) -> 
     maddr = server.visible_maddrs[0]
     flood = await stream_flood(attacker, maddr, "t.later", streams=64, nbytes=1 * MiB)
     bound = 64 * 256 * KiB  # streams x the default initial window: 16 MiB, not 64 x 1 MiB
-    await wait_until(lambda: buffered_on(server) >= bound or all(w.done() for _, w in flood), 10)
+    await until(
+        lambda: buffered_on(server) >= bound or all(w.done() for _, w in flood), 10, "the buffers to fill", poll=0.02
+    )
     async with Sampler(lambda: buffered_on(server)) as buffered:
         answered = await honest_pings(maddr, PINGS)
     assert buffered.peak <= bound, f"{buffered.peak / MiB:.1f} MiB buffered by handlers that do not read"
@@ -217,7 +213,7 @@ async def test_past_the_host_stream_limit_a_flooder_is_busy_and_others_get_their
     server.add_stream_handler("t.wait", wait)
     maddr = server.visible_maddrs[0]
     held = [await flooder.open_stream(maddr, "t.wait") for _ in range(8)]  # the host's whole limit
-    await wait_until(lambda: server._host_streams.open == 8, 5)
+    await until(lambda: server._host_streams.open == 8, 5, "8 streams open", poll=0.02)
     async with await flooder.open_stream(maddr, "t.wait") as extra:
         with pytest.raises(RemoteError) as info:
             await extra.read(timeout=5)
@@ -229,7 +225,7 @@ async def test_past_the_host_stream_limit_a_flooder_is_busy_and_others_get_their
     for stream in held:
         await stream.end()
         assert await stream.read(timeout=5) is None
-    await wait_until(lambda: server._host_streams.open == 0, 5)
+    await until(lambda: server._host_streams.open == 0, 5, "every stream closed", poll=0.02)
 
 
 # --- the pure decisions, as tables ------------------------------------------------------------

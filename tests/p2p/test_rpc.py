@@ -22,6 +22,7 @@ from swarm.p2p import (
     parse_maddr,
 )
 from tests.p2p.conftest import local_config
+from tests.waiting import until
 
 
 async def echo(ctx: CallContext, args: Any) -> Any:
@@ -70,7 +71,7 @@ async def test_timeout_raises_and_cancels_the_handler(make_host) -> None:
 
     async def hang(ctx: CallContext, args: Any) -> None:
         try:
-            await asyncio.sleep(60)
+            await asyncio.sleep(60)  # the behaviour under test: a handler that hangs (the timeout cancels it)
         except asyncio.CancelledError:
             cancelled.set()
             raise
@@ -148,14 +149,17 @@ async def test_message_too_large_both_ways(make_host) -> None:
 async def test_concurrency_limit_answers_busy(make_host) -> None:
     a, b = await make_host(), await make_host(max_concurrent_calls=4)
     release = asyncio.Event()
+    running: list[int] = []
 
     async def wait(ctx: CallContext, args: Any) -> int:
+        running.append(args)
         await release.wait()
         return args
 
     b.add_handler("t.wait", wait)
     calls = [asyncio.ensure_future(a.call(b.visible_maddrs[0], "t.wait", i)) for i in range(10)]
-    await asyncio.sleep(0.3)
+    # every call has reached b: its handler runs, or b has answered it (busy)
+    await until(lambda: len(running) + sum(c.done() for c in calls) == len(calls), 10, "b to take all 10 calls")
     release.set()
     results = await asyncio.gather(*calls, return_exceptions=True)
     busy = [r for r in results if isinstance(r, RemoteError) and r.code == ErrorCode.BUSY]
@@ -166,7 +170,7 @@ async def test_handler_deadline_answers_timeout(make_host) -> None:
     a, b = await make_host(), await make_host(handler_timeout=0.2)
 
     async def hang(ctx: CallContext, args: Any) -> None:
-        await asyncio.sleep(30)
+        await asyncio.sleep(30)  # the behaviour under test: a handler past b's deadline (b cancels it at 0.2 s)
 
     b.add_handler("t.hang", hang)
     with pytest.raises(RemoteError) as info:
@@ -196,13 +200,15 @@ async def test_unreachable_peer_and_unknown_peer_id(make_host) -> None:
 
 async def test_peer_closing_fails_pending_calls_with_connection_lost(make_host) -> None:
     a, b = await make_host(), await make_host()
+    started = asyncio.Event()
 
     async def hang(ctx: CallContext, args: Any) -> None:
-        await asyncio.sleep(30)
+        started.set()
+        await asyncio.sleep(30)  # the behaviour under test: a call still pending when b closes (the close cancels it)
 
     b.add_handler("t.hang", hang)
     call = asyncio.ensure_future(a.call(b.visible_maddrs[0], "t.hang", None, timeout=10))
-    await asyncio.sleep(0.2)
+    await asyncio.wait_for(started.wait(), 5)  # the call is in b's handler
     await b.close()
     with pytest.raises(ConnectionLost):
         await call
@@ -214,8 +220,7 @@ async def test_idle_connections_are_closed(make_host) -> None:
     b.add_handler("t.echo", echo)
     await a.call(b.visible_maddrs[0], "t.echo", None)
     assert a.connected_peers() == [b.peer_id]
-    await asyncio.sleep(1.6)
-    assert a.connected_peers() == [] and b.connected_peers() == []
+    await until(lambda: a.connected_peers() == [] and b.connected_peers() == [], 10, "the idle connection to close")
     assert (await a.call(b.visible_maddrs[0], "t.echo", 1))["args"] == 1  # re-dials
 
 
@@ -226,7 +231,6 @@ async def test_close_is_idempotent_and_leaves_no_tasks() -> None:
         await asyncio.gather(*(a.call(b.visible_maddrs[0], "t.echo", i) for i in range(20)))
     await a.close()
     await b.close()
-    await asyncio.sleep(0)
     assert {t for t in asyncio.all_tasks() - before if not t.done()} <= {asyncio.current_task()}
 
 

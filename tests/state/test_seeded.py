@@ -15,6 +15,7 @@ from swarm.node_config import NodeConfig
 from swarm.state.server import ServeFaults
 from tests.node.inprocess import QUICK, LocalSwarm, Running
 from tests.state.conftest import StartSeeder
+from tests.waiting import until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]  # nodes that train: slow, like the other swarm tests
 
@@ -31,17 +32,6 @@ def spec(**changes: Any) -> SeedSpec:
 
 def fetches(node: Running) -> list[dict[str, Any]]:
     return [e for e in node.events if e["event"] == "fetch"]
-
-
-async def until(condition: Any, timeout: float, what: str) -> None:
-    async def poll() -> None:  # the node's events and the log are plain lists: nothing to wait on
-        while not condition():  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
-
-    try:
-        await asyncio.wait_for(poll(), timeout)
-    except asyncio.TimeoutError:
-        raise AssertionError(f"timed out waiting for {what}") from None
 
 
 async def test_a_donor_killed_mid_fetch_does_not_stop_it(local: LocalSwarm, seeder: StartSeeder) -> None:
