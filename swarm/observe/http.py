@@ -131,10 +131,10 @@ class HttpServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._clients += 1
         try:
-            if self._clients > self.config.max_clients:
-                response, head_only = _error(503, "too many clients"), False
-            else:
-                response, head_only = await self._respond(reader)
+            if self._clients > self.config.max_clients:  # answered at once and closed: nothing is read
+                await asyncio.wait_for(_write(writer, _error(503, "too many clients"), False), 1.0)
+                return
+            response, head_only = await self._respond(reader)
             await asyncio.wait_for(_write(writer, response, head_only), self.config.write_timeout)
             if response.status >= 400:
                 await self._drain(reader, writer)
