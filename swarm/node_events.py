@@ -1,7 +1,11 @@
 """EventSink: what a training node tells its watcher (the CLI's panel, metrics file and
 Prometheus metrics), as dicts with "event", "time" and "peer_id" (the list is in swarm/node.py's
 docstring). It also keeps what the node's progress record repeats of its events: the last
-eval losses and the wire totals of the last `network` event."""
+eval losses and the wire totals of the last `network` event.
+
+`network` events come with each progress publication (the node calls `network(keeper)`), and
+once more right after each outer_step and fetch event, marked `settled`: no round or fetch is
+under way then, so the wire totals include exactly the bytes the events reported so far."""
 
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ class EventSink:
         self._evals: collections.deque[tuple[int, float]] = collections.deque(maxlen=EVAL_HISTORY)
         self.wire_sent = 0  # host.traffic at the last `network` event
         self.wire_received = 0
+        self._keeper: StateKeeper | None = None  # the node's, from its first `network` call
 
     @property
     def evals(self) -> tuple[tuple[int, float], ...]:
@@ -46,6 +51,8 @@ class EventSink:
             self.on_event(event)
         except Exception:  # a display bug must not stop training
             logger.exception("event handler failed on %s", kind)
+        if kind in ("outer_step", "fetch") and self._keeper is not None:
+            self.network(self._keeper, settled=True)
 
     def progress(self, step: int, p: InnerProgress, inner_steps: int) -> None:
         losses = p.losses[-10:]
@@ -65,13 +72,13 @@ class EventSink:
             MBps=round(report.fetched_bytes / 1e6 / report.elapsed_s, 1) if report.elapsed_s > 0 else None,
         )
 
-    def network(self, keeper: StateKeeper) -> None:
-        """The node's network figures now (every progress publication): its DHT, its
-        connections, its bytes on the wire (all kinds, frame headers included) and served as
-        state, and its memory."""
+    def network(self, keeper: StateKeeper, *, settled: bool = False) -> None:
+        """The node's network figures now: its DHT, its connections, its bytes on the wire (all
+        kinds, frame headers included) and served as state, and its memory."""
+        self._keeper = keeper
         host, dht = keeper.host, keeper.dht
         self.wire_sent, self.wire_received = host.traffic.sent, host.traffic.received
-        self.emit("network", peers_known=len(dht.table), connections=len(host.connected_peers()),
+        self.emit("network", settled=settled, peers_known=len(dht.table), connections=len(host.connected_peers()),
                   dht_records=len(dht.storage), wire_bytes_sent=self.wire_sent, wire_bytes_received=self.wire_received,
                   state_bytes_served=keeper.server.bytes_sent if keeper.server is not None else 0,
                   rss_bytes=resident_bytes())  # fmt: skip

@@ -11,7 +11,11 @@ counters end in `_total`. METRICS lists every family (name as scraped, type, mea
 Bytes per kind: `allreduce` from the outer_step events (what our rounds sent and received),
 `state` from the fetch events (received) and the network events (served); `other` is what the
 wire carried beyond those two (DHT lookups and records, matchmaking, handshakes, frame headers),
-from the host's wire totals, which the node reports every few seconds.
+from the host's wire totals, which the node reports every few seconds. A round's (or a fetch's)
+bytes are on the wire before its event reports them, so a wire total taken meanwhile would count
+them as `other`. Only consistent totals count: those the node takes right after an outer_step or
+fetch event (`settled`), and those taken while it trained, which a later progress event of the
+same outer step proves (no round was under way then); the others are dropped.
 
 Errors by kind count the WARNING and ERROR lines the node logs, by the layer that logged them
 (`count_logs`; one node per process: swarm-node).
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -111,6 +116,9 @@ class NodeMetrics:
                 self.errors.labels(kind, level)
         self._totals: dict[str, float] = {}  # the cumulative figures events report, as last seen
         self._step_inner = 0  # inner steps of the current outer step already counted
+        self._position: tuple[int, int] | None = None  # (outer step, inner step) of the last progress event
+        # wire totals taken during the outer step at `position`: (position, sent, received, state served by then)
+        self._unsettled: deque[tuple[tuple[int, int], float, float, float]] = deque(maxlen=64)
         self._handlers = {"start": self._start, "progress": self._progress, "outer_step": self._outer_step,
                           "fetch": self._fetch, "network": self._network}  # fmt: skip
 
@@ -136,10 +144,13 @@ class NodeMetrics:
     def _progress(self, e: dict[str, Any]) -> None:
         _set(self.outer_step, e.get("outer_step"))
         _set(self.train_loss, e.get("train_loss"))
-        inner = _number(e.get("inner_step"))
+        inner, step = _number(e.get("inner_step")), _number(e.get("outer_step"))
         if inner is not None:
             self.inner_step.set(inner)
             self._count_inner(int(inner))
+            if step is not None:
+                self._position = (int(step), int(inner))
+                self._settle(self._position)
 
     def _outer_step(self, e: dict[str, Any]) -> None:
         step = _number(e.get("outer_step"))
@@ -163,6 +174,8 @@ class NodeMetrics:
         self._add(self.sent.labels("allreduce"), "sent_allreduce", e.get("bytes_sent"))
         self._add(self.received.labels("allreduce"), "received_allreduce", e.get("bytes_received"))
         _inc(self.clipped, e.get("clipped"))
+        self._position = None
+        self._unsettled.clear()  # taken before or during the round: the settled total that follows counts
 
     def _fetch(self, e: dict[str, Any]) -> None:
         _set(self.outer_step, e.get("outer_step"))
@@ -176,18 +189,37 @@ class NodeMetrics:
         corrupt = e.get("corrupt_peers")
         if isinstance(corrupt, list):
             self.rejected.inc(len(corrupt))
+        self._position = None
+        self._unsettled.clear()
 
     def _network(self, e: dict[str, Any]) -> None:
         for gauge, key in ((self.peers_known, "peers_known"), (self.connections, "connections"),
                            (self.dht_records, "dht_records"), (self.rss, "rss_bytes")):  # fmt: skip
             _set(gauge, e.get(key))
         self._advance(self.sent.labels("state"), "sent_state", e.get("state_bytes_served"))
+        sent, received = _number(e.get("wire_bytes_sent")), _number(e.get("wire_bytes_received"))
+        if sent is None or received is None:
+            return
+        served = self._totals.get("sent_state", 0.0)
+        if e.get("settled") is True:
+            self._count_other(sent, received, served)
+        elif self._position is not None:  # counted once a later progress event shows it trained meanwhile
+            self._unsettled.append((self._position, sent, received, served))
+
+    def _settle(self, now: tuple[int, int]) -> None:
+        """Count the wire totals taken earlier in the outer step `now` is in, at fewer inner steps."""
+        while self._unsettled and self._unsettled[0][0][0] != now[0]:
+            self._unsettled.popleft()  # another outer step's: a round may have been under way
+        while self._unsettled and self._unsettled[0][0][1] < now[1]:
+            _, sent, received, served = self._unsettled.popleft()
+            self._count_other(sent, received, served)
+
+    def _count_other(self, sent: float, received: float, served: float) -> None:
+        """`other`: what consistent wire totals carried beyond the kinds the events reported."""
         t = self._totals
-        for direction, counter in (("sent", self.sent), ("received", self.received)):
-            wire = _number(e.get(f"wire_bytes_{direction}"))
-            if wire is not None:
-                known = t.get(f"{direction}_allreduce", 0.0) + t.get(f"{direction}_state", 0.0)
-                self._advance(counter.labels("other"), f"{direction}_other", wire - known)
+        self._advance(self.sent.labels("other"), "sent_other", sent - served - t.get("sent_allreduce", 0.0))
+        self._advance(self.received.labels("other"), "received_other",
+                      received - t.get("received_allreduce", 0.0) - t.get("received_state", 0.0))  # fmt: skip
 
     # --- helpers --------------------------------------------------------------------------------
 

@@ -68,24 +68,30 @@ async def test_the_metrics_endpoint_moves_while_three_nodes_train(local: LocalSw
     async with contextlib.AsyncExitStack() as stack:
         for server in servers:
             await stack.enter_async_context(server)
-        nodes = [local.start((bootstrap,), on_event=s.observe, max_outer_steps=5) for s in servers]
+        # more steps than the test watches: it stops them at the end
+        nodes = [local.start((bootstrap,), on_event=s.observe, max_outer_steps=40) for s in servers]
         await wait_for(lambda: completed(nodes, 0), 120, "outer step 0 on every node")
-        first_text = (await get(servers[0].url + "metrics")).decode()
+        firsts = [(await get(s.url + "metrics")).decode() for s in servers]
         await wait_for(lambda: completed(nodes, 2), 120, "outer step 2 on every node")
         await asyncio.sleep(1.0)  # a network event (every publish_interval, 0.5 s) after the step
-        second_text = (await get(servers[0].url + "metrics")).decode()
-        first, second = samples(first_text), samples(second_text)
-        assert exposed_names(second_text) == set(METRICS)
-        for name in ("swarm_outer_steps_total", "swarm_inner_steps_total", "swarm_tokens_total",
-                     "swarm_round_seconds_count", "swarm_matchmaking_seconds_count",
-                     "swarm_sent_bytes_total{kind=allreduce}", "swarm_received_bytes_total{kind=allreduce}",
-                     "swarm_sent_bytes_total{kind=other}"):  # fmt: skip
-            assert second[name] > first[name], (name, first[name], second[name])
-        assert second["swarm_outer_step"] >= 3 and second["swarm_group_size"] >= 2
-        assert 0 < second["swarm_utilization_ratio"] <= 1 and second["swarm_eval_loss"] > 0
-        assert second["swarm_peers_known"] >= 2 and second["swarm_connections"] >= 2
-        assert second["swarm_dht_records"] > 0 and second["swarm_resident_memory_bytes"] > 1e7
-        info = [k for k in second if k.startswith("swarm_node_info{")]
+        seconds = [(await get(s.url + "metrics")).decode() for s in servers]
+        assert all(exposed_names(text) == set(METRICS) for text in firsts + seconds)
+        before, after = [samples(t) for t in firsts], [samples(t) for t in seconds]
+        for first, second in zip(before, after, strict=True):  # every node, whatever its groups were
+            for name in ("swarm_outer_steps_total", "swarm_inner_steps_total", "swarm_tokens_total",
+                         "swarm_matchmaking_seconds_count", "swarm_sent_bytes_total{kind=other}",
+                         "swarm_received_bytes_total{kind=other}"):  # fmt: skip
+                assert second[name] > first[name], (name, first[name], second[name])
+            assert second["swarm_outer_step"] >= 3 and second["swarm_group_size"] >= 1
+            assert 0 < second["swarm_utilization_ratio"] <= 1 and second["swarm_eval_loss"] > 0
+            assert second["swarm_peers_known"] >= 2 and second["swarm_connections"] >= 2
+            assert second["swarm_dht_records"] > 0 and second["swarm_resident_memory_bytes"] > 1e7
+        # the rounds: a node may step alone now and then (README, "One swarm, one state"), not all of them
+        for name in ("swarm_round_seconds_count", "swarm_sent_bytes_total{kind=allreduce}",
+                     "swarm_received_bytes_total{kind=allreduce}"):  # fmt: skip
+            assert sum(s[name] for s in after) > sum(s[name] for s in before), name
+        assert max(s["swarm_group_size"] for s in after) >= 2
+        info = [k for k in after[0] if k.startswith("swarm_node_info{")]
         assert len(info) == 1 and str(nodes[0].node.peer_id) in info[0]
         # the same port serves the run's dashboard, read from the DHT through this node
         snapshot: dict = {}
@@ -101,7 +107,9 @@ async def test_the_metrics_endpoint_moves_while_three_nodes_train(local: LocalSw
             await asyncio.sleep(0.5)
         page = (await get(servers[1].url)).decode()
         assert '<svg id="loss-chart"' in page and "inproc" in page
-        assert await local.finish(120) == ["finished"] * 3
+        for n in nodes:
+            n.stop.set()
+        assert await local.finish(60) == ["stopped"] * 3
 
 
 def dom_figures(dom: str) -> tuple[int, int, int | None]:

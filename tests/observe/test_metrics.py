@@ -62,8 +62,9 @@ def test_events_move_the_metrics() -> None:
        "clipped": 1, "inner_s": 3.0, "wall_s": 4.0, "tokens": 512, "tokens_per_s": 128.0, "rss_bytes": 10**8,
        "inner_done": 8})  # fmt: skip
     m({"event": "network", "peers_known": 4, "connections": 3, "dht_records": 12, "wire_bytes_sent": 5000,
-       "wire_bytes_received": 6000, "state_bytes_served": 2000, "rss_bytes": 2 * 10**8})  # fmt: skip
+       "wire_bytes_received": 6000, "state_bytes_served": 2000, "rss_bytes": 2 * 10**8, "settled": True})  # fmt: skip
     m({"event": "fetch", "outer_step": 2, "bytes": 4000, "seconds": 2.0, "corrupt_peers": ["x"], "peers": 2})
+    m({"event": "network", "wire_bytes_sent": 5100, "wire_bytes_received": 10_500, "settled": True})
     m({"event": "mystery", "whatever": [1]})  # unknown events and malformed fields are ignored
     m({"event": "progress", "outer_step": "two", "inner_step": None, "train_loss": float("nan")})
     s = scrape(m)
@@ -73,18 +74,41 @@ def test_events_move_the_metrics() -> None:
     assert s["swarm_round_seconds_count"] == 1 and s["swarm_matchmaking_seconds_sum"] == pytest.approx(0.3)
     assert s["swarm_sent_bytes_total{kind=allreduce}"] == 1000
     assert s["swarm_sent_bytes_total{kind=state}"] == 2000
-    assert s["swarm_sent_bytes_total{kind=other}"] == 5000 - 1000 - 2000
-    assert s["swarm_received_bytes_total{kind=other}"] == 6000 - 900  # the fetch came after the wire total
     assert s["swarm_received_bytes_total{kind=state}"] == 4000
+    # what the wire carried beyond the all-reduce, the state served and the state fetched
+    assert s["swarm_sent_bytes_total{kind=other}"] == 5100 - 1000 - 2000
+    assert s["swarm_received_bytes_total{kind=other}"] == 10_500 - 900 - 4000
     assert (s["swarm_peers_known"], s["swarm_connections"], s["swarm_dht_records"]) == (4, 3, 12)
     assert s["swarm_state_fetches_total"] == 1 and s["swarm_state_fetch_bytes_per_second"] == 2000
     assert s["swarm_state_rejected_peers_total"] == 1 and s["swarm_contributions_clipped_total"] == 1
     assert s["swarm_resident_memory_bytes"] == 2 * 10**8
-    # the wire total moves on: "other" is what it carried beyond the all-reduce and state, never less
-    m({"event": "network", "wire_bytes_sent": 5500, "wire_bytes_received": 10_000, "state_bytes_served": 2000})
-    s = scrape(m)
-    assert s["swarm_sent_bytes_total{kind=other}"] == 2500
-    assert s["swarm_received_bytes_total{kind=other}"] == 10_000 - 900 - 4000
+
+
+def wire(sent: int, received: int, *, settled: bool = False) -> dict[str, object]:
+    return {"event": "network", "wire_bytes_sent": sent, "wire_bytes_received": received, "settled": settled}
+
+
+def test_other_bytes_count_consistent_wire_totals_only() -> None:
+    """`other` = wire - all-reduce - state, from totals taken when no round was under way: right
+    after an outer step (settled) or while training (a later progress event of the step shows it)."""
+    m = NodeMetrics()
+    other = lambda: scrape(m)["swarm_sent_bytes_total{kind=other}"]  # noqa: E731
+    m({"event": "progress", "outer_step": 0, "inner_step": 2, "inner_steps": 8})
+    m(wire(100, 100))  # taken while training: counted once the next progress event of the step shows it
+    assert other() == 0
+    m({"event": "progress", "outer_step": 0, "inner_step": 5, "inner_steps": 8})
+    assert other() == 100
+    m(wire(5_150, 5_150))  # taken while the round sends its 10 000 bytes, before it reports them: dropped
+    m({"event": "outer_step", "outer_step": 0, "bytes_sent": 10_000, "bytes_received": 10_000, "inner_done": 8})
+    assert other() == 100
+    m(wire(10_200, 10_300, settled=True))  # right after the outer step: consistent
+    assert other() == 200 and scrape(m)["swarm_received_bytes_total{kind=other}"] == 300
+    m({"event": "progress", "outer_step": 1, "inner_step": 1, "inner_steps": 8})
+    m(wire(10_400, 10_400))
+    m({"event": "progress", "outer_step": 1, "inner_step": 1, "inner_steps": 8})  # no step since: not yet
+    assert other() == 200
+    m({"event": "progress", "outer_step": 1, "inner_step": 3, "inner_steps": 8})
+    assert other() == 400
 
 
 def test_warnings_and_errors_are_counted_by_layer() -> None:
