@@ -12,9 +12,10 @@ Events (`on_event`, called on the event loop; the CLI writes them as JSON lines)
     {"event": "start", "peer_id", "maddrs", "run_id", "outer_step", "parameters", "client_mode", ...}
     {"event": "progress", "outer_step", "inner_step", "inner_steps", "train_loss"}
     {"event": "outer_step", "outer_step" (completed, from 0), "train_loss", "eval_loss",
-     "state_sha256" (θ_outer, momentum, step), "group_size", "matchmaking_s", "bytes_sent",
+     "state_sha256" (θ_outer, momentum, step), "group_size", "matchmaking_s", "round_s", "bytes_sent",
      "clipped" (contributions our robust reductions dropped or clipped, logged with the peer), ...}
     {"event": "fetch", "outer_step", "reason", "bytes", "seconds", "peers", "state_sha256", ...}
+    {"event": "network", "peers_known", "connections", "dht_records", "wire_bytes_sent", ...} (node_events.py)
     {"event": "exit", "outer_step", "reason"}
 Every event also has "time" (unix) and "peer_id".
 
@@ -211,7 +212,7 @@ class SwarmNode(OuterStepLoop):
             # serve what we hold from the start, step 0 too: a client that trained alone ahead of
             # every server follows the servers' state (swarm/state/keeper.py)
             await keeper.publish(diloco, checkpoint=False)
-            publisher = Supervised("progress records", lambda: self._publish_forever(book)).start()
+            publisher = Supervised("progress records", lambda: self._publish_forever(book, keeper)).start()
             self._started = asyncio.get_running_loop().time()
             reason = await self._train(averager, keeper, book, stop)
             return reason
@@ -250,9 +251,10 @@ class SwarmNode(OuterStepLoop):
 
     # --- progress in the DHT ------------------------------------------------------------------
 
-    async def _publish_forever(self, book: ProgressBook) -> None:
+    async def _publish_forever(self, book: ProgressBook, keeper: StateKeeper) -> None:
         while True:
             await asyncio.sleep(self.config.publish_interval)
+            self.events.network(keeper)
             await self._publish(book)
             await book.refresh()
 
@@ -268,7 +270,8 @@ class SwarmNode(OuterStepLoop):
             H=p.target, sec_per_step=sec, train_loss=sum(losses) / len(losses) if losses else None,
             eval_loss=self._last_eval, group_size=self._last_group,
             tokens_per_s=round(config.batch_size * config.seq_len / sec, 1) if sec > 0 else None,
-            settings=self.settings,
+            settings=self.settings, evals=self.events.evals, bytes_sent=self.events.wire_sent,
+            bytes_received=self.events.wire_received,
         ))  # fmt: skip
 
 

@@ -1,15 +1,27 @@
-"""EventSink: what a training node tells its watcher (the CLI's panel and metrics file), as
-dicts with "event", "time" and "peer_id" (the list is in swarm/node.py's docstring)."""
+"""EventSink: what a training node tells its watcher (the CLI's panel, metrics file and
+Prometheus metrics), as dicts with "event", "time" and "peer_id" (the list is in swarm/node.py's
+docstring). It also keeps what the node's progress record repeats of its events: the last
+eval losses and the wire totals of the last `network` event.
+
+`network` events come with each progress publication (the node calls `network(keeper)`), and
+once more right after each outer_step and fetch event, marked `settled`: no round or fetch is
+under way then, so the wire totals include exactly the bytes the events reported so far."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from swarm.process_memory import resident_bytes
+from swarm.progress import EVAL_HISTORY
 from swarm.state.fetcher import FetchProgress, FetchReport
 from swarm.user_steps import InnerProgress
+
+if TYPE_CHECKING:
+    from swarm.state.keeper import StateKeeper
 
 logger = logging.getLogger(__name__)
 
@@ -21,13 +33,26 @@ class EventSink:
         self.peer_id = peer_id
         self.on_event = on_event or (lambda event: None)
         self._last_fetch_event = 0.0
+        self._evals: collections.deque[tuple[int, float]] = collections.deque(maxlen=EVAL_HISTORY)
+        self.wire_sent = 0  # host.traffic at the last `network` event
+        self.wire_received = 0
+        self._keeper: StateKeeper | None = None  # the node's, from its first `network` call
+
+    @property
+    def evals(self) -> tuple[tuple[int, float], ...]:
+        """(outer step completed, eval loss) of the last EVAL_HISTORY evaluations, oldest first."""
+        return tuple(self._evals)
 
     def emit(self, kind: str, **fields: Any) -> None:
         event = {"event": kind, "time": round(time.time(), 3), "peer_id": self.peer_id, **fields}
+        if kind == "outer_step" and isinstance(fields.get("eval_loss"), float):
+            self._evals.append((int(fields["outer_step"]), fields["eval_loss"]))
         try:
             self.on_event(event)
         except Exception:  # a display bug must not stop training
             logger.exception("event handler failed on %s", kind)
+        if kind in ("outer_step", "fetch") and self._keeper is not None:
+            self.network(self._keeper, settled=True)
 
     def progress(self, step: int, p: InnerProgress, inner_steps: int) -> None:
         losses = p.losses[-10:]
@@ -46,6 +71,17 @@ class EventSink:
             state_sha256=state_sha256,
             MBps=round(report.fetched_bytes / 1e6 / report.elapsed_s, 1) if report.elapsed_s > 0 else None,
         )
+
+    def network(self, keeper: StateKeeper, *, settled: bool = False) -> None:
+        """The node's network figures now: its DHT, its connections, its bytes on the wire (all
+        kinds, frame headers included) and served as state, and its memory."""
+        self._keeper = keeper
+        host, dht = keeper.host, keeper.dht
+        self.wire_sent, self.wire_received = host.traffic.sent, host.traffic.received
+        self.emit("network", settled=settled, peers_known=len(dht.table), connections=len(host.connected_peers()),
+                  dht_records=len(dht.storage), wire_bytes_sent=self.wire_sent, wire_bytes_received=self.wire_received,
+                  state_bytes_served=keeper.server.bytes_sent if keeper.server is not None else 0,
+                  rss_bytes=resident_bytes())  # fmt: skip
 
     def fetch_progress(self, progress: FetchProgress) -> None:
         now = time.monotonic()

@@ -360,6 +360,7 @@ class OuterStepLoop:
                          eval_loss=self._last_eval if evaluate else None, state_sha256=sha,
                          group_size=self._last_group, group_id=report.group_id, bytes_sent=report.bytes_sent,
                          bytes_received=report.bytes_received, matchmaking_s=round(report.matchmaking_s, 4),
+                         round_s=round(report.reduce_s + report.gather_s, 4), inner_done=progress.inner_done,
                          clipped=sum(len(members) for members in report.clipped.values()),
                          inner_s=round(progress.inner_s, 4), wall_s=round(wall_s, 4), tokens=self._tokens,
                          tokens_per_s=round(self._tokens / wall_s, 1) if wall_s > 0 else 0.0,

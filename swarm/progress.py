@@ -5,10 +5,12 @@ when the peers of an outer step will finish their inner steps.
      steps per outer step, "sec_per_step": float, "time": unix time of the figures,
      "settings": the run settings it trains with (model/run_settings.py), ...}
 
-plus display fields (`train_loss`, `eval_loss`, `tokens_per_s`, `group_size`) that
-`swarm-dht inspect --run-id` shows. Nodes use the timing fields to enter matchmaking together:
-each node aims to announce `matchmaking_time` before the slowest peer of its step finishes
-(hivemind's progress tracker does the same job with sample counts).
+plus display fields (`train_loss`, `eval_loss`, `tokens_per_s`, `group_size`, `bytes_sent` and
+`bytes_received`: the node's wire totals) that `swarm-dht inspect --run-id` and its dashboard show,
+and `evals`: the node's last EVAL_HISTORY (outer step, eval loss) pairs, the run's loss curve.
+Nodes use the timing fields to enter matchmaking together: each node aims to announce
+`matchmaking_time` before the slowest peer of its step finishes (hivemind's progress tracker
+does the same job with sample counts).
 
 Peer records are untrusted: each field is type- and range-checked, a bad record is ignored;
 `implausible` then drops records whose numbers the run cannot produce (ISSUE 12), and
@@ -41,6 +43,8 @@ RUN_LISTING_INTERVAL = 60.0  # seconds between a node's listings of its run (RUN
 MAX_SEC_PER_STEP = 3600.0
 MIN_SEC_PER_STEP = 1e-4  # a timed inner step faster than this is a lie (0: not timed yet)
 MAX_CLOCK_SKEW = 10.0  # seconds a record's time may lie ahead of ours
+EVAL_HISTORY = 64  # (outer step, eval loss) pairs a record carries: about 1 KB of msgpack
+MAX_LOSS = 1e6  # an eval loss beyond this (or below 0) is not a loss
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +58,7 @@ class PeerProgress:
     client: bool
     settings: dict[str, Any] | None = None  # the run settings it trains with (run_settings.py); None: not said
     settings_digest: bytes | None = None  # settings_digest(settings), computed once when decoded
+    evals: tuple[tuple[int, float], ...] = ()  # (outer step, eval loss), oldest first (decode_evals)
 
     def finish_time(self) -> float:
         """Unix time at which it should reach H inner steps (in the past when already there)."""
@@ -76,7 +81,27 @@ def decode_progress(subkey: Any, value: Any) -> PeerProgress | None:
         return None
     settings = decode_settings(value.get("settings"))
     digest = settings_digest(settings) if settings is not None else None
-    return PeerProgress(peer, step, inner, h, float(sec), float(when), value.get("client") is True, settings, digest)
+    return PeerProgress(peer, step, inner, h, float(sec), float(when), value.get("client") is True, settings, digest,
+                        decode_evals(value.get("evals")))  # fmt: skip
+
+
+def decode_evals(value: Any) -> tuple[tuple[int, float], ...]:
+    """A record's loss history: at most EVAL_HISTORY [step, loss] pairs, steps increasing,
+    losses finite in [0, MAX_LOSS]; () when absent or malformed (a bad history is dropped, the
+    record's other fields still count)."""
+    if not isinstance(value, list | tuple) or len(value) > EVAL_HISTORY:
+        return ()
+    pairs: list[tuple[int, float]] = []
+    for item in value:
+        if not isinstance(item, list | tuple) or len(item) != 2:
+            return ()
+        step, loss = item
+        if not _int_in(step, 0, MAX_STEP) or (pairs and step <= pairs[-1][0]):
+            return ()
+        if not isinstance(loss, int | float) or isinstance(loss, bool) or not 0.0 <= loss <= MAX_LOSS:
+            return ()  # NaN fails the comparison
+        pairs.append((step, float(loss)))
+    return tuple(pairs)
 
 
 def implausible(p: PeerProgress, *, now: float, inner_steps: int, max_step: int | None) -> str | None:
@@ -114,9 +139,13 @@ class OwnProgress:
     tokens_per_s: float | None
     group_size: int
     settings: dict[str, Any] | None = None
+    evals: tuple[tuple[int, float], ...] = ()  # (outer step, eval loss): the last EVAL_HISTORY are sent
+    bytes_sent: int = 0  # on the wire since the node started, all kinds together
+    bytes_received: int = 0
 
     def encode(self, now: float) -> dict[str, Any]:
         value = asdict(self)
+        value["evals"] = [[step, round(loss, 4)] for step, loss in self.evals[-EVAL_HISTORY:]]
         value["H"] = max(1, self.H)  # 0 while it joins a forming group; records need H >= 1
         value["sec_per_step"] = round(self.sec_per_step, 6)
         for name in ("train_loss", "eval_loss"):

@@ -8,7 +8,8 @@ Beyond DESIGN.md's list: `swarm/eventloop.py`, `log_once.py`, `supervised.py`, `
 and `process_memory.py` are shared helpers that every layer may use and that import no layer; the
 other modules at the top of swarm/ (node.py and its parts: node_config, plan, progress, trainer,
 ...) form the node layer; `swarm/api.py` (and
-`swarm/__init__.py`, which re-exports it) sits on the node, and cli/ on everything.
+`swarm/__init__.py`, which re-exports it) sits on the node, `swarm/observe/` (metrics, dashboard)
+too, and cli/ on everything.
 """
 
 from __future__ import annotations
@@ -37,7 +38,22 @@ ALLOWED: dict[str, set[str]] = {
     "state": {"helpers", "p2p", "dht", "kernels", "model", "state"},
     "node": {"helpers", "p2p", "dht", "kernels", "averaging", "model", "state", "node"},
     "api": {"helpers", "p2p", "dht", "kernels", "averaging", "model", "state", "node", "api"},
-    "cli": {"helpers", "p2p", "dht", "kernels", "averaging", "model", "state", "node", "api", "netlab", "cli"},
+    # metrics and the dashboard: they read the node's events and records, and serve them to the CLI
+    "observe": {"helpers", "p2p", "dht", "kernels", "averaging", "model", "state", "node", "observe"},
+    "cli": {
+        "helpers",
+        "p2p",
+        "dht",
+        "kernels",
+        "averaging",
+        "model",
+        "state",
+        "node",
+        "api",
+        "netlab",
+        "observe",
+        "cli",
+    },
 }
 
 

@@ -5,7 +5,7 @@
     swarm-dht get KEY --initial-peers MADDR [--latest]
     swarm-dht ping MADDR
     swarm-dht peers --initial-peers MADDR
-    swarm-dht inspect --run-id RUN --initial-peers MADDR
+    swarm-dht inspect --run-id RUN --initial-peers MADDR [--serve PORT]
 
 `serve` is a full node (bootstrap node on a public server). The other commands start a
 short-lived client-mode DHTNode (it asks, serves nothing, peers don't add it to their tables),
@@ -337,10 +337,25 @@ def run_id_option(ctx: click.Context, param: click.Parameter, value: str | None)
 
 @main.command()
 @click.option("--run-id", default=None, callback=run_id_option, help="The run to inspect (default: list the runs).")
+@click.option(
+    "--serve",
+    "serve_port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    metavar="PORT",
+    help="Serve the run's live dashboard on this port (0: any) until Ctrl+C, instead of one table.",
+)
+@click.option("--serve-host", default="127.0.0.1", show_default=True, help="Where --serve listens.")
 @client_options()
-def inspect(run_id: str | None, opts: ClientOptions) -> None:
+def inspect(run_id: str | None, serve_port: int | None, serve_host: str, opts: ClientOptions) -> None:
     """What a training run publishes: its nodes (outer step, addresses) and its state holders;
-    without --run-id, the runs this DHT carries."""
+    without --run-id, the runs this DHT carries. --serve PORT: the same, live, as a web page."""
+    if serve_port is not None:
+        if run_id is None:
+            raise click.UsageError("--serve needs --run-id (swarm-dht inspect lists the runs)")
+        from swarm.cli.watch import serve_dashboard
+
+        return serve_dashboard(run_id, opts, serve_host, serve_port)
     if run_id is None:
         return _list_runs(opts)
     keys = {"nodes": run_keys.nodes_key(run_id), "state": run_keys.state_key(run_id)}

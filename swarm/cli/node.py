@@ -51,6 +51,7 @@ from swarm.run_lookup import RunChoiceError, RunLookup, adoptable_settings, init
 
 if TYPE_CHECKING:  # torch and the node load inside main(), after the flags are checked
     from swarm.node import Event, SwarmNode
+    from swarm.observe.serve import MetricsServer
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -160,6 +161,10 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
 @click.option("--threads", type=click.IntRange(1), default=None, help="Torch CPU threads (default: torch's).")
 @click.option("--metrics-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Append every event (start, progress, outer_step, exit) as a JSON line.")  # fmt: skip
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+              help="Serve Prometheus metrics at /metrics and the run's dashboard at / (0: any port).")  # fmt: skip
+@click.option("--metrics-host", default="127.0.0.1", show_default=True,
+              help="Where --metrics-port listens (0.0.0.0: every interface; the pages are read-only).")  # fmt: skip
 @open_network_options
 @verbose_option
 def main(
@@ -169,6 +174,8 @@ def main(
     identity: Path | None,
     threads: int | None,
     metrics_file: Path | None,
+    metrics_port: int | None,
+    metrics_host: str,
     shard_mb: float,
     verbose: int,
     limits: OpenNetworkLimits,
@@ -196,6 +203,9 @@ def main(
     if initial_peers:
         config = _adopt_run_settings(config, initial_peers, limits, node_identity, proof_path)
     sinks: list[Any] = []
+    watch = _metrics_server(metrics_port, metrics_host, config.run_id, initial_peers, limits)
+    if watch is not None:
+        sinks.append(watch.observe)
     try:
         if metrics_file is not None:
             try:
@@ -207,7 +217,8 @@ def main(
 
         def on_event(event: Event) -> None:
             if event["event"] == "start":  # above the live panel, where its redraws leave it
-                display.banner(_join_lines(event, config))
+                watching = [f"metrics: {watch.url}metrics  dashboard: {watch.url}"] if watch is not None else []
+                display.banner(_join_lines(event, config) + watching)
             for sink in sinks:
                 sink(event)
 
@@ -221,12 +232,31 @@ def main(
                 id_proof_path=proof_path,
                 dht_config=limits.dht(),
             )
-            run_network(lambda: _run_until_signalled(node))
+            run_network(lambda: _run_until_signalled(node, watch))
         except (NodeError, DataUnavailableError) as e:
             raise CliError(str(e)) from None
     finally:
         for sink in sinks:
-            sink.close()
+            if hasattr(sink, "close"):
+                sink.close()
+
+
+def _metrics_server(port: int | None, host: str, run_id: str, initial_peers: tuple[str, ...],
+                    limits: OpenNetworkLimits) -> MetricsServer | None:  # fmt: skip
+    """--metrics-port: the server (bound when the node's loop runs), counting this process's
+    WARNING and ERROR log lines by layer."""
+    if port is None:
+        return None
+    from swarm.observe.http import HttpConfig
+    from swarm.observe.serve import MetricsServer
+
+    try:
+        server = MetricsServer(run_id, HttpConfig(host=host, port=port), initial_peers=initial_peers,
+                               dht_config=limits.dht())  # fmt: skip
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    server.metrics.count_logs(logging.getLogger("swarm"))
+    return server
 
 
 def _adopt_run_settings(
@@ -271,7 +301,17 @@ def _adopt_run_settings(
     return config
 
 
-async def _run_until_signalled(node: SwarmNode) -> str:
+async def _run_until_signalled(node: SwarmNode, watch: MetricsServer | None = None) -> str:
+    if watch is not None:
+        try:
+            await watch.start()
+        except OSError as e:
+            raise CliError(f"cannot serve --metrics-port on {watch.http.config.host}:{watch.http.config.port}: "
+                           f"{e.strerror or e}") from None  # fmt: skip
+        try:
+            return await _run_until_signalled(node)
+        finally:
+            await watch.close()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     main_task = asyncio.current_task()

@@ -113,6 +113,7 @@ class SimConfig:
     decay_fraction: float | None = None  # None: swarm-node's default
     link: Rate | None = None  # every node (newcomers too) and the bootstrap on a link of this rate
     links: tuple[Rate, ...] | None = None  # one rate per starting node; the bootstrap gets the fastest
+    dashboard: int | None = None  # --dashboard [PORT]: serve the run's dashboard on 127.0.0.1 (0: any port)
 
     def __post_init__(self) -> None:
         if min(self.nodes, self.outer_steps, self.inner_steps, self.batch_size, self.seq_len, self.threads) < 1:
@@ -124,6 +125,8 @@ class SimConfig:
                 f"--links has {len(self.links)} rate(s) for {self.nodes} nodes: give one per node (--nodes), "
                 "or one rate for all with --link"
             )
+        if self.dashboard is not None and (self.link is not None or self.links is not None):
+            raise ValueError("--dashboard reads the swarm from 127.0.0.1: it cannot reach nodes behind --link/--links")
         if self.links is not None and self.join_every is not None:
             raise ValueError(
                 "--links gives the starting nodes their rates, not newcomers: use --link with --join-every"
@@ -210,6 +213,7 @@ class Swarm:
         self.initial_peers: list[str] = []
         self.rng = random.Random(config.seed)
         self.lab: Lab | None = None  # with --link: every child's network namespace
+        self.dashboard: subprocess.Popen[bytes] | None = None  # --dashboard: `swarm-dht inspect --serve`
 
     @property
     def records(self) -> list[NodeRecord]:
@@ -253,6 +257,24 @@ class Swarm:
                 return
             if self.bootstrap.poll() is not None or time.monotonic() > deadline:
                 raise CliError(f"the bootstrap DHT node did not start: {last_line(log)} (see {log})")
+            time.sleep(POLL_S / 5)
+
+    def start_dashboard(self, stop: StopRequest) -> None:
+        """--dashboard: `swarm-dht inspect --run-id R --serve PORT --json` reading the bootstrap
+        node; its first line is {"url", "run_id"}."""
+        log, out = self.config.run_dir / "dashboard.log", self.config.run_dir / "dashboard.out"
+        peers = [f"--initial-peers={m}" for m in self.initial_peers]
+        serve = ["inspect", "--run-id", self.run_id, "--json", "--serve", str(self.config.dashboard), *peers]
+        argv = [*console_script("swarm-dht", "swarm.cli.dht"), *serve]
+        self.dashboard = spawn(argv, log, stdout=out)
+        deadline = time.monotonic() + BOOTSTRAP_TIMEOUT_S
+        while not stop.requested:
+            first, newline, _ = out.read_bytes().partition(b"\n")
+            if newline:
+                self.display.event(f"dashboard: {json.loads(first)['url']}")
+                return
+            if self.dashboard.poll() is not None or time.monotonic() > deadline:
+                raise CliError(f"the dashboard did not start: {last_line(log)} (see {log})")
             time.sleep(POLL_S / 5)
 
     def start_node(self) -> Child:
@@ -372,7 +394,7 @@ class Swarm:
 
     def close(self) -> None:
         """Stop every child and remove the links, then read what the nodes wrote while stopping."""
-        procs = [c.proc for c in self.children] + ([self.bootstrap] if self.bootstrap else [])
+        procs = [c.proc for c in self.children] + [p for p in (self.bootstrap, self.dashboard) if p is not None]
         stop_processes(procs)
         if self.lab is not None:
             try:
@@ -456,6 +478,8 @@ def simulate(swarm: Swarm, stop: StopRequest) -> None:
     config = swarm.config
     swarm.open_links()
     swarm.start_bootstrap(stop)
+    if config.dashboard is not None:
+        swarm.start_dashboard(stop)
     for _ in range(config.nodes):
         if not stop.requested:
             swarm.start_node()
@@ -589,6 +613,9 @@ def parsed(ctx: click.Context, param: click.Parameter, text: str | None, parse: 
 @click.option("--links", callback=functools.partial(parsed, parse=parse_rates),
               metavar="R1,R2,...", help="As --link, one rate per node (as many as --nodes); the bootstrap gets "
                                         "the fastest.")  # fmt: skip
+@click.option("--dashboard", type=click.IntRange(0, 65535), is_flag=False, flag_value=0, default=None,
+              metavar="[PORT]", help="Serve the swarm's live dashboard on 127.0.0.1:PORT (no PORT: any free "
+                                     "one) and print its address.")  # fmt: skip
 @click.option(
     "--run-dir",
     type=click.Path(file_okay=False, path_type=Path),

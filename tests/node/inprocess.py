@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,11 +48,19 @@ class LocalSwarm:
         self.bootstrap = (host, dht)
         return host.visible_maddrs[0]
 
-    def start(self, initial: tuple[str, ...], *, identity: Identity | None = None, **settings: Any) -> Running:
+    def start(self, initial: tuple[str, ...], *, identity: Identity | None = None,
+              on_event: Callable[[dict[str, Any]], None] | None = None, **settings: Any) -> Running:  # fmt: skip
+        """A node; its events are recorded, and also handed to `on_event` (a metrics subscriber)."""
         config = NodeConfig(**{"run_id": "inproc", **QUICK, **settings})
         running: Running
         events: list[dict[str, Any]] = []
-        node = SwarmNode(config, identity=identity, initial_peers=initial, p2p_config=LOCAL, on_event=events.append,
+
+        def record(event: dict[str, Any]) -> None:
+            events.append(event)
+            if on_event is not None:
+                on_event(event)
+
+        node = SwarmNode(config, identity=identity, initial_peers=initial, p2p_config=LOCAL, on_event=record,
                          data=self.data)  # fmt: skip
         stop = asyncio.Event()
         running = Running(node, stop, asyncio.ensure_future(node.run(stop)), events)

@@ -6,13 +6,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import msgpack
 import pytest
 
 from swarm.dht import store_retry
 from swarm.dht.records import owner_subkey
 from swarm.dht.run_keys import RUNS_KEY, nodes_key
 from swarm.p2p.identity import Identity
-from swarm.progress import OwnProgress, PeerProgress, ProgressBook, decode_progress, implausible
+from swarm.progress import (
+    EVAL_HISTORY,
+    OwnProgress,
+    PeerProgress,
+    ProgressBook,
+    decode_evals,
+    decode_progress,
+    implausible,
+)
 from tests.dht.refusing import refusing_dht
 
 PEER = Identity.from_seed(b"\x01" * 32).peer_id
@@ -90,3 +99,26 @@ async def test_a_progress_record_no_node_stores_is_retried_and_warned(
         assert await book.publish(own) is True
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("the progress record" in w for w in warned) and any("the runs record" in w for w in warned), warned
+
+
+def test_a_record_carries_its_last_eval_losses_bounded() -> None:
+    history = tuple((step, 5.0 - step / 100) for step in range(100))
+    own = OwnProgress(maddrs=[], client=False, step=100, inner=0, H=4, sec_per_step=0.1, train_loss=None,
+                      eval_loss=4.0, tokens_per_s=None, group_size=3, evals=history)  # fmt: skip
+    value = own.encode(1000.0)
+    assert len(value["evals"]) == EVAL_HISTORY and value["evals"][0] == [36, 4.64]
+    assert decode_progress(owner_subkey(PEER), value).evals == tuple((s, round(v, 4)) for s, v in history[-64:])
+    assert len(msgpack.packb(value["evals"])) < 1200
+
+
+@pytest.mark.parametrize(
+    "evals",
+    [
+        "x", [[1, 2.0]] * 2, [[2, 1.0], [1, 1.0]], [[1, float("nan")]], [[1, -1.0]], [[1, 1e9]], [[-1, 1.0]],
+        [[True, 1.0]], [[1, "2"]], [[1, 2.0, 3]], [[1]], [[s, 1.0] for s in range(EVAL_HISTORY + 1)], [None],
+    ],
+)  # fmt: skip
+def test_a_malformed_eval_history_is_dropped_and_the_record_still_counts(evals: object) -> None:
+    decoded = decode_progress(owner_subkey(PEER), {**GOOD, "evals": evals})
+    assert decoded is not None and decoded.evals == ()
+    assert decode_evals([[0, 3], [5, 2.5]]) == ((0, 3.0), (5, 2.5))
