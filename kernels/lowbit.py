@@ -50,22 +50,8 @@ def resolve_impl(impl: str | None, device: torch.device) -> str:
     return "reference" if name == "gpu" else name
 
 
-def _flat(t: torch.Tensor, what: str, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{what} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    return t.reshape(-1)
-
-
-def _out(t: torch.Tensor, what: str, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
-    if t.dtype != dtype or t.numel() != numel or t.device != device or not t.is_contiguous():
-        raise ValueError(f"{what}: need a contiguous {dtype} tensor of {numel} elements on {device}")
-    return t.view(-1)
-
-
-def _aligned(scales: torch.Tensor) -> torch.Tensor:
-    return scales if scales.data_ptr() % 4 == 0 else scales.clone()
+# the argument checks are int8's: the same rules for every codec's tensors
+_flat, _out, _aligned = _int8._flat, _int8._out, _int8._aligned_scales
 
 
 def quantize(

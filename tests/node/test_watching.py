@@ -14,13 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.observe.dashboard import Dashboard, DhtReader
 from swarm.observe.http import HttpConfig, HttpServer
 from swarm.observe.metrics import METRICS
 from swarm.observe.serve import MetricsServer
 from tests.node.inprocess import LocalSwarm, Running
+from tests.observe.test_metrics import exposed_names, samples
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
@@ -46,20 +46,6 @@ async def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> 
 
 def completed(nodes: list[Running], step: int) -> bool:
     return all(step in n.steps() for n in nodes)
-
-
-def samples(text: str) -> dict[str, float]:
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
-
-
-def exposed_names(text: str) -> set[str]:
-    suffix = {"counter": "_total", "info": "_info"}
-    return {f.name + suffix.get(f.type, "") for f in text_string_to_metric_families(text)}
 
 
 async def test_the_metrics_endpoint_moves_while_three_nodes_train(local: LocalSwarm) -> None:

@@ -18,7 +18,11 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 def scrape(metrics: NodeMetrics) -> dict[str, float]:
     """sample name{labels} -> value, as a Prometheus server would parse the scrape."""
-    text = generate_latest(metrics.registry).decode()
+    return samples(generate_latest(metrics.registry).decode())
+
+
+def samples(text: str) -> dict[str, float]:
+    """sample name{labels} -> value of a Prometheus text exposition."""
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
