@@ -217,7 +217,7 @@ class StateKeeper:
                 self._asked[peer] = now
             for maddr, answer in zip(elders, answers, strict=True):
                 if isinstance(answer, BaseException):
-                    if not isinstance(answer, P2PError | TimeoutError):
+                    if not isinstance(answer, P2PError | TimeoutError | asyncio.TimeoutError):  # 3.10: not the same
                         raise answer
                     logger.info("could not ask %s how long it has known the state's holders: %s", maddr, answer)
                     continue
