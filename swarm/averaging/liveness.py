@@ -27,8 +27,8 @@ from collections.abc import Iterable, Set
 from typing import Any
 
 from swarm.averaging.messages import MemberInfo
-from swarm.p2p.connection import CallContext
 from swarm.p2p.errors import BadRequest, P2PError
+from swarm.p2p.handlers import CallContext
 from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
 
@@ -71,18 +71,20 @@ class Liveness:
         return frozenset(p for p in peers if p == me or self._answered.get(p, 0.0) > now)
 
     def ask(self, step: int, members: Iterable[MemberInfo], first: Set[PeerID] = frozenset()) -> None:
-        """Start pinging the servers among `members` that we know nothing current of (the ones
-        in `first` before the others), at most MAX_PINGS new ones per step."""
+        """Start pinging the servers among `members` that we know nothing current of: every one
+        in `first` (the peers we expect), at most MAX_PINGS others per step."""
         now = asyncio.get_running_loop().time()
         todo = [m for m in members
                 if not m.client and m.peer_id != self.host.peer_id and m.peer_id not in self._pending
                 and self._answered.get(m.peer_id, 0.0) <= now and self._failed.get(m.peer_id, 0.0) <= now]  # fmt: skip
-        todo.sort(key=lambda m: m.peer_id not in first)
-        budget = MAX_PINGS - self._asked_in_step.get(step, 0)
         if len(self._asked_in_step) > 16:  # keep the last steps only
             del self._asked_in_step[min(self._asked_in_step)]
-        for member in todo[: max(0, budget)]:
-            self._asked_in_step[step] = self._asked_in_step.get(step, 0) + 1
+        for member in todo:
+            # the peers we expect are always asked: a flood that came first must not spend their turn
+            if member.peer_id not in first:
+                if self._asked_in_step.get(step, 0) >= MAX_PINGS:
+                    continue
+                self._asked_in_step[step] = self._asked_in_step.get(step, 0) + 1
             task = asyncio.ensure_future(self._ping(member))
             self._pending[member.peer_id] = task
             task.add_done_callback(lambda _t, peer=member.peer_id: self._pending.pop(peer, None))

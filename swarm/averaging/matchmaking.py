@@ -59,8 +59,8 @@ from swarm.dht.node import DHTNode
 from swarm.dht.records import owner_subkey
 from swarm.dht.run_keys import ready_key
 from swarm.log_once import OncePerPeer
-from swarm.p2p.connection import CallContext
 from swarm.p2p.errors import BadRequest, P2PError
+from swarm.p2p.handlers import CallContext
 from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
 

@@ -18,20 +18,21 @@ from swarm.p2p.peer_id import PeerID
 
 
 async def ages_known_by(dht: DHTNode, maddr: str, peers: Sequence[PeerID], timeout: float) -> dict[PeerID, float]:
-    """Seconds `maddr`'s DHT node has known each of `peers` (those it knows; at most
-    MAX_AGE_QUERY asked). Raises P2PError when it cannot be asked or answers nonsense."""
-    asked = list(peers)[: proto.MAX_AGE_QUERY]
-    if not asked:
-        return {}
-    _, reply = await dht.transport.call_maddr(maddr, proto.AGES, {"peers": [p.to_bytes() for p in asked]}, timeout)
-    ages = reply.get("ages") if isinstance(reply, dict) else None
-    if not isinstance(ages, list) or len(ages) != len(asked):
-        raise BadRequest("ages: the reply must list one age per peer asked")
-    known = {}
-    for peer, age in zip(asked, ages, strict=True):
-        if age is None:
-            continue
-        if isinstance(age, bool) or not isinstance(age, int | float) or not math.isfinite(age) or age < 0:
-            raise BadRequest("ages: an age is a finite number of seconds >= 0, or None")
-        known[peer] = float(age)
+    """Seconds `maddr`'s DHT node has known each of `peers` (those it knows), asked MAX_AGE_QUERY
+    at a time: a flood of fresh holders listed first must not push the others out of the question.
+    Raises P2PError when it cannot be asked or answers nonsense."""
+    known: dict[PeerID, float] = {}
+    asked = list(peers)
+    for start in range(0, len(asked), proto.MAX_AGE_QUERY):
+        batch = asked[start : start + proto.MAX_AGE_QUERY]
+        _, reply = await dht.transport.call_maddr(maddr, proto.AGES, {"peers": [p.to_bytes() for p in batch]}, timeout)
+        ages = reply.get("ages") if isinstance(reply, dict) else None
+        if not isinstance(ages, list) or len(ages) != len(batch):
+            raise BadRequest("ages: the reply must list one age per peer asked")
+        for peer, age in zip(batch, ages, strict=True):
+            if age is None:
+                continue
+            if isinstance(age, bool) or not isinstance(age, int | float) or not math.isfinite(age) or age < 0:
+                raise BadRequest("ages: an age is a finite number of seconds >= 0, or None")
+            known[peer] = float(age)
     return known

@@ -53,22 +53,24 @@ async def test_only_peers_that_answer_count(hosts: list[P2PHost]) -> None:
             check.close()
 
 
-async def test_pings_per_step_are_bounded_and_expected_peers_go_first(
+async def test_pings_per_step_are_bounded_and_expected_peers_are_always_asked(
     hosts: list[P2PHost], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    me, honest, _ = hosts
+    me, honest, other = hosts
     monkeypatch.setattr(liveness, "MAX_PINGS", 4)
-    checks = [Liveness(me, "run", 2.0), Liveness(honest, "run", 2.0)]
+    checks = [Liveness(me, "run", 2.0), Liveness(honest, "run", 2.0), Liveness(other, "run", 2.0)]
     try:
         flood = [fake() for _ in range(10)]
-        good = member_of(honest)
+        good, late = member_of(honest), member_of(other)
         checks[0].ask(7, [*flood, good], first={good.peer_id})
         loop = asyncio.get_running_loop()
         ids = [m.peer_id for m in [*flood, good]]
         assert await checks[0].settle(ids, loop.time() + 5) == {good.peer_id}
-        assert len(checks[0].failed()) == 3  # 4 pings in all, the expected peer's first
+        assert len(checks[0].failed()) == 4  # 4 of the flood; the expected peer on top of them
+        checks[0].ask(7, [late], first={late.peer_id})  # budget spent by the flood: an expected peer still is asked
+        assert await checks[0].settle([late.peer_id], loop.time() + 5) == {late.peer_id}
         checks[0].ask(7, flood)  # the budget of step 7 is spent
-        assert len(checks[0].failed()) == 3 and not checks[0]._pending
+        assert len(checks[0].failed()) == 4 and not checks[0]._pending
         checks[0].ask(8, flood)  # a new step, a new budget (the failed ones are remembered)
         assert len(checks[0]._pending) == 4
     finally:

@@ -31,6 +31,11 @@ async def test_a_node_tells_how_long_it_has_known_its_contacts() -> None:
         later = await ages_known_by(asker, elder.visible_maddrs[0], [nodes[0].peer_id], 5)
         assert later[nodes[0].peer_id] >= first[nodes[0].peer_id] + 0.25
         assert await ages_known_by(asker, elder.visible_maddrs[0], [], 5) == {}
+        # more than one question's worth: the known peer listed last after a crowd is still answered
+        crowd = [Identity.generate().peer_id for _ in range(proto.MAX_AGE_QUERY + 5)]
+        assert set(await ages_known_by(asker, elder.visible_maddrs[0], [*crowd, nodes[0].peer_id], 5)) == {
+            nodes[0].peer_id
+        }
         maddr = elder.visible_maddrs[0]
         for bad in (
             {"peers": [b"x"] * (proto.MAX_AGE_QUERY + 1)},
