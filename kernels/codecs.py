@@ -110,6 +110,18 @@ def _check_acc(acc: torch.Tensor) -> torch.Tensor:
     return acc.view(-1)
 
 
+def _scaled_payload(
+    codec: Codec, payload: Payload, numel: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A blockwise codec's payload, length checked, split into its codes (uint8, after the
+    scales) and its fp32 scales (one per block of `codec.block_size`), on `device`."""
+    buf = as_uint8(payload)
+    _check_length(buf, codec.encoded_nbytes(numel), codec.name, numel)
+    buf = buf.to(device)
+    nb = num_blocks(numel, codec.block_size)  # type: ignore[attr-defined]
+    return buf[4 * nb :], _view_as(buf[: 4 * nb], torch.float32)
+
+
 class Codec(ABC):
     """Encode a flat fp32 vector to one uint8 buffer; decode (and weighted-accumulate) it."""
 
@@ -157,11 +169,8 @@ class Int8Codec(Codec):
         return out
 
     def _split(self, payload: Payload, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        buf = as_uint8(payload)
-        _check_length(buf, self.encoded_nbytes(numel), self.name, numel)
-        buf = buf.to(device)
-        nb = num_blocks(numel, self.block_size)
-        return buf[4 * nb :].view(torch.int8), _view_as(buf[: 4 * nb], torch.float32)
+        codes, scales = _scaled_payload(self, payload, numel, device)
+        return codes.view(torch.int8), scales
 
     def decode_accumulate(self, acc: torch.Tensor, payload: Payload, weight: float) -> None:
         acc = _check_acc(acc)
@@ -200,11 +209,7 @@ class _LowBitCodec(Codec):
         return out
 
     def _split(self, payload: Payload, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        buf = as_uint8(payload)
-        _check_length(buf, self.encoded_nbytes(numel), self.name, numel)
-        buf = buf.to(device)
-        nb = num_blocks(numel, self.block_size)
-        return buf[4 * nb :], _view_as(buf[: 4 * nb], torch.float32)
+        return _scaled_payload(self, payload, numel, device)
 
     def decode_accumulate(self, acc: torch.Tensor, payload: Payload, weight: float) -> None:
         acc = _check_acc(acc)
