@@ -84,6 +84,11 @@ QUANTIZATION_TOL = 0.03  # int8 blocks of 64 round by ~0.6% (rms); a lie of 3% o
 # a result off by more than half its norm, with int2 a sign flip or a scaled result (the -100x
 # owner, by its norm), not a part zeroed or shrunk by an owner.
 CODEC_TOL = {"int4": 0.5, "int2": 1.0}
+# A member checks what the receipt says of its own contribution against the sketch of the very
+# payload it sent (Prepared.own_sent): the owner summed the same decoded values, so only float
+# sums in another order and the receipt's float32 differ, for every codec. An owner that
+# substitutes, shrinks or flips our input by more than this is caught by us.
+SENT_TOL = 1e-3
 SKETCH_SIGMAS = 8.0  # Gram entries may differ from the sketch estimate by this many standard errors
 # A Gram entry the sketches disagree with is only suspect: on structured vectors (a few large
 # coordinates colliding in a bucket) the sketch's estimate can be far off for an honest owner
@@ -274,9 +279,10 @@ def check_receipt(
     if me is not None and mine is not None and me in receipt.included and own_checkable:
         k = receipt.included.index(me)
         own, own_sq = prepared.own, prepared.own_sq
-        if abs(gram[k][k] - own_sq) > 2 * tolerance * own_sq + 1e-30:
+        own_tol = SENT_TOL if prepared.own_sent else tolerance
+        if abs(gram[k][k] - own_sq) > 2 * own_tol * own_sq + 1e-30:
             problems.append("the receipt misstates our contribution's norm")
-        if float((own - sk[k]).norm()) > tolerance * max(float(own.norm()), math.sqrt(own_sq)) + 1e-30:
+        if float((own - sk[k]).norm()) > own_tol * max(float(own.norm()), math.sqrt(own_sq)) + 1e-30:
             problems.append("the receipt misstates our contribution")
     return problems
 
@@ -289,12 +295,15 @@ FP32_SAFE_SQUARES = 2.0**127
 @dataclass(frozen=True, slots=True)
 class Prepared:
     """What check_receipt computes from this member's own data: S(result), S(mine), |mine|^2,
-    |result|^2 (float64 sums from the sketches' passes)."""
+    |result|^2 (float64 sums from the sketches' passes). `own_sent`: S(mine) and |mine|^2 are of
+    the decoded payload we sent (checked to SENT_TOL), not of our exact slice (the codec's
+    tolerance)."""
 
     observed: torch.Tensor
     own: torch.Tensor
     own_sq: float
     result_sq: float
+    own_sent: bool = False
 
 
 def prepare(result: torch.Tensor, mine: torch.Tensor | None, seed: bytes, part: int, buckets: int) -> Prepared:

@@ -14,10 +14,10 @@ every other part's owner once the round's results are in.
    chunk (its own slice exact), sketches them with the part's seed and keeps the receipt (a few
    KB to a few hundred KB) for as long as the round lingers; it answers `avg.receipt` only once
    its own result of the part is final, and only for that part's seed. For each other part it
-   sketches the result and its own slice (audit.prepare).
+   sketches the result and its own slice as it sent it, encoded (prepare_part).
 3. Checks. Every member (client members too) fetches, in parallel, the receipt of every part it
    did not reduce from the member that sent it that part's result, and checks it in a worker
-   thread (audit.check_receipt) with its own exact slice and the decoded result. Verdicts:
+   thread (audit.check_receipt) with its own sent slice and the decoded result. Verdicts:
    - consistency (Gram vs sketches, result vs the described reduction, a member list other than
      the result's, a malformed receipt, an original owner without a receipt for its own part):
      every member with the same receipt sees it: the round fails (AuditError, naming the owner)
@@ -67,6 +67,7 @@ from swarm.p2p.errors import BadRequest, NotFound, P2PError, RemoteError
 from swarm.p2p.handlers import CallContext
 from swarm.p2p.peer_id import PeerID
 from swarm.p2p.stream import Stream
+from swarm_kernels import as_memoryview
 from swarm_kernels.sketch import sketch_accumulate, sketch_payload_accumulate
 
 if TYPE_CHECKING:
@@ -115,16 +116,17 @@ def prepare_part(
     seed: bytes, part: int, buckets: int,
 ) -> Prepared:  # fmt: skip
     """Our side of part `part`'s check (worker thread): the sketch and squared norm of its
-    result, straight from the result's payload, and of our own slice (audit.prepare, without
-    decoding again): one pass over each."""
+    result, straight from the result's payload, and of our own slice as we sent it (encoded
+    again chunk by chunk, as write_encoded did: the codecs are deterministic), so that what the
+    receipt says of our input is checked to SENT_TOL whatever the codec's rounding."""
     plan = sketch_plan(seed, part, mine.numel(), buckets)
     observed = torch.zeros(plan.buckets, dtype=torch.float64)
-    result_sq = 0.0
+    own = torch.zeros(plan.buckets, dtype=torch.float64)
+    result_sq = own_sq = 0.0
     for a, b, where in layout:
         result_sq += sketch_payload_accumulate(observed, codec, payload[where], b - a, a, plan)
-    own = torch.zeros(plan.buckets, dtype=torch.float64)
-    own_sq = sketch_accumulate(own, mine, 0, plan)
-    return Prepared(observed, own, own_sq, result_sq)
+        own_sq += sketch_payload_accumulate(own, codec, as_memoryview(codec.encode(mine[a:b])), b - a, a, plan)
+    return Prepared(observed, own, own_sq, result_sq, own_sent=True)
 
 
 def check(

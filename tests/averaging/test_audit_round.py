@@ -45,8 +45,9 @@ async def run_all(rounds: list[AllReduceRound]) -> list[Any]:
 
 def lie_when_owner_is(liar: AllReduceRound, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     """The liar's reductions misbehave: "broadcast" -100 x the average it computed (attacks.py
-    `owner`), or "substitute" member 1's payload with its negation before reducing (its receipt
-    then describes the substituted input, consistently)."""
+    `owner`), or "substitute" member 1's payload with its negation ("shrink": 0.9 x it, within
+    the low-bit codecs' rounding) before reducing (its receipt then describes the substituted
+    input, consistently)."""
     encode, robust = reduction.PartReduction._encode, reduction.PartReduction._robust
 
     def lying_encode(self: reduction.PartReduction, average: torch.Tensor) -> memoryview:
@@ -56,11 +57,12 @@ def lie_when_owner_is(liar: AllReduceRound, monkeypatch: pytest.MonkeyPatch, how
         if self.own_slice.data_ptr() in owned and 1 in complete:
             buffer = self.senders[1].buffer
             for a, b, where in self.layout:
-                negated = -self.codec.decode(buffer[where], b - a)
-                buffer[where] = as_memoryview(self.codec.encode(negated))
+                other = factor * self.codec.decode(buffer[where], b - a)
+                buffer[where] = as_memoryview(self.codec.encode(other))
         return robust(self, complete)
 
     owned = {liar.vector[lo:hi].data_ptr() for lo, hi in liar.parts}
+    factor = 0.9 if how == "shrink" else -1.0
     if how == "broadcast":
         monkeypatch.setattr(reduction.PartReduction, "_encode", lying_encode)
     else:
@@ -110,14 +112,17 @@ async def test_an_owner_that_broadcasts_a_lie_fails_the_round_and_is_excluded(
     assert all(o[1].audit_excluded == [] for o in outcomes)
 
 
+@pytest.mark.parametrize("how", ["substitute", "shrink"])
 @pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
 async def test_an_owner_that_substitutes_our_input_is_caught_by_us_alone(
-    make_group: MakeGroup, monkeypatch: pytest.MonkeyPatch, codec: str
+    make_group: MakeGroup, monkeypatch: pytest.MonkeyPatch, codec: str, how: str
 ) -> None:
+    # we check the receipt against the payload we sent, so even a 10% change within the low-bit
+    # codecs' rounding is caught
     group, members = await make_group(4, weights=[1.0] * 4, codec=codec, **SMALL)
     rounds = rounds_of(group, members, deltas(4, seed=1))
     liar = 3
-    lie_when_owner_is(rounds[liar], monkeypatch, "substitute")
+    lie_when_owner_is(rounds[liar], monkeypatch, how)
     outcomes = await run_all(rounds)
     for outcome in outcomes:
         assert not isinstance(outcome, BaseException), outcome  # nobody fails the round
