@@ -214,6 +214,7 @@ def check_receipt(
     members: int | None = None,
     prepared: Prepared | None = None,
     tolerance: float = QUANTIZATION_TOL,
+    buckets: int | None = None,
 ) -> list[str]:
     """What is wrong with an owner's receipt for part `part` (empty: nothing). `weights` are the
     members' agreed weights, `result` the decoded result of the part, `mine` this member's own
@@ -222,11 +223,14 @@ def check_receipt(
     slack for the codec's rounding (quantization_tol). Pure; run it in a worker
     thread. `members`: the group's size, which sets the sketch width (audit_buckets; None: the
     full width, BUCKETS). `prepared`: the sketches of `result` and `mine` computed beforehand
-    (`prepare`, while the round went on)."""
+    (`prepare`, while the round went on). `buckets`: the sketch width when the part is a piece
+    of a wider sketched space (a grid round's sub-part), instead of audit_buckets'."""
     problems: list[str] = []
-    n, buckets = len(receipt.included), receipt.buckets
+    n, width = len(receipt.included), receipt.buckets
     numel = result.numel()
     expected = max(1, min(BUCKETS, numel)) if members is None else audit_buckets(numel, members)
+    expected = expected if buckets is None else buckets
+    buckets = width
     if buckets != expected:
         return [f"receipt sketches have {buckets} buckets, expected {expected}"]
     gram = receipt.gram

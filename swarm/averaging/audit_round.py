@@ -68,7 +68,7 @@ from swarm.p2p.handlers import CallContext
 from swarm.p2p.peer_id import PeerID
 from swarm.p2p.stream import Stream
 from swarm_kernels import as_memoryview
-from swarm_kernels.sketch import sketch_accumulate, sketch_payload_accumulate
+from swarm_kernels.sketch import SketchPlan, sketch_accumulate, sketch_payload_accumulate
 
 if TYPE_CHECKING:
     from swarm.averaging.allreduce import AllReduceRound
@@ -99,16 +99,21 @@ def build_receipt(reduction: PartReduction, seed: bytes) -> bytes:
     exact)."""
     numel = reduction.hi - reduction.lo
     plan = sketch_plan(seed, reduction.part, numel, audit_buckets(numel, len(reduction.weights)))
+    return msgpack.packb(receipt_of(reduction, plan).encode())
+
+
+def receipt_of(reduction: PartReduction, plan: SketchPlan, offset: int = 0) -> Receipt:
+    """The receipt of a reduction whose part starts at `offset` of the index space `plan`
+    sketches (worker thread)."""
     sketches = torch.zeros(len(reduction.order), plan.buckets, dtype=torch.float64)
     for i, out in zip(reduction.order, sketches, strict=True):
         if i == reduction.own_index:
-            sketch_accumulate(out, reduction.own_slice, 0, plan)
+            sketch_accumulate(out, reduction.own_slice, offset, plan)
             continue
         payload = reduction.senders[i].buffer
         for a, b, where in reduction.layout:
-            sketch_payload_accumulate(out, reduction.codec, payload[where], b - a, a, plan)
-    receipt = Receipt(reduction.order, reduction.gram, plan.buckets, sketches.float())
-    return msgpack.packb(receipt.encode())
+            sketch_payload_accumulate(out, reduction.codec, payload[where], b - a, offset + a, plan)
+    return Receipt(reduction.order, reduction.gram, plan.buckets, sketches.float())
 
 
 def prepare_part(

@@ -69,6 +69,7 @@ import torch
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.errors import AllReduceError
 from swarm.averaging.grid import make_grid
+from swarm.averaging.grid_audit import GridAudit
 from swarm.averaging.grid_serving import FAILURES, GridServing
 from swarm.averaging.messages import GroupInfo
 from swarm.averaging.partition import payload_layout, payload_size
@@ -76,6 +77,8 @@ from swarm.averaging.reduction import ColReduction, RowReduction
 from swarm.averaging.registry import COL, DOWN, ROW, RoundRegistry
 from swarm.averaging.round_member import RoundMember, RoundReport, await_parts
 from swarm.averaging.round_streams import Final, read_exactly, read_header, write_encoded
+from swarm.p2p.errors import BadRequest
+from swarm.p2p.handlers import CallContext
 from swarm.p2p.host import P2PHost
 from swarm.p2p.stream import Stream
 
@@ -115,6 +118,7 @@ class GridRound(GridServing, RoundMember):
                                               aggregator=config.aggregator)  # fmt: skip
         self.col_reductions: dict[int, ColReduction] = {}
         self._answering: set[asyncio.Task[Any]] = set()  # answers being written
+        self.audit = GridAudit(self) if config.audit and config.aggregator == "robust" else None
 
     async def run(self) -> tuple[torch.Tensor, RoundReport]:
         """The averaged vector (a new tensor) and the report; AllReduceError when the round
@@ -125,8 +129,12 @@ class GridRound(GridServing, RoundMember):
         live = [c for c, (lo, hi) in enumerate(self.grid.parts) if hi > lo]
         jobs = {c: self._own_part() if c == self.col else self._via_row(c) for c in live}
         tasks = {c: asyncio.ensure_future(job) for c, job in jobs.items()}
-        await await_parts(tasks, self._tasks, lambda: self.registry.finished(self), self._answering,
-                          self.config.part_timeout)  # fmt: skip
+        try:  # the audit runs before the round's buffers are released
+            await await_parts(tasks, self._tasks, lambda: None, self._answering, self.config.part_timeout)
+            if self.audit is not None:
+                self.report.audit_excluded = await self.audit.run()
+        finally:
+            self.registry.finished(self)
         self.report.total_s = time.perf_counter() - self._started
         return result, self.report
 
@@ -266,6 +274,7 @@ class GridRound(GridServing, RoundMember):
                 self.report.bytes_sent += sent  # not `+= await ...`: that reads the total before the await
                 await stream.end()
                 finals = await self._read_part(stream, c, 4 * timeout)
+            self._forwarded(c, self.row)
             await self._decode_part(c, finals)
             return
         except FAILURES as e:
@@ -274,7 +283,9 @@ class GridRound(GridServing, RoundMember):
         for k in range(1, self.grid.rows):  # our slice is lost: fetch the part another row holds
             row = (self.row + k) % self.grid.rows
             try:
-                await self._decode_part(c, await self._ask_down(row, c, -1))
+                finals = await self._ask_down(row, c, -1)
+                self._forwarded(c, row)
+                await self._decode_part(c, finals)
                 return
             except FAILURES as e:
                 errors.append(f"{row}: {e}")
@@ -335,6 +346,18 @@ class GridRound(GridServing, RoundMember):
     def _store(self, c: int, s: int, final: Final) -> None:
         self.final[(c, s)] = final
         self.report.contributions[c * self.grid.rows + s] = final[0]
+        live = [k for k, (lo, hi) in enumerate(self.grid.subs[c]) if hi > lo]
+        if self.audit is not None and all((c, k) in self.final for k in live):
+            self.audit.part_in(c)  # part c is final: its seed, our receipts and sketches, while the rest moves
+
+    def _forwarded(self, c: int, row: int) -> None:
+        if self.audit is not None:
+            self.audit.forwarder[c] = row
+
+    async def serve_receipt(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
+        if self.audit is None:
+            raise BadRequest("avg.receipt: this round is not audited")
+        await self.audit.serve(ctx, args, stream)
 
     def _encoded_size(self, lo: int, hi: int) -> int:
         return payload_size(payload_layout(lo, hi, self.config.chunk_elements, self.codec.encoded_nbytes))
