@@ -7,6 +7,7 @@ seeded random vector of `--elements` fp32. Each row is one path of the same swar
 
   flat           max_group_size = n: one butterfly all-reduce over the whole group
   hierarchical   max_group_size = --cap (2 when n <= cap): the grid butterfly (hierarchical.py)
+  <path>-unaudited  the same without the owner audit (audit_round.py, grid_audit.py): its cost
 
 A round: the parent broadcasts a wall-clock instant; at it every member calls form_group for the
 same step, expecting every member's PeerID (matchmaking ends once all have announced; the
@@ -43,6 +44,7 @@ from swarm import process_control
 
 MARK = "BENCH_SCALE "
 PATHS = ("flat", "hierarchical")
+UNAUDITED = "-unaudited"  # a path with this suffix runs without the owner audit (to measure what it costs)
 MATCHMAKING_TIME = 30.0  # the window: it only bounds the wait for members that never announce
 START_MARGIN = 0.3  # seconds between broadcasting a start instant and the instant
 
@@ -61,14 +63,14 @@ def parse_count(text: str) -> int:
 
 def group_cap(n: int, path: str, cap: int) -> int:
     """max_group_size of a row: n for the flat round; the cap for the grid (2 if n would fit it)."""
-    return n if path == "flat" else (cap if n > cap else 2)
+    return n if path.removesuffix(UNAUDITED) == "flat" else (cap if n > cap else 2)
 
 
 def int8_bound(vectors_max: float, mean_max: float, path: str) -> float:
     """Max |error| vs the exact mean (tests/averaging/test_hierarchical.py): each int8 encoding is
     off by half a block scale, V/254 for an input, M/254 for the final average; the grid encodes
     row partials once more; fp32 rounding adds a relative 1e-6."""
-    stages = 2 if path == "hierarchical" else 1
+    stages = 2 if path.removesuffix(UNAUDITED) == "hierarchical" else 1
     return stages * vectors_max / 254 + (mean_max + stages * vectors_max / 254) / 254 + 1e-6 * vectors_max
 
 
@@ -114,21 +116,22 @@ class Shard:
         dht = await DHTNode(initial_peers=cmd["initial"], host=host).start()
         return index, host, dht, make_input(cmd["seed"], index, cmd["elements"])
 
-    def _use_run(self, run: str, max_group_size: int) -> None:
+    def _use_run(self, run: str, max_group_size: int, audit: bool) -> None:
         from swarm.averaging import Averager, AveragingConfig
 
         if run == self.run:
             return
         for averager in self.averagers:
             averager.close()
-        config = AveragingConfig(max_group_size=max_group_size, matchmaking_time=MATCHMAKING_TIME, codec="int8")
+        config = AveragingConfig(max_group_size=max_group_size, matchmaking_time=MATCHMAKING_TIME, codec="int8",
+                                 audit=audit)  # fmt: skip
         self.averagers = [Averager(dht, host, run, config) for _, host, dht, _ in self.members]
         self.run = run
 
     async def _form(self, cmd: dict[str, Any]) -> list[dict[str, Any]]:
         from swarm.p2p import PeerID
 
-        self._use_run(cmd["run"], cmd["max_group_size"])
+        self._use_run(cmd["run"], cmd["max_group_size"], cmd["audit"])
         expected = frozenset(PeerID(bytes.fromhex(p)) for p in cmd["expected"])
         await asyncio.sleep(max(0.0, cmd["at"] - time.time()))
         found = await asyncio.gather(
@@ -265,7 +268,7 @@ def one_round(pool: Workers, run: str, step: int, max_group_size: int, peers: li
     """Matchmaking then the all-reduce, each started at a common instant; one dict per member."""
     count = len(pool.procs)
     form = {"op": "form", "run": run, "step": step, "max_group_size": max_group_size, "expected": peers,
-            "at": time.time() + START_MARGIN}  # fmt: skip
+            "audit": not run.endswith(UNAUDITED), "at": time.time() + START_MARGIN}  # fmt: skip
     formed = {m["index"]: m for a in pool.ask([form] * count, MATCHMAKING_TIME + 60) for m in a["members"]}
     reduce = {"op": "reduce", "at": time.time() + START_MARGIN, "save": save}
     for a in pool.ask([reduce] * count, 600):
@@ -396,8 +399,8 @@ def main() -> None:
         return
     process_control.exit_on_sigterm()
     paths = args.paths.split(",")
-    if any(p not in PATHS for p in paths):
-        parser.error(f"paths are {PATHS}")
+    if any(p.removesuffix(UNAUDITED) not in PATHS for p in paths):
+        parser.error(f"paths are {PATHS}, each also with the suffix {UNAUDITED} (no owner audit)")
     elements = parse_count(args.elements)
     sizes = [int(x) for x in args.sizes.split(",")]
     if any(n < 2 for n in sizes) or args.cap < 2 or args.repeats < 1 or args.processes < 1 or elements < 1:

@@ -33,8 +33,8 @@ class AveragingConfig:
     # ones dropped, far ones clipped, the mean when nobody is an outlier) or "mean" (the exact
     # weighted mean: one bad member moves the result anywhere)
     aggregator: str = "robust"
-    # the owner audit (audit_round.py): members check every part owner's robust reduction after
-    # each flat round; only with the robust aggregator (grid rounds are not audited)
+    # the owner audit (audit_round.py, grid_audit.py): members check every part owner's robust
+    # reduction after each round; only with the robust aggregator
     audit: bool = True
     part_timeout: float = 60.0  # bound on each wait of the all-reduce (a chunk, a peer's result)
     max_elements: int = 1 << 33  # largest vector a peer may ask us to reduce

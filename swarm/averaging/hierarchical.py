@@ -55,6 +55,10 @@ Faults (DESIGN invariant 5):
   reduce, fails the round with AllReduceError (the caller's tensors untouched) for every member
   that needs it, i.e. every member that did not already receive it.
 Every wait is bounded by part_timeout (a chunk, a sender, a row), a few of them end to end.
+
+Audit (grid_audit.py, robust aggregator): once part c is final, its owners build receipts of
+the sub-part they reduced and of their row partial; after the parts, every member checks them
+before the round's buffers go (and the round lingers to serve them).
 """
 
 from __future__ import annotations
