@@ -194,8 +194,7 @@ class GridAudit:
         elif self.forwarder.get(c) == r.row:  # our slice of part c, encoded again as write_encoded did
             layout = payload_layout(0, part_hi - part_lo, chunk, nbytes)
             mine = r.vector[part_lo:part_hi]
-            encoded = torch.cat([torch.frombuffer(bytearray(r.codec.encode(mine[a:b])), dtype=torch.uint8)
-                                 for a, b, _ in layout])  # fmt: skip
+            encoded = torch.cat([torch.as_tensor(r.codec.encode(mine[a:b])).view(-1) for a, b, _ in layout])
             side.sent[ROW_RECEIPT] = _sketch(plan, r.codec, as_memoryview(encoded), layout, 0)
 
     # --- checking the others -----------------------------------------------------------------
