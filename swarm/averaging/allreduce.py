@@ -203,9 +203,6 @@ class AllReduceRound(RoundMember):
     def _encoded_size(self, lo: int, hi: int) -> int:
         return payload_size(payload_layout(lo, hi, self.config.chunk_elements, self.codec.encoded_nbytes))
 
-    def _tag(self) -> str:
-        return self.group.group_id.hex()[:8]
-
     # --- serving -------------------------------------------------------------------------------
 
     async def serve_part(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:

@@ -72,6 +72,7 @@ from swarm_kernels.sketch import SketchPlan, sketch_accumulate, sketch_payload_a
 
 if TYPE_CHECKING:
     from swarm.averaging.allreduce import AllReduceRound
+    from swarm.averaging.round_member import RoundMember
 
 logger = logging.getLogger(__name__)
 
@@ -210,27 +211,7 @@ class RoundAudit:
         return self._judge(verdicts)
 
     def _judge(self, verdicts: list[Verdict]) -> list[PeerID]:
-        r = self.round
-        members = r.group.members
-        failed, mismatched, ours = [], [], []
-        for v in verdicts:
-            peer = members[v.owner].peer_id
-            if v.kind == "silent":
-                logger.info("round %s: audit: part %d: owner %s did not answer: %s", r._tag(), v.part, peer, v.detail)
-            elif v.kind == "seed":
-                mismatched.append(v)
-            elif v.kind in ("inconsistent", "ours"):
-                logger.warning("round %s: audit: owner %s of part %d: %s", r._tag(), peer, v.part, v.detail)
-                (failed if v.kind == "inconsistent" else ours).append(v)
-        if failed:
-            owners = sorted({members[v.owner].peer_id for v in failed}, key=str)
-            details = "; ".join(f"owner {members[v.owner].peer_id} (part {v.part}): {v.detail}" for v in failed)
-            raise AuditError(f"audit: {details}", owners)
-        if mismatched:
-            who = ", ".join(str(members[v.owner].peer_id) for v in mismatched)
-            logger.warning("round %s: audit: members %s hold other results than ours", r._tag(), who)
-            raise AuditError(f"audit: members {who} hold other results than ours (an owner equivocated)", [])
-        return sorted({members[v.owner].peer_id for v in ours}, key=str)
+        return judge(self.round, verdicts, "part")
 
     async def _audit(self, j: int, k: int) -> Verdict:
         r = self.round
@@ -299,6 +280,32 @@ class RoundAudit:
         data = await asyncio.shield(receipt)
         await stream.write(data)
         r.report.bytes_sent += len(data)
+
+
+def judge(r: RoundMember, verdicts: list[Verdict], unit: str) -> list[PeerID]:
+    """What a round's verdicts mean (`unit`: what Verdict.part numbers, for the log): AuditError
+    naming the owners whose receipts do not hold, or without a name on a seed mismatch; else
+    the owners excluded for what only we could see ("ours", and the grid's "row")."""
+    members = r.group.members
+    failed, mismatched, ours = [], [], []
+    for v in verdicts:
+        peer = members[v.owner].peer_id
+        if v.kind == "silent":
+            logger.info("round %s: audit: %s %d: owner %s did not answer: %s", r._tag(), unit, v.part, peer, v.detail)
+        elif v.kind == "seed":
+            mismatched.append(v)
+        elif v.kind in ("inconsistent", "ours", "row"):
+            logger.warning("round %s: audit: owner %s of %s %d: %s", r._tag(), peer, unit, v.part, v.detail)
+            (failed if v.kind == "inconsistent" else ours).append(v)
+    if failed:
+        owners = sorted({members[v.owner].peer_id for v in failed}, key=str)
+        details = "; ".join(f"owner {members[v.owner].peer_id} ({unit} {v.part}): {v.detail}" for v in failed)
+        raise AuditError(f"audit: {details}", owners)
+    if mismatched:
+        who = ", ".join(str(members[v.owner].peer_id) for v in mismatched)
+        logger.warning("round %s: audit: members %s hold other results than ours", r._tag(), who)
+        raise AuditError(f"audit: members {who} hold other results than ours (somebody equivocated)", [])
+    return sorted({members[v.owner].peer_id for v in ours}, key=str)
 
 
 def _retrieved(task: asyncio.Future[Any]) -> None:

@@ -59,8 +59,7 @@ from swarm.averaging.audit import (
     quantization_tol,
     sketch_plan,
 )
-from swarm.averaging.audit_round import OURS, RECEIPT, WRONG_SEED, Verdict, receipt_limit, receipt_of
-from swarm.averaging.errors import AuditError
+from swarm.averaging.audit_round import OURS, RECEIPT, WRONG_SEED, Verdict, judge, receipt_limit, receipt_of
 from swarm.averaging.partition import payload_layout
 from swarm.averaging.robust import robust_coefficients
 from swarm.p2p.errors import BadRequest, NotFound, P2PError, RemoteError
@@ -363,27 +362,7 @@ class GridAudit:
         return problems
 
     def _judge(self, verdicts: list[Verdict]) -> list[PeerID]:
-        r = self.round
-        members = r.group.members
-        failed, mismatched, ours = [], [], []
-        for v in verdicts:
-            peer = members[v.owner].peer_id
-            if v.kind == "silent":
-                logger.info("round %s: audit: column %d: owner %s did not answer: %s", r._tag(), v.part, peer, v.detail)
-            elif v.kind == "seed":
-                mismatched.append(v)
-            elif v.kind in ("inconsistent", "ours", "row"):
-                logger.warning("round %s: audit: owner %s of column %d: %s", r._tag(), peer, v.part, v.detail)
-                (failed if v.kind == "inconsistent" else ours).append(v)
-        if failed:
-            owners = sorted({members[v.owner].peer_id for v in failed}, key=str)
-            details = "; ".join(f"owner {members[v.owner].peer_id} (column {v.part}): {v.detail}" for v in failed)
-            raise AuditError(f"audit: {details}", owners)
-        if mismatched:
-            who = ", ".join(str(members[v.owner].peer_id) for v in mismatched)
-            logger.warning("round %s: audit: owners %s hold other results than ours", r._tag(), who)
-            raise AuditError(f"audit: owners {who} hold other results than ours (somebody equivocated)", [])
-        return sorted({members[v.owner].peer_id for v in ours}, key=str)
+        return judge(self.round, verdicts, "column")
 
     # --- serving ours --------------------------------------------------------------------------
 

@@ -365,6 +365,3 @@ class GridRound(GridServing, RoundMember):
 
     def _encoded_size(self, lo: int, hi: int) -> int:
         return payload_size(payload_layout(lo, hi, self.config.chunk_elements, self.codec.encoded_nbytes))
-
-    def _tag(self) -> str:
-        return self.group.group_id.hex()[:8]

@@ -99,6 +99,10 @@ class RoundMember:
         self._started = 0.0
         self.finished = False
 
+    def _tag(self) -> str:
+        """The group, in log lines."""
+        return self.group.group_id.hex()[:8]
+
     def note_fates(self, part: int, touched: dict[int, tuple[int, Fate]]) -> None:
         """Log and report the contributions a robust reduction of `part` dropped or clipped:
         contribution index -> (the member who sent it, its fate)."""
