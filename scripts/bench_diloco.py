@@ -52,24 +52,44 @@ from swarm.model.schedule import SCHEDULES
 from swarm.process_control import console_script
 
 CONFIGS = ("H50_int8", "H50_none", "H100_int8", "H100_none")
-COMPRESSIONS = ("int8", "fp16", "none")
+COMPRESSIONS = ("int8", "int4", "int2", "fp16", "none")  # swarm-node's --compression codecs
 STOP_GRACE_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
 class SwarmConfig:
-    name: str  # "H50_int8": H and --compression
+    """One swarm configuration, named H<inner steps>_<--compression>[_ef<--error-feedback>]:
+    "H50_int8", "H100_int4:0.25", "H100_int2_ef1"."""
+
+    name: str
     inner_steps: int
-    compression: str
+    compression: str  # swarm-node's --compression: CODEC[:DENSITY]
+    error_feedback: float = 0.0  # swarm-node's --error-feedback (0: off)
 
     @classmethod
     def parse(cls, name: str) -> SwarmConfig:
-        h, _, compression = name.partition("_")
-        if not (h.startswith("H") and h[1:].isdigit() and int(h[1:]) > 0 and compression in COMPRESSIONS):
-            raise ValueError(
-                f"bad configuration {name!r}: use H<inner steps>_<{'|'.join(COMPRESSIONS)}>, e.g. H50_int8"
-            )
-        return cls(name, int(h[1:]), compression)
+        from swarm.model.compression_spec import CompressionSpec
+
+        h, _, rest = name.partition("_")
+        compression, _, feedback = rest.partition("_")
+        usage = f"use H<inner steps>_<{'|'.join(COMPRESSIONS)}>[:DENSITY][_ef<DECAY>], e.g. H50_int8, H100_int4_ef1"
+        if not (h.startswith("H") and h[1:].isdigit() and int(h[1:]) > 0):
+            raise ValueError(f"bad configuration {name!r}: {usage}")
+        try:
+            CompressionSpec.parse(compression, COMPRESSIONS)
+            decay = float(feedback.removeprefix("ef")) if feedback else 0.0
+        except ValueError as e:
+            raise ValueError(f"bad configuration {name!r}: {e}; {usage}") from None
+        if feedback and not (feedback.startswith("ef") and 0.0 < decay <= 1.0):
+            raise ValueError(f"bad configuration {name!r}: error feedback is ef<decay in (0, 1]>; {usage}")
+        return cls(name, int(h[1:]), compression, decay)
+
+    def labels(self) -> dict[str, Any]:
+        """The keys issue 15 adds to each row: the codec, the density, the error feedback."""
+        from swarm.model.compression_spec import CompressionSpec
+
+        spec = CompressionSpec.parse(self.compression, COMPRESSIONS)
+        return {"codec": spec.codec, "density": spec.density, "error_feedback": self.error_feedback}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -119,6 +139,7 @@ def node_args(
         "--warmup-steps", str(options.warmup_steps),
         *schedule_flags(workload),
         "--compression", config.compression,
+        *(["--error-feedback", repr(config.error_feedback)] if config.error_feedback else []),
         "--max-outer-steps", str(workload.steps // config.inner_steps),
         "--seed", str(workload.seed),
         "--threads", "1",
@@ -241,9 +262,11 @@ def results(workload: Workload, baselines: dict[str, float], runs: dict[str, lis
         "ring_allreduce_bytes_per_node": ring,
     }
     keys = ("diloco_eval_loss", "ratio_to_ddp", "gap_closed", "bytes_sent_per_node", "reduction_factor")
-    for key in (*keys, "utilization", "full_group_share", "states_agree"):
+    for key in (*keys, "utilization", "full_group_share", "states_agree", "codec", "density", "error_feedback"):
         out[key] = {}
     for name, repeats in runs.items():
+        for key, value in SwarmConfig.parse(name).labels().items():
+            out[key][name] = value
         loss = statistics.median(r["eval_loss"] for r in repeats)
         sent = statistics.median(statistics.fmean(r["bytes_sent"]) for r in repeats)
         out["diloco_eval_loss"][name] = loss

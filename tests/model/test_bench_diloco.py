@@ -111,7 +111,13 @@ def test_gap_closed() -> None:
 
 def test_bench_configs_and_ring_bytes() -> None:
     assert bench_diloco.SwarmConfig.parse("H100_none") == bench_diloco.SwarmConfig("H100_none", 100, "none")
-    for bad in ("H0_int8", "50_int8", "H50_int4"):
+    ef = bench_diloco.SwarmConfig.parse("H100_int4:0.25_ef0.9")
+    assert ef == bench_diloco.SwarmConfig("H100_int4:0.25_ef0.9", 100, "int4:0.25", 0.9)
+    assert ef.labels() == {"codec": "int4", "density": 0.25, "error_feedback": 0.9}
+    plain = bench_diloco.SwarmConfig.parse("H50_int2")
+    assert plain.labels() == {"codec": "int2", "density": 1.0, "error_feedback": 0.0}
+    for bad in ("H0_int8", "50_int8", "H50_int3", "H50_int4:0", "H50_int4:2", "H50_none:0.5", "H50_int4_ef0",
+                "H50_int4_ef2", "H50_int4_x1", "H50_int4_efx"):  # fmt: skip
         with pytest.raises(ValueError):
             bench_diloco.SwarmConfig.parse(bad)
     assert bench_diloco.ring_allreduce_bytes(nodes=4, parameters=1000, steps=10) == 1.5 * 4 * 1000 * 10
