@@ -49,6 +49,8 @@ class NodeConfig:
     max_group_size: int = 64  # largest flat all-reduce; beyond it the one group averages hierarchically
     matchmaking_time: float = 5.0
     part_timeout: float = 60.0  # longest wait for a member's slice (a member that died before sending)
+    # MB/s announced for the all-reduce's split; None: measured in our rounds (averaging/bandwidth.py)
+    bandwidth: float | None = None
     max_wait: float = 30.0  # longest a node that finished waits for slower peers of its step
     client_mode: bool = False
     # run
@@ -83,6 +85,8 @@ class NodeConfig:
         for name in ("matchmaking_time", "publish_interval", "fetch_timeout", "part_timeout"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"{name} must be a positive number of seconds")
+        if self.bandwidth is not None and not (math.isfinite(self.bandwidth) and self.bandwidth > 0):
+            raise ValueError(f"bandwidth must be a positive number of MB/s (or None: measured), got {self.bandwidth}")
         if not 0.0 <= self.error_feedback <= 1.0:
             raise ValueError(f"error_feedback is a decay in [0, 1] (0: off), got {self.error_feedback}")
         if not (math.isfinite(self.max_wait) and self.max_wait >= 0):
@@ -122,6 +126,8 @@ class NodeConfig:
             codec=self.compression_spec().codec,
             client_mode=client_mode,
             max_weight=self.max_weight,
+            measure_bandwidth=self.bandwidth is None,
+            **({} if self.bandwidth is None else {"bandwidth": self.bandwidth}),
         )
 
     def keeper_config(self) -> KeeperConfig:

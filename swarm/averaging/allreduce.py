@@ -155,13 +155,20 @@ class AllReduceRound(RoundMember):
         args = {"g": self.group.group_id, "i": self.me, "p": j}
         member = self.group.members[reducer]
         async with await self.host.open_stream(member.address(), PART, args, timeout=timeout) as stream:
+            started = time.monotonic()
             sent = await write_encoded(stream, self.codec, self.vector, lo, hi, self.config.chunk_elements)
             self.report.bytes_sent += sent  # not `+= await ...`: that reads the total before the await
             await stream.end()
-            return await self._read_final(stream, lo, hi, 2 * timeout)
+            return await self._read_final(stream, lo, hi, 2 * timeout, (sent, time.monotonic() - started))
 
-    async def _read_final(self, stream: Stream, lo: int, hi: int, timeout: float) -> Final:
+    async def _read_final(
+        self, stream: Stream, lo: int, hi: int, timeout: float, upload: tuple[int, float] | None = None
+    ) -> Final:
+        """A result: its header, then its payload. `upload`: what we sent on this stream and how
+        long our writes took (the header times it as the owner saw it)."""
         header, header_size = await read_header(stream, timeout)
+        if upload is not None:
+            self.note_upload(*upload, header)
         included = header.get("inc")
         if not isinstance(included, list) or not all(
             isinstance(i, int) and 0 <= i < len(self.weights) for i in included
@@ -235,8 +242,9 @@ class AllReduceRound(RoundMember):
             return
         finally:
             reduction.changed.set()
+        self.note_download(incoming)
         final = await asyncio.wait_for(asyncio.shield(reduction.result), 2 * self.config.part_timeout)
-        await self._reply(stream, final, index)
+        await self._reply(stream, final, index, incoming.rate())
 
     async def serve_fetch(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
         part = args.get("p")
@@ -254,8 +262,9 @@ class AllReduceRound(RoundMember):
             raise BadRequest("avg.receipt: this round is not audited")
         await self.audit.serve(ctx, args, stream)
 
-    async def _reply(self, stream: Stream, final: Final, index: int | None) -> None:
-        header = msgpack.packb({"inc": final[0]})
+    async def _reply(self, stream: Stream, final: Final, index: int | None, rate: float | None = None) -> None:
+        """The result to a sender (index; None: a fetch), with the rate its slice came at."""
+        header = msgpack.packb({"inc": final[0], **({"r": rate} if rate is not None else {})})
         try:
             await stream.write(header)
             await stream.write(memoryview(final[1]))

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.averaging.allreduce import AllReduceRound, RoundRegistry
+from swarm.averaging.bandwidth import LinkEstimate
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.errors import AuditError
 from swarm.averaging.hierarchical import GridRound
@@ -67,6 +68,7 @@ class Averager:
         self.excluded: set[PeerID] = set()  # owners our audits caught lying: never grouped with again
         self.matchmaker = Matchmaker(dht, host, run_id, self.config, excluded=self.excluded)
         self.registry = RoundRegistry(host, self.config)
+        self.link = LinkEstimate()  # what our rounds measured of our link (bandwidth.py)
 
     def close(self) -> None:
         self.matchmaker.close()
@@ -75,9 +77,15 @@ class Averager:
     def member_info(self, weight: float, state: bytes = b"", *, as_client: bool = False) -> MemberInfo:
         client = self.config.client_mode or as_client
         maddrs = () if client else tuple(self.host.visible_maddrs)
-        bandwidth = 0.0 if client else self.config.bandwidth
+        bandwidth = 0.0 if client else self.bandwidth()
         weight = min(float(weight), self.config.max_weight)  # above it, peers would ignore us
         return MemberInfo(self.host.peer_id, maddrs, weight, bandwidth, client, state)
+
+    def bandwidth(self) -> float:
+        """MB/s we announce: measured (config.measure_bandwidth) once a round has, else configured."""
+        if self.config.measure_bandwidth:
+            return self.link.announced_mb_s(self.config.bandwidth)
+        return self.config.bandwidth
 
     async def step(
         self, tensors: Sequence[torch.Tensor], weight: float, step: int, state: bytes = b""
@@ -149,6 +157,7 @@ class Averager:
             self.exclude(e.owners, str(e))
             raise
         self.exclude(rr.audit_excluded, "it misstated our contribution to its part")
+        self.link.observe(rr.up, rr.down)
         report = GroupReport(
             group.group_id.hex(),
             rr.members,

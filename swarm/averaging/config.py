@@ -28,6 +28,8 @@ class AveragingConfig:
     block_size: int = 64
     chunk_elements: int = 1 << 21  # elements per chunk on the wire (2 MiB of int8)
     bandwidth: float = 100.0  # MB/s this node announces; parts are split in proportion to it
+    # announce what our rounds measured instead (bandwidth.py), `bandwidth` until one has
+    measure_bandwidth: bool = False
     client_mode: bool = False  # accepts no inbound connections: owns no part, still contributes
     # how a part owner reduces the contributions: "robust" (robust.py: non-finite and absurd
     # ones dropped, far ones clipped, the mean when nobody is an outlier) or "mean" (the exact

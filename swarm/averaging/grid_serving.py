@@ -74,6 +74,7 @@ class GridServing:
                 incoming.add(chunk)
                 self.report.bytes_received += len(chunk)
             incoming.finish()
+            self.note_download(incoming)
             return True
         except (P2PError, MalformedPayload, TimeoutError) as e:
             logger.info("round %s: sender %d left out of a partial: %s", self._tag(), incoming.index, e)
@@ -95,7 +96,7 @@ class GridServing:
                 return
         finally:
             self.row_reduction.changed.set()
-        await self._answer_part(stream)
+        await self._answer_part(stream, incoming.rate())
 
     async def serve_col(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
         index = self._sender(ctx, args, COL)
@@ -132,7 +133,7 @@ class GridServing:
             final = await asyncio.wait_for(asyncio.shield(reduction.result), 4 * self.config.part_timeout)
         except FAILURES as e:  # the sender tries the next reducer
             raise NotFound(f"avg.col: sub-part {s} could not be reduced here: {e}") from None
-        await self._answer(stream, [final])
+        await self._answer(stream, [final], rate=incoming.rate())
 
     async def serve_down(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
         part, s = args.get("p"), args.get("s")
@@ -151,16 +152,21 @@ class GridServing:
             return
         await self._answer_part(stream)
 
-    async def _answer_part(self, stream: Stream) -> None:
+    async def _answer_part(self, stream: Stream, rate: float | None = None) -> None:
         try:
             await asyncio.wait_for(asyncio.shield(self.part_done), 4 * self.config.part_timeout)
         except FAILURES as e:  # the sender asks another row for the part
             raise NotFound(f"part {self.col} could not be averaged here: {e}") from None
         empty: Final = ([], memoryview(b""))  # a sub-part too small to own any block
-        await self._answer(stream, [self.final.get((self.col, s), empty) for s in range(self.grid.rows)], whole=True)
+        finals = [self.final.get((self.col, s), empty) for s in range(self.grid.rows)]
+        await self._answer(stream, finals, whole=True, rate=rate)
 
-    async def _answer(self, stream: Stream, finals: list[Final], whole: bool = False) -> None:
-        header = msgpack.packb({"inc": [f[0] for f in finals] if whole else finals[0][0]})
+    async def _answer(
+        self, stream: Stream, finals: list[Final], whole: bool = False, rate: float | None = None
+    ) -> None:
+        """Finals to a member; `rate`: the bytes/s its payload came at (bandwidth.py)."""
+        header = msgpack.packb({"inc": [f[0] for f in finals] if whole else finals[0][0],
+                                **({"r": rate} if rate is not None else {})})  # fmt: skip
         size = len(header) + sum(len(f[1]) for f in finals)
         self.report.bytes_sent += size  # counted as it starts, so that run() sees it (see run)
         answering = asyncio.current_task()

@@ -244,10 +244,12 @@ class GridRound(GridServing, RoundMember):
         owner = self.group.members[self.grid.owners[reducer][self.col]]
         timeout = self.config.part_timeout
         async with await self.host.open_stream(owner.address(), COL, args, timeout=timeout) as stream:
+            started = time.monotonic()
             await stream.write(payload[offsets[s] : offsets[s + 1]])
             self.report.bytes_sent += offsets[s + 1] - offsets[s]
             await stream.end()
             header, size = await read_header(stream, 3 * timeout)
+            self.note_upload(offsets[s + 1] - offsets[s], time.monotonic() - started, header)
             return self._checked_members(header.get("inc")), await self._read_payload(stream, self.col, [s], size)
 
     async def _fetch_sub_from_column(self, s: int) -> Final | None:
@@ -274,10 +276,11 @@ class GridRound(GridServing, RoundMember):
             args = {"g": self.group.group_id, "i": self.me, "p": c}
             async with await self.host.open_stream(owner.address(), ROW, args, timeout=timeout) as stream:
                 lo, hi = self.grid.parts[c]
+                started = time.monotonic()
                 sent = await write_encoded(stream, self.codec, self.vector, lo, hi, self.config.chunk_elements)
                 self.report.bytes_sent += sent  # not `+= await ...`: that reads the total before the await
                 await stream.end()
-                finals = await self._read_part(stream, c, 4 * timeout)
+                finals = await self._read_part(stream, c, 4 * timeout, (sent, time.monotonic() - started))
             self._forwarded(c, self.row)
             await self._decode_part(c, finals)
             return
@@ -316,8 +319,12 @@ class GridRound(GridServing, RoundMember):
 
     # --- reading and checking what peers send ------------------------------------------------
 
-    async def _read_part(self, stream: Stream, c: int, timeout: float) -> list[Final]:
+    async def _read_part(
+        self, stream: Stream, c: int, timeout: float, upload: tuple[int, float] | None = None
+    ) -> list[Final]:
         header, size = await read_header(stream, timeout)
+        if upload is not None:  # what we sent on this stream, as its owner timed it
+            self.note_upload(*upload, header)
         members = header.get("inc")
         if not isinstance(members, list) or len(members) != self.grid.rows:
             raise AllReduceError("malformed part header")

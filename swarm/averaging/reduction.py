@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -61,11 +62,15 @@ class Incoming:
     received: int = 0
     done: bool = False
     failed: bool = False
+    started: float = 0.0  # monotonic time of the first chunk
+    seconds: float = 0.0  # first chunk to the last, once done: the rate the sender's bytes came at
 
     def add(self, chunk: bytes | memoryview) -> None:
         end = self.received + len(chunk)
         if end > len(self.buffer):
             raise MalformedPayload(f"sender {self.index} sent more than {len(self.buffer)} bytes")
+        if not self.received:
+            self.started = time.monotonic()
         self.buffer[self.received : end] = chunk
         self.received = end
 
@@ -73,6 +78,11 @@ class Incoming:
         if self.received != len(self.buffer):
             raise MalformedPayload(f"sender {self.index} sent {self.received} of {len(self.buffer)} bytes")
         self.done = True
+        self.seconds = time.monotonic() - self.started if self.received else 0.0
+
+    def rate(self) -> float | None:
+        """Bytes/s the payload arrived at (bandwidth.py), None when it cannot be timed."""
+        return self.received / self.seconds if self.done and self.seconds > 0 else None
 
 
 class PartReduction:

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import signal
 import sys
 from pathlib import Path
@@ -92,6 +93,19 @@ def _read_config(ctx: click.Context, param: click.Parameter, path: Path | None) 
     return path
 
 
+def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | float) -> float | None:
+    """--bandwidth: "auto" (None: measured) or a positive number of MB/s."""
+    if value == "auto":
+        return None
+    try:
+        mb_s = float(value)
+    except ValueError:
+        raise click.BadParameter(f"a number of MB/s or 'auto', got {value!r}") from None
+    if not (math.isfinite(mb_s) and mb_s > 0):
+        raise click.BadParameter(f"a positive number of MB/s or 'auto', got {value!r}")
+    return mb_s
+
+
 def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
     default = getattr(_DEFAULTS, name.split("/")[0].replace("-", "_"))
     return click.option(f"--{name}", type=type_, default=default, show_default=True, help=help, **kwargs)
@@ -148,6 +162,9 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
     click.FloatRange(0, min_open=True),
     "Longest wait of the all-reduce for one member (a member that died mid-round costs this much).",
 )
+@click.option("--bandwidth", default="auto", show_default=True, callback=_bandwidth, metavar="MB/S|auto",
+              help="MB/s to announce: parts of the all-reduce are split by it. auto: what this node's rounds "
+              "measure (100 until one has).")  # fmt: skip
 @_opt("max-outer-steps", click.IntRange(1), "Stop after this many outer steps (default: run until stopped).")
 @_opt("device", str, "Torch device: auto (cuda when present), cpu, cuda, cuda:1, ...")
 @_opt("offload-outer/--no-offload-outer", bool, "Keep θ_outer and outer momentum in CPU memory.")

@@ -241,7 +241,7 @@ async def test_an_owner_that_sends_one_member_other_bytes_is_caught_by_that_memb
     liar = rounds[3]
     reply = AllReduceRound._reply
 
-    async def equivocating(self: AllReduceRound, stream: Any, final: Any, index: int | None) -> None:
+    async def equivocating(self: AllReduceRound, stream: Any, final: Any, index: int | None, rate: Any = None) -> None:
         if self is liar and index == 1:
             lo, hi = self.parts[3]
             lie = []
@@ -249,7 +249,7 @@ async def test_an_owner_that_sends_one_member_other_bytes_is_caught_by_that_memb
                 true = self.codec.decode(final[1][where], b - a)
                 lie.append(as_memoryview(self.codec.encode(-100 * true)).tobytes())
             final = (final[0], memoryview(b"".join(lie)))
-        await reply(self, stream, final, index)
+        await reply(self, stream, final, index, rate)
 
     monkeypatch.setattr(AllReduceRound, "_reply", equivocating)
     outcomes = await run_all(rounds)

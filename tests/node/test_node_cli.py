@@ -178,6 +178,9 @@ def _one_error_line(result: subprocess.CompletedProcess[str]) -> str:
         (["--outer-momentum", "1.5"], "--outer-momentum"),
         (["--run-id", "a/b"], "run id"),
         (["--bogus"], "--bogus"),
+        (["--bandwidth", "0"], "--bandwidth"),
+        (["--bandwidth", "fast"], "--bandwidth"),
+        (["--bandwidth", "nan"], "--bandwidth"),
         (["--device", "cuda:7"] if not torch.cuda.is_available() else ["--device", "tpu"], "device"),
     ],
 )

@@ -1,0 +1,78 @@
+"""LinkEstimate: the upload and download rates this node achieved in its rounds, announced as its bandwidth.
+
+Parts are split in proportion to the members' announced bandwidths (partition.part_bounds), so a
+10 Mbit/s member in a group of 100 Mbit/s ones should own less: with equal parts its link carries
+half again as much as it must, and every member waits for it. A number configured once is wrong
+for most volunteers, so each round measures:
+
+- download: every payload this member receives as a part owner (a sender's slice), timed from its
+  first chunk to its last (reduction.Incoming): the rate our link delivered it at;
+- upload: the same timing, taken by the owner that received our slice, comes back in its answer's
+  header ("r", bytes/s). An owner may lie: the rate we count is at most what our own clock saw (a
+  write completes no later than its bytes arrive), so a liar can only make us look slower, which
+  only takes load off us.
+
+A direction's rate in one round is the sum of its streams' rates (they run at once and share the
+link); rounds that moved too little to be timed (latency, not bandwidth) are skipped. The estimate
+is an exponential average over rounds; the announced bandwidth is the slower direction (an owner
+receives and sends as much), clamped to what MemberInfo accepts, and the group still caps it at
+BANDWIDTH_CAP times its median (partition.capped_bandwidths).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MIN_STREAM_BYTES = 256 << 10  # a smaller stream is mostly latency and window ramp-up
+MIN_ROUND_BYTES = 1 << 20  # a direction must move this much in timed streams to count
+SMOOTHING = 0.5  # weight of the newest round
+MIN_MB_S, MAX_MB_S = 0.01, 1e5  # what we ever announce (1e5 MB/s: 800 Gbit/s)
+
+Sample = tuple[int, float]  # (bytes, seconds) of one stream
+
+
+def round_rate(samples: Sequence[Sample]) -> float | None:
+    """Bytes/s of one direction in one round: the sum of its timed streams' rates; None when
+    they moved too little to say."""
+    timed = [(b, s) for b, s in samples if b >= MIN_STREAM_BYTES and s > 0 and math.isfinite(s)]
+    if sum(b for b, _ in timed) < MIN_ROUND_BYTES:
+        return None
+    return sum(b / s for b, s in timed)
+
+
+def upload_seconds(sent: int, local_s: float, reported_rate: object) -> float | None:
+    """The seconds our upload of `sent` bytes took, from the receiver's rate (its answer's "r")
+    and never less than our own clock says; None when the receiver gave no usable rate."""
+    if isinstance(reported_rate, bool) or not isinstance(reported_rate, int | float):
+        return None
+    if not (math.isfinite(reported_rate) and reported_rate > 0 and sent > 0):
+        return None
+    return max(local_s, sent / reported_rate)
+
+
+@dataclass
+class LinkEstimate:
+    """The node's achieved upload and download rates (bytes/s, None until measured); `observe`
+    after every round, `announced_mb_s` when announcing itself for the next."""
+
+    up: float | None = None
+    down: float | None = None
+
+    def observe(self, up: Sequence[Sample], down: Sequence[Sample]) -> None:
+        self.up = _smooth(self.up, round_rate(up))
+        self.down = _smooth(self.down, round_rate(down))
+
+    def announced_mb_s(self, default: float) -> float:
+        """MB/s to announce: the slower measured direction, else `default` (nothing measured)."""
+        known = [r for r in (self.up, self.down) if r is not None]
+        if not known:
+            return default
+        return min(MAX_MB_S, max(MIN_MB_S, min(known) / 1e6))
+
+
+def _smooth(old: float | None, new: float | None) -> float | None:
+    if new is None:
+        return old
+    return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new

@@ -1,0 +1,144 @@
+"""Measured bandwidth (bandwidth.py): the arithmetic by tables, then real rounds on 127.0.0.1
+that time their streams, and an Averager that announces what it measured."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from swarm.averaging import bandwidth
+from swarm.averaging.allreduce import AllReduceRound
+from swarm.averaging.bandwidth import MIN_ROUND_BYTES, MIN_STREAM_BYTES, LinkEstimate, round_rate, upload_seconds
+from swarm.averaging.hierarchical import GridRound
+from swarm.averaging.messages import GroupInfo
+from tests.averaging.rounds import MakeGroup
+
+MB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("samples", "rate"),
+    [
+        ([], None),
+        ([(MB, 1.0)], MB / 1.0),  # one stream: its rate
+        ([(MB, 1.0), (MB, 2.0)], MB + MB / 2),  # concurrent streams share the link: their rates add
+        ([(MIN_STREAM_BYTES - 1, 0.001)] * 100, None),  # small streams are latency, not bandwidth
+        ([(MB // 2, 1.0)], None),  # too little moved in the round
+        ([(MB, 0.0)], None),  # untimed
+        ([(MB, math.inf)], None),
+        ([(MB, 1.0), (1000, 1e-9)], MB / 1.0),  # a tiny stream does not count, however fast
+    ],
+)
+def test_round_rate(samples: list[tuple[int, float]], rate: float | None) -> None:
+    assert round_rate(samples) == (pytest.approx(rate) if rate is not None else None)
+
+
+@pytest.mark.parametrize(
+    ("sent", "local_s", "reported", "seconds"),
+    [
+        (MB, 0.5, MB / 2.0, 2.0),  # the receiver saw it take 2 s: our writes finished early (buffers)
+        (MB, 0.5, 1e15, 0.5),  # a receiver claiming it came faster than we wrote it: our clock wins
+        (MB, 0.5, None, None),  # no rate in the header
+        (MB, 0.5, "fast", None),
+        (MB, 0.5, True, None),
+        (MB, 0.5, -1.0, None),
+        (MB, 0.5, math.nan, None),
+        (MB, 0.5, math.inf, None),
+        (0, 0.5, 1.0, None),
+    ],
+)
+def test_upload_seconds(sent: int, local_s: float, reported: object, seconds: float | None) -> None:
+    assert upload_seconds(sent, local_s, reported) == seconds
+
+
+def test_the_estimate_smooths_rounds_and_announces_the_slower_direction() -> None:
+    link = LinkEstimate()
+    assert link.announced_mb_s(100.0) == 100.0  # nothing measured yet: the configured value
+    link.observe(up=[(10 * MB, 1.0)], down=[])  # only the upload known
+    assert link.announced_mb_s(100.0) == pytest.approx(10 * MB / 1e6)
+    link.observe(up=[], down=[(2 * MB, 1.0)])  # a round without upload samples keeps the old one
+    assert link.up == pytest.approx(10 * MB) and link.down == pytest.approx(2 * MB)
+    assert link.announced_mb_s(100.0) == pytest.approx(2 * MB / 1e6)  # the slower direction
+    link.observe(up=[], down=[(4 * MB, 1.0)])
+    assert link.down == pytest.approx((1 - bandwidth.SMOOTHING) * 2 * MB + bandwidth.SMOOTHING * 4 * MB)
+    slow = LinkEstimate(up=1.0, down=1.0)  # 1 byte/s: clamped to what a member may announce
+    assert slow.announced_mb_s(100.0) == bandwidth.MIN_MB_S
+    assert LinkEstimate(up=1e30, down=1e30).announced_mb_s(100.0) == bandwidth.MAX_MB_S
+
+
+def _vectors(n: int, numel: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(numel, generator=gen) for _ in range(n)]
+
+
+async def test_a_flat_round_times_what_each_member_sent_and_received(make_group: MakeGroup) -> None:
+    n, numel = 4, 2_000_000  # ~0.5 MB of int8 per stream: above MIN_STREAM_BYTES
+    group, members = await make_group(n, weights=[1.0] * n, bandwidths=[100.0] * n, chunk_elements=1 << 16)
+    rounds = [
+        AllReduceRound(m.host, m.registry, group, v, m.config) for m, v in zip(members, _vectors(n, numel), strict=True)
+    ]
+    outcomes = await asyncio.gather(*(r.run() for r in rounds))
+    for _, report in outcomes:
+        assert len(report.up) == n - 1 and len(report.down) == n - 1  # a stream to and from every other owner
+        assert all(b >= MIN_STREAM_BYTES and s > 0 for b, s in report.up + report.down)
+        assert sum(b for b, _ in report.down) >= MIN_ROUND_BYTES
+        assert round_rate(report.up) is not None and round_rate(report.down) is not None
+
+
+async def test_a_grid_round_times_its_streams_too(make_group: MakeGroup) -> None:
+    n, numel = 12, 4_000_000
+    group, members = await make_group(n, weights=[1.0] * n, bandwidths=[100.0] * n, max_group_size=4,
+                                      chunk_elements=1 << 16)  # fmt: skip
+    rounds = [
+        GridRound(m.host, m.registry, group, v, m.config) for m, v in zip(members, _vectors(n, numel), strict=True)
+    ]
+    outcomes = await asyncio.gather(*(r.run() for r in rounds))
+    assert all(report.up and report.down for _, report in outcomes)
+
+
+async def test_an_averager_announces_what_its_rounds_measured() -> None:
+    from swarm.averaging.averager import Averager
+    from swarm.averaging.config import AveragingConfig
+    from swarm.dht import DHTNode
+    from swarm.p2p import P2PHost
+    from tests.averaging.rounds import LOCAL
+
+    n, numel = 3, 2_000_000
+    config = AveragingConfig(chunk_elements=1 << 16, measure_bandwidth=True)
+    hosts = [await P2PHost(config=LOCAL).start() for _ in range(n)]
+    dhts = [await DHTNode(host=h).start() for h in hosts]
+    averagers = [Averager(d, h, "run", config) for d, h in zip(dhts, hosts, strict=True)]
+    try:
+        assert [a.bandwidth() for a in averagers] == [config.bandwidth] * n  # nothing measured yet
+        vectors = _vectors(n, numel)
+        group = GroupInfo.create("run", 0, tuple(a.member_info(1.0) for a in averagers))
+        await asyncio.gather(*(a.run_round(group, [v]) for a, v in zip(averagers, vectors, strict=True)))
+        measured = [a.bandwidth() for a in averagers]
+        assert all(m != config.bandwidth and bandwidth.MIN_MB_S <= m <= bandwidth.MAX_MB_S for m in measured)
+        assert averagers[0].member_info(1.0).bandwidth == measured[0]
+        # the next group splits by what was measured; every member still computes the same split
+        again = GroupInfo.create("run", 1, tuple(a.member_info(1.0) for a in averagers))
+        results = await asyncio.gather(*(a.run_round(again, [v]) for a, v in zip(averagers, vectors, strict=True)))
+        assert all(torch.equal(r[0][0], results[0][0][0]) for r in results)
+        averagers[0].config = AveragingConfig(bandwidth=7.0)  # measuring off: the configured value
+        assert averagers[0].bandwidth() == 7.0
+    finally:
+        for a in averagers:
+            a.close()
+        await asyncio.gather(*(d.close() for d in dhts))
+        await asyncio.gather(*(h.close() for h in hosts))
+
+
+def test_a_node_measures_unless_told_a_number() -> None:
+    from swarm.node_config import NodeConfig
+
+    measured = NodeConfig().averaging_config(client_mode=False)
+    assert measured.measure_bandwidth and measured.bandwidth == 100.0  # 100 until a round measured
+    fixed = NodeConfig(bandwidth=12.5).averaging_config(client_mode=False)
+    assert not fixed.measure_bandwidth and fixed.bandwidth == 12.5
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="bandwidth"):
+            NodeConfig(bandwidth=bad)
