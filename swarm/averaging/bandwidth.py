@@ -1,9 +1,8 @@
 """LinkEstimate: the upload and download rates this node achieved in its rounds, announced as its bandwidth.
 
-Parts are split in proportion to the members' announced bandwidths (partition.part_bounds), so a
-10 Mbit/s member in a group of 100 Mbit/s ones should own less: with equal parts its link carries
-half again as much as it must, and every member waits for it. A number configured once is wrong
-for most volunteers, so each round measures:
+Parts are split in proportion to the members' announced bandwidths (partition.part_bounds). A
+number configured once is wrong for most volunteers, so each round measures (used when
+AveragingConfig.measure_bandwidth, `swarm-node --bandwidth auto`):
 
 - download: every payload this member receives as a part owner (a sender's slice), timed from its
   first chunk to its last (reduction.Incoming): the rate our link delivered it at;
@@ -17,6 +16,14 @@ link); rounds that moved too little to be timed (latency, not bandwidth) are ski
 is an exponential average over rounds; the announced bandwidth is the slower direction (an owner
 receives and sends as much), clamped to what MemberInfo accepts, and the group still caps it at
 BANDWIDTH_CAP times its median (partition.capped_bandwidths).
+
+Why it is not the default: an owner reduces its part once every slice is in, so a member first
+uploads its slices, then downloads the results. A member owning share p of a vector of E bytes
+moves max(1 - p, (n - 1) p) E each way in each of those two phases, one after the other: its round
+is shortest at p = 1/n, whatever its link. A slow member given a small part uploads and then
+downloads almost all of E: slower than with an equal part, where both directions work in both
+phases (scripts/bench_bandwidth.py measures it). A split by bandwidth pays once an owner reduces
+and answers chunk by chunk as the slices arrive, so that both phases overlap.
 """
 
 from __future__ import annotations

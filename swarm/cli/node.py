@@ -162,9 +162,9 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
     click.FloatRange(0, min_open=True),
     "Longest wait of the all-reduce for one member (a member that died mid-round costs this much).",
 )
-@click.option("--bandwidth", default="auto", show_default=True, callback=_bandwidth, metavar="MB/S|auto",
+@click.option("--bandwidth", default="100", show_default=True, callback=_bandwidth, metavar="MB/S|auto",
               help="MB/s to announce: parts of the all-reduce are split by it. auto: what this node's rounds "
-              "measure (100 until one has).")  # fmt: skip
+              "measure (100 until one has; see the README before using it).")  # fmt: skip
 @_opt("max-outer-steps", click.IntRange(1), "Stop after this many outer steps (default: run until stopped).")
 @_opt("device", str, "Torch device: auto (cuda when present), cpu, cuda, cuda:1, ...")
 @_opt("offload-outer/--no-offload-outer", bool, "Keep θ_outer and outer momentum in CPU memory.")
