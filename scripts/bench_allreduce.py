@@ -87,7 +87,7 @@ async def worker_main(host_ip: str) -> None:
                 vector, vector_key = make_input(cmd["seed"], group.index_of(host.peer_id), cmd["elements"]), key
             sent_before, received_before = host.traffic.sent, host.traffic.received
             started, cpu_started = time.perf_counter(), time.process_time()
-            result, _ = await AllReduceRound(host, registry, group, vector, avg_config).run()
+            result, report = await AllReduceRound(host, registry, group, vector, avg_config).run()
             seconds = time.perf_counter() - started
             cpu_s = time.process_time() - cpu_started
             answer = {
@@ -96,6 +96,8 @@ async def worker_main(host_ip: str) -> None:
                 "wire_sent": host.traffic.sent - sent_before,
                 "wire_received": host.traffic.received - received_before,
                 "sha256": hashlib.sha256(as_memoryview(result)).hexdigest(),
+                "up": report.up,  # the streams' (bytes, seconds): bench_bandwidth's estimates
+                "down": report.down,
             }
             if cmd.get("save"):
                 torch.save(result, cmd["save"])

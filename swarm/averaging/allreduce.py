@@ -159,13 +159,13 @@ class AllReduceRound(RoundMember):
             sent = await write_encoded(stream, self.codec, self.vector, lo, hi, self.config.chunk_elements)
             self.report.bytes_sent += sent  # not `+= await ...`: that reads the total before the await
             await stream.end()
-            return await self._read_final(stream, lo, hi, 2 * timeout, (sent, time.monotonic() - started))
+            return await self._read_final(stream, lo, hi, 2 * timeout, (sent, started, time.monotonic() - started))
 
     async def _read_final(
-        self, stream: Stream, lo: int, hi: int, timeout: float, upload: tuple[int, float] | None = None
+        self, stream: Stream, lo: int, hi: int, timeout: float, upload: tuple[int, float, float] | None = None
     ) -> Final:
-        """A result: its header, then its payload. `upload`: what we sent on this stream and how
-        long our writes took (the header times it as the owner saw it)."""
+        """A result: its header, then its payload. `upload`: what we sent on this stream, when we
+        began and how long our writes took (the header times it as the owner saw it)."""
         header, header_size = await read_header(stream, timeout)
         if upload is not None:
             self.note_upload(*upload, header)

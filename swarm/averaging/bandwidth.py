@@ -11,8 +11,11 @@ AveragingConfig.measure_bandwidth, `swarm-node --bandwidth auto`):
   write completes no later than its bytes arrive), so a liar can only make us look slower, which
   only takes load off us.
 
-A direction's rate in one round is the sum of its streams' rates (they run at once and share the
-link); rounds that moved too little to be timed (latency, not bandwidth) are skipped. The estimate
+A direction's rate in one round: each stream is taken to move at its average rate over its
+interval; where streams overlap their rates add (they share the link), and the rate is the
+highest such sum held for at least a twentieth of the round (a stream that ran alone gave the link
+to itself; one slowed by its peer ran beside others that took the rest). Rounds that moved too
+little to be timed (latency, not bandwidth) are skipped. The estimate
 is an exponential average over rounds; the announced bandwidth is the slower direction (an owner
 receives and sends as much), clamped to what MemberInfo accepts, and the group still caps it at
 BANDWIDTH_CAP times its median (partition.capped_bandwidths).
@@ -28,6 +31,7 @@ and answers chunk by chunk as the slices arrive, so that both phases overlap.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,27 +40,34 @@ MIN_STREAM_BYTES = 256 << 10  # a smaller stream is mostly latency and window ra
 MIN_ROUND_BYTES = 1 << 20  # a direction must move this much in timed streams to count
 SMOOTHING = 0.5  # weight of the newest round
 MIN_MB_S, MAX_MB_S = 0.01, 1e5  # what we ever announce (1e5 MB/s: 800 Gbit/s)
+MIN_HELD = 0.05  # a rate counts only if held for this share of the round's timed span
 
-Sample = tuple[int, float]  # (bytes, seconds) of one stream
+Sample = tuple[int, float, float]  # (bytes, start, end) of one stream, monotonic seconds
 
 
 def round_rate(samples: Sequence[Sample]) -> float | None:
-    """Bytes/s of one direction in one round: the sum of its timed streams' rates; None when
-    they moved too little to say."""
-    timed = [(b, s) for b, s in samples if b >= MIN_STREAM_BYTES and s > 0 and math.isfinite(s)]
-    if sum(b for b, _ in timed) < MIN_ROUND_BYTES:
+    """Bytes/s of one direction in one round (module docstring); None when its timed streams
+    moved too little to say."""
+    timed = [(b, t0, t1) for b, t0, t1 in samples if b >= MIN_STREAM_BYTES and math.isfinite(t1 - t0) and t1 > t0]
+    if sum(b for b, _, _ in timed) < MIN_ROUND_BYTES:
         return None
-    return sum(b / s for b, s in timed)
+    edges = sorted({t for _, t0, t1 in timed for t in (t0, t1)})
+    span = edges[-1] - edges[0]
+    best = 0.0
+    for a, b in itertools.pairwise(edges):
+        if b - a >= MIN_HELD * span:
+            best = max(best, sum(n / (t1 - t0) for n, t0, t1 in timed if t0 <= a and b <= t1))
+    return best or sum(b for b, _, _ in timed) / span
 
 
-def upload_seconds(sent: int, local_s: float, reported_rate: object) -> float | None:
-    """The seconds our upload of `sent` bytes took, from the receiver's rate (its answer's "r")
-    and never less than our own clock says; None when the receiver gave no usable rate."""
+def upload_span(sent: int, started: float, local_s: float, reported_rate: object) -> Sample | None:
+    """Our upload of `sent` bytes, begun at `started`, as the receiver's rate (its answer's "r")
+    times it, never shorter than our own clock says; None when the receiver gave no usable rate."""
     if isinstance(reported_rate, bool) or not isinstance(reported_rate, int | float):
         return None
     if not (math.isfinite(reported_rate) and reported_rate > 0 and sent > 0):
         return None
-    return max(local_s, sent / reported_rate)
+    return sent, started, started + max(local_s, sent / reported_rate)
 
 
 @dataclass

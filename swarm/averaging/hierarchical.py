@@ -249,7 +249,7 @@ class GridRound(GridServing, RoundMember):
             self.report.bytes_sent += offsets[s + 1] - offsets[s]
             await stream.end()
             header, size = await read_header(stream, 3 * timeout)
-            self.note_upload(offsets[s + 1] - offsets[s], time.monotonic() - started, header)
+            self.note_upload(offsets[s + 1] - offsets[s], started, time.monotonic() - started, header)
             return self._checked_members(header.get("inc")), await self._read_payload(stream, self.col, [s], size)
 
     async def _fetch_sub_from_column(self, s: int) -> Final | None:
@@ -280,7 +280,7 @@ class GridRound(GridServing, RoundMember):
                 sent = await write_encoded(stream, self.codec, self.vector, lo, hi, self.config.chunk_elements)
                 self.report.bytes_sent += sent  # not `+= await ...`: that reads the total before the await
                 await stream.end()
-                finals = await self._read_part(stream, c, 4 * timeout, (sent, time.monotonic() - started))
+                finals = await self._read_part(stream, c, 4 * timeout, (sent, started, time.monotonic() - started))
             self._forwarded(c, self.row)
             await self._decode_part(c, finals)
             return
@@ -320,7 +320,7 @@ class GridRound(GridServing, RoundMember):
     # --- reading and checking what peers send ------------------------------------------------
 
     async def _read_part(
-        self, stream: Stream, c: int, timeout: float, upload: tuple[int, float] | None = None
+        self, stream: Stream, c: int, timeout: float, upload: tuple[int, float, float] | None = None
     ) -> list[Final]:
         header, size = await read_header(stream, timeout)
         if upload is not None:  # what we sent on this stream, as its owner timed it

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swarm.averaging.bandwidth import upload_seconds
+from swarm.averaging.bandwidth import Sample, upload_span
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.errors import AllReduceError
 from swarm.averaging.messages import GroupInfo
@@ -76,9 +76,9 @@ class RoundReport:
     reduce_s: float = 0.0  # from the start until this member's own part was averaged
     total_s: float = 0.0
     audit_excluded: list[Any] = field(default_factory=list)  # PeerIDs that misstated our contribution
-    # (bytes, seconds) of the streams we sent (timed by their receivers) and received: bandwidth.py
-    up: list[tuple[int, float]] = field(default_factory=list)
-    down: list[tuple[int, float]] = field(default_factory=list)
+    # (bytes, start, end) of the streams we sent (timed by their receivers) and received: bandwidth.py
+    up: list[Sample] = field(default_factory=list)
+    down: list[Sample] = field(default_factory=list)
 
 
 class RoundMember:
@@ -104,15 +104,16 @@ class RoundMember:
         self._started = 0.0
         self.finished = False
 
-    def note_upload(self, sent: int, local_s: float, header: dict[str, Any]) -> None:
-        """Our upload of `sent` bytes, as the receiver's answer header timed it (bandwidth.py)."""
-        seconds = upload_seconds(sent, local_s, header.get("r"))
-        if seconds is not None:
-            self.report.up.append((sent, seconds))
+    def note_upload(self, sent: int, started: float, local_s: float, header: dict[str, Any]) -> None:
+        """Our upload of `sent` bytes from `started` (monotonic), as the receiver's answer header
+        timed it (bandwidth.py)."""
+        span = upload_span(sent, started, local_s, header.get("r"))
+        if span is not None:
+            self.report.up.append(span)
 
     def note_download(self, incoming: Incoming) -> None:
         if incoming.done and incoming.seconds > 0:
-            self.report.down.append((incoming.received, incoming.seconds))
+            self.report.down.append((incoming.received, incoming.started, incoming.started + incoming.seconds))
 
     def _tag(self) -> str:
         """The group, in log lines."""

@@ -11,7 +11,7 @@ import torch
 
 from swarm.averaging import bandwidth
 from swarm.averaging.allreduce import AllReduceRound
-from swarm.averaging.bandwidth import MIN_ROUND_BYTES, MIN_STREAM_BYTES, LinkEstimate, round_rate, upload_seconds
+from swarm.averaging.bandwidth import MIN_ROUND_BYTES, MIN_STREAM_BYTES, LinkEstimate, round_rate, upload_span
 from swarm.averaging.hierarchical import GridRound
 from swarm.averaging.messages import GroupInfo
 from tests.averaging.rounds import MakeGroup
@@ -23,24 +23,27 @@ MB = 1 << 20
     ("samples", "rate"),
     [
         ([], None),
-        ([(MB, 1.0)], MB / 1.0),  # one stream: its rate
-        ([(MB, 1.0), (MB, 2.0)], MB + MB / 2),  # concurrent streams share the link: their rates add
-        ([(MIN_STREAM_BYTES - 1, 0.001)] * 100, None),  # small streams are latency, not bandwidth
-        ([(MB // 2, 1.0)], None),  # too little moved in the round
-        ([(MB, 0.0)], None),  # untimed
-        ([(MB, math.inf)], None),
-        ([(MB, 1.0), (1000, 1e-9)], MB / 1.0),  # a tiny stream does not count, however fast
+        ([(MB, 0.0, 1.0)], MB / 1.0),  # one stream: its rate
+        ([(MB, 0.0, 1.0), (MB, 0.0, 2.0)], MB + MB / 2),  # at once they share the link: rates add
+        ([(MB, 0.0, 1.0), (MB, 1.0, 2.0)], MB / 1.0),  # one after the other: each had the link alone
+        ([(MB, 0.0, 1.0), (MB // 4, 0.0, 10.0)], MB + MB / 40),  # a stream slowed by its peer ran beside
+        ([(MIN_STREAM_BYTES - 1, 0.0, 0.001)] * 100, None),  # small streams are latency, not bandwidth
+        ([(MB // 2, 0.0, 1.0)], None),  # too little moved in the round
+        ([(MB, 1.0, 1.0)], None),  # untimed
+        ([(MB, 0.0, math.inf)], None),
+        ([(MB, 0.0, 1.0), (1000, 0.0, 1e-9)], MB / 1.0),  # a tiny stream does not count, however fast
+        ([(MB, 0.0, 1.0), (MB, 0.99, 1.01)], MB / 1.0),  # 50 MB/s for 2% of the round is not held
     ],
 )
-def test_round_rate(samples: list[tuple[int, float]], rate: float | None) -> None:
+def test_round_rate(samples: list[tuple[int, float, float]], rate: float | None) -> None:
     assert round_rate(samples) == (pytest.approx(rate) if rate is not None else None)
 
 
 @pytest.mark.parametrize(
-    ("sent", "local_s", "reported", "seconds"),
+    ("sent", "local_s", "reported", "end"),
     [
-        (MB, 0.5, MB / 2.0, 2.0),  # the receiver saw it take 2 s: our writes finished early (buffers)
-        (MB, 0.5, 1e15, 0.5),  # a receiver claiming it came faster than we wrote it: our clock wins
+        (MB, 0.5, MB / 2.0, 12.0),  # the receiver saw it take 2 s: our writes finished early (buffers)
+        (MB, 0.5, 1e15, 10.5),  # a receiver claiming it came faster than we wrote it: our clock wins
         (MB, 0.5, None, None),  # no rate in the header
         (MB, 0.5, "fast", None),
         (MB, 0.5, True, None),
@@ -50,19 +53,20 @@ def test_round_rate(samples: list[tuple[int, float]], rate: float | None) -> Non
         (0, 0.5, 1.0, None),
     ],
 )
-def test_upload_seconds(sent: int, local_s: float, reported: object, seconds: float | None) -> None:
-    assert upload_seconds(sent, local_s, reported) == seconds
+def test_upload_span(sent: int, local_s: float, reported: object, end: float | None) -> None:
+    span = upload_span(sent, 10.0, local_s, reported)
+    assert span == (None if end is None else (sent, 10.0, end))
 
 
 def test_the_estimate_smooths_rounds_and_announces_the_slower_direction() -> None:
     link = LinkEstimate()
     assert link.announced_mb_s(100.0) == 100.0  # nothing measured yet: the configured value
-    link.observe(up=[(10 * MB, 1.0)], down=[])  # only the upload known
+    link.observe(up=[(10 * MB, 0.0, 1.0)], down=[])  # only the upload known
     assert link.announced_mb_s(100.0) == pytest.approx(10 * MB / 1e6)
-    link.observe(up=[], down=[(2 * MB, 1.0)])  # a round without upload samples keeps the old one
+    link.observe(up=[], down=[(2 * MB, 0.0, 1.0)])  # a round without upload samples keeps the old one
     assert link.up == pytest.approx(10 * MB) and link.down == pytest.approx(2 * MB)
     assert link.announced_mb_s(100.0) == pytest.approx(2 * MB / 1e6)  # the slower direction
-    link.observe(up=[], down=[(4 * MB, 1.0)])
+    link.observe(up=[], down=[(4 * MB, 0.0, 1.0)])
     assert link.down == pytest.approx((1 - bandwidth.SMOOTHING) * 2 * MB + bandwidth.SMOOTHING * 4 * MB)
     slow = LinkEstimate(up=1.0, down=1.0)  # 1 byte/s: clamped to what a member may announce
     assert slow.announced_mb_s(100.0) == bandwidth.MIN_MB_S
@@ -83,8 +87,8 @@ async def test_a_flat_round_times_what_each_member_sent_and_received(make_group:
     outcomes = await asyncio.gather(*(r.run() for r in rounds))
     for _, report in outcomes:
         assert len(report.up) == n - 1 and len(report.down) == n - 1  # a stream to and from every other owner
-        assert all(b >= MIN_STREAM_BYTES and s > 0 for b, s in report.up + report.down)
-        assert sum(b for b, _ in report.down) >= MIN_ROUND_BYTES
+        assert all(b >= MIN_STREAM_BYTES and t1 > t0 for b, t0, t1 in report.up + report.down)
+        assert sum(b for b, _, _ in report.down) >= MIN_ROUND_BYTES
         assert round_rate(report.up) is not None and round_rate(report.down) is not None
 
 
