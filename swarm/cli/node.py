@@ -26,6 +26,7 @@ import click
 from click.core import ParameterSource
 
 from swarm.averaging.config import CODECS
+from swarm.cli import node_ranks
 from swarm.cli.common import (
     CliError,
     OneLineCommand,
@@ -159,6 +160,11 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
 @_opt("eval-every", click.IntRange(1), "Outer steps between eval losses.")
 @_opt("eval-windows", click.IntRange(1), "Eval windows of --seq-len tokens.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="Torch CPU threads (default: torch's).")
+@click.option("--nproc-per-node", type=click.IntRange(1), default=1, show_default=True,
+              help="Local ranks of this one node (one per GPU; gloo on the CPU): they train under DDP, rank 0 "
+              "speaks to the swarm. Under torchrun, leave it out.")  # fmt: skip
+@click.option("--rank-timeout", type=click.FloatRange(1), default=120.0, show_default=True,
+              help="Longest wait for another rank of this node (to start, in a step) before it leaves.")  # fmt: skip
 @click.option("--metrics-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Append every event (start, progress, outer_step, exit) as a JSON line.")  # fmt: skip
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
@@ -173,6 +179,8 @@ def main(
     announce_maddrs: tuple[str, ...],
     identity: Path | None,
     threads: int | None,
+    nproc_per_node: int,
+    rank_timeout: float,
     metrics_file: Path | None,
     metrics_port: int | None,
     metrics_host: str,
@@ -187,6 +195,15 @@ def main(
         config = NodeConfig(**options, shard_bytes=max(1, int(shard_mb * 2**20)))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    launch = node_ranks.plan(nproc_per_node, config)  # None: one rank, the plain node
+    if launch is not None and not launch.leader:  # a rank >= 1 under torchrun: rank 0 speaks to the swarm
+        from swarm.ranks.follower import follow
+
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
+        sys.exit(follow(launch, timeout=rank_timeout))
     node_identity = load_identity(identity) or Identity.generate()  # one for the settings lookup and the node
     proof_path = proof_path_for(identity) if identity is not None else None  # its costly id, solved once
     import torch  # the flags are checked: now the slow imports (seconds on a busy machine)
@@ -223,16 +240,27 @@ def main(
                 sink(event)
 
         try:
-            node = SwarmNode(
-                config,
-                identity=node_identity,
-                initial_peers=initial_peers,
-                p2p_config=p2p_config,
-                on_event=on_event,
-                id_proof_path=proof_path,
-                dht_config=limits.dht(),
-            )
-            run_network(lambda: _run_until_signalled(node, watch))
+            with contextlib.ExitStack() as stack:
+                extra: dict[str, Any] = {}
+                if launch is not None:  # rank 0 of several: the ranks train together, we speak for them
+                    ranks = stack.enter_context(node_ranks.NodeRanks.open(
+                        launch, config, node_identity.peer_id.to_bytes(), threads=threads, verbose=verbose,
+                        timeout=rank_timeout))  # fmt: skip
+                    config, extra = ranks.config, {"data": ranks.data, "model": ranks.model,
+                                                   "train_loop": ranks.train_loop}  # fmt: skip
+                    logging.getLogger("swarm.ranks").info("rank 0 of %d: ranks 1.. run as pids %s", launch.world_size,
+                                                          list(ranks.pids))  # fmt: skip
+                node = SwarmNode(
+                    config,
+                    identity=node_identity,
+                    initial_peers=initial_peers,
+                    p2p_config=p2p_config,
+                    on_event=on_event,
+                    id_proof_path=proof_path,
+                    dht_config=limits.dht(),
+                    **extra,
+                )
+                run_network(lambda: _run_until_signalled(node, watch))
         except (NodeError, DataUnavailableError) as e:
             raise CliError(str(e)) from None
     finally:
