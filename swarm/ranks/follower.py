@@ -29,7 +29,7 @@ from swarm.model.presets import preset
 from swarm.node_config import NodeConfig
 from swarm.ranks.commands import Op
 from swarm.ranks.group import RankGroup
-from swarm.ranks.launch import RankLaunch
+from swarm.ranks.launch import LaunchError, RankLaunch
 from swarm.ranks.step import rank_step
 
 logger = logging.getLogger("swarm.ranks.follower")  # also when run as __main__
@@ -56,6 +56,8 @@ def follow(launch: RankLaunch, *, timeout: float, spawned: bool = False) -> int:
         return _fail(launch.rank, str(e))
     try:
         return _follow(group)
+    except LaunchError as e:  # mixed device types: rank 0 says the same line
+        return _fail(launch.rank, str(e))
     except Exception as e:
         return _fail(launch.rank, f"lost rank 0 of this node ({_first_line(e)}): exiting")
     finally:
