@@ -37,6 +37,7 @@ def main(mode: str) -> int:
         group.hello(hello_settings(config, b"\x00\x24" + b"p" * 36, threads=1, verbose=1))
     except LaunchError as e:
         print(f"rank 0: {e}", file=sys.stderr, flush=True)
+        group.close()
         return 3
     data = load_data("stdlib")
     group.wrap(build_model(preset("tiny", vocab_size=data.vocab_size), config.seed))
