@@ -372,3 +372,7 @@ def _join_lines(event: Event, config: NodeConfig) -> list[str]:
     lines += [f"listening on {maddr}" for maddr in maddrs]
     join = f"swarm-node --run-id {config.run_id} {join_flags(config, _DEFAULTS)}--initial-peers {maddrs[0]}"
     return [*lines, f"join with: {join}"]
+
+
+if __name__ == "__main__":  # torchrun -m swarm.cli.node ...
+    main()

@@ -90,12 +90,12 @@ class NodeRanks:
                 except ValueError as e:
                     raise CliError(str(e)) from None
                 model = build_model(preset(config.model, vocab_size=data.vocab_size), config.seed, device=group.device)
-                ddp = group.wrap(model)
+                group.wrap(model)
             except RuntimeError as e:  # a collective failed: a rank died or timed out meeting us
                 dead = spawned.dead() if spawned is not None else None
                 raise RankGroupError(dead or f"the node's ranks could not start together: {e}") from None
             watchdog = spawned.dead if spawned is not None else (lambda: None)
-            loop = functools.partial(LeaderLoop, group=group, ddp=ddp, watchdog=watchdog)
+            loop = functools.partial(LeaderLoop, group=group, watchdog=watchdog)
             yield NodeRanks(config, data, model, loop, tuple(spawned.pids if spawned else ()))
         except (RankGroupError, LaunchError) as e:
             raise CliError(str(e)) from None

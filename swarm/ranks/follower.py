@@ -78,7 +78,7 @@ def _follow(group: RankGroup) -> int:
     # θ_outer offloaded: a follower never applies an outer step; DiLoCo gives it the same clip,
     # schedule and AdamW as rank 0, so the ranks' parameters stay bit-identical
     diloco = DiLoCo(model, config.diloco_config())
-    ddp = group.wrap(model)
+    group.wrap(model)
     logger.info("rank %d of %d on %s: following rank 0", group.rank, group.world_size, group.device)
     while True:
         command = group.receive()
@@ -94,7 +94,7 @@ def _follow(group: RankGroup) -> int:
                 logger.debug("rank %d: θ sha256 %s at outer step %d", group.rank, tensors_sha256(diloco.params),
                              command.outer_step)  # fmt: skip
             continue
-        loss, tokens = rank_step(ddp, group, data, peer, diloco.global_inner_step, batch_size=config.batch_size,
+        loss, tokens = rank_step(group, data, peer, diloco.global_inner_step, batch_size=config.batch_size,
                                  seq_len=config.seq_len)  # fmt: skip
         try:
             diloco.step_after_backward(tokens, loss=loss)

@@ -2,7 +2,7 @@
 
     group = RankGroup.open(launch, timeout=120.0, store=store)   # rendezvous; every wait bounded
     settings = group.hello(settings if group.leader else None)   # device kinds checked, rank 0's settings
-    ddp = group.wrap(model)                                      # DDP; broadcasts rank 0's module
+    group.wrap(model)                                            # group.ddp; broadcasts rank 0's module
     group.send(Command(Op.STEP, ...)) / group.receive()          # commands.py
     group.broadcast_params(params)                               # after Op.SYNC
     group.close()
@@ -15,6 +15,7 @@ forever. Rank 0 calls these from its training thread only, never from the event 
 from __future__ import annotations
 
 import datetime
+import gc
 import inspect
 import json
 import logging
@@ -49,6 +50,7 @@ class RankGroup:
         self.rank, self.world_size = launch.rank, launch.world_size
         self.device = torch.device(launch.device)
         self.comm = self.device if launch.backend == "nccl" else torch.device("cpu")
+        self.ddp: nn.parallel.DistributedDataParallel | None = None  # wrap(); held here alone, dropped by close()
 
     @property
     def leader(self) -> bool:
@@ -56,13 +58,14 @@ class RankGroup:
 
     @classmethod
     def open(cls, launch: RankLaunch, *, timeout: float, store: dist.Store | None = None) -> RankGroup:
-        """Join the node's process group (rank 0 hands in the TCPStore it made on a free port;
-        the others dial launch.master_addr:port). Raises RankGroupError within `timeout`."""
+        """Join the node's process group: through `store` (spawn.py: rank 0 made it on a free port,
+        the ranks it started dial it), else torchrun's rendezvous. Raises RankGroupError within
+        `timeout`."""
         group = cls(launch, timeout)
         if launch.backend == "nccl":
             torch.cuda.set_device(group.device)
-        kwargs: dict[str, Any] = {"store": store} if store is not None else {
-            "init_method": f"tcp://{launch.master_addr}:{launch.master_port}"}  # fmt: skip
+        # torchrun: env:// (MASTER_ADDR/PORT), which also joins the store torchrun's agent serves there
+        kwargs: dict[str, Any] = {"store": store} if store is not None else {"init_method": "env://"}
         try:
             dist.init_process_group(launch.backend, rank=launch.rank, world_size=launch.world_size,
                                     timeout=datetime.timedelta(seconds=timeout), **kwargs)  # fmt: skip
@@ -73,6 +76,10 @@ class RankGroup:
 
     def close(self) -> None:
         if dist.is_initialized():
+            # DDP's reducer (held in reference cycles) must go before its process group: destroyed
+            # after it, at interpreter exit, it aborted the process (torch 2.13, under torchrun)
+            self.ddp = None
+            gc.collect()
             dist.destroy_process_group()
 
     # --- the hello ------------------------------------------------------------------------
@@ -101,13 +108,15 @@ class RankGroup:
         return received
 
     def wrap(self, model: nn.Module) -> nn.parallel.DistributedDataParallel:
-        """DDP over the model (its constructor broadcasts rank 0's parameters). Buffers are not
-        broadcast each step: the model's are constants (rotary tables), built alike everywhere."""
+        """DDP over the model (its constructor broadcasts rank 0's parameters), kept as `self.ddp`
+        (callers do not keep it: close() must drop the last reference). Buffers are not broadcast
+        each step: the model's are constants (rotary tables), built alike everywhere."""
         ids = [self.device.index] if self.device.type == "cuda" else None
         # torch 2.13 renamed broadcast_buffers (and warns); older ones know only the old name
         params = inspect.signature(nn.parallel.DistributedDataParallel).parameters
         no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers": False}
-        return nn.parallel.DistributedDataParallel(model, device_ids=ids, **no_buffer_sync)
+        self.ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids, **no_buffer_sync)
+        return self.ddp
 
     # --- commands and their payloads -------------------------------------------------------
 

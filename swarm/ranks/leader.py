@@ -1,6 +1,6 @@
 """LeaderLoop: rank 0's training thread, the DataLoop of a node of several ranks.
 
-    loop = LeaderLoop(steps, data, peer_id, batch_size=8, seq_len=256, group=group, ddp=ddp,
+    loop = LeaderLoop(steps, data, peer_id, batch_size=8, seq_len=256, group=group,
                       watchdog=ranks.dead)      # functools.partial of it is SwarmNode's train_loop
     loop.start(); ...; steps.close(); loop.join(timeout)
 
@@ -18,8 +18,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-
-from torch import nn
 
 from swarm.model.data import TokenData
 from swarm.model.diloco import NonFiniteLossError, tensors_sha256
@@ -44,10 +42,10 @@ class LeaderLoop:
 
     def __init__(
         self, steps: UserSteps, data: TokenData, peer_id: PeerID, *, batch_size: int, seq_len: int,
-        group: RankGroup, ddp: nn.Module, watchdog: Callable[[], str | None] = lambda: None,
+        group: RankGroup, watchdog: Callable[[], str | None] = lambda: None,
         ping_s: float = PING_S,
     ) -> None:  # fmt: skip
-        self.steps, self.data, self.group, self.ddp = steps, data, group, ddp
+        self.steps, self.data, self.group = steps, data, group  # group.ddp: the wrapped model
         self.peer = peer_id.to_bytes()
         self.batch_size, self.seq_len = batch_size, seq_len
         self.watchdog, self.ping_s = watchdog, min(ping_s, group.timeout / 4)
@@ -95,7 +93,7 @@ class LeaderLoop:
         diloco = self.steps.diloco
         self._sync()
         self.group.send(Command(Op.STEP, diloco.outer_step, diloco.inner_done))
-        loss, tokens = rank_step(self.ddp, self.group, self.data, self.peer, diloco.global_inner_step,
+        loss, tokens = rank_step(self.group, self.data, self.peer, diloco.global_inner_step,
                                  batch_size=self.batch_size, seq_len=self.seq_len)  # fmt: skip
         self.steps.step(tokens, loss=loss)
 

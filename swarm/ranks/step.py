@@ -10,7 +10,6 @@ averaged the same way. Sampling the whole batch on every rank costs an index gat
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from swarm.model.data import TokenData, node_generator, sample_batch
 from swarm.model.loss import autocast_for, lm_loss
@@ -28,10 +27,13 @@ def rank_rows(batch_size: int, world_size: int, rank: int) -> slice:
 
 
 def rank_step(
-    ddp: nn.Module, group: RankGroup, data: TokenData, peer: bytes, step: int, *, batch_size: int, seq_len: int
+    group: RankGroup, data: TokenData, peer: bytes, step: int, *, batch_size: int, seq_len: int
 ) -> tuple[torch.Tensor, int]:
-    """This rank's forward and backward for the node's global inner step `step`: (the loss
-    averaged over the ranks, the node's target tokens: every rank's)."""
+    """This rank's forward and backward (through group.ddp) for the node's global inner step
+    `step`: (the loss averaged over the ranks, the node's target tokens: every rank's)."""
+    ddp = group.ddp
+    if ddp is None:
+        raise RuntimeError("rank_step before RankGroup.wrap")
     inputs, targets = sample_batch(data.train, batch_size, seq_len, node_generator(peer, step))
     rows = rank_rows(batch_size, group.world_size, group.rank)
     inputs, targets = inputs[rows].to(group.device), targets[rows].to(group.device)

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.node.conftest import Swarm
+from swarm import process_control
+from swarm.process_control import console_script
+from tests.node.conftest import ENV, FAST, LOOPBACK, Swarm
 
 pytestmark = pytest.mark.swarm
 
@@ -102,6 +104,22 @@ def test_two_ranks_match_one_rank_of_the_same_batch_and_a_restart_resumes(swarm:
     assert [e["outer_step"] for e in swarm.events("again", "outer_step")] == [2]
     # rank 1 starts from the resumed θ too: rank 0 broadcast it before the first inner step
     assert _thetas(swarm, "again")[2] == {0: _thetas(swarm, "two")[2][0], 1: _thetas(swarm, "two")[2][0]}
+
+
+@pytest.mark.timeout(180)
+def test_under_torchrun_every_rank_is_started_by_torchrun_and_the_node_trains(swarm: Swarm) -> None:
+    out = open(swarm.workdir / "tr.out", "w")  # noqa: SIM115 (the child holds it)
+    err = open(swarm.workdir / "tr.err", "w")  # noqa: SIM115
+    command = [console_script("torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "swarm.cli.node",
+               "--host-maddrs", LOOPBACK, *FAST, "--run-id", "torchrun", "--inner-steps", "2", "--max-outer-steps",
+               "2", "--matchmaking-time", "0.5", "--metrics-file", str(swarm.metrics_path("tr")), "-vv"]  # fmt: skip
+    proc = process_control.start(command, stdout=out, stderr=err, text=True, env=ENV)
+    swarm.procs.append(proc)
+    assert swarm.exit_code("tr", proc, 150) == 0, swarm.stderr("tr")[-3000:]
+    assert [e["outer_step"] for e in swarm.events("tr", "outer_step")] == [0, 1]
+    thetas = _thetas(swarm, "tr")
+    assert all(len(thetas[step]) == 2 and len(set(thetas[step].values())) == 1 for step in (1, 2)), thetas
+    assert "terminate called" not in swarm.stderr("tr")
 
 
 def _parent(pid: int) -> int:
