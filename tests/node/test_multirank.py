@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from swarm import process_control
+from swarm.cli.common import load_identity
 from swarm.process_control import console_script
 from tests.node.conftest import ENV, FAST, LOOPBACK, Swarm
 
@@ -87,7 +88,7 @@ def test_two_ranks_match_one_rank_of_the_same_batch_and_a_restart_resumes(swarm:
     and a restart resumes from it with both ranks."""
     common = ("--inner-steps", "4", "--matchmaking-time", "0.5", "--identity", str(tmp_path / "key"),
               "--batch-size", "4")  # fmt: skip
-    swarm.node("key", "--run-id", "makekey", "--max-outer-steps", "1", *common).wait(120)  # one PeerID for both
+    load_identity(tmp_path / "key")  # one PeerID for both: the same batches
     ckpt = tmp_path / "ckpt"
     one = swarm.node("one", "--run-id", "one", "--max-outer-steps", "2", *common)
     two = swarm.node("two", "--run-id", "two", "--max-outer-steps", "2", "--checkpoint-dir", str(ckpt), *common,
