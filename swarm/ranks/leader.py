@@ -63,22 +63,17 @@ class LeaderLoop:
 
     def _run(self) -> None:
         steps = self.steps
-        healthy = False  # the group answered our last collective: a STOP is worth sending
         try:
             while self._wait_for_permit():
-                healthy = False
                 self._step()
-                healthy = True
-        except SessionClosed:
-            healthy = True
+        except SessionClosed:  # closed between our permit and our step: the ranks stop next, unharmed
+            pass
         except NonFiniteLossError as e:  # every rank saw the same mean loss and skipped the step
-            healthy = True
             steps.fail(NodeError(f"training diverged ({e}): lower --lr or --outer-lr"))
-        except BaseException as e:  # a rank died or timed out, or a bug: the node must end
-            steps.fail(NodeError(self._why(e)))
+        except BaseException as e:  # a rank died or timed out, or a bug: the node must end, and a
+            steps.fail(NodeError(self._why(e)))  # broken group gets no more collectives (the CLI stops it)
             return
-        if healthy:
-            self._stop()
+        self._stop()  # the group answered our last collective: tell the ranks
 
     def _wait_for_permit(self) -> bool:
         while True:
