@@ -107,6 +107,17 @@ def test_two_ranks_match_one_rank_of_the_same_batch_and_a_restart_resumes(swarm:
     assert _thetas(swarm, "again")[2] == {0: _thetas(swarm, "two")[2][0], 1: _thetas(swarm, "two")[2][0]}
 
 
+@pytest.mark.timeout(120)
+def test_sigterm_leaves_cleanly_and_every_rank_exits(swarm: Swarm) -> None:
+    proc = swarm.node("solo", "--run-id", "rankterm", "--inner-steps", "50", "--matchmaking-time", "0.5", *TWO_RANKS)
+    swarm.wait_for(lambda: len(swarm.events("solo", "progress")) >= 1, 90, "inner steps")
+    pids = _rank_pids(swarm, "solo")
+    proc.send_signal(signal.SIGTERM)
+    assert swarm.exit_code("solo", proc, 60) == 0, swarm.stderr("solo")[-3000:]
+    assert "rank 1: rank 0 says stop" in swarm.stderr("solo")
+    assert pids and all(_gone(pid) for pid in pids)
+
+
 @pytest.mark.timeout(180)
 def test_under_torchrun_every_rank_is_started_by_torchrun_and_the_node_trains(swarm: Swarm) -> None:
     out = open(swarm.workdir / "tr.out", "w")  # noqa: SIM115 (the child holds it)
