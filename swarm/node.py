@@ -131,7 +131,8 @@ class SwarmNode(OuterStepLoop):
             model_config, data_name = dataclasses.asdict(preset_config), data.name
             if model is None:
                 model = _build(config, preset_config)
-            self.diloco = DiLoCo(model, config.diloco_config())
+            # inner_optimizer: None (AdamW), or --shard's HeldOptimizer: the ranks step the shards
+            self.diloco = DiLoCo(model, config.diloco_config(), inner_optimizer=inner_optimizer)
             self.settings = training_settings(config)
             eval_set = eval_windows(data.eval, config.seq_len, config.eval_windows)
             self._evaluate = functools.partial(eval_loss, model, eval_set)

@@ -163,6 +163,8 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
 @click.option("--nproc-per-node", type=click.IntRange(1), default=1, show_default=True,
               help="Local ranks of this one node (one per GPU; gloo on the CPU): they train under DDP, rank 0 "
               "speaks to the swarm. Under torchrun, leave it out.")  # fmt: skip
+@click.option("--shard/--no-shard", default=False, show_default=True,
+              help="With several ranks: shard the model over them (FSDP2), not one copy per rank (DDP).")  # fmt: skip
 @click.option("--rank-timeout", type=click.FloatRange(1), default=120.0, show_default=True,
               help="Longest wait for another rank of this node (to start, in a step) before it leaves.")  # fmt: skip
 @click.option("--metrics-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -180,6 +182,7 @@ def main(
     identity: Path | None,
     threads: int | None,
     nproc_per_node: int,
+    shard: bool,
     rank_timeout: float,
     metrics_file: Path | None,
     metrics_port: int | None,
@@ -196,6 +199,8 @@ def main(
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     launch = node_ranks.plan(nproc_per_node, config)  # None: one rank, the plain node
+    if shard and launch is None:
+        raise click.UsageError("--shard shards the model over several ranks: add --nproc-per-node N (N >= 2)")
     if launch is not None and not launch.leader:  # a rank >= 1 under torchrun: rank 0 speaks to the swarm
         from swarm.ranks.follower import follow
 
@@ -245,9 +250,10 @@ def main(
                 if launch is not None:  # rank 0 of several: the ranks train together, we speak for them
                     ranks = stack.enter_context(node_ranks.NodeRanks.open(
                         launch, config, node_identity.peer_id.to_bytes(), threads=threads, verbose=verbose,
-                        timeout=rank_timeout))  # fmt: skip
+                        timeout=rank_timeout, shard=shard))  # fmt: skip
                     config, extra = ranks.config, {"data": ranks.data, "model": ranks.model,
-                                                   "train_loop": ranks.train_loop}  # fmt: skip
+                                                   "train_loop": ranks.train_loop,
+                                                   "inner_optimizer": ranks.inner_optimizer}  # fmt: skip
                     logging.getLogger("swarm.ranks").info("rank 0 of %d: ranks 1.. run as pids %s", launch.world_size,
                                                           list(ranks.pids))  # fmt: skip
                 node = SwarmNode(

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from swarm.model.data import TokenData
+    from swarm.model.diloco import OptimizerFactory
     from swarm.ranks.launch import RankLaunch
     from swarm.trainer import TrainLoopFactory
 
@@ -56,14 +57,15 @@ class NodeRanks:
 
     config: NodeConfig
     data: TokenData
-    model: nn.Module
+    model: nn.Module  # --shard: rank 0's full mirror on the CPU (swarm/ranks/shard.py)
     train_loop: TrainLoopFactory
     pids: tuple[int, ...]  # the rank processes started here (none under torchrun)
+    inner_optimizer: OptimizerFactory | None  # --shard: the mirror's HeldOptimizer
 
     @staticmethod
     @contextmanager
     def open(launch: RankLaunch, config: NodeConfig, peer: bytes, *, threads: int | None, verbose: int,
-             timeout: float) -> Iterator[NodeRanks]:  # fmt: skip
+             timeout: float, shard: bool = False) -> Iterator[NodeRanks]:  # fmt: skip
         """Start ranks 1..N-1 (unless torchrun did), meet them, tell them the settings, build and
         wrap the model; at exit close the group and stop whatever rank still runs."""
         from swarm.model.data import load_data
@@ -73,6 +75,7 @@ class NodeRanks:
         from swarm.ranks.group import RankGroup, RankGroupError
         from swarm.ranks.launch import LaunchError
         from swarm.ranks.leader import LeaderLoop
+        from swarm.ranks.shard import HeldOptimizer, ShardedInner, shard_model
         from swarm.ranks.spawn import SpawnedRanks
 
         spawned: SpawnedRanks | None = None
@@ -84,19 +87,27 @@ class NodeRanks:
             group = RankGroup.open(launch, timeout=timeout, store=store)
             config = replace(config, device=launch.device)
             try:
-                group.hello(hello_settings(config, peer, threads=threads, verbose=verbose))
+                group.hello(hello_settings(config, peer, threads=threads, verbose=verbose, shard=shard))
                 try:
                     data = load_data(config.data, tokenizer=config.tokenizer)
                 except ValueError as e:
                     raise CliError(str(e)) from None
-                model = build_model(preset(config.model, vocab_size=data.vocab_size), config.seed, device=group.device)
-                group.wrap(model)
+                model_config = preset(config.model, vocab_size=data.vocab_size)
+                model = build_model(model_config, config.seed, device=group.device)
+                sharded = None
+                if shard:  # the ranks train the shards; the node's DiLoCo wraps a full mirror on the CPU
+                    sharded = ShardedInner(shard_model(model, group), config.diloco_config())
+                    model = build_model(model_config, config.seed, device="cpu")
+                    config = replace(config, device="cpu", offload_outer=True)
+                else:
+                    group.wrap(model)
             except RuntimeError as e:  # a collective failed: a rank died or timed out meeting us
                 dead = spawned.dead() if spawned is not None else None
                 raise RankGroupError(dead or f"the node's ranks could not start together: {e}") from None
             watchdog = spawned.dead if spawned is not None else (lambda: None)
-            loop = functools.partial(LeaderLoop, group=group, watchdog=watchdog)
-            yield NodeRanks(config, data, model, loop, tuple(spawned.pids if spawned else ()))
+            loop = functools.partial(LeaderLoop, group=group, watchdog=watchdog, sharded=sharded)
+            yield NodeRanks(config, data, model, loop, tuple(spawned.pids if spawned else ()),
+                            HeldOptimizer if shard else None)  # fmt: skip
         except (RankGroupError, LaunchError) as e:
             raise CliError(str(e)) from None
         finally:

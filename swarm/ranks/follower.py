@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from swarm.model.data import load_data
+from swarm.model.data import TokenData, load_data
 from swarm.model.diloco import DiLoCo, NonFiniteLossError, tensors_sha256
 from swarm.model.llama import build_model
 from swarm.model.presets import preset
@@ -30,6 +31,7 @@ from swarm.node_config import NodeConfig
 from swarm.ranks.commands import Op
 from swarm.ranks.group import RankGroup
 from swarm.ranks.launch import LaunchError, RankLaunch
+from swarm.ranks.shard import ShardedInner, gather, scatter, shard_model
 from swarm.ranks.step import rank_step
 
 logger = logging.getLogger("swarm.ranks.follower")  # also when run as __main__
@@ -37,9 +39,11 @@ logger = logging.getLogger("swarm.ranks.follower")  # also when run as __main__
 __all__ = ["follow", "hello_settings", "main"]
 
 
-def hello_settings(config: NodeConfig, peer: bytes, *, threads: int | None, verbose: int) -> dict[str, Any]:
+def hello_settings(config: NodeConfig, peer: bytes, *, threads: int | None, verbose: int,
+                   shard: bool = False) -> dict[str, Any]:  # fmt: skip
     """What rank 0 tells the others in the hello (JSON values)."""
-    return {"config": dataclasses.asdict(config), "peer": peer.hex(), "threads": threads, "verbose": verbose}
+    return {"config": dataclasses.asdict(config), "peer": peer.hex(), "threads": threads, "verbose": verbose,
+            "shard": shard}  # fmt: skip
 
 
 def follow(launch: RankLaunch, *, timeout: float, spawned: bool = False) -> int:
@@ -75,6 +79,8 @@ def _follow(group: RankGroup) -> int:
                                         logging.DEBUG)  # fmt: skip
     data = load_data(config.data, tokenizer=config.tokenizer)
     model = build_model(preset(config.model, vocab_size=data.vocab_size), config.seed, device=group.device)
+    if settings.get("shard"):
+        return _follow_sharded(group, config, data, peer, model)
     # θ_outer offloaded: a follower never applies an outer step; DiLoCo gives it the same clip,
     # schedule and AdamW as rank 0, so the ranks' parameters stay bit-identical
     diloco = DiLoCo(model, config.diloco_config())
@@ -100,6 +106,30 @@ def _follow(group: RankGroup) -> int:
             diloco.step_after_backward(tokens, loss=loss)
         except NonFiniteLossError:
             pass  # rank 0 saw the same mean loss and gradient: it skipped too, and decides what next
+
+
+def _follow_sharded(group: RankGroup, config: NodeConfig, data: TokenData, peer: bytes, model: nn.Module) -> int:
+    """--shard: the same commands, on this rank's shards (shard.py)."""
+    shard_model(model, group)
+    inner = ShardedInner(model, config.diloco_config())
+    logger.info("rank %d of %d on %s: following rank 0 (sharded)", group.rank, group.world_size, group.device)
+    while True:
+        command = group.receive()
+        if command.op is Op.STOP:
+            logger.info("rank %d: rank 0 says stop", group.rank)
+            return 0
+        if command.op is Op.PING:
+            continue
+        if command.op is Op.SYNC:
+            scatter(model, None)
+            continue
+        step = command.outer_step * config.inner_steps + command.inner_done
+        loss, _ = rank_step(group, data, peer, step, batch_size=config.batch_size, seq_len=config.seq_len)
+        try:
+            inner.step(loss, step)
+        except NonFiniteLossError:
+            pass  # rank 0 saw the same: it skipped too
+        gather(model, None)
 
 
 def _fail(rank: int, message: str) -> int:

@@ -50,7 +50,9 @@ class RankGroup:
         self.rank, self.world_size = launch.rank, launch.world_size
         self.device = torch.device(launch.device)
         self.comm = self.device if launch.backend == "nccl" else torch.device("cpu")
-        self.ddp: nn.parallel.DistributedDataParallel | None = None  # wrap(); held here alone, dropped by close()
+        # the module every forward runs through: DDP (wrap) or the fully_shard model (shard.py);
+        # held here alone, dropped by close()
+        self.ddp: nn.Module | None = None
 
     @property
     def leader(self) -> bool:

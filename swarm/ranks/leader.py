@@ -24,6 +24,7 @@ from swarm.model.diloco import NonFiniteLossError, tensors_sha256
 from swarm.p2p.peer_id import PeerID
 from swarm.ranks.commands import Command, Op
 from swarm.ranks.group import RankGroup
+from swarm.ranks.shard import ShardedInner, gather, scatter
 from swarm.ranks.step import rank_step
 from swarm.trainer import NodeError
 from swarm.user_steps import SessionClosed, UserSteps
@@ -43,12 +44,14 @@ class LeaderLoop:
     def __init__(
         self, steps: UserSteps, data: TokenData, peer_id: PeerID, *, batch_size: int, seq_len: int,
         group: RankGroup, watchdog: Callable[[], str | None] = lambda: None,
-        ping_s: float = PING_S,
+        ping_s: float = PING_S, sharded: ShardedInner | None = None,
     ) -> None:  # fmt: skip
         self.steps, self.data, self.group = steps, data, group  # group.ddp: the wrapped model
         self.peer = peer_id.to_bytes()
         self.batch_size, self.seq_len = batch_size, seq_len
         self.watchdog, self.ping_s = watchdog, min(ping_s, group.timeout / 4)
+        # --shard: the inner step runs on the shards; steps.diloco wraps rank 0's full mirror (shard.py)
+        self.sharded = sharded
         self._synced = -1  # the DiLoCo.revision the other ranks hold
         self._thread = threading.Thread(target=self._run, name="swarm-train-rank0", daemon=True)
 
@@ -90,6 +93,9 @@ class LeaderLoop:
         self.group.send(Command(Op.STEP, diloco.outer_step, diloco.inner_done))
         loss, tokens = rank_step(self.group, self.data, self.peer, diloco.global_inner_step,
                                  batch_size=self.batch_size, seq_len=self.seq_len)  # fmt: skip
+        if self.sharded is not None and self.group.ddp is not None:  # step the shards; θ_inner whole into the mirror
+            self.sharded.step(loss, diloco.global_inner_step)
+            gather(self.group.ddp, diloco.params)
         self.steps.step(tokens, loss=loss)
 
     def _sync(self) -> None:
@@ -99,7 +105,10 @@ class LeaderLoop:
         if diloco.revision == self._synced:
             return
         self.group.send(Command(Op.SYNC, diloco.outer_step, diloco.inner_done))
-        self.group.broadcast_params(diloco.params)
+        if self.sharded is not None and self.group.ddp is not None:
+            scatter(self.group.ddp, diloco.params)
+        else:
+            self.group.broadcast_params(diloco.params)
         self._synced = diloco.revision
         if logger.isEnabledFor(logging.DEBUG):  # hashing a big model takes seconds
             logger.debug("rank 0: θ sha256 %s at outer step %d", tensors_sha256(diloco.params), diloco.outer_step)

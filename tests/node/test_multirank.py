@@ -83,9 +83,9 @@ def test_a_rank_killed_mid_step_ends_its_node_cleanly_and_the_other_node_carries
 
 @pytest.mark.timeout(240)
 def test_two_ranks_match_one_rank_of_the_same_batch_and_a_restart_resumes(swarm: Swarm, tmp_path: Path) -> None:
-    """The node's batch is split over the ranks: a 2-rank node trains what a 1-rank node of the
-    same PeerID and --batch-size does, to fp tolerance. Its checkpoint is written once (rank 0),
-    and a restart resumes from it with both ranks."""
+    """The node's batch is split over the ranks: a 2-rank node (DDP, or FSDP2 with --shard) trains
+    what a 1-rank node of the same PeerID and --batch-size does, to fp tolerance. Its checkpoint
+    is written once (rank 0), and a restart resumes from it with both ranks."""
     common = ("--inner-steps", "4", "--matchmaking-time", "0.5", "--identity", str(tmp_path / "key"),
               "--batch-size", "4")  # fmt: skip
     load_identity(tmp_path / "key")  # one PeerID for both: the same batches
@@ -93,11 +93,15 @@ def test_two_ranks_match_one_rank_of_the_same_batch_and_a_restart_resumes(swarm:
     one = swarm.node("one", "--run-id", "one", "--max-outer-steps", "2", *common)
     two = swarm.node("two", "--run-id", "two", "--max-outer-steps", "2", "--checkpoint-dir", str(ckpt), *common,
                      *TWO_RANKS)  # fmt: skip
-    assert swarm.exit_code("one", one, 200) == 0, swarm.stderr("one")[-3000:]
-    assert swarm.exit_code("two", two, 200) == 0, swarm.stderr("two")[-3000:]
-    for a, b in zip(swarm.events("one", "outer_step"), swarm.events("two", "outer_step"), strict=True):
-        assert a["eval_loss"] == pytest.approx(b["eval_loss"], abs=2e-3)
+    sharded = swarm.node("sharded", "--run-id", "sharded", "--max-outer-steps", "2", "--shard", *common, *TWO_RANKS)
+    for name, proc in (("one", one), ("two", two), ("sharded", sharded)):
+        assert swarm.exit_code(name, proc, 200) == 0, swarm.stderr(name)[-3000:]
+    steps = {name: swarm.events(name, "outer_step") for name in ("one", "two", "sharded")}
+    assert len(steps["one"]) == len(steps["two"]) == len(steps["sharded"]) == 2
+    for a, b, c in zip(steps["one"], steps["two"], steps["sharded"], strict=True):
+        assert a["eval_loss"] == pytest.approx(b["eval_loss"], abs=2e-3) == pytest.approx(c["eval_loss"], abs=2e-3)
         assert a["train_loss"] == pytest.approx(b["train_loss"], abs=2e-3)
+        assert b["train_loss"] == pytest.approx(c["train_loss"], abs=2e-3)
     again = swarm.node("again", "--run-id", "two", "--max-outer-steps", "3", "--checkpoint-dir", str(ckpt), *common,
                        *TWO_RANKS)  # fmt: skip
     assert swarm.exit_code("again", again, 200) == 0, swarm.stderr("again")[-3000:]

@@ -25,6 +25,7 @@ GPUS = torch.cuda.device_count()
             f"{GPUS + 2} ranks need {GPUS + 2} GPUs; this machine shows {GPUS}",
         ),
         ([], TORCHRUN_TWO_MACHINES, "one swarm node is one machine"),
+        (["--shard"], {}, "--shard shards the model over several ranks: add --nproc-per-node N"),
     ],
 )
 def test_bad_rank_flags_give_one_line(args: list[str], env: dict[str, str], expected: str) -> None:
