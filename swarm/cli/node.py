@@ -224,6 +224,8 @@ def main(
         raise click.UsageError(str(e)) from None
     if initial_peers:
         config = _adopt_run_settings(config, initial_peers, limits, node_identity, proof_path)
+        if launch is not None:  # the run's batch must split over our ranks too
+            node_ranks.plan(nproc_per_node, config)
     sinks: list[Any] = []
     watch = _metrics_server(metrics_port, metrics_host, config.run_id, initial_peers, limits)
     if watch is not None:
