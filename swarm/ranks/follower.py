@@ -29,7 +29,7 @@ from swarm.model.llama import build_model
 from swarm.model.presets import preset
 from swarm.node_config import NodeConfig
 from swarm.ranks.commands import Op
-from swarm.ranks.group import RankGroup
+from swarm.ranks.group import RankGroup, describe
 from swarm.ranks.launch import LaunchError, RankLaunch
 from swarm.ranks.shard import ShardedInner, gather, scatter, shard_model
 from swarm.ranks.step import rank_step
@@ -63,7 +63,7 @@ def follow(launch: RankLaunch, *, timeout: float, spawned: bool = False) -> int:
     except LaunchError as e:  # mixed device types: rank 0 says the same line
         return _fail(launch.rank, str(e))
     except Exception as e:
-        return _fail(launch.rank, f"lost rank 0 of this node ({_first_line(e)}): exiting")
+        return _fail(launch.rank, f"lost rank 0 of this node ({describe(e)}): exiting")
     finally:
         group.close()
 
@@ -135,11 +135,6 @@ def _follow_sharded(group: RankGroup, config: NodeConfig, data: TokenData, peer:
 def _fail(rank: int, message: str) -> int:
     print(f"swarm-node rank {rank}: {message}", file=sys.stderr, flush=True)
     return 1
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
 def main(argv: list[str] | None = None) -> int:

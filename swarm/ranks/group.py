@@ -19,6 +19,7 @@ import gc
 import inspect
 import json
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +32,7 @@ from swarm.ranks.launch import LaunchError, RankLaunch, mixed_devices
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RankGroup", "RankGroupError"]
+__all__ = ["RankGroup", "RankGroupError", "describe"]
 
 MAX_HELLO = 1 << 20  # bytes of rank 0's settings JSON
 _KINDS = ("cpu", "cuda", "other")
@@ -73,7 +74,7 @@ class RankGroup:
                                     timeout=datetime.timedelta(seconds=timeout), **kwargs)  # fmt: skip
         except (RuntimeError, ValueError, OSError) as e:  # DistStoreError is a RuntimeError
             raise RankGroupError(f"rank {launch.rank}: the node's ranks did not meet within {timeout:g}s "
-                                 f"({_first_line(e)})") from None  # fmt: skip
+                                 f"({describe(e)})") from None  # fmt: skip
         return group
 
     def close(self) -> None:
@@ -151,6 +152,9 @@ class RankGroup:
         return (total / self.world_size).reshape(())
 
 
-def _first_line(error: BaseException) -> str:
+def describe(error: BaseException) -> str:
+    """One short line for a collective's error: its type and first line, without the C++
+    source location gloo puts in front ("[.../unbound_buffer.cc:78] Timed out ...")."""
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+    first = re.sub(r"^\[[^\]]*\]\s*", "", text[0]) if text else ""
+    return f"{type(error).__name__}: {first}"[:300]

@@ -23,7 +23,7 @@ from swarm.model.data import TokenData
 from swarm.model.diloco import NonFiniteLossError, tensors_sha256
 from swarm.p2p.peer_id import PeerID
 from swarm.ranks.commands import Command, Op
-from swarm.ranks.group import RankGroup
+from swarm.ranks.group import RankGroup, describe
 from swarm.ranks.shard import ShardedInner, gather, scatter
 from swarm.ranks.step import rank_step
 from swarm.trainer import NodeError
@@ -128,6 +128,4 @@ class LeaderLoop:
             dead = self.watchdog()
         if dead is not None:
             return f"{dead}: this node leaves the swarm"
-        text = str(error).strip().splitlines()
-        detail = f"{type(error).__name__}: {text[0] if text else ''}"[:300]
-        return f"a rank of this node failed or timed out ({detail}): this node leaves the swarm"
+        return f"a rank of this node failed or timed out ({describe(error)}): this node leaves the swarm"

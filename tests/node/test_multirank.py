@@ -111,6 +111,24 @@ def test_two_ranks_match_one_rank_of_the_same_batch_and_a_restart_resumes(swarm:
     assert _thetas(swarm, "again")[2] == {0: _thetas(swarm, "two")[2][0], 1: _thetas(swarm, "two")[2][0]}
 
 
+@pytest.mark.timeout(150)
+def test_a_hung_rank_ends_its_node_after_the_rank_timeout(swarm: Swarm) -> None:
+    proc = swarm.node("hung", "--run-id", "rankhang", "--inner-steps", "50", "--matchmaking-time", "0.5",
+                      "--rank-timeout", "10", *TWO_RANKS)  # fmt: skip
+    swarm.wait_for(lambda: len(swarm.events("hung", "progress")) >= 1, 90, "inner steps")
+    pids = _rank_pids(swarm, "hung")
+    assert len(pids) == 1 and _parent(pids[0]) == proc.pid
+    os.kill(pids[0], signal.SIGSTOP)  # alive, silent: only a timeout can tell
+    try:
+        assert swarm.exit_code("hung", proc, 90) == 1, swarm.stderr("hung")[-3000:]
+    finally:
+        if not _gone(pids[0]):  # the node SIGKILLs it on its way out; never leave it stopped
+            os.kill(pids[0], signal.SIGCONT)
+    err = swarm.stderr("hung")
+    assert "swarm-node: error: a rank of this node failed or timed out (" in err and "Traceback" not in err, err[-3000:]
+    assert _gone(pids[0])
+
+
 @pytest.mark.timeout(120)
 def test_sigterm_leaves_cleanly_and_every_rank_exits(swarm: Swarm) -> None:
     proc = swarm.node("solo", "--run-id", "rankterm", "--inner-steps", "50", "--matchmaking-time", "0.5", *TWO_RANKS)

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from swarm.ranks.commands import Command, CommandError, Op, decode, encode
+from swarm.ranks.group import describe
 from swarm.ranks.launch import LaunchError, RankLaunch, mixed_devices, plan_launch
 from swarm.ranks.step import rank_rows
 
@@ -120,3 +121,18 @@ def test_rank_rows_split_the_node_batch(batch: int, world: int, rank: int, rows:
 def test_rank_rows_refuse_what_does_not_split(batch: int, world: int, rank: int) -> None:
     with pytest.raises(ValueError):
         rank_rows(batch, world, rank)
+
+
+@pytest.mark.parametrize(
+    ("error", "line"),
+    [
+        (
+            RuntimeError("[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv"),
+            "RuntimeError: Timed out waiting 10000ms for recv",
+        ),
+        (RuntimeError("Connection closed by peer\nmore"), "RuntimeError: Connection closed by peer"),
+        (ValueError(""), "ValueError: "),
+    ],
+)
+def test_describe_keeps_one_short_line(error: BaseException, line: str) -> None:
+    assert describe(error) == line
