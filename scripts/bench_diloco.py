@@ -27,6 +27,7 @@ not deterministic: group timing varies); the baselines are deterministic and run
 
     python -m scripts.bench_diloco                        # all four configurations, 1,000 steps
     python -m scripts.bench_diloco --steps 100 --configs H50_int8 --json
+    python -m scripts.bench_diloco --nodes 2 --batch-size 4 --steps 100 --configs H50_int8 --nproc-per-node 2
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class NodeOptions:
     outer_momentum: float | None
     matchmaking_time: float | None  # None: the node's default
     verbose: bool
+    nproc: int = 1  # --nproc-per-node: local ranks of each node (scripts/bench_ranks.py)
 
 
 # --- processes ----------------------------------------------------------------------------------
@@ -153,6 +155,8 @@ def node_args(
         args += ["--outer-momentum", repr(options.outer_momentum)]
     if options.matchmaking_time is not None:
         args += ["--matchmaking-time", repr(options.matchmaking_time)]
+    if options.nproc > 1:
+        args += ["--nproc-per-node", str(options.nproc), "--device", "cpu"]
     return args + (["-v"] if options.verbose else [])
 
 
@@ -347,6 +351,9 @@ def main() -> None:
     parser.add_argument("--skip-baselines", action="store_true", help="swarm runs only (no ratios)")
     parser.add_argument("-v", "--verbose", action="store_true", help="nodes log at INFO")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--nproc-per-node", type=int, default=1,
+                        help="N > 1: compare nodes of N ranks with nodes of 1 (same node batch): tokens/s, "
+                        "utilization, bytes per node (scripts/bench_ranks.py); no baselines")  # fmt: skip
     args = parser.parse_args()
 
     import torch
@@ -380,6 +387,13 @@ def main() -> None:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    if args.nproc_per_node > 1:
+        from scripts.bench_ranks import compare_ranks, print_ranks
+
+        res = compare_ranks(lambda o, c: run_swarm(workload, c, o, timeout, keep), options, configs,
+                            args.nproc_per_node, args.repeat, log)  # fmt: skip
+        print(json.dumps(res) if args.json else print_ranks(res))
+        return
     runs: dict[str, list[dict[str, Any]]] = {}
     for config in configs:
         for attempt in range(args.repeat):

@@ -70,7 +70,7 @@ from swarm.progress import OwnProgress, ProgressBook
 from swarm.run_lookup import initial_peer_ids
 from swarm.state.keeper import StateKeeper
 from swarm.supervised import Supervised
-from swarm.trainer import DataLoop, NodeError
+from swarm.trainer import DataLoop, NodeError, TrainLoop, TrainLoopFactory
 from swarm.user_steps import UserSteps
 
 logger = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ class SwarmNode(OuterStepLoop):
         dht_config: DHTConfig | None = None,
         inner_optimizer: OptimizerFactory | None = None,
         evaluate: Callable[[nn.Module], float] | None = None,
+        train_loop: TrainLoopFactory = DataLoop,
     ) -> None:
         self.config = config
         self.id_proof_path = id_proof_path  # the DHT id's proof of work, kept next to the identity file
@@ -114,7 +115,7 @@ class SwarmNode(OuterStepLoop):
         self.p2p_config = p2p_config or P2PConfig()
         self.events = EventSink(str(self.peer_id), on_event)
         self.client_mode = config.client_mode
-        self._data_loop: DataLoop | None = None  # swarm-node's own training loop (the caller's, in swarm.join)
+        self._data_loop: TrainLoop | None = None  # swarm-node's own training loop (the caller's, in swarm.join)
         if config.model == CUSTOM_MODEL:  # swarm.join: the caller's model, optimizer and loop
             if model is None:
                 raise NodeError("model 'custom' trains the caller's own model: hand it in (swarm.join)")
@@ -130,14 +131,16 @@ class SwarmNode(OuterStepLoop):
             model_config, data_name = dataclasses.asdict(preset_config), data.name
             if model is None:
                 model = _build(config, preset_config)
-            self.diloco = DiLoCo(model, config.diloco_config())
+            # inner_optimizer: None (AdamW), or --shard's HeldOptimizer: the ranks step the shards
+            self.diloco = DiLoCo(model, config.diloco_config(), inner_optimizer=inner_optimizer)
             self.settings = training_settings(config)
             eval_set = eval_windows(data.eval, config.seq_len, config.eval_windows)
             self._evaluate = functools.partial(eval_loss, model, eval_set)
         self.inner = UserSteps(self.diloco)  # inner steps run only while the node allows them
         if config.model != CUSTOM_MODEL:
-            self._data_loop = DataLoop(self.inner, data, self.peer_id, batch_size=config.batch_size,
-                                       seq_len=config.seq_len)  # fmt: skip
+            # DataLoop; a node of several ranks: rank 0's LeaderLoop (swarm/ranks/leader.py)
+            self._data_loop = train_loop(self.inner, data, self.peer_id, batch_size=config.batch_size,
+                                         seq_len=config.seq_len)  # fmt: skip
         self._settings_digest = settings_digest(self.settings)
         self.run_info = RunInfo(run_id=config.run_id, model=config.model, model_config=model_config,
                                 seed=config.seed, data=data_name, inner_steps=config.inner_steps,

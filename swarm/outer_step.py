@@ -228,6 +228,14 @@ class OuterStepLoop:
                     return None
                 matchmaking = asyncio.ensure_future(self._matchmake(averager, book, step, weight))
             return await matchmaking
+        except BaseException:  # the training failed (a divergence, a rank of the node lost): the node ends,
+            # and our matchmaking must end with it, before the loop closes, not run on orphaned
+            if matchmaking is not None and not matchmaking.done():
+                matchmaking.cancel()
+                await asyncio.wait({matchmaking})
+                if not matchmaking.cancelled() and matchmaking.exception() is not None:
+                    logger.debug("step %d: matchmaking ended with %r", step, matchmaking.exception())
+            raise
         finally:
             stopping.cancel()
             if matchmaking is not None and not matchmaking.done() and stop.is_set():

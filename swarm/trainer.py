@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Protocol
 
 from swarm.model.data import TokenData, node_generator, sample_batch
 from swarm.model.diloco import NonFiniteLossError
@@ -27,6 +28,19 @@ logger = logging.getLogger(__name__)
 
 class NodeError(RuntimeError):
     """The node cannot start or go on; the message says why and what to do."""
+
+
+class TrainLoop(Protocol):
+    """What a node starts and joins: its training thread (DataLoop, or rank 0's LeaderLoop)."""
+
+    def start(self) -> None: ...
+
+    def join(self, timeout: float) -> None: ...
+
+
+class TrainLoopFactory(Protocol):
+    def __call__(self, steps: UserSteps, data: TokenData, peer_id: PeerID, *, batch_size: int,
+                 seq_len: int) -> TrainLoop: ...  # fmt: skip
 
 
 class DataLoop:

@@ -37,6 +37,8 @@ ALLOWED: dict[str, set[str]] = {
     "model": {"helpers", "kernels", "model"},
     "state": {"helpers", "p2p", "dht", "kernels", "model", "state"},
     "node": {"helpers", "p2p", "dht", "kernels", "averaging", "model", "state", "node"},
+    # a node of several ranks (swarm/ranks/): torch.distributed under the node, beside it
+    "ranks": {"helpers", "p2p", "kernels", "model", "node", "ranks"},
     "api": {"helpers", "p2p", "dht", "kernels", "averaging", "model", "state", "node", "api"},
     # metrics and the dashboard: they read the node's events and records, and serve them to the CLI
     "observe": {"helpers", "p2p", "dht", "kernels", "averaging", "model", "state", "node", "observe"},
@@ -50,6 +52,7 @@ ALLOWED: dict[str, set[str]] = {
         "state",
         "node",
         "api",
+        "ranks",
         "netlab",
         "observe",
         "cli",

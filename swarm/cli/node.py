@@ -27,6 +27,7 @@ import click
 from click.core import ParameterSource
 
 from swarm.averaging.config import CODECS
+from swarm.cli import node_ranks
 from swarm.cli.common import (
     CliError,
     OneLineCommand,
@@ -176,6 +177,13 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
 @_opt("eval-every", click.IntRange(1), "Outer steps between eval losses.")
 @_opt("eval-windows", click.IntRange(1), "Eval windows of --seq-len tokens.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="Torch CPU threads (default: torch's).")
+@click.option("--nproc-per-node", type=click.IntRange(1), default=1, show_default=True,
+              help="Local ranks of this one node (one per GPU; gloo on the CPU): they train under DDP, rank 0 "
+              "speaks to the swarm. Under torchrun, leave it out.")  # fmt: skip
+@click.option("--shard/--no-shard", default=False, show_default=True,
+              help="With several ranks: shard the model over them (FSDP2), not one copy per rank (DDP).")  # fmt: skip
+@click.option("--rank-timeout", type=click.FloatRange(1), default=120.0, show_default=True,
+              help="Longest wait for another rank of this node (to start, in a step) before it leaves.")  # fmt: skip
 @click.option("--metrics-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Append every event (start, progress, outer_step, exit) as a JSON line.")  # fmt: skip
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
@@ -190,6 +198,9 @@ def main(
     announce_maddrs: tuple[str, ...],
     identity: Path | None,
     threads: int | None,
+    nproc_per_node: int,
+    shard: bool,
+    rank_timeout: float,
     metrics_file: Path | None,
     metrics_port: int | None,
     metrics_host: str,
@@ -204,6 +215,17 @@ def main(
         config = NodeConfig(**options, shard_bytes=max(1, int(shard_mb * 2**20)))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    launch = node_ranks.plan(nproc_per_node, config)  # None: one rank, the plain node
+    if shard and launch is None:
+        raise click.UsageError("--shard shards the model over several ranks: add --nproc-per-node N (N >= 2)")
+    if launch is not None and not launch.leader:  # a rank >= 1 under torchrun: rank 0 speaks to the swarm
+        from swarm.ranks.follower import follow
+
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
+        sys.exit(follow(launch, timeout=rank_timeout))
     node_identity = load_identity(identity) or Identity.generate()  # one for the settings lookup and the node
     proof_path = proof_path_for(identity) if identity is not None else None  # its costly id, solved once
     import torch  # the flags are checked: now the slow imports (seconds on a busy machine)
@@ -219,6 +241,8 @@ def main(
         raise click.UsageError(str(e)) from None
     if initial_peers:
         config = _adopt_run_settings(config, initial_peers, limits, node_identity, proof_path)
+        if launch is not None:  # the run's batch must split over our ranks too
+            node_ranks.plan(nproc_per_node, config)
     sinks: list[Any] = []
     watch = _metrics_server(metrics_port, metrics_host, config.run_id, initial_peers, limits)
     if watch is not None:
@@ -240,16 +264,28 @@ def main(
                 sink(event)
 
         try:
-            node = SwarmNode(
-                config,
-                identity=node_identity,
-                initial_peers=initial_peers,
-                p2p_config=p2p_config,
-                on_event=on_event,
-                id_proof_path=proof_path,
-                dht_config=limits.dht(),
-            )
-            run_network(lambda: _run_until_signalled(node, watch))
+            with contextlib.ExitStack() as stack:
+                extra: dict[str, Any] = {}
+                if launch is not None:  # rank 0 of several: the ranks train together, we speak for them
+                    ranks = stack.enter_context(node_ranks.NodeRanks.open(
+                        launch, config, node_identity.peer_id.to_bytes(), threads=threads, verbose=verbose,
+                        timeout=rank_timeout, shard=shard))  # fmt: skip
+                    config, extra = ranks.config, {"data": ranks.data, "model": ranks.model,
+                                                   "train_loop": ranks.train_loop,
+                                                   "inner_optimizer": ranks.inner_optimizer}  # fmt: skip
+                    logging.getLogger("swarm.ranks").info("rank 0 of %d: ranks 1.. run as pids %s", launch.world_size,
+                                                          list(ranks.pids))  # fmt: skip
+                node = SwarmNode(
+                    config,
+                    identity=node_identity,
+                    initial_peers=initial_peers,
+                    p2p_config=p2p_config,
+                    on_event=on_event,
+                    id_proof_path=proof_path,
+                    dht_config=limits.dht(),
+                    **extra,
+                )
+                run_network(lambda: _run_until_signalled(node, watch))
         except (NodeError, DataUnavailableError) as e:
             raise CliError(str(e)) from None
     finally:
@@ -361,3 +397,7 @@ def _join_lines(event: Event, config: NodeConfig) -> list[str]:
     lines += [f"listening on {maddr}" for maddr in maddrs]
     join = f"swarm-node --run-id {config.run_id} {join_flags(config, _DEFAULTS)}--initial-peers {maddrs[0]}"
     return [*lines, f"join with: {join}"]
+
+
+if __name__ == "__main__":  # torchrun -m swarm.cli.node ...
+    main()

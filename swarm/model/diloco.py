@@ -96,6 +96,9 @@ class DiLoCo:
         self.outer_step = 0  # outer steps applied: the swarm's clock
         self.inner_done = 0  # inner steps since the last outer step
         self.tokens_since_outer = 0  # target tokens trained on since the last outer step: the averaging weight
+        # bumped whenever θ_inner is written outside an inner step (an outer step, a loaded state):
+        # a node of several ranks then broadcasts it to the others (swarm/ranks/leader.py)
+        self.revision = 0
         # a caller's own optimizer sets its own learning rate; ours follows config's schedule
         self.owns_lr = inner_optimizer is None
         if inner_optimizer is None:
@@ -242,6 +245,7 @@ class DiLoCo:
     def _finish_outer_step(self, advance: bool = True) -> None:
         for p, theta in zip(self.params, self.outer_params, strict=True):
             p.detach().copy_(theta)
+        self.revision += 1
         self.outer_step += int(advance)
         self.inner_done = 0
         self.tokens_since_outer = 0
