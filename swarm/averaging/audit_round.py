@@ -140,11 +140,7 @@ def check(
     seed: bytes, part: int, me: int, mine: torch.Tensor, prepared: Prepared, tolerance: float,
 ) -> list[str]:  # fmt: skip
     """What is wrong with a fetched receipt (worker thread); AuditFailure when it is malformed."""
-    try:
-        msg = msgpack.unpackb(raw, raw=False)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise AuditFailure(f"unreadable receipt: {type(e).__name__}") from None
-    receipt = Receipt.decode(msg, members)
+    receipt = Receipt.decode(unpack_receipt(raw), members)
     return check_receipt(receipt, weights=weights, result=result, seed=seed, part=part, me=me, mine=mine,
                          included=included, members=members, prepared=prepared, tolerance=tolerance)  # fmt: skip
 
@@ -178,9 +174,9 @@ class RoundAudit:
             seed = part_seed(r.group.group_id, j, await asyncio.to_thread(result_digest, payload))
             reduction = r.reductions.get(j)
             if reducer == r.me:
-                if reduction is not None and reduction.order and _holds(reduction, payload):
+                if reduction is not None and reduction.order and holds(reduction.result, payload):
                     built = self.receipts[j] = asyncio.ensure_future(asyncio.to_thread(build_receipt, reduction, seed))
-                    built.add_done_callback(_retrieved)  # a failed round awaits no receipt
+                    built.add_done_callback(retrieved)  # a failed round awaits no receipt
                 self._seed(j).set_result(seed)
                 return seed, None
             self._seed(j).set_result(seed)
@@ -248,17 +244,7 @@ class RoundAudit:
             )  # fmt: skip
         except AuditFailure as e:
             return Verdict(j, k, "inconsistent", str(e))
-        suspect = [p for p in problems if p.startswith(SUSPECT)]
-        if suspect:
-            logger.warning("round %s: audit: owner %s of part %d: %s", r._tag(), r.group.members[k].peer_id, j,
-                           "; ".join(suspect))  # fmt: skip
-        problems = [p for p in problems if not p.startswith(SUSPECT)]
-        inconsistent = [p for p in problems if not p.startswith(OURS)]
-        if inconsistent:
-            return Verdict(j, k, "inconsistent", "; ".join(inconsistent))
-        if problems:
-            return Verdict(j, k, "ours", "; ".join(problems))
-        return Verdict(j, k, "ok")
+        return verdict_of(r, j, k, problems)
 
     async def serve(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
         r = self.round
@@ -280,6 +266,32 @@ class RoundAudit:
         data = await asyncio.shield(receipt)
         await stream.write(data)
         r.report.bytes_sent += len(data)
+
+
+def unpack_receipt(raw: bytes) -> Any:
+    """A receipt's msgpack; AuditFailure on garbage."""
+    try:
+        return msgpack.unpackb(raw, raw=False)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise AuditFailure(f"unreadable receipt: {type(e).__name__}") from None
+
+
+def verdict_of(
+    r: RoundMember, part: int, owner: int, problems: list[str], failing: str = "inconsistent", unit: str = "part"
+) -> Verdict:
+    """The verdict on `owner` from check_receipt's problems: suspects are logged only; a
+    problem of what the receipt says of us is "ours"; any other is `failing`."""
+    suspect = [p for p in problems if p.startswith(SUSPECT)]
+    if suspect:
+        logger.warning("round %s: audit: owner %s of %s %d: %s", r._tag(), r.group.members[owner].peer_id, unit,
+                       part, "; ".join(suspect))  # fmt: skip
+    problems = [p for p in problems if not p.startswith(SUSPECT)]
+    inconsistent = [p for p in problems if not p.startswith(OURS)]
+    if inconsistent:
+        return Verdict(part, owner, failing, "; ".join(inconsistent))
+    if problems:
+        return Verdict(part, owner, "ours", "; ".join(problems))
+    return Verdict(part, owner, "ok")
 
 
 def judge(r: RoundMember, verdicts: list[Verdict], unit: str) -> list[PeerID]:
@@ -308,12 +320,16 @@ def judge(r: RoundMember, verdicts: list[Verdict], unit: str) -> list[PeerID]:
     return sorted({members[v.owner].peer_id for v in ours}, key=str)
 
 
-def _retrieved(task: asyncio.Future[Any]) -> None:
+def retrieved(task: asyncio.Future[Any]) -> None:
+    """A receipt task's done-callback: a failure is logged (nobody may await it)."""
     if not task.cancelled() and task.exception() is not None:
         logger.info("audit: a receipt could not be built: %r", task.exception())
 
 
-def _holds(reduction: PartReduction, payload: memoryview) -> bool:
-    """Is `payload` (a part's final bytes) the result of this reduction (not a copy)?"""
-    result = reduction.result
-    return result.done() and not result.cancelled() and result.exception() is None and result.result()[1] is payload
+def succeeded(result: asyncio.Future[Any]) -> bool:
+    return result.done() and not result.cancelled() and result.exception() is None
+
+
+def holds(result: asyncio.Future[Any], payload: memoryview) -> bool:
+    """Is `payload` (a part's final bytes) this reduction result's (not a copy)?"""
+    return succeeded(result) and result.result()[1] is payload

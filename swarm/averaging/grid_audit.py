@@ -49,7 +49,6 @@ import torch
 
 from swarm.averaging.audit import (
     SENT_TOL,
-    SUSPECT,
     AuditFailure,
     Prepared,
     Receipt,
@@ -59,7 +58,20 @@ from swarm.averaging.audit import (
     quantization_tol,
     sketch_plan,
 )
-from swarm.averaging.audit_round import OURS, RECEIPT, WRONG_SEED, Verdict, judge, receipt_limit, receipt_of
+from swarm.averaging.audit_round import (
+    OURS,
+    RECEIPT,
+    WRONG_SEED,
+    Verdict,
+    holds,
+    judge,
+    receipt_limit,
+    receipt_of,
+    retrieved,
+    succeeded,
+    unpack_receipt,
+    verdict_of,
+)
 from swarm.averaging.partition import payload_layout
 from swarm.averaging.robust import robust_coefficients
 from swarm.p2p.errors import BadRequest, NotFound, P2PError, RemoteError
@@ -122,58 +134,64 @@ class GridAudit:
             seed = part_seed(r.group.group_id, c, await asyncio.to_thread(_digest, payloads))
             lo, hi = r.grid.parts[c]
             plan = sketch_plan(seed, c, hi - lo, audit_buckets(hi - lo, len(r.group.members)))
-            if c == r.col:
-                self._build_receipts(c, plan)
-            self._seed(c).set_result(seed)
             side = ColumnSide(seed, plan)
+            if c == r.col:  # our row partial as the column's owners got it: in our receipt, and what we check
+                partial = r.row_reduction.result if r.row_reduction is not None else None
+                if partial is not None and succeeded(partial):
+                    side.sent = await asyncio.to_thread(self._partial_sketches, c, plan)
+                self._build_receipts(c, side)
+            self._seed(c).set_result(seed)
             await asyncio.to_thread(self._sketch_side, c, side)
             return side
         except Exception as e:  # the round was released under us (it failed): nothing to audit
             logger.info("round %s: audit: column %d not prepared: %r", r._tag(), c, e)
             return None
 
-    def _build_receipts(self, c: int, plan: SketchPlan) -> None:
+    def _build_receipts(self, c: int, side: ColumnSide) -> None:
         """Our receipts of column c (we own (row, c)): the sub-part we reduced, our row partial."""
-        r = self.round
+        r, plan = self.round, side.plan
         part_lo = r.grid.parts[c][0]
         ours = r.col_reductions.get(r.row)
         final = r.final.get((c, r.row))
-        if ours is not None and ours.order and final is not None and _holds(ours.result, final[1]):
+        if ours is not None and ours.order and final is not None and holds(ours.result, final[1]):
             offset = ours.lo - part_lo
             self._build((c, r.row), lambda: {**receipt_of(ours, plan, offset).encode(),
                                               "rm": [ours.row_members.get(i, []) for i in ours.order]})  # fmt: skip
         row = r.row_reduction
-        if row is not None and row.order and _ok(row.result):
-            self._build((c, ROW_RECEIPT), lambda: {**receipt_of(row, plan).encode(), **self._partial_as_sent(c, plan)})
+        if row is not None and row.order and side.sent:
+            zero = torch.zeros(plan.buckets, dtype=torch.float64)
+            sent = [side.sent.get(s, (zero, 0.0)) for s in range(r.grid.rows)]
+            as_sent = {"ps": torch.stack([t for t, _ in sent]).float().numpy().tobytes(), "pn": [n for _, n in sent]}
+            self._build((c, ROW_RECEIPT), lambda: {**receipt_of(row, plan).encode(), **as_sent})
 
-    def _partial_as_sent(self, c: int, plan: SketchPlan) -> dict[str, Any]:
-        """Our row partial as each owner of column c got it (worker thread): "ps" the sketch of
-        each sub-part (the encoded bytes we sent; our own sub-part exact, as our own column
-        reduction used it), "pn" their squared norms."""
+    def _partial_sketches(self, c: int, plan: SketchPlan) -> dict[int, tuple[torch.Tensor, float]]:
+        """Our row partial as each owner of column c got it (worker thread): the sketch and squared
+        norm of each sub-part, of the encoded bytes we sent it (our own sub-part exact: our own
+        column reduction used it so)."""
         r = self.round
         assert r.row_reduction is not None
         part_lo = r.grid.parts[c][0]
-        sketches = torch.zeros(r.grid.rows, plan.buckets, dtype=torch.float64)
-        norms = [0.0] * r.grid.rows
+        out: dict[int, tuple[torch.Tensor, float]] = {}
         payload, offset = r.row_reduction.result.result()[1], 0
         for s, (lo, hi) in enumerate(r.grid.subs[c]):
             layout = payload_layout(lo, hi, r.config.chunk_elements, r.codec.encoded_nbytes)
             size = layout[-1][2].stop if layout else 0
             if s == r.row:
-                norms[s] = sketch_accumulate(sketches[s], r.row_reduction.average[lo - part_lo : hi - part_lo],
-                                             lo - part_lo, plan)  # fmt: skip
+                sketch = torch.zeros(plan.buckets, dtype=torch.float64)
+                own = r.row_reduction.average[lo - part_lo : hi - part_lo]
+                out[s] = sketch, sketch_accumulate(sketch, own, lo - part_lo, plan)
             elif hi > lo:
-                sketch, norms[s] = _sketch(plan, r.codec, payload[offset : offset + size], layout, part_lo)
-                sketches[s] = sketch
+                out[s] = _sketch(plan, r.codec, payload[offset : offset + size], layout, part_lo)
             offset += size
-        return {"ps": sketches.float().numpy().tobytes(), "pn": norms}
+        return out
 
     def _build(self, key: tuple[int, int], make: Any) -> None:
         task = self.receipts[key] = asyncio.ensure_future(asyncio.to_thread(lambda: msgpack.packb(make())))
-        task.add_done_callback(_retrieved)
+        task.add_done_callback(retrieved)
 
     def _sketch_side(self, c: int, side: ColumnSide) -> None:
-        """Our sketches of column c (worker thread): each final sub-part, and what we sent."""
+        """Our sketches of column c (worker thread): each final sub-part, and (not an owner of c)
+        our slice of it as we sent it; an owner's row partial is sketched in _prepare."""
         r, plan = self.round, side.plan
         part_lo, part_hi = r.grid.parts[c]
         chunk, nbytes = r.config.chunk_elements, r.codec.encoded_nbytes
@@ -181,16 +199,7 @@ class GridAudit:
             lo, hi = r.grid.subs[c][s]
             layout = payload_layout(lo, hi, chunk, nbytes)
             side.observed[s] = _sketch(plan, r.codec, r.final[(c, s)][1], layout, part_lo)
-        partial = None if r.row_reduction is None else r.row_reduction.result
-        if c == r.col and partial is not None and _ok(partial):  # our row partial, sub-part by sub-part, as we sent it
-            payload, offset = partial.result()[1], 0
-            for s in self._live(c):
-                lo, hi = r.grid.subs[c][s]
-                layout = payload_layout(lo, hi, chunk, nbytes)
-                size = layout[-1][2].stop
-                side.sent[s] = _sketch(plan, r.codec, payload[offset : offset + size], layout, part_lo)
-                offset += size
-        elif self.forwarder.get(c) == r.row:  # our slice of part c, encoded again as write_encoded did
+        if c != r.col and self.forwarder.get(c) == r.row:  # our slice of part c, encoded again as write_encoded did
             layout = payload_layout(0, part_hi - part_lo, chunk, nbytes)
             mine = r.vector[part_lo:part_hi]
             encoded = torch.cat([torch.as_tensor(r.codec.encode(mine[a:b])).view(-1) for a, b, _ in layout])
@@ -270,20 +279,20 @@ class GridAudit:
                 problems, entry = [str(e)], None
             if entry is not None:
                 rows_seen[s] = entry
-            verdicts.append(_verdict(c, asks[s], problems, r, "inconsistent"))
+            verdicts.append(verdict_of(r, c, asks[s], problems, unit="column"))
         if ROW_RECEIPT in side.receipts:
             try:
                 problems = self._check_row(c, side, rows_seen)
             except AuditFailure as e:
                 problems = [str(e)]
-            verdicts.append(_verdict(c, asks[ROW_RECEIPT], problems, r, "row"))
+            verdicts.append(verdict_of(r, c, asks[ROW_RECEIPT], problems, "row", "column"))
         return verdicts
 
     def _check_sub(self, c: int, s: int, side: ColumnSide) -> tuple[list[str], RowEntry | None]:
         """Column receipt (c, s); also returns the entry of the row we sit in, as the receipt
         states it (its members, sketch, squared norm), for our row receipt's check."""
         r, grid = self.round, self.round.grid
-        msg = _unpack(side.receipts[s])
+        msg = unpack_receipt(side.receipts[s])
         receipt = Receipt.decode(msg, grid.rows)
         listed = msg.get("rm")
         if not isinstance(listed, list) or len(listed) != len(receipt.included):
@@ -327,7 +336,7 @@ class GridAudit:
         of column c say they got that partial. One owner that disagrees cannot say who lies (it,
         or our row's owner): logged. Two or more: our row's owner sent other bytes than it says."""
         r, grid = self.round, self.round.grid
-        msg = _unpack(side.receipts[ROW_RECEIPT])
+        msg = unpack_receipt(side.receipts[ROW_RECEIPT])
         receipt = Receipt.decode(msg, len(r.group.members))
         if not set(receipt.included) <= set(grid.row_members[r.row]):
             raise AuditFailure("receipt: members of another row")
@@ -390,31 +399,10 @@ class GridAudit:
         r.report.bytes_sent += len(data)
 
 
-def _verdict(c: int, owner: int, problems: list[str], r: GridRound, failing: str) -> Verdict:
-    suspect = [p for p in problems if p.startswith(SUSPECT)]
-    if suspect:
-        logger.warning("round %s: audit: owner %s of column %d: %s", r._tag(), r.group.members[owner].peer_id, c,
-                       "; ".join(suspect))  # fmt: skip
-    problems = [p for p in problems if not p.startswith(SUSPECT)]
-    inconsistent = [p for p in problems if not p.startswith(OURS)]
-    if inconsistent:
-        return Verdict(c, owner, failing, "; ".join(inconsistent))
-    if problems:
-        return Verdict(c, owner, "ours", "; ".join(problems))
-    return Verdict(c, owner, "ok")
-
-
 def robust_fates(receipt: Receipt, weights: list[float]) -> list[bool]:
     """Which of a receipt's contributions its rule keeps."""
     _, fates = robust_coefficients(receipt.gram, [weights[i] for i in receipt.included])
     return [fate.dropped is None for fate in fates]
-
-
-def _unpack(raw: bytes) -> Any:
-    try:
-        return msgpack.unpackb(raw, raw=False)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise AuditFailure(f"unreadable receipt: {type(e).__name__}") from None
 
 
 def _digest(payloads: list[memoryview]) -> bytes:
@@ -434,16 +422,3 @@ def _sketch(
     for a, b, where in layout:
         total += sketch_payload_accumulate(out, codec, payload[where], b - a, a - part_lo, plan)
     return out, total
-
-
-def _ok(result: asyncio.Future[Any]) -> bool:
-    return result.done() and not result.cancelled() and result.exception() is None
-
-
-def _holds(result: asyncio.Future[Any], payload: memoryview) -> bool:
-    return _ok(result) and result.result()[1] is payload
-
-
-def _retrieved(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        logger.info("audit: a grid receipt could not be built: %r", task.exception())
