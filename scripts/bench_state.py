@@ -39,7 +39,11 @@ the link bound beside each fetch: the newcomer's downlink, or the donors' uplink
 they are the smaller, min(newcomer rate, n x donor rate) / 8 bytes per second. The bound counts
 the link's raw rate: a bulk TCP transfer's payload is ~95% of it (Ethernet, IP and TCP headers).
 With --link the raw loopback limit is still measured (on 127.0.0.1, as a check of the machine),
-but the targets are against the bound. --compare hivemind runs on 127.0.0.1 only: with --link it
+but the targets are against the bound. Donors share a fetch by whole shards: to see n donors'
+uplinks add up, give each several (`--shard-bytes`; the default 64 MiB cuts `small` into 4).
+
+    sudo python -m scripts.bench_state --model small --peers 1,2,4 --link 100mbit --newcomer-link 1gbit \
+        --shard-bytes 8388608 --compare hivemind runs on 127.0.0.1 only: with --link it
 is refused with one line.
 
 --compare hivemind: hivemind 1.1.12's DecentralizedAverager.load_state_from_peers of the same
