@@ -35,8 +35,11 @@ namespace of its own behind a link shaped to RATE both ways (swarm.netlab, as `s
 no added delay: tbf, no netem), each listening on its address there instead of 127.0.0.1;
 `--links R1,R2,...` gives node i the i-th rate (the bootstrap gets the fastest). The DDP and
 alone baselines run in this process as always. Each swarm run builds its links and removes them
-when it ends, pass or fail. The table then also gives each run's median all-reduce round time;
-the JSON gains "link" (the rates, or null on 127.0.0.1).
+when it ends, pass or fail. Every table gives the all-reduce's round time (per node the median
+over its outer steps, then the mean over nodes; on 127.0.0.1 too); with links also the link bound
+beside it: what the node that moves the most per step (sent or received, frames included) needs
+through its own link, max over nodes of bytes / steps / rate. The JSON gains "link" (node i's
+rate, or null on 127.0.0.1), "round_s" and "round_bound_s".
 """
 
 from __future__ import annotations
@@ -237,6 +240,7 @@ def run_swarm(
     summary = summarize(config, [read_metrics(workdir / f"node{i}.jsonl") for i in range(workload.workers)])
     summary["run_s"] = wall
     summary["link"] = None if rates is None else [str(r) for r in rates]
+    summary["round_bound_s"] = None if rates is None else round_bound_s(summary, rates)
     if keep is None:
         shutil.rmtree(workdir, ignore_errors=True)
     else:
@@ -289,6 +293,13 @@ def summarize(config: SwarmConfig, per_node: list[list[dict[str, Any]]]) -> dict
     }
 
 
+def round_bound_s(summary: dict[str, Any], rates: Sequence[Rate]) -> float:
+    """The shortest an all-reduce round could take on these links: each node moves what it sent
+    (and received) per outer step through its own link; the round waits for the slowest."""
+    per_node = zip(summary["bytes_sent"], summary["bytes_received"], summary["outer_steps"], rates, strict=True)
+    return max(max(sent, received) / steps / rate.bytes_per_s for sent, received, steps, rate in per_node)
+
+
 def ring_allreduce_bytes(nodes: int, parameters: int, steps: int) -> float:
     """What each member of an fp32 ring all-reduce sends for `steps` gradient averagings."""
     return 2 * (nodes - 1) / nodes * 4 * parameters * steps
@@ -313,7 +324,8 @@ def results(
     }
     keys = ("diloco_eval_loss", "ratio_to_ddp", "gap_closed", "bytes_sent_per_node", "reduction_factor")
     labels = ("codec", "density", "error_feedback")
-    for key in (*keys, "utilization", "round_s", "run_s", "full_group_share", "states_agree", *labels):
+    timing = ("utilization", "round_s", "round_bound_s", "run_s")
+    for key in (*keys, *timing, "full_group_share", "states_agree", *labels):
         out[key] = {}
     for name, repeats in runs.items():
         for key, value in SwarmConfig.parse(name).labels().items():
@@ -327,6 +339,8 @@ def results(
         out["reduction_factor"][name] = ring / sent
         out["utilization"][name] = statistics.median(statistics.fmean(r["utilization"]) for r in repeats)
         out["round_s"][name] = statistics.median(statistics.fmean(r["round_s"]) for r in repeats)
+        bounds = [r["round_bound_s"] for r in repeats if r.get("round_bound_s") is not None]
+        out["round_bound_s"][name] = statistics.median(bounds) if bounds else None
         out["run_s"][name] = statistics.median(r["run_s"] for r in repeats)
         out["full_group_share"][name] = min(r["full_group_share"] for r in repeats)
         out["states_agree"][name] = all(r["states_agree"] for r in repeats)
@@ -354,21 +368,23 @@ def print_table(res: dict[str, Any]) -> None:
         "vs fp32 ring",
         "utilization",
         "round s",
+        "link bound s",
         "run s",
         "full groups",
     )
     for column in columns:
         table.add_column(column, justify="right")
-    table.add_row("DDP (global batch)", f"{res['ddp_eval_loss']:.4f}", "1.000", "100%", "", "", "", "", "", "")
+    table.add_row("DDP (global batch)", f"{res['ddp_eval_loss']:.4f}", "1.000", "100%", *[""] * 7)
     alone_gap = f"{res['alone_eval_loss'] / res['ddp_eval_loss']:.3f}"
-    table.add_row("one node alone", f"{res['alone_eval_loss']:.4f}", alone_gap, "0%", "", "", "", "", "", "")
+    table.add_row("one node alone", f"{res['alone_eval_loss']:.4f}", alone_gap, "0%", *[""] * 7)
     for name, loss in res["diloco_eval_loss"].items():
         agree = "" if res["states_agree"][name] else " (states differ!)"
         table.add_row(
             f"DiLoCo {name}{agree}", f"{loss:.4f}", f"{res['ratio_to_ddp'][name]:.3f}",
             f"{res['gap_closed'][name]:.1%}", f"{res['bytes_sent_per_node'][name] / 1e6:,.2f}",
             f"{res['reduction_factor'][name]:,.0f}x", f"{res['utilization'][name]:.1%}",
-            f"{res['round_s'][name]:.2f}", f"{res['run_s'][name]:.0f}", f"{res['full_group_share'][name]:.0%}",
+            f"{res['round_s'][name]:.2f}", f"{bound:.2f}" if (bound := res["round_bound_s"].get(name)) else "-",
+            f"{res['run_s'][name]:.0f}", f"{res['full_group_share'][name]:.0%}",
         )  # fmt: skip
     Console(width=160).print(table)
     print(

@@ -32,6 +32,15 @@ def test_each_node_gets_its_rate() -> None:
     assert bench_diloco.place(None, "node0", fast) == ([], bench_diloco.LOOPBACK)
 
 
+def test_the_round_bound_is_the_slowest_nodes_bytes_through_its_link() -> None:
+    summary = {"bytes_sent": [2_500_000, 1_000_000], "bytes_received": [1_000_000, 3_750_000], "outer_steps": [2, 3]}
+    fast, slow = parse_rate("100mbit"), parse_rate("10mbit")
+    # node 0: 1.25 MB sent per step at 12.5 MB/s = 0.1 s; node 1: 1.25 MB received per step at 1.25 MB/s = 1 s
+    assert bench_diloco.round_bound_s(summary, [fast, slow]) == pytest.approx(1.0)
+    assert bench_diloco.round_bound_s(summary, [slow, fast]) == pytest.approx(1.0)  # node 0 sends 1.25 MB/step
+    assert bench_diloco.round_bound_s(summary, [fast, fast]) == pytest.approx(0.1)
+
+
 def test_the_summary_gives_the_round_time() -> None:
     def step(k: int, round_s: float) -> dict[str, object]:
         return {
@@ -125,7 +134,7 @@ def test_two_nodes_on_unequal_links_average_at_the_slow_links_rate(tmp_path: Pat
     (workdir,) = tmp_path.iterdir()
     starts = [json.loads((workdir / f"node{i}.jsonl").read_text().splitlines()[0]) for i in range(2)]
     assert [s["maddrs"][0].split("/")[2] for s in starts] == ["10.77.0.2", "10.77.0.3"]
-    # shaped: a round moves at least what the 20mbit node sent per step through its link
-    per_step = run["bytes_sent"][1] / 2
-    slowest = per_step / parse_rate("20mbit").bytes_per_s
+    # shaped: a round takes at least what the 20mbit node's traffic needs through its link
+    slowest = max(run["bytes_sent"][1], run["bytes_received"][1]) / 2 / parse_rate("20mbit").bytes_per_s
+    assert run["round_bound_s"] == pytest.approx(slowest) and res["round_bound_s"]["H2_int8"] == run["round_bound_s"]
     assert min(run["round_s"]) > 0.9 * slowest, (run["round_s"], slowest)
