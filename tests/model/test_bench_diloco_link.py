@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -138,3 +140,35 @@ def test_two_nodes_on_unequal_links_average_at_the_slow_links_rate(tmp_path: Pat
     slowest = max(run["bytes_sent"][1], run["bytes_received"][1]) / 2 / parse_rate("20mbit").bytes_per_s
     assert run["round_bound_s"] == pytest.approx(slowest) and res["round_bound_s"]["H2_int8"] == run["round_bound_s"]
     assert min(run["round_s"]) > 0.9 * slowest, (run["round_s"], slowest)
+
+
+@needs_links
+@pytest.mark.swarm
+@pytest.mark.timeout(120)
+def test_sigterm_mid_run_stops_the_nodes_and_removes_the_links(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "scripts.bench_diloco", "--nodes", "2", "--steps", "400", "--configs", "H200_int8",
+               "--seq-len", "16", "--batch-size", "1", "--skip-baselines", "--link", "50mbit",
+               "--keep", str(tmp_path)]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    with _removed_after(proc.pid):
+        try:
+            deadline = time.monotonic() + 60
+            while len(inside := _pids_inside(proc.pid)) < 3:  # the bootstrap and both nodes run in their namespaces
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+                time.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        assert proc.returncode == 143, err[-3000:]
+        assert not _namespaces_of(proc.pid), "the run's namespaces are still there"
+        assert not [pid for pid in inside if lab_module.pid_alive(pid)], "a child outlived the run"
+
+
+def _pids_inside(pid: int) -> list[int]:
+    """The processes in the run's endpoint namespaces (the bridge's holds none)."""
+    with contextlib.suppress(LabError):  # a namespace made or removed while we look
+        return [int(p) for ns in _namespaces_of(pid) for p in lab_module.run(("ip", "netns", "pids", ns)).split()]
+    return []

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -152,3 +154,35 @@ def test_tiny_fetch_on_shaped_links_runs_at_their_rate_and_leaves_nothing(tmp_pa
         (run,) = summary["detail"]["runs"][n]
         assert run["fetched_bytes"] == run["bytes"] and not run["corrupt_peers"] and not run["failed_peers"]
     assert list(tmp_path.iterdir()) == []  # fetched files and logs are deleted
+
+
+@needs_links
+@pytest.mark.swarm
+@pytest.mark.timeout(120)
+def test_sigterm_mid_run_stops_the_donors_and_removes_the_links(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "scripts.bench_state", "--model", "tiny", "--peers", "1,2", "--repeat", "1",
+               "--link", "50mbit", "--dest", str(tmp_path)]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    with _removed_after(proc.pid):
+        try:
+            deadline = time.monotonic() + 60
+            while len(inside := _pids_inside(proc.pid)) < 2:  # the bootstrap and the first donor, in their namespaces
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+                time.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        assert proc.returncode == 143, err[-3000:]
+        assert not _namespaces_of(proc.pid), "the run's namespaces are still there"
+        assert not [pid for pid in inside if lab_module.pid_alive(pid)], "a child outlived the run"
+    assert list(tmp_path.iterdir()) == []  # the run's folder is deleted
+
+
+def _pids_inside(pid: int) -> list[int]:
+    """The processes in the run's endpoint namespaces (the bridge's holds none)."""
+    with contextlib.suppress(LabError):  # a namespace made or removed while we look
+        return [int(p) for ns in _namespaces_of(pid) for p in lab_module.run(("ip", "netns", "pids", ns)).split()]
+    return []
