@@ -38,7 +38,7 @@ alone baselines run in this process as always. Each swarm run builds its links a
 when it ends, pass or fail. Every table gives the all-reduce's round time (per node the median
 over its outer steps, then the mean over nodes; on 127.0.0.1 too); with links also the link bound
 beside it: what the node that moves the most per step (sent or received, frames included) needs
-through its own link, max over nodes of bytes / steps / rate. The JSON gains "link" (node i's
+through its own link, max over nodes of bytes / rounds / rate. The JSON gains "link" (node i's
 rate, or null on 127.0.0.1), "round_s" and "round_bound_s".
 """
 
@@ -259,28 +259,38 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 def summarize(config: SwarmConfig, per_node: list[list[dict[str, Any]]]) -> dict[str, Any]:
     """Final eval loss, bytes and utilization of one run, from each node's metrics events
-    (`bytes_sent` of an outer_step event is that round's all-reduce traffic: summed here)."""
-    finals, group_sizes, sent, received, rounds = [], [], [], [], []
+    (`bytes_sent` of an outer_step event is that round's all-reduce traffic: summed here).
+
+    A node's final state is the latest it held: after its last outer step, or fetched from the
+    others when it missed a round (on a slow link a node can miss the last round and then fetch
+    the swarm's result, a `fetch` event). Such a node's eval loss is the one the others measured
+    on the same state (the same θ, the same eval windows)."""
+    finals, ends, group_sizes, sent, received, rounds = [], [], [], [], [], []
     for index, events in enumerate(per_node):
         steps = [e for e in events if e.get("event") == "outer_step"]
         if not steps:
             raise RuntimeError(f"{config.name}: node {index} recorded no outer step")
         finals.append(steps[-1])
+        held = [(e["outer_step"] + 1, e["state_sha256"], e.get("eval_loss")) for e in steps]  # the state after it
+        held += [(e["outer_step"], e["state_sha256"], None) for e in events if e.get("event") == "fetch"]
+        ends.append(max(held, key=lambda h: h[0]))  # the latest; a fetch of a step after the last round wins
         group_sizes.append([e["group_size"] for e in steps])
         sent.append(sum(e["bytes_sent"] for e in steps))
         received.append(sum(e["bytes_received"] for e in steps))
         rounds.append(statistics.median(e.get("round_s") or 0.0 for e in steps))  # the all-reduce, per step
-    hashes = {f["state_sha256"] for f in finals}
-    losses = [f["eval_loss"] for f in finals]
+    measured = {sha: loss for _, sha, loss in ends if loss is not None}
+    losses = [loss if loss is not None else measured.get(sha) for _, sha, loss in ends]
     if any(loss is None for loss in losses):
         raise RuntimeError(f"{config.name}: a node has no eval loss at its last outer step: {losses}")
     n = len(per_node)
     return {
         "config": config.name,
-        "outer_steps": [f["outer_step"] + 1 for f in finals],
+        "outer_steps": [step for step, _, _ in ends],
+        "rounds": [len(sizes) for sizes in group_sizes],  # outer steps a node averaged (or stepped alone) itself
+        "caught_up_by_fetch": [loss is None for _, _, loss in ends],
         "eval_loss": statistics.fmean(losses),
         "eval_losses": losses,
-        "states_agree": len(hashes) == 1,
+        "states_agree": len({sha for _, sha, _ in ends}) == 1,
         "full_group_share": statistics.fmean(sum(s == n for s in sizes) / len(sizes) for sizes in group_sizes),
         "bytes_sent": sent,
         "bytes_received": received,
@@ -295,8 +305,8 @@ def summarize(config: SwarmConfig, per_node: list[list[dict[str, Any]]]) -> dict
 
 def round_bound_s(summary: dict[str, Any], rates: Sequence[Rate]) -> float:
     """The shortest an all-reduce round could take on these links: each node moves what it sent
-    (and received) per outer step through its own link; the round waits for the slowest."""
-    per_node = zip(summary["bytes_sent"], summary["bytes_received"], summary["outer_steps"], rates, strict=True)
+    (and received) per round it took part in through its own link; the round waits for the slowest."""
+    per_node = zip(summary["bytes_sent"], summary["bytes_received"], summary["rounds"], rates, strict=True)
     return max(max(sent, received) / steps / rate.bytes_per_s for sent, received, steps, rate in per_node)
 
 

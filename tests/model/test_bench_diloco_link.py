@@ -35,7 +35,7 @@ def test_each_node_gets_its_rate() -> None:
 
 
 def test_the_round_bound_is_the_slowest_nodes_bytes_through_its_link() -> None:
-    summary = {"bytes_sent": [2_500_000, 1_000_000], "bytes_received": [1_000_000, 3_750_000], "outer_steps": [2, 3]}
+    summary = {"bytes_sent": [2_500_000, 1_000_000], "bytes_received": [1_000_000, 3_750_000], "rounds": [2, 3]}
     fast, slow = parse_rate("100mbit"), parse_rate("10mbit")
     # node 0: 1.25 MB sent per step at 12.5 MB/s = 0.1 s; node 1: 1.25 MB received per step at 1.25 MB/s = 1 s
     assert bench_diloco.round_bound_s(summary, [fast, slow]) == pytest.approx(1.0)
@@ -53,6 +53,23 @@ def test_the_summary_gives_the_round_time() -> None:
 
     nodes = [[step(0, 1.0), step(1, 3.0), step(2, 2.0)], [step(0, 0.5), step(1, 0.5)]]
     assert bench_diloco.summarize(bench_diloco.SwarmConfig.parse("H50_int8"), nodes)["round_s"] == [2.0, 0.5]
+
+
+def test_a_node_that_missed_the_last_round_and_fetched_its_result_ends_in_the_same_state() -> None:
+    def step(k: int, sha: str, loss: float | None) -> dict[str, object]:
+        return {
+            "event": "outer_step", "outer_step": k, "eval_loss": loss, "state_sha256": sha, "group_size": 2,
+            "bytes_sent": 10, "bytes_received": 10, "inner_s": 8.0, "wall_s": 10.0, "tokens_per_s": 100.0,
+        }  # fmt: skip
+
+    fetch = {"event": "fetch", "outer_step": 2, "state_sha256": "end"}
+    nodes = [[step(0, "a", None), step(1, "end", 1.5)], [step(0, "a", None), fetch]]
+    summary = bench_diloco.summarize(bench_diloco.SwarmConfig.parse("H50_int8"), nodes)
+    assert summary["states_agree"] and summary["eval_losses"] == [1.5, 1.5] and summary["outer_steps"] == [2, 2]
+    assert summary["caught_up_by_fetch"] == [False, True] and summary["rounds"] == [2, 1]
+    unmeasured = [[step(0, "a", None), step(1, "end", 1.5)], [step(0, "a", None), {**fetch, "state_sha256": "x"}]]
+    with pytest.raises(RuntimeError, match="no eval loss"):  # a state no node measured: no loss to report
+        bench_diloco.summarize(bench_diloco.SwarmConfig.parse("H50_int8"), unmeasured)
 
 
 def _main_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> str:
