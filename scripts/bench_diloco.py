@@ -472,7 +472,7 @@ def main() -> None:
     if args.nproc_per_node > 1:
         from scripts.bench_ranks import compare_ranks, print_ranks
 
-        res = compare_ranks(lambda o, c: run_swarm(workload, c, o, timeout, keep), options, configs,
+        res = compare_ranks(lambda o, c: run_swarm(workload, c, o, timeout, keep, rates), options, configs,
                             args.nproc_per_node, args.repeat, log)  # fmt: skip
         print(json.dumps(res) if args.json else print_ranks(res))
         return
