@@ -28,6 +28,18 @@ not deterministic: group timing varies); the baselines are deterministic and run
     python -m scripts.bench_diloco                        # all four configurations, 1,000 steps
     python -m scripts.bench_diloco --steps 100 --configs H50_int8 --json
     python -m scripts.bench_diloco --nodes 2 --batch-size 4 --steps 100 --configs H50_int8 --nproc-per-node 2
+    sudo python -m scripts.bench_diloco --link 20mbit --configs H50_int8   # on shaped links
+
+`--link RATE` (as root) puts each swarm-node and the bootstrap `swarm-dht serve` in a network
+namespace of its own behind a link shaped to RATE both ways (swarm.netlab, as `swarm-sim --link`;
+no added delay: tbf, no netem), each listening on its address there instead of 127.0.0.1;
+`--links R1,R2,...` gives node i the i-th rate (the bootstrap gets the fastest). The DDP and
+alone baselines run in this process as always. Each swarm run builds its links and removes them
+when it ends, pass or fail. Every table gives the all-reduce's round time (per node the median
+over its outer steps, then the mean over nodes; on 127.0.0.1 too); with links also the link bound
+beside it: what the node that moves the most per step (sent or received, frames included) needs
+through its own link, max over nodes of bytes / rounds / rate. The JSON gains "link" (node i's
+rate, or null on 127.0.0.1), "round_s" and "round_bound_s".
 """
 
 from __future__ import annotations
@@ -50,11 +62,13 @@ from typing import IO, Any
 from scripts.diloco_sweep import Cache, Workload, gap_closed, node_identity, run_baselines
 from swarm import process_control
 from swarm.model.schedule import SCHEDULES
+from swarm.netlab import Lab, Rate, exec_prefix, missing, parse_rate, parse_rates
 from swarm.process_control import console_script
 
 CONFIGS = ("H50_int8", "H50_none", "H100_int8", "H100_none")
 COMPRESSIONS = ("int8", "int4", "int2", "fp16", "none")  # swarm-node's --compression codecs
 STOP_GRACE_S = 10.0
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,12 +139,13 @@ def schedule_flags(workload: Workload) -> list[str]:
 
 
 def node_args(
-    workload: Workload, config: SwarmConfig, options: NodeOptions, workdir: Path, index: int, peers: Sequence[str]
-) -> list[str]:
+    workload: Workload, config: SwarmConfig, options: NodeOptions, workdir: Path, index: int, peers: Sequence[str],
+    listen: str = LOOPBACK,
+) -> list[str]:  # fmt: skip
     args = [
         console_script("swarm-node"),
         *(arg for maddr in peers for arg in ("--initial-peers", maddr)),
-        "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+        "--host-maddrs", listen,
         "--identity", str(workdir / f"node{index}.key"),
         "--run-id", f"bench-diloco-{config.name}",
         "--model", workload.model,
@@ -160,25 +175,50 @@ def node_args(
     return args + (["-v"] if options.verbose else [])
 
 
+def node_rates(workers: int, link: Rate | None, links: Sequence[Rate] | None) -> list[Rate] | None:
+    """Each node's link: --links one per node, --link the same for all; None on 127.0.0.1."""
+    if links is not None:
+        if len(links) != workers:
+            raise ValueError(f"--links has {len(links)} rate(s) for {workers} nodes: give one per node (--nodes)")
+        return list(links)
+    return None if link is None else [link] * workers
+
+
+def place(lab: Lab | None, name: str, rate: Rate | None) -> tuple[list[str], str]:
+    """(argv prefix, listen multiaddr) of a child: 127.0.0.1, or a new endpoint of the lab."""
+    if lab is None or rate is None:
+        return [], LOOPBACK
+    endpoint = lab.add(name, rate)
+    return exec_prefix(endpoint), f"/ip4/{endpoint.address}/tcp/0"
+
+
 def run_swarm(
-    workload: Workload, config: SwarmConfig, options: NodeOptions, timeout: float, keep: Path | None
-) -> dict[str, Any]:
+    workload: Workload, config: SwarmConfig, options: NodeOptions, timeout: float, keep: Path | None,
+    rates: Sequence[Rate] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """One swarm run: a bootstrap DHT node and `workers` training nodes until they exit; the
-    summary of their metrics files."""
+    summary of their metrics files. With `rates` (one per node) each child runs in a namespace
+    of its own behind a link of its rate, the bootstrap behind the fastest."""
     workdir = Path(tempfile.mkdtemp(prefix=f"bench_diloco_{config.name}_", dir=keep))
     for index in range(workload.workers):
         node_identity(index, workload.seed).save(workdir / f"node{index}.key")
     procs: list[subprocess.Popen[bytes]] = []
     logs: list[IO[bytes]] = []
+    lab: Lab | None = None
     started = time.monotonic()
     try:
+        if rates is not None:  # a lab per run: a failed run's links go with it
+            lab = Lab.create("diloco")
         logs.append(open(workdir / "bootstrap.log", "wb"))  # noqa: SIM115  (closed in finally)
-        dht_args = [console_script("swarm-dht"), "serve", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--json"]
+        prefix, listen = place(lab, "bootstrap", max(rates) if rates else None)  # DHT traffic: any link will do
+        dht_args = [*prefix, console_script("swarm-dht"), "serve", "--host-maddrs", listen, "--json"]
         procs.append(spawn(dht_args, logs[0], stdout=subprocess.PIPE))
         bootstrap = process_control.read_json_line(procs[0], timeout=60, what="the bootstrap DHT node")["maddrs"]
         for index in range(workload.workers):
             logs.append(open(workdir / f"node{index}.log", "wb"))  # noqa: SIM115
-            procs.append(spawn(node_args(workload, config, options, workdir, index, bootstrap), logs[-1]))
+            prefix, listen = place(lab, f"node{index}", rates[index] if rates else None)
+            args = node_args(workload, config, options, workdir, index, bootstrap, listen)
+            procs.append(spawn([*prefix, *args], logs[-1]))
         deadline = time.monotonic() + timeout
         for index, proc in enumerate(procs[1:]):
             try:
@@ -195,8 +235,12 @@ def run_swarm(
         process_control.stop_all(procs, STOP_GRACE_S)  # SIGTERM, SIGKILL after the grace
         for f in logs:
             f.close()
+        if lab is not None:  # after the children: a process still inside would keep its namespace
+            lab.close()
     summary = summarize(config, [read_metrics(workdir / f"node{i}.jsonl") for i in range(workload.workers)])
     summary["run_s"] = wall
+    summary["link"] = None if rates is None else [str(r) for r in rates]
+    summary["round_bound_s"] = None if rates is None else round_bound_s(summary, rates)
     if keep is None:
         shutil.rmtree(workdir, ignore_errors=True)
     else:
@@ -215,30 +259,42 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 def summarize(config: SwarmConfig, per_node: list[list[dict[str, Any]]]) -> dict[str, Any]:
     """Final eval loss, bytes and utilization of one run, from each node's metrics events
-    (`bytes_sent` of an outer_step event is that round's all-reduce traffic: summed here)."""
-    finals, group_sizes, sent, received = [], [], [], []
+    (`bytes_sent` of an outer_step event is that round's all-reduce traffic: summed here).
+
+    A node's final state is the latest it held: after its last outer step, or fetched from the
+    others when it missed a round (on a slow link a node can miss the last round and then fetch
+    the swarm's result, a `fetch` event). Such a node's eval loss is the one the others measured
+    on the same state (the same θ, the same eval windows)."""
+    finals, ends, group_sizes, sent, received, rounds = [], [], [], [], [], []
     for index, events in enumerate(per_node):
         steps = [e for e in events if e.get("event") == "outer_step"]
         if not steps:
             raise RuntimeError(f"{config.name}: node {index} recorded no outer step")
         finals.append(steps[-1])
+        held = [(e["outer_step"] + 1, e["state_sha256"], e.get("eval_loss")) for e in steps]  # the state after it
+        held += [(e["outer_step"], e["state_sha256"], None) for e in events if e.get("event") == "fetch"]
+        ends.append(max(held, key=lambda h: h[0]))  # the latest; a fetch of a step after the last round wins
         group_sizes.append([e["group_size"] for e in steps])
         sent.append(sum(e["bytes_sent"] for e in steps))
         received.append(sum(e["bytes_received"] for e in steps))
-    hashes = {f["state_sha256"] for f in finals}
-    losses = [f["eval_loss"] for f in finals]
+        rounds.append(statistics.median(e.get("round_s") or 0.0 for e in steps))  # the all-reduce, per step
+    measured = {sha: loss for _, sha, loss in ends if loss is not None}
+    losses = [loss if loss is not None else measured.get(sha) for _, sha, loss in ends]
     if any(loss is None for loss in losses):
         raise RuntimeError(f"{config.name}: a node has no eval loss at its last outer step: {losses}")
     n = len(per_node)
     return {
         "config": config.name,
-        "outer_steps": [f["outer_step"] + 1 for f in finals],
+        "outer_steps": [step for step, _, _ in ends],
+        "rounds": [len(sizes) for sizes in group_sizes],  # outer steps a node averaged (or stepped alone) itself
+        "caught_up_by_fetch": [loss is None for _, _, loss in ends],
         "eval_loss": statistics.fmean(losses),
         "eval_losses": losses,
-        "states_agree": len(hashes) == 1,
+        "states_agree": len({sha for _, sha, _ in ends}) == 1,
         "full_group_share": statistics.fmean(sum(s == n for s in sizes) / len(sizes) for sizes in group_sizes),
         "bytes_sent": sent,
         "bytes_received": received,
+        "round_s": rounds,
         "matchmaking_s": [
             sum(e.get("matchmaking_s", 0.0) for e in s if e.get("event") == "outer_step") for s in per_node
         ],
@@ -247,12 +303,22 @@ def summarize(config: SwarmConfig, per_node: list[list[dict[str, Any]]]) -> dict
     }
 
 
+def round_bound_s(summary: dict[str, Any], rates: Sequence[Rate]) -> float:
+    """The shortest an all-reduce round could take on these links: each node moves what it sent
+    (and received) per round it took part in through its own link; the round waits for the slowest."""
+    per_node = zip(summary["bytes_sent"], summary["bytes_received"], summary["rounds"], rates, strict=True)
+    return max(max(sent, received) / steps / rate.bytes_per_s for sent, received, steps, rate in per_node)
+
+
 def ring_allreduce_bytes(nodes: int, parameters: int, steps: int) -> float:
     """What each member of an fp32 ring all-reduce sends for `steps` gradient averagings."""
     return 2 * (nodes - 1) / nodes * 4 * parameters * steps
 
 
-def results(workload: Workload, baselines: dict[str, float], runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def results(
+    workload: Workload, baselines: dict[str, float], runs: dict[str, list[dict[str, Any]]],
+    rates: Sequence[Rate] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     from swarm.model.llama import count_parameters
     from swarm.model.presets import preset
 
@@ -264,9 +330,12 @@ def results(workload: Workload, baselines: dict[str, float], runs: dict[str, lis
         "ddp_eval_loss": ddp,
         "alone_eval_loss": alone,
         "ring_allreduce_bytes_per_node": ring,
+        "link": None if rates is None else [str(r) for r in rates],  # node i's link; None: 127.0.0.1
     }
     keys = ("diloco_eval_loss", "ratio_to_ddp", "gap_closed", "bytes_sent_per_node", "reduction_factor")
-    for key in (*keys, "utilization", "full_group_share", "states_agree", "codec", "density", "error_feedback"):
+    labels = ("codec", "density", "error_feedback")
+    timing = ("utilization", "round_s", "round_bound_s", "run_s")
+    for key in (*keys, *timing, "full_group_share", "states_agree", *labels):
         out[key] = {}
     for name, repeats in runs.items():
         for key, value in SwarmConfig.parse(name).labels().items():
@@ -279,6 +348,10 @@ def results(workload: Workload, baselines: dict[str, float], runs: dict[str, lis
         out["bytes_sent_per_node"][name] = sent
         out["reduction_factor"][name] = ring / sent
         out["utilization"][name] = statistics.median(statistics.fmean(r["utilization"]) for r in repeats)
+        out["round_s"][name] = statistics.median(statistics.fmean(r["round_s"]) for r in repeats)
+        bounds = [r["round_bound_s"] for r in repeats if r.get("round_bound_s") is not None]
+        out["round_bound_s"][name] = statistics.median(bounds) if bounds else None
+        out["run_s"][name] = statistics.median(r["run_s"] for r in repeats)
         out["full_group_share"][name] = min(r["full_group_share"] for r in repeats)
         out["states_agree"][name] = all(r["states_agree"] for r in repeats)
     out["runs"] = runs
@@ -290,8 +363,10 @@ def print_table(res: dict[str, Any]) -> None:
     from rich.table import Table
 
     w = res["workload"]
+    links = res.get("link")
+    where = "127.0.0.1" if not links else f"{links[0]} links" if len(set(links)) == 1 else f"links {','.join(links)}"
     table = Table(
-        title=f"DiLoCo on 127.0.0.1: {w['workers']} nodes, {w['model']}, {w['steps']} inner steps, "
+        title=f"DiLoCo on {where}: {w['workers']} nodes, {w['model']}, {w['steps']} inner steps, "
         f"batch {w['batch_size']} x seq {w['seq_len']} per node, {Workload(**w).schedule_label()}"
     )
     columns = (
@@ -302,20 +377,24 @@ def print_table(res: dict[str, Any]) -> None:
         "MB sent / node",
         "vs fp32 ring",
         "utilization",
+        "round s",
+        "link bound s",
+        "run s",
         "full groups",
     )
     for column in columns:
         table.add_column(column, justify="right")
-    table.add_row("DDP (global batch)", f"{res['ddp_eval_loss']:.4f}", "1.000", "100%", "", "", "", "")
+    table.add_row("DDP (global batch)", f"{res['ddp_eval_loss']:.4f}", "1.000", "100%", *[""] * 7)
     alone_gap = f"{res['alone_eval_loss'] / res['ddp_eval_loss']:.3f}"
-    table.add_row("one node alone", f"{res['alone_eval_loss']:.4f}", alone_gap, "0%", "", "", "", "")
+    table.add_row("one node alone", f"{res['alone_eval_loss']:.4f}", alone_gap, "0%", *[""] * 7)
     for name, loss in res["diloco_eval_loss"].items():
         agree = "" if res["states_agree"][name] else " (states differ!)"
         table.add_row(
             f"DiLoCo {name}{agree}", f"{loss:.4f}", f"{res['ratio_to_ddp'][name]:.3f}",
             f"{res['gap_closed'][name]:.1%}", f"{res['bytes_sent_per_node'][name] / 1e6:,.2f}",
             f"{res['reduction_factor'][name]:,.0f}x", f"{res['utilization'][name]:.1%}",
-            f"{res['full_group_share'][name]:.0%}",
+            f"{res['round_s'][name]:.2f}", f"{bound:.2f}" if (bound := res["round_bound_s"].get(name)) else "-",
+            f"{res['run_s'][name]:.0f}", f"{res['full_group_share'][name]:.0%}",
         )  # fmt: skip
     Console(width=160).print(table)
     print(
@@ -350,11 +429,14 @@ def main() -> None:
     parser.add_argument("--keep", help="keep each run's folder (keys, logs, metrics) under this directory")
     parser.add_argument("--skip-baselines", action="store_true", help="swarm runs only (no ratios)")
     parser.add_argument("-v", "--verbose", action="store_true", help="nodes log at INFO")
+    parser.add_argument("--link", metavar="RATE", help="each node on its own link of RATE (e.g. 100mbit; root)")
+    parser.add_argument("--links", metavar="R1,R2,...", help="as --link, one rate per node (as many as --nodes)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--nproc-per-node", type=int, default=1,
                         help="N > 1: compare nodes of N ranks with nodes of 1 (same node batch): tokens/s, "
                         "utilization, bytes per node (scripts/bench_ranks.py); no baselines")  # fmt: skip
     args = parser.parse_args()
+    rates = link_options(parser, args)
 
     import torch
 
@@ -390,7 +472,7 @@ def main() -> None:
     if args.nproc_per_node > 1:
         from scripts.bench_ranks import compare_ranks, print_ranks
 
-        res = compare_ranks(lambda o, c: run_swarm(workload, c, o, timeout, keep), options, configs,
+        res = compare_ranks(lambda o, c: run_swarm(workload, c, o, timeout, keep, rates), options, configs,
                             args.nproc_per_node, args.repeat, log)  # fmt: skip
         print(json.dumps(res) if args.json else print_ranks(res))
         return
@@ -398,19 +480,38 @@ def main() -> None:
     for config in configs:
         for attempt in range(args.repeat):
             log(f"swarm {config.name} run {attempt + 1}/{args.repeat} ...")
-            summary = run_swarm(workload, config, options, timeout, keep)
+            summary = run_swarm(workload, config, options, timeout, keep, rates)
             runs.setdefault(config.name, []).append(summary)
             log(f"  eval {summary['eval_loss']:.4f}, sent {statistics.fmean(summary['bytes_sent']) / 1e6:.2f} MB/node, "
-                f"utilization {statistics.fmean(summary['utilization']):.1%}, {summary['run_s']:.0f}s")  # fmt: skip
+                f"utilization {statistics.fmean(summary['utilization']):.1%}, "
+                f"all-reduce {statistics.fmean(summary['round_s']):.2f}s/step, {summary['run_s']:.0f}s")  # fmt: skip
     if args.skip_baselines:
         baselines = {"ddp": float("nan"), "alone": float("nan")}
     else:
         baselines = run_baselines(Cache(args.cache), workload, options.lr, options.warmup_steps, log)
-    res = results(workload, baselines, runs)
+    res = results(workload, baselines, runs, rates)
     if args.json:
         print(json.dumps(res))
     else:
         print_table(res)
+
+
+def link_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Rate] | None:
+    """Each node's rate from --link / --links, checked before anything starts: a bad rate, a
+    count that is not --nodes, both flags, or a machine without root or iproute2 is one line."""
+    if args.link is None and args.links is None:
+        return None
+    if args.link is not None and args.links is not None:
+        parser.error("give --link (one rate for all) or --links (one per node), not both")
+    flag = "--link" if args.link is not None else "--links"
+    try:
+        rates = node_rates(args.nodes, parse_rate(args.link) if args.link else None,
+                           parse_rates(args.links) if args.links else None)  # fmt: skip
+    except ValueError as e:
+        parser.error(str(e))
+    if (lacking := missing()) is not None:
+        parser.error(f"{flag} {lacking}")
+    return rates
 
 
 if __name__ == "__main__":

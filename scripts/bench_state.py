@@ -30,6 +30,22 @@ machine's SHA-256 and file-write rates in --dest (4 MiB blocks, as the fetcher w
 newcomer, the seconds its fetcher threads spent hashing and writing chunks. Targets (issue 6):
 fetch >= 50% of the loopback limit; the newcomer's peak RSS <= 1.5x the state.
 
+`--link RATE` (as root) puts the bootstrap, each donor and the newcomer in a network namespace
+of its own behind a link shaped to RATE both ways (swarm.netlab, as `swarm-sim --link`), instead
+of 127.0.0.1; `--newcomer-link RATE` gives the newcomer a link of its own rate (issue 14: a
+newcomer on 1gbit fetching from donors on 100mbit). Each newcomer in turn runs in the same
+namespace (one at a time); the bootstrap gets the faster of the two rates. The table then gives
+the link bound beside each fetch: the newcomer's downlink, or the donors' uplinks together when
+they are the smaller, min(newcomer rate, n x donor rate) / 8 bytes per second. The bound counts
+the link's raw rate: a bulk TCP transfer's payload is ~95% of it (Ethernet, IP and TCP headers).
+With --link the raw loopback limit is still measured (on 127.0.0.1, as a check of the machine),
+but the targets are against the bound. Donors share a fetch by whole shards: to see n donors'
+uplinks add up, give each several (`--shard-bytes`; the default 64 MiB cuts `small` into 4).
+
+    sudo python -m scripts.bench_state --model small --peers 1,2,4 --link 100mbit --newcomer-link 1gbit \
+        --shard-bytes 8388608 --compare hivemind runs on 127.0.0.1 only: with --link it
+is refused with one line.
+
 --compare hivemind: hivemind 1.1.12's DecentralizedAverager.load_state_from_peers of the same
 tensors from one donor averager (it never downloads from more than one; see
 scripts/hivemind_state.py), timed and checked the same way.
@@ -65,6 +81,7 @@ from typing import IO, Any
 from scripts.bench_p2p import sink_one_transfer
 from scripts.worker_process import ROOT, module_command
 from swarm import process_control
+from swarm.netlab import Lab, Rate, exec_prefix, missing, parse_rate
 from swarm.process_control import console_script
 from swarm.process_memory import status_kib
 
@@ -199,7 +216,7 @@ async def newcomer_main(args: argparse.Namespace) -> dict[str, Any]:
     marks: dict[str, float] = {}
     timer = ChunkTimer()
     timer.install()
-    async with P2PHost(config=P2PConfig(host_maddrs=(LOOPBACK,))) as host:
+    async with P2PHost(config=P2PConfig(host_maddrs=(args.listen,))) as host:
         dht = await DHTNode(host=host, initial_peers=[args.bootstrap], client_mode=True).start()
         try:
             holders = await _wait_for_holders(dht, set(args.holders.split(",")), args.timeout)
@@ -336,11 +353,13 @@ class Children:
         self.procs: list[subprocess.Popen[bytes]] = []
         self._logs: list[IO[bytes]] = []
 
-    def start(self, name: str, command: list[str]) -> subprocess.Popen[bytes]:
+    def start(self, name: str, command: list[str], prefix: list[str] | None = None) -> subprocess.Popen[bytes]:
+        """`prefix`: an argv prefix the child runs under (`ip netns exec NS`: a shaped link); `ip`
+        execs the command, so the child's PID is the command's and close() reaches it."""
         err = open(self.workdir / f"{name}.err", "wb")  # noqa: SIM115 (closed in close())
         self._logs.append(err)
         # cwd: `python -m scripts.bench_state` children import the scripts package from there
-        proc = process_control.start(command, stdout=subprocess.PIPE, stderr=err, env=ENV, cwd=ROOT,
+        proc = process_control.start([*(prefix or []), *command], stdout=subprocess.PIPE, stderr=err, env=ENV, cwd=ROOT,
                                      die_with_parent=True)  # fmt: skip
         self.procs.append(proc)
         return proc
@@ -397,17 +416,61 @@ class Options:
     timeout: float
     dest: Path
     to_disk: bool
+    link: Rate | None = None  # the donors' links (and the newcomer's, without newcomer_link); None: 127.0.0.1
+    newcomer_link: Rate | None = None
+
+    @property
+    def newcomer_rate(self) -> Rate | None:
+        return self.newcomer_link or self.link
 
 
-def run_newcomer(children: Children, opts: Options, bootstrap: str, donors: list[dict[str, Any]], name: str) -> Any:
+def link_bound_MBps(n: int, donor: Rate, newcomer: Rate) -> float:
+    """The fastest a newcomer can fetch from n donors: its downlink, or the donors' uplinks
+    together when they are the smaller (each donor sends on its own link, all of them into the
+    newcomer's); MB/s of the links' raw rate."""
+    return min(newcomer.bytes_per_s, n * donor.bytes_per_s) / MB
+
+
+class Places:
+    """Where the processes of a run listen: 127.0.0.1, or with --link each in a namespace of its
+    own (added to `lab` as it starts), behind a link of its rate."""
+
+    def __init__(self, lab: Lab | None, opts: Options) -> None:
+        self.lab, self.opts = lab, opts
+
+    def place(self, name: str, rate: Rate | None) -> tuple[list[str], str]:
+        """(argv prefix, listen multiaddr) of the endpoint `name`, made on its first use."""
+        if self.lab is None or rate is None:
+            return [], LOOPBACK
+        try:
+            endpoint = self.lab.endpoint(name)
+        except KeyError:
+            endpoint = self.lab.add(name, rate)
+        return exec_prefix(endpoint), f"/ip4/{endpoint.address}/tcp/0"
+
+    def bootstrap(self) -> tuple[list[str], str]:
+        rates = [r for r in (self.opts.link, self.opts.newcomer_rate) if r is not None]
+        return self.place("bootstrap", max(rates) if rates else None)  # DHT traffic: any link will do
+
+    def donor(self, index: int) -> tuple[list[str], str]:
+        return self.place(f"donor{index}", self.opts.link)
+
+    def newcomer(self) -> tuple[list[str], str]:
+        return self.place("newcomer", self.opts.newcomer_rate)  # one newcomer at a time: one namespace
+
+
+def run_newcomer(
+    children: Children, opts: Options, bootstrap: str, donors: list[dict[str, Any]], name: str, places: Places
+) -> Any:
     fetch_dest = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=opts.dest))
+    prefix, listen = places.newcomer()
     try:
         proc = children.start(name, [
             *module_command("scripts.bench_state"), "--_newcomer", "--model", opts.model, "--bootstrap", bootstrap,
             "--holders", ",".join(d["peer_id"] for d in donors),
-            "--streams-per-peer", str(opts.streams_per_peer), "--timeout", str(opts.timeout),
+            "--streams-per-peer", str(opts.streams_per_peer), "--timeout", str(opts.timeout), "--listen", listen,
             *(["--fetch-dest", str(fetch_dest)] if opts.to_disk else []),
-        ])  # fmt: skip
+        ], prefix=prefix)  # fmt: skip
         try:
             out, _ = proc.communicate(timeout=opts.timeout * 10)
         except subprocess.TimeoutExpired:
@@ -426,11 +489,13 @@ def run_newcomer(children: Children, opts: Options, bootstrap: str, donors: list
 
 
 def measure_swarm(
-    children: Children, opts: Options, state_bytes: int, probe: LoopbackProbe
+    children: Children, opts: Options, state_bytes: int, probe: LoopbackProbe, places: Places
 ) -> dict[int, list[dict[str, Any]]]:
     """{n: [one newcomer's result per repeat]} (see the module docstring); a loopback transfer
     (probe) just before each newcomer."""
-    boot = children.start("bootstrap", [console_script("swarm-dht"), "serve", "--host-maddrs", LOOPBACK, "--json"])
+    prefix, listen = places.bootstrap()
+    boot = children.start("bootstrap", [console_script("swarm-dht"), "serve", "--host-maddrs", listen, "--json"],
+                          prefix=prefix)  # fmt: skip
     bootstrap = children.first_line(boot, "bootstrap", 60)["maddrs"][0]
     donors: list[dict[str, Any]] = []
     runs: dict[int, list[dict[str, Any]]] = {}
@@ -438,11 +503,12 @@ def measure_swarm(
         while len(donors) < n:  # one after the other: each builds its state (CPU and ~3x the state in memory)
             name = f"donor{len(donors)}"
             require_memory(DONOR_PEAK_PER_STATE_BYTE * state_bytes + PROCESS_FIXED_BYTES, f"{name} ({opts.model})")
+            prefix, listen = places.donor(len(donors))
             proc = children.start(name, [
                 *module_command("scripts.state_seeder"), "--initial-peers", bootstrap, "--run-id", RUN_ID,
                 "--model", opts.model, "--seed", str(SEED), "--step", str(STEP), "--inner-steps", str(INNER_STEPS),
-                "--shard-bytes", str(opts.shard_bytes),
-            ])  # fmt: skip
+                "--shard-bytes", str(opts.shard_bytes), "--host-maddrs", listen,
+            ], prefix=prefix)  # fmt: skip
             donors.append(children.first_line(proc, name, 1800))
             rss = status_kib("VmRSS", proc.pid) * 1024
             log(f"{name} serves {donors[-1]['state_bytes'] / MB:,.0f} MB, its RSS {rss / MB:,.0f} MB "
@@ -451,10 +517,12 @@ def measure_swarm(
         runs[n] = []
         for r in range(opts.repeat):
             loopback = probe.measure()
-            result = run_newcomer(children, opts, bootstrap, donors[:n], f"newcomer-n{n}-r{r}")
+            result = run_newcomer(children, opts, bootstrap, donors[:n], f"newcomer-n{n}-r{r}", places)
             result["loopback_MBps"] = loopback  # measured just before
-            log(f"n={n} run {r}: {result['bytes'] / MB / result['seconds']:,.0f} MB/s (loopback just before "
-                f"{loopback:,.0f} MB/s), peak RSS {result['peak_rss_MB']:,.0f} MB")  # fmt: skip
+            bound = ("" if opts.link is None or opts.newcomer_rate is None else
+                     f", link bound {link_bound_MBps(n, opts.link, opts.newcomer_rate):,.1f} MB/s")  # fmt: skip
+            log(f"n={n} run {r}: {result['bytes'] / MB / result['seconds']:,.1f} MB/s (loopback just before "
+                f"{loopback:,.0f} MB/s{bound}), peak RSS {result['peak_rss_MB']:,.0f} MB")  # fmt: skip
             runs[n].append(result)
     return runs
 
@@ -473,6 +541,8 @@ def summarize(
     med = statistics.median
     out: dict[str, Any] = {
         "model": opts.model,
+        "link": None if opts.link is None else str(opts.link),  # the donors'
+        "newcomer_link": None if opts.newcomer_rate is None else str(opts.newcomer_rate),
         "state_MB": state_bytes / MB,
         "loopback_MBps": med(loopback),
         "repeat": opts.repeat,
@@ -486,7 +556,14 @@ def summarize(
     if hivemind is not None:
         out["hivemind_fetch_MBps"] = hivemind["fetch_MBps"]
         out["hivemind_peak_rss_MB"] = hivemind["peak_rss_MB"]
+    if opts.link is not None and opts.newcomer_rate is not None:
+        for n in runs:
+            out[f"link_bound_MBps_{n}"] = link_bound_MBps(n, opts.link, opts.newcomer_rate)
     targets = {f"fetch_{n}_of_loopback": out[f"fetch_MBps_{n}"] / out["loopback_MBps"] for n in runs}
+    targets |= {f"fetch_{n}_of_link_bound": out[f"fetch_MBps_{n}"] / out[f"link_bound_MBps_{n}"]
+                for n in runs if f"link_bound_MBps_{n}" in out}  # fmt: skip
+    if 1 in runs:  # issue 14: 4 donors at 100mbit give >= 3.5x the fetch rate of one
+        targets |= {f"fetch_{n}_over_1": out[f"fetch_MBps_{n}"] / out["fetch_MBps_1"] for n in runs if n > 1}
     targets |= {f"peak_rss_{n}_of_state": out[f"peak_rss_MB_{n}"] / out["state_MB"] for n in runs}
     out["targets"] = targets
     out["detail"] = {
@@ -506,9 +583,13 @@ def print_table(summary: dict[str, Any]) -> None:
     med = statistics.median
     runs = {int(n): results for n, results in summary["detail"]["runs"].items()}
     state_MB, loopback = summary["state_MB"], summary["loopback_MBps"]
-    table = Table(title=f"State fetch, {summary['model']} ({state_MB:,.0f} MB), 127.0.0.1, median of "
+    linked = summary.get("link") is not None
+    where = (f"donors on {summary['link']} links, the newcomer on {summary['newcomer_link']}" if linked
+             else "127.0.0.1")  # fmt: skip
+    table = Table(title=f"State fetch, {summary['model']} ({state_MB:,.0f} MB), {where}, median of "
                         f"{summary['repeat']} (raw loopback {loopback:,.0f} MB/s)")  # fmt: skip
-    columns = ("impl", "peers", "fetch s", "MB/s", "of loopback", "download s", "hash s", "write s", "load s",
+    versus = ("link bound MB/s", "of bound") if linked else ("of loopback",)
+    columns = ("impl", "peers", "fetch s", "MB/s", *versus, "download s", "hash s", "write s", "load s",
                "CPU s", "RSS before MB", "peak RSS MB", "x state", "added x state")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="right")
@@ -516,8 +597,11 @@ def print_table(summary: dict[str, Any]) -> None:
         seconds, rate = med(r["seconds"] for r in results), summary[f"fetch_MBps_{n}"]
         peak, added = summary[f"peak_rss_MB_{n}"], summary[f"added_rss_MB_{n}"]
         cells = [med(r[key] for r in results) for key in ("download_s", "hash_s", "write_s", "load_s", "cpu_s")]
+        bound = summary.get(f"link_bound_MBps_{n}")
+        against = [f"{bound:,.1f}", f"{rate / bound:.0%}"] if bound else [f"{rate / loopback:.0%}"]
         table.add_row(
-            "swarm", str(n), f"{seconds:.2f}", f"{rate:,.0f}", f"{rate / loopback:.0%}", *(f"{c:.2f}" for c in cells),
+            "swarm", str(n), f"{seconds:.2f}", f"{rate:,.1f}" if linked else f"{rate:,.0f}", *against,
+            *(f"{c:.2f}" for c in cells),
             f"{med(r['baseline_rss_MB'] for r in results):,.0f}", f"{peak:,.0f}", f"{peak / state_MB:.2f}",
             f"{added / state_MB:.2f}",
         )  # fmt: skip
@@ -532,14 +616,25 @@ def print_table(summary: dict[str, Any]) -> None:
     print(f"this machine: SHA-256 {summary['sha256_MBps']:,.0f} MB/s, file writes in the fetch directory "
           f"{summary['write_MBps']:,.0f} MB/s (4 MiB blocks, page cache). hash s / write s: summed over the "
           "fetcher's threads. added: peak RSS - RSS before the fetch")  # fmt: skip
+    if linked:
+        print("link bound: min(newcomer rate, n x donor rate) / 8, the links' raw rate (a TCP transfer's payload "
+              "is ~95% of it); no added delay (tbf, no netem)")  # fmt: skip
+        one = summary.get("fetch_MBps_1")
+        for n in runs:
+            if one and n > 1:
+                print(f"n={n}: {summary[f'fetch_MBps_{n}'] / one:.2f}x the fetch rate from 1 donor")
     for n, results in runs.items():
         rate, peak = summary[f"fetch_MBps_{n}"], summary[f"peak_rss_MB_{n}"]
         ok_rate = rate >= TARGET_OF_LOOPBACK * loopback
         ok_rss = peak <= TARGET_RSS_OF_STATE * state_MB
         phases = (f"RSS peak while downloading {med(r['peak_rss_download_MB'] for r in results):,.0f} MB, "
                   f"while loading {med(r['peak_rss_load_MB'] for r in results):,.0f} MB")  # fmt: skip
+        if linked:
+            throughput = f"throughput {rate / summary[f'link_bound_MBps_{n}']:.0%} of the link bound"
+        else:
+            throughput = f"throughput {rate / loopback:.0%} of loopback ({'ok' if ok_rate else 'MISSED'}: >= 50%)"
         print(
-            f"n={n}: throughput {rate / loopback:.0%} of loopback ({'ok' if ok_rate else 'MISSED'}: >= 50%), "
+            f"n={n}: {throughput}, "
             f"peak RSS {peak / state_MB:.2f}x the state ({'ok' if ok_rss else 'MISSED'}: <= 1.5x); {phases}"
         )
     if hm is not None:
@@ -569,6 +664,8 @@ def main() -> None:
         help="newcomers also keep each verified shard in --dest (what makes a fetch resumable)",
     )
     parser.add_argument("--compare", choices=["hivemind"])
+    parser.add_argument("--link", metavar="RATE", help="each process on its own link of RATE (e.g. 100mbit; root)")
+    parser.add_argument("--newcomer-link", metavar="RATE", help="the newcomer's link (default: --link's RATE)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--table-from", type=Path, help="print the table of a saved --json output and exit")
     # child roles
@@ -577,6 +674,7 @@ def main() -> None:
     parser.add_argument("--bootstrap", help=argparse.SUPPRESS)
     parser.add_argument("--holders", help=argparse.SUPPRESS)
     parser.add_argument("--fetch-dest", help=argparse.SUPPRESS)
+    parser.add_argument("--listen", default=LOOPBACK, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._sink is not None:
         sink_main(args._sink)
@@ -589,14 +687,16 @@ def main() -> None:
     if args.table_from is not None:
         print_table(json.loads(args.table_from.read_text()))
         return
+    link, newcomer_link = link_options(parser, args)
     process_control.exit_on_sigterm()  # unwind through `finally`: children stop
     peers = sorted({int(x) for x in args.peers.split(",")})
     if not peers or peers[0] < 1 or args.repeat < 1:
         parser.error("--peers are >= 1 and --repeat >= 1")
     dest = args.dest.resolve()  # absolute: the newcomers run in the repository (cwd=ROOT)
     opts = Options(
-        args.model, peers, args.repeat, args.shard_bytes, args.streams_per_peer, args.timeout, dest, args.to_disk
-    )
+        args.model, peers, args.repeat, args.shard_bytes, args.streams_per_peer, args.timeout, dest, args.to_disk,
+        link, newcomer_link,
+    )  # fmt: skip
     summary = bench(opts, args.compare)
     if args.json:
         print(json.dumps(summary))
@@ -604,19 +704,43 @@ def main() -> None:
         print_table(summary)
 
 
+def link_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Rate | None, Rate | None]:
+    """--link and --newcomer-link, checked before anything starts: a bad rate, a missing --link,
+    --compare hivemind with links, or a machine without root or iproute2 is one line (exit 2)."""
+    if args.link is None:
+        if args.newcomer_link is not None:
+            parser.error("--newcomer-link needs --link (the donors' links)")
+        return None, None
+    if args.compare is not None:
+        parser.error(f"--compare {args.compare} runs on 127.0.0.1 only: drop --link or --compare")
+    try:
+        link = parse_rate(args.link)
+        newcomer = None if args.newcomer_link is None else parse_rate(args.newcomer_link)
+    except ValueError as e:
+        parser.error(str(e))
+    if (lacking := missing()) is not None:
+        parser.error(f"--link {lacking}")
+    return link, newcomer
+
+
 def bench(opts: Options, compare: str | None) -> dict[str, Any]:
     """The whole benchmark; returns the summary --json prints (every newcomer's result in "detail")."""
     state_bytes = estimated_state_bytes(opts.model)
     with workdir(opts.dest) as work:
         children = Children(work)
+        lab = None
         try:
+            if opts.link is not None:  # the bridge; each process's link is added as it starts
+                lab = Lab.create("state")
             probe = LoopbackProbe(children, state_bytes, transfers=1 + len(opts.peers) * opts.repeat)
             log(f"raw loopback: {probe.measure():,.0f} MB/s")
             rates = machine_rates(opts.dest)
-            runs = measure_swarm(children, opts, state_bytes, probe)
+            runs = measure_swarm(children, opts, state_bytes, probe, Places(lab, opts))
             loopback = probe.rates
         finally:
-            children.close()
+            children.close()  # first: a process still inside would keep its namespace alive
+            if lab is not None:
+                lab.close()
         state_bytes = runs[opts.peers[0]][0]["bytes"]  # exact: the manifest's total
         hivemind = None
         if compare == "hivemind":

@@ -108,9 +108,9 @@ class Seeder:
 
     @classmethod
     async def start(cls, spec: SeedSpec, initial_peers: Sequence[str], *, faults: ServeFaults | None = None,
-                    max_uploads: int = 4) -> Seeder:  # fmt: skip
+                    max_uploads: int = 4, host_maddrs: Sequence[str] = (LOOPBACK,)) -> Seeder:  # fmt: skip
         snapshot, state_hash = await asyncio.to_thread(spec.snapshot)
-        host = await P2PHost(config=P2PConfig(host_maddrs=(LOOPBACK,))).start()
+        host = await P2PHost(config=P2PConfig(host_maddrs=tuple(host_maddrs))).start()
         try:
             dht = await DHTNode(host=host, initial_peers=initial_peers).start()
         except BaseException:
@@ -157,7 +157,9 @@ async def serve(args: argparse.Namespace) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    seeder = await Seeder.start(spec, args.initial_peers, faults=faults, max_uploads=args.max_uploads)
+    seeder = await Seeder.start(
+        spec, args.initial_peers, faults=faults, max_uploads=args.max_uploads, host_maddrs=args.host_maddrs
+    )
     try:
         sys.stdout.write(json.dumps(seeder.line()) + "\n")
         sys.stdout.flush()
@@ -169,6 +171,8 @@ async def serve(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--initial-peers", nargs="*", default=[])
+    parser.add_argument("--host-maddrs", nargs="+", default=[LOOPBACK],
+                        help="where to listen (bench_state --link: the donor's address in its namespace)")  # fmt: skip
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--seed", type=int, default=0)
