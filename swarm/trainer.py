@@ -43,16 +43,11 @@ class TrainLoopFactory(Protocol):
                  seq_len: int) -> TrainLoop: ...  # fmt: skip
 
 
-class DataLoop:
-    """Owns the training thread of a swarm-node: inner steps on the built-in data whenever the
-    node allows them (UserSteps permits). A divergence (a NaN or inf loss or gradient) fails the
-    node (UserSteps.fail) with what to do."""
+class TrainingThread:
+    """A daemon thread that runs `_run` (a subclass's training loop): `start`, then `join`."""
 
-    def __init__(self, steps: UserSteps, data: TokenData, peer_id: PeerID, *, batch_size: int, seq_len: int) -> None:
-        self.steps, self.data = steps, data
-        self.peer = peer_id.to_bytes()
-        self.batch_size, self.seq_len = batch_size, seq_len
-        self._thread = threading.Thread(target=self._run, name="swarm-train", daemon=True)
+    def __init__(self, name: str) -> None:
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -62,7 +57,22 @@ class DataLoop:
         if self._thread.is_alive():
             self._thread.join(timeout)
             if self._thread.is_alive():
-                logger.warning("the training thread did not end within %.0fs", timeout)
+                logger.warning("the training thread %s did not end within %.0fs", self._thread.name, timeout)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class DataLoop(TrainingThread):
+    """Owns the training thread of a swarm-node: inner steps on the built-in data whenever the
+    node allows them (UserSteps permits). A divergence (a NaN or inf loss or gradient) fails the
+    node (UserSteps.fail) with what to do."""
+
+    def __init__(self, steps: UserSteps, data: TokenData, peer_id: PeerID, *, batch_size: int, seq_len: int) -> None:
+        super().__init__("swarm-train")
+        self.steps, self.data = steps, data
+        self.peer = peer_id.to_bytes()
+        self.batch_size, self.seq_len = batch_size, seq_len
 
     def _run(self) -> None:
         steps, diloco = self.steps, self.steps.diloco

@@ -17,6 +17,7 @@ import datetime
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from swarm.model.diloco import DiLoCo, NonFiniteLossError, tensors_sha256
 from swarm.model.llama import build_model
 from swarm.model.presets import preset
 from swarm.node_config import NodeConfig
-from swarm.ranks.commands import Op
+from swarm.ranks.commands import Command, Op
 from swarm.ranks.group import RankGroup, describe
 from swarm.ranks.launch import LaunchError, RankLaunch
 from swarm.ranks.shard import ShardedInner, gather, scatter, shard_model
@@ -86,20 +87,16 @@ def _follow(group: RankGroup) -> int:
     diloco = DiLoCo(model, config.diloco_config())
     group.wrap(model)
     logger.info("rank %d of %d on %s: following rank 0", group.rank, group.world_size, group.device)
-    while True:
-        command = group.receive()
-        if command.op is Op.STOP:
-            logger.info("rank %d: rank 0 says stop", group.rank)
-            return 0
-        if command.op is Op.PING:
-            continue
+
+    def sync(command: Command) -> None:
         diloco.outer_step, diloco.inner_done = command.outer_step, command.inner_done  # rank 0's clock
-        if command.op is Op.SYNC:
-            group.broadcast_params(diloco.params)
-            if logger.isEnabledFor(logging.DEBUG):
-                logger.debug("rank %d: θ sha256 %s at outer step %d", group.rank, tensors_sha256(diloco.params),
-                             command.outer_step)  # fmt: skip
-            continue
+        group.broadcast_params(diloco.params)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("rank %d: θ sha256 %s at outer step %d", group.rank, tensors_sha256(diloco.params),
+                         command.outer_step)  # fmt: skip
+
+    def step(command: Command) -> None:
+        diloco.outer_step, diloco.inner_done = command.outer_step, command.inner_done
         loss, tokens = rank_step(group, data, peer, diloco.global_inner_step, batch_size=config.batch_size,
                                  seq_len=config.seq_len)  # fmt: skip
         try:
@@ -107,29 +104,36 @@ def _follow(group: RankGroup) -> int:
         except NonFiniteLossError:
             pass  # rank 0 saw the same mean loss and gradient: it skipped too, and decides what next
 
+    return _obey(group, sync, step)
+
+
+def _obey(group: RankGroup, sync: Callable[[Command], None], step: Callable[[Command], None]) -> int:
+    """Rank 0's commands until STOP (exit code 0): SYNC and STEP as the model is kept."""
+    while True:
+        command = group.receive()
+        if command.op is Op.STOP:
+            logger.info("rank %d: rank 0 says stop", group.rank)
+            return 0
+        if command.op is not Op.PING:
+            (sync if command.op is Op.SYNC else step)(command)
+
 
 def _follow_sharded(group: RankGroup, config: NodeConfig, data: TokenData, peer: bytes, model: nn.Module) -> int:
     """--shard: the same commands, on this rank's shards (shard.py)."""
     shard_model(model, group)
     inner = ShardedInner(model, config.diloco_config())
     logger.info("rank %d of %d on %s: following rank 0 (sharded)", group.rank, group.world_size, group.device)
-    while True:
-        command = group.receive()
-        if command.op is Op.STOP:
-            logger.info("rank %d: rank 0 says stop", group.rank)
-            return 0
-        if command.op is Op.PING:
-            continue
-        if command.op is Op.SYNC:
-            scatter(model, None)
-            continue
-        step = command.outer_step * config.inner_steps + command.inner_done
-        loss, _ = rank_step(group, data, peer, step, batch_size=config.batch_size, seq_len=config.seq_len)
+
+    def step(command: Command) -> None:
+        at = command.outer_step * config.inner_steps + command.inner_done
+        loss, _ = rank_step(group, data, peer, at, batch_size=config.batch_size, seq_len=config.seq_len)
         try:
-            inner.step(loss, step)
+            inner.step(loss, at)
         except NonFiniteLossError:
             pass  # rank 0 saw the same: it skipped too
         gather(model, None)
+
+    return _obey(group, lambda _: scatter(model, None), step)
 
 
 def _fail(rank: int, message: str) -> int:

@@ -15,7 +15,6 @@ node leaves the swarm as any node does.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 
@@ -26,7 +25,7 @@ from swarm.ranks.commands import Command, Op
 from swarm.ranks.group import RankGroup, describe
 from swarm.ranks.shard import ShardedInner, gather, scatter
 from swarm.ranks.step import rank_step
-from swarm.trainer import NodeError
+from swarm.trainer import NodeError, TrainingThread
 from swarm.user_steps import SessionClosed, UserSteps
 
 logger = logging.getLogger(__name__)
@@ -37,7 +36,7 @@ PING_S = 5.0
 DEATH_GRACE_S = 3.0  # how long a failed collective waits for the watchdog to see which rank exited
 
 
-class LeaderLoop:
+class LeaderLoop(TrainingThread):
     """Owns rank 0's training thread (see the module docstring). `watchdog()` names a rank
     process that exited (spawn.py), or None; under torchrun there is none to ask."""
 
@@ -53,16 +52,7 @@ class LeaderLoop:
         # --shard: the inner step runs on the shards; steps.diloco wraps rank 0's full mirror (shard.py)
         self.sharded = sharded
         self._synced = -1  # the DiLoCo.revision the other ranks hold
-        self._thread = threading.Thread(target=self._run, name="swarm-train-rank0", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def join(self, timeout: float) -> None:
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                logger.warning("rank 0's training thread did not end within %.0fs", timeout)
+        super().__init__("swarm-train-rank0")
 
     def _run(self) -> None:
         steps = self.steps

@@ -5,20 +5,15 @@ namespace is left."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
-import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from scripts import bench_diloco
-from swarm.netlab import PREFIX, LabError, missing, parse_rate
-from swarm.netlab import lab as lab_module
+from swarm.netlab import missing, parse_rate
+from tests.bench_links import main_error, run_on_links, sigterm_on_links
 
 ROOT = Path(__file__).resolve().parents[2]  # `python -m scripts.bench_diloco` runs from there
 needs_links = pytest.mark.skipif(missing() is not None, reason=f"bench_diloco --link {missing()}")
@@ -73,19 +68,7 @@ def test_a_node_that_missed_the_last_round_and_fetched_its_result_ends_in_the_sa
 
 
 def _main_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> str:
-    """bench_diloco's main() with these arguments: it must exit 2 with one error line, building nothing."""
-
-    def no_lab(*_: object, **__: object) -> None:
-        raise AssertionError("a lab was built")
-
-    monkeypatch.setattr(bench_diloco.Lab, "create", no_lab)
-    monkeypatch.setattr(sys, "argv", ["bench_diloco.py", *args])
-    with pytest.raises(SystemExit) as exit_:
-        bench_diloco.main()
-    assert exit_.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert lines[-1].startswith("bench_diloco.py: error: "), lines
-    return lines[-1]
+    return main_error(monkeypatch, capsys, bench_diloco, *args)
 
 
 @pytest.mark.parametrize(
@@ -114,20 +97,6 @@ def test_without_root_link_says_what_is_missing(
     assert _main_error(monkeypatch, capsys, *flag).endswith(f"error: {flag[0]} {lacking}")
 
 
-def _namespaces_of(pid: int) -> list[str]:
-    return [ns for ns in lab_module.namespaces() if ns.startswith(f"{PREFIX}{pid}-")]
-
-
-@contextlib.contextmanager
-def _removed_after(pid: int) -> Iterator[None]:
-    """Whatever happens in the test, the run's namespaces (and what runs inside) go at the end."""
-    try:
-        yield
-    finally:
-        with contextlib.suppress(LabError):
-            lab_module.remove(sorted(_namespaces_of(pid), key=len, reverse=True))
-
-
 @needs_links
 @pytest.mark.swarm
 @pytest.mark.timeout(120)
@@ -135,16 +104,7 @@ def test_two_nodes_on_unequal_links_average_at_the_slow_links_rate(tmp_path: Pat
     command = [sys.executable, "-m", "scripts.bench_diloco", "--nodes", "2", "--steps", "4", "--configs", "H2_int8",
                "--seq-len", "16", "--batch-size", "1", "--warmup-steps", "1", "--skip-baselines",
                "--links", "100mbit,20mbit", "--keep", str(tmp_path), "--json"]  # fmt: skip
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    with _removed_after(proc.pid):
-        try:
-            out, err = proc.communicate(timeout=100)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-        assert proc.returncode == 0, err[-3000:]
-        assert not _namespaces_of(proc.pid), "the run's namespaces are still there"
+    out = run_on_links(command, timeout=100)
     res = json.loads(out.strip().splitlines()[-1])
     assert res["link"] == ["100mbit", "20mbit"] and res["states_agree"] == {"H2_int8": True}
     (run,) = res["runs"]["H2_int8"]
@@ -166,26 +126,4 @@ def test_sigterm_mid_run_stops_the_nodes_and_removes_the_links(tmp_path: Path) -
     command = [sys.executable, "-m", "scripts.bench_diloco", "--nodes", "2", "--steps", "400", "--configs", "H200_int8",
                "--seq-len", "16", "--batch-size", "1", "--skip-baselines", "--link", "50mbit",
                "--keep", str(tmp_path)]  # fmt: skip
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    with _removed_after(proc.pid):
-        try:
-            deadline = time.monotonic() + 60
-            while len(inside := _pids_inside(proc.pid)) < 3:  # the bootstrap and both nodes run in their namespaces
-                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-                time.sleep(0.2)
-            proc.send_signal(signal.SIGTERM)
-            _, err = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-        assert proc.returncode == 143, err[-3000:]
-        assert not _namespaces_of(proc.pid), "the run's namespaces are still there"
-        assert not [pid for pid in inside if lab_module.pid_alive(pid)], "a child outlived the run"
-
-
-def _pids_inside(pid: int) -> list[int]:
-    """The processes in the run's endpoint namespaces (the bridge's holds none)."""
-    with contextlib.suppress(LabError):  # a namespace made or removed while we look
-        return [int(p) for ns in _namespaces_of(pid) for p in lab_module.run(("ip", "netns", "pids", ns)).split()]
-    return []
+    sigterm_on_links(command, children=3)  # the bootstrap and both nodes run in their namespaces

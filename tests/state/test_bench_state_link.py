@@ -4,20 +4,15 @@ namespace behind."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
-import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from scripts import bench_state
-from swarm.netlab import PREFIX, LabError, missing, parse_rate
-from swarm.netlab import lab as lab_module
+from swarm.netlab import missing, parse_rate
+from tests.bench_links import main_error, run_on_links, sigterm_on_links
 
 ROOT = Path(__file__).resolve().parents[2]  # `python -m scripts.bench_state` runs from there
 needs_links = pytest.mark.skipif(missing() is not None, reason=f"bench_state --link {missing()}")
@@ -55,19 +50,7 @@ def test_without_links_every_process_listens_on_loopback(tmp_path: Path) -> None
 
 
 def _main_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> str:
-    """bench_state's main() with these arguments: it must exit 2 with one error line, building nothing."""
-
-    def no_lab(*_: object, **__: object) -> None:
-        raise AssertionError("a lab was built")
-
-    monkeypatch.setattr(bench_state.Lab, "create", no_lab)
-    monkeypatch.setattr(sys, "argv", ["bench_state.py", *args])
-    with pytest.raises(SystemExit) as exit_:
-        bench_state.main()
-    assert exit_.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert lines[-1].startswith("bench_state.py: error: "), lines
-    return lines[-1]
+    return main_error(monkeypatch, capsys, bench_state, *args)
 
 
 @pytest.mark.parametrize(
@@ -95,20 +78,6 @@ def test_without_root_link_says_what_is_missing(
     assert _main_error(monkeypatch, capsys, "--link", "100mbit").endswith(f"error: --link {lacking}")
 
 
-def _namespaces_of(pid: int) -> list[str]:
-    return [ns for ns in lab_module.namespaces() if ns.startswith(f"{PREFIX}{pid}-")]
-
-
-@contextlib.contextmanager
-def _removed_after(pid: int) -> Iterator[None]:
-    """Whatever happens in the test, the run's namespaces (and what runs inside) go at the end."""
-    try:
-        yield
-    finally:
-        with contextlib.suppress(LabError):
-            lab_module.remove(sorted(_namespaces_of(pid), key=len, reverse=True))
-
-
 @needs_links
 @pytest.mark.swarm
 @pytest.mark.timeout(120)
@@ -133,16 +102,7 @@ def test_tiny_fetch_on_shaped_links_runs_at_their_rate_and_leaves_nothing(tmp_pa
         "--shard-bytes",
         str(1 << 20),
     ]  # fmt: skip  (tiny's 10.5 MB in 11 shards: two donors can share them)
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    with _removed_after(proc.pid):
-        try:
-            out, err = proc.communicate(timeout=100)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-        assert proc.returncode == 0, err[-3000:]
-        assert not _namespaces_of(proc.pid), "the run's namespaces are still there"
+    out = run_on_links(command, timeout=100)
     summary = json.loads(out.strip().splitlines()[-1])
     assert (summary["link"], summary["newcomer_link"]) == ("50mbit", "100mbit")
     # 1 donor: its 50mbit uplink (6.25 MB/s); 2 donors: the newcomer's 100mbit downlink (12.5 MB/s)
@@ -162,27 +122,5 @@ def test_tiny_fetch_on_shaped_links_runs_at_their_rate_and_leaves_nothing(tmp_pa
 def test_sigterm_mid_run_stops_the_donors_and_removes_the_links(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "scripts.bench_state", "--model", "tiny", "--peers", "1,2", "--repeat", "1",
                "--link", "50mbit", "--dest", str(tmp_path)]  # fmt: skip
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    with _removed_after(proc.pid):
-        try:
-            deadline = time.monotonic() + 60
-            while len(inside := _pids_inside(proc.pid)) < 2:  # the bootstrap and the first donor, in their namespaces
-                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-                time.sleep(0.2)
-            proc.send_signal(signal.SIGTERM)
-            _, err = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-        assert proc.returncode == 143, err[-3000:]
-        assert not _namespaces_of(proc.pid), "the run's namespaces are still there"
-        assert not [pid for pid in inside if lab_module.pid_alive(pid)], "a child outlived the run"
+    sigterm_on_links(command, children=2)  # the bootstrap and the first donor, in their namespaces
     assert list(tmp_path.iterdir()) == []  # the run's folder is deleted
-
-
-def _pids_inside(pid: int) -> list[int]:
-    """The processes in the run's endpoint namespaces (the bridge's holds none)."""
-    with contextlib.suppress(LabError):  # a namespace made or removed while we look
-        return [int(p) for ns in _namespaces_of(pid) for p in lab_module.run(("ip", "netns", "pids", ns)).split()]
-    return []
