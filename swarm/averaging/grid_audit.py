@@ -312,7 +312,8 @@ class GridAudit:
             problems.append("the result's members are not those of the rows the receipt keeps")
         lo, hi = grid.subs[c][s]
         observed, result_sq = side.observed[s]
-        owner_here = c == r.col and r.row in receipt.included
+        # an owner of c whose partial went out (side.sent) checks the receipt's entry of its row
+        owner_here = c == r.col and r.row in receipt.included and s in side.sent
         own, own_sq = side.sent.get(s, (torch.zeros_like(observed), 0.0))
         problems += check_receipt(
             receipt, weights=weights, result=r.result[lo:hi], seed=side.seed, part=c,
@@ -320,10 +321,9 @@ class GridAudit:
             prepared=Prepared(observed, own, own_sq, result_sq, own_sent=True),
             tolerance=quantization_tol(r.config.codec), buckets=side.plan.buckets,
         )  # fmt: skip
-        if owner_here:
-            assert r.row_reduction is not None
-            if listed[receipt.included.index(r.row)] != sorted(r.row_reduction.result.result()[0]):
-                problems.append(f"{OURS} row's members")
+        sent_members = sorted(r.row_reduction.result.result()[0]) if owner_here and r.row_reduction else None
+        if sent_members is not None and listed[receipt.included.index(r.row)] != sent_members:
+            problems.append(f"{OURS} row's members")
         entry = None
         if r.row in receipt.included:
             k = receipt.included.index(r.row)
