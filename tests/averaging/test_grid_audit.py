@@ -19,7 +19,7 @@ from swarm_kernels import as_memoryview
 from tests.averaging.rounds import MakeGroup, Member
 
 N = 12  # with a cap of 4: 3 rows x 4 columns, owner (r, c) = member 4r + c
-GRID = {"max_group_size": 4, "block_size": 64, "chunk_elements": 4096, "part_timeout": 5.0}
+GRID = {"max_group_size": 4, "block_size": 64, "chunk_elements": 4096, "part_timeout": 5.0, "request_timeout": 10.0}
 NUMEL = 50_003
 
 
