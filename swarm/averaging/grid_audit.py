@@ -116,7 +116,10 @@ class GridAudit:
         self.forwarder: dict[int, int] = {}  # column -> the row whose owner gave us that part
 
     def part_in(self, c: int) -> None:
-        if c not in self.sides:
+        """A sub-part of column c is final: once all are, prepare the column (seed, our receipts,
+        our sketches) while the other parts still move."""
+        live = self._live(c)
+        if c not in self.sides and live and all((c, s) in self.round.final for s in live):
             self.sides[c] = asyncio.ensure_future(self._prepare(c))
 
     def _seed(self, c: int) -> asyncio.Future[bytes]:
@@ -212,8 +215,7 @@ class GridAudit:
         mismatch. Returns the owners excluded for what only we could see."""
         r = self.round
         for c in range(r.grid.cols):
-            if self._live(c) and all((c, s) in r.final for s in self._live(c)):
-                self.part_in(c)
+            self.part_in(c)
         verdicts = await asyncio.gather(*(self._audit_column(c) for c in sorted(self.sides)))
         built = await asyncio.gather(*self.receipts.values(), return_exceptions=True)
         for key, outcome in zip(self.receipts, built, strict=True):

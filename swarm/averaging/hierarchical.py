@@ -357,9 +357,8 @@ class GridRound(GridServing, RoundMember):
     def _store(self, c: int, s: int, final: Final) -> None:
         self.final[(c, s)] = final
         self.report.contributions[c * self.grid.rows + s] = final[0]
-        live = [k for k, (lo, hi) in enumerate(self.grid.subs[c]) if hi > lo]
-        if self.audit is not None and all((c, k) in self.final for k in live):
-            self.audit.part_in(c)  # part c is final: its seed, our receipts and sketches, while the rest moves
+        if self.audit is not None:
+            self.audit.part_in(c)
 
     def _forwarded(self, c: int, row: int) -> None:
         if self.audit is not None:

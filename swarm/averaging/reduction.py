@@ -62,8 +62,8 @@ class Incoming:
     received: int = 0
     done: bool = False
     failed: bool = False
-    started: float = 0.0  # monotonic time of the first chunk
-    seconds: float = 0.0  # first chunk to the last, once done: the rate the sender's bytes came at
+    started: float = 0.0  # monotonic times of the first chunk and, once done, of the last:
+    ended: float = 0.0  # the rate the sender's bytes came at (bandwidth.py)
 
     def add(self, chunk: bytes | memoryview) -> None:
         end = self.received + len(chunk)
@@ -78,11 +78,18 @@ class Incoming:
         if self.received != len(self.buffer):
             raise MalformedPayload(f"sender {self.index} sent {self.received} of {len(self.buffer)} bytes")
         self.done = True
-        self.seconds = time.monotonic() - self.started if self.received else 0.0
+        self.ended = time.monotonic()
+
+    def span(self) -> tuple[int, float, float] | None:
+        """(bytes, first chunk, last chunk) of a payload that came whole (bandwidth.Sample), None
+        when it cannot be timed."""
+        timed = self.done and self.received > 0 and self.ended > self.started
+        return (self.received, self.started, self.ended) if timed else None
 
     def rate(self) -> float | None:
-        """Bytes/s the payload arrived at (bandwidth.py), None when it cannot be timed."""
-        return self.received / self.seconds if self.done and self.seconds > 0 else None
+        """Bytes/s the payload arrived at, None when it cannot be timed."""
+        span = self.span()
+        return span[0] / (span[2] - span[1]) if span is not None else None
 
 
 class PartReduction:

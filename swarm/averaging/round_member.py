@@ -112,8 +112,8 @@ class RoundMember:
             self.report.up.append(span)
 
     def note_download(self, incoming: Incoming) -> None:
-        if incoming.done and incoming.seconds > 0:
-            self.report.down.append((incoming.received, incoming.started, incoming.started + incoming.seconds))
+        if (span := incoming.span()) is not None:
+            self.report.down.append(span)
 
     def _tag(self) -> str:
         """The group, in log lines."""
