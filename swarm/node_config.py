@@ -50,9 +50,8 @@ class NodeConfig:
     matchmaking_time: float = 5.0
     part_timeout: float = 60.0  # longest wait for a member's slice (a member that died before sending)
     # MB/s announced for the all-reduce's split; None: measured in our rounds (averaging/bandwidth.py).
-    # The same number everywhere is the default: while an owner reduces only once every slice is
-    # in, a slow member's upload and download run one after the other, and an equal split is what
-    # keeps its round shortest (README, "Measured bandwidth")
+    # The same number everywhere is the default: splitting by the measured rates has not been
+    # shown to pay yet, and the estimates are rough (README, "Measured bandwidth")
     bandwidth: float | None = 100.0
     max_wait: float = 30.0  # longest a node that finished waits for slower peers of its step
     client_mode: bool = False

@@ -20,13 +20,13 @@ is an exponential average over rounds; the announced bandwidth is the slower dir
 receives and sends as much), clamped to what MemberInfo accepts, and the group still caps it at
 BANDWIDTH_CAP times its median (partition.capped_bandwidths).
 
-Why it is not the default: an owner reduces its part once every slice is in, so a member first
-uploads its slices, then downloads the results. A member owning share p of a vector of E bytes
-moves max(1 - p, (n - 1) p) E each way in each of those two phases, one after the other: its round
-is shortest at p = 1/n, whatever its link. A slow member given a small part uploads and then
-downloads almost all of E: slower than with an equal part, where both directions work in both
-phases (scripts/bench_bandwidth.py measures it). A split by bandwidth pays once an owner reduces
-and answers chunk by chunk as the slices arrive, so that both phases overlap.
+Why it is not the default: it has not been shown to pay (scripts/bench_bandwidth.py at
+100,100,100,10 Mbit/s: as fast as an equal split in one run, 9% faster in another, within the
+rounds' ~20% spread), and the estimates are lower bounds that can misrank members. In a model where
+a member uploads its slices and only then downloads the results (an owner reduces once every slice
+is in), a member owning share p of E bytes moves max(1 - p, (n - 1) p) E each way in each phase,
+so its round is shortest at p = 1/n whatever its link; a split by bandwidth pays clearly once an
+owner reduces and answers chunk by chunk as the slices arrive.
 """
 
 from __future__ import annotations
