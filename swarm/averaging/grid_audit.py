@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -349,6 +350,9 @@ class GridAudit:
         if not isinstance(norms, list) or len(norms) != grid.rows or not all(isinstance(v, float | int) for v in norms):
             raise AuditFailure("receipt: one squared norm per sub-part")
         sent = torch.frombuffer(bytearray(raw), dtype=torch.float32).view(grid.rows, width).double()
+        # NaN compares false with every bound: a partial stated as NaN would pass every check below
+        if not torch.isfinite(sent).all() or not all(math.isfinite(v) and v >= 0 for v in norms):
+            raise AuditFailure("receipt: the partial's sketches and norms must be finite")
         live = self._live(c)
         own, own_sq = side.sent[ROW_RECEIPT]
         lo, hi = grid.parts[c]

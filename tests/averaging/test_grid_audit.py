@@ -6,6 +6,7 @@ misstates one input is caught by the one who sent it."""
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 import pytest
@@ -148,5 +149,34 @@ async def test_an_owner_that_substitutes_one_input_is_caught_by_its_sender_alone
     for i, (_, report) in enumerate(outcomes):
         if i == victim:
             assert report.audit_excluded == [liar_id]
+        elif i != liar:
+            assert report.audit_excluded == [], i
+
+
+async def test_a_row_owner_that_states_its_partial_as_nan_is_excluded_by_its_row(
+    make_group: MakeGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NaN compares false with every bound: a receipt whose partial is NaN must not pass as one
+    that holds (here the partial itself is honest; only what the receipt says of it is not)."""
+    from swarm.averaging import grid_audit
+
+    group, members = await make_group(N, weights=[1.0] * N, **GRID)
+    liar = 5  # owner (1, 1): row 1 is members 4..7
+    sketches = grid_audit.GridAudit._partial_sketches
+
+    def nan_sketches(self: grid_audit.GridAudit, c: int, plan: Any) -> dict[int, tuple[torch.Tensor, float]]:
+        stated = sketches(self, c, plan)
+        if self.round.me != liar:
+            return stated
+        return {s: (torch.full_like(t, math.nan), math.nan) for s, (t, _) in stated.items()}
+
+    monkeypatch.setattr(grid_audit.GridAudit, "_partial_sketches", nan_sketches)
+    outcomes = await run_grid(group, members, deltas(N, seed=4))
+    for outcome in outcomes:
+        assert not isinstance(outcome, BaseException), outcome
+    liar_id = group.members[liar].peer_id
+    for i, (_, report) in enumerate(outcomes):
+        if i in (4, 6, 7):
+            assert report.audit_excluded == [liar_id], i
         elif i != liar:
             assert report.audit_excluded == [], i
