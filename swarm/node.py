@@ -13,7 +13,8 @@ Events (`on_event`, called on the event loop; the CLI writes them as JSON lines)
     {"event": "progress", "outer_step", "inner_step", "inner_steps", "train_loss"}
     {"event": "outer_step", "outer_step" (completed, from 0), "train_loss", "eval_loss",
      "state_sha256" (θ_outer, momentum, step), "group_size", "matchmaking_s", "round_s", "bytes_sent",
-     "clipped" (contributions our robust reductions dropped or clipped, logged with the peer), ...}
+     "clipped" (contributions our robust reductions dropped or clipped, logged with the peer),
+     "inner_ahead" (--overlap: the next step's inner steps done when this one's average landed), ...}
     {"event": "fetch", "outer_step", "reason", "bytes", "seconds", "peers", "state_sha256", ...}
     {"event": "network", "peers_known", "connections", "dht_records", "wire_bytes_sent", ...} (node_events.py)
     {"event": "exit", "outer_step", "reason"}
@@ -269,7 +270,7 @@ class SwarmNode(OuterStepLoop):
         losses = p.losses[-10:]
         await book.publish(OwnProgress(
             # the model's own count: the trainer's snapshot still shows the last step's right after it
-            maddrs=self.maddrs, client=self.client_mode, step=self.diloco.outer_step, inner=self.diloco.inner_done,
+            maddrs=self.maddrs, client=self.client_mode, step=self.diloco.working_step, inner=self.diloco.inner_done,
             H=p.target, sec_per_step=sec, train_loss=sum(losses) / len(losses) if losses else None,
             eval_loss=self._last_eval, group_size=self._last_group,
             tokens_per_s=round(config.batch_size * config.seq_len / sec, 1) if sec > 0 else None,

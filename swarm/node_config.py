@@ -20,6 +20,8 @@ from swarm.state.config import FetchConfig, KeeperConfig
 if TYPE_CHECKING:
     import torch
 
+OVERLAP_MODES = ("none", "eager", "delayed")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NodeConfig:
@@ -54,6 +56,10 @@ class NodeConfig:
     # shown to pay yet, and the estimates are rough (README, "Measured bandwidth")
     bandwidth: float | None = 100.0
     max_wait: float = 30.0  # longest a node that finished waits for slower peers of its step
+    # the outer step's round while the next inner steps train (outer_step.py): "none" (blocking),
+    # "eager" (the next steps start from our own Δ's outer step) or "delayed" (from where we
+    # ended). Local: members of any mode agree bit for bit (DiLoCo.apply_outer)
+    overlap: str = "none"
     client_mode: bool = False
     # run
     max_outer_steps: int | None = None
@@ -89,6 +95,8 @@ class NodeConfig:
                 raise ValueError(f"{name} must be a positive number of seconds")
         if self.bandwidth is not None and not (math.isfinite(self.bandwidth) and self.bandwidth > 0):
             raise ValueError(f"bandwidth must be a positive number of MB/s (or None: measured), got {self.bandwidth}")
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap!r}")
         if not 0.0 <= self.error_feedback <= 1.0:
             raise ValueError(f"error_feedback is a decay in [0, 1] (0: off), got {self.error_feedback}")
         if not (math.isfinite(self.max_wait) and self.max_wait >= 0):

@@ -13,6 +13,14 @@ One outer step (the decisions are swarm/plan.py's; this module only executes the
    Nesterov step. Without one (plan_without_group): fetch the swarm's result, wait for it,
    matchmake again, or, when no live peer works on this step, apply our own Δ.
 4. finish_step: eval loss, the state's hash, one `outer_step` event, publish the state.
+
+--overlap eager|delayed (issue 14): with a group found, 3 and 4 run in the background while the
+next step's inner steps already train (DiLoCo.begin_overlap: from θ_outer moved by our own Δ, or
+from where the step ended); the average lands between two inner steps (UserSteps.call) with the
+same θ_outer(t+1) as a blocking member's, and the next matchmaking waits for it. One round is in
+flight at most: a node whose next inner steps end first waits for it. A round in flight that ends
+in a fetch discards the next step's inner steps (REPLAN). Without a group, for a late joiner's
+step and for the last step, the node blocks as before.
 """
 
 from __future__ import annotations
@@ -60,7 +68,7 @@ if TYPE_CHECKING:
     from swarm.model.error_feedback import ErrorFeedback
     from swarm.node_config import NodeConfig
     from swarm.node_events import EventSink
-    from swarm.user_steps import UserSteps
+    from swarm.user_steps import InnerProgress, UserSteps
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +80,13 @@ RESULT_POLL = 0.5  # seconds between looks for a step's result while waiting for
 # the more of the next step we train with the others (bounded by max_wait: a few lookups a second)
 AWAIT_POLL = 0.15
 LATE_GATHER = 0.3  # seconds a node joining an already gathering group waits for it
+
+
+class Replan:
+    """A step ended before it had a group to finish with (a fetch, a plan to fetch): plan again."""
+
+
+REPLAN = Replan()
 
 
 class OuterStepLoop:
@@ -135,38 +150,81 @@ class OuterStepLoop:
         return step_horizon(step, time.time() - since, self._pace_seen, self.config.inner_steps)
 
     async def _train(self, averager: Averager, keeper: StateKeeper, book: ProgressBook, stop: asyncio.Event) -> str:
-        config, diloco = self.config, self.diloco
-        while config.max_outer_steps is None or diloco.outer_step < config.max_outer_steps:
-            if stop.is_set():
-                return "stopped"
-            if self._last_group > 0:  # after our first step here: fell behind? missed a group?
-                await self._fetch(keeper, book, alone=self._last_group == 1)
-            if config.max_outer_steps is not None and diloco.outer_step >= config.max_outer_steps:
-                break
-            await book.refresh()
-            plan = plan_step(self._facts(book))
-            self._late = False
-            step = diloco.outer_step
-            if plan.action == FETCH:
-                if not await self._fetch(keeper, book, alone=False):
-                    with contextlib.suppress(asyncio.TimeoutError):  # look again soon, unless stopped
-                        await asyncio.wait_for(stop.wait(), RESULT_POLL)
-                continue
-            if plan.action == JOIN_FORMING:
-                logger.info("step %d: %s: joining with no inner steps of ours", step, plan.why)
-                self.inner.start_step(0)
-                found = await self._matchmake(averager, book, step, weight=0.0, gather=LATE_GATHER, joining=True)
-            else:
-                if plan.inner_steps < config.inner_steps:
-                    logger.info("step %d: %s: %d of %d inner steps", step, plan.why, plan.inner_steps,
-                                config.inner_steps)  # fmt: skip
-                found = await self._train_and_matchmake(averager, book, step, plan.inner_steps, stop)
+        in_flight: asyncio.Future[bool] | None = None  # --overlap: the last step's round, landing meanwhile
+        try:
+            while True:
+                if stop.is_set():
+                    return "stopped"
+                if in_flight is not None:  # train the next step at once; matchmake once the last has landed
+                    step, after, in_flight = self.diloco.working_step, in_flight, None  # after: settled in there
+                    found = await self._train_and_matchmake(averager, book, step, self.config.inner_steps, stop,
+                                                            after=after)  # fmt: skip
+                else:
+                    if not self._steps_left():
+                        break
+                    step, found = await self._plan_and_train(averager, keeper, book, stop)
                 if found is None:
                     return "stopped"
-            await self._finish_step(averager, keeper, book, step, found, stop)
-        await self._publish(book)  # our last record says we are done: nobody lingers for us
-        await self._linger(book, stop)
-        return "finished"
+                if found is REPLAN:  # the round in flight ended in a fetch: the next step is planned afresh
+                    continue
+                if self._overlaps(found, step):
+                    progress = self.inner.snapshot()  # step's own, before round step+1's steps begin
+                    await self.inner.call(lambda: self.diloco.begin_overlap(eager=self.config.overlap == "eager"))
+                    finishing = self._finish_step(averager, keeper, book, step, found, stop, progress)
+                    in_flight = asyncio.ensure_future(finishing)
+                    continue
+                await self._finish_step(averager, keeper, book, step, found, stop)
+            await self._publish(book)  # our last record says we are done: nobody lingers for us
+            await self._linger(book, stop)
+            return "finished"
+        finally:
+            if in_flight is not None:  # stopped while it lands: the group counts on our part of it
+                await self._settle(in_flight)
+
+    async def _plan_and_train(
+        self, averager: Averager, keeper: StateKeeper, book: ProgressBook, stop: asyncio.Event
+    ) -> tuple[int, Matchmade | Replan | None]:
+        """One step as plan_step says: (the step, its group; REPLAN to plan again; None: stopped)."""
+        config, diloco = self.config, self.diloco
+        if self._last_group > 0:  # after our first step here: fell behind? missed a group?
+            await self._fetch(keeper, book, alone=self._last_group == 1)
+        step = diloco.outer_step
+        if not self._steps_left():
+            return step, REPLAN
+        await book.refresh()
+        plan = plan_step(self._facts(book))
+        self._late = False
+        if plan.action == FETCH:
+            if not await self._fetch(keeper, book, alone=False):
+                with contextlib.suppress(asyncio.TimeoutError):  # look again soon, unless stopped
+                    await asyncio.wait_for(stop.wait(), RESULT_POLL)
+            return step, REPLAN
+        if plan.action == JOIN_FORMING:
+            logger.info("step %d: %s: joining with no inner steps of ours", step, plan.why)
+            self.inner.start_step(0)
+            return step, await self._matchmake(averager, book, step, weight=0.0, gather=LATE_GATHER, joining=True)
+        if plan.inner_steps < config.inner_steps:
+            logger.info("step %d: %s: %d of %d inner steps", step, plan.why, plan.inner_steps, config.inner_steps)
+        return step, await self._train_and_matchmake(averager, book, step, plan.inner_steps, stop)
+
+    def _steps_left(self) -> bool:
+        return self.config.max_outer_steps is None or self.diloco.outer_step < self.config.max_outer_steps
+
+    def _overlaps(self, found: Matchmade, step: int) -> bool:
+        """--overlap: average this step in the background while the next one trains. Not for a
+        step we trained nothing of (a late joiner's) nor for the last (nothing left to train)."""
+        last = self.config.max_outer_steps is not None and step + 1 >= self.config.max_outer_steps
+        return self.config.overlap != "none" and found.group is not None and self.diloco.inner_done > 0 and not last
+
+    async def _settle(self, in_flight: asyncio.Future[bool]) -> None:
+        """Wait for a round in flight to end (its own timeouts bound it); a failure is logged."""
+        try:
+            await asyncio.wait({in_flight})
+        except asyncio.CancelledError:
+            in_flight.cancel()
+            raise
+        if not in_flight.cancelled() and in_flight.exception() is not None:
+            logger.error("the round in flight failed", exc_info=in_flight.exception())
 
     async def _linger(self, book: ProgressBook, stop: asyncio.Event) -> None:
         """Done: serve our state a while longer to the live peers still on an earlier step
@@ -183,10 +241,18 @@ class OuterStepLoop:
                 await asyncio.wait_for(stop.wait(), RESULT_POLL)
 
     async def _train_and_matchmake(
-        self, averager: Averager, book: ProgressBook, step: int, target: int, stop: asyncio.Event
-    ) -> Matchmade | None:
+        self,
+        averager: Averager,
+        book: ProgressBook,
+        step: int,
+        target: int,
+        stop: asyncio.Event,
+        *,
+        after: asyncio.Future[bool] | None = None,
+    ) -> Matchmade | Replan | None:
         """Train `target` inner steps; start matchmaking while the last ones run (module
-        docstring, 2). None when stopped."""
+        docstring, 2). None when stopped. `after`: the last step's round in flight (--overlap):
+        matchmaking waits for it to land; REPLAN when it did not (a fetch replaced the state)."""
         self.inner.start_step(target)
         await self._publish(book)
         weight = float(target * self.config.batch_size * self.config.seq_len)  # tokens this step
@@ -199,13 +265,21 @@ class OuterStepLoop:
             # on us, and we finish the inner steps and the round ("finishes the round under way")
             while not training.done() and not (stopping.done() and matchmaking is None):
                 waits = {training} if stopping.done() else {training, stopping}
+                if after is not None and not after.done():
+                    waits.add(after)
                 await asyncio.wait(waits, timeout=POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+                if after is not None and after.done():
+                    if not after.result():  # raises what the round raised
+                        return await self._replan(training, stop)
+                    after = None  # landed: this is now the step we hold
+                    await self._publish(book)
                 now = time.time()
                 if not timed and self.inner.snapshot().inner_done > 0:  # peers learn our pace at once
                     timed = True
                     await self._publish(book)
                 left = self.inner.seconds_left()
-                if matchmaking is None and not stopping.done() and left <= self.config.matchmaking_time + FINAL_STRETCH:
+                if (matchmaking is None and after is None and not stopping.done()
+                        and left <= self.config.matchmaking_time + FINAL_STRETCH):  # fmt: skip
                     if now - last_refresh >= FINAL_REFRESH_SECONDS:  # a late peer's record must not be missed
                         last_refresh = now
                         await book.refresh()
@@ -217,10 +291,17 @@ class OuterStepLoop:
                     last_event = now
                     self.events.progress(step, self.inner.snapshot(), self.config.inner_steps)
             if stopping.done() and matchmaking is None:
-                self.inner.close()
+                self.inner.finish()  # the node closes the steps at exit, once a round in flight has landed
                 await asyncio.gather(training, return_exceptions=True)
                 return None
             training.result()  # raises NodeError on divergence
+            if after is not None:  # trained before the last round landed: the wait overlap did not hide
+                await asyncio.wait({after, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if not after.done():
+                    return None
+                if not after.result():
+                    return await self._replan(training, stop)
+                after = None
             await self._publish(book)
             if matchmaking is None:  # nobody told us to start yet: wait for slower peers, bounded
                 await self._wait_for_peers(book, stop)
@@ -240,6 +321,15 @@ class OuterStepLoop:
             stopping.cancel()
             if matchmaking is not None and not matchmaking.done() and stop.is_set():
                 matchmaking.cancel()
+            if after is not None and not after.done():
+                await self._settle(after)
+
+    async def _replan(self, training: asyncio.Future[None], stop: asyncio.Event) -> Replan | None:
+        """The round in flight ended in a fetch: the permits left are taken back and the step is
+        planned afresh from the fetched state."""
+        await self.inner.revoke()
+        await asyncio.gather(training, return_exceptions=True)
+        return None if stop.is_set() else REPLAN
 
     async def _wait_for_peers(self, book: ProgressBook, stop: asyncio.Event) -> None:
         """Until the slowest live peer of our step should be done (bounded by max_wait), or stop."""
@@ -270,9 +360,12 @@ class OuterStepLoop:
         step: int,
         found: Matchmade,
         stop: asyncio.Event,
-    ) -> None:
+        progress: InnerProgress | None = None,
+    ) -> bool:
         """The end of outer step `step`, whatever happened: average and apply with the group, or
-        (plan_without_group) take the swarm's result, matchmake again, or apply our own Δ."""
+        (plan_without_group) take the swarm's result, matchmake again, or apply our own Δ. True
+        when the step was applied to what we hold, False after a fetch or a stop. `progress`: the
+        step's inner steps, when the next step's already run (--overlap)."""
         diloco, loop = self.diloco, asyncio.get_running_loop()
         without_group_since: float | None = None
         late = False  # a group of our state formed without us at this step: its result exists
@@ -281,11 +374,12 @@ class OuterStepLoop:
             if found.group is not None:  # stopping or not: the group counts on our part
                 report = await self._average(averager, found)
                 if report is not None:
-                    return await self._stepped(keeper, step, report)
+                    await self._stepped(keeper, step, report, progress)
+                    return True
                 averager.round_failed(step)
                 found = Matchmade(None, found.seconds)
             if stop.is_set():
-                return
+                return False
             if without_group_since is None:
                 without_group_since = loop.time()
             late, late_by = late or found.late, late_by | found.late_by
@@ -295,18 +389,19 @@ class OuterStepLoop:
                                       waited=waited, max_wait=self.config.max_wait)  # fmt: skip
             if plan.action == APPLY_OWN:
                 await self.inner.call(diloco.apply_own)
-                return await self._stepped(keeper, step, GroupReport(None, matchmaking_s=found.seconds))
+                await self._stepped(keeper, step, GroupReport(None, matchmaking_s=found.seconds), progress)
+                return True
             if plan.action == FETCH:
                 logger.info("step %d: %s: fetching the swarm's state", step, plan.why)
                 if await self._fetch(keeper, book, alone=False, other_state=found.swarm_state is not None, missed=late):
                     self._late = True  # the peers are already training on it
-                    return
+                    return False
                 found = Matchmade(None, found.seconds)  # nothing to fetch yet: look again
                 await asyncio.sleep(RESULT_POLL)
             elif plan.action == AWAIT_RESULT:  # the holders may show the result before the records do
                 if await self._fetch(keeper, book, alone=False, missed=late):
                     self._late = True
-                    return
+                    return False
                 await asyncio.sleep(AWAIT_POLL)
             else:  # RETRY
                 if late and late_by and loop.time() - without_group_since >= self.config.max_wait:
@@ -323,16 +418,16 @@ class OuterStepLoop:
                 await asyncio.sleep(RESULT_POLL)
                 await self._wait_for_peers(book, stop)
                 if stop.is_set():
-                    return
-                found = await self._matchmake(averager, book, step, float(diloco.tokens_since_outer))
+                    return False
+                found = await self._matchmake(averager, book, step, float(diloco.round_tokens))
                 without_group_since = None if found.group is not None else loop.time()
 
     async def _average(self, averager: Averager, found: Matchmade) -> GroupReport | None:
         diloco, feedback = self.diloco, self._feedback
-        deltas = await self.inner.call(diloco.pseudo_gradients)
+        deltas = await self.inner.call(diloco.round_deltas)
         # what this step sends: the residual of earlier steps with it (error feedback), only the
-        # step's chosen blocks with a density below 1
-        payload = await self.inner.call(outgoing, deltas, self._compression, feedback, self.config.run_id,
+        # step's chosen blocks with a density below 1 (beside: the inner steps go on meanwhile)
+        payload = await self.inner.beside(outgoing, deltas, self._compression, feedback, self.config.run_id,
                                         diloco.outer_step, self._block_size)  # fmt: skip
         try:
             averaged, report = await averager.run_round(found.group, payload.tensors, found.seconds)
@@ -348,16 +443,18 @@ class OuterStepLoop:
             feedback.commit(payload.compensated)
         return report
 
-    async def _stepped(self, keeper: StateKeeper, step: int, report: GroupReport) -> None:
-        """After the outer step is applied: eval, hash, event, publish."""
+    async def _stepped(self, keeper: StateKeeper, step: int, report: GroupReport,
+                       progress: InnerProgress | None = None) -> None:  # fmt: skip
+        """After the outer step is applied: eval (of θ_outer), hash, event, publish."""
         diloco, config = self.diloco, self.config
         last = config.max_outer_steps is not None and diloco.outer_step >= config.max_outer_steps
         evaluate = last or diloco.outer_step % config.eval_every == 0
         if evaluate and self._evaluate is not None:
-            self._last_eval = float(await self.inner.call(self._evaluate))
-        sha = await self.inner.call(diloco.state_sha256)
+            self._last_eval = float(await self.inner.call(diloco.on_outer_weights, self._evaluate))
+        sha = await self.inner.beside(diloco.state_sha256)
         self._state_sha = bytes.fromhex(sha)
-        progress = self.inner.snapshot()
+        overlapped = progress is not None  # the next step's inner steps ran while this one's round did
+        progress = progress or self.inner.snapshot()
         self._tokens += progress.inner_done * config.batch_size * config.seq_len
         self._last_group = len(report.members) if report.group_id is not None else 1
         if report.group_id is not None:  # in sync with a group: the swarm was at this step now
@@ -371,6 +468,7 @@ class OuterStepLoop:
                          round_s=round(report.reduce_s + report.gather_s, 4), inner_done=progress.inner_done,
                          clipped=sum(len(members) for members in report.clipped.values()),
                          inner_s=round(progress.inner_s, 4), wall_s=round(wall_s, 4), tokens=self._tokens,
+                         inner_ahead=diloco.inner_done if overlapped else 0,
                          tokens_per_s=round(self._tokens / wall_s, 1) if wall_s > 0 else 0.0,
                          rss_bytes=resident_bytes())  # fmt: skip
         await keeper.publish(diloco, local=self._feedback.state_dict if self._feedback is not None else None)
@@ -395,7 +493,7 @@ class OuterStepLoop:
             self._feedback.reset()
         self._late = True
         self._known_at = (diloco.outer_step, time.time())
-        sha = await self.inner.call(diloco.state_sha256)
+        sha = await self.inner.beside(diloco.state_sha256)
         self._state_sha = bytes.fromhex(sha)
         self.events.fetched(diloco.outer_step, *fetched, sha)
         return True

@@ -11,14 +11,17 @@ The node (on its event loop) hands out permits; the caller's thread spends them:
 Why permits: the node writes the model's parameters (the outer step, a fetched state) and the
 caller's loop reads and writes them (forward, backward, the optimizer). They must never overlap.
 The caller holds a permit from the moment `wait_for_permit` returns until its `step`, which covers
-its forward and backward; the node touches the parameters only while no permit is out, when the
-caller is blocked in `wait_for_permit`. θ_outer, which the node reads at any time (hashing,
-serving), is written only by the node.
+its forward and backward; the node touches the parameters only while no permit is out: `call`
+runs the node's work on the model once the caller is back in `wait_for_permit` (or not stepping
+at all), and holds it there until the work is done. An overlapped node (DiLoCo.begin_overlap)
+lands a round that way between two inner steps. θ_outer, which the node reads at any time
+(hashing, serving), is written only by the node.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +30,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from swarm.model.diloco import DiLoCo, InnerStats
+
+logger = logging.getLogger(__name__)
+
+HOLD_LOG_S = 60.0  # a hold waiting this long for the caller's inner step says so (and goes on waiting)
 
 T = TypeVar("T")
 
@@ -54,6 +61,8 @@ class UserSteps:
         self.diloco = diloco
         self._cond = threading.Condition()
         self._permits = 0  # inner steps the caller may still run this outer step
+        self._stepping = False  # the caller holds a permit: it may be reading or writing the model
+        self._holds = 0  # node work on the model (call) waiting or running: no permit is handed out
         self._closed = False
         self._failure: BaseException | None = None
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
@@ -95,7 +104,56 @@ class UserSteps:
         return self._closed
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in the node's model thread, once the caller is between inner steps: from
+        this call on no permit is handed out until fn returns, and fn waits for the step under way."""
+        with self._cond:
+            self._holds += 1
+        claim = {"ran": False, "dropped": False}  # who releases the hold: the thread, or we if it never ran
+
+        def between_steps() -> T:
+            with self._cond:
+                if claim["dropped"]:
+                    raise asyncio.CancelledError
+                claim["ran"] = True
+            return self._between_steps(fn, args)
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, between_steps)
+        finally:
+            with self._cond:
+                if not claim["ran"]:
+                    claim["dropped"] = True
+                    self._release_hold()
+
+    async def beside(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in the node's model thread while the inner steps go on: only for work that
+        reads neither θ_inner nor the inner optimizer (θ_outer, a round's Δ, the codec)."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def revoke(self) -> None:
+        """Take back the permits not yet spent (between steps): the node's `train` returns."""
+        await self.call(self._revoke)
+
+    def _revoke(self) -> None:
+        with self._cond:
+            self._permits = 0
+            self._release_waiter()
+
+    def _between_steps(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        """fn(*args) once the caller holds no permit; the hold `call` took is released after."""
+        try:
+            with self._cond:
+                while not self._cond.wait_for(lambda: not self._stepping or self._failure is not None, HOLD_LOG_S):
+                    logger.warning("the node's work on the model waits for an inner step that has run %.0fs",
+                                   time.perf_counter() - self._mark)  # fmt: skip
+            return fn(*args)
+        finally:
+            with self._cond:
+                self._release_hold()
+
+    def _release_hold(self) -> None:
+        self._holds -= 1
+        self._cond.notify_all()
 
     def start_step(self, target: int) -> None:
         with self._cond:
@@ -138,9 +196,16 @@ class UserSteps:
         """Block until the caller may run an inner step (True) or the session is over (False).
         Raises TimeoutError after `timeout` seconds."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._permits > 0 or self._closed or self._failure, timeout):
+            if self._stepping:  # back here: the caller no longer touches the model
+                self._stepping = False
+                self._cond.notify_all()
+            allowed = lambda: (self._permits > 0 and self._holds == 0) or self._closed or self._failure  # noqa: E731
+            if not self._cond.wait_for(allowed, timeout):
                 raise TimeoutError(f"no inner step allowed within {timeout:g}s")
-            return not (self._closed or self._failure)
+            self._stepping = not (self._closed or self._failure)
+            if self._stepping:  # the step's time starts now, not while a hold kept it waiting
+                self._mark = time.perf_counter()
+            return self._stepping
 
     def step(self, tokens: int, *, loss: Any = None) -> InnerStats:
         """The inner step the caller's forward and backward began: spends one permit. Raises
@@ -148,6 +213,8 @@ class UserSteps:
         skipped and the permit kept, NonFiniteLossError."""
         with self._cond:
             if self._closed:
+                self._stepping = False
+                self._cond.notify_all()
                 raise SessionClosed("the swarm session has ended")
             if self._permits <= 0:
                 raise RuntimeError("no inner step is open: wait for the swarm's outer step first")
@@ -160,6 +227,8 @@ class UserSteps:
             self._inner_s += took
             self._sec_per_step = took if self._sec_per_step == 0 else 0.8 * self._sec_per_step + 0.2 * took
             self._permits -= 1
+            self._stepping = False
+            self._cond.notify_all()
             if self._permits == 0:
                 self._release_waiter()
         return stats

@@ -47,7 +47,7 @@ from swarm.dht.id_proof import proof_path_for
 from swarm.model.presets import PRESETS
 from swarm.model.run_settings import FIELDS, FLAGS, join_flags, training_settings
 from swarm.model.schedule import SCHEDULES
-from swarm.node_config import NodeConfig
+from swarm.node_config import OVERLAP_MODES, NodeConfig
 from swarm.p2p.identity import Identity
 from swarm.run_lookup import RunChoiceError, RunLookup, adoptable_settings, initial_peer_ids, look_up_run, run_to_join
 
@@ -166,6 +166,12 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
 @click.option("--bandwidth", default="100", show_default=True, callback=_bandwidth, metavar="MB/S|auto",
               help="MB/s to announce: parts of the all-reduce are split by it. auto: what this node's rounds "
               "measure (100 until one has; see the README before using it).")  # fmt: skip
+@_opt(
+    "overlap",
+    click.Choice(OVERLAP_MODES),
+    "Average each outer step while the next one's inner steps already "
+    "run: eager (they start from our own update, corrected when the group's lands) or delayed; none blocks.",
+)
 @_opt("max-outer-steps", click.IntRange(1), "Stop after this many outer steps (default: run until stopped).")
 @_opt("device", str, "Torch device: auto (cuda when present), cpu, cuda, cuda:1, ...")
 @_opt("offload-outer/--no-offload-outer", bool, "Keep θ_outer and outer momentum in CPU memory.")
@@ -216,6 +222,8 @@ def main(
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     launch = node_ranks.plan(nproc_per_node, config)  # None: one rank, the plain node
+    if launch is not None and config.overlap != "none":  # its ranks' clocks assume one step at a time
+        raise click.UsageError("--overlap is not yet supported with --nproc-per-node (several ranks per node)")
     if shard and launch is None:
         raise click.UsageError("--shard shards the model over several ranks: add --nproc-per-node N (N >= 2)")
     if launch is not None and not launch.leader:  # a rank >= 1 under torchrun: rank 0 speaks to the swarm

@@ -17,6 +17,16 @@ A node with no group this step applies its own pseudo-gradient (`apply_own()`, o
 `apply_outer(deltas)`). `await diloco.average_and_apply(average)` does the last three lines with
 an async (or plain) `average(tensors, weight) -> tensors`, running the tensor work in threads.
 
+Overlapped (issue 14; Streaming DiLoCo's overlap, "eager updates"): `begin_overlap(eager)` ends the
+inner phase of step t without an outer step: it keeps Δ_t (`round_deltas`, `round_tokens`) for a
+round that runs in the background, and the next inner steps (round t+1) start at once, from
+θ_outer(t) moved by our own Δ_t through the outer optimizer (eager) or from where round t ended
+(delayed). When the group's average lands, `apply_outer(averaged)` writes θ_outer(t+1) exactly as
+a blocking node does (the same operations: members of one group agree bit for bit whichever mode
+each runs) and moves θ_inner by θ_outer(t+1) - base, keeping the inner steps trained since. Until
+then θ_outer, the momentum and `outer_step` are step t's: the state served, hashed and
+checkpointed is always a whole one. The cost is two more fp32 copies of the model (Δ_t and base).
+
 Agreement: the outer update is written as single IEEE-754 operations (no fused multiply-adds,
 no `alpha=` scaling), so members that hold the same θ_outer and momentum and apply the same
 averaged tensors end with bit-identical θ_outer (tests/model/test_diloco.py checks it by hash on
@@ -39,7 +49,7 @@ import inspect
 import math
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -54,10 +64,20 @@ __all__ = [
     "tensors_sha256",
 ]  # fmt: skip
 
+T = TypeVar("T")
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 Average = Callable[[list[torch.Tensor], float], "list[torch.Tensor] | Awaitable[list[torch.Tensor]]"]
 # builds the inner optimizer over the trainable parameters (swarm.join: the caller's own)
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True, slots=True)
+class PendingRound:
+    """Step t's round in flight while round t+1 trains (DiLoCo.begin_overlap)."""
+
+    deltas: list[torch.Tensor]  # Δ_t, fp32 on θ_outer's device
+    tokens: int  # Δ_t's averaging weight
+    base: list[torch.Tensor]  # θ_inner when round t+1 began; the landing moves it by θ_outer(t+1) - base
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +119,8 @@ class DiLoCo:
         # bumped whenever θ_inner is written outside an inner step (an outer step, a loaded state):
         # a node of several ranks then broadcasts it to the others (swarm/ranks/leader.py)
         self.revision = 0
+        self.pending: PendingRound | None = None  # step t's round in flight (begin_overlap)
+        self._at_outer = True  # θ_inner is θ_outer, bit for bit (no inner step since the outer one)
         # a caller's own optimizer sets its own learning rate; ours follows config's schedule
         self.owns_lr = inner_optimizer is None
         if inner_optimizer is None:
@@ -115,7 +137,21 @@ class DiLoCo:
 
     @property
     def global_inner_step(self) -> int:
-        return self.outer_step * self.config.inner_steps + self.inner_done
+        return self.working_step * self.config.inner_steps + self.inner_done
+
+    @property
+    def working_step(self) -> int:
+        """The outer step the inner steps are for: outer_step, or the next while a round is in flight."""
+        return self.outer_step + (self.pending is not None)
+
+    @property
+    def round_tokens(self) -> int:
+        """The averaging weight of the step being averaged: the pending round's, else ours so far."""
+        return self.pending.tokens if self.pending is not None else self.tokens_since_outer
+
+    def round_deltas(self) -> list[torch.Tensor]:
+        """Δ of the step being averaged: the pending round's (kept), else pseudo_gradients()."""
+        return list(self.pending.deltas) if self.pending is not None else self.pseudo_gradients()
 
     @property
     def ready_for_outer(self) -> bool:
@@ -156,6 +192,7 @@ class DiLoCo:
             raise NonFiniteLossError(f"loss {loss_value}, gradient norm {norm_value} at step {self.global_inner_step}")
         self.inner_optimizer.step()
         self.inner_optimizer.zero_grad(set_to_none=True)
+        self._at_outer = False
         self.inner_done += 1
         self.tokens_since_outer += tokens
         return InnerStats(loss_value, norm_value, lr)
@@ -178,24 +215,61 @@ class DiLoCo:
     @torch.no_grad()
     def pseudo_gradients(self) -> list[torch.Tensor]:
         """Δ = θ_outer - θ_inner: new fp32 tensors on θ_outer's device, in `self.names` order."""
+        if self.pending is not None:
+            raise RuntimeError("a round is in flight: θ_inner is not relative to θ_outer (round_deltas)")
         pairs = zip(self.outer_params, self.params, strict=True)
         return [outer - p.detach().to(outer.device, torch.float32) for outer, p in pairs]
 
     @torch.no_grad()
     def apply_outer(self, averaged: Sequence[torch.Tensor]) -> None:
-        """The outer step with the group's averaged Δ: Nesterov SGD on θ_outer, θ_inner ← θ_outer.
+        """The outer step with the group's averaged Δ: Nesterov SGD on θ_outer, θ_inner ← θ_outer
+        (or, with a round in flight, θ_inner moved by θ_outer(t+1) - base: the module docstring).
         Raises ValueError, with nothing changed, on a wrong count, shape or a non-finite value."""
         grads = self._checked(averaged, "averaged pseudo-gradient")
-        lr, mu = self.config.outer_lr, self.config.outer_momentum
+        self._outer_update(grads, commit=True)
+        pending, self.pending = self.pending, None
+        if pending is None:
+            self._finish_outer_step()
+            return
+        for p, theta, base in zip(self.params, self.outer_params, pending.base, strict=True):
+            p.detach().add_((theta - base).to(p.device, p.dtype))
+        self.revision += 1
+        self.outer_step += 1  # inner_done and the tokens count round t+1's steps, already under way
+
+    def _outer_update(self, grads: Sequence[torch.Tensor], *, commit: bool) -> list[torch.Tensor]:
+        """θ_outer moved by `grads`: in place with the momentum when `commit`, else as new tensors
+        (nothing changed). The same single IEEE-754 operations either way (the module docstring)."""
+        lr, mu, nesterov = self.config.outer_lr, self.config.outer_momentum, self.config.nesterov
+        moved = []
         for theta, m, g in zip(self.outer_params, self.outer_momentum, grads, strict=True):
-            m.mul_(mu).add_(g)  # m ← μ·m + Δ
-            update = torch.mul(m, mu).add_(g) if self.config.nesterov else m.clone()  # Δ + μ·m
-            theta.sub_(update.mul_(lr))  # θ ← θ - η·update
-        self._finish_outer_step()
+            m_new = m.mul_(mu).add_(g) if commit else torch.mul(m, mu).add_(g)  # m ← μ·m + Δ
+            update = torch.mul(m_new, mu).add_(g) if nesterov else m_new.clone()  # Δ + μ·m
+            moved.append(theta.sub_(update.mul_(lr)) if commit else torch.sub(theta, update.mul_(lr)))  # θ - η·update
+        return moved
+
+    @torch.no_grad()
+    def begin_overlap(self, *, eager: bool) -> None:
+        """End the inner phase of step t with its round still to come (the module docstring):
+        Δ_t and its weight are kept, θ_inner becomes θ_outer(t) moved by our own Δ_t (eager) or
+        stays (delayed), and round t+1's inner steps may begin."""
+        if self.pending is not None:
+            raise RuntimeError("a round is already in flight: land it first (apply_outer)")
+        deltas = self.pseudo_gradients()
+        if eager:
+            base = self._outer_update(deltas, commit=False)
+            for p, proxy in zip(self.params, base, strict=True):
+                p.detach().copy_(proxy)
+            self.revision += 1
+        else:
+            base = [p.detach().to(theta.device, torch.float32, copy=True)
+                    for p, theta in zip(self.params, self.outer_params, strict=True)]  # fmt: skip
+        self.pending = PendingRound(deltas, self.tokens_since_outer, base)
+        self._at_outer = False
+        self.inner_done, self.tokens_since_outer = 0, 0
 
     def apply_own(self) -> None:
         """The outer step of a node that found no group: its own pseudo-gradient."""
-        self.apply_outer(self.pseudo_gradients())
+        self.apply_outer(self.round_deltas())
 
     async def average_and_apply(self, average: Average) -> None:
         """pseudo_gradients → average(Δ, tokens_since_outer) → apply_outer, with the tensor work
@@ -204,6 +278,21 @@ class DiLoCo:
         result = average(deltas, float(self.tokens_since_outer))
         averaged = await result if inspect.isawaitable(result) else result
         await asyncio.to_thread(self.apply_outer, averaged)
+
+    @torch.no_grad()
+    def on_outer_weights(self, fn: Callable[[], T]) -> T:
+        """fn() with θ_outer in the model's parameters (an eval of the swarm's state), θ_inner
+        put back after; a plain call when θ_inner is θ_outer (no inner step since the outer one)."""
+        if self._at_outer:
+            return fn()
+        kept = [p.detach().clone() for p in self.params]
+        try:
+            for p, theta in zip(self.params, self.outer_params, strict=True):
+                p.detach().copy_(theta)
+            return fn()
+        finally:
+            for p, k in zip(self.params, kept, strict=True):
+                p.detach().copy_(k)
 
     def state_dict(self) -> dict[str, Any]:
         """The outer state a peer needs: {"outer_step", "params", "momentum"} with fp32 tensors by
@@ -243,6 +332,8 @@ class DiLoCo:
         return state_sha256(self.state_dict())
 
     def _finish_outer_step(self, advance: bool = True) -> None:
+        self.pending = None  # a loaded state replaces a round in flight and what round t+1 trained
+        self._at_outer = True
         for p, theta in zip(self.params, self.outer_params, strict=True):
             p.detach().copy_(theta)
         self.revision += 1

@@ -104,3 +104,49 @@ async def test_swarm_nodes_own_loop_steps_with_permits_and_a_divergence_fails_th
     assert diloco.inner_done == 2  # the bad step changed nothing
     steps.close()
     await asyncio.to_thread(loop.join, 10.0)
+
+
+async def test_the_nodes_work_on_the_model_waits_for_the_callers_step_and_holds_the_next() -> None:
+    """call() runs between inner steps: never while the caller holds a permit, and the caller
+    gets none while the node's work runs (an overlapped node lands a round so)."""
+    diloco = wrapped(inner_steps=50)
+    steps = UserSteps(diloco)
+    in_step, release = threading.Event(), threading.Event()
+    log: list[str] = []
+
+    def caller() -> None:
+        while steps.wait_for_permit(5.0):
+            log.append("step begins")
+            in_step.set()
+            release.wait(5.0)
+            backward(diloco)
+            log.append("step ends")
+            steps.step(1)
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    training = asyncio.ensure_future(steps.train(4))
+    assert await asyncio.to_thread(in_step.wait, 5.0)
+
+    def node_work() -> int:
+        log.append("node")
+        threading.Event().wait(0.2)  # the caller must not begin another step meanwhile
+        log.append("node done")
+        release.clear()  # the caller's next step (if it begins before the revoke) waits for us
+        return diloco.inner_done
+
+    work = asyncio.ensure_future(steps.call(node_work))
+    await asyncio.sleep(0.2)
+    assert not work.done() and "node" not in log  # the caller's step is under way
+    release.set()
+    assert await asyncio.wait_for(work, 5.0) == 1
+    assert log[:4] == ["step begins", "step ends", "node", "node done"]
+    revoking = asyncio.ensure_future(steps.revoke())  # the permits left are taken back: train returns
+    await asyncio.sleep(0.1)
+    release.set()
+    await asyncio.wait_for(revoking, 5.0)
+    await asyncio.wait_for(training, 5.0)
+    assert diloco.inner_done <= 2  # of 4 permits: at most the step under way when the revoke came
+    steps.finish()
+    thread.join(5.0)
+    steps.close()

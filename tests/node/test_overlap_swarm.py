@@ -1,0 +1,59 @@
+"""--overlap in a swarm (many SwarmNodes in one event loop, tests/node/inprocess.py): the round
+of step t runs while step t+1 trains, members of every mode hold one state after every step, and
+a newcomer that joins while a round is in flight ends in sync (every state it fetched, some while
+a round was in flight, is one the swarm held after a whole step)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from swarm.averaging.averager import Averager
+from tests.node.inprocess import LocalSwarm
+from tests.node.test_one_swarm import assert_one_state
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
+
+# steps long enough, and matchmaking short enough, for a newcomer to join one while its peers
+# train it: it fetches a state seconds after it lands (QUICK's 4 inner steps are over by then)
+JOINABLE = dict(overlap="eager", inner_steps=40, matchmaking_time=0.5)
+
+
+async def test_eager_delayed_and_blocking_members_hold_one_state_after_every_step(local: LocalSwarm) -> None:
+    bootstrap = await local.start_bootstrap()
+    nodes = [local.start((bootstrap,), max_outer_steps=4, overlap=mode) for mode in ("eager", "delayed", "none")]
+    assert await local.finish(200) == ["finished"] * 3
+    by_step = assert_one_state(local)
+    assert set(by_step) == {0, 1, 2, 3}
+    for running in nodes[:2]:  # steps 0-2 averaged while the next one trained; the last one blocks
+        steps = running.steps()
+        assert all(steps[s]["group_size"] == 3 for s in (0, 1, 2)), steps
+        assert any(steps[s]["inner_ahead"] > 0 for s in (0, 1, 2)), steps
+        assert steps[3]["inner_ahead"] == 0
+    assert all(e["inner_ahead"] == 0 for e in nodes[2].steps().values())
+
+
+async def test_a_newcomer_joining_while_a_round_is_in_flight_ends_in_sync(
+    local: LocalSwarm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bootstrap = await local.start_bootstrap()
+    founders = [local.start((bootstrap,), max_outer_steps=5, **JOINABLE) for _ in range(2)]
+    newcomer: list[object] = []
+    run_round = Averager.run_round
+
+    async def joined_meanwhile(self: Averager, group, tensors, matchmaking_s):  # type: ignore[no-untyped-def]
+        if not newcomer and group.step == 1:  # step 1's round is in flight: step 2 already trains
+            newcomer.append(local.start((bootstrap,), max_outer_steps=5, **JOINABLE))
+        return await run_round(self, group, tensors, matchmaking_s)
+
+    monkeypatch.setattr(Averager, "run_round", joined_meanwhile)
+    assert await asyncio.wait_for(asyncio.gather(*(n.task for n in founders)), 200) == ["finished"] * 2
+    assert newcomer
+    assert await local.finish(60) == ["finished"] * 3
+    by_step = assert_one_state(local)
+    fetched = [e for e in newcomer[0].events if e["event"] == "fetch"]  # type: ignore[union-attr]
+    assert fetched and all(e["state_sha256"] == next(iter(by_step[e["outer_step"] - 1])) for e in fetched)
+    last = [n.steps()[4] for n in (*founders, newcomer[0])]  # type: ignore[union-attr]
+    assert len({e["state_sha256"] for e in last}) == 1
+    assert all(e["group_size"] == 3 for e in last), [e["group_size"] for e in last]
