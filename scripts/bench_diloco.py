@@ -73,38 +73,48 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 @dataclass(frozen=True, slots=True)
 class SwarmConfig:
-    """One swarm configuration, named H<inner steps>_<--compression>[_ef<--error-feedback>]:
-    "H50_int8", "H100_int4:0.25", "H100_int2_ef1"."""
+    """One swarm configuration, named H<inner steps>_<--compression>[_ef<--error-feedback>][_<--overlap>]:
+    "H50_int8", "H100_int4:0.25", "H100_int2_ef1", "H50_int8_eager"."""
 
     name: str
     inner_steps: int
     compression: str  # swarm-node's --compression: CODEC[:DENSITY]
     error_feedback: float = 0.0  # swarm-node's --error-feedback (0: off)
+    overlap: str = "none"  # swarm-node's --overlap: none (blocking), eager, delayed
 
     @classmethod
     def parse(cls, name: str) -> SwarmConfig:
         from swarm.model.compression_spec import CompressionSpec
+        from swarm.node_config import OVERLAP_MODES
 
         h, _, rest = name.partition("_")
-        compression, _, feedback = rest.partition("_")
-        usage = f"use H<inner steps>_<{'|'.join(COMPRESSIONS)}>[:DENSITY][_ef<DECAY>], e.g. H50_int8, H100_int4_ef1"
+        compression, *extras = rest.split("_")
+        modes = [m for m in OVERLAP_MODES if m != "none"]
+        usage = (f"use H<inner steps>_<{'|'.join(COMPRESSIONS)}>[:DENSITY][_ef<DECAY>][_{'|'.join(modes)}], "
+                 "e.g. H50_int8, H100_int4_ef1, H50_int8_eager")  # fmt: skip
         if not (h.startswith("H") and h[1:].isdigit() and int(h[1:]) > 0):
             raise ValueError(f"bad configuration {name!r}: {usage}")
+        overlap = extras.pop() if extras and extras[-1] in modes else "none"
+        if len(extras) > 1 or (extras and not extras[0].startswith("ef")):
+            raise ValueError(f"bad configuration {name!r}: {usage}")
+        feedback = extras[0] if extras else ""
         try:
             CompressionSpec.parse(compression, COMPRESSIONS)
             decay = float(feedback.removeprefix("ef")) if feedback else 0.0
         except ValueError as e:
             raise ValueError(f"bad configuration {name!r}: {e}; {usage}") from None
-        if feedback and not (feedback.startswith("ef") and 0.0 < decay <= 1.0):
+        if feedback and not 0.0 < decay <= 1.0:
             raise ValueError(f"bad configuration {name!r}: error feedback is ef<decay in (0, 1]>; {usage}")
-        return cls(name, int(h[1:]), compression, decay)
+        return cls(name, int(h[1:]), compression, decay, overlap)
 
     def labels(self) -> dict[str, Any]:
-        """The keys issue 15 adds to each row: the codec, the density, the error feedback."""
+        """The keys issues 15 and 14 add to each row: the codec, the density, the error feedback,
+        the mode of the outer step (blocking, or overlapped eager or delayed)."""
         from swarm.model.compression_spec import CompressionSpec
 
         spec = CompressionSpec.parse(self.compression, COMPRESSIONS)
-        return {"codec": spec.codec, "density": spec.density, "error_feedback": self.error_feedback}
+        mode = "blocking" if self.overlap == "none" else self.overlap
+        return {"codec": spec.codec, "density": spec.density, "error_feedback": self.error_feedback, "mode": mode}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,6 +167,7 @@ def node_args(
         *schedule_flags(workload),
         "--compression", config.compression,
         *(["--error-feedback", repr(config.error_feedback)] if config.error_feedback else []),
+        *(["--overlap", config.overlap] if config.overlap != "none" else []),
         "--max-outer-steps", str(workload.steps // config.inner_steps),
         "--seed", str(workload.seed),
         "--threads", "1",
@@ -333,7 +344,7 @@ def results(
         "link": None if rates is None else [str(r) for r in rates],  # node i's link; None: 127.0.0.1
     }
     keys = ("diloco_eval_loss", "ratio_to_ddp", "gap_closed", "bytes_sent_per_node", "reduction_factor")
-    labels = ("codec", "density", "error_feedback")
+    labels = ("codec", "density", "error_feedback", "mode")
     timing = ("utilization", "round_s", "round_bound_s", "run_s")
     for key in (*keys, *timing, "full_group_share", "states_agree", *labels):
         out[key] = {}

@@ -6,9 +6,10 @@ swarm the all-reduce of round t runs while the nodes already train round t+1; he
 after `delay` x H inner steps of round t+1 (1.0: the round takes a whole inner phase, the worst
 case that still overlaps fully). Then every worker computes the same θ_outer(t+1) from the same
 average (bit-identical, as in the swarm) and moves its local weights onto it, keeping what it
-trained since (so the next pseudo-gradient is exactly round t+1's progress):
+trained since (so the next pseudo-gradient is exactly round t+1's progress), with swarm-node's own
+arithmetic (DiLoCo.begin_overlap, swarm-node --overlap):
 
-    blocking  the average is applied before round t+1 trains (today's swarm-node)
+    blocking  the average is applied before round t+1 trains (swarm-node --overlap none)
     delayed   round t+1 starts from the worker's own end of round t; on landing,
               θ_local += θ_outer(t+1) - θ_local(end of round t)    (Streaming DiLoCo's overlap)
     eager     round t+1 starts from θ_outer(t) moved by the worker's OWN Δ_t through the outer
@@ -48,85 +49,46 @@ from swarm.model.presets import preset
 MODES = ("blocking", "delayed", "eager")
 
 
-@torch.no_grad()
-def outer_update(worker: _ScheduledDiLoCo, grads: list[torch.Tensor], *, commit: bool) -> list[torch.Tensor]:
-    """θ_outer moved by `grads` through the outer optimizer (apply_outer's arithmetic): committed
-    to θ_outer and its momentum when `commit`, else returned as new tensors (eager's proxy)."""
-    lr, mu, nesterov = worker.config.outer_lr, worker.config.outer_momentum, worker.config.nesterov
-    out = []
-    for theta, m, g in zip(worker.outer_params, worker.outer_momentum, grads, strict=True):
-        m_new = m.mul(mu).add_(g)
-        update = m_new.mul(mu).add_(g) if nesterov else m_new.clone()
-        moved = theta - update.mul_(lr)
-        if commit:
-            m.copy_(m_new)
-            theta.copy_(moved)
-        out.append(moved)
-    return out
-
-
-@torch.no_grad()
-def land(worker: _ScheduledDiLoCo, averaged: list[torch.Tensor], base: list[torch.Tensor]) -> None:
-    """The late average lands: θ_outer(t+1) from it; the local weights move by θ_outer(t+1) - base."""
-    outer_update(worker, averaged, commit=True)
-    for p, theta, b in zip(worker.params, worker.outer_params, base, strict=True):
-        p.add_(theta - b)
-    worker.outer_step += 1
-
-
 def train_overlapped(data: Any, workload: Workload, setting: Setting, mode: str, delay: float) -> tuple[float, float]:
     """(final eval loss, seconds) of K workers whose round-t average lands `delay` x H inner steps
-    into round t+1, applied the `mode` way."""
+    into round t+1, applied the `mode` way: swarm-node's own arithmetic (DiLoCo.begin_overlap,
+    then apply_outer when the average lands)."""
     peers = worker_peers(workload)
     config = setting.diloco_config(workload)
     workers = [_ScheduledDiLoCo(build_model(preset(workload.model), seed=workload.seed), config) for _ in peers]
     h = setting.h.target
     started, losses, done = time.perf_counter(), [], 0
-    pending: tuple[list[torch.Tensor], list[list[torch.Tensor]]] | None = None  # (average, each worker's base)
+    pending: list[torch.Tensor] | None = None  # the average of the round in flight
     while done < workload.steps:
         steps = min(h, workload.steps - done)
         landing = done + (min(steps, max(1, round(delay * h))) if pending is not None else 0)
         for worker in workers:
             worker.config = dataclasses.replace(config, inner_steps=steps)
-            worker.steps_before, worker.inner_done, worker.tokens_since_outer = done, 0, 0
+            worker.steps_before = done
         for step in range(done, done + steps):
             if pending is not None and step == landing:
-                averaged, bases = pending
-                for worker, base in zip(workers, bases, strict=True):
-                    land(worker, averaged, base)
+                for worker in workers:
+                    worker.apply_outer(pending)
                 pending = None
             for index, (worker, peer) in enumerate(zip(workers, peers, strict=True)):
                 stats = worker.inner_step(*worker_batch(data, workload, peer, step))
                 if index == 0:
                     losses.append(stats.loss)
         if pending is not None:  # the round was shorter than the delay: it lands now
-            averaged, bases = pending
-            for worker, base in zip(workers, bases, strict=True):
-                land(worker, averaged, base)
-        deltas = [w.pseudo_gradients() for w in workers]
-        averaged = average_deltas(deltas, [w.tokens_since_outer for w in workers])
+            for worker in workers:
+                worker.apply_outer(pending)
+        averaged = average_deltas([w.pseudo_gradients() for w in workers], [w.tokens_since_outer for w in workers])
         done += steps
-        bases = []
-        for worker, delta in zip(workers, deltas, strict=True):
-            if mode == "eager":  # start the next round from our own Δ's outer step (a proxy of the average)
-                proxy = outer_update(worker, delta, commit=False)
-                with torch.no_grad():
-                    for p, q in zip(worker.params, proxy, strict=True):
-                        p.copy_(q)
-                bases.append(proxy)
+        for worker in workers:
+            if done >= workload.steps:  # the last round: nothing left to overlap with
+                worker.apply_outer(averaged)
             else:
-                bases.append([p.detach().clone() for p in worker.params])
-        pending = (averaged, bases)
-        if done >= workload.steps:  # the last round: nothing left to overlap with
-            for worker, base in zip(workers, bases, strict=True):
-                land(worker, averaged, base)
+                worker.begin_overlap(eager=mode == "eager")
+        pending = None if done >= workload.steps else averaged
     if len({w.outer_sha256() for w in workers}) != 1:
         raise AssertionError("workers ended with different θ_outer")
     windows = eval_windows(data.eval, workload.seq_len, workload.eval_windows)
-    with torch.no_grad():
-        for p, theta in zip(workers[0].params, workers[0].outer_params, strict=True):
-            p.copy_(theta)  # evaluate θ_outer, as the blocking run does after its last outer step
-    return eval_loss(workers[0].model, windows), time.perf_counter() - started
+    return eval_loss(workers[0].model, windows), time.perf_counter() - started  # θ_inner is θ_outer after the last
 
 
 def main() -> None:

@@ -64,6 +64,7 @@ from swarm.cli.sim_report import (
 )
 from swarm.model.schedule import DEFAULT_DECAY_FRACTION, DEFAULT_WARMUP_STEPS, SCHEDULES, schedule_problem
 from swarm.netlab import Lab, LabError, Rate, exec_prefix, missing, parse_rate, parse_rates
+from swarm.node_config import OVERLAP_MODES
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 POLL_S = 0.25  # how often the simulator reads the metrics files and checks its children
@@ -114,6 +115,7 @@ class SimConfig:
     link: Rate | None = None  # every node (newcomers too) and the bootstrap on a link of this rate
     links: tuple[Rate, ...] | None = None  # one rate per starting node; the bootstrap gets the fastest
     dashboard: int | None = None  # --dashboard [PORT]: serve the run's dashboard on 127.0.0.1 (0: any port)
+    overlap: str = "none"  # swarm-node's --overlap: none (blocking), eager, delayed
 
     def __post_init__(self) -> None:
         if min(self.nodes, self.outer_steps, self.inner_steps, self.batch_size, self.seq_len, self.threads) < 1:
@@ -298,6 +300,8 @@ class Swarm:
         argv += ["--inner-steps", str(c.inner_steps), "--batch-size", str(c.batch_size), "--seq-len", str(c.seq_len)]
         argv += ["--compression", c.compression, "--max-outer-steps", str(c.outer_steps), "--seed", str(c.seed)]
         argv += ["--threads", str(c.threads), "--metrics-file", str(metrics), "--eval-every", "1"]
+        if c.overlap != "none":
+            argv += ["--overlap", c.overlap]
         if c.lr is not None:
             argv += ["--lr", f"{c.lr:g}"]
         if c.warmup_steps is not None:
@@ -602,6 +606,13 @@ def parsed(ctx: click.Context, param: click.Parameter, text: str | None, parse: 
 @click.option("--max-group-size", type=click.IntRange(min=1), help="Per node. Default: swarm-node's.")
 @click.option("--part-timeout", type=float, callback=positive_seconds, metavar="SECONDS",
               help="Per node: the all-reduce's longest wait for one member. Default: swarm-node's.")  # fmt: skip
+@click.option(
+    "--overlap",
+    type=click.Choice(OVERLAP_MODES),
+    default="none",
+    show_default=True,
+    help="Per node: average each outer step while the next inner steps run (swarm-node's --overlap).",
+)
 @click.option(
     "--kill-every", type=float, callback=positive_seconds, metavar="SECONDS", help="SIGKILL a random running node."
 )

@@ -110,3 +110,14 @@ def test_an_eval_during_round_t_plus_1_sees_the_outer_weights_and_puts_the_inner
     seen = d.on_outer_weights(lambda: copy([p.detach() for p in d.params]))
     assert all(torch.equal(s, t) for s, t in zip(seen, d.outer_params, strict=True))
     assert all(torch.equal(p.detach(), q) for p, q in zip(d.params, inner, strict=True))
+
+
+def test_the_overlap_sweep_runs_the_nodes_arithmetic_and_its_workers_agree() -> None:
+    """scripts/overlap_sweep.py drives DiLoCo.begin_overlap itself: a short run of 4 workers whose
+    averages land mid-round ends with one θ_outer (it raises otherwise) and a finite loss."""
+    from scripts.diloco_sweep import HSchedule, Setting, Workload, load_corpus
+    from scripts.overlap_sweep import train_overlapped
+
+    workload = Workload(steps=12, seq_len=32, eval_windows=2, lr_schedule="constant")
+    loss, _ = train_overlapped(load_corpus(), workload, Setting(name="H4", h=HSchedule(target=4)), "eager", 0.5)
+    assert 0 < loss < 20
