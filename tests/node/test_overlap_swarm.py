@@ -12,6 +12,7 @@ import pytest
 from swarm.averaging.averager import Averager
 from tests.node.inprocess import LocalSwarm
 from tests.node.test_one_swarm import assert_one_state
+from tests.waiting import until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
@@ -57,3 +58,25 @@ async def test_a_newcomer_joining_while_a_round_is_in_flight_ends_in_sync(
     last = [n.steps()[4] for n in (*founders, newcomer[0])]  # type: ignore[union-attr]
     assert len({e["state_sha256"] for e in last}) == 1
     assert all(e["group_size"] == 3 for e in last), [e["group_size"] for e in last]
+
+
+async def test_a_stop_while_a_round_is_in_flight_finishes_that_round_first(
+    local: LocalSwarm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM's contract holds with --overlap: the group counts on our part of the round under
+    way (step 1's, in flight while step 2 trains), so the node finishes it, then stops."""
+    bootstrap = await local.start_bootstrap()
+    stopping, going_on = (local.start((bootstrap,), max_outer_steps=6, overlap="eager") for _ in range(2))
+    run_round = Averager.run_round
+
+    async def stopped_meanwhile(self: Averager, group, tensors, matchmaking_s):  # type: ignore[no-untyped-def]
+        if self.host.peer_id == stopping.node.peer_id and group.step == 1:
+            stopping.stop.set()
+        return await run_round(self, group, tensors, matchmaking_s)
+
+    monkeypatch.setattr(Averager, "run_round", stopped_meanwhile)
+    assert await asyncio.wait_for(stopping.task, 120) == "stopped"
+    steps = stopping.steps()
+    assert max(steps) == 1 and steps[1]["group_size"] == 2  # the round in flight landed; nothing after it
+    other = await until(lambda: going_on.steps().get(1), 30, "the other member's step 1")
+    assert other["state_sha256"] == steps[1]["state_sha256"]
