@@ -56,8 +56,6 @@ def train_overlapped(data: Any, workload: Workload, setting: Setting, mode: str,
     peers = worker_peers(workload)
     config = setting.diloco_config(workload)
     workers = [_ScheduledDiLoCo(build_model(preset(workload.model), seed=workload.seed), config) for _ in peers]
-    for worker in workers:
-        worker.keep_average = mode == "eager"
     h = setting.h.target
     started, losses, done = time.perf_counter(), [], 0
     pending: list[torch.Tensor] | None = None  # the average of the round in flight
@@ -85,7 +83,7 @@ def train_overlapped(data: Any, workload: Workload, setting: Setting, mode: str,
             if done >= workload.steps:  # the last round: nothing left to overlap with
                 worker.apply_outer(averaged)
             else:
-                worker.begin_overlap(eager=mode == "eager", share=1 / len(workers))
+                worker.begin_overlap(eager=mode == "eager")
         pending = None if done >= workload.steps else averaged
     if len({w.outer_sha256() for w in workers}) != 1:
         raise AssertionError("workers ended with different θ_outer")

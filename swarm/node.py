@@ -137,7 +137,6 @@ class SwarmNode(OuterStepLoop):
             self.settings = training_settings(config)
             eval_set = eval_windows(data.eval, config.seq_len, config.eval_windows)
             self._evaluate = functools.partial(eval_loss, model, eval_set)
-        self.diloco.keep_average = config.overlap == "eager"  # the stale half of eager's proxy
         self.inner = UserSteps(self.diloco)  # inner steps run only while the node allows them
         if config.model != CUSTOM_MODEL:
             # DataLoop; a node of several ranks: rank 0's LeaderLoop (swarm/ranks/leader.py)

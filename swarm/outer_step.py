@@ -79,9 +79,8 @@ class OuterStepLoop(StepEnd):
                     continue
                 if self._overlaps(found, step):
                     progress = self.inner.snapshot()  # step's own, before round step+1's steps begin
-                    begin = functools.partial(self.diloco.begin_overlap, eager=self.config.overlap == "eager",
-                                              share=self._share(found))  # fmt: skip
-                    await self.inner.call(begin)
+                    await self.inner.call(functools.partial(self.diloco.begin_overlap,
+                                                            eager=self.config.overlap == "eager"))  # fmt: skip
                     finishing = self._finish_step(averager, keeper, book, step, found, stop, progress)
                     in_flight = asyncio.ensure_future(finishing)
                     continue
@@ -127,13 +126,6 @@ class OuterStepLoop(StepEnd):
         step we trained nothing of (a late joiner's) nor for the last (nothing left to train)."""
         last = self.config.max_outer_steps is not None and step + 1 >= self.config.max_outer_steps
         return self.config.overlap != "none" and found.group is not None and self.diloco.inner_done > 0 and not last
-
-    def _share(self, found: Matchmade) -> float:
-        """Our weight's share of the group's (eager's proxy mixes our Δ in at it); 1 if unknown."""
-        members = found.group.members if found.group is not None else ()
-        total = sum(m.weight for m in members)
-        ours = sum(m.weight for m in members if m.peer_id == self.peer_id)
-        return min(1.0, max(ours / total, 1e-6)) if total > 0 and ours > 0 else 1.0
 
     async def _settle(self, in_flight: asyncio.Future[bool]) -> None:
         """Wait for a round in flight to end (its own timeouts bound it); a failure is logged."""

@@ -66,7 +66,6 @@ class StepEnd:
 
     # SwarmNode's state, read and written here (set in SwarmNode.__init__)
     config: NodeConfig
-    peer_id: PeerID
     diloco: DiLoCo
     inner: UserSteps
     events: EventSink

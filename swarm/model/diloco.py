@@ -121,10 +121,6 @@ class DiLoCo:
         self.revision = 0
         self.pending: PendingRound | None = None  # step t's round in flight (begin_overlap)
         self._at_outer = True  # θ_inner is θ_outer, bit for bit (no inner step since the outer one)
-        # --overlap eager: the last average applied, the stale half of the next proxy (begin_overlap);
-        # one more fp32 copy of the model, so kept only when asked
-        self.keep_average = False
-        self.last_average: list[torch.Tensor] | None = None
         # a caller's own optimizer sets its own learning rate; ours follows config's schedule
         self.owns_lr = inner_optimizer is None
         if inner_optimizer is None:
@@ -231,8 +227,6 @@ class DiLoCo:
         Raises ValueError, with nothing changed, on a wrong count, shape or a non-finite value."""
         grads = self._checked(averaged, "averaged pseudo-gradient")
         self._outer_update(grads, commit=True)
-        if self.keep_average:
-            self.last_average = [g.clone() for g in grads]
         pending, self.pending = self.pending, None
         if pending is None:
             self._finish_outer_step()
@@ -254,22 +248,17 @@ class DiLoCo:
         return moved
 
     @torch.no_grad()
-    def begin_overlap(self, *, eager: bool, share: float = 1.0) -> None:
+    def begin_overlap(self, *, eager: bool) -> None:
         """End the inner phase of step t with its round still to come (the module docstring):
         Δ_t and its weight are kept, and round t+1's inner steps may begin from θ_outer(t) moved
-        by a proxy of the group's average (eager) or from where they are (delayed). The proxy
-        (Kale et al. 2025, "eager updates"): our Δ_t at `share` (our weight's share of the
-        group's), the rest the last average that landed, when `keep_average` kept one."""
+        by our own Δ_t, the proxy of the group's average (eager), or from where they are
+        (delayed). (Eager updates' other proxy, our Δ at our share plus the last average for the
+        rest, lost more in scripts/overlap_sweep.py: README.)"""
         if self.pending is not None:
             raise RuntimeError("a round is already in flight: land it first (apply_outer)")
-        if not 0.0 < share <= 1.0:
-            raise ValueError(f"share must be in (0, 1], got {share}")
         deltas = self.pseudo_gradients()
         if eager:
-            last = self.last_average
-            proxy = deltas if last is None or share == 1.0 else \
-                [torch.mul(d, share).add_(a, alpha=1.0 - share) for d, a in zip(deltas, last, strict=True)]  # fmt: skip
-            base = self._outer_update(proxy, commit=False)
+            base = self._outer_update(deltas, commit=False)
             for p, proxy in zip(self.params, base, strict=True):
                 p.detach().copy_(proxy)
             self.revision += 1
@@ -347,8 +336,6 @@ class DiLoCo:
     def _finish_outer_step(self, advance: bool = True) -> None:
         self.pending = None  # a loaded state replaces a round in flight and what round t+1 trained
         self._at_outer = True
-        if not advance:
-            self.last_average = None  # of another trajectory
         for p, theta in zip(self.params, self.outer_params, strict=True):
             p.detach().copy_(theta)
         self.revision += 1

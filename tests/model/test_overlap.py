@@ -121,25 +121,3 @@ def test_the_overlap_sweep_runs_the_nodes_arithmetic_and_its_workers_agree() -> 
     workload = Workload(steps=12, seq_len=32, eval_windows=2, lr_schedule="constant")
     loss, _ = train_overlapped(load_corpus(), workload, Setting(name="H4", h=HSchedule(target=4)), "eager", 0.5)
     assert 0 < loss < 20
-
-
-def test_the_eager_proxy_mixes_our_delta_at_our_share_with_the_last_average(corpus: torch.Tensor) -> None:
-    """Eager updates' proxy: our Δ_t at our share of the group's weight, the rest the average that
-    landed last (kept only with keep_average); round t+1 starts from θ_outer moved by it."""
-    d, reference = member(), member()
-    d.keep_average = True
-    train(d, corpus, b"f")
-    train(reference, corpus, b"f")
-    last = [g * 0.5 for g in d.pseudo_gradients()]
-    d.apply_outer(copy(last))
-    reference.apply_outer(copy(last))
-    assert d.last_average is not None and reference.last_average is None
-    train(d, corpus, b"f")
-    train(reference, corpus, b"f")
-    mixed = [g * 0.25 + a * 0.75 for g, a in zip(reference.pseudo_gradients(), last, strict=True)]
-    d.begin_overlap(eager=True, share=0.25)
-    reference.apply_outer(mixed)  # where a blocking member would be with the proxy as its average
-    for p, theta in zip(d.params, reference.outer_params, strict=True):
-        torch.testing.assert_close(p.detach(), theta, rtol=0, atol=1e-6)
-    with pytest.raises(ValueError, match="share"):
-        member().begin_overlap(eager=True, share=0.0)
