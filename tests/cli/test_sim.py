@@ -133,7 +133,7 @@ def test_eight_nodes_with_churn_hold_one_state_at_every_outer_step(tmp_path: Pat
     reports it reports one state."""
     run_dir = tmp_path / "run"
     # a node killed mid-round costs the round part_timeout (60 s by default): 10 s here
-    args = ("--outer-steps", "14", "--kill-every", "8", "--join-every", "8", "--seed", "1", "--timeout", "360",
+    args = ("--outer-steps", "10", "--kill-every", "8", "--join-every", "8", "--seed", "1", "--timeout", "360",
             "--part-timeout", "10")  # fmt: skip
     code, out, err = _run("--nodes", "8", *QUICK[:-2], *args, "--run-dir", str(run_dir), timeout=400)
     assert code == 0, f"{out}\n{err}"
