@@ -179,7 +179,9 @@ def check_bnb(x: Any) -> dict[str, Any]:
     decoded = torch.zeros_like(finite)
     codec.decode_accumulate(decoded, payload, 1.0)
     scaled = finite / absmax.repeat_interleave(4096)[: finite.numel()].clamp_min(1e-38)
-    nearest = (scaled[:, None] - levels[None, :]).abs().min(dim=1).values
+    ordered, _ = levels.sort()
+    above = torch.searchsorted(ordered, scaled).clamp(1, ordered.numel() - 1)  # the two levels around each value
+    nearest = torch.minimum((scaled - ordered[above]).abs(), (scaled - ordered[above - 1]).abs())
     chosen = (scaled - levels[indices]).abs()
     return {"bnb8_decode_exact": bool(torch.equal(decoded, expected)),
             "bnb8_nearest_level": bool((chosen <= nearest + 1e-6).all())}  # fmt: skip
@@ -234,8 +236,9 @@ def check_swarm(outer_steps: int, timeout: float) -> dict[str, Any]:
                 "--metrics-file", str(work / f"node{i}.jsonl")], stdout=subprocess.DEVNULL,
                 stderr=open(work / f"node{i}.log", "wb")))  # fmt: skip  # noqa: SIM115
         codes = [process_control.wait(p, timeout) for p in procs[1:]]
-        steps = [[json.loads(line) for line in (work / f"node{i}.jsonl").read_text().splitlines()
-                  if '"outer_step"' in line and '"event": "outer_step"' in line] for i in range(2)]  # fmt: skip
+        events = [[json.loads(line) for line in (work / f"node{i}.jsonl").read_text().splitlines() if line.strip()]
+                  for i in range(2)]  # fmt: skip
+        steps = [[e for e in node if e.get("event") == "outer_step"] for node in events]
         shas = [{e["outer_step"]: e["state_sha256"] for e in s} for s in steps]
         common = set(shas[0]) & set(shas[1])
         evals = [e["eval_loss"] for e in steps[0] if e.get("eval_loss") is not None]
@@ -243,7 +246,7 @@ def check_swarm(outer_steps: int, timeout: float) -> dict[str, Any]:
                 "swarm_states_agree": bool(common) and all(shas[0][s] == shas[1][s] for s in common),
                 "swarm_loss_falls": len(evals) >= 2 and evals[-1] < evals[0], "swarm_dir": str(work)}  # fmt: skip
     finally:
-        process_control.stop_all(procs)
+        process_control.stop_all(procs, 10.0)
 
 
 def failures(figures: dict[str, Any], peak: float | None) -> list[str]:
