@@ -62,6 +62,7 @@ class UserSteps:
         self._cond = threading.Condition()
         self._permits = 0  # inner steps the caller may still run this outer step
         self._stepping = False  # the caller holds a permit: it may be reading or writing the model
+        self._writing = False  # the caller is in its optimizer step (step_after_backward)
         self._holds = 0  # node work on the model (call) waiting or running: no permit is handed out
         self._closed = False
         self._failure: BaseException | None = None
@@ -143,13 +144,19 @@ class UserSteps:
         """fn(*args) once the caller holds no permit; the hold `call` took is released after."""
         try:
             with self._cond:
-                while not self._cond.wait_for(lambda: not self._stepping or self._failure is not None, HOLD_LOG_S):
+                while not self._cond.wait_for(self._caller_off_the_model, HOLD_LOG_S):
                     logger.warning("the node's work on the model waits for an inner step that has run %.0fs",
                                    time.perf_counter() - self._mark)  # fmt: skip
             return fn(*args)
         finally:
             with self._cond:
                 self._release_hold()
+
+    def _caller_off_the_model(self) -> bool:
+        """The caller holds no permit, or cannot use it any more (the session ended, its loop
+        failed: a loop that died holding one must not hang the node), and is not in its
+        optimizer step."""
+        return (not self._stepping or self._closed or self._failure is not None) and not self._writing
 
     def _release_hold(self) -> None:
         self._holds -= 1
@@ -218,7 +225,13 @@ class UserSteps:
                 raise SessionClosed("the swarm session has ended")
             if self._permits <= 0:
                 raise RuntimeError("no inner step is open: wait for the swarm's outer step first")
-        stats = self.diloco.step_after_backward(tokens, loss=loss)  # the permit keeps the node off the model
+            self._writing = True
+        try:
+            stats = self.diloco.step_after_backward(tokens, loss=loss)  # the permit keeps the node off the model
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
         now = time.perf_counter()
         with self._cond:
             took, self._mark = now - self._mark, now

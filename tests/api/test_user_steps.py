@@ -150,3 +150,19 @@ async def test_the_nodes_work_on_the_model_waits_for_the_callers_step_and_holds_
     steps.finish()
     thread.join(5.0)
     steps.close()
+
+
+async def test_a_caller_that_left_holding_a_permit_does_not_hang_the_node_once_the_session_ends() -> None:
+    """A caller's loop that raised between wait_for_permit and step (its own bug) leaves a permit
+    held: the node's work waits for it while the session runs, and runs once it has ended."""
+    diloco = wrapped()
+    steps = UserSteps(diloco)
+    training = asyncio.ensure_future(steps.train(2))
+    assert await asyncio.to_thread(steps.wait_for_permit, 5.0)  # and then never steps
+    work = asyncio.ensure_future(steps.call(lambda: "ran"))
+    await asyncio.sleep(0.1)
+    assert not work.done()
+    steps.finish()
+    assert await asyncio.wait_for(work, 5.0) == "ran"
+    await asyncio.wait_for(training, 5.0)
+    steps.close()
