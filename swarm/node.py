@@ -191,7 +191,8 @@ class SwarmNode(OuterStepLoop):
                       id_proof_path=self.id_proof_path)  # fmt: skip
         await dht.start()
         averager = Averager(dht, host, config.run_id, config.averaging_config(self.client_mode, self._settings_digest))
-        keeper = StateKeeper(host, dht, self.run_info, in_trainer=self.inner.call, serve=not self.client_mode,
+        keeper = StateKeeper(host, dht, self.run_info, in_trainer=self.inner.call, beside_trainer=self.inner.beside,
+                             serve=not self.client_mode,
                              checkpoint_dir=Path(config.checkpoint_dir) if config.checkpoint_dir else None,
                              config=config.keeper_config(), on_fetch_progress=self.events.fetch_progress,
                              vouching=initial_peer_ids(self.initial_peers), elders=self.initial_peers)  # fmt: skip

@@ -60,6 +60,13 @@ def pids_inside(pid: int) -> list[int]:
     return []
 
 
+def _reap(proc: subprocess.Popen[str]) -> None:
+    """A benchmark that is still running (a failed wait): killed and reaped."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
 def run_on_links(command: list[str], timeout: float) -> str:
     """Run a benchmark on shaped links to its end: it must exit 0 and leave no namespace. Its stdout."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -67,9 +74,7 @@ def run_on_links(command: list[str], timeout: float) -> str:
         try:
             out, err = proc.communicate(timeout=timeout)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+            _reap(proc)
         assert proc.returncode == 0, err[-3000:]
         assert not namespaces_of(proc.pid), "the run's namespaces are still there"
     return out
@@ -88,9 +93,7 @@ def sigterm_on_links(command: list[str], children: int) -> None:
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=60)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+            _reap(proc)
         assert proc.returncode == 143, err[-3000:]
         assert not namespaces_of(proc.pid), "the run's namespaces are still there"
         assert not [pid for pid in inside if lab_module.pid_alive(pid)], "a child outlived the run"

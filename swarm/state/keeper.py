@@ -84,9 +84,14 @@ class StateKeeper:
         on_fetch_progress: Callable[[FetchProgress], None] | None = None,
         vouching: frozenset[PeerID] = frozenset(),
         elders: Sequence[str] = (),
+        beside_trainer: InTrainer | None = None,
     ) -> None:
         self.host, self.dht, self.run, self.config = host, dht, run, config
+        # in_trainer: work that writes the model (a loaded state), between the caller's inner
+        # steps; beside_trainer: work that only reads the outer state (the copy to publish), in the
+        # same thread while the inner steps go on (an overlapped node trains meanwhile)
         self.in_trainer = in_trainer
+        self.beside_trainer = beside_trainer or in_trainer
         self.server = StateServer(host, run.run_id, max_uploads=config.max_uploads) if serve else None
         self.checkpoints = CheckpointDir(checkpoint_dir) if checkpoint_dir is not None else None
         self.on_fetch_progress = on_fetch_progress
@@ -244,10 +249,10 @@ class StateKeeper:
         thread too (load_local gives them back)."""
         if self._publishing is not None:
             await asyncio.gather(self._publishing, return_exceptions=True)
-        copied = await self.in_trainer(lambda: copy_state(diloco.state_dict()))
+        copied = await self.beside_trainer(lambda: copy_state(diloco.state_dict()))
         if checkpoint is None:
             checkpoint = copied["outer_step"] % self.config.checkpoint_every == 0
-        own = await self.in_trainer(local) if local is not None and checkpoint and self.checkpoints else None
+        own = await self.beside_trainer(local) if local is not None and checkpoint and self.checkpoints else None
         self._publishing = asyncio.ensure_future(self._publish(copied, checkpoint, own))
 
     async def load_local(self, step: int) -> dict[str, torch.Tensor]:
