@@ -39,6 +39,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -104,10 +105,36 @@ def _die_with_parent() -> None:  # preexec_fn: runs in the child between fork an
     die_with_parent()
 
 
+class TerminatedBySigterm(SystemExit):
+    """What exit_on_sigterm's handler raises: SystemExit with code 143."""
+
+
 def exit_on_sigterm() -> None:
     """In a parent: SIGTERM unwinds like Ctrl+C (SystemExit 143), so `finally` blocks stop the
-    children instead of leaving them running."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    children instead of leaving them running.
+
+    Python drops an exception raised where nothing can catch it: a SIGTERM that comes while the
+    process forks (every subprocess start) is handled inside logging's at-fork hook, and the
+    SystemExit only prints "Exception ignored". Such a drop goes through sys.unraisablehook; ours
+    then sends SIGTERM again from a thread, so that it lands in the main code a moment later."""
+
+    def raise_exit(*_: Any) -> None:
+        raise TerminatedBySigterm(128 + signal.SIGTERM)
+
+    def redeliver_dropped(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, TerminatedBySigterm):
+            previous_hook(unraisable)
+            return
+        again = threading.Timer(_REDELIVER_S, os.kill, (os.getpid(), signal.SIGTERM))
+        again.daemon = True
+        again.start()
+
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = redeliver_dropped
+    signal.signal(signal.SIGTERM, raise_exit)
+
+
+_REDELIVER_S = 0.05  # past the fork hook that dropped it; nothing waits on it
 
 
 # --- reading what it prints --------------------------------------------------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import subprocess
 import time
@@ -20,9 +19,10 @@ import pytest
 from swarm import process_control
 from swarm.cli.sim_report import STEP_KEYS, EventTail, NodeRecord, loss_summary, write_metrics, write_plot
 from swarm.process_control import console_script
+from tests.child_env import child_env
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-ENV = {k: v for k, v in os.environ.items() if k != "SWARM_INITIAL_PEERS"}
+ENV = child_env()
 # small and quick on 2 cores: a few short rounds of the tiny model
 QUICK = (
     "--outer-steps", "4", "--inner-steps", "8", "--batch-size", "2", "--seq-len", "64",

@@ -5,7 +5,6 @@ they refuse."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
@@ -24,9 +23,10 @@ from swarm import process_control
 from swarm.cli.dht import main as dht_main
 from swarm.cli.sim import main as sim_main
 from swarm.process_control import console_script
+from tests.child_env import child_env
 
 T = TypeVar("T")
-ENV = {k: v for k, v in os.environ.items() if k != "SWARM_INITIAL_PEERS"} | {"OMP_NUM_THREADS": "1"}
+ENV = child_env(OMP_NUM_THREADS="1")
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 

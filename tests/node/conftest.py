@@ -4,7 +4,6 @@ stopped by PID (SIGTERM, then SIGKILL) when the test ends, pass or fail."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -17,10 +16,11 @@ import torch
 from swarm import process_control
 from swarm.model.data import TokenData, load_data
 from swarm.process_control import console_script
+from tests.child_env import child_env
 from tests.node.inprocess import LocalSwarm
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
-ENV = {k: v for k, v in os.environ.items() if k != "SWARM_INITIAL_PEERS"} | {"OMP_NUM_THREADS": "1"}
+ENV = child_env(OMP_NUM_THREADS="1")
 # small and quick: tiny model, short windows, one torch thread per node (2-core machines)
 FAST_SETTINGS = ("--model", "tiny", "--batch-size", "2", "--seq-len", "64")  # the run settings of FAST
 FAST = (*FAST_SETTINGS, "--threads", "1", "--eval-windows", "8")

@@ -70,7 +70,8 @@ def test_three_nodes_train_together_with_identical_state(swarm: Swarm) -> None:
     assert steps[-1]["eval_loss"] < steps[0]["eval_loss"] - 0.2
     assert all(e["bytes_sent"] > 0 for e in steps if e["group_size"] > 1)
     start = swarm.events("a", "start")[0]
-    assert start["outer_step"] == 0 and start["maddrs"] and start["parameters"] > 1_000_000
+    # 0, unless the other two formed step 0's group before this one was up: it starts from theirs
+    assert start["outer_step"] <= steps[0]["outer_step"] and start["maddrs"] and start["parameters"] > 1_000_000
     assert swarm.events("a", "exit")[0]["reason"] == "finished"
     out = (swarm.workdir / "a.out").read_text()
     assert "join with: swarm-node" in out and start["maddrs"][0] in out

@@ -195,6 +195,32 @@ def test_the_error_names_the_command_when_no_name_is_given(children: list) -> No
         process_control.read_json_line(proc, 10)
 
 
+# --- a parent that exits on SIGTERM ---------------------------------------------------------------
+
+# SIGTERM lands in an at-fork hook (as it does when it comes while the process forks a child with a
+# preexec_fn, e.g. die_with_parent): Python drops the SystemExit raised there, and exit_on_sigterm
+# must still unwind through `finally`, with 143
+SIGTERM_DURING_A_FORK = """
+import os, signal, time
+from swarm import process_control
+process_control.exit_on_sigterm()
+os.register_at_fork(after_in_parent=lambda: os.kill(os.getpid(), signal.SIGTERM))
+try:
+    process_control.wait(process_control.start(["true"], die_with_parent=True), 10)
+    time.sleep(30)
+finally:
+    print("unwound", flush=True)
+"""
+
+
+def test_a_sigterm_python_drops_during_a_fork_still_unwinds_with_143(children: list) -> None:
+    proc = python(children, SIGTERM_DURING_A_FORK, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 143, err
+    assert out == b"unwound\n"
+    assert b"Exception ignored" not in err
+
+
 # --- the module itself ---------------------------------------------------------------------------
 
 
