@@ -114,9 +114,10 @@ def exit_on_sigterm() -> None:
     children instead of leaving them running.
 
     Python drops an exception raised where nothing can catch it: a SIGTERM that comes while the
-    process forks (every subprocess start) is handled inside logging's at-fork hook, and the
-    SystemExit only prints "Exception ignored". Such a drop goes through sys.unraisablehook; ours
-    then sends SIGTERM again from a thread, so that it lands in the main code a moment later."""
+    process forks through the at-fork hooks (a child with a preexec_fn, as die_with_parent starts
+    one) is handled inside logging's hook, and the SystemExit only prints "Exception ignored".
+    Such a drop goes through sys.unraisablehook; ours then sends SIGTERM again from a thread, so
+    that it lands in the main code a moment later."""
 
     def raise_exit(*_: Any) -> None:
         raise TerminatedBySigterm(128 + signal.SIGTERM)
