@@ -19,7 +19,7 @@ import pytest
 from swarm import process_control
 from swarm.cli.sim_report import STEP_KEYS, EventTail, NodeRecord, loss_summary, write_metrics, write_plot
 from swarm.process_control import console_script
-from tests.child_env import child_env
+from tests.children import child_env
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ENV = child_env()

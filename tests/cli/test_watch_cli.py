@@ -23,7 +23,7 @@ from swarm import process_control
 from swarm.cli.dht import main as dht_main
 from swarm.cli.sim import main as sim_main
 from swarm.process_control import console_script
-from tests.child_env import child_env
+from tests.children import child_env
 
 T = TypeVar("T")
 ENV = child_env(OMP_NUM_THREADS="1")

@@ -25,7 +25,7 @@ from swarm.cli.dht import main, parse_value
 from swarm.dht import DHT, owner_subkey, run_keys
 from swarm.p2p import Identity, P2PConfig
 from swarm.process_control import console_script
-from tests.child_env import child_env
+from tests.children import child_env
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 CLIENT_TIMEOUT = "5"  # seconds, --timeout of the client commands

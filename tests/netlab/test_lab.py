@@ -15,12 +15,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from swarm.netlab import PREFIX, Lab, LabError, exec_prefix, missing, parse_rate
 from swarm.netlab import lab as lab_module
+from tests.children import exited
 
 needs_lab = pytest.mark.skipif(missing() is not None, reason=f"a lab {missing()}")
 
@@ -205,14 +205,6 @@ time.sleep(300)
 """
 
 
-def _gone(pid: int) -> bool:
-    """Exited (a zombie waiting for init counts: it has left its namespace)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 @needs_lab
 @pytest.mark.timeout(60)
 def test_a_killed_runs_leftovers_are_removed_at_the_next_start(run_name: str) -> None:
@@ -234,14 +226,14 @@ def test_a_killed_runs_leftovers_are_removed_at_the_next_start(run_name: str) ->
             assert not _left(dead), "the dead owner's namespaces are still there"
             assert _left(lab.name) == [lab.name]
         deadline = time.monotonic() + 5
-        while not _gone(sleeper) and time.monotonic() < deadline:
+        while not exited(sleeper) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _gone(sleeper), "the process left in the killed run's namespace still runs"
+        assert exited(sleeper), "the process left in the killed run's namespace still runs"
     finally:
         if owner.poll() is None:
             owner.kill()
             owner.wait()
-        if sleeper is not None and not _gone(sleeper):
+        if sleeper is not None and not exited(sleeper):
             os.kill(sleeper, signal.SIGKILL)
         with contextlib.suppress(LabError):
             lab_module.remove(_left(_lab_prefix(run_name, owner.pid))[::-1])

@@ -16,7 +16,7 @@ import torch
 from swarm import process_control
 from swarm.model.data import TokenData, load_data
 from swarm.process_control import console_script
-from tests.child_env import child_env
+from tests.children import child_env
 from tests.node.inprocess import LocalSwarm
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"

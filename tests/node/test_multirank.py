@@ -15,6 +15,7 @@ import pytest
 from swarm import process_control
 from swarm.cli.common import load_identity
 from swarm.process_control import console_script
+from tests.children import exited
 from tests.node.conftest import ENV, FAST, LOOPBACK, Swarm
 
 pytestmark = pytest.mark.swarm
@@ -56,7 +57,7 @@ def test_two_nodes_of_two_ranks_train_together_and_every_rank_holds_theta_outer(
         assert len(held) == 4 and len(set(held.values())) == 1, f"outer step {step}: {held}"
     for name in procs:
         assert "rank 1: rank 0 says stop" in swarm.stderr(name)
-        assert all(_gone(pid) for pid in _rank_pids(swarm, name))
+        assert all(exited(pid) for pid in _rank_pids(swarm, name))
 
 
 @pytest.mark.timeout(240)
@@ -122,11 +123,11 @@ def test_a_hung_rank_ends_its_node_after_the_rank_timeout(swarm: Swarm) -> None:
     try:
         assert swarm.exit_code("hung", proc, 90) == 1, swarm.stderr("hung")[-3000:]
     finally:
-        if not _gone(pids[0]):  # the node SIGKILLs it on its way out; never leave it stopped
+        if not exited(pids[0]):  # the node SIGKILLs it on its way out; never leave it stopped
             os.kill(pids[0], signal.SIGCONT)
     err = swarm.stderr("hung")
     assert "swarm-node: error: a rank of this node failed or timed out (" in err and "Traceback" not in err, err[-3000:]
-    assert _gone(pids[0])
+    assert exited(pids[0])
 
 
 @pytest.mark.timeout(120)
@@ -137,7 +138,7 @@ def test_sigterm_leaves_cleanly_and_every_rank_exits(swarm: Swarm) -> None:
     proc.send_signal(signal.SIGTERM)
     assert swarm.exit_code("solo", proc, 60) == 0, swarm.stderr("solo")[-3000:]
     assert "rank 1: rank 0 says stop" in swarm.stderr("solo")
-    assert pids and all(_gone(pid) for pid in pids)
+    assert pids and all(exited(pid) for pid in pids)
 
 
 @pytest.mark.timeout(180)
@@ -158,7 +159,3 @@ def test_under_torchrun_every_rank_is_started_by_torchrun_and_the_node_trains(sw
 
 def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def _gone(pid: int) -> bool:
-    return not Path(f"/proc/{pid}").exists()
