@@ -43,8 +43,8 @@ RUN_ID = "inproc"
 _clean: dict[tuple[bytes, ...], dict[str, Any]] = {}
 
 
-# the honest nodes' eval: 16 windows (512 tokens), not QUICK's 2, so that the 5% comparison with the
-# clean run measures the models rather than two windows' noise (a node-local setting: it costs ms)
+# the honest nodes' eval: 16 windows (512 tokens), not QUICK's 2, a steadier measure of the models for
+# the 5% comparisons with the clean runs (a node-local setting; it costs milliseconds)
 EVAL_WINDOWS = 16
 
 
