@@ -16,7 +16,7 @@ import pytest
 from scripts.worker_process import ROOT
 from swarm.netlab import PREFIX, LabError
 from swarm.netlab import lab as lab_module
-from tests.children import exited
+from tests.children import still_running
 
 
 def main_error(
@@ -97,7 +97,5 @@ def sigterm_on_links(command: list[str], children: int) -> None:
             _reap(proc)
         assert proc.returncode == 143, err[-3000:]
         assert not namespaces_of(proc.pid), "the run's namespaces are still there"
-        deadline = time.monotonic() + 5  # a child killed as the run ended is a zombie until init reaps it
-        while (running := [pid for pid in inside if not exited(pid)]) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        running = still_running(inside)  # a child killed as the run ended is a zombie until init reaps it
         assert not running, f"a child outlived the run: {running}"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 # SWARM_INITIAL_PEERS: a user's own swarm must not be joined. COLUMNS and LINES: pytest-xdist's
@@ -20,5 +22,19 @@ def exited(pid: int) -> bool:
     one whose parent is gone is reaped by init a moment later, not at once."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+    except OSError:  # gone, or no /proc: ask the kernel (there a zombie counts as running)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, someone else's
+            return False
+        return False
+
+
+def still_running(pids: Iterable[int], timeout: float = 5.0) -> list[int]:
+    """Those of `pids` that have not exited after up to `timeout` seconds (none: at once)."""
+    pids, deadline = list(pids), time.monotonic() + timeout
+    while (running := [pid for pid in pids if not exited(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return running

@@ -13,14 +13,13 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from swarm.netlab import PREFIX, Lab, LabError, exec_prefix, missing, parse_rate
 from swarm.netlab import lab as lab_module
-from tests.children import exited
+from tests.children import exited, still_running
 
 needs_lab = pytest.mark.skipif(missing() is not None, reason=f"a lab {missing()}")
 
@@ -225,10 +224,7 @@ def test_a_killed_runs_leftovers_are_removed_at_the_next_start(run_name: str) ->
         with Lab.create(f"{run_name}-next") as lab:  # the next start
             assert not _left(dead), "the dead owner's namespaces are still there"
             assert _left(lab.name) == [lab.name]
-        deadline = time.monotonic() + 5
-        while not exited(sleeper) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert exited(sleeper), "the process left in the killed run's namespace still runs"
+        assert not still_running([sleeper]), "the process left in the killed run's namespace still runs"
     finally:
         if owner.poll() is None:
             owner.kill()

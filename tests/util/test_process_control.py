@@ -5,7 +5,6 @@ another, a silent child times out with a clear error, and no child is left unrea
 from __future__ import annotations
 
 import ast
-import contextlib
 import os
 import signal
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from swarm import process_control
+from tests.children import still_running
 
 # a child that says it is ready only once its SIGTERM handler is in place
 IGNORES_SIGTERM = """
@@ -52,20 +52,8 @@ def assert_reaped(pid: int) -> None:
 def assert_dead(pid: int, timeout: float = 5.0) -> None:
     """A process that is not our child (a grandchild) is dead: gone, or a zombie that its new
     parent (init, or a container's first process) has not reaped yet."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-        except OSError:  # gone (or no /proc: ask the kernel)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, 0)
-                time.sleep(0.02)
-                continue
-            return
-        if state == "Z":
-            return
-        time.sleep(0.02)
-    pytest.fail(f"process {pid} still runs {timeout:g}s after its group was stopped")
+    if still_running([pid], timeout):
+        pytest.fail(f"process {pid} still runs {timeout:g}s after its group was stopped")
 
 
 # --- stopping ------------------------------------------------------------------------------------
