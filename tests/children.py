@@ -7,6 +7,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from swarm.netlab.lab import pid_alive
+
 # SWARM_INITIAL_PEERS: a user's own swarm must not be joined. COLUMNS and LINES: pytest-xdist's
 # workers set them (80 x 24), and a child's tables would then be cut to 80 columns.
 _LEFT_OUT = ("SWARM_INITIAL_PEERS", "COLUMNS", "LINES")
@@ -23,13 +25,7 @@ def exited(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:  # gone, or no /proc: ask the kernel (there a zombie counts as running)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # alive, someone else's
-            return False
-        return False
+        return not pid_alive(pid)
 
 
 def still_running(pids: Iterable[int], timeout: float = 5.0) -> list[int]:
