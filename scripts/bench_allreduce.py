@@ -11,7 +11,9 @@ the raw loopback throughput (plain Python sockets, as in bench_p2p.py). With --c
 the same configurations run on hivemind's DecentralizedAverager (scripts/hivemind_allreduce.py).
 `--aggregators mean,robust` measures the part owners' rules one after the other (issue 12: the
 robust reduction's cost is robust's round time against mean's); "robust+audit" adds the owner
-audit (audit_round.py), which the other names leave off.
+audit (audit_round.py), which the other names leave off; "+whole" (e.g. "mean+whole") has each
+owner answer only once its whole part is reduced, instead of chunk by chunk as the senders'
+bytes arrive (AveragingConfig.stream_parts).
 
 `--link RATE` (as root) puts each member in a network namespace of its own behind a link shaped
 to RATE both ways (swarm.netlab, as `swarm-sim --link`), instead of 127.0.0.1; the table then
@@ -74,8 +76,9 @@ async def worker_main(host_ip: str) -> None:
         vector, vector_key = None, None
         while line := await loop.run_in_executor(None, sys.stdin.readline):
             cmd = json.loads(line)
-            aggregator, _, extra = cmd["aggregator"].partition("+")
-            avg_config = AveragingConfig(codec=cmd["codec"], aggregator=aggregator, audit=extra == "audit",
+            aggregator, *extras = cmd["aggregator"].split("+")
+            avg_config = AveragingConfig(codec=cmd["codec"], aggregator=aggregator, audit="audit" in extras,
+                                         stream_parts="whole" not in extras,
                                          part_timeout=60.0, request_timeout=30.0)  # fmt: skip
             if registry is None:
                 registry = RoundRegistry(host, avg_config)
@@ -237,7 +240,8 @@ def main() -> None:
     parser.add_argument("--codecs", default="none,fp16,int8")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--aggregators", default="robust", help="part owners' rule(s): robust, mean, robust+audit")
+    parser.add_argument("--aggregators", default="robust",
+                        help="part owners' rule(s): robust, mean, robust+audit; +whole: not streamed")  # fmt: skip
     parser.add_argument("--compare", choices=["hivemind"])
     parser.add_argument("--link", metavar="RATE", help="each member on its own link of RATE (e.g. 100mbit; root)")
     parser.add_argument("--json", action="store_true")

@@ -20,7 +20,12 @@ Faults (DESIGN invariant 5):
 
     avg.part   {"g": group_id, "i": sender index, "p": part}
                sender -> reducer: the encoded part (raw chunks), then end
-               reducer -> sender: msgpack {"inc": [member indices]}, then the encoded average
+               reducer -> sender: msgpack {"inc": [member indices]}, then the encoded average;
+               or, streamed (the owner's own part: reduction.py), {"inc": [...], "st": 1}, then
+               {"c": c} and chunk c's bytes as each chunk is reduced, while the senders' bytes
+               still arrive, then {"fin": 1} (those bytes are the average) or {"inc": [...]}
+               and the whole encoded average (reduced again without a sender that failed, or
+               by the robust rule clipping someone: it replaces the streamed bytes)
     avg.fetch  {"g": group_id, "p": part}
                -> msgpack {"inc": [...]} and the encoded average, or {"none": true}
     avg.receipt  the owner audit, once every part is final (audit_round.py)
@@ -41,10 +46,10 @@ from swarm.averaging.config import AveragingConfig
 from swarm.averaging.errors import AllReduceError
 from swarm.averaging.messages import GroupInfo
 from swarm.averaging.partition import part_bounds, payload_layout, payload_size
-from swarm.averaging.reduction import PartReduction
+from swarm.averaging.reduction import Incoming, PartReduction, byte_buffer
 from swarm.averaging.registry import FETCH, PART, RoundRegistry
 from swarm.averaging.round_member import RoundMember, RoundReport, await_parts
-from swarm.averaging.round_streams import Final, read_exactly, read_header, write_encoded
+from swarm.averaging.round_streams import Final, read_exactly, read_header, read_into, write_encoded
 from swarm.p2p.errors import BadRequest, P2PError
 from swarm.p2p.handlers import CallContext
 from swarm.p2p.host import P2PHost
@@ -131,7 +136,7 @@ class AllReduceRound(RoundMember):
             expected = {i for i in range(len(self.group.members)) if i not in (j, self.me)}
             reduction = PartReduction(
                 j, lo, hi, self.me, self.vector[lo:hi], self.weights, expected, self.codec, self.config.chunk_elements,
-                aggregator=self.config.aggregator,
+                aggregator=self.config.aggregator, streams=self.config.stream_parts and j == self.me,
             )  # fmt: skip
             self.reductions[j] = reduction
             self._tasks.append(asyncio.ensure_future(self._run_reduction(reduction, takeover=j != self.me)))
@@ -156,27 +161,60 @@ class AllReduceRound(RoundMember):
         member = self.group.members[reducer]
         async with await self.host.open_stream(member.address(), PART, args, timeout=timeout) as stream:
             started = time.monotonic()
-            sent = await write_encoded(stream, self.codec, self.vector, lo, hi, self.config.chunk_elements)
-            self.report.bytes_sent += sent  # not `+= await ...`: that reads the total before the await
-            await stream.end()
-            return await self._read_final(stream, lo, hi, 2 * timeout, (sent, started, time.monotonic() - started))
+            # read while we write: a streamed answer begins before our slice is all sent
+            answer = asyncio.ensure_future(self._read_final(stream, lo, hi, 2 * timeout))
+            answer.add_done_callback(lambda task: task.cancelled() or task.exception())
+            try:
+                sent = await write_encoded(stream, self.codec, self.vector, lo, hi, self.config.chunk_elements)
+                local_s = time.monotonic() - started
+                self.report.bytes_sent += sent  # not `+= await ...`: that reads the total before the await
+                await stream.end()
+                final, last = await answer
+            finally:
+                answer.cancel()
+            self.note_upload(sent, started, local_s, last)  # the owner timed our bytes in its last map
+            if last.get("fin") == 1:
+                self.report.streamed.append(j)
+            return final
 
-    async def _read_final(
-        self, stream: Stream, lo: int, hi: int, timeout: float, upload: tuple[int, float, float] | None = None
-    ) -> Final:
-        """A result: its header, then its payload. `upload`: what we sent on this stream, when we
-        began and how long our writes took (the header times it as the owner saw it)."""
-        header, header_size = await read_header(stream, timeout)
-        if upload is not None:
-            self.note_upload(*upload, header)
+    async def _read_final(self, stream: Stream, lo: int, hi: int, timeout: float) -> tuple[Final, dict[str, Any]]:
+        """A result (its header, then its payload, whole or streamed chunk by chunk), and the
+        last map of the answer (a streamed one's trailer)."""
+        header, received = await read_header(stream, timeout)
+        included = self._included(header)
+        size = self._encoded_size(lo, hi)
+        if not header.get("st"):
+            payload = await read_exactly(stream, size, timeout)
+            self.report.bytes_received += received + size
+            return (included, payload), header
+        layout = payload_layout(lo, hi, self.config.chunk_elements, self.codec.encoded_nbytes)
+        payload, chunks = byte_buffer(size), 0
+        while True:
+            message, message_size = await read_header(stream, timeout)
+            received += message_size
+            if "c" not in message:
+                break
+            if message["c"] != chunks or chunks >= len(layout):
+                raise AllReduceError("streamed result: chunks out of order")
+            where = layout[chunks][2]
+            await read_into(stream, payload[where], timeout)
+            received, chunks = received + where.stop - where.start, chunks + 1
+        if "inc" in message:  # reduced again: the whole average replaces the streamed bytes
+            included = self._included(message)
+            payload = await read_exactly(stream, size, timeout)
+            received += size
+        elif message.get("fin") != 1 or chunks != len(layout) or await stream.read(timeout=timeout) is not None:
+            raise AllReduceError("streamed result: malformed end")
+        self.report.bytes_received += received
+        return (included, payload), message
+
+    def _included(self, header: dict[str, Any]) -> list[int]:
         included = header.get("inc")
         if not isinstance(included, list) or not all(
             isinstance(i, int) and 0 <= i < len(self.weights) for i in included
         ):
             raise AllReduceError("malformed result header")
-        payload = await read_exactly(stream, self._encoded_size(lo, hi), timeout)
-        self.report.bytes_received += len(payload) + header_size
-        return included, payload
+        return included
 
     async def _fetch_from_others(self, j: int) -> Final | None:
         """Does a member already hold part j's average from its original owner?"""
@@ -188,7 +226,8 @@ class AllReduceRound(RoundMember):
             timeout = self.config.request_timeout
             async with await self.host.open_stream(member.address(), FETCH, args, timeout=timeout) as stream:
                 await stream.end()
-                return await self._read_final(stream, lo, hi, timeout)
+                final, _ = await self._read_final(stream, lo, hi, timeout)
+                return final
 
         others = [i for i, m in enumerate(self.group.members) if i not in (j, self.me) and not m.client]
         asks = [asyncio.ensure_future(ask(i)) for i in others]
@@ -231,20 +270,68 @@ class AllReduceRound(RoundMember):
             incoming = reduction.incoming(index)
         except ValueError as e:
             raise BadRequest(str(e)) from None
+        uploaded = asyncio.get_running_loop().create_future()
+        answer = asyncio.ensure_future(self._stream_answer(stream, reduction, incoming, uploaded))
         try:
-            while (chunk := await stream.read(timeout=self.config.part_timeout)) is not None:
-                incoming.add(chunk)
-                self.report.bytes_received += len(chunk)
-            incoming.finish()
-        except (P2PError, MalformedPayload, TimeoutError) as e:
-            logger.info("round %s: sender %d left out of part %d: %s", self._tag(), index, part, e)
-            incoming.failed = True
-            return
+            try:
+                while (chunk := await stream.read(timeout=self.config.part_timeout)) is not None:
+                    incoming.add(chunk)
+                    self.report.bytes_received += len(chunk)
+                    reduction.changed.set()  # a chunk of the part may be complete: streaming
+                incoming.finish()
+            except (P2PError, MalformedPayload, TimeoutError) as e:
+                logger.info("round %s: sender %d left out of part %d: %s", self._tag(), index, part, e)
+                incoming.failed = True
+                return
+            finally:
+                reduction.changed.set()
+            uploaded.set_result(None)
+            self.note_download(incoming)
+            if await answer:
+                return
+            final = await asyncio.wait_for(asyncio.shield(reduction.result), 2 * self.config.part_timeout)
+            await self._reply(stream, final, index, incoming.rate())
         finally:
-            reduction.changed.set()
-        self.note_download(incoming)
-        final = await asyncio.wait_for(asyncio.shield(reduction.result), 2 * self.config.part_timeout)
-        await self._reply(stream, final, index, incoming.rate())
+            answer.cancel()
+
+    async def _stream_answer(
+        self, stream: Stream, reduction: PartReduction, incoming: Incoming, uploaded: asyncio.Future[None]
+    ) -> bool:
+        """Answer a sender chunk by chunk as the part is reduced (the module docstring); False
+        when the reduction is not streamed (the whole result is sent once it exists)."""
+        timeout = 2 * self.config.part_timeout
+        if not reduction.streams or not await asyncio.wait_for(asyncio.shield(reduction.streaming), timeout):
+            return False
+        sent, streamed = 0, 0
+        try:
+            header = msgpack.packb({"inc": reduction.streamed_included, "st": 1})
+            await stream.write(header)
+            sent += len(header)
+            for c, (_, _, where) in enumerate(reduction.layout):
+                if not await asyncio.wait_for(asyncio.shield(reduction.chunks_out[c]), timeout):
+                    break  # streaming stopped: the whole result follows
+                mark = msgpack.packb({"c": c})
+                await stream.write(mark)
+                await stream.write(reduction.streamed_payload[where])
+                sent, streamed = sent + len(mark) + where.stop - where.start, streamed + 1
+            await asyncio.wait_for(asyncio.shield(uploaded), timeout)  # then the rate its bytes came at
+            final = await asyncio.wait_for(asyncio.shield(reduction.result), timeout)
+            rate = incoming.rate()
+            timed = {"r": rate} if rate is not None else {}
+            if streamed == len(reduction.layout) and final[1] is reduction.streamed_payload:
+                last = msgpack.packb({"fin": 1, **timed})
+                await stream.write(last)
+            else:
+                last = msgpack.packb({"inc": final[0], **timed})
+                await stream.write(last)
+                await stream.write(memoryview(final[1]))
+                sent += len(final[1])
+            await stream.end()
+        except P2PError as e:  # the caller left before its answer: its loss alone
+            logger.info("round %s: member %s left before its result: %s", self._tag(), incoming.index, e)
+            return True
+        self.report.bytes_sent += sent + len(last)
+        return True
 
     async def serve_fetch(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
         part = args.get("p")

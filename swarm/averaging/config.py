@@ -27,6 +27,9 @@ class AveragingConfig:
     # int8 / int4 / int2 codecs: elements per scale (int8 at 64: 1/4 of hivemind's error for 6% more bytes)
     block_size: int = 64
     chunk_elements: int = 1 << 21  # elements per chunk on the wire (2 MiB of int8)
+    # an owner answers each chunk of its part as soon as every sender's bytes of it are in, while
+    # the rest still arrives (reduction.py); False: only once the whole part is reduced
+    stream_parts: bool = True
     bandwidth: float = 100.0  # MB/s this node announces; parts are split in proportion to it
     # announce what our rounds measured instead (bandwidth.py), `bandwidth` until one has
     measure_bandwidth: bool = False

@@ -18,6 +18,16 @@ With "robust", `order` and `gram` keep what the owner audit's receipt needs (aud
 the contributions the rule ran on (dropped ones included) and their Gram matrix; the payload
 buffers stay until the round has built its receipts.
 
+Streamed (`streams`, an owner's own part in a flat round): as soon as every expected sender's
+bytes of a wire chunk are in, that chunk is reduced and encoded, and `chunks_out[c]` says so:
+the owner's answers (allreduce.py) send it at once, while later chunks are still arriving. The
+chunks are those of the weighted mean over every expected sender (the robust rule's first pass,
+robust.DataPass, accumulates the Gram matrix alongside). If every chunk went out and the rule
+keeps everybody unclipped, those bytes are the result, bit-identical to the whole-part
+reduction's. If a sender fails or sends garbage mid-way, or the rule drops or clips someone,
+streaming stops and the part is reduced whole as above, from the senders that completed: that
+result follows the streamed bytes and replaces them.
+
 RowReduction and ColReduction are the two stages of the hierarchical round (hierarchical.py):
 the same arithmetic over a row's members, then over the rows' partials.
 """
@@ -27,14 +37,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from swarm.averaging.partition import payload_layout, payload_size
-from swarm.averaging.robust import Blocks, Fate, robust_reduce
+from swarm.averaging.robust import Blocks, DataPass, Fate, mean_coefficients, robust_coefficients, robust_reduce
 from swarm_kernels import MalformedPayload, as_memoryview
 
 logger = logging.getLogger(__name__)
@@ -106,6 +116,7 @@ class PartReduction:
         chunk_elements: int,
         *,
         aggregator: str = "robust",
+        streams: bool = False,
     ) -> None:
         self.part, self.lo, self.hi = part, lo, hi
         self.own_index, self.own_slice = own_index, own_slice
@@ -119,7 +130,14 @@ class PartReduction:
         self.gram: list[list[float]] = []
         self.senders: dict[int, Incoming] = {}
         self.changed = asyncio.Event()
-        self.result: asyncio.Future[tuple[list[int], memoryview]] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self.result: asyncio.Future[tuple[list[int], memoryview]] = loop.create_future()
+        # streaming (module docstring): decided once every sender is here (True) or not (False)
+        self.streams = streams
+        self.streaming: asyncio.Future[bool] = loop.create_future()
+        self.streamed_included: list[int] = []
+        self.streamed_payload = memoryview(b"")
+        self.chunks_out: list[asyncio.Future[bool]] = []  # True: chunk c is in streamed_payload
 
     @property
     def encoded_size(self) -> int:
@@ -146,15 +164,22 @@ class PartReduction:
             self.result.set_result(result)
 
     async def reduce(self, timeout: float, min_contributions: int) -> tuple[list[int], memoryview]:
-        """Wait for the senders (at most `timeout`), then reduce and encode; sets `result`."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while not self.settled() and not self.result.done() and loop.time() < deadline:
-            self.changed.clear()
-            try:
-                await asyncio.wait_for(self.changed.wait(), deadline - loop.time())
-            except asyncio.TimeoutError:
-                break
+        """Wait for the senders (at most `timeout`), then reduce and encode; sets `result`.
+        Streamed (module docstring) when every sender is here in time."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        stream = self.streams and len(self.expected) + 1 >= min_contributions
+        try:
+            await self._wait_until(deadline, lambda: self.settled() or (stream and self._streamable(0)))
+            stream = stream and not self.result.done() and self._streamable(0)
+            if stream and await self._stream(deadline):
+                return self.result.result()
+            await self._wait_until(deadline, self.settled)
+        finally:
+            if not self.streaming.done():
+                self.streaming.set_result(False)
+            for chunk in self.chunks_out:  # streaming stopped: the answers wait for the whole part
+                if not chunk.done():
+                    chunk.set_result(False)
         if self.result.done():  # settled from outside (a copy of the original owner's result)
             return self.result.result()
         complete = [i for i in self.expected if i in self.senders and self.senders[i].done]
@@ -170,6 +195,69 @@ class PartReduction:
             raise
         self.settle((included, payload))
         return self.result.result()
+
+    async def _wait_until(self, deadline: float, done: Callable[[], bool]) -> None:
+        """Until done() (checked as senders' bytes come in), the result is set, or the deadline."""
+        loop = asyncio.get_running_loop()
+        while not done() and not self.result.done() and loop.time() < deadline:
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                break
+
+    def _streamable(self, c: int) -> bool:
+        """Every expected sender is here, none failed, and each has sent chunk c whole."""
+        end = self.layout[c][2].stop if self.layout else 0
+        return all((x := self.senders.get(i)) is not None and not x.failed and x.received >= end for i in self.expected)
+
+    async def _stream(self, deadline: float) -> bool:
+        """Reduce and encode chunk after chunk as the senders' bytes come in; True when the
+        streamed bytes are the result (set), False when the part must be reduced whole."""
+        layout, loop = self.layout, asyncio.get_running_loop()
+        order = self.streamed_included = sorted({self.own_index, *self.expected})
+        weights = [self.weights[i] for i in order]
+        payload = torch.empty(payload_size(layout), dtype=torch.uint8)
+        self.streamed_payload = as_memoryview(payload)
+        self.chunks_out = [loop.create_future() for _ in layout]
+        self.streaming.set_result(True)
+        average = torch.empty(self.hi - self.lo, dtype=torch.float32)
+        robust = self.aggregator == "robust"
+        data = DataPass(average.numel(), len(order), average, mean_coefficients(weights), gram=True)
+        rows = torch.empty(len(order), max((b - a for a, b, _ in layout), default=0), dtype=torch.float32)
+        total = sum(weights)
+
+        def reduce_chunk(a: int, b: int, where: slice) -> None:
+            if robust:
+                block = rows[:, : b - a]
+                self._decode_rows(block, order, a, b, where)
+                data.add(a, block)
+            else:
+                self._mean_chunk(average[a:b], a, b, where, order, total)
+            payload[where] = self._encode_chunk(average[a:b])
+
+        for c, (a, b, where) in enumerate(layout):
+            await self._wait_until(deadline, lambda c=c: self._streamable(c) or self._any_failed())
+            if not self._streamable(c):
+                logger.info("part %d: a sender failed or timed out at chunk %d: the part follows whole", self.part, c)
+                return False
+            try:
+                await asyncio.to_thread(reduce_chunk, a, b, where)
+            except (MalformedPayload, SenderMalformed) as e:
+                logger.info("part %d: streaming stopped at chunk %d: %s", self.part, c, e)
+                return False
+            self.chunks_out[c].set_result(True)
+        if robust:
+            gram = data.finish()
+            coefficients, fates = robust_coefficients(gram, weights)
+            if coefficients != mean_coefficients(weights):  # someone dropped or clipped
+                return False
+            self.fates, self.order, self.gram = dict(zip(order, fates, strict=True)), order, gram
+        self.settle((order, self.streamed_payload))
+        return True
+
+    def _any_failed(self) -> bool:
+        return any(x.failed for x in self.senders.values())
 
     def touched(self) -> dict[int, Fate]:
         """The contributions the robust rule dropped or clipped (after reduce)."""
@@ -203,47 +291,61 @@ class PartReduction:
             buffer = torch.empty(len(order), max((b - a for a, b, _ in layout), default=0), dtype=torch.float32)
             for a, b, where in layout:
                 block = buffer[:, : b - a]
-                for row, i in zip(block, order, strict=True):
-                    if i == self.own_index:
-                        row.copy_(self.own_slice[a:b])
-                        continue
-                    try:
-                        self.codec.decode(self.senders[i].buffer[where], b - a, out=row)
-                    except MalformedPayload as e:
-                        raise SenderMalformed(i, e) from None
+                self._decode_rows(block, order, a, b, where)
                 yield a, block
 
         return blocks
 
+    def _decode_rows(self, block: torch.Tensor, order: list[int], a: int, b: int, where: slice) -> None:
+        """Row k of block: contribution order[k]'s elements [a, b) (ours exact, the others decoded)."""
+        for row, i in zip(block, order, strict=True):
+            if i == self.own_index:
+                row.copy_(self.own_slice[a:b])
+                continue
+            try:
+                self.codec.decode(self.senders[i].buffer[where], b - a, out=row)
+            except MalformedPayload as e:
+                raise SenderMalformed(i, e) from None
+
     def _mean(self, complete: list[int]) -> tuple[list[int], torch.Tensor]:
         candidates = sorted({self.own_index, *complete})
         while True:
-            acc = torch.zeros(self.hi - self.lo, dtype=torch.float32)
-            try:
-                for i in candidates:
-                    if i == self.own_index:
-                        acc.add_(self.own_slice, alpha=self.weights[i])
-                    else:
-                        self._accumulate(acc, self.senders[i].buffer, self.weights[i])
-            except MalformedPayload as e:
-                logger.info("part %d: dropping sender %d, malformed payload: %s", self.part, i, e)
-                candidates.remove(i)
-                continue
+            acc = torch.empty(self.hi - self.lo, dtype=torch.float32)
             total = sum(self.weights[i] for i in candidates)
-            if total > 0:
-                acc.mul_(1.0 / total)
+            try:
+                for a, b, where in self.layout:
+                    self._mean_chunk(acc[a:b], a, b, where, candidates, total)
+            except SenderMalformed as e:
+                logger.info("part %d: dropping sender %d, malformed payload: %s", self.part, e.index, e.error)
+                candidates.remove(e.index)
+                continue
             return candidates, acc
 
-    def _accumulate(self, acc: torch.Tensor, payload: memoryview, weight: float) -> None:
-        for a, b, where in self.layout:
-            self.codec.decode_accumulate(acc[a:b], payload[where], weight)
+    def _mean_chunk(self, acc: torch.Tensor, a: int, b: int, where: slice, candidates: list[int], total: float) -> None:
+        """acc = the weighted mean of the candidates' elements [a, b): summed in member order, then
+        divided by the total weight (chunk by chunk, the same bits as over the whole part)."""
+        acc.zero_()
+        for i in candidates:
+            if i == self.own_index:
+                acc.add_(self.own_slice[a:b], alpha=self.weights[i])
+                continue
+            try:
+                self.codec.decode_accumulate(acc, self.senders[i].buffer[where], self.weights[i])
+            except MalformedPayload as e:
+                raise SenderMalformed(i, e) from None
+        if total > 0:
+            acc.mul_(1.0 / total)
 
     def _encode(self, average: torch.Tensor) -> memoryview:
         layout = self.layout
         out = torch.empty(payload_size(layout), dtype=torch.uint8)
         for a, b, where in layout:
-            out[where] = self.codec.encode(average[a:b])
+            out[where] = self._encode_chunk(average[a:b])
         return as_memoryview(out)
+
+    def _encode_chunk(self, values: torch.Tensor) -> torch.Tensor:
+        """One chunk of the result, encoded (whole or streamed alike)."""
+        return self.codec.encode(values)
 
 
 class RowReduction(PartReduction):

@@ -306,38 +306,57 @@ def data_pass(
     blocks: Blocks, numel: int, n: int, out: torch.Tensor, coefficients: list[float], *, gram: bool
 ) -> list[list[float]]:
     """One pass over the blocks: out = sum_k fp32(c_k) * x_k and, if asked, the Gram matrix (see
-    the module docstring). With every c_k nonzero (every row finite, or the result is thrown
-    away) the sum is one matrix-vector product (piece^T c) per piece; otherwise the nonzero terms,
-    in member order, a multiply and an add each (a dropped row may hold NaN: 0 * NaN is NaN)."""
-    row = torch.tensor(coefficients, dtype=torch.float32)
-    terms = [k for k in range(n) if coefficients[k] != 0.0]
-    total = torch.zeros(n, n, dtype=torch.float64)
-    scratch = torch.empty(min(CHUNK, max(numel, 1)), dtype=torch.float32)
-    covered = 0
+    the module docstring; DataPass is the same pass fed one block at a time)."""
+    data = DataPass(numel, n, out, coefficients, gram=gram)
     for lo, block in blocks():
-        if lo != covered or block.shape[0] != n:
-            raise ValueError(f"blocks must cover the part in order: block at {lo}, expected {covered}")
-        width = block.shape[1]
+        data.add(lo, block)
+    return data.finish()
+
+
+class DataPass:
+    """data_pass fed block by block, in order, as the blocks become available (a part owner that
+    reduces each wire chunk as it arrives: reduction.py). With every c_k nonzero (every row
+    finite, or the result is thrown away) the sum is one matrix-vector product (piece^T c) per
+    piece; otherwise the nonzero terms, in member order, a multiply and an add each (a dropped
+    row may hold NaN: 0 * NaN is NaN)."""
+
+    def __init__(self, numel: int, n: int, out: torch.Tensor, coefficients: list[float], *, gram: bool) -> None:
+        self.numel, self.n, self.out, self.gram = numel, n, out, gram
+        self.row = torch.tensor(coefficients, dtype=torch.float32)
+        self.terms = [k for k in range(n) if coefficients[k] != 0.0]
+        self.total = torch.zeros(n, n, dtype=torch.float64)
+        self.scratch = torch.empty(min(CHUNK, max(numel, 1)), dtype=torch.float32)
+        self.covered = 0
+
+    def add(self, lo: int, block: torch.Tensor) -> None:
+        """Elements [lo, lo + width) of every contribution (row k: contribution k)."""
+        if lo != self.covered or block.shape[0] != self.n:
+            raise ValueError(f"blocks must cover the part in order: block at {lo}, expected {self.covered}")
+        width, terms, row = block.shape[1], self.terms, self.row
         for start in range(0, width, CHUNK):
             piece = block[:, start : start + CHUNK]
-            if gram:
-                total += torch.mm(piece, piece.t()).double()
-            target = out[lo + start : lo + start + piece.shape[1]]
-            if len(terms) == n:
+            if self.gram:
+                self.total += torch.mm(piece, piece.t()).double()
+            target = self.out[lo + start : lo + start + piece.shape[1]]
+            if len(terms) == self.n:
                 torch.mv(piece.t(), row, out=target)
             elif not terms:
                 target.zero_()
             else:
                 torch.mul(piece[terms[0]], row[terms[0]], out=target)
-                tmp = scratch[: piece.shape[1]]
+                tmp = self.scratch[: piece.shape[1]]
                 for k in terms[1:]:
                     torch.mul(piece[k], row[k], out=tmp)
                     target.add_(tmp)
-        covered = lo + width
-    if covered != numel:
-        raise ValueError(f"blocks covered {covered} of {numel} elements")
-    raw = total.tolist()
-    return [[_snap(raw[i][j], raw[i][i], raw[j][j]) for j in range(n)] for i in range(n)]
+        self.covered = lo + width
+
+    def finish(self) -> list[list[float]]:
+        """The Gram matrix, each entry snapped (zeros when not asked for)."""
+        if self.covered != self.numel:
+            raise ValueError(f"blocks covered {self.covered} of {self.numel} elements")
+        raw = self.total.tolist()
+        n = self.n
+        return [[_snap(raw[i][j], raw[i][i], raw[j][j]) for j in range(n)] for i in range(n)]
 
 
 def gram_matrix(xs: list[torch.Tensor]) -> list[list[float]]:

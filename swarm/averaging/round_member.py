@@ -76,6 +76,7 @@ class RoundReport:
     reduce_s: float = 0.0  # from the start until this member's own part was averaged
     total_s: float = 0.0
     audit_excluded: list[Any] = field(default_factory=list)  # PeerIDs that misstated our contribution
+    streamed: list[int] = field(default_factory=list)  # parts whose average came chunk by chunk, kept
     # (bytes, start, end) of the streams we sent (timed by their receivers) and received: bandwidth.py
     up: list[Sample] = field(default_factory=list)
     down: list[Sample] = field(default_factory=list)

@@ -36,6 +36,19 @@ async def read_exactly(stream: Stream, size: int, timeout: float) -> memoryview:
     return buffer
 
 
+async def read_into(stream: Stream, out: memoryview, timeout: float) -> None:
+    """Fill `out` from the stream's next chunks, which must end exactly at its end (more follows
+    on the stream, in chunks of its own: the writer wrote `out`'s bytes as one piece)."""
+    got = 0
+    while got < len(out):
+        chunk = await stream.read(timeout=timeout)
+        if chunk is None or got + len(chunk) > len(out):
+            ended = got if chunk is None else got + len(chunk)
+            raise AllReduceError(f"a chunk of {len(out)} bytes ended after {ended}")
+        out[got : got + len(chunk)] = chunk
+        got += len(chunk)
+
+
 async def write_encoded(stream: Stream, codec: Any, vector: torch.Tensor, lo: int, hi: int, chunk_elements: int) -> int:
     """Stream vector[lo:hi] encoded chunk by chunk (chunk i+1 is encoded in a worker thread
     while chunk i is on the wire), as payload_layout(lo, hi) lays it out; the bytes written."""

@@ -31,13 +31,13 @@ from tests.averaging.faults import garbage_codec
 
 def inject(fault: str, round_: AllReduceRound) -> None:
     if fault == "die-in-reduce":
-        original = reduction.PartReduction._reduce
+        original = reduction.PartReduction._encode_chunk  # the first chunk of a result, streamed or not
 
-        def die(self: reduction.PartReduction, complete: list[int]) -> object:
+        def die(self: reduction.PartReduction, values: torch.Tensor) -> torch.Tensor:
             os.kill(os.getpid(), signal.SIGKILL)
-            return original(self, complete)
+            return original(self, values)
 
-        reduction.PartReduction._reduce = die  # type: ignore[method-assign]
+        reduction.PartReduction._encode_chunk = die  # type: ignore[method-assign]
     elif fault == "garbage":
         round_.codec = garbage_codec(round_.codec)
 

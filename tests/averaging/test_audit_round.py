@@ -5,6 +5,7 @@ caught by that member alone; honest rounds pass and stay bit-identical."""
 from __future__ import annotations
 
 import asyncio
+import collections
 from typing import Any
 
 import pytest
@@ -48,25 +49,29 @@ def lie_when_owner_is(liar: AllReduceRound, monkeypatch: pytest.MonkeyPatch, how
     `owner`), or "substitute" member 1's payload with its negation ("shrink": 0.9 x it, within
     the low-bit codecs' rounding) before reducing (its receipt then describes the substituted
     input, consistently)."""
-    encode, robust = reduction.PartReduction._encode, reduction.PartReduction._robust
+    # hooks on what both a streamed and a whole reduction call, chunk by chunk
+    encode, decode_rows = reduction.PartReduction._encode_chunk, reduction.PartReduction._decode_rows
 
-    def lying_encode(self: reduction.PartReduction, average: torch.Tensor) -> memoryview:
-        return encode(self, -100 * average if self.own_slice.data_ptr() in owned else average)
+    def lying_encode(self: reduction.PartReduction, values: torch.Tensor) -> torch.Tensor:
+        return encode(self, -100 * values if self.own_slice.data_ptr() in owned else values)
 
-    def substituting(self: reduction.PartReduction, complete: list[int]) -> Any:
-        if self.own_slice.data_ptr() in owned and 1 in complete:
+    def substituting(self: reduction.PartReduction, block: torch.Tensor, order: list[int], *chunk: Any) -> None:
+        a, b, where = chunk
+        if self.own_slice.data_ptr() in owned and 1 in order and (a, where.start) not in substituted[id(self)]:
+            substituted[id(self)].add((a, where.start))  # once: a second pass decodes the same bytes
             buffer = self.senders[1].buffer
-            for a, b, where in self.layout:
-                other = factor * self.codec.decode(buffer[where], b - a)
-                buffer[where] = as_memoryview(self.codec.encode(other))
-        return robust(self, complete)
+            other = factor * self.codec.decode(buffer[where], b - a)
+            buffer[where] = as_memoryview(self.codec.encode(other))
+        decode_rows(self, block, order, *chunk)
+
+    substituted: collections.defaultdict[int, set[tuple[int, int]]] = collections.defaultdict(set)
 
     owned = {liar.vector[lo:hi].data_ptr() for lo, hi in liar.parts}
     factor = 0.9 if how == "shrink" else -1.0
     if how == "broadcast":
-        monkeypatch.setattr(reduction.PartReduction, "_encode", lying_encode)
+        monkeypatch.setattr(reduction.PartReduction, "_encode_chunk", lying_encode)
     else:
-        monkeypatch.setattr(reduction.PartReduction, "_robust", substituting)
+        monkeypatch.setattr(reduction.PartReduction, "_decode_rows", substituting)
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
@@ -156,12 +161,12 @@ async def test_averagers_exclude_a_caught_owner_and_average_without_it(monkeypat
     """Through matchmaking: the honest Averagers' step fails naming the liar, which they exclude;
     at the next step they group without it (its announcement ignored, its joins refused)."""
     liar_weight = 1.2345  # how the patched reductions know they run on the liar
-    encode = reduction.PartReduction._encode
+    encode = reduction.PartReduction._encode_chunk
 
-    def lying_encode(self: reduction.PartReduction, average: torch.Tensor) -> memoryview:
-        return encode(self, -100 * average if self.weights[self.own_index] == liar_weight else average)
+    def lying_encode(self: reduction.PartReduction, values: torch.Tensor) -> torch.Tensor:
+        return encode(self, -100 * values if self.weights[self.own_index] == liar_weight else values)
 
-    monkeypatch.setattr(reduction.PartReduction, "_encode", lying_encode)
+    monkeypatch.setattr(reduction.PartReduction, "_encode_chunk", lying_encode)
     hosts, dhts, averagers = [], [], []
     try:
         for _ in range(4):
@@ -251,7 +256,13 @@ async def test_an_owner_that_sends_one_member_other_bytes_is_caught_by_that_memb
             final = (final[0], memoryview(b"".join(lie)))
         await reply(self, stream, final, index, rate)
 
+    stream_answer = AllReduceRound._stream_answer
+
+    async def whole_answers(self: AllReduceRound, *args: Any) -> bool:
+        return False if self is liar else await stream_answer(self, *args)  # the liar answers through _reply
+
     monkeypatch.setattr(AllReduceRound, "_reply", equivocating)
+    monkeypatch.setattr(AllReduceRound, "_stream_answer", whole_answers)
     outcomes = await run_all(rounds)
     assert isinstance(outcomes[1], AuditError) and outcomes[1].owners == [group.members[3].peer_id]
     for i in (0, 2):
