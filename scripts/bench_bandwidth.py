@@ -7,6 +7,8 @@ needs root), run flat int8 all-reduce rounds of `--elements` fp32:
   equal      every member announces the same bandwidth (swarm-node's default)
   measured   each member announces what its earlier rounds measured (averaging/bandwidth.py,
              `swarm-node --bandwidth auto`); the first round, with nothing measured, is equal
+  links      each member announces its link's true rate (`swarm-node --bandwidth 1.25` on a
+             10 Mbit/s link): what a perfect estimate would give
 
 Reported per split: the round time (median over the rounds after the first), the shares of the
 vector each member owned, and two figures from the links' rates alone, for a payload of E bytes:
@@ -16,6 +18,8 @@ vector each member owned, and two figures from the links' rates alone, for a pay
                  max over members of 2 x max(1 - p, (n - 1) p) x E / rate
   overlapped     the same if both phases overlapped (an owner answering chunk by chunk):
                  max over members of (1 + (n - 2) p) x E / rate
+  optimal        the overlapped bound of the best shares for these links (the issue's
+                 "bandwidth-optimal split"): at least max E / rate, whatever the split
 
     python -m scripts.bench_bandwidth --links 100mbit,100mbit,100mbit,10mbit --elements 4M [--json]
 """
@@ -32,7 +36,7 @@ from scripts.bench_allreduce import MARK, parse_count
 from scripts.worker_process import WorkerProcess
 from swarm.process_control import exit_on_sigterm
 
-SPLITS = ("equal", "measured")
+SPLITS = ("equal", "measured", "links")
 ANNOUNCED = 100.0  # MB/s everyone announces in the equal split (AveragingConfig's default)
 
 
@@ -46,6 +50,22 @@ def overlapped_round_s(payload: float, rates: Sequence[float], shares: Sequence[
     """Seconds of the same round with both phases overlapped."""
     n = len(rates)
     return max((1 + (n - 2) * p) * payload / r for p, r in zip(shares, rates, strict=True))
+
+
+def optimal_overlapped_s(payload: float, rates: Sequence[float]) -> float:
+    """The smallest overlapped_round_s over all shares (bisection on the round time T: member i
+    can own at most (T rate_i / E - 1) / (n - 2) of the vector)."""
+    n, slowest = len(rates), payload / min(rates)
+    if n <= 2:
+        return slowest
+    lo, hi = slowest, (1 + (n - 2)) * payload / min(rates)
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if sum(max(0.0, (mid * r / payload - 1) / (n - 2)) for r in rates) >= 1:
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 def shares_of(numel: int, bandwidths: Sequence[float], block_size: int) -> list[float]:
@@ -83,7 +103,10 @@ def measure(links: Sequence[str], elements: int, rounds: int, seed: int) -> list
             times, announced = [], []
             for _ in range(rounds + 1):
                 step += 1
-                bandwidths = [e.announced_mb_s(ANNOUNCED) if split == "measured" else ANNOUNCED for e in estimates]
+                bandwidths = [
+                    e.announced_mb_s(ANNOUNCED) if split == "measured" else r.bytes_per_s / 1e6 if split == "links"
+                    else ANNOUNCED for e, r in zip(estimates, rates, strict=True)
+                ]  # fmt: skip
                 members = tuple(MemberInfo(PeerID(bytes.fromhex(h["peer_id"])), (h["maddr"],), 1.0, b, False)
                                 for h, b in zip(hello, bandwidths, strict=True))  # fmt: skip
                 packed = msgpack.packb(GroupInfo.create("bench", step, members).encode(), use_bin_type=True).hex()
@@ -105,6 +128,7 @@ def measure(links: Sequence[str], elements: int, rounds: int, seed: int) -> list
                 "round_s": statistics.median(times[1:]), "round_s_all": times, "announced_mb_s": last,
                 "shares": shares, "phased_bound_s": phased_round_s(payload, link_rates, shares),
                 "overlapped_bound_s": overlapped_round_s(payload, link_rates, shares),
+                "optimal_bound_s": optimal_overlapped_s(payload, link_rates),
             })  # fmt: skip
     finally:
         for w in workers:
@@ -119,13 +143,14 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
     first = rows[0]
     table = Table(title=f"int8 all-reduce of {first['elements'] / 2**20:g}M fp32 over links {','.join(first['links'])}")
-    for column in ("split", "round s", "phased bound s", "overlapped bound s", "announced MB/s", "shares"):
+    for column in ("split", "round s", "phased bound s", "overlapped bound s", "x optimal", "announced MB/s", "shares"):
         table.add_column(column, justify="right")
     for r in rows:
         announced = " ".join(f"{b:.1f}" for b in r["announced_mb_s"])
         shares = " ".join(f"{p:.2f}" for p in r["shares"])
         times = (r["round_s"], r["phased_bound_s"], r["overlapped_bound_s"])
-        table.add_row(r["split"], *(f"{t:.2f}" for t in times), announced, shares)
+        optimal = f"{r['round_s'] / r['optimal_bound_s']:.2f} of {r['optimal_bound_s']:.2f} s"
+        table.add_row(r["split"], *(f"{t:.2f}" for t in times), optimal, announced, shares)
     Console(width=160).print(table)
 
 

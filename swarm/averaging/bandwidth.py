@@ -13,20 +13,20 @@ AveragingConfig.measure_bandwidth, `swarm-node --bandwidth auto`):
 
 A direction's rate in one round: each stream is taken to move at its average rate over its
 interval; where streams overlap their rates add (they share the link), and the rate is the
-highest such sum held for at least a twentieth of the round (a stream that ran alone gave the link
-to itself; one slowed by its peer ran beside others that took the rest). Rounds that moved too
+highest such sum held for at least a twentieth of the round or 50 ms (a stream that ran alone gave
+the link to itself; one slowed by its peer ran beside others that took the rest; without the 50 ms,
+a slow member's slice, trickling in for seconds after the fast ones, hid them: fast members
+announced a 10 Mbit/s member's rate, and the split put half the vector on the slow one). Rounds that moved too
 little to be timed (latency, not bandwidth) are skipped. The estimate
 is an exponential average over rounds; the announced bandwidth is the slower direction (an owner
 receives and sends as much), clamped to what MemberInfo accepts, and the group still caps it at
 BANDWIDTH_CAP times its median (partition.capped_bandwidths).
 
-Why it is not the default: it has not been shown to pay (scripts/bench_bandwidth.py at
-100,100,100,10 Mbit/s: as fast as an equal split in one run, 9% faster in another, within the
-rounds' ~20% spread), and the estimates are lower bounds that can misrank members. In a model where
-a member uploads its slices and only then downloads the results (an owner reduces once every slice
-is in), a member owning share p of E bytes moves max(1 - p, (n - 1) p) E each way in each phase,
-so its round is shortest at p = 1/n whatever its link; a split by bandwidth pays clearly once an
-owner reduces and answers chunk by chunk as the slices arrive.
+Why it is not the default (AveragingConfig.measure_bandwidth): one benchmark run says it pays
+(scripts/bench_bandwidth.py at 100,100,100,10 Mbit/s, 4M elements: 4.81 s a round against 6.52 s
+for the equal split, 1.35x the best split's bound, where announcing the links' true rates gave
+1.26x), but the estimates are rough (the 10 Mbit/s member announced 1.8 MB/s, 1.4x its link) and
+were far off before MIN_HELD_S; more runs on more kinds of links should come first.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ MIN_STREAM_BYTES = 256 << 10  # a smaller stream is mostly latency and window ra
 MIN_ROUND_BYTES = 1 << 20  # a direction must move this much in timed streams to count
 SMOOTHING = 0.5  # weight of the newest round
 MIN_MB_S, MAX_MB_S = 0.01, 1e5  # what we ever announce (1e5 MB/s: 800 Gbit/s)
-MIN_HELD = 0.05  # a rate counts only if held for this share of the round's timed span
+MIN_HELD = 0.05  # a rate counts only if held for this share of the round's timed span,
+MIN_HELD_S = 0.05  # or for this long: one slow stream (a slow peer's) must not hide fast ones
 
 Sample = tuple[int, float, float]  # (bytes, start, end) of one stream, monotonic seconds
 
@@ -55,7 +56,7 @@ def round_rate(samples: Sequence[Sample]) -> float | None:
     span = edges[-1] - edges[0]
     best = 0.0
     for a, b in itertools.pairwise(edges):
-        if b - a >= MIN_HELD * span:
+        if b - a >= min(MIN_HELD * span, MIN_HELD_S):
             best = max(best, sum(n / (t1 - t0) for n, t0, t1 in timed if t0 <= a and b <= t1))
     return best or sum(b for b, _, _ in timed) / span
 

@@ -33,6 +33,8 @@ MB = 1 << 20
         ([(MB, 0.0, math.inf)], None),
         ([(MB, 0.0, 1.0), (1000, 0.0, 1e-9)], MB / 1.0),  # a tiny stream does not count, however fast
         ([(MB, 0.0, 1.0), (MB, 0.99, 1.01)], MB / 1.0),  # 50 MB/s for 2% of the round is not held
+        # fast slices for 0.15 s beside a slow peer's for 3.4 s: held 50 ms, they count
+        ([(MB, 0.0, 0.15), (MB, 0.0, 0.16), (MB, 0.0, 3.4)], MB / 0.15 + MB / 0.16 + MB / 3.4),
     ],
 )
 def test_round_rate(samples: list[tuple[int, float, float]], rate: float | None) -> None:
