@@ -14,11 +14,11 @@ AveragingConfig.measure_bandwidth, `swarm-node --bandwidth auto`):
 A direction's rate in one round: each stream is taken to move at its average rate over its
 interval; where streams overlap their rates add (they share the link), and the rate is the
 highest such sum held for at least a twentieth of the round or 50 ms (a stream that ran alone gave
-the link to itself; one slowed by its peer ran beside others that took the rest; without the 50 ms,
-a slow member's slice, trickling in for seconds after the fast ones, hid them: fast members
-announced a 10 Mbit/s member's rate, and the split put half the vector on the slow one). Rounds that moved too
-little to be timed (latency, not bandwidth) are skipped. The estimate
-is an exponential average over rounds; the announced bandwidth is the slower direction (an owner
+the link to itself; one slowed by its peer ran beside others that took the rest; without the
+50 ms, a slow member's slice, trickling in for seconds after the fast ones, hid them: fast members
+announced a 10 Mbit/s member's rate, and the split put half the vector on the slow one). Rounds
+that moved too little to be timed (latency, not bandwidth) are skipped. The estimate is an
+exponential average over rounds; the announced bandwidth is the slower direction (an owner
 receives and sends as much), clamped to what MemberInfo accepts, and the group still caps it at
 BANDWIDTH_CAP times its median (partition.capped_bandwidths).
 

@@ -122,6 +122,7 @@ class PartReduction:
         self.own_index, self.own_slice = own_index, own_slice
         self.weights, self.expected = weights, expected
         self.codec, self.chunk_elements = codec, chunk_elements
+        self._layout: list[tuple[int, int, slice]] | None = None
         self.aggregator = aggregator
         self.fates: dict[int, Fate] = {}  # contribution index -> what the robust rule did with it
         # what the owner audit's receipt needs (robust aggregator only; audit_round.py): the
@@ -146,7 +147,9 @@ class PartReduction:
     @property
     def layout(self) -> list[tuple[int, int, slice]]:
         """The part's chunks, relative to the part: (lo, hi, where in the payload)."""
-        return payload_layout(0, self.hi - self.lo, self.chunk_elements, self.codec.encoded_nbytes)
+        if self._layout is None:  # asked as every frame arrives (_streamable): computed once
+            self._layout = payload_layout(0, self.hi - self.lo, self.chunk_elements, self.codec.encoded_nbytes)
+        return self._layout
 
     def incoming(self, index: int) -> Incoming:
         """Register a sender; ValueError if it already sent or is not expected."""
@@ -174,6 +177,11 @@ class PartReduction:
             if stream and await self._stream(deadline):
                 return self.result.result()
             await self._wait_until(deadline, self.settled)
+        except Exception as e:  # everyone waiting for the part learns it, not only our log
+            if not self.result.done():
+                self.result.set_exception(e)
+                self.result.exception()
+            raise
         finally:
             if not self.streaming.done():
                 self.streaming.set_result(False)
