@@ -137,17 +137,25 @@ def test_a_volunteer_joins_with_the_run_id_and_a_peer_and_adopts_the_runs_settin
 @pytest.mark.timeout(240)
 def test_a_node_killed_mid_run_does_not_stop_the_others(swarm: Swarm) -> None:
     swarm.start_bootstrap()
-    args = ("--run-id", "kill", "--inner-steps", "6", "--max-outer-steps", "6", "--matchmaking-time", "1.5")
+    args = ("--run-id", "kill", "--inner-steps", "6", "--max-outer-steps", "8", "--matchmaking-time", "1.5")
     a, b, victim = (swarm.node(name, *args) for name in ("a", "b", "victim"))
-    swarm.wait_for(lambda: len(swarm.events("victim", "outer_step")) >= 2, 150, "two outer steps")
+
+    def trained_together() -> bool:
+        # all three averaged in one group first: a node that started late on a starved machine (CI
+        # runs three test files at once) and is still fetching its way in when the victim dies
+        # chases the state only the dead node held until its record expires (a known gap, seen in
+        # CI: ~50 s of fetches that fail) instead of testing the kill's effect on a running swarm
+        return all(any(e["group_size"] == 3 for e in swarm.events(n, "outer_step")) for n in ("a", "b", "victim"))
+
+    swarm.wait_for(trained_together, 150, "an outer step of all three in one group")
     victim.kill()  # SIGKILL: no goodbye
     assert a.wait(180) == 0, swarm.stderr("a")
     assert b.wait(60) == 0, swarm.stderr("b")
     by_step = _hashes_by_step(swarm, ["a", "b"])
-    assert sorted(by_step) == list(range(6))
+    assert sorted(by_step) == list(range(8))
     last = swarm.events("a", "outer_step")[-1]
     assert last["group_size"] == 2  # the survivors still average together
-    assert by_step[5]["a"] == by_step[5]["b"]
+    assert by_step[7]["a"] == by_step[7]["b"]
 
 
 @pytest.mark.timeout(120)
