@@ -92,7 +92,7 @@ import torch
 
 ABSURD_FACTOR = 100.0  # a norm beyond this many median norms is dropped
 TAU_FACTOR = 1.0  # clipping radius, in units of the spread (median pairwise distance)
-BLOCK = 1 << 21  # elements per block that robust_aggregate stacks (the wire's chunk size)
+BLOCK = 1 << 21  # elements per block that robust_aggregate stacks
 CHUNK = 1 << 16  # elements per cache-sized piece of a block (one Gram update, one combine)
 SNAP_BITS = 20  # Gram entries are snapped to 2**-SNAP_BITS of their Cauchy-Schwarz bound
 WEISZFELD_ITERATIONS = 64
