@@ -82,7 +82,8 @@ def worker(me: int, addresses: list[str], nbytes: int, mode: str, start_at: floa
             for thread in threads:
                 thread.join()
         with arrived:
-            arrived.wait_for(lambda: got[number] == n - 1, timeout=300)
+            if not arrived.wait_for(lambda: got[number] == n - 1, timeout=300):
+                raise RuntimeError(f"phase {number}: {got[number]} of {n - 1} transfers arrived in 300 s")
 
     payload = b"\x5a" * nbytes
     threading.Thread(target=accept, daemon=True).start()
