@@ -16,7 +16,11 @@ arithmetic (DiLoCo.begin_overlap, swarm-node --overlap):
               optimizer (a proxy of the average); on landing,
               θ_local += θ_outer(t+1) - proxy                        ("eager updates")
 
-    python -m scripts.overlap_sweep --modes blocking,delayed,eager --delays 1,0.25 --json
+`--alphas A,...` adds Streaming DiLoCo's merge on landing (Douillard et al. 2025): the worker's
+weights become A x its own (what it trained since included) + (1 - A) x θ_outer(t+1) (A = 1:
+the rules above alone; the paper uses 0.5). θ_outer, which the workers share, is unchanged by it.
+
+    python -m scripts.overlap_sweep --modes blocking,delayed,eager --delays 1,0.25 --alphas 1,0.5 --json
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from scripts.diloco_sweep import (
     worker_peers,
 )
 from swarm.model.data import eval_windows
+from swarm.model.diloco import DiLoCo
 from swarm.model.llama import build_model
 from swarm.model.loss import eval_loss
 from swarm.model.presets import preset
@@ -49,10 +54,12 @@ from swarm.model.presets import preset
 MODES = ("blocking", "delayed", "eager")
 
 
-def train_overlapped(data: Any, workload: Workload, setting: Setting, mode: str, delay: float) -> tuple[float, float]:
+def train_overlapped(data: Any, workload: Workload, setting: Setting, mode: str, delay: float,
+                     alpha: float = 1.0) -> tuple[float, float]:  # fmt: skip
     """(final eval loss, seconds) of K workers whose round-t average lands `delay` x H inner steps
     into round t+1, applied the `mode` way: swarm-node's own arithmetic (DiLoCo.begin_overlap,
-    then apply_outer when the average lands)."""
+    then apply_outer when the average lands), then mixed with the weights before it by `alpha`
+    (the module docstring; 1: not mixed)."""
     peers = worker_peers(workload)
     config = setting.diloco_config(workload)
     workers = [_ScheduledDiLoCo(build_model(preset(workload.model), seed=workload.seed), config) for _ in peers]
@@ -68,7 +75,7 @@ def train_overlapped(data: Any, workload: Workload, setting: Setting, mode: str,
         for step in range(done, done + steps):
             if pending is not None and step == landing:
                 for worker in workers:
-                    worker.apply_outer(pending)
+                    land(worker, pending, alpha)
                 pending = None
             for index, (worker, peer) in enumerate(zip(workers, peers, strict=True)):
                 stats = worker.inner_step(*worker_batch(data, workload, peer, step))
@@ -76,7 +83,7 @@ def train_overlapped(data: Any, workload: Workload, setting: Setting, mode: str,
                     losses.append(stats.loss)
         if pending is not None:  # the round was shorter than the delay: it lands now
             for worker in workers:
-                worker.apply_outer(pending)
+                land(worker, pending, alpha)
         averaged = average_deltas([w.pseudo_gradients() for w in workers], [w.tokens_since_outer for w in workers])
         done += steps
         for worker in workers:
@@ -91,10 +98,21 @@ def train_overlapped(data: Any, workload: Workload, setting: Setting, mode: str,
     return eval_loss(workers[0].model, windows), time.perf_counter() - started  # θ_inner is θ_outer after the last
 
 
+@torch.no_grad()
+def land(worker: DiLoCo, average: list[torch.Tensor], alpha: float) -> None:
+    """The late average applied the node's way (apply_outer), then, with alpha < 1, Streaming
+    DiLoCo's merge: θ_local = alpha x θ_local before the landing + (1 - alpha) x θ_outer(t+1)."""
+    before = [p.detach().clone() for p in worker.params] if alpha < 1 else []
+    worker.apply_outer(average)
+    for p, kept, theta in zip(worker.params, before, worker.outer_params, strict=False):
+        p.detach().copy_(kept.mul_(alpha).add_(theta.to(p.dtype), alpha=1 - alpha))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", default="blocking,delayed,eager")
     parser.add_argument("--delays", default="1", help="when the average lands, as a fraction of H")
+    parser.add_argument("--alphas", default="1", help="Streaming DiLoCo's merge on landing (1: none)")
     parser.add_argument("--h", type=int, default=50)
     parser.add_argument("--steps", type=int, default=CHEAP.steps)
     parser.add_argument("--seq-len", type=int, default=CHEAP.seq_len)
@@ -107,22 +125,23 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     blocking = None
     for mode in args.modes.split(","):
-        for delay in [0.0] if mode == "blocking" else [float(d) for d in args.delays.split(",")]:
+        overlapped = [(float(d), float(a)) for d in args.delays.split(",") for a in args.alphas.split(",")]
+        for delay, alpha in [(0.0, 1.0)] if mode == "blocking" else overlapped:
             started = time.perf_counter()
             loss = train_diloco(data, workload, setting).eval_loss if mode == "blocking" else \
-                train_overlapped(data, workload, setting, mode, delay)[0]  # fmt: skip
+                train_overlapped(data, workload, setting, mode, delay, alpha)[0]  # fmt: skip
             blocking = loss if mode == "blocking" else blocking
-            rows.append({"mode": mode, "delay": delay, "H": args.h, "eval_loss": round(loss, 4),
+            rows.append({"mode": mode, "delay": delay, "alpha": alpha, "H": args.h, "eval_loss": round(loss, 4),
                          "vs_blocking": round(loss / blocking, 4) if blocking else None,
                          "seconds": round(time.perf_counter() - started, 1)})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     shape = f"{workload.workers} workers, {workload.model}, {workload.steps} inner steps, seq {workload.seq_len}"
     print(f"\n{shape}, H {args.h}")
-    print("| mode | lands after | eval loss | vs blocking |\n|---|---:|---:|---:|")
+    print("| mode | lands after | merge alpha | eval loss | vs blocking |\n|---|---:|---:|---:|---:|")
     for r in rows:
-        lands = "-" if r["mode"] == "blocking" else f"{r['delay']:g} H"
+        lands, alpha = ("-", "-") if r["mode"] == "blocking" else (f"{r['delay']:g} H", f"{r['alpha']:g}")
         ratio = f"{r['vs_blocking']:.4f}" if r["vs_blocking"] else "-"
-        print(f"| {r['mode']} | {lands} | {r['eval_loss']:.4f} | {ratio} |")
+        print(f"| {r['mode']} | {lands} | {alpha} | {r['eval_loss']:.4f} | {ratio} |")
     if args.json:
         print(json.dumps({"rows": rows}))
 

@@ -68,7 +68,12 @@ MAX_BUSY = 200  # busy answers in a row before a peer counts as failed (about a 
 
 
 class FetchError(RuntimeError):
-    """The state could not be fetched; the message says which shard or step and why."""
+    """The state could not be fetched; the message says which shard or step and why. `failed`:
+    the holders that were asked for it and did not deliver (unreachable, gone, or sent bad bytes)."""
+
+    def __init__(self, message: str, failed: frozenset[PeerID] = frozenset()) -> None:
+        super().__init__(message)
+        self.failed = failed
 
 
 class RefusedManifest(FetchError):
@@ -161,7 +166,7 @@ async def fetch_state(
 async def _fetch_manifest(
     host: P2PHost, run_id: str, peers: Sequence[Holder], sha: str, expect: RunInfo, timeout: float
 ) -> Manifest:
-    reasons = []
+    reasons, failed = [], set()
     for peer in peers:
         try:
             args = protocol.manifest_args(run_id, sha)
@@ -172,13 +177,14 @@ async def _fetch_manifest(
             manifest = parse_manifest(data)
         except (P2PError, CheckpointError) as e:
             reasons.append(f"{str(peer.peer_id)[-8:]}: {e}")
+            failed.add(peer.peer_id)
             continue
         try:
             manifest.check_usable_by(expect)
         except IncompatibleState as e:  # under our run's key: a peer of other settings, or one that lies
             raise RefusedManifest(sha, f"{e} (a node of other settings, or a lie: not adopted)") from None
         return manifest
-    raise FetchError(f"no holder of state {sha[:12]} sent its manifest ({'; '.join(reasons)[:400]})")
+    raise FetchError(f"no holder of state {sha[:12]} sent its manifest ({'; '.join(reasons)[:400]})", frozenset(failed))
 
 
 class _ShardFetch:
@@ -253,7 +259,8 @@ class _ShardFetch:
             names = ", ".join(self.manifest.shards[i].name for i in self.pending[:3])
             raise FetchError(
                 f"could not fetch {len(self.pending)} shard(s) of step {self.manifest.step} ({names}): "
-                f"corrupt peers {self.report.corrupt_peers}, failed peers {self.report.failed_peers}"
+                f"corrupt peers {self.report.corrupt_peers}, failed peers {self.report.failed_peers}",
+                frozenset(self.avoided),
             )
 
     def _start_workers(self, peer: Holder, workers: set[asyncio.Future[None]]) -> None:

@@ -43,7 +43,14 @@ from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
 from swarm.state import trust
 from swarm.state.config import KeeperConfig
-from swarm.state.fetcher import FetchProgress, FetchReport, RefusedManifest, fetch_state, remove_fetch_dir
+from swarm.state.fetcher import (
+    FetchError,
+    FetchProgress,
+    FetchReport,
+    RefusedManifest,
+    fetch_state,
+    remove_fetch_dir,
+)
 from swarm.state.holders import Holder, advertise, find_holders, settled_holders
 from swarm.state.server import StateServer
 from swarm.state.trust import Known, choose_trusted
@@ -53,6 +60,11 @@ logger = logging.getLogger(__name__)
 
 InTrainer = Callable[..., Awaitable[Any]]
 MAX_REFUSED = 64  # refused manifests remembered
+# a holder that did not deliver a state (unreachable, gone, bad bytes) is not chosen for that state
+# again for this long: a killed peer's advertisement outlives it (up to KeeperConfig.advertise_ttl),
+# and a node chasing it would retry a dead address meanwhile instead of taking the live peers' state
+UNDELIVERED_S = 60.0
+MAX_UNDELIVERED = 4096
 MAX_ELDERS = 3  # initial peers asked how long they have known a state's holders
 AGES_TIMEOUT_S = 5.0
 AGES_KEPT_S = 30.0  # a holder not seasoned yet is asked about again after this long
@@ -104,6 +116,7 @@ class StateKeeper:
         # bad manifest every step would otherwise pull honest nodes out of every group)
         self._refused_peers: set[PeerID] = set()
         self._distrusted = OncePerPeer(logger)
+        self._undelivered: dict[tuple[PeerID, str], float] = {}  # (holder, manifest) -> when (monotonic)
         self.current: Snapshot | None = None
         self.advertised = False  # the last advertisement of `current` was stored by some DHT node
         self._publishing: asyncio.Task[None] | None = None
@@ -192,6 +205,14 @@ class StateKeeper:
             for holder in donors:
                 self._distrusted.log(holder.peer_id, "manifest", "refusing the state it advertises: %s", e)
             raise
+        except FetchError as e:
+            if e.failed:
+                logger.info("not asking %d holder(s) for state %s again for %.0fs: they did not deliver it",
+                            len(e.failed), sha[:12], UNDELIVERED_S)  # fmt: skip
+            if len(self._undelivered) + len(e.failed) > MAX_UNDELIVERED:
+                self._undelivered.clear()
+            self._undelivered.update({(peer, sha): time.monotonic() for peer in e.failed})
+            raise
         if dest is not None:
             await asyncio.to_thread(remove_fetch_dir, dest, manifest)
         logger.info("fetched the state of outer step %d (%s): %.1f MB from %d peers in %.2fs", manifest.step, why,
@@ -231,8 +252,13 @@ class StateKeeper:
         return frozenset(p for p in peers if seasoned(p))
 
     async def _holders(self) -> list[Holder]:
+        """The run's state records, less ours, those of refused peers, and states their holder
+        did not deliver to us lately (UNDELIVERED_S)."""
         found = await find_holders(self.dht, self.run.run_id)
-        return [h for h in found if h.peer_id != self.host.peer_id and h.peer_id not in self._refused_peers]
+        now = time.monotonic()
+        self._undelivered = {key: t for key, t in self._undelivered.items() if now - t < UNDELIVERED_S}
+        return [h for h in found if h.peer_id != self.host.peer_id and h.peer_id not in self._refused_peers
+                and (h.peer_id, h.manifest) not in self._undelivered]  # fmt: skip
 
     # --- holding a state --------------------------------------------------------------------------
 

@@ -118,11 +118,29 @@ async def test_only_corrupt_peers_fail_the_fetch_without_loading(tmp_path: Path)
     hosts, _ = await _servers(1, bad)
     fetcher = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
     try:
-        with pytest.raises(FetchError, match="corrupt peers"):
+        with pytest.raises(FetchError, match="corrupt peers") as failed:
             await fetch_state(fetcher, "run", [_holder(hosts[0], good)], expect=RUN, dest=tmp_path)
+        assert failed.value.failed == {hosts[0].peer_id}  # the keeper does not ask it for this state again
     finally:
         for h in [*hosts, fetcher]:
             await h.close()
+
+
+async def test_holders_that_are_gone_are_named_by_the_error() -> None:
+    """Every holder of the chosen state unreachable (their advertisements outlive them): the
+    FetchError names them all, so the node chooses among the live peers' states next."""
+    snapshot = _snapshot()
+    hosts, _ = await _servers(2, snapshot)
+    holders = [_holder(h, snapshot) for h in hosts]
+    for host in hosts:
+        await host.close()
+    fetcher = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
+    try:
+        with pytest.raises(FetchError, match="sent its manifest") as failed:
+            await fetch_state(fetcher, "run", holders, expect=RUN, config=FetchConfig(timeout=5))
+        assert failed.value.failed == {h.peer_id for h in hosts}
+    finally:
+        await fetcher.close()
 
 
 async def test_a_peer_dying_mid_fetch_is_replaced_by_the_others(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ SHARDS = 256 << 10  # the tiny model's 10 MB state in about 40 shards: several d
 def spec(**changes: Any) -> SeedSpec:
     """A donor state that nodes of NEWCOMER's settings adopt (unless `changes` say otherwise)."""
     node = NodeConfig(**{**QUICK, **NEWCOMER})  # what LocalSwarm.start builds
-    return SeedSpec.like_node(node, step=5, shard_bytes=SHARDS, **changes)
+    return SeedSpec.like_node(node, **{"step": 5, "shard_bytes": SHARDS, **changes})
 
 
 def fetches(node: Running) -> list[dict[str, Any]]:
@@ -45,6 +45,26 @@ async def test_a_donor_killed_mid_fetch_does_not_stop_it(local: LocalSwarm, seed
     (fetch,) = fetches(newcomer)
     assert fetch["outer_step"] == 5 and fetch["state_sha256"] == others[0].state_hash
     assert fetch["peers"] >= 2  # the live donors sent what the dead one did not
+
+
+async def test_a_state_whose_holders_all_died_gives_way_to_the_live_peers_state(
+    local: LocalSwarm, seeder: StartSeeder, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two donors of step 6 die; their advertisements outlive them (here by an hour, in a swarm
+    by up to the advertisement's TTL). The newcomer chooses step 6 (the best backed), cannot get
+    it, and takes the live donor's step 5 at once instead of retrying dead addresses until the
+    records expire (a late node once chased a killed peer's state for 50 s this way)."""
+    caplog.set_level(logging.INFO, logger="swarm.state.keeper")
+    bootstrap = await local.start_bootstrap()
+    dead = [await seeder(spec(step=6), [bootstrap]) for _ in range(2)]
+    live = await seeder(spec(), [bootstrap])
+    for donor in dead:
+        await donor.close()
+    newcomer = local.start((bootstrap,), **NEWCOMER)
+    assert await asyncio.wait_for(newcomer.task, 60) == "finished"
+    (fetch,) = fetches(newcomer)
+    assert fetch["outer_step"] == 5 and fetch["state_sha256"] == live.state_hash
+    assert any("did not deliver it" in r.getMessage() for r in caplog.records)
 
 
 async def test_a_corrupt_donor_is_detected_and_its_bytes_never_loaded(local: LocalSwarm, seeder: StartSeeder) -> None:
