@@ -15,6 +15,7 @@ Run each one as a module from the repository root, so that it imports its siblin
     python -m scripts.bench_robust       # training with one attacker (scripts.attacks)
     python -m scripts.bench_robust_reducer
     python -m scripts.overlap_sweep      # an overlapped outer step's cost in loss, simulated
+    python -m scripts.fragment_sweep     # the same, syncing the model a fragment at a time
     python -m scripts.gpu_check          # a GPU machine checked in one command (one JSON line)
 
 `--help` on each says what it measures; the README has the results. The other modules are

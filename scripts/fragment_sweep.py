@@ -1,0 +1,207 @@
+"""Streaming DiLoCo's fragments, simulated: does syncing the model a fragment at a time shrink
+what an overlapped outer step costs in loss (issue 14, part 3)?
+
+scripts/overlap_sweep.py measures the whole model's average landing `delay` x H inner steps late:
+the later it lands, the more it costs. On a link, a fragment of 1/P of the model takes about 1/P
+of the round's time, so its average lands P times sooner. Here, as in Douillard et al. 2025
+("Streaming DiLoCo"), the model's parameters are cut into P fragments of consecutive tensors;
+fragment f is synced every H inner steps, at steps f*H/P + k*H (k >= 1), so one fragment is in
+flight at a time. Its average lands `delay` x H / P inner steps later and is applied the
+`mode` way, with the node's own rules (scripts/overlap_sweep.py, swarm-node --overlap):
+
+    blocking  the fragment's outer step at once (delay 0)
+    delayed   the workers go on from where they are; on landing,
+              θ_fragment += θ_outer_fragment(new) - θ_fragment(at the sync)
+    eager     the workers go on from θ_outer_fragment moved by their OWN Δ; on landing,
+              θ_fragment += θ_outer_fragment(new) - that proxy
+
+At the run's end every fragment lands and is synced once more (blocking), so the final θ_outer
+holds all the run's steps; the eval loss is of that θ_outer. Nesterov's outer step is the node's
+(DiLoCo._outer_update's single IEEE operations); K workers, data windows and schedule are
+scripts/diloco_sweep.py's. P = 1 with delay 0 is blocking DiLoCo (train_diloco's loss).
+
+    python -m scripts.fragment_sweep --fragments 1,4 --modes blocking,eager --delays 0.3
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from scripts.diloco_sweep import (
+    CHEAP,
+    HSchedule,
+    Setting,
+    Workload,
+    _ScheduledDiLoCo,
+    average_deltas,
+    load_corpus,
+    worker_batch,
+    worker_peers,
+)
+from swarm.model.data import eval_windows
+from swarm.model.diloco import DiLoCo
+from swarm.model.llama import build_model
+from swarm.model.loss import eval_loss
+from swarm.model.presets import preset
+
+MODES = ("blocking", "delayed", "eager")
+
+
+@dataclass(slots=True)
+class InFlight:
+    """One fragment's round: its average lands at inner step `lands` (steps done)."""
+
+    fragment: int
+    lands: int
+    average: list[torch.Tensor]
+    bases: list[list[torch.Tensor]]  # per worker: what the landing moves onto θ_outer(new)
+
+
+def fragments_of(count: int, fragments: int) -> list[range]:
+    """`fragments` runs of consecutive tensor indices out of `count`, as even as they go."""
+    if not 1 <= fragments <= count:
+        raise ValueError(f"fragments must be in [1, {count}], got {fragments}")
+    edges = [count * f // fragments for f in range(fragments + 1)]
+    return [range(edges[f], edges[f + 1]) for f in range(fragments)]
+
+
+def sync_steps(fragment: int, fragments: int, h: int, steps: int) -> list[int]:
+    """The inner steps (counted as steps done) at which `fragment` starts a round: f*H/P + k*H,
+    k >= 1, before the run's end (the end syncs every fragment anyway)."""
+    offset = fragment * h // fragments
+    return list(range(offset + h, steps, h))
+
+
+class OuterState:
+    """θ_outer and the outer momentum the workers share (one copy: they agree bit for bit)."""
+
+    def __init__(self, template: DiLoCo) -> None:
+        self.config = template.config
+        self.params = [t.clone() for t in template.outer_params]
+        self.momentum = [torch.zeros_like(t) for t in self.params]
+
+    def moved(self, indices: range, grads: list[torch.Tensor], *, commit: bool) -> list[torch.Tensor]:
+        """DiLoCo._outer_update on the tensors `indices`: Nesterov SGD with `grads`."""
+        lr, mu, nesterov = self.config.outer_lr, self.config.outer_momentum, self.config.nesterov
+        out = []
+        for i, g in zip(indices, grads, strict=True):
+            theta, m = self.params[i], self.momentum[i]
+            m_new = m.mul_(mu).add_(g) if commit else torch.mul(m, mu).add_(g)
+            update = torch.mul(m_new, mu).add_(g) if nesterov else m_new.clone()
+            out.append(theta.sub_(update.mul_(lr)) if commit else torch.sub(theta, update.mul_(lr)))
+        return out
+
+
+@torch.no_grad()
+def train_fragments(data: Any, workload: Workload, setting: Setting, fragments: int, mode: str,
+                    delay: float) -> float:  # fmt: skip
+    """The final eval loss of K workers syncing `fragments` fragments, each round landing
+    delay x H / fragments inner steps late, applied the `mode` way (the module docstring)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    peers = worker_peers(workload)
+    h = setting.h.target
+    # our own outer clock: the workers never reach their H (no DiLoCo outer step), only the schedule counts
+    config = dataclasses.replace(setting.diloco_config(workload), inner_steps=workload.steps + 1)
+    workers = [_ScheduledDiLoCo(build_model(preset(workload.model), seed=workload.seed), config) for _ in peers]
+    outer = OuterState(workers[0])
+    parts = fragments_of(len(outer.params), fragments)
+    lag = 0 if mode == "blocking" else max(1, round(delay * h / fragments))
+    starts = {s: f for f in range(fragments) for s in sync_steps(f, fragments, h, workload.steps)}
+    flying: list[InFlight] = []
+
+    def land(round_: InFlight) -> None:
+        indices = parts[round_.fragment]
+        outer.moved(indices, round_.average, commit=True)
+        for worker, base in zip(workers, round_.bases, strict=True):
+            for i, b in zip(indices, base, strict=True):
+                worker.params[i].add_(outer.params[i] - b)
+
+    def sync(fragment: int, done: int, lag_steps: int) -> None:
+        indices = parts[fragment]
+        deltas = [[outer.params[i] - w.params[i].detach() for i in indices] for w in workers]
+        average = average_deltas(deltas, [1.0] * len(workers))  # equal batches: equal weights
+        if lag_steps == 0:
+            outer.moved(indices, average, commit=True)
+            for worker in workers:
+                for i in indices:
+                    worker.params[i].copy_(outer.params[i])
+            return
+        bases = []
+        for worker, own in zip(workers, deltas, strict=True):
+            if mode == "eager":
+                proxy = outer.moved(indices, own, commit=False)
+                for i, p in zip(indices, proxy, strict=True):
+                    worker.params[i].copy_(p)
+                bases.append(proxy)
+            else:
+                bases.append([worker.params[i].detach().clone() for i in indices])
+        flying.append(InFlight(fragment, done + lag_steps, average, bases))
+
+    for step in range(workload.steps):
+        for round_ in [r for r in flying if r.lands == step]:
+            land(round_)
+            flying.remove(round_)
+        with torch.enable_grad():
+            for worker, peer in zip(workers, peers, strict=True):
+                worker.inner_step(*worker_batch(data, workload, peer, step))
+        if (fragment := starts.get(step + 1)) is not None:
+            sync(fragment, step + 1, lag)
+    for round_ in flying:  # the run's end: what is in flight lands, then every fragment syncs
+        land(round_)
+    for fragment in range(fragments):
+        sync(fragment, workload.steps, 0)
+    model = workers[0].model
+    for p, theta in zip(workers[0].params, outer.params, strict=True):
+        p.copy_(theta)
+    return eval_loss(model, eval_windows(data.eval, workload.seq_len, workload.eval_windows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fragments", default="1,4", help="P values, comma-separated")
+    parser.add_argument("--modes", default="blocking,eager")
+    parser.add_argument("--delays", default="0.3", help="the whole model's landing, a fraction of H (/P each)")
+    parser.add_argument("--h", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=CHEAP.steps)
+    parser.add_argument("--seq-len", type=int, default=CHEAP.seq_len)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    workload = Workload(steps=args.steps, seq_len=args.seq_len)
+    setting = Setting(name=f"H{args.h}", h=HSchedule(target=args.h))
+    data = load_corpus()
+    rows: list[dict[str, Any]] = []
+    reference = None  # blocking with P = 1: DiLoCo itself
+    for fragments in [int(p) for p in args.fragments.split(",")]:
+        for mode in args.modes.split(","):
+            for delay in [0.0] if mode == "blocking" else [float(d) for d in args.delays.split(",")]:
+                started = time.perf_counter()
+                loss = train_fragments(data, workload, setting, fragments, mode, delay)
+                if mode == "blocking" and fragments == 1:
+                    reference = loss
+                ratio = round(loss / reference, 4) if reference else None
+                rows.append({"fragments": fragments, "mode": mode, "delay": delay, "H": args.h,
+                             "eval_loss": round(loss, 4), "vs_diloco": ratio,
+                             "seconds": round(time.perf_counter() - started, 1)})  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+    shape = f"{workload.workers} workers, {workload.model}, {workload.steps} inner steps, seq {workload.seq_len}"
+    print(f"\n{shape}, H {args.h}")
+    print("| fragments | mode | whole model lands after | eval loss | vs DiLoCo |\n|---:|---|---:|---:|---:|")
+    for r in rows:
+        lands = "-" if r["mode"] == "blocking" else f"{r['delay']:g} H"
+        ratio = f"{r['vs_diloco']:.4f}" if r["vs_diloco"] else "-"
+        print(f"| {r['fragments']} | {r['mode']} | {lands} | {r['eval_loss']:.4f} | {ratio} |")
+    if args.json:
+        print(json.dumps({"rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

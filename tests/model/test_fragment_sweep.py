@@ -1,0 +1,63 @@
+"""scripts/fragment_sweep.py: fragments cut and scheduled as Streaming DiLoCo does, and with one
+fragment and no delay it is blocking DiLoCo to the bit (train_diloco's loss)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.diloco_sweep import HSchedule, Setting, Workload, load_corpus, train_diloco
+from scripts.fragment_sweep import fragments_of, sync_steps, train_fragments
+
+TINY = Workload(steps=12, seq_len=32, eval_windows=2, lr_schedule="constant")
+H4 = Setting(name="H4", h=HSchedule(target=4))
+
+
+@pytest.mark.parametrize(
+    ("count", "fragments", "expected"),
+    [
+        (4, 1, [range(0, 4)]),
+        (4, 4, [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]),
+        (10, 4, [range(0, 2), range(2, 5), range(5, 7), range(7, 10)]),
+        (3, 2, [range(0, 1), range(1, 3)]),
+    ],
+)
+def test_fragments_are_runs_of_consecutive_tensors_covering_all(count: int, fragments: int, expected: list) -> None:
+    assert fragments_of(count, fragments) == expected
+
+
+@pytest.mark.parametrize(("count", "fragments"), [(4, 0), (4, 5), (0, 1)])
+def test_impossible_fragment_counts_are_refused(count: int, fragments: int) -> None:
+    with pytest.raises(ValueError, match="fragments must be"):
+        fragments_of(count, fragments)
+
+
+@pytest.mark.parametrize(
+    ("fragment", "fragments", "h", "steps", "expected"),
+    [
+        (0, 1, 50, 300, [50, 100, 150, 200, 250]),  # the run's end (300) syncs everything anyway
+        (0, 4, 50, 300, [50, 100, 150, 200, 250]),
+        (1, 4, 50, 300, [62, 112, 162, 212, 262]),
+        (3, 4, 50, 300, [87, 137, 187, 237, 287]),
+        (0, 2, 50, 40, []),  # a run shorter than H: only the end's sync
+    ],
+)
+def test_fragments_are_synced_every_h_steps_staggered_by_h_over_p(
+    fragment: int, fragments: int, h: int, steps: int, expected: list[int]
+) -> None:
+    assert sync_steps(fragment, fragments, h, steps) == expected
+
+
+def test_one_fragment_without_delay_is_blocking_diloco_to_the_bit() -> None:
+    data = load_corpus()
+    assert train_fragments(data, TINY, H4, 1, "blocking", 0.0) == train_diloco(data, TINY, H4).eval_loss
+
+
+@pytest.mark.parametrize("mode", ["eager", "delayed"])
+def test_fragments_landing_late_train_to_a_finite_loss(mode: str) -> None:
+    loss = train_fragments(load_corpus(), TINY, H4, 2, mode, 1.0)
+    assert 0 < loss < 20
+
+
+def test_an_unknown_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="mode must be"):
+        train_fragments(load_corpus(), TINY, H4, 1, "sideways", 0.0)
