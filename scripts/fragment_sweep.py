@@ -5,9 +5,9 @@ scripts/overlap_sweep.py measures the whole model's average landing `delay` x H 
 the later it lands, the more it costs. On a link, a fragment of 1/P of the model takes about 1/P
 of the round's time, so its average lands P times sooner. Here, as in Douillard et al. 2025
 ("Streaming DiLoCo"), the model's parameters are cut into P fragments of consecutive tensors;
-fragment f is synced every H inner steps, at steps f*H/P + k*H (k >= 1), so one fragment is in
-flight at a time. Its average lands `delay` x H / P inner steps later and is applied the
-`mode` way, with the node's own rules (scripts/overlap_sweep.py, swarm-node --overlap):
+fragment f is synced every H inner steps, at steps f*H/P + k*H (k >= 1). Its average lands
+`delay` x H / P inner steps later (at the latest when the fragment syncs again) and is applied
+the `mode` way, with the node's own rules (scripts/overlap_sweep.py, swarm-node --overlap):
 
     blocking  the fragment's outer step at once (delay 0)
     delayed   the workers go on from where they are; on landing,
@@ -18,7 +18,7 @@ flight at a time. Its average lands `delay` x H / P inner steps later and is app
 At the run's end every fragment lands and is synced once more (blocking), so the final θ_outer
 holds all the run's steps; the eval loss is of that θ_outer. Nesterov's outer step is the node's
 (DiLoCo._outer_update's single IEEE operations); K workers, data windows and schedule are
-scripts/diloco_sweep.py's. P = 1 with delay 0 is blocking DiLoCo (train_diloco's loss).
+scripts/diloco_sweep.py's. P = 1 is overlap_sweep's run to the bit (with delay 0: blocking DiLoCo).
 
     python -m scripts.fragment_sweep --fragments 1,4 --modes blocking,eager --delays 0.3
 """
@@ -125,6 +125,9 @@ def train_fragments(data: Any, workload: Workload, setting: Setting, fragments: 
                 worker.params[i].add_(outer.params[i] - b)
 
     def sync(fragment: int, done: int, lag_steps: int) -> None:
+        for round_ in [r for r in flying if r.fragment == fragment]:  # its last round lands first, as
+            land(round_)  # a node's does before its next outer step (a round as long as H lands now)
+            flying.remove(round_)
         indices = parts[fragment]
         deltas = [[outer.params[i] - w.params[i].detach() for i in indices] for w in workers]
         average = average_deltas(deltas, [1.0] * len(workers))  # equal batches: equal weights
@@ -154,9 +157,7 @@ def train_fragments(data: Any, workload: Workload, setting: Setting, fragments: 
                 worker.inner_step(*worker_batch(data, workload, peer, step))
         if (fragment := starts.get(step + 1)) is not None:
             sync(fragment, step + 1, lag)
-    for round_ in flying:  # the run's end: what is in flight lands, then every fragment syncs
-        land(round_)
-    for fragment in range(fragments):
+    for fragment in range(fragments):  # the run's end: what is in flight lands, then every fragment syncs
         sync(fragment, workload.steps, 0)
     model = workers[0].model
     for p, theta in zip(workers[0].params, outer.params, strict=True):

@@ -7,6 +7,7 @@ import pytest
 
 from scripts.diloco_sweep import HSchedule, Setting, Workload, load_corpus, train_diloco
 from scripts.fragment_sweep import fragments_of, sync_steps, train_fragments
+from scripts.overlap_sweep import train_overlapped
 
 TINY = Workload(steps=12, seq_len=32, eval_windows=2, lr_schedule="constant")
 H4 = Setting(name="H4", h=HSchedule(target=4))
@@ -50,6 +51,14 @@ def test_fragments_are_synced_every_h_steps_staggered_by_h_over_p(
 def test_one_fragment_without_delay_is_blocking_diloco_to_the_bit() -> None:
     data = load_corpus()
     assert train_fragments(data, TINY, H4, 1, "blocking", 0.0) == train_diloco(data, TINY, H4).eval_loss
+
+
+@pytest.mark.parametrize(("mode", "delay"), [("eager", 0.5), ("eager", 1.0), ("delayed", 1.0)])
+def test_one_fragment_landing_late_is_the_overlap_sweeps_run_to_the_bit(mode: str, delay: float) -> None:
+    """The node's overlapped rules as overlap_sweep drives them (DiLoCo.begin_overlap, apply_outer),
+    a round as long as H (delay 1) included: it lands just before the next one starts."""
+    data = load_corpus()
+    assert train_fragments(data, TINY, H4, 1, mode, delay) == train_overlapped(data, TINY, H4, mode, delay)[0]
 
 
 @pytest.mark.parametrize("mode", ["eager", "delayed"])
