@@ -4,7 +4,8 @@ what an overlapped outer step costs in loss (issue 14, part 3)?
 scripts/overlap_sweep.py measures the whole model's average landing `delay` x H inner steps late:
 the later it lands, the more it costs. On a link, a fragment of 1/P of the model takes about 1/P
 of the round's time, so its average lands P times sooner. Here, as in Douillard et al. 2025
-("Streaming DiLoCo"), the model's parameters are cut into P fragments of consecutive tensors;
+("Streaming DiLoCo"), the model's parameters are cut into P fragments of consecutive tensors of
+about equal size (swarm/model/fragments.py, as swarm-node --fragments cuts them);
 fragment f is synced every H inner steps, at steps f*H/P + k*H (k >= 1). Its average lands
 `delay` x H / P inner steps later (at the latest when the fragment syncs again) and is applied
 the `mode` way, with the node's own rules (scripts/overlap_sweep.py, swarm-node --overlap):
@@ -47,6 +48,7 @@ from scripts.diloco_sweep import (
 )
 from swarm.model.data import eval_windows
 from swarm.model.diloco import DiLoCo
+from swarm.model.fragments import fragments_of
 from swarm.model.llama import build_model
 from swarm.model.loss import eval_loss
 from swarm.model.presets import preset
@@ -62,14 +64,6 @@ class InFlight:
     lands: int
     average: list[torch.Tensor]
     bases: list[list[torch.Tensor]]  # per worker: what the landing moves onto θ_outer(new)
-
-
-def fragments_of(count: int, fragments: int) -> list[range]:
-    """`fragments` runs of consecutive tensor indices out of `count`, as even as they go."""
-    if not 1 <= fragments <= count:
-        raise ValueError(f"fragments must be in [1, {count}], got {fragments}")
-    edges = [count * f // fragments for f in range(fragments + 1)]
-    return [range(edges[f], edges[f + 1]) for f in range(fragments)]
 
 
 def sync_steps(fragment: int, fragments: int, h: int, steps: int) -> list[int]:
@@ -112,7 +106,7 @@ def train_fragments(data: Any, workload: Workload, setting: Setting, fragments: 
     config = dataclasses.replace(setting.diloco_config(workload), inner_steps=workload.steps + 1)
     workers = [_ScheduledDiLoCo(build_model(preset(workload.model), seed=workload.seed), config) for _ in peers]
     outer = OuterState(workers[0])
-    parts = fragments_of(len(outer.params), fragments)
+    parts = fragments_of([t.numel() for t in outer.params], fragments)
     lag = 0 if mode == "blocking" else max(1, round(delay * h / fragments))
     starts = {s: f for f in range(fragments) for s in sync_steps(f, fragments, h, workload.steps)}
     flying: list[InFlight] = []

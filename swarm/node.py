@@ -120,7 +120,7 @@ class SwarmNode(OuterStepLoop):
         if config.model == CUSTOM_MODEL:  # swarm.join: the caller's model, optimizer and loop
             if model is None:
                 raise NodeError("model 'custom' trains the caller's own model: hand it in (swarm.join)")
-            self.diloco = DiLoCo(model, config.diloco_config(), inner_optimizer=inner_optimizer)
+            self.diloco = _wrapped(model, config, inner_optimizer)
             architecture, initial = model_fingerprint(self.diloco)
             self.settings = custom_settings(config, architecture=architecture, initial_state=initial)
             model_config: dict[str, Any] = {"architecture": architecture, "parameters": self.diloco.parameter_count}
@@ -133,7 +133,7 @@ class SwarmNode(OuterStepLoop):
             if model is None:
                 model = _build(config, preset_config)
             # inner_optimizer: None (AdamW), or --shard's HeldOptimizer: the ranks step the shards
-            self.diloco = DiLoCo(model, config.diloco_config(), inner_optimizer=inner_optimizer)
+            self.diloco = _wrapped(model, config, inner_optimizer)
             self.settings = training_settings(config)
             eval_set = eval_windows(data.eval, config.seq_len, config.eval_windows)
             self._evaluate = functools.partial(eval_loss, model, eval_set)
@@ -293,3 +293,12 @@ def _build(config: NodeConfig, model_config: ModelConfig) -> nn.Module:
         raise NodeError(f"--device {config.device}: no CUDA device here")
     logger.info("model %s: %d parameters on %s", config.model, count_parameters(model_config), device)
     return build_model(model_config, config.seed, device=device)
+
+
+def _wrapped(model: Any, config: NodeConfig, inner_optimizer: Any) -> DiLoCo:
+    """DiLoCo around the model; NodeError (one line, no traceback) when the config does not fit
+    it (more --fragments than the model has parameter tensors)."""
+    try:
+        return DiLoCo(model, config.diloco_config(), inner_optimizer=inner_optimizer)
+    except ValueError as e:
+        raise NodeError(str(e)) from None

@@ -43,6 +43,7 @@ class NodeConfig:
     min_lr_ratio: float = 0.1  # cosine / wsd: the rate at total_steps, as a fraction of lr
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    fragments: int = 1  # Streaming DiLoCo: outer step s syncs fragment s mod P alone (model/fragments.py)
     # averaging
     compression: str = "int8"
     # error feedback (model/error_feedback.py): what the codec dropped from our pseudo-gradient is
@@ -81,7 +82,7 @@ class NodeConfig:
             raise ValueError(f"unknown model {self.model!r}: choose one of {', '.join(PRESETS)}")
         self.compression_spec()  # raises on an unknown codec or a bad density
         positive = ("inner_steps", "batch_size", "seq_len", "eval_every", "eval_windows", "max_group_size",
-                    "checkpoint_every", "shard_bytes", "max_uploads")  # fmt: skip
+                    "checkpoint_every", "shard_bytes", "max_uploads", "fragments")  # fmt: skip
         for name in positive:
             if not getattr(self, name) >= 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -99,6 +100,8 @@ class NodeConfig:
             raise ValueError(f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap!r}")
         if not 0.0 <= self.error_feedback <= 1.0:
             raise ValueError(f"error_feedback is a decay in [0, 1] (0: off), got {self.error_feedback}")
+        if self.error_feedback > 0 and self.fragments > 1:  # its residual is of the whole model's Δ
+            raise ValueError("error feedback keeps one residual of the whole model: not yet with fragments > 1")
         if not (math.isfinite(self.max_wait) and self.max_wait >= 0):
             raise ValueError("max_wait must be a number of seconds >= 0")
         if self.device != "auto":
@@ -122,6 +125,7 @@ class NodeConfig:
             min_lr_ratio=self.min_lr_ratio,
             outer_lr=self.outer_lr,
             outer_momentum=self.outer_momentum,
+            fragments=self.fragments,
             offload_outer=self.offload_outer,
         )
 

@@ -152,6 +152,8 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
 @_opt("min-lr-ratio", click.FloatRange(0, 1), "cosine and wsd: the final rate, as a fraction of --lr.")
 @_opt("outer-lr", click.FloatRange(0, min_open=True), "Outer SGD learning rate.")
 @_opt("outer-momentum", click.FloatRange(0, 1, max_open=True), "Outer Nesterov momentum.")
+@_opt("fragments", click.IntRange(1), "Streaming DiLoCo: each outer step syncs one of this many fragments of "
+      "the model in turn (each fragment every FRAGMENTS x --inner-steps inner steps).")  # fmt: skip
 @_opt("compression", str, f"How pseudo-gradients travel: {'|'.join(CODECS)}, optionally :DENSITY, the share "
       "of their blocks each outer step sends (e.g. int8:0.25).", callback=compression_option(CODECS),
       metavar="CODEC[:D]")  # fmt: skip
@@ -224,6 +226,8 @@ def main(
     launch = node_ranks.plan(nproc_per_node, config)  # None: one rank, the plain node
     if launch is not None and config.overlap != "none":  # its ranks' clocks assume one step at a time
         raise click.UsageError("--overlap is not yet supported with --nproc-per-node (several ranks per node)")
+    if launch is not None and config.fragments > 1:  # not tried with several ranks yet
+        raise click.UsageError("--fragments is not yet supported with --nproc-per-node (several ranks per node)")
     if shard and launch is None:
         raise click.UsageError("--shard shards the model over several ranks: add --nproc-per-node N (N >= 2)")
     if launch is not None and not launch.leader:  # a rank >= 1 under torchrun: rank 0 speaks to the swarm

@@ -76,6 +76,8 @@ class DiLoCoConfig:
     outer_momentum: float = 0.9
     nesterov: bool = True
     offload_outer: bool = False  # keep θ_outer and momentum in CPU memory (saves accelerator memory)
+    # Streaming DiLoCo: outer step s syncs fragment s mod P of the parameters alone (fragments.py)
+    fragments: int = 1
 
     def __post_init__(self) -> None:
         if self.inner_steps < 1:
@@ -94,5 +96,7 @@ class DiLoCoConfig:
             raise ValueError("need weight_decay >= 0 and two betas in [0, 1)")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"DiLoCoConfig.grad_clip must be positive or None, got {self.grad_clip}")
+        if isinstance(self.fragments, bool) or not isinstance(self.fragments, int) or self.fragments < 1:
+            raise ValueError(f"DiLoCoConfig.fragments must be an int >= 1, got {self.fragments!r}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"DiLoCoConfig.outer_momentum must be in [0, 1), got {self.outer_momentum}")

@@ -27,6 +27,12 @@ each runs) and moves θ_inner by θ_outer(t+1) - base, keeping the inner steps t
 then θ_outer, the momentum and `outer_step` are step t's: the state served, hashed and
 checkpointed is always a whole one. The cost is two more fp32 copies of the model (Δ_t and base).
 
+Fragments (Streaming DiLoCo; config.fragments = P > 1, swarm/model/fragments.py): outer step s
+averages and updates fragment s mod P alone. `pseudo_gradients`, `round_deltas` and
+`apply_outer` then speak of that fragment's tensors only (in `names` order within it), its
+weight (`round_tokens`) counts the tokens since that fragment was last synced, and θ_inner
+moves onto θ_outer for that fragment only: the others keep training. P = 1 is plain DiLoCo.
+
 Agreement: the outer update is written as single IEEE-754 operations (no fused multiply-adds,
 no `alpha=` scaling), so members that hold the same θ_outer and momentum and apply the same
 averaged tensors end with bit-identical θ_outer (tests/model/test_diloco.py checks it by hash on
@@ -55,6 +61,7 @@ import torch
 from torch import nn
 
 from swarm.model.configs import DiLoCoConfig
+from swarm.model.fragments import fragments_of
 from swarm.model.loss import autocast_for, lm_loss
 from swarm.model.schedule import inner_lr
 from swarm_kernels import as_memoryview
@@ -75,9 +82,10 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 class PendingRound:
     """Step t's round in flight while round t+1 trains (DiLoCo.begin_overlap)."""
 
-    deltas: list[torch.Tensor]  # Δ_t, fp32 on θ_outer's device
+    deltas: list[torch.Tensor]  # Δ_t, fp32 on θ_outer's device (of `fragment`'s tensors)
     tokens: int  # Δ_t's averaging weight
     base: list[torch.Tensor]  # θ_inner when round t+1 began; the landing moves it by θ_outer(t+1) - base
+    fragment: int = 0  # the fragment step t syncs (config.fragments > 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +120,9 @@ class DiLoCo:
         self.device = self.params[0].device
         outer_device = torch.device("cpu") if config.offload_outer else self.device
         self.outer_params = [p.detach().to(outer_device, torch.float32, copy=True) for p in self.params]
+        # the tensor indices of each fragment (one, all of them, unless config.fragments > 1)
+        self.parts = fragments_of([p.numel() for p in self.params], config.fragments)
+        self._fragment_tokens = [0] * len(self.parts)  # tokens trained since each fragment was last synced
         self.outer_momentum = [torch.zeros_like(t) for t in self.outer_params]
         self.outer_step = 0  # outer steps applied: the swarm's clock
         self.inner_done = 0  # inner steps since the last outer step
@@ -145,9 +156,15 @@ class DiLoCo:
         return self.outer_step + (self.pending is not None)
 
     @property
+    def fragment(self) -> int:
+        """The fragment that outer step `outer_step` syncs (0 without fragments)."""
+        return self.outer_step % len(self.parts)
+
+    @property
     def round_tokens(self) -> int:
-        """The averaging weight of the step being averaged: the pending round's, else ours so far."""
-        return self.pending.tokens if self.pending is not None else self.tokens_since_outer
+        """The averaging weight of the step being averaged: the pending round's, else the tokens
+        its fragment has trained on since it was last synced (tokens_since_outer without fragments)."""
+        return self.pending.tokens if self.pending is not None else self._fragment_tokens[self.fragment]
 
     def round_deltas(self) -> list[torch.Tensor]:
         """Δ of the step being averaged: the pending round's (kept), else pseudo_gradients()."""
@@ -195,6 +212,7 @@ class DiLoCo:
         self._at_outer = False
         self.inner_done += 1
         self.tokens_since_outer += tokens
+        self._fragment_tokens = [t + tokens for t in self._fragment_tokens]
         return InnerStats(loss_value, norm_value, lr)
 
     def _check_room(self) -> None:
@@ -214,34 +232,40 @@ class DiLoCo:
 
     @torch.no_grad()
     def pseudo_gradients(self) -> list[torch.Tensor]:
-        """Δ = θ_outer - θ_inner: new fp32 tensors on θ_outer's device, in `self.names` order."""
+        """Δ = θ_outer - θ_inner of this step's fragment (the whole model without fragments): new
+        fp32 tensors on θ_outer's device, in `self.names` order."""
         if self.pending is not None:
             raise RuntimeError("a round is in flight: θ_inner is not relative to θ_outer (round_deltas)")
-        pairs = zip(self.outer_params, self.params, strict=True)
-        return [outer - p.detach().to(outer.device, torch.float32) for outer, p in pairs]
+        return [self.outer_params[i] - self.params[i].detach().to(self.outer_params[i].device, torch.float32)
+                for i in self.parts[self.fragment]]  # fmt: skip
 
     @torch.no_grad()
     def apply_outer(self, averaged: Sequence[torch.Tensor]) -> None:
         """The outer step with the group's averaged Δ: Nesterov SGD on θ_outer, θ_inner ← θ_outer
         (or, with a round in flight, θ_inner moved by θ_outer(t+1) - base: the module docstring).
         Raises ValueError, with nothing changed, on a wrong count, shape or a non-finite value."""
-        grads = self._checked(averaged, "averaged pseudo-gradient")
-        self._outer_update(grads, commit=True)
+        fragment = self.fragment  # the step's: a pending round's step is outer_step still
+        indices = self.parts[fragment]
+        grads = self._checked(averaged, "averaged pseudo-gradient", indices)
+        self._outer_update(indices, grads, commit=True)
         pending, self.pending = self.pending, None
         if pending is None:
-            self._finish_outer_step()
+            self._finish_outer_step(fragment=fragment)
             return
-        for p, theta, base in zip(self.params, self.outer_params, pending.base, strict=True):
-            p.detach().add_((theta - base).to(p.device, p.dtype))
+        for i, base in zip(indices, pending.base, strict=True):
+            p = self.params[i].detach()
+            p.add_((self.outer_params[i] - base).to(p.device, p.dtype))
         self.revision += 1
         self.outer_step += 1  # inner_done and the tokens count round t+1's steps, already under way
 
-    def _outer_update(self, grads: Sequence[torch.Tensor], *, commit: bool) -> list[torch.Tensor]:
-        """θ_outer moved by `grads`: in place with the momentum when `commit`, else as new tensors
-        (nothing changed). The same single IEEE-754 operations either way (the module docstring)."""
+    def _outer_update(self, indices: range, grads: Sequence[torch.Tensor], *, commit: bool) -> list[torch.Tensor]:
+        """θ_outer's tensors `indices` moved by `grads`: in place with the momentum when `commit`,
+        else as new tensors (nothing changed). The same single IEEE-754 operations either way
+        (the module docstring)."""
         lr, mu, nesterov = self.config.outer_lr, self.config.outer_momentum, self.config.nesterov
         moved = []
-        for theta, m, g in zip(self.outer_params, self.outer_momentum, grads, strict=True):
+        for i, g in zip(indices, grads, strict=True):
+            theta, m = self.outer_params[i], self.outer_momentum[i]
             m_new = m.mul_(mu).add_(g) if commit else torch.mul(m, mu).add_(g)  # m ← μ·m + Δ
             update = torch.mul(m_new, mu).add_(g) if nesterov else m_new.clone()  # Δ + μ·m
             moved.append(theta.sub_(update.mul_(lr)) if commit else torch.sub(theta, update.mul_(lr)))  # θ - η·update
@@ -256,18 +280,20 @@ class DiLoCo:
         rest, lost more in scripts/overlap_sweep.py: README.)"""
         if self.pending is not None:
             raise RuntimeError("a round is already in flight: land it first (apply_outer)")
-        deltas = self.pseudo_gradients()
+        deltas, fragment = self.pseudo_gradients(), self.fragment
+        indices = self.parts[fragment]
         if eager:
-            base = self._outer_update(deltas, commit=False)
-            for p, proxy in zip(self.params, base, strict=True):
-                p.detach().copy_(proxy)
+            base = self._outer_update(indices, deltas, commit=False)
+            for i, proxy in zip(indices, base, strict=True):
+                self.params[i].detach().copy_(proxy)
             self.revision += 1
         else:
-            base = [p.detach().to(theta.device, torch.float32, copy=True)
-                    for p, theta in zip(self.params, self.outer_params, strict=True)]  # fmt: skip
-        self.pending = PendingRound(deltas, self.tokens_since_outer, base)
+            base = [self.params[i].detach().to(self.outer_params[i].device, torch.float32, copy=True)
+                    for i in indices]  # fmt: skip
+        self.pending = PendingRound(deltas, self._fragment_tokens[fragment], base, fragment)
         self._at_outer = False
         self.inner_done, self.tokens_since_outer = 0, 0
+        self._fragment_tokens[fragment] = 0  # its next Δ counts from here
 
     def apply_own(self) -> None:
         """The outer step of a node that found no group: its own pseudo-gradient."""
@@ -333,21 +359,29 @@ class DiLoCo:
         hold the same swarm state iff these are equal."""
         return state_sha256(self.state_dict())
 
-    def _finish_outer_step(self, advance: bool = True) -> None:
+    def _finish_outer_step(self, advance: bool = True, fragment: int | None = None) -> None:
+        """θ_inner ← θ_outer for `fragment` (the one just synced; None: all, as a loaded state)."""
         self.pending = None  # a loaded state replaces a round in flight and what round t+1 trained
-        self._at_outer = True
-        for p, theta in zip(self.params, self.outer_params, strict=True):
-            p.detach().copy_(theta)
+        synced = range(len(self.parts)) if fragment is None else [fragment]
+        self._at_outer = len(synced) == len(self.parts)
+        for f in synced:
+            for i in self.parts[f]:
+                self.params[i].detach().copy_(self.outer_params[i])
+            self._fragment_tokens[f] = 0
         self.revision += 1
         self.outer_step += int(advance)
         self.inner_done = 0
         self.tokens_since_outer = 0
 
-    def _checked(self, tensors: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
-        if len(tensors) != len(self.outer_params):
-            raise ValueError(f"{what}: {len(tensors)} tensors for {len(self.outer_params)} parameters")
+    def _checked(self, tensors: Sequence[torch.Tensor], what: str, indices: range | None = None) -> list[torch.Tensor]:
+        """`tensors` as fp32 on θ_outer's device, one for each parameter of `indices` (None: all);
+        ValueError on a wrong count, shape or a non-finite value."""
+        indices = range(len(self.outer_params)) if indices is None else indices
+        if len(tensors) != len(indices):
+            raise ValueError(f"{what}: {len(tensors)} tensors for {len(indices)} parameters")
         out = []
-        for name, t, like in zip(self.names, tensors, self.outer_params, strict=True):
+        for i, t in zip(indices, tensors, strict=True):
+            name, like = self.names[i], self.outer_params[i]
             if not isinstance(t, torch.Tensor) or t.shape != like.shape or not t.is_floating_point():
                 raise ValueError(f"{what}: {name} must be a float tensor of shape {tuple(like.shape)}")
             t = t.detach().to(like.device, torch.float32)

@@ -36,7 +36,8 @@ MAX_TEXT = 128  # characters of one string value
 # the fields whose values must be equal on every node of a run (NodeConfig names)
 FIELDS = (
     "model", "seed", "data", "tokenizer", "inner_steps", "batch_size", "seq_len", "lr", "warmup_steps",
-    "lr_schedule", "total_steps", "decay_fraction", "min_lr_ratio", "outer_lr", "outer_momentum", "compression",
+    "lr_schedule", "total_steps", "decay_fraction", "min_lr_ratio", "outer_lr", "outer_momentum", "fragments",
+    "compression",
 )  # fmt: skip
 FLAGS = {name: "--" + name.replace("_", "-") for name in FIELDS}
 
@@ -49,7 +50,9 @@ def training_settings(config: Any) -> dict[str, Any]:
 CUSTOM_MODEL = "custom"  # NodeConfig.model of a node that trains the caller's own model (swarm.join)
 # what every node of a custom-model run must agree on: the rest of FIELDS belong to the caller's
 # loop (data, batches, inner optimizer and its schedule), which the swarm does not see
-CUSTOM_FIELDS = ("model", "inner_steps", "batch_size", "seq_len", "outer_lr", "outer_momentum", "compression")
+CUSTOM_FIELDS = (
+    "model", "inner_steps", "batch_size", "seq_len", "outer_lr", "outer_momentum", "fragments", "compression",
+)  # fmt: skip
 
 
 def custom_settings(config: Any, *, architecture: str, initial_state: str) -> dict[str, Any]:

@@ -6,30 +6,11 @@ from __future__ import annotations
 import pytest
 
 from scripts.diloco_sweep import HSchedule, Setting, Workload, load_corpus, train_diloco
-from scripts.fragment_sweep import fragments_of, sync_steps, train_fragments
+from scripts.fragment_sweep import sync_steps, train_fragments
 from scripts.overlap_sweep import train_overlapped
 
 TINY = Workload(steps=12, seq_len=32, eval_windows=2, lr_schedule="constant")
 H4 = Setting(name="H4", h=HSchedule(target=4))
-
-
-@pytest.mark.parametrize(
-    ("count", "fragments", "expected"),
-    [
-        (4, 1, [range(0, 4)]),
-        (4, 4, [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]),
-        (10, 4, [range(0, 2), range(2, 5), range(5, 7), range(7, 10)]),
-        (3, 2, [range(0, 1), range(1, 3)]),
-    ],
-)
-def test_fragments_are_runs_of_consecutive_tensors_covering_all(count: int, fragments: int, expected: list) -> None:
-    assert fragments_of(count, fragments) == expected
-
-
-@pytest.mark.parametrize(("count", "fragments"), [(4, 0), (4, 5), (0, 1)])
-def test_impossible_fragment_counts_are_refused(count: int, fragments: int) -> None:
-    with pytest.raises(ValueError, match="fragments must be"):
-        fragments_of(count, fragments)
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,29 @@ async def test_eager_delayed_and_blocking_members_hold_one_state_after_every_ste
     assert all(e["inner_ahead"] == 0 for e in nodes[2].steps().values())
 
 
+async def test_members_syncing_fragments_hold_one_state_after_every_step_whatever_their_mode(
+    local: LocalSwarm,
+) -> None:
+    """--fragments 3 (Streaming DiLoCo): each step averages one third of the model; members that
+    overlap or block still hold one state after every step, and the rounds carry a fragment."""
+    bootstrap = await local.start_bootstrap()
+    nodes = [local.start((bootstrap,), max_outer_steps=6, fragments=3, overlap=mode)
+             for mode in ("eager", "delayed", "none")]  # fmt: skip
+    assert await local.finish(200) == ["finished"] * 3
+    by_step = assert_one_state(local)
+    assert set(by_step) == set(range(6))
+    diloco = nodes[0].node.diloco
+    fragment_elements = [sum(diloco.params[i].numel() for i in part) for part in diloco.parts]
+    for running in nodes:
+        steps = running.steps()
+        assert all(steps[s]["group_size"] == 3 for s in range(6)), steps
+        sent = [steps[s]["bytes_sent"] for s in range(6)]
+        # a round moves its fragment alone: int8 (about 1.06 bytes an element) both ways of a
+        # butterfly of 3, 2 (n - 1) / n: about 1.41 bytes for each element of the step's fragment
+        for s in range(6):
+            assert 1.2 < sent[s] / fragment_elements[s % 3] < 1.7, (s, sent, fragment_elements)
+
+
 async def test_a_newcomer_joining_while_a_round_is_in_flight_ends_in_sync(
     local: LocalSwarm, monkeypatch: pytest.MonkeyPatch
 ) -> None:
