@@ -73,14 +73,18 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 @dataclass(frozen=True, slots=True)
 class SwarmConfig:
-    """One swarm configuration, named H<inner steps>_<--compression>[_ef<--error-feedback>][_<--overlap>]:
-    "H50_int8", "H100_int4:0.25", "H100_int2_ef1", "H50_int8_eager"."""
+    """One swarm configuration, named
+    H<inner steps>_<--compression>[_ef<--error-feedback>][_f<--fragments>][_<--overlap>]:
+    "H50_int8", "H100_int4:0.25", "H100_int2_ef1", "H50_int8_eager", "H50_int8_f5_eager". With
+    fragments P, H is each fragment's (swarm-node --fragments P --inner-steps H/P): the same H as
+    the configuration without them."""
 
     name: str
-    inner_steps: int
+    inner_steps: int  # swarm-node's --inner-steps (H / fragments)
     compression: str  # swarm-node's --compression: CODEC[:DENSITY]
     error_feedback: float = 0.0  # swarm-node's --error-feedback (0: off)
     overlap: str = "none"  # swarm-node's --overlap: none (blocking), eager, delayed
+    fragments: int = 1  # swarm-node's --fragments
 
     @classmethod
     def parse(cls, name: str) -> SwarmConfig:
@@ -90,11 +94,16 @@ class SwarmConfig:
         h, _, rest = name.partition("_")
         compression, *extras = rest.split("_")
         modes = [m for m in OVERLAP_MODES if m != "none"]
-        usage = (f"use H<inner steps>_<{'|'.join(COMPRESSIONS)}>[:DENSITY][_ef<DECAY>][_{'|'.join(modes)}], "
-                 "e.g. H50_int8, H100_int4_ef1, H50_int8_eager")  # fmt: skip
+        usage = (f"use H<inner steps>_<{'|'.join(COMPRESSIONS)}>[:DENSITY][_ef<DECAY>][_f<FRAGMENTS>]"
+                 f"[_{'|'.join(modes)}], e.g. H50_int8, H100_int4_ef1, H50_int8_eager, H50_int8_f5_eager")  # fmt: skip
         if not (h.startswith("H") and h[1:].isdigit() and int(h[1:]) > 0):
             raise ValueError(f"bad configuration {name!r}: {usage}")
         overlap = extras.pop() if extras and extras[-1] in modes else "none"
+        fragments = 1
+        if extras and extras[-1].startswith("f") and extras[-1][1:].isdigit():
+            fragments = int(extras.pop()[1:])
+            if not 1 <= fragments <= int(h[1:]) or int(h[1:]) % fragments:
+                raise ValueError(f"bad configuration {name!r}: H must be a multiple of the fragments; {usage}")
         if len(extras) > 1 or (extras and not extras[0].startswith("ef")):
             raise ValueError(f"bad configuration {name!r}: {usage}")
         feedback = extras[0] if extras else ""
@@ -105,7 +114,7 @@ class SwarmConfig:
             raise ValueError(f"bad configuration {name!r}: {e}; {usage}") from None
         if feedback and not 0.0 < decay <= 1.0:
             raise ValueError(f"bad configuration {name!r}: error feedback is ef<decay in (0, 1]>; {usage}")
-        return cls(name, int(h[1:]), compression, decay, overlap)
+        return cls(name, int(h[1:]) // fragments, compression, decay, overlap, fragments)
 
     def labels(self) -> dict[str, Any]:
         """The keys issues 15 and 14 add to each row: the codec, the density, the error feedback,
@@ -114,7 +123,8 @@ class SwarmConfig:
 
         spec = CompressionSpec.parse(self.compression, COMPRESSIONS)
         mode = "blocking" if self.overlap == "none" else self.overlap
-        return {"codec": spec.codec, "density": spec.density, "error_feedback": self.error_feedback, "mode": mode}
+        return {"codec": spec.codec, "density": spec.density, "error_feedback": self.error_feedback, "mode": mode,
+                "fragments": self.fragments}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -168,6 +178,7 @@ def node_args(
         "--compression", config.compression,
         *(["--error-feedback", repr(config.error_feedback)] if config.error_feedback else []),
         *(["--overlap", config.overlap] if config.overlap != "none" else []),
+        *(["--fragments", str(config.fragments)] if config.fragments > 1 else []),
         "--max-outer-steps", str(workload.steps // config.inner_steps),
         "--seed", str(workload.seed),
         "--threads", "1",

@@ -113,15 +113,21 @@ def test_bench_configs_and_ring_bytes() -> None:
     assert bench_diloco.SwarmConfig.parse("H100_none") == bench_diloco.SwarmConfig("H100_none", 100, "none")
     ef = bench_diloco.SwarmConfig.parse("H100_int4:0.25_ef0.9")
     assert ef == bench_diloco.SwarmConfig("H100_int4:0.25_ef0.9", 100, "int4:0.25", 0.9)
-    assert ef.labels() == {"codec": "int4", "density": 0.25, "error_feedback": 0.9, "mode": "blocking"}
+    one = {"mode": "blocking", "fragments": 1}
+    assert ef.labels() == {"codec": "int4", "density": 0.25, "error_feedback": 0.9, **one}
     plain = bench_diloco.SwarmConfig.parse("H50_int2")
-    assert plain.labels() == {"codec": "int2", "density": 1.0, "error_feedback": 0.0, "mode": "blocking"}
+    assert plain.labels() == {"codec": "int2", "density": 1.0, "error_feedback": 0.0, **one}
+    # fragments: H stays each fragment's; the node steps every H / P
+    streaming = bench_diloco.SwarmConfig.parse("H50_int8_f5_eager")
+    assert streaming == bench_diloco.SwarmConfig("H50_int8_f5_eager", 10, "int8", 0.0, "eager", 5)
+    assert streaming.labels()["fragments"] == 5 and bench_diloco.SwarmConfig.parse("H50_int8_f2").inner_steps == 25
     eager = bench_diloco.SwarmConfig.parse("H50_int8_ef0.5_eager")
     assert (eager.overlap, eager.error_feedback, eager.labels()["mode"]) == ("eager", 0.5, "eager")
     assert bench_diloco.SwarmConfig.parse("H50_int8_delayed").labels()["mode"] == "delayed"
     for bad in ("H0_int8", "50_int8", "H50_int3", "H50_int4:0", "H50_int4:2", "H50_none:0.5", "H50_int4_ef0",
                 "H50_int4_ef2", "H50_int4_x1", "H50_int4_efx", "H50_int8_eager_ef1", "H50_int8_none",
-                "H50_int8_eager_eager"):  # fmt: skip
+                "H50_int8_eager_eager", "H50_int8_f3", "H50_int8_f0", "H50_int8_f100",
+                "H50_int8_eager_f5"):  # fmt: skip
         with pytest.raises(ValueError):
             bench_diloco.SwarmConfig.parse(bad)
     assert bench_diloco.ring_allreduce_bytes(nodes=4, parameters=1000, steps=10) == 1.5 * 4 * 1000 * 10
