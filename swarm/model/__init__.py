@@ -5,6 +5,7 @@
     data.py     stdlib_corpus / hf_corpus / load_data -> TokenData; node_generator, sample_batch, eval_windows
     loss.py     lm_loss, eval_loss, autocast_for
     diloco.py   DiLoCoConfig, DiLoCo (inner AdamW; pseudo_gradients / apply_outer), tensors_sha256
+    fragments.py  fragments_of: the parameters cut for Streaming DiLoCo (DiLoCoConfig.fragments)
 
 The averaging is handed in by the caller: nothing here imports swarm.averaging.
 """
