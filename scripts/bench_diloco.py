@@ -355,7 +355,7 @@ def results(
         "link": None if rates is None else [str(r) for r in rates],  # node i's link; None: 127.0.0.1
     }
     keys = ("diloco_eval_loss", "ratio_to_ddp", "gap_closed", "bytes_sent_per_node", "reduction_factor")
-    labels = ("codec", "density", "error_feedback", "mode")
+    labels = ("codec", "density", "error_feedback", "mode", "fragments")
     timing = ("utilization", "round_s", "round_bound_s", "run_s")
     for key in (*keys, *timing, "full_group_share", "states_agree", *labels):
         out[key] = {}
