@@ -35,17 +35,8 @@ from typing import Any
 
 import torch
 
-from scripts.diloco_sweep import (
-    CHEAP,
-    HSchedule,
-    Setting,
-    Workload,
-    _ScheduledDiLoCo,
-    average_deltas,
-    load_corpus,
-    worker_batch,
-    worker_peers,
-)
+from scripts.diloco_sweep import Setting, Workload, _ScheduledDiLoCo, average_deltas, worker_batch, worker_peers
+from scripts.overlap_sweep import add_run_arguments, run_of, shape_line
 from swarm.model.data import eval_windows
 from swarm.model.diloco import DiLoCo
 from swarm.model.fragments import fragments_of
@@ -164,15 +155,9 @@ def main() -> None:
     parser.add_argument("--fragments", default="1,4", help="P values, comma-separated")
     parser.add_argument("--modes", default="blocking,eager")
     parser.add_argument("--delays", default="0.3", help="the whole model's landing, a fraction of H (/P each)")
-    parser.add_argument("--h", type=int, default=50)
-    parser.add_argument("--steps", type=int, default=CHEAP.steps)
-    parser.add_argument("--seq-len", type=int, default=CHEAP.seq_len)
-    parser.add_argument("--json", action="store_true")
+    add_run_arguments(parser)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    workload = Workload(steps=args.steps, seq_len=args.seq_len)
-    setting = Setting(name=f"H{args.h}", h=HSchedule(target=args.h))
-    data = load_corpus()
+    workload, setting, data = run_of(args)
     rows: list[dict[str, Any]] = []
     reference = None  # blocking with P = 1: DiLoCo itself
     for fragments in [int(p) for p in args.fragments.split(",")]:
@@ -187,8 +172,7 @@ def main() -> None:
                              "eval_loss": round(loss, 4), "vs_diloco": ratio,
                              "seconds": round(time.perf_counter() - started, 1)})  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)
-    shape = f"{workload.workers} workers, {workload.model}, {workload.steps} inner steps, seq {workload.seq_len}"
-    print(f"\n{shape}, H {args.h}")
+    print(f"\n{shape_line(workload, args.h)}")
     print("| fragments | mode | whole model lands after | eval loss | vs DiLoCo |\n|---:|---|---:|---:|---:|")
     for r in rows:
         lands = "-" if r["mode"] == "blocking" else f"{r['delay']:g} H"

@@ -108,20 +108,33 @@ def land(worker: DiLoCo, average: list[torch.Tensor], alpha: float) -> None:
         p.detach().copy_(kept.mul_(alpha).add_(theta.to(p.dtype), alpha=1 - alpha))
 
 
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The run's shape, as this script and scripts/fragment_sweep.py take it."""
+    parser.add_argument("--h", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=CHEAP.steps)
+    parser.add_argument("--seq-len", type=int, default=CHEAP.seq_len)
+    parser.add_argument("--json", action="store_true")
+
+
+def run_of(args: argparse.Namespace) -> tuple[Workload, Setting, Any]:
+    """(workload, setting, corpus) of add_run_arguments' flags; one torch thread (deterministic)."""
+    torch.set_num_threads(1)
+    return Workload(steps=args.steps, seq_len=args.seq_len), Setting(name=f"H{args.h}", h=HSchedule(target=args.h)), \
+        load_corpus()  # fmt: skip
+
+
+def shape_line(workload: Workload, h: int) -> str:
+    return f"{workload.workers} workers, {workload.model}, {workload.steps} inner steps, seq {workload.seq_len}, H {h}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", default="blocking,delayed,eager")
     parser.add_argument("--delays", default="1", help="when the average lands, as a fraction of H")
     parser.add_argument("--alphas", default="1", help="Streaming DiLoCo's merge on landing (1: none)")
-    parser.add_argument("--h", type=int, default=50)
-    parser.add_argument("--steps", type=int, default=CHEAP.steps)
-    parser.add_argument("--seq-len", type=int, default=CHEAP.seq_len)
-    parser.add_argument("--json", action="store_true")
+    add_run_arguments(parser)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    workload = Workload(steps=args.steps, seq_len=args.seq_len)
-    setting = Setting(name=f"H{args.h}", h=HSchedule(target=args.h))
-    data = load_corpus()
+    workload, setting, data = run_of(args)
     rows: list[dict[str, Any]] = []
     blocking = None
     for mode in args.modes.split(","):
@@ -135,8 +148,7 @@ def main() -> None:
                          "vs_blocking": round(loss / blocking, 4) if blocking else None,
                          "seconds": round(time.perf_counter() - started, 1)})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
-    shape = f"{workload.workers} workers, {workload.model}, {workload.steps} inner steps, seq {workload.seq_len}"
-    print(f"\n{shape}, H {args.h}")
+    print(f"\n{shape_line(workload, args.h)}")
     print("| mode | lands after | merge alpha | eval loss | vs blocking |\n|---|---:|---:|---:|---:|")
     for r in rows:
         lands, alpha = ("-", "-") if r["mode"] == "blocking" else (f"{r['delay']:g} H", f"{r['alpha']:g}")
