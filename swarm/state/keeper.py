@@ -20,6 +20,9 @@ its own step, with a manifest that fits the model) when
   a fork): it takes theirs before it contributes;
 - it is a client that trained alone ahead of every server (it started before them): its steps
   can never be served, so it takes the servers' state, even an older one, and trains with them.
+A state that its holders did not deliver (all unreachable or gone: a killed peer's advertisement
+outlives it) is not chosen from them again for UNDELIVERED_S, so the node takes the best state
+the live peers hold instead of retrying dead addresses.
 """
 
 from __future__ import annotations
