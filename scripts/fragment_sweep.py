@@ -18,7 +18,7 @@ the `mode` way, with the node's own rules (scripts/overlap_sweep.py, swarm-node 
 
 At the run's end every fragment lands and is synced once more (blocking), so the final θ_outer
 holds all the run's steps; the eval loss is of that θ_outer. Nesterov's outer step is the node's
-(DiLoCo._outer_update's single IEEE operations); K workers, data windows and schedule are
+(DiLoCo._outer_update itself, on worker 0's θ_outer, which all share); K workers, data windows and schedule are
 scripts/diloco_sweep.py's. P = 1 is overlap_sweep's run to the bit (with delay 0: blocking DiLoCo).
 
     python -m scripts.fragment_sweep --fragments 1,4 --modes blocking,eager --delays 0.3
@@ -38,7 +38,6 @@ import torch
 from scripts.diloco_sweep import Setting, Workload, _ScheduledDiLoCo, average_deltas, worker_batch, worker_peers
 from scripts.overlap_sweep import add_run_arguments, run_of, shape_line
 from swarm.model.data import eval_windows
-from swarm.model.diloco import DiLoCo
 from swarm.model.fragments import fragments_of
 from swarm.model.llama import build_model
 from swarm.model.loss import eval_loss
@@ -64,26 +63,6 @@ def sync_steps(fragment: int, fragments: int, h: int, steps: int) -> list[int]:
     return list(range(offset + h, steps, h))
 
 
-class OuterState:
-    """θ_outer and the outer momentum the workers share (one copy: they agree bit for bit)."""
-
-    def __init__(self, template: DiLoCo) -> None:
-        self.config = template.config
-        self.params = [t.clone() for t in template.outer_params]
-        self.momentum = [torch.zeros_like(t) for t in self.params]
-
-    def moved(self, indices: range, grads: list[torch.Tensor], *, commit: bool) -> list[torch.Tensor]:
-        """DiLoCo._outer_update on the tensors `indices`: Nesterov SGD with `grads`."""
-        lr, mu, nesterov = self.config.outer_lr, self.config.outer_momentum, self.config.nesterov
-        out = []
-        for i, g in zip(indices, grads, strict=True):
-            theta, m = self.params[i], self.momentum[i]
-            m_new = m.mul_(mu).add_(g) if commit else torch.mul(m, mu).add_(g)
-            update = torch.mul(m_new, mu).add_(g) if nesterov else m_new.clone()
-            out.append(theta.sub_(update.mul_(lr)) if commit else torch.sub(theta, update.mul_(lr)))
-        return out
-
-
 @torch.no_grad()
 def train_fragments(data: Any, workload: Workload, setting: Setting, fragments: int, mode: str,
                     delay: float) -> float:  # fmt: skip
@@ -96,36 +75,38 @@ def train_fragments(data: Any, workload: Workload, setting: Setting, fragments: 
     # our own outer clock: the workers never reach their H (no DiLoCo outer step), only the schedule counts
     config = dataclasses.replace(setting.diloco_config(workload), inner_steps=workload.steps + 1)
     workers = [_ScheduledDiLoCo(build_model(preset(workload.model), seed=workload.seed), config) for _ in peers]
-    outer = OuterState(workers[0])
-    parts = fragments_of([t.numel() for t in outer.params], fragments)
+    # the θ_outer and momentum the workers share (they agree bit for bit): worker 0's, which its
+    # own DiLoCo never moves here, moved by the node's own Nesterov step (DiLoCo._outer_update)
+    outer = workers[0]
+    parts = fragments_of([t.numel() for t in outer.outer_params], fragments)
     lag = 0 if mode == "blocking" else max(1, round(delay * h / fragments))
     starts = {s: f for f in range(fragments) for s in sync_steps(f, fragments, h, workload.steps)}
     flying: list[InFlight] = []
 
     def land(round_: InFlight) -> None:
         indices = parts[round_.fragment]
-        outer.moved(indices, round_.average, commit=True)
+        outer._outer_update(indices, round_.average, commit=True)
         for worker, base in zip(workers, round_.bases, strict=True):
             for i, b in zip(indices, base, strict=True):
-                worker.params[i].add_(outer.params[i] - b)
+                worker.params[i].add_(outer.outer_params[i] - b)
 
     def sync(fragment: int, done: int, lag_steps: int) -> None:
         for round_ in [r for r in flying if r.fragment == fragment]:  # its last round lands first, as
             land(round_)  # a node's does before its next outer step (a round as long as H lands now)
             flying.remove(round_)
         indices = parts[fragment]
-        deltas = [[outer.params[i] - w.params[i].detach() for i in indices] for w in workers]
+        deltas = [[outer.outer_params[i] - w.params[i].detach() for i in indices] for w in workers]
         average = average_deltas(deltas, [1.0] * len(workers))  # equal batches: equal weights
         if lag_steps == 0:
-            outer.moved(indices, average, commit=True)
+            outer._outer_update(indices, average, commit=True)
             for worker in workers:
                 for i in indices:
-                    worker.params[i].copy_(outer.params[i])
+                    worker.params[i].copy_(outer.outer_params[i])
             return
         bases = []
         for worker, own in zip(workers, deltas, strict=True):
             if mode == "eager":
-                proxy = outer.moved(indices, own, commit=False)
+                proxy = outer._outer_update(indices, own, commit=False)
                 for i, p in zip(indices, proxy, strict=True):
                     worker.params[i].copy_(p)
                 bases.append(proxy)
@@ -145,7 +126,7 @@ def train_fragments(data: Any, workload: Workload, setting: Setting, fragments: 
     for fragment in range(fragments):  # the run's end: what is in flight lands, then every fragment syncs
         sync(fragment, workload.steps, 0)
     model = workers[0].model
-    for p, theta in zip(workers[0].params, outer.params, strict=True):
+    for p, theta in zip(workers[0].params, outer.outer_params, strict=True):
         p.copy_(theta)
     return eval_loss(model, eval_windows(data.eval, workload.seq_len, workload.eval_windows))
 
