@@ -68,6 +68,7 @@ class EventSink:
             seconds=round(report.elapsed_s, 3),
             peers=len(report.bytes_by_peer),
             corrupt_peers=report.corrupt_peers,
+            by_update=report.by_update,  # the previous state and the step's update, not the whole state
             state_sha256=state_sha256,
             MBps=round(report.fetched_bytes / 1e6 / report.elapsed_s, 1) if report.elapsed_s > 0 else None,
         )

@@ -157,7 +157,7 @@ class StepEnd:
         late_by: frozenset[PeerID] = frozenset()  # whose FORMED markers said so
         while diloco.outer_step == step:
             if found.group is not None:  # stopping or not: the group counts on our part
-                report = await self._average(averager, found)
+                report = await self._average(averager, keeper, found)
                 if report is not None:
                     await self._stepped(keeper, step, report, progress)
                     return True
@@ -207,8 +207,9 @@ class StepEnd:
                 found = await self._matchmake(averager, book, step, float(diloco.round_tokens))
                 without_group_since = None if found.group is not None else loop.time()
 
-    async def _average(self, averager: Averager, found: Matchmade) -> GroupReport | None:
+    async def _average(self, averager: Averager, keeper: StateKeeper, found: Matchmade) -> GroupReport | None:
         diloco, feedback = self.diloco, self._feedback
+        step, base = diloco.outer_step, self._state_sha.hex()  # the state the group averaged from
         deltas = await self.inner.call(diloco.round_deltas)
         # what this step sends: the residual of earlier steps with it (error feedback), only the
         # step's chosen blocks with a density below 1 (beside: the inner steps go on meanwhile)
@@ -219,11 +220,14 @@ class StepEnd:
         except AllReduceError as e:
             logger.warning("all-reduce of step %d failed: %s", diloco.outer_step, e)
             return None
+        update = payload.unpack(averaged)
         try:
-            await self.inner.call(lambda: diloco.apply_outer(payload.unpack(averaged)))
+            await self.inner.call(lambda: diloco.apply_outer(update))
         except ValueError as e:  # a non-finite average (never from a robust round): θ_outer stays
             logger.error("step %d: refusing the group's average, as if the round failed: %s", diloco.outer_step, e)
             return None
+        # a node that missed this group can take the step from it (state/update.py) before we advertise it
+        await keeper.record_update(step, base, update, self._compression.codec, self._block_size)
         if feedback is not None and payload.compensated is not None:
             feedback.commit(payload.compensated)
         return report

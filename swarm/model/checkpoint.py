@@ -227,6 +227,20 @@ def make_snapshot(state: Mapping[str, Any], run: RunInfo, shard_bytes: int = DEF
             size = 0
         groups[-1].append((name, tensor))
         size += nbytes
+    return _snapshot_of(groups, run, int(state["outer_step"]))
+
+
+def snapshot_like(state: Mapping[str, Any], manifest: Manifest) -> Snapshot:
+    """Serialize a state into the shards `manifest` lists (its tensors, in its order), whatever
+    shard size made it, to compare with it shard by shard: a state computed here is `manifest`'s
+    state iff the two manifests hash alike. KeyError when the manifest names a tensor the state
+    lacks. Run it in a thread."""
+    named = {f"{kind}/{name}": t for kind in KINDS for name, t in state[kind].items()}
+    groups = [[(name, named[name]) for name in shard.tensors] for shard in manifest.shards]
+    return _snapshot_of(groups, manifest.run, int(state["outer_step"]))
+
+
+def _snapshot_of(groups: list[list[tuple[str, torch.Tensor]]], run: RunInfo, step: int) -> Snapshot:
     shards: dict[str, bytes] = {}
     infos = []
     for i, group in enumerate(groups):
@@ -234,7 +248,7 @@ def make_snapshot(state: Mapping[str, Any], run: RunInfo, shard_bytes: int = DEF
         data = safetensors_save(dict(group))
         shards[name] = data
         infos.append(ShardInfo(name, tuple(n for n, _ in group), len(data), hashlib.sha256(data).hexdigest()))
-    return Snapshot(Manifest(run, int(state["outer_step"]), tuple(infos)), shards)
+    return Snapshot(Manifest(run, step, tuple(infos)), shards)
 
 
 def state_from_shards(manifest: Manifest, shards: Iterable[bytearray]) -> dict[str, Any]:

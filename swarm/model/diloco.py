@@ -262,14 +262,31 @@ class DiLoCo:
         """θ_outer's tensors `indices` moved by `grads`: in place with the momentum when `commit`,
         else as new tensors (nothing changed). The same single IEEE-754 operations either way
         (the module docstring)."""
-        lr, mu, nesterov = self.config.outer_lr, self.config.outer_momentum, self.config.nesterov
-        moved = []
+        config = self.config
+        if commit:
+            return [
+                _moved(self.outer_params[i], self.outer_momentum[i], g, config)
+                for i, g in zip(indices, grads, strict=True)
+            ]
+        return [_moved(self.outer_params[i].clone(), self.outer_momentum[i].clone(), g, config)
+                for i, g in zip(indices, grads, strict=True)]  # fmt: skip
+
+    @torch.no_grad()
+    def stepped_state(self, averaged: Sequence[torch.Tensor]) -> dict[str, Any]:
+        """The state apply_outer(averaged) would make (as state_dict, at outer_step + 1), in new
+        tensors: nothing here changes. ValueError as apply_outer. A node one step behind its
+        group computes the group's state with it (swarm/state/update.py)."""
+        indices = self.parts[self.fragment]
+        grads = self._checked(averaged, "averaged pseudo-gradient", indices)
+        params, momentum = [t.clone() for t in self.outer_params], [m.clone() for m in self.outer_momentum]
         for i, g in zip(indices, grads, strict=True):
-            theta, m = self.outer_params[i], self.outer_momentum[i]
-            m_new = m.mul_(mu).add_(g) if commit else torch.mul(m, mu).add_(g)  # m ← μ·m + Δ
-            update = torch.mul(m_new, mu).add_(g) if nesterov else m_new.clone()  # Δ + μ·m
-            moved.append(theta.sub_(update.mul_(lr)) if commit else torch.sub(theta, update.mul_(lr)))  # θ - η·update
-        return moved
+            _moved(params[i], momentum[i], g, self.config)
+        return {"outer_step": self.outer_step + 1, "params": dict(zip(self.names, params, strict=True)),
+                "momentum": dict(zip(self.names, momentum, strict=True))}  # fmt: skip
+
+    def round_shapes(self) -> list[torch.Size]:
+        """The shapes of the tensors an outer step averages (its fragment's), in order."""
+        return [self.outer_params[i].shape for i in self.parts[self.fragment]]
 
     @torch.no_grad()
     def begin_overlap(self, *, eager: bool) -> None:
@@ -389,6 +406,15 @@ class DiLoCo:
                 raise ValueError(f"{what}: {name} has NaN or inf values")
             out.append(t)
         return out
+
+
+def _moved(theta: torch.Tensor, momentum: torch.Tensor, g: torch.Tensor, config: DiLoCoConfig) -> torch.Tensor:
+    """One tensor's outer step, in place: m ← μ·m + Δ, then θ ← θ - η·(Δ + μ·m) (Nesterov) or
+    θ - η·m; returns θ."""
+    lr, mu = config.outer_lr, config.outer_momentum
+    momentum.mul_(mu).add_(g)
+    update = torch.mul(momentum, mu).add_(g) if config.nesterov else momentum.clone()
+    return theta.sub_(update.mul_(lr))
 
 
 def state_sha256(state: dict[str, Any]) -> str:

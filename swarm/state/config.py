@@ -42,10 +42,14 @@ class KeeperConfig:
     max_uploads: int = 4  # shards served at once (StateServer)
     advertise_ttl: float = 60.0  # seconds an advertisement lives; it is refreshed every third of it
     fetch: FetchConfig = field(default_factory=_keeper_fetch)
+    # a node one step behind takes the step's update from its holders (update.py) before the whole state
+    by_update: bool = True
+    update_timeout: float = 10.0  # seconds: an update's stream opening and each chunk (then: the whole state)
 
     def __post_init__(self) -> None:
         for name in ("shard_bytes", "checkpoint_every", "max_uploads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not (math.isfinite(self.advertise_ttl) and self.advertise_ttl > 0):
-            raise ValueError(f"advertise_ttl must be a positive number of seconds, got {self.advertise_ttl}")
+        for name in ("advertise_ttl", "update_timeout"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")

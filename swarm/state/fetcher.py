@@ -115,6 +115,7 @@ class FetchReport:
     bytes_by_peer: dict[str, int] = field(default_factory=dict)
     corrupt_peers: list[str] = field(default_factory=list)
     failed_peers: list[str] = field(default_factory=list)
+    by_update: bool = False  # computed from the previous state and the step's update (update_fetch.py)
 
 
 async def fetch_state(
@@ -142,7 +143,7 @@ async def fetch_state(
         raise FetchError(f"nobody advertises a state of run {run_id!r}")
     _, sha, peers = chosen
     rng.shuffle(peers)
-    manifest = await _fetch_manifest(host, run_id, peers, sha, expect, config.timeout)
+    manifest = await fetch_manifest(host, run_id, peers, sha, expect, config.timeout)
     if expect_tensors is not None and (problem := manifest_problem(manifest, expect_tensors)) is not None:
         raise RefusedManifest(sha, problem)
     directory = None
@@ -163,7 +164,7 @@ async def fetch_state(
     return manifest, state, fetch.report
 
 
-async def _fetch_manifest(
+async def fetch_manifest(
     host: P2PHost, run_id: str, peers: Sequence[Holder], sha: str, expect: RunInfo, timeout: float
 ) -> Manifest:
     reasons, failed = [], set()

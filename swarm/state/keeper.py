@@ -51,12 +51,15 @@ from swarm.state.fetcher import (
     FetchProgress,
     FetchReport,
     RefusedManifest,
+    fetch_manifest,
     fetch_state,
     remove_fetch_dir,
 )
 from swarm.state.holders import Holder, advertise, find_holders, settled_holders
-from swarm.state.server import StateServer
-from swarm.state.trust import Known, choose_trusted
+from swarm.state.server import StateServer, StepUpdate
+from swarm.state.trust import Known, choose_trusted, manifest_problem
+from swarm.state.update import encode_update
+from swarm.state.update_fetch import by_update
 from swarm.supervised import Supervised
 
 logger = logging.getLogger(__name__)
@@ -181,6 +184,11 @@ class StateKeeper:
             return None
         settled = await settled_holders(holders, step, self._holders)  # spread the fetch over all donors
         donors = [h for h in settled if h.step == step and h.manifest == sha] or agreeing  # only the chosen state
+        if step == diloco.outer_step + 1 and self.config.by_update:
+            report = await self._by_update(diloco, sha, donors, why)
+            if report is not None:
+                return why, report
+            donors = [h for h in donors if (h.peer_id, sha) not in self._undelivered] or donors
         dest = self.checkpoints.path if self.checkpoints is not None else None  # resumable only with a checkpoint dir
         try:
             manifest, state, report = await fetch_state(
@@ -209,12 +217,7 @@ class StateKeeper:
                 self._distrusted.log(holder.peer_id, "manifest", "refusing the state it advertises: %s", e)
             raise
         except FetchError as e:
-            if e.failed:
-                logger.info("not asking %d holder(s) for state %s again for %.0fs: they did not deliver it",
-                            len(e.failed), sha[:12], UNDELIVERED_S)  # fmt: skip
-            if len(self._undelivered) + len(e.failed) > MAX_UNDELIVERED:
-                self._undelivered.clear()
-            self._undelivered.update({(peer, sha): time.monotonic() for peer in e.failed})
+            self._not_delivered(e.failed, sha)
             raise
         if dest is not None:
             await asyncio.to_thread(remove_fetch_dir, dest, manifest)
@@ -222,6 +225,57 @@ class StateKeeper:
                     report.total_bytes / 1e6, len(report.bytes_by_peer), report.elapsed_s)  # fmt: skip
         await self.publish(diloco, checkpoint=True)
         return why, report
+
+    def _not_delivered(self, failed: frozenset[PeerID], sha: str) -> None:
+        if failed:
+            logger.info("not asking %d holder(s) for state %s again for %.0fs: they did not deliver it",
+                        len(failed), sha[:12], UNDELIVERED_S)  # fmt: skip
+        if len(self._undelivered) + len(failed) > MAX_UNDELIVERED:
+            self._undelivered.clear()
+        self._undelivered.update({(peer, sha): time.monotonic() for peer in failed})
+
+    async def _by_update(self, diloco: DiLoCo, sha: str, donors: list[Holder], why: str) -> FetchReport | None:
+        """Take state `sha` (our step + 1) from our state and the step's update (update_fetch.py);
+        None when no donor's update led to it (the caller fetches the whole state)."""
+        started = time.perf_counter()
+        base = await self.beside_trainer(diloco.state_sha256)
+        try:
+            manifest = await fetch_manifest(self.host, self.run.run_id, donors, sha, self.run,
+                                            self.config.update_timeout)  # fmt: skip
+        except FetchError as e:  # the whole fetch asks again, and refuses or names them
+            logger.info("no manifest of state %s for an update: %s", sha[:12], e)
+            return None
+        if manifest_problem(manifest, await self.in_trainer(tensor_sizes, diloco)) is not None:
+            return None  # the whole fetch refuses it and its holders
+        shapes = await self.in_trainer(diloco.round_shapes)
+        caught, failed = await by_update(
+            self.host, self.run.run_id, donors, manifest, base=base, numel=sum(s.numel() for s in shapes),
+            shapes=shapes, stepped=lambda averaged: self.beside_trainer(diloco.stepped_state, averaged),
+            timeout=self.config.update_timeout)  # fmt: skip
+        self._not_delivered(failed, sha)
+        if caught is None:
+            return None
+        await self.in_trainer(diloco.load_state_dict, caught.state)
+        if self.server is not None:  # we hold the step's update now too: a node behind us can take it
+            self.server.publish_update(StepUpdate(manifest.step - 1, base, caught.body))
+        nbytes = len(caught.body)
+        report = FetchReport(manifest.step, sha, manifest.total_bytes, fetched_bytes=nbytes,
+                             elapsed_s=time.perf_counter() - started, bytes_by_peer={str(caught.peer): nbytes},
+                             by_update=True)  # fmt: skip
+        logger.info("caught up to outer step %d (%s) by its update: %.2f MB from %s in %.2fs, instead of the "
+                    "%.1f MB state", manifest.step, why, nbytes / 1e6, caught.peer, report.elapsed_s,
+                    manifest.total_bytes / 1e6)  # fmt: skip
+        await self.publish(diloco, checkpoint=True, made=caught.snapshot if manifest.run == self.run else None)
+        return report
+
+    async def record_update(self, step: int, base: str, averaged: list[torch.Tensor], codec: str,
+                            block_size: int) -> None:  # fmt: skip
+        """Serve the update outer step `step` applied to our state `base` (state_sha256 hex): the
+        group's average `averaged` (read here, in a thread, before this returns)."""
+        if self.server is None or not self.config.by_update:
+            return
+        body = await asyncio.to_thread(encode_update, averaged, codec, block_size)
+        self.server.publish_update(StepUpdate(step, base, body))
 
     async def _seasoned(self, peers: Sequence[PeerID]) -> frozenset[PeerID]:
         """The peers among `peers` one of our --initial-peers has known for SEASONED_S or more
@@ -271,18 +325,19 @@ class StateKeeper:
         *,
         checkpoint: bool | None = None,
         local: Callable[[], dict[str, torch.Tensor]] | None = None,
+        made: Snapshot | None = None,
     ) -> None:
         """Copy the state now (in the trainer's thread); serve, advertise and checkpoint it in
         the background. A previous publication still under way is finished first. `local`: this
         node's own tensors to checkpoint beside the state (never served), read in the trainer's
-        thread too (load_local gives them back)."""
+        thread too (load_local gives them back). `made`: the state's snapshot, already made."""
         if self._publishing is not None:
             await asyncio.gather(self._publishing, return_exceptions=True)
-        copied = await self.beside_trainer(lambda: copy_state(diloco.state_dict()))
+        copied = None if made is not None else await self.beside_trainer(lambda: copy_state(diloco.state_dict()))
         if checkpoint is None:
-            checkpoint = copied["outer_step"] % self.config.checkpoint_every == 0
+            checkpoint = diloco.outer_step % self.config.checkpoint_every == 0
         own = await self.beside_trainer(local) if local is not None and checkpoint and self.checkpoints else None
-        self._publishing = asyncio.ensure_future(self._publish(copied, checkpoint, own))
+        self._publishing = asyncio.ensure_future(self._publish(copied if made is None else made, checkpoint, own))
 
     async def load_local(self, step: int) -> dict[str, torch.Tensor]:
         """The node's own tensors checkpointed with the state of `step` ({}: none)."""
@@ -290,9 +345,11 @@ class StateKeeper:
             return {}
         return await asyncio.to_thread(self.checkpoints.load_local, step)
 
-    async def _publish(self, copied: dict[str, Any], checkpoint: bool, local: dict[str, torch.Tensor] | None) -> None:
+    async def _publish(self, copied: dict[str, Any] | Snapshot, checkpoint: bool,
+                       local: dict[str, torch.Tensor] | None) -> None:  # fmt: skip
         try:
-            snapshot = await asyncio.to_thread(make_snapshot, copied, self.run, self.config.shard_bytes)
+            snapshot = copied if isinstance(copied, Snapshot) else await asyncio.to_thread(
+                make_snapshot, copied, self.run, self.config.shard_bytes)  # fmt: skip
             del copied
             self.current = snapshot
             if self.server is not None:

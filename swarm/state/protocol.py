@@ -11,6 +11,11 @@
     errors bad_request, not_found (the server moved on to a newer state), busy (at its upload
            limit: ask another peer)
 
+`state.update` (stream; as state.shard)
+    args   {"run": run id, "step": outer step t, "base": state_sha256 hex of the state of step t}
+    body   exactly the update of step t from that state (update.py's body: the group's averaged Δ̄_t)
+    errors bad_request, not_found (no update of step t from that state kept), busy
+
 A server answers from one immutable snapshot per call: a state that changes at the next outer
 step never mixes into a shard being sent.
 """
@@ -24,6 +29,8 @@ from swarm.p2p.errors import BadRequest
 
 MANIFEST = "state.manifest"
 SHARD = "state.shard"
+UPDATE = "state.update"
+MAX_STEP = 1 << 62
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _SHARD_NAME = re.compile(r"^shard-\d{5}\.safetensors$")
 
@@ -54,3 +61,18 @@ def parse_shard_args(args: Any, run_id: str) -> tuple[str, str]:
     if not (isinstance(shard, str) and _SHARD_NAME.match(shard)):
         raise BadRequest(f"{SHARD}: bad shard name")
     return sha, shard
+
+
+def update_args(run_id: str, step: int, base: str) -> dict[str, Any]:
+    return {"run": run_id, "step": step, "base": base}
+
+
+def parse_update_args(args: Any, run_id: str) -> tuple[int, str]:
+    if not isinstance(args, dict) or args.get("run") != run_id:
+        raise BadRequest(f"{UPDATE}: wrong or missing run id")
+    step, base = args.get("step"), args.get("base")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < MAX_STEP:
+        raise BadRequest(f"{UPDATE}: step must be an int >= 0")
+    if not (isinstance(base, str) and _HEX64.match(base)):
+        raise BadRequest(f"{UPDATE}: base must be 64 lowercase hex digits")
+    return step, base

@@ -1,8 +1,9 @@
 """StateServer: answers `state.manifest` and `state.shard` (protocol.py) from the snapshot of
-the last finished outer step.
+the last finished outer step, and `state.update` from the last steps' updates (update.py).
 
     server = StateServer(host, run_id, max_uploads=4)
     server.publish(snapshot)     # after each outer step; the previous one stays for `grace` seconds
+    server.publish_update(StepUpdate(step, base, body))   # the update that step applied
 
 Serving never touches the training state: a snapshot is an immutable copy (bytes) made once per
 outer step, and each call holds a reference to the snapshot it started with. At most
@@ -30,6 +31,18 @@ from swarm.p2p.stream import Stream
 from swarm.state import protocol
 
 logger = logging.getLogger(__name__)
+
+KEPT_UPDATES = 2  # the last steps' updates served (a node is one step behind, or its group just moved on)
+
+
+@dataclass(frozen=True, slots=True)
+class StepUpdate:
+    """The update outer step `step` applied to the state whose state_sha256 is `base` (hex):
+    update.py's body of the group's averaged Δ̄."""
+
+    step: int
+    base: str
+    body: bytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,10 +89,12 @@ class StateServer:
         self.snapshot: Snapshot | None = None
         self.previous: Snapshot | None = None
         self.previous_until = 0.0
+        self.updates: dict[tuple[int, str], StepUpdate] = {}  # (step, base) -> the last KEPT_UPDATES
         self.uploads = 0
         self.bytes_sent = 0
         host.add_handler(protocol.MANIFEST, self._rpc_manifest)
         host.add_stream_handler(protocol.SHARD, self._rpc_shard)
+        host.add_stream_handler(protocol.UPDATE, self._rpc_update)
 
     def publish(self, snapshot: Snapshot) -> None:
         """Serve `snapshot` from now on; the one it replaces stays available for `grace` seconds,
@@ -88,9 +103,16 @@ class StateServer:
             self.previous, self.previous_until = self.snapshot, time.monotonic() + self.grace
         self.snapshot = snapshot
 
+    def publish_update(self, update: StepUpdate) -> None:
+        """Serve `update` from now on, with the one before it (older ones are dropped)."""
+        self.updates[(update.step, update.base)] = update
+        while len(self.updates) > KEPT_UPDATES:
+            del self.updates[min(self.updates)]
+
     def close(self) -> None:
         self.host.remove_handler(protocol.MANIFEST)
         self.host.remove_handler(protocol.SHARD)
+        self.host.remove_handler(protocol.UPDATE)
 
     async def _rpc_manifest(self, ctx: CallContext, args: Any) -> dict[str, Any]:
         wanted = protocol.parse_manifest_args(args, self.run_id)
@@ -103,8 +125,19 @@ class StateServer:
         data = snapshot.shards.get(name)
         if data is None:
             raise NotFound(f"{protocol.SHARD}: no shard {name} in state {sha[:12]}")
+        await self._upload(ctx, stream, name, data)
+
+    async def _rpc_update(self, ctx: CallContext, args: Any, stream: Stream) -> None:
+        step, base = protocol.parse_update_args(args, self.run_id)
+        update = self.updates.get((step, base))
+        if update is None:
+            raise NotFound(f"{protocol.UPDATE}: no update of step {step} from state {base[:12]}")
+        await self._upload(ctx, stream, f"the update of step {step}", update.body)
+
+    async def _upload(self, ctx: CallContext, stream: Stream, name: str, data: bytes) -> None:
+        """Stream `data` within an upload slot (Busy when none is free)."""
         if self.uploads >= self.max_uploads:
-            raise Busy(f"{protocol.SHARD}: {self.uploads} uploads in progress")
+            raise Busy(f"{self.uploads} uploads in progress")
         self.uploads += 1
         try:
             if self.faults is None:

@@ -1,0 +1,33 @@
+"""Catching up by a step's update (swarm/state/update.py, update_fetch.py): in-process nodes on
+127.0.0.1. A node that joins with the run's initial state while the swarm is one step on takes
+that step's update (the group's averaged Δ̄ in int8, ~1/8 of the state) instead of the whole
+state, computes the state itself, verifies it against the manifest, and trains on in agreement."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from tests.node.inprocess import LocalSwarm
+from tests.waiting import until
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(150)]
+
+RUN: dict[str, Any] = dict(run_id="by-update", inner_steps=120, max_outer_steps=3, matchmaking_time=1.5)
+
+
+async def test_a_node_one_step_behind_takes_the_steps_update_and_agrees(local: LocalSwarm) -> None:
+    bootstrap = await local.start_bootstrap()
+    first = [local.start((bootstrap,), **RUN) for _ in range(2)]
+    await until(lambda: any(0 in n.steps() for n in first), 90, "the end of the first nodes' first outer step")
+    late = local.start((bootstrap,), **RUN)
+    assert await local.finish(120) == ["finished"] * 3
+    fetch = next(e for e in late.events if e["event"] == "fetch")
+    state_bytes = 10_000_000
+    assert fetch["by_update"] and fetch["outer_step"] == 1
+    assert fetch["bytes"] < state_bytes / 6
+    assert fetch["state_sha256"] == first[0].steps()[0]["state_sha256"]  # the state step 0 ended with
+    for step, hashes in local.by_step().items():
+        assert len(hashes) == 1, (step, hashes)
