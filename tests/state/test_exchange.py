@@ -333,6 +333,12 @@ async def test_a_manifest_that_does_not_hash_to_the_advertised_value_is_not_beli
         (protocol.SHARD, {"run": "run", "manifest": "0" * 64, "shard": "shard-00000.safetensors"}),
         (protocol.SHARD, {"run": "run", "manifest": "0" * 64, "shard": "../../etc/passwd"}),
         (protocol.SHARD, [1, 2]),
+        (protocol.UPDATE, {"run": "run", "step": -1, "base": "0" * 64}),
+        (protocol.UPDATE, {"run": "run", "step": True, "base": "0" * 64}),
+        (protocol.UPDATE, {"run": "run", "step": 2**63, "base": "0" * 64}),
+        (protocol.UPDATE, {"run": "run", "step": 0, "base": "XYZ"}),
+        (protocol.UPDATE, {"run": "other", "step": 0, "base": "0" * 64}),
+        (protocol.UPDATE, {"run": "run", "step": 0, "base": "0" * 64}),  # no such update kept
     ],
 )
 async def test_bad_requests_get_typed_errors(method: str, args: object) -> None:

@@ -5,7 +5,6 @@ state, computes the state itself, verifies it against the manifest, and trains o
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pytest
