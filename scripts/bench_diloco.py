@@ -74,10 +74,11 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 @dataclass(frozen=True, slots=True)
 class SwarmConfig:
     """One swarm configuration, named
-    H<inner steps>_<--compression>[_ef<--error-feedback>][_f<--fragments>][_<--overlap>]:
+    H<inner steps>_<--compression>[_ef<--error-feedback>][_f<--fragments>][_<--overlap>][_fetchstate]:
     "H50_int8", "H100_int4:0.25", "H100_int2_ef1", "H50_int8_eager", "H50_int8_f5_eager". With
     fragments P, H is each fragment's (swarm-node --fragments P --inner-steps H/P): the same H as
-    the configuration without them."""
+    the configuration without them. `_fetchstate`: --catch-up state (a node that missed a group
+    fetches the whole state, not the step's update)."""
 
     name: str
     inner_steps: int  # swarm-node's --inner-steps (H / fragments)
@@ -85,6 +86,7 @@ class SwarmConfig:
     error_feedback: float = 0.0  # swarm-node's --error-feedback (0: off)
     overlap: str = "none"  # swarm-node's --overlap: none (blocking), eager, delayed
     fragments: int = 1  # swarm-node's --fragments
+    catch_up: str = "update"  # swarm-node's --catch-up
 
     @classmethod
     def parse(cls, name: str) -> SwarmConfig:
@@ -95,9 +97,14 @@ class SwarmConfig:
         compression, *extras = rest.split("_")
         modes = [m for m in OVERLAP_MODES if m != "none"]
         usage = (f"use H<inner steps>_<{'|'.join(COMPRESSIONS)}>[:DENSITY][_ef<DECAY>][_f<FRAGMENTS>]"
-                 f"[_{'|'.join(modes)}], e.g. H50_int8, H100_int4_ef1, H50_int8_eager, H50_int8_f5_eager")  # fmt: skip
+                 f"[_{'|'.join(modes)}][_fetchstate], e.g. H50_int8, H100_int4_ef1, H50_int8_f5_eager, "
+                 "H50_int8_fetchstate")  # fmt: skip
         if not (h.startswith("H") and h[1:].isdigit() and int(h[1:]) > 0):
             raise ValueError(f"bad configuration {name!r}: {usage}")
+        catch_up = "update"
+        if extras and extras[-1] == "fetchstate":
+            extras.pop()
+            catch_up = "state"
         overlap = extras.pop() if extras and extras[-1] in modes else "none"
         fragments = 1
         if extras and extras[-1].startswith("f") and extras[-1][1:].isdigit():
@@ -114,7 +121,7 @@ class SwarmConfig:
             raise ValueError(f"bad configuration {name!r}: {e}; {usage}") from None
         if feedback and not 0.0 < decay <= 1.0:
             raise ValueError(f"bad configuration {name!r}: error feedback is ef<decay in (0, 1]>; {usage}")
-        return cls(name, int(h[1:]) // fragments, compression, decay, overlap, fragments)
+        return cls(name, int(h[1:]) // fragments, compression, decay, overlap, fragments, catch_up)
 
     def labels(self) -> dict[str, Any]:
         """The keys issues 15 and 14 add to each row: the codec, the density, the error feedback,
@@ -124,7 +131,7 @@ class SwarmConfig:
         spec = CompressionSpec.parse(self.compression, COMPRESSIONS)
         mode = "blocking" if self.overlap == "none" else self.overlap
         return {"codec": spec.codec, "density": spec.density, "error_feedback": self.error_feedback, "mode": mode,
-                "fragments": self.fragments}  # fmt: skip
+                "fragments": self.fragments, "catch_up": self.catch_up}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -179,6 +186,7 @@ def node_args(
         *(["--error-feedback", repr(config.error_feedback)] if config.error_feedback else []),
         *(["--overlap", config.overlap] if config.overlap != "none" else []),
         *(["--fragments", str(config.fragments)] if config.fragments > 1 else []),
+        *(["--catch-up", config.catch_up] if config.catch_up != "update" else []),
         "--max-outer-steps", str(workload.steps // config.inner_steps),
         "--seed", str(workload.seed),
         "--threads", "1",
@@ -287,7 +295,7 @@ def summarize(config: SwarmConfig, per_node: list[list[dict[str, Any]]]) -> dict
     others when it missed a round (on a slow link a node can miss the last round and then fetch
     the swarm's result, a `fetch` event). Such a node's eval loss is the one the others measured
     on the same state (the same θ, the same eval windows)."""
-    finals, ends, group_sizes, sent, received, rounds = [], [], [], [], [], []
+    finals, ends, group_sizes, sent, received, rounds, fetched = [], [], [], [], [], [], []
     for index, events in enumerate(per_node):
         steps = [e for e in events if e.get("event") == "outer_step"]
         if not steps:
@@ -296,6 +304,8 @@ def summarize(config: SwarmConfig, per_node: list[list[dict[str, Any]]]) -> dict
         held = [(e["outer_step"] + 1, e["state_sha256"], e.get("eval_loss")) for e in steps]  # the state after it
         held += [(e["outer_step"], e["state_sha256"], None) for e in events if e.get("event") == "fetch"]
         ends.append(max(held, key=lambda h: h[0]))  # the latest; a fetch of a step after the last round wins
+        fetches = [e for e in events if e.get("event") == "fetch"]
+        fetched.append((len(fetches), sum(bool(e.get("by_update")) for e in fetches), sum(e["bytes"] for e in fetches)))
         group_sizes.append([e["group_size"] for e in steps])
         sent.append(sum(e["bytes_sent"] for e in steps))
         received.append(sum(e["bytes_received"] for e in steps))
@@ -314,6 +324,9 @@ def summarize(config: SwarmConfig, per_node: list[list[dict[str, Any]]]) -> dict
         "eval_losses": losses,
         "states_agree": len({sha for _, sha, _ in ends}) == 1,
         "full_group_share": statistics.fmean(sum(s == n for s in sizes) / len(sizes) for sizes in group_sizes),
+        "fetches": [count for count, _, _ in fetched],  # states taken from peers (a missed group, a newcomer)
+        "fetches_by_update": [by_update for _, by_update, _ in fetched],  # of them: by the step's update
+        "fetched_bytes": [nbytes for _, _, nbytes in fetched],
         "bytes_sent": sent,
         "bytes_received": received,
         "round_s": rounds,
@@ -506,6 +519,8 @@ def main() -> None:
             runs.setdefault(config.name, []).append(summary)
             log(f"  eval {summary['eval_loss']:.4f}, sent {statistics.fmean(summary['bytes_sent']) / 1e6:.2f} MB/node, "
                 f"utilization {statistics.fmean(summary['utilization']):.1%}, "
+                f"full groups {summary['full_group_share']:.0%}, fetches {sum(summary['fetches'])} "
+                f"({sum(summary['fetches_by_update'])} by update, {sum(summary['fetched_bytes']) / 1e6:.1f} MB), "
                 f"all-reduce {statistics.fmean(summary['round_s']):.2f}s/step, {summary['run_s']:.0f}s")  # fmt: skip
     if args.skip_baselines:
         baselines = {"ddp": float("nan"), "alone": float("nan")}

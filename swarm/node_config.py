@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import torch
 
 OVERLAP_MODES = ("none", "eager", "delayed")
+CATCH_UP_MODES = ("update", "state")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,6 +62,9 @@ class NodeConfig:
     # "eager" (the next steps start from our own Δ's outer step) or "delayed" (from where we
     # ended). Local: members of any mode agree bit for bit (DiLoCo.apply_outer)
     overlap: str = "none"
+    # how a node one outer step behind catches up: "update" (the step's update from its holders,
+    # swarm/state/update.py, then the whole state if that fails) or "state" (always the whole state)
+    catch_up: str = "update"
     client_mode: bool = False
     # run
     max_outer_steps: int | None = None
@@ -96,6 +100,8 @@ class NodeConfig:
                 raise ValueError(f"{name} must be a positive number of seconds")
         if self.bandwidth is not None and not (math.isfinite(self.bandwidth) and self.bandwidth > 0):
             raise ValueError(f"bandwidth must be a positive number of MB/s (or None: measured), got {self.bandwidth}")
+        if self.catch_up not in CATCH_UP_MODES:
+            raise ValueError(f"catch_up must be one of {', '.join(CATCH_UP_MODES)}, got {self.catch_up!r}")
         if self.overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap!r}")
         if not 0.0 <= self.error_feedback <= 1.0:
@@ -151,6 +157,7 @@ class NodeConfig:
             checkpoint_every=self.checkpoint_every,
             max_uploads=self.max_uploads,
             fetch=FetchConfig(timeout=self.fetch_timeout),
+            by_update=self.catch_up == "update",
         )
 
     @property

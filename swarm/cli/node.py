@@ -47,7 +47,7 @@ from swarm.dht.id_proof import proof_path_for
 from swarm.model.presets import PRESETS
 from swarm.model.run_settings import FIELDS, FLAGS, join_flags, training_settings
 from swarm.model.schedule import SCHEDULES
-from swarm.node_config import OVERLAP_MODES, NodeConfig
+from swarm.node_config import CATCH_UP_MODES, OVERLAP_MODES, NodeConfig
 from swarm.p2p.identity import Identity
 from swarm.run_lookup import RunChoiceError, RunLookup, adoptable_settings, initial_peer_ids, look_up_run, run_to_join
 
@@ -173,6 +173,13 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
     click.Choice(OVERLAP_MODES),
     "Average each outer step while the next one's inner steps already "
     "run: eager (they start from our own update, corrected when the group's lands) or delayed; none blocks.",
+)
+@_opt(
+    "catch-up",
+    click.Choice(CATCH_UP_MODES),
+    "How this node catches up when it is one outer step behind (it missed a group): update (the step's "
+    "averaged update from its holders, checked against the state they advertise; int8: ~1/8 of the state) "
+    "or state (the whole state).",
 )
 @_opt("max-outer-steps", click.IntRange(1), "Stop after this many outer steps (default: run until stopped).")
 @_opt("device", str, "Torch device: auto (cuda when present), cpu, cuda, cuda:1, ...")

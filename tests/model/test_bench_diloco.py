@@ -113,7 +113,7 @@ def test_bench_configs_and_ring_bytes() -> None:
     assert bench_diloco.SwarmConfig.parse("H100_none") == bench_diloco.SwarmConfig("H100_none", 100, "none")
     ef = bench_diloco.SwarmConfig.parse("H100_int4:0.25_ef0.9")
     assert ef == bench_diloco.SwarmConfig("H100_int4:0.25_ef0.9", 100, "int4:0.25", 0.9)
-    one = {"mode": "blocking", "fragments": 1}
+    one = {"mode": "blocking", "fragments": 1, "catch_up": "update"}
     assert ef.labels() == {"codec": "int4", "density": 0.25, "error_feedback": 0.9, **one}
     plain = bench_diloco.SwarmConfig.parse("H50_int2")
     assert plain.labels() == {"codec": "int2", "density": 1.0, "error_feedback": 0.0, **one}
@@ -124,10 +124,13 @@ def test_bench_configs_and_ring_bytes() -> None:
     eager = bench_diloco.SwarmConfig.parse("H50_int8_ef0.5_eager")
     assert (eager.overlap, eager.error_feedback, eager.labels()["mode"]) == ("eager", 0.5, "eager")
     assert bench_diloco.SwarmConfig.parse("H50_int8_delayed").labels()["mode"] == "delayed"
+    whole = bench_diloco.SwarmConfig.parse("H50_int8_eager_fetchstate")  # a missed group: the whole state
+    assert (whole.overlap, whole.catch_up, whole.labels()["catch_up"]) == ("eager", "state", "state")
+    assert bench_diloco.SwarmConfig.parse("H50_int8_fetchstate").catch_up == "state"
     for bad in ("H0_int8", "50_int8", "H50_int3", "H50_int4:0", "H50_int4:2", "H50_none:0.5", "H50_int4_ef0",
                 "H50_int4_ef2", "H50_int4_x1", "H50_int4_efx", "H50_int8_eager_ef1", "H50_int8_none",
                 "H50_int8_eager_eager", "H50_int8_f3", "H50_int8_f0", "H50_int8_f100",
-                "H50_int8_eager_f5"):  # fmt: skip
+                "H50_int8_eager_f5", "H50_int8_fetchstate_eager", "H50_fetchstate"):  # fmt: skip
         with pytest.raises(ValueError):
             bench_diloco.SwarmConfig.parse(bad)
     assert bench_diloco.ring_allreduce_bytes(nodes=4, parameters=1000, steps=10) == 1.5 * 4 * 1000 * 10
@@ -146,3 +149,8 @@ def test_bench_summary_of_metrics_events() -> None:
     assert summary["eval_loss"] == 1.5 and summary["states_agree"] and summary["outer_steps"] == [2, 2]
     assert summary["bytes_sent"] == [30, 35] and summary["utilization"] == [0.8, 0.8]
     assert summary["full_group_share"] == 0.75
+    fetch = {"event": "fetch", "outer_step": 2, "state_sha256": "ab", "bytes": 7, "by_update": True}
+    nodes[1].append(fetch)
+    nodes[0].append({**fetch, "bytes": 50, "by_update": False})
+    summary = bench_diloco.summarize(bench_diloco.SwarmConfig.parse("H50_int8"), nodes)
+    assert (summary["fetches"], summary["fetches_by_update"], summary["fetched_bytes"]) == ([1, 1], [0, 1], [50, 7])
