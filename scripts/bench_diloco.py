@@ -45,6 +45,7 @@ rate, or null on 127.0.0.1), "round_s" and "round_bound_s".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -60,6 +61,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from scripts.diloco_sweep import Cache, Workload, gap_closed, node_identity, run_baselines
+from scripts.hiccup import Hiccup
 from swarm import process_control
 from swarm.model.schedule import SCHEDULES
 from swarm.netlab import Lab, Rate, exec_prefix, missing, parse_rate, parse_rates
@@ -224,11 +226,12 @@ def place(lab: Lab | None, name: str, rate: Rate | None) -> tuple[list[str], str
 
 def run_swarm(
     workload: Workload, config: SwarmConfig, options: NodeOptions, timeout: float, keep: Path | None,
-    rates: Sequence[Rate] | None = None,
+    rates: Sequence[Rate] | None = None, hiccup: Hiccup | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """One swarm run: a bootstrap DHT node and `workers` training nodes until they exit; the
     summary of their metrics files. With `rates` (one per node) each child runs in a namespace
-    of its own behind a link of its rate, the bootstrap behind the fastest."""
+    of its own behind a link of its rate, the bootstrap behind the fastest. `hiccup`: one node
+    stops for a while (scripts/hiccup.py)."""
     workdir = Path(tempfile.mkdtemp(prefix=f"bench_diloco_{config.name}_", dir=keep))
     for index in range(workload.workers):
         node_identity(index, workload.seed).save(workdir / f"node{index}.key")
@@ -249,17 +252,8 @@ def run_swarm(
             prefix, listen = place(lab, f"node{index}", rates[index] if rates else None)
             args = node_args(workload, config, options, workdir, index, bootstrap, listen)
             procs.append(spawn([*prefix, *args], logs[-1]))
-        deadline = time.monotonic() + timeout
-        for index, proc in enumerate(procs[1:]):
-            try:
-                code = proc.wait(max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise TimeoutError(
-                    f"{config.name}: node {index} still running after {timeout:.0f}s ({workdir})"
-                ) from None
-            if code != 0:
-                tail = (workdir / f"node{index}.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{config.name}: node {index} exited with code {code} ({workdir}); log:\n{tail}")
+        with hiccup.applied(procs[1 + hiccup.node]) if hiccup is not None else contextlib.nullcontext():
+            wait_for_nodes(procs[1:], config, time.monotonic() + timeout, workdir)
         wall = time.monotonic() - started
     finally:
         process_control.stop_all(procs, STOP_GRACE_S)  # SIGTERM, SIGKILL after the grace
@@ -276,6 +270,17 @@ def run_swarm(
     else:
         summary["workdir"] = str(workdir)
     return summary
+
+
+def wait_for_nodes(nodes: list[subprocess.Popen[bytes]], config: SwarmConfig, deadline: float, workdir: Path) -> None:
+    for index, proc in enumerate(nodes):
+        try:
+            code = proc.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"{config.name}: node {index} still running at the deadline ({workdir})") from None
+        if code != 0:
+            tail = (workdir / f"node{index}.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{config.name}: node {index} exited with code {code} ({workdir}); log:\n{tail}")
 
 
 # --- metrics ------------------------------------------------------------------------------------
@@ -466,6 +471,8 @@ def main() -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="nodes log at INFO")
     parser.add_argument("--link", metavar="RATE", help="each node on its own link of RATE (e.g. 100mbit; root)")
     parser.add_argument("--links", metavar="R1,R2,...", help="as --link, one rate per node (as many as --nodes)")
+    parser.add_argument("--hiccup", metavar="NODE:AT:FOR", type=Hiccup.parse,
+                        help="node NODE stops (SIGSTOP) AT seconds after the nodes start, for FOR seconds")  # fmt: skip
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--nproc-per-node", type=int, default=1,
                         help="N > 1: compare nodes of N ranks with nodes of 1 (same node batch): tokens/s, "
@@ -487,6 +494,8 @@ def main() -> None:
         )  # fmt: skip
     except ValueError as e:
         parser.error(str(e))
+    if args.hiccup is not None and args.hiccup.node >= workload.workers:
+        parser.error(f"--hiccup: node {args.hiccup.node} of {workload.workers} (they count from 0)")
     if bad := [c.name for c in configs if workload.steps % c.inner_steps]:
         parser.error(f"--steps {workload.steps} is not a multiple of H for {', '.join(bad)}")
     inner = DiLoCoConfig()
@@ -515,7 +524,7 @@ def main() -> None:
     for config in configs:
         for attempt in range(args.repeat):
             log(f"swarm {config.name} run {attempt + 1}/{args.repeat} ...")
-            summary = run_swarm(workload, config, options, timeout, keep, rates)
+            summary = run_swarm(workload, config, options, timeout, keep, rates, args.hiccup)
             runs.setdefault(config.name, []).append(summary)
             log(f"  eval {summary['eval_loss']:.4f}, sent {statistics.fmean(summary['bytes_sent']) / 1e6:.2f} MB/node, "
                 f"utilization {statistics.fmean(summary['utilization']):.1%}, "

@@ -17,16 +17,19 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(150)]
 RUN: dict[str, Any] = dict(run_id="by-update", inner_steps=120, max_outer_steps=3, matchmaking_time=1.5)
 
 
-async def test_a_node_one_step_behind_takes_the_steps_update_and_agrees(local: LocalSwarm) -> None:
+@pytest.mark.parametrize("fragments", [1, 3])
+async def test_a_node_one_step_behind_takes_the_steps_update_and_agrees(local: LocalSwarm, fragments: int) -> None:
+    """With fragments (Streaming DiLoCo) the update is the step's fragment alone: a third here."""
     bootstrap = await local.start_bootstrap()
-    first = [local.start((bootstrap,), **RUN) for _ in range(2)]
+    first = [local.start((bootstrap,), **RUN, fragments=fragments) for _ in range(2)]
     await until(lambda: any(0 in n.steps() for n in first), 90, "the end of the first nodes' first outer step")
-    late = local.start((bootstrap,), **RUN)
+    late = local.start((bootstrap,), **RUN, fragments=fragments)
     assert await local.finish(120) == ["finished"] * 3
     fetch = next(e for e in late.events if e["event"] == "fetch")
-    state_bytes = 10_000_000
+    diloco = late.node.diloco
+    synced = sum(diloco.params[i].numel() for i in diloco.parts[0])  # step 0's fragment (all: without fragments)
     assert fetch["by_update"] and fetch["outer_step"] == 1
-    assert fetch["bytes"] < state_bytes / 6
+    assert fetch["bytes"] < 1.1 * synced  # its Δ̄ in int8: 1.08 bytes a parameter (the state: 8 of all of them)
     assert fetch["state_sha256"] == first[0].steps()[0]["state_sha256"]  # the state step 0 ended with
     for step, hashes in local.by_step().items():
         assert len(hashes) == 1, (step, hashes)
