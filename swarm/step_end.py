@@ -227,7 +227,7 @@ class StepEnd:
             logger.error("step %d: refusing the group's average, as if the round failed: %s", diloco.outer_step, e)
             return None
         # a node that missed this group can take the step from it (state/update.py) before we advertise it
-        await keeper.record_update(step, base, update, self._compression.codec, self._block_size)
+        keeper.record_update(step, base, update, self._compression.codec, self._block_size)
         if feedback is not None and payload.compensated is not None:
             feedback.commit(payload.compensated)
         return report

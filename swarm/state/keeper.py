@@ -126,11 +126,13 @@ class StateKeeper:
         self.current: Snapshot | None = None
         self.advertised = False  # the last advertisement of `current` was stored by some DHT node
         self._publishing: asyncio.Task[None] | None = None
+        self._recording: asyncio.Future[None] | None = None  # the last step's update, being encoded
         self._refresher: Supervised | None = None
 
     async def close(self) -> None:
-        if self._publishing is not None:
-            await asyncio.gather(self._publishing, return_exceptions=True)
+        for task in (self._recording, self._publishing):
+            if task is not None:
+                await asyncio.gather(task, return_exceptions=True)
         if self._refresher is not None and (error := await self._refresher.close()) is not None:
             logger.warning("the state advertisement had failed %d time(s), last: %r", self._refresher.failures, error)
         if self.server is not None:
@@ -268,14 +270,22 @@ class StateKeeper:
         await self.publish(diloco, checkpoint=True, made=caught.snapshot if manifest.run == self.run else None)
         return report
 
-    async def record_update(self, step: int, base: str, averaged: list[torch.Tensor], codec: str,
-                            block_size: int) -> None:  # fmt: skip
+    def record_update(self, step: int, base: str, averaged: list[torch.Tensor], codec: str, block_size: int) -> None:
         """Serve the update outer step `step` applied to our state `base` (state_sha256 hex): the
-        group's average `averaged` (read here, in a thread, before this returns)."""
+        group's average `averaged` (tensors no one writes again), encoded in a thread meanwhile;
+        the next publication (the state it made) waits for it, so it is served no later."""
         if self.server is None or not self.config.by_update:
             return
-        body = await asyncio.to_thread(encode_update, averaged, codec, block_size)
-        self.server.publish_update(StepUpdate(step, base, body))
+        self._recording = asyncio.ensure_future(self._record(self.server, step, base, averaged, codec, block_size))
+
+    async def _record(self, server: StateServer, step: int, base: str, averaged: list[torch.Tensor], codec: str,
+                      block_size: int) -> None:  # fmt: skip
+        try:
+            body = await asyncio.to_thread(encode_update, averaged, codec, block_size)
+        except Exception:  # a node that cannot serve its update still trains: the late fetch the state
+            logger.exception("could not keep the update of outer step %d", step)
+            return
+        server.publish_update(StepUpdate(step, base, body))
 
     async def _seasoned(self, peers: Sequence[PeerID]) -> frozenset[PeerID]:
         """The peers among `peers` one of our --initial-peers has known for SEASONED_S or more
@@ -352,6 +362,8 @@ class StateKeeper:
                 make_snapshot, copied, self.run, self.config.shard_bytes)  # fmt: skip
             del copied
             self.current = snapshot
+            if self._recording is not None:  # the update that made this state: served before it is advertised
+                await self._recording
             if self.server is not None:
                 self.server.publish(snapshot)
                 await self._advertise(snapshot.manifest)

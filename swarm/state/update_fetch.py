@@ -8,9 +8,10 @@ costs the update's bytes (int8: about an eighth of the state) instead of the who
                                      shapes=diloco.round_shapes(), stepped=..., timeout=10.0)
 
 A holder's update is never believed, only used: one that does not lead to the manifest (a liar,
-or a holder of another lineage) is named in `failed`, and at most MAX_TRIES holders are asked
-before the caller fetches the whole state instead. A holder that keeps no such update
-(`not_found`: it fetched the state itself, or moved on) or is busy is simply passed over.
+or a holder of another lineage) is named in `failed`; after MAX_TRIES such updates, or MAX_ASKS
+holders asked, the caller fetches the whole state instead. A holder that keeps no such update
+(`not_found`: it fetched the state itself, or moved on; or our state is not the group's) or is
+busy is simply passed over.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from swarm.state.update import (
 logger = logging.getLogger(__name__)
 
 MAX_TRIES = 2  # holders whose update is fetched and tried before the whole state is fetched instead
+MAX_ASKS = 4  # holders asked at all (one without the update answers at once: a fork's node asks a few)
 
 Stepped = Callable[[list[torch.Tensor]], Awaitable[dict[str, Any]]]  # DiLoCo.stepped_state, in the trainer
 
@@ -105,7 +107,7 @@ async def by_update(
     (rng or random.Random()).shuffle(order)
     failed: set[PeerID] = set()
     tries = 0
-    for holder in order:
+    for holder in order[:MAX_ASKS]:
         if tries >= MAX_TRIES:
             break
         who = str(holder.peer_id)[-8:]
