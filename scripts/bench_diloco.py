@@ -373,9 +373,10 @@ def results(
         "link": None if rates is None else [str(r) for r in rates],  # node i's link; None: 127.0.0.1
     }
     keys = ("diloco_eval_loss", "ratio_to_ddp", "gap_closed", "bytes_sent_per_node", "reduction_factor")
-    labels = ("codec", "density", "error_feedback", "mode", "fragments")
+    labels = ("codec", "density", "error_feedback", "mode", "fragments", "catch_up")
     timing = ("utilization", "round_s", "round_bound_s", "run_s")
-    for key in (*keys, *timing, "full_group_share", "states_agree", *labels):
+    catching_up = ("fetches", "fetches_by_update", "fetched_bytes")  # per run, summed over nodes: the median run
+    for key in (*keys, *timing, *catching_up, "full_group_share", "states_agree", *labels):
         out[key] = {}
     for name, repeats in runs.items():
         for key, value in SwarmConfig.parse(name).labels().items():
@@ -392,6 +393,8 @@ def results(
         bounds = [r["round_bound_s"] for r in repeats if r.get("round_bound_s") is not None]
         out["round_bound_s"][name] = statistics.median(bounds) if bounds else None
         out["run_s"][name] = statistics.median(r["run_s"] for r in repeats)
+        for key in catching_up:
+            out[key][name] = statistics.median(sum(r[key]) for r in repeats)
         out["full_group_share"][name] = min(r["full_group_share"] for r in repeats)
         out["states_agree"][name] = all(r["states_agree"] for r in repeats)
     out["runs"] = runs
@@ -421,12 +424,13 @@ def print_table(res: dict[str, Any]) -> None:
         "link bound s",
         "run s",
         "full groups",
+        "fetches (by update)",
     )
     for column in columns:
         table.add_column(column, justify="right")
-    table.add_row("DDP (global batch)", f"{res['ddp_eval_loss']:.4f}", "1.000", "100%", *[""] * 7)
+    table.add_row("DDP (global batch)", f"{res['ddp_eval_loss']:.4f}", "1.000", "100%", *[""] * 8)
     alone_gap = f"{res['alone_eval_loss'] / res['ddp_eval_loss']:.3f}"
-    table.add_row("one node alone", f"{res['alone_eval_loss']:.4f}", alone_gap, "0%", *[""] * 7)
+    table.add_row("one node alone", f"{res['alone_eval_loss']:.4f}", alone_gap, "0%", *[""] * 8)
     for name, loss in res["diloco_eval_loss"].items():
         agree = "" if res["states_agree"][name] else " (states differ!)"
         table.add_row(
@@ -435,6 +439,7 @@ def print_table(res: dict[str, Any]) -> None:
             f"{res['reduction_factor'][name]:,.0f}x", f"{res['utilization'][name]:.1%}",
             f"{res['round_s'][name]:.2f}", f"{bound:.2f}" if (bound := res["round_bound_s"].get(name)) else "-",
             f"{res['run_s'][name]:.0f}", f"{res['full_group_share'][name]:.0%}",
+            f"{res['fetches'][name]:g} ({res['fetches_by_update'][name]:g})",
         )  # fmt: skip
     Console(width=160).print(table)
     print(

@@ -154,3 +154,10 @@ def test_bench_summary_of_metrics_events() -> None:
     nodes[0].append({**fetch, "bytes": 50, "by_update": False})
     summary = bench_diloco.summarize(bench_diloco.SwarmConfig.parse("H50_int8"), nodes)
     assert (summary["fetches"], summary["fetches_by_update"], summary["fetched_bytes"]) == ([1, 1], [0, 1], [50, 7])
+    summary["run_s"] = 10.0
+    res = bench_diloco.results(TINY, {"ddp": 1.0, "alone": 2.0}, {"H50_int8_fetchstate": [summary]})
+    row = {key: value["H50_int8_fetchstate"] for key, value in res.items() if isinstance(value, dict)
+           and "H50_int8_fetchstate" in value}  # fmt: skip
+    assert row["catch_up"] == "state" and row["mode"] == "blocking" and row["diloco_eval_loss"] == 1.5
+    assert (row["fetches"], row["fetches_by_update"], row["fetched_bytes"]) == (2, 1, 57)
+    bench_diloco.print_table(res)  # every column has its value
