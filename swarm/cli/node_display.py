@@ -58,8 +58,9 @@ def state_line(event: Event) -> str:
     if kind == "resume":
         return f"resumed from the checkpoint of outer step {event['outer_step']} in {event['checkpoint_dir']}"
     if kind == "fetch":
+        what = "the update to the swarm's state" if event.get("by_update") else "the swarm's state"
         return (
-            f"fetched the swarm's state of outer step {event['outer_step']} ({event['reason']}): "
+            f"fetched {what} of outer step {event['outer_step']} ({event['reason']}): "
             f"{_mb(event['bytes'])} from {event['peers']} peers in {event['seconds']:.2f}s ({event['MBps']} MB/s)"
         )
     return (

@@ -102,8 +102,9 @@ class NodeRecord:
             if not self.steps:  # a newcomer joins the swarm at the step it fetched, not at its own 0
                 self.joined_at_step = _int(event.get("outer_step"))
             size = (_int(event.get("bytes")) or 0) / 1e6
+            how = "its step's update" if event.get("by_update") else "the state"
             return (
-                f"{self.label()} fetched the state of outer step {event.get('outer_step')} "
+                f"{self.label()} fetched {how} of outer step {event.get('outer_step')} "
                 f"({size:.1f} MB from {event.get('peers')} peer(s), {event.get('reason')})"
             )
         if kind == "exit":

@@ -23,6 +23,9 @@ its own step, with a manifest that fits the model) when
 A state that its holders did not deliver (all unreachable or gone: a killed peer's advertisement
 outlives it) is not chosen from them again for UNDELIVERED_S, so the node takes the best state
 the live peers hold instead of retrying dead addresses.
+A node exactly one step behind first takes the step's update from the new state's holders and
+computes that state itself, verified against its manifest (update_fetch.py; KeeperConfig.by_update);
+after a round, `record_update` keeps the group's average so that this node serves it too.
 """
 
 from __future__ import annotations

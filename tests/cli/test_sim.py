@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import subprocess
 import time
@@ -148,8 +149,8 @@ def test_eight_nodes_with_churn_hold_one_state_at_every_outer_step(tmp_path: Pat
             by_step.setdefault(step["outer_step"], set()).add(step["state_sha256"])
     forks = {step: len(states) for step, states in by_step.items() if len(states) > 1}
     assert not forks, f"outer steps with more than one state: {forks}"
-    # newcomers fetch the swarm's state; those that got to average agree (checked above)
-    assert "fetched the state of outer step" in out, out
+    # newcomers fetch the swarm's state (one step behind: its update); those that got to average agree (above)
+    assert re.search(r"fetched (the state|its step's update) of outer step", out), out
     # nodes average together (one group of the step's ready nodes; with a node killed every 8 s
     # and newcomers fetching, not always all 8: see the README's known gaps)
     assert max(s["group_size"] for n in nodes for s in n["steps"]) >= 3
