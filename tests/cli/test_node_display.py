@@ -11,5 +11,6 @@ FETCH = {"event": "fetch", "outer_step": 7, "reason": "behind", "bytes": 1_414_9
 def test_a_fetch_says_whether_it_took_the_state_or_the_steps_update() -> None:
     whole = state_line({**FETCH, "by_update": False})
     assert whole.startswith("fetched the swarm's state of outer step 7 (behind)")
-    assert state_line({**FETCH, "by_update": True}).startswith("fetched the update to the swarm's state of outer step 7")
+    by_update = state_line({**FETCH, "by_update": True})
+    assert by_update.startswith("fetched the update to the swarm's state of outer step 7")
     assert state_line(FETCH) == whole  # events of nodes before by_update existed
