@@ -220,9 +220,9 @@ class StepEnd:
         except AllReduceError as e:
             logger.warning("all-reduce of step %d failed: %s", diloco.outer_step, e)
             return None
-        update = payload.unpack(averaged)
+        update = await self.inner.beside(payload.unpack, averaged)  # tensor work, off the loop: reads no θ_inner
         try:
-            await self.inner.call(lambda: diloco.apply_outer(update))
+            await self.inner.call(diloco.apply_outer, update)
         except ValueError as e:  # a non-finite average (never from a robust round): θ_outer stays
             logger.error("step %d: refusing the group's average, as if the round failed: %s", diloco.outer_step, e)
             return None
