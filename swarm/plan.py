@@ -8,7 +8,7 @@ swarm's result; it applies its own pseudo-gradient only when no live peer could 
 
     plan_step(facts)            -> at the start of a step: fetch | train k | join the forming group
     plan_without_group(...)     -> matchmaking found no group: fetch | await the result | retry |
-                                   apply our own Δ
+                                   apply our own Δ (not while peers behind would not follow it)
     expected_peers(facts, ...)  -> whom matchmaking waits for
     matchmaking_start(...)      -> when to start matchmaking while the last inner steps run
 """
@@ -116,7 +116,23 @@ def plan_without_group(f: Facts, *, late: bool, other_state: bool, waited: float
         return StepPlan(RETRY, "no live peer seen yet: waiting to hear from any that just started")
     if not f.sees_peers:  # not seeing anyone is not knowing that nobody is there
         return StepPlan(RETRY, "cannot read the peers' records: not going on alone")
+    if waited < max_wait and not f.client and behind_would_not_follow(f):
+        return StepPlan(RETRY, "peers behind us would not follow a step we took alone: waiting for them")
     return StepPlan(APPLY_OWN, "no live peer at our step: ours is the swarm's state")
+
+
+def behind_would_not_follow(f: Facts) -> bool:
+    """Live servers behind us that would not take our state were we to step alone: at some earlier
+    step stand more of them than the servers beyond it (us included), so swarm_is_ahead is false
+    from where they stand. Stepping alone would then leave two lineages (seen with 1-s steps: one
+    node stepped alone while two fetched, and they trained on their own state ever after)."""
+    servers = [p for p in f.live() if not p.client]
+    for step in {p.step for p in servers if p.step < f.step}:
+        same = sum(1 for p in servers if p.step == step)
+        beyond = 1 + sum(1 for p in servers if p.step > step)  # us, and the servers between
+        if beyond < same:
+            return True
+    return False
 
 
 def straggler_horizon(f: Facts, own_finish: float) -> float:
