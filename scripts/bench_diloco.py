@@ -310,7 +310,9 @@ def summarize(config: SwarmConfig, per_node: list[list[dict[str, Any]]]) -> dict
         held += [(e["outer_step"], e["state_sha256"], None) for e in events if e.get("event") == "fetch"]
         ends.append(max(held, key=lambda h: h[0]))  # the latest; a fetch of a step after the last round wins
         fetches = [e for e in events if e.get("event") == "fetch"]
-        fetched.append((len(fetches), sum(bool(e.get("by_update")) for e in fetches), sum(e["bytes"] for e in fetches)))
+        fetched.append(
+            (len(fetches), sum(bool(e.get("by_update")) for e in fetches), sum(e.get("bytes", 0) for e in fetches))
+        )
         group_sizes.append([e["group_size"] for e in steps])
         sent.append(sum(e["bytes_sent"] for e in steps))
         received.append(sum(e["bytes_received"] for e in steps))

@@ -321,7 +321,9 @@ async def test_attack_e_a_manifest_too_big_for_the_model_is_refused_before_alloc
             advertising.cancel()
     assert_agree(honest, (newcomer,))
     model_bytes = sum(2 * t.numel() * t.element_size() for t in honest[0].node.diloco.outer_params)
-    assert started and max(started) < 2 * model_bytes + (1 << 20), (started, model_bytes)
+    # no shard buffer for the inflated manifest (the newcomer may take the honest state by its
+    # step's update, allocating no shard buffer at all)
+    assert max(started, default=0) < 2 * model_bytes + (1 << 20), (started, model_bytes)
     assert fetches(newcomer) and all(e["outer_step"] < 10_000 for e in fetches(newcomer))
     assert_within_clean(honest, clean)
 
