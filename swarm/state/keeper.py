@@ -60,7 +60,7 @@ from swarm.state.fetcher import (
 )
 from swarm.state.holders import Holder, advertise, find_holders, settled_holders
 from swarm.state.server import StateServer, StepUpdate
-from swarm.state.trust import Known, choose_trusted, manifest_problem
+from swarm.state.trust import Known, choose_trusted, fetch_reason, manifest_problem
 from swarm.state.update import encode_update
 from swarm.state.update_fetch import by_update
 from swarm.supervised import Supervised
@@ -400,22 +400,3 @@ class StateKeeper:
             await asyncio.sleep(self.config.advertise_ttl / 3)
             if self.current is not None:
                 await self._advertise(self.current.manifest)
-
-
-def fetch_reason(step: int, sha: str, holders: int, own_step: int, own_sha: str | None, *,
-                 alone_last_step: bool, client: bool, servers_behind: bool = False,
-                 other_state: bool = False) -> str | None:  # fmt: skip
-    """Why a node should fetch the swarm's chosen state (`step`, `sha`, advertised by `holders`
-    peers), or None when its own state is right (see the module docstring). servers_behind:
-    every live server is at an earlier step, and none is about to publish ours. other_state:
-    matchmaking found that the swarm starts our step from another state than ours."""
-    if step > own_step:
-        return "behind"
-    if other_state and step == own_step and own_sha != sha:
-        return "not the swarm's state"
-    agreed = holders >= (1 if client else 2)  # a client's own state can never be served: it follows
-    if alone_last_step and step == own_step and agreed and own_sha != sha:
-        return "missed its group"
-    if client and alone_last_step and servers_behind and step < own_step:
-        return "ahead of every server"
-    return None

@@ -32,6 +32,9 @@ itself at step K0 some seconds ago (when it started, or last fetched):
    decides whether the node takes it: it does only when it missed its group or is of another
    state than the swarm).
 
+`fetch_reason` then says whether the node takes the chosen state (the cases of keeper.py's
+docstring), or keeps its own.
+
 `manifest_problem` refuses, before anything is allocated, a manifest whose tensors are not the
 node's model's (the names of θ_outer and momentum) or whose shards are larger than those
 tensors plus the safetensors header (a 2 x 1 GiB manifest for a 10 MB model).
@@ -132,4 +135,23 @@ def manifest_problem(manifest: Manifest, expected: Mapping[str, int]) -> str | N
         most = raw + HEADER_BYTES + HEADER_BYTES_PER_TENSOR * len(shard.tensors)
         if not raw < shard.nbytes <= most:
             return f"{shard.name} is {shard.nbytes} bytes; its tensors take {raw} (at most {most} with the header)"
+    return None
+
+
+def fetch_reason(step: int, sha: str, holders: int, own_step: int, own_sha: str | None, *,
+                 alone_last_step: bool, client: bool, servers_behind: bool = False,
+                 other_state: bool = False) -> str | None:  # fmt: skip
+    """Why a node should fetch the swarm's chosen state (`step`, `sha`, advertised by `holders`
+    peers), or None when its own state is right (see the module docstring). servers_behind:
+    every live server is at an earlier step, and none is about to publish ours. other_state:
+    matchmaking found that the swarm starts our step from another state than ours."""
+    if step > own_step:
+        return "behind"
+    if other_state and step == own_step and own_sha != sha:
+        return "not the swarm's state"
+    agreed = holders >= (1 if client else 2)  # a client's own state can never be served: it follows
+    if alone_last_step and step == own_step and agreed and own_sha != sha:
+        return "missed its group"
+    if client and alone_last_step and servers_behind and step < own_step:
+        return "ahead of every server"
     return None

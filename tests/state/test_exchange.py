@@ -21,8 +21,8 @@ from swarm.state import protocol
 from swarm.state.config import FetchConfig
 from swarm.state.fetcher import FetchError, RefusedManifest, fetch_state
 from swarm.state.holders import Holder, choose_state, decode_holder, settled_holders
-from swarm.state.keeper import fetch_reason
 from swarm.state.server import ServeFaults, StateServer
+from swarm.state.trust import fetch_reason
 
 RUN = RunInfo(run_id="run", model="tiny", model_config={"dim": 8}, seed=0)
 ONE_STREAM = FetchConfig(streams_per_peer=1)
