@@ -55,17 +55,22 @@ def encode_update(tensors: Sequence[torch.Tensor], codec: str, block_size: int) 
     n = flat.numel()
     coder = _codec_of(codec, block)
     payload = coder.encode(flat)
-    back = coder.decode(payload, n)
     blocks = -(-n // block)
-    padded = torch.zeros(blocks * block, dtype=torch.float32)
-    padded[:n] = flat
-    differs = torch.zeros(blocks * block, dtype=torch.bool)
-    differs[:n] = back.view(torch.int32) != flat.view(torch.int32)
+    differs = torch.zeros(blocks * block, dtype=torch.bool)  # bit for bit, so -0.0 is not +0.0
+    differs[:n] = coder.decode(payload, n).view(torch.int32) != flat.view(torch.int32)
     raw = differs.view(blocks, block).any(dim=1)
-    raw_values = padded.view(blocks, block)[raw].contiguous()
-    if codec != "none" and body_length(codec, block, n, int(raw.sum())) > body_length("none", RAW_BLOCK, n, 0):
+    del differs
+    count = int(raw.sum())
+    if codec != "none" and body_length(codec, block, n, count) > body_length("none", RAW_BLOCK, n, 0):
         return encode_update([flat], "none", RAW_BLOCK)  # mostly raw blocks: plain fp32 is smaller
-    header = HEADER.pack(MAGIC, codec.encode().ljust(8, b"\0"), block, n, int(raw.sum()))
+    raw_values = torch.zeros(count, block, dtype=torch.float32)  # usually none: the round's own grid
+    whole = n // block
+    index = raw.nonzero().flatten()
+    inside = index[index < whole]
+    raw_values[: inside.numel()] = flat[: whole * block].view(whole, block)[inside]
+    if inside.numel() < count:  # the short last block is raw too: zero-padded
+        raw_values[-1, : n - whole * block] = flat[whole * block :]
+    header = HEADER.pack(MAGIC, codec.encode().ljust(8, b"\0"), block, n, count)
     return b"".join((header, as_uint8(payload).numpy().tobytes(), raw.to(torch.uint8).numpy().tobytes(),
                      raw_values.numpy().tobytes()))  # fmt: skip
 

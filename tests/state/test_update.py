@@ -51,6 +51,15 @@ def with_negative_zero(n: int) -> torch.Tensor:
     return x
 
 
+def off_grid_in(n: int, blocks: list[int]) -> torch.Tensor:
+    """The round's grid, but one value in each of `blocks` (of 64) moved by one ulp: those travel raw."""
+    x = on_grid("int8", n)
+    for b in blocks:
+        i = min(b * 64 + 3, n - 1)
+        x[i] = torch.nextafter(x[i], torch.tensor(1.0))
+    return x
+
+
 @pytest.mark.parametrize(
     ("values", "codec", "most_bytes_per_element"),
     [
@@ -64,6 +73,7 @@ def with_negative_zero(n: int) -> torch.Tensor:
         (on_grid("int8", 10_000), "bnb8", 4.02),  # a codec only CUDA decodes: sent plain
         (torch.zeros(1000), "int8", 1.1),
         (with_negative_zero(10_000), "int8", 1.2),  # one raw block of 64 fp32
+        (off_grid_in(10_037, [0, 100, 156]), "int8", 1.2),  # three, the short last one among them
         (on_grid("int8", 1), "int8", 40.0),
     ],
 )
