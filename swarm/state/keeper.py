@@ -187,13 +187,14 @@ class StateKeeper:
                            servers_behind=servers_behind, other_state=other_state)  # fmt: skip
         if why is None:
             return None
-        settled = await settled_holders(holders, step, self._holders)  # spread the fetch over all donors
-        donors = [h for h in settled if h.step == step and h.manifest == sha] or agreeing  # only the chosen state
         if step == diloco.outer_step + 1 and self.config.by_update:
-            report = await self._by_update(diloco, sha, donors, why)
+            # an update comes from one holder: no wait for more donors to spread it over (below)
+            report = await self._by_update(diloco, sha, agreeing, why)
             if report is not None:
                 return why, report
-            donors = [h for h in donors if (h.peer_id, sha) not in self._undelivered] or donors
+        settled = await settled_holders(holders, step, self._holders)  # spread the fetch over all donors
+        chosen = [h for h in settled if h.step == step and h.manifest == sha] or agreeing  # only the chosen state
+        donors = [h for h in chosen if (h.peer_id, sha) not in self._undelivered] or chosen  # not an update's liars
         dest = self.checkpoints.path if self.checkpoints is not None else None  # resumable only with a checkpoint dir
         try:
             manifest, state, report = await fetch_state(

@@ -42,7 +42,7 @@ class StepUpdate:
 
     step: int
     base: str
-    body: bytes
+    body: bytes | bytearray  # never written once published
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -134,7 +134,7 @@ class StateServer:
             raise NotFound(f"{protocol.UPDATE}: no update of step {step} from state {base[:12]}")
         await self._upload(ctx, stream, f"the update of step {step}", update.body)
 
-    async def _upload(self, ctx: CallContext, stream: Stream, name: str, data: bytes) -> None:
+    async def _upload(self, ctx: CallContext, stream: Stream, name: str, data: bytes | bytearray) -> None:
         """Stream `data` within an upload slot (Busy when none is free)."""
         if self.uploads >= self.max_uploads:
             raise Busy(f"{self.uploads} uploads in progress")
@@ -164,7 +164,9 @@ class StateServer:
         raise NotFound(f"state {sha[:12]} is no longer served (now step {snapshot.manifest.step})")
 
 
-async def _send_with_faults(stream: Stream, name: str, data: bytes, faults: ServeFaults, timeout: float) -> None:
+async def _send_with_faults(
+    stream: Stream, name: str, data: bytes | bytearray, faults: ServeFaults, timeout: float
+) -> None:
     """Send one shard as `faults` say: late, slowly, with a flipped byte, or only its start."""
     if faults.shard_delay:
         await asyncio.sleep(faults.shard_delay)

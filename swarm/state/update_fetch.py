@@ -56,13 +56,13 @@ class CaughtUp:
 
     state: dict[str, Any]
     snapshot: Snapshot  # the state serialized as the manifest lists it (its hash is the manifest's)
-    body: bytes  # the update, as received: served on to others
+    body: bytes | bytearray  # the update, as received: served on to others
     peer: PeerID
     elapsed_s: float
 
 
 async def fetch_update_body(host: P2PHost, run_id: str, holder: Holder, step: int, base: str, numel: int,
-                            timeout: float) -> bytes:  # fmt: skip
+                            timeout: float) -> bytearray:  # fmt: skip
     """One holder's update of `step` from state `base`: its bytes, never more than its header
     announces (checked against `numel` first) nor than any update of `numel` elements can be.
     Raises RemoteError (not_found, busy), P2PError, TimeoutError or UpdateError."""
@@ -82,7 +82,7 @@ async def fetch_update_body(host: P2PHost, run_id: str, holder: Holder, step: in
                 raise UpdateError(f"more than the {limit} bytes the update can have")
     if len(buffer) != limit:
         raise UpdateError(f"{len(buffer)} bytes, its header says {limit}")
-    return bytes(buffer)
+    return buffer  # not copied again on the loop: nobody writes it from here on
 
 
 async def by_update(
