@@ -76,11 +76,11 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 @dataclass(frozen=True, slots=True)
 class SwarmConfig:
     """One swarm configuration, named
-    H<inner steps>_<--compression>[_ef<--error-feedback>][_f<--fragments>][_<--overlap>][_fetchstate]:
+    H<inner steps>_<--compression>[_ef<--error-feedback>][_f<--fragments>][_<--overlap>[_mm]][_fetchstate]:
     "H50_int8", "H100_int4:0.25", "H100_int2_ef1", "H50_int8_eager", "H50_int8_f5_eager". With
     fragments P, H is each fragment's (swarm-node --fragments P --inner-steps H/P): the same H as
-    the configuration without them. `_fetchstate`: --catch-up state (a node that missed a group
-    fetches the whole state, not the step's update)."""
+    the configuration without them. `_mm`: --overlap-matchmaking. `_fetchstate`: --catch-up state
+    (a node that missed a group fetches the whole state, not the step's update)."""
 
     name: str
     inner_steps: int  # swarm-node's --inner-steps (H / fragments)
@@ -89,6 +89,7 @@ class SwarmConfig:
     overlap: str = "none"  # swarm-node's --overlap: none (blocking), eager, delayed
     fragments: int = 1  # swarm-node's --fragments
     catch_up: str = "update"  # swarm-node's --catch-up
+    overlap_matchmaking: bool = False  # swarm-node's --overlap-matchmaking
 
     @classmethod
     def parse(cls, name: str) -> SwarmConfig:
@@ -99,15 +100,20 @@ class SwarmConfig:
         compression, *extras = rest.split("_")
         modes = [m for m in OVERLAP_MODES if m != "none"]
         usage = (f"use H<inner steps>_<{'|'.join(COMPRESSIONS)}>[:DENSITY][_ef<DECAY>][_f<FRAGMENTS>]"
-                 f"[_{'|'.join(modes)}][_fetchstate], e.g. H50_int8, H100_int4_ef1, H50_int8_f5_eager, "
-                 "H50_int8_fetchstate")  # fmt: skip
+                 f"[_{'|'.join(modes)}[_mm]][_fetchstate], e.g. H50_int8, H100_int4_ef1, H50_int8_f5_eager, "
+                 "H50_int8_f8_eager_mm, H50_int8_fetchstate")  # fmt: skip
         if not (h.startswith("H") and h[1:].isdigit() and int(h[1:]) > 0):
             raise ValueError(f"bad configuration {name!r}: {usage}")
         catch_up = "update"
         if extras and extras[-1] == "fetchstate":
             extras.pop()
             catch_up = "state"
+        matchmaking = bool(extras) and extras[-1] == "mm"
+        if matchmaking:
+            extras.pop()
         overlap = extras.pop() if extras and extras[-1] in modes else "none"
+        if matchmaking and overlap == "none":
+            raise ValueError(f"bad configuration {name!r}: _mm overlaps matchmaking, after an overlap mode; {usage}")
         fragments = 1
         if extras and extras[-1].startswith("f") and extras[-1][1:].isdigit():
             fragments = int(extras.pop()[1:])
@@ -123,7 +129,7 @@ class SwarmConfig:
             raise ValueError(f"bad configuration {name!r}: {e}; {usage}") from None
         if feedback and not 0.0 < decay <= 1.0:
             raise ValueError(f"bad configuration {name!r}: error feedback is ef<decay in (0, 1]>; {usage}")
-        return cls(name, int(h[1:]) // fragments, compression, decay, overlap, fragments, catch_up)
+        return cls(name, int(h[1:]) // fragments, compression, decay, overlap, fragments, catch_up, matchmaking)
 
     def labels(self) -> dict[str, Any]:
         """The keys issues 15 and 14 add to each row: the codec, the density, the error feedback,
@@ -133,7 +139,8 @@ class SwarmConfig:
         spec = CompressionSpec.parse(self.compression, COMPRESSIONS)
         mode = "blocking" if self.overlap == "none" else self.overlap
         return {"codec": spec.codec, "density": spec.density, "error_feedback": self.error_feedback, "mode": mode,
-                "fragments": self.fragments, "catch_up": self.catch_up}  # fmt: skip
+                "fragments": self.fragments, "catch_up": self.catch_up,
+                "overlap_matchmaking": self.overlap_matchmaking}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -187,6 +194,7 @@ def node_args(
         "--compression", config.compression,
         *(["--error-feedback", repr(config.error_feedback)] if config.error_feedback else []),
         *(["--overlap", config.overlap] if config.overlap != "none" else []),
+        *(["--overlap-matchmaking"] if config.overlap_matchmaking else []),
         *(["--fragments", str(config.fragments)] if config.fragments > 1 else []),
         *(["--catch-up", config.catch_up] if config.catch_up != "update" else []),
         "--max-outer-steps", str(workload.steps // config.inner_steps),
@@ -375,7 +383,7 @@ def results(
         "link": None if rates is None else [str(r) for r in rates],  # node i's link; None: 127.0.0.1
     }
     keys = ("diloco_eval_loss", "ratio_to_ddp", "gap_closed", "bytes_sent_per_node", "reduction_factor")
-    labels = ("codec", "density", "error_feedback", "mode", "fragments", "catch_up")
+    labels = ("codec", "density", "error_feedback", "mode", "fragments", "catch_up", "overlap_matchmaking")
     timing = ("utilization", "round_s", "round_bound_s", "run_s")
     catching_up = ("fetches", "fetches_by_update", "fetched_bytes")  # per run, summed over nodes: the median run
     for key in (*keys, *timing, *catching_up, "full_group_share", "states_agree", *labels):

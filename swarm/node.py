@@ -149,6 +149,7 @@ class SwarmNode(OuterStepLoop):
         self.maddrs: list[str] = []
         self._state_sha = b""  # of the state we hold: what we announce in matchmaking
         self._late = bool(initial_peers)  # the first step after joining or fetching
+        self._unmatched: tuple[int, int, int] | None = None
         self._tokens = 0
         self._last_eval: float | None = None
         self._last_group = 0  # size of our last group; 0: no outer step done here yet
@@ -265,14 +266,17 @@ class SwarmNode(OuterStepLoop):
 
     async def _publish(self, book: ProgressBook) -> None:
         p, config = self.inner.snapshot(), self.config
+        # the model's own count: the trainer's snapshot still shows the last step's right after it
+        step, inner, target = self.diloco.working_step, self.diloco.inner_done, p.target
+        if self._unmatched is not None:  # the next step trains while this one's group forms
+            step, inner, target = self._unmatched
         sec = p.sec_per_step
         if sec <= 0:  # no step timed yet (a newcomer): assume the peers' pace until we know ours
             sec = borrowed_pace(list(book.peers))
         losses = p.losses[-10:]
         await book.publish(OwnProgress(
-            # the model's own count: the trainer's snapshot still shows the last step's right after it
-            maddrs=self.maddrs, client=self.client_mode, step=self.diloco.working_step, inner=self.diloco.inner_done,
-            H=p.target, sec_per_step=sec, train_loss=sum(losses) / len(losses) if losses else None,
+            maddrs=self.maddrs, client=self.client_mode, step=step, inner=inner, H=target, sec_per_step=sec,
+            train_loss=sum(losses) / len(losses) if losses else None,
             eval_loss=self._last_eval, group_size=self._last_group,
             tokens_per_s=round(config.batch_size * config.seq_len / sec, 1) if sec > 0 else None,
             settings=self.settings, evals=self.events.evals, bytes_sent=self.events.wire_sent,

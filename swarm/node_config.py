@@ -62,6 +62,10 @@ class NodeConfig:
     # "eager" (the next steps start from our own Δ's outer step) or "delayed" (from where we
     # ended). Local: members of any mode agree bit for bit (DiLoCo.apply_outer)
     overlap: str = "none"
+    # with overlap: the next step trains from the end of our inner steps, while the wait for
+    # slower peers and the matchmaking go on (once the swarm is together: plan.swarm_together),
+    # not only from the moment our group has formed. Off by default: see the README (issue 14)
+    overlap_matchmaking: bool = False
     # how a node one outer step behind catches up: "update" (the step's update from its holders,
     # swarm/state/update.py, then the whole state if that fails) or "state" (always the whole state)
     catch_up: str = "update"
@@ -104,6 +108,9 @@ class NodeConfig:
             raise ValueError(f"catch_up must be one of {', '.join(CATCH_UP_MODES)}, got {self.catch_up!r}")
         if self.overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap!r}")
+        if self.overlap_matchmaking and self.overlap == "none":
+            raise ValueError("overlap_matchmaking overlaps the wait for a group with the next step: "
+                             "it needs overlap eager or delayed")  # fmt: skip
         if not 0.0 <= self.error_feedback <= 1.0:
             raise ValueError(f"error_feedback is a decay in [0, 1] (0: off), got {self.error_feedback}")
         if self.error_feedback > 0 and self.fragments > 1:  # its residual is of the whole model's Δ

@@ -15,13 +15,18 @@ One outer step (the decisions are swarm/plan.py's; this module only executes the
 4. finish_step: eval loss, the state's hash, one `outer_step` event, publish the state.
 3 and 4 (and fetching, matchmaking, the facts the plans read) are StepEnd's (step_end.py).
 
---overlap eager|delayed (issue 14): with a group found, 3 and 4 run in the background while the
-next step's inner steps already train (DiLoCo.begin_overlap: from θ_outer moved by our own Δ, or
-from where the step ended); the average lands between two inner steps (UserSteps.call) with the
-same θ_outer(t+1) as a blocking member's, and the next matchmaking waits for it. One round is in
-flight at most: a node whose next inner steps end first waits for it. A round in flight that ends
-in a fetch discards the next step's inner steps (REPLAN). Without a group, for a late joiner's
-step and for the last step, the node blocks as before.
+--overlap eager|delayed (issue 14): once a step's group has formed, 3 and 4 run in the background
+while the next step's inner steps already train (DiLoCo.begin_overlap: from θ_outer moved by our
+own Δ, or from where the step ended). With --overlap-matchmaking, once its inner steps are done
+and the swarm is together (plan.swarm_together: our last group held every live server), the rest
+of 2 (the wait for slower peers, the matchmaking still under way) does too; until the group
+forms, our record still says the step with its inner steps done (`_unmatched`), as a blocking
+node waiting in matchmaking would, so peers plan and matchmake with us as before. The average
+(or our own Δ, when no group forms and the plan says so) lands between two inner steps
+(UserSteps.call) with the same θ_outer(t+1) as a blocking member's, and the next matchmaking
+waits for it. One step is in flight at most: a node whose next inner steps end first waits for
+it. A step in flight that ends in a fetch discards the next step's inner steps (REPLAN). A late
+joiner's step (no inner steps of ours) and the last step block as before.
 """
 
 from __future__ import annotations
@@ -31,13 +36,18 @@ import contextlib
 import functools
 import logging
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from swarm.averaging.averager import Averager
 from swarm.averaging.matchmaking import Matchmade
-from swarm.plan import FETCH, JOIN_FORMING, matchmaking_start, peers_still_behind, plan_step
+from swarm.plan import FETCH, JOIN_FORMING, matchmaking_start, peers_still_behind, plan_step, swarm_together
 from swarm.progress import ProgressBook
 from swarm.state.keeper import StateKeeper
 from swarm.step_end import RESULT_POLL, StepEnd
+
+if TYPE_CHECKING:
+    from swarm.user_steps import InnerProgress
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +64,22 @@ class Replan:
 REPLAN = Replan()
 
 
+@dataclass(frozen=True, slots=True)
+class Unmatched:
+    """A step whose inner steps are done, its group not yet formed (--overlap): the next step
+    trains while `matchmaking` ends (None: not begun, the slowest peers are still training)."""
+
+    matchmaking: asyncio.Future[Matchmade] | None
+    weight: float  # the tokens the step trained: its weight in the round
+
+
 class OuterStepLoop(StepEnd):
     """The outer-step loop of a SwarmNode (see the module docstring): `_train` runs the steps
     (with --overlap, the end of each in the background while the next trains), `_linger` serves
     our state to late peers at the end. How a step ends: StepEnd (step_end.py)."""
 
     async def _train(self, averager: Averager, keeper: StateKeeper, book: ProgressBook, stop: asyncio.Event) -> str:
-        in_flight: asyncio.Future[bool] | None = None  # --overlap: the last step's round, landing meanwhile
+        in_flight: asyncio.Future[bool] | None = None  # --overlap: the last step's end, landing meanwhile
         try:
             while True:
                 if stop.is_set():
@@ -77,12 +96,13 @@ class OuterStepLoop(StepEnd):
                     return "stopped"
                 if found is REPLAN:  # the round in flight ended in a fetch: the next step is planned afresh
                     continue
-                if self._overlaps(found, step):
+                if isinstance(found, Unmatched):
                     progress = self.inner.snapshot()  # step's own, before round step+1's steps begin
+                    self._unmatched = (step, progress.inner_done, progress.target)
                     await self.inner.call(functools.partial(self.diloco.begin_overlap,
                                                             eager=self.config.overlap == "eager"))  # fmt: skip
-                    finishing = self._finish_step(averager, keeper, book, step, found, stop, progress)
-                    in_flight = asyncio.ensure_future(finishing)
+                    in_flight = asyncio.ensure_future(self._finish_unmatched(averager, keeper, book, step, found,
+                                                                             stop, progress))  # fmt: skip
                     continue
                 await self._finish_step(averager, keeper, book, step, found, stop)
             await self._publish(book)  # our last record says we are done: nobody lingers for us
@@ -121,11 +141,37 @@ class OuterStepLoop(StepEnd):
     def _steps_left(self) -> bool:
         return self.config.max_outer_steps is None or self.diloco.outer_step < self.config.max_outer_steps
 
-    def _overlaps(self, found: Matchmade, step: int) -> bool:
-        """--overlap: average this step in the background while the next one trains. Not for a
-        step we trained nothing of (a late joiner's) nor for the last (nothing left to train)."""
+    def _overlaps(self, step: int) -> bool:
+        """--overlap: this step may end in the background while the next one trains. Not a step we
+        trained nothing of (a late joiner's), nor the last (nothing left to train). It does once
+        its group has formed; with --overlap-matchmaking from the end of its inner steps, when the
+        swarm is together (plan.swarm_together; while nodes straggle in, their groups form first)."""
         last = self.config.max_outer_steps is not None and step + 1 >= self.config.max_outer_steps
-        return self.config.overlap != "none" and found.group is not None and self.diloco.inner_done > 0 and not last
+        return self.config.overlap != "none" and self.diloco.inner_done > 0 and not last
+
+    async def _finish_unmatched(
+        self,
+        averager: Averager,
+        keeper: StateKeeper,
+        book: ProgressBook,
+        step: int,
+        unmatched: Unmatched,
+        stop: asyncio.Event,
+        progress: InnerProgress,
+    ) -> bool:
+        """The end of a deferred step (Unmatched), in the background: wait for slower peers if
+        matchmaking had not begun, then _finish_step. Our record says the step until a group forms."""
+        try:
+            if unmatched.matchmaking is not None:
+                found = await unmatched.matchmaking
+            else:
+                await self._wait_for_peers(book, stop)
+                found = Matchmade(None, 0.0)
+                if not stop.is_set():
+                    found = await self._matchmake(averager, book, step, unmatched.weight)
+            return await self._finish_step(averager, keeper, book, step, found, stop, progress)
+        finally:
+            self._unmatched = None
 
     async def _settle(self, in_flight: asyncio.Future[bool]) -> None:
         """Wait for a round in flight to end (its own timeouts bound it); a failure is logged."""
@@ -160,18 +206,19 @@ class OuterStepLoop(StepEnd):
         stop: asyncio.Event,
         *,
         after: asyncio.Future[bool] | None = None,
-    ) -> Matchmade | Replan | None:
+    ) -> Matchmade | Unmatched | Replan | None:
         """Train `target` inner steps; start matchmaking while the last ones run (module
-        docstring, 2). None when stopped. `after`: the last step's round in flight (--overlap):
-        matchmaking waits for it to land; REPLAN when it did not (a fetch replaced the state)."""
+        docstring, 2). None when stopped; Unmatched with --overlap (the group may still be
+        forming). `after`: the last step in flight (--overlap): matchmaking waits for it to land;
+        REPLAN when it did not (a fetch replaced the state)."""
         self.inner.start_step(target)
-        await self._publish(book)
         weight = float(target * self.config.batch_size * self.config.seq_len)  # tokens this step
-        training = asyncio.ensure_future(self.inner.train(target))
+        training = asyncio.ensure_future(self.inner.train(target))  # first: the record is no reason to idle
         stopping = asyncio.ensure_future(stop.wait())
         matchmaking: asyncio.Future[Matchmade] | None = None
         timed, last_event, last_refresh = False, 0.0, 0.0
         try:
+            await self._publish(book)
             # a stop ends the step at once unless matchmaking has begun: then the group may count
             # on us, and we finish the inner steps and the round ("finishes the round under way")
             while not training.done() and not (stopping.done() and matchmaking is None):
@@ -213,13 +260,22 @@ class OuterStepLoop(StepEnd):
                 if not after.result():
                     return await self._replan(training, stop)
                 after = None
+            overlaps = self._overlaps(step)
+            if overlaps and self.config.overlap_matchmaking and swarm_together(self._facts(book), self._last_group):
+                # the matchmaking is the caller's now (not cancelled below); our record is
+                # published as the next step trains
+                handed, matchmaking = matchmaking, None
+                return Unmatched(handed, weight)
             await self._publish(book)
             if matchmaking is None:  # nobody told us to start yet: wait for slower peers, bounded
                 await self._wait_for_peers(book, stop)
                 if stop.is_set():
                     return None
                 matchmaking = asyncio.ensure_future(self._matchmake(averager, book, step, weight))
-            return await matchmaking
+            found = await matchmaking
+            if overlaps and found.group is not None:  # formed: its round runs while the next step trains
+                return Unmatched(matchmaking, weight)
+            return found
         except BaseException:  # the training failed (a divergence, a rank of the node lost): the node ends,
             # and our matchmaking must end with it, before the loop closes, not run on orphaned
             if matchmaking is not None and not matchmaking.done():

@@ -11,6 +11,7 @@ swarm's result; it applies its own pseudo-gradient only when no live peer could 
                                    apply our own Δ (not while peers behind would not follow it)
     expected_peers(facts, ...)  -> whom matchmaking waits for
     matchmaking_start(...)      -> when to start matchmaking while the last inner steps run
+    swarm_together(facts, ...)  -> whether an overlapped node may train on while its group forms
 """
 
 from __future__ import annotations
@@ -203,3 +204,14 @@ def peers_still_behind(f: Facts) -> list[PeerProgress]:
     run's last step stays while there are any (up to max_wait): they missed its group and can
     only catch up by fetching its state; had it left at once, they would step alone and fork."""
     return [p for p in f.live() if p.step < f.step]
+
+
+def swarm_together(f: Facts, last_group: int) -> bool:
+    """Our last group (its size: clients in it count too) held as many members as there are
+    live servers we know of, us included: the swarm trains as one.
+    Only then does an overlapped node train the next step while its group forms (outer_step.py).
+    While nodes straggle in (a start, a missed group) it waits for its group instead: had the
+    ones in groups trained on, they would step without the stragglers, whose catching up by
+    one step at a time would never reach them (seen: two pairs chasing for a whole run)."""
+    servers = sum(1 for p in f.live() if not p.client)  # peers: we are not among them
+    return last_group >= 2 and last_group >= 1 + servers

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from swarm.averaging.allreduce import AllReduceError
@@ -74,6 +74,9 @@ class StepEnd:
     _evaluate: Callable[[], float] | None
     _state_sha: bytes  # of the state we hold: what we announce in matchmaking
     _late: bool  # the first step after joining or fetching
+    # --overlap: (step, inner steps, target) of a step whose group is still forming while the
+    # next trains: what our record says meanwhile (outer_step.py)
+    _unmatched: tuple[int, int, int] | None
     _tokens: int
     _last_eval: float | None
     _last_group: int  # size of our last group; 0: no outer step done here yet
@@ -81,6 +84,7 @@ class StepEnd:
     _known_at: tuple[int, float] | None  # (the swarm's step, when we knew it)
     _bad_records: OncePerPeer
     _fetch_failures: RateLimitedLog
+    _publish: Callable[[ProgressBook], Awaitable[None]]  # our progress record (node.py)
     _pace_seen: float
     _feedback: ErrorFeedback | None  # --error-feedback: the codec's residual (model/error_feedback.py)
     _compression: CompressionSpec  # --compression CODEC[:DENSITY] (model/compression.py)
@@ -157,6 +161,9 @@ class StepEnd:
         late_by: frozenset[PeerID] = frozenset()  # whose FORMED markers said so
         while diloco.outer_step == step:
             if found.group is not None:  # stopping or not: the group counts on our part
+                if self._unmatched is not None:  # the round is under way: our record says the next step
+                    self._unmatched = None  # at once: peers there expect us (we train it already)
+                    await self._publish(book)
                 report = await self._average(averager, keeper, found)
                 if report is not None:
                     await self._stepped(keeper, step, report, progress)

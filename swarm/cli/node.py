@@ -175,6 +175,12 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
     "run: eager (they start from our own update, corrected when the group's lands) or delayed; none blocks.",
 )
 @_opt(
+    "overlap-matchmaking/--no-overlap-matchmaking",
+    bool,
+    "With --overlap: train the next outer step from the end of this one's inner steps, while the wait for "
+    "slower peers and the matchmaking go on (once the swarm trains as one group), not only once the group formed.",
+)
+@_opt(
     "catch-up",
     click.Choice(CATCH_UP_MODES),
     "How this node catches up when it is one outer step behind (it missed a group): update (the step's "

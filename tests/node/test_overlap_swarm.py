@@ -6,10 +6,12 @@ a round was in flight, is one the swarm held after a whole step)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from swarm.averaging.averager import Averager
+from swarm.progress import OwnProgress, ProgressBook
 from tests.node.inprocess import LocalSwarm
 from tests.node.test_one_swarm import assert_one_state
 from tests.waiting import until
@@ -106,3 +108,39 @@ async def test_a_stop_while_a_round_is_in_flight_finishes_that_round_first(
     assert max(steps) == 1 and steps[1]["group_size"] == 2  # the round in flight landed; nothing after it
     other = await until(lambda: going_on.steps().get(1), 30, "the other member's step 1")
     assert other["state_sha256"] == steps[1]["state_sha256"]
+
+
+async def test_a_fast_member_trains_the_next_step_while_its_group_waits_for_a_slow_one(
+    local: LocalSwarm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--overlap-matchmaking: an overlapped member done with its inner steps does not idle while
+    its group waits for a slower peer; it trains the next step meanwhile, and its record still
+    says the step it matchmakes for, with its inner steps done (what a waiting node's says)."""
+    bootstrap = await local.start_bootstrap()
+    settings = dict(max_outer_steps=4, overlap="eager", overlap_matchmaking=True, inner_steps=16)
+    fast, slow = (local.start((bootstrap,), **settings) for _ in range(2))
+    step = slow.node.inner.step
+
+    def slowed(tokens: int, *, loss: object = None):  # type: ignore[no-untyped-def]
+        time.sleep(0.15)  # inside the caller's inner step: the slow member's steps take longer
+        return step(tokens, loss=loss)
+
+    slow.node.inner.step = slowed  # type: ignore[method-assign]
+    published: list[tuple[int, int, int, int]] = []  # (record's step, its inner steps, its H, working step)
+    publish = ProgressBook.publish
+
+    async def watched(self: ProgressBook, own: OwnProgress) -> bool:
+        if own.maddrs == fast.node.maddrs:
+            published.append((own.step, own.inner, own.H, fast.node.diloco.working_step))
+        return await publish(self, own)
+
+    monkeypatch.setattr(ProgressBook, "publish", watched)
+    assert await local.finish(200) == ["finished"] * 2
+    assert_one_state(local)
+    steps = fast.steps()
+    assert all(steps[s]["group_size"] == 2 for s in range(4)), steps
+    # the slow member takes at least 16 x 0.15 s more a step: the fast one's next step is well
+    # under way when the group forms (blocking on matchmaking, it trained only during the round)
+    assert sorted(steps[s]["inner_ahead"] for s in range(3))[1] >= 8, steps
+    waiting = [r for r in published if r[3] == r[0] + 1 and r[1] == r[2] == 16]
+    assert waiting, published  # it trained step t + 1 while its record said t, done

@@ -24,6 +24,7 @@ from swarm.plan import (
     plan_without_group,
     servers_behind,
     straggler_horizon,
+    swarm_together,
 )  # fmt: skip
 from swarm.progress import PeerProgress
 
@@ -190,3 +191,20 @@ def test_one_peer_claiming_a_late_finish_is_not_waited_for() -> None:
 )
 def test_peers_still_behind_the_last_step(peers: tuple[PeerProgress, ...], behind: int) -> None:
     assert len(peers_still_behind(facts(*peers))) == behind
+
+
+@pytest.mark.parametrize(
+    ("what", "peers", "last_group", "together"),
+    [
+        ("our first step: no group yet", (peer(5, 0, i=1),), 0, False),
+        ("alone, our last step alone too", (), 1, False),
+        ("a group of every live server", (peer(5, 3, i=1), peer(5, 9, i=2)), 3, True),
+        ("a pair while two more servers are live", (peer(5, 3, i=1), peer(4, 9, i=2), peer(6, 0, i=3)), 2, False),
+        ("a straggler at an earlier step counts", (peer(5, 3, i=1), peer(4, 10, i=2)), 2, False),
+        ("a dead peer's stale record does not", (peer(5, 3, i=1), peer(4, 10, age=30.0, i=2)), 2, True),
+        ("a client is not a server: nobody waits for it", (peer(5, 3, i=1), peer(5, 3, client=True, i=2)), 2, True),
+        ("a larger group than the servers seen (clients in it)", (peer(5, 3, i=1),), 3, True),
+    ],
+)
+def test_swarm_together(what: str, peers: tuple[PeerProgress, ...], last_group: int, together: bool) -> None:
+    assert swarm_together(facts(*peers), last_group) is together, what
