@@ -66,11 +66,20 @@ REPLAN = Replan()
 
 @dataclass(frozen=True, slots=True)
 class Unmatched:
-    """A step whose inner steps are done, its group not yet formed (--overlap): the next step
-    trains while `matchmaking` ends (None: not begun, the slowest peers are still training)."""
+    """A step whose inner steps are done, ending in the background (--overlap) while the next
+    trains: `matchmaking` formed its group, or is still under way, or (None) has not begun (the
+    slowest peers are still training; --overlap-matchmaking)."""
 
     matchmaking: asyncio.Future[Matchmade] | None
     weight: float  # the tokens the step trained: its weight in the round
+
+    @property
+    def formed(self) -> bool:
+        """The group has formed already (plain --overlap, or a quick matchmaking)."""
+        m = self.matchmaking
+        if m is None or not m.done() or m.cancelled() or m.exception() is not None:
+            return False
+        return m.result().group is not None
 
 
 class OuterStepLoop(StepEnd):
@@ -98,7 +107,8 @@ class OuterStepLoop(StepEnd):
                     continue
                 if isinstance(found, Unmatched):
                     progress = self.inner.snapshot()  # step's own, before round step+1's steps begin
-                    self._unmatched = (step, progress.inner_done, progress.target)
+                    if not found.formed:  # our record says this step until its group forms
+                        self._unmatched = (step, progress.inner_done, progress.target)
                     await self.inner.call(functools.partial(self.diloco.begin_overlap,
                                                             eager=self.config.overlap == "eager"))  # fmt: skip
                     in_flight = asyncio.ensure_future(self._finish_unmatched(averager, keeper, book, step, found,
