@@ -222,13 +222,13 @@ class OuterStepLoop(StepEnd):
         forming). `after`: the last step in flight (--overlap): matchmaking waits for it to land;
         REPLAN when it did not (a fetch replaced the state)."""
         self.inner.start_step(target)
+        await self._publish(book)
         weight = float(target * self.config.batch_size * self.config.seq_len)  # tokens this step
-        training = asyncio.ensure_future(self.inner.train(target))  # first: the record is no reason to idle
+        training = asyncio.ensure_future(self.inner.train(target))
         stopping = asyncio.ensure_future(stop.wait())
         matchmaking: asyncio.Future[Matchmade] | None = None
         timed, last_event, last_refresh = False, 0.0, 0.0
         try:
-            await self._publish(book)
             # a stop ends the step at once unless matchmaking has begun: then the group may count
             # on us, and we finish the inner steps and the round ("finishes the round under way")
             while not training.done() and not (stopping.done() and matchmaking is None):
