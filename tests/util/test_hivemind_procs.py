@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,11 @@ def test_socket_files_come_from_p2pds_listen_argument_and_are_removed(tmp_path: 
     try:
         p = psutil.Process(proc.pid)
         assert running(p) and exists(p)
+        # until the child has exec'd, its cmdline is still ours (seen once under a loaded CI)
+        deadline = time.monotonic() + 10
+        while not any(arg.startswith("-listen=") for arg in p.cmdline()):
+            assert time.monotonic() < deadline, p.cmdline()
+            time.sleep(0.01)
         assert socket_files([p], connections=False) == {str(daemon), str(client)}
         assert socket_files([p]) == {str(daemon), str(client)}  # it listens on no unix socket
         remove_files([str(daemon), str(client), str(tmp_path / "never-there.sock")])
