@@ -169,16 +169,15 @@ class OuterStepLoop(StepEnd):
         stop: asyncio.Event,
         progress: InnerProgress,
     ) -> bool:
-        """The end of a deferred step (Unmatched), in the background: wait for slower peers if
-        matchmaking had not begun, then _finish_step. Our record says the step until a group forms."""
+        """The end of a step (Unmatched) in the background: its matchmaking's result, or (not begun)
+        the wait for slower peers and a matchmaking, then _finish_step. False when stopped first."""
         try:
             if unmatched.matchmaking is not None:
-                found = await unmatched.matchmaking
+                found: Matchmade | None = await unmatched.matchmaking
             else:
-                await self._wait_for_peers(book, stop)
-                found = Matchmade(None, 0.0)
-                if not stop.is_set():
-                    found = await self._matchmake(averager, book, step, unmatched.weight)
+                found = await self._matchmake_after_peers(averager, book, step, unmatched.weight, stop)
+            if found is None:
+                return False
             return await self._finish_step(averager, keeper, book, step, found, stop, progress)
         finally:
             self._unmatched = None

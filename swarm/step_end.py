@@ -130,6 +130,12 @@ class StepEnd:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), delay)
 
+    async def _matchmake_after_peers(self, averager: Averager, book: ProgressBook, step: int, weight: float,
+                                     stop: asyncio.Event) -> Matchmade | None:  # fmt: skip
+        """_wait_for_peers, then _matchmake; None when stopped meanwhile."""
+        await self._wait_for_peers(book, stop)
+        return None if stop.is_set() else await self._matchmake(averager, book, step, weight)
+
     async def _matchmake(self, averager: Averager, book: ProgressBook, step: int, weight: float, *,
                          gather: float | None = None, joining: bool = False) -> Matchmade:  # fmt: skip
         facts = self._facts(book)
@@ -208,10 +214,10 @@ class StepEnd:
                     " (the step's result was computed without us; its holders may have left)" if late else "",
                 )
                 await asyncio.sleep(RESULT_POLL)
-                await self._wait_for_peers(book, stop)
-                if stop.is_set():
+                again = await self._matchmake_after_peers(averager, book, step, float(diloco.round_tokens), stop)
+                if again is None:
                     return False
-                found = await self._matchmake(averager, book, step, float(diloco.round_tokens))
+                found = again
                 without_group_since = None if found.group is not None else loop.time()
 
     async def _average(self, averager: Averager, keeper: StateKeeper, found: Matchmade) -> GroupReport | None:
