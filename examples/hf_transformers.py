@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from launch import LISTENING, example_main, print_end, print_step
+from launch import example_main, listening, print_end, print_step
 from torch import nn
 
 import swarm
@@ -40,7 +40,7 @@ def worker(args: argparse.Namespace) -> None:
                     initial_peers=args.initial_peers, inner_steps=args.inner_steps, tokens_per_step=BATCH * SEQ_LEN,
                     host_maddrs=["/ip4/127.0.0.1/tcp/0"], max_outer_steps=args.outer_steps,
                     evaluate=evaluate, on_event=print_step, matchmaking_time=1.0) as session:  # fmt: skip
-        print(LISTENING + (session.maddrs[0] if session.maddrs else ""), flush=True)
+        listening(session, args)
         while True:
             inputs, targets = sample_batch(corpus.train, BATCH, SEQ_LEN - 1, data)
             window = torch.cat([inputs, targets[:, -1:]], dim=1)  # the whole window: the model shifts the labels

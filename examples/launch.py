@@ -3,9 +3,12 @@
     python examples/custom_model.py --processes 3        # uses run_local_swarm below
 
 The first process starts the run and prints where it listens; the others join it through that
-address. Each process prints one JSON line per outer step ({"outer_step", "state", "loss"}); this
-launcher checks that every process ends with the same state and that the loss fell, prints a
-table, and exits 1 if not. Every process it starts is stopped when it returns.
+address. Every process waits, once it listens, until the launcher has seen all of them listen, so
+that they start training together (a process that starts slowly, as on a loaded machine, would
+otherwise find a short run already over). Each process prints one JSON line per outer step
+({"outer_step", "state", "loss"}); this launcher checks that every process ends with the same
+state and that the loss fell, prints a table, and exits 1 if not. Every process it starts is
+stopped when it returns.
 """
 
 from __future__ import annotations
@@ -13,13 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import select
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-LISTENING = "listening "  # the line a worker prints once it trains: "listening <maddr>"
+LISTENING = "listening "  # the line a worker prints once it may train: "listening <maddr>"
+START = "start"  # the line the launcher sends each worker once every worker listens
 
 
 def example_main(doc: str | None, script: str, worker: Callable[[argparse.Namespace], None], *,
@@ -32,6 +37,7 @@ def example_main(doc: str | None, script: str, worker: Callable[[argparse.Namesp
     parser.add_argument("--inner-steps", type=int, default=inner_steps)
     parser.add_argument("--worker", action="store_true", help="run one process of the swarm")
     parser.add_argument("--initial-peers", nargs="*", default=[])
+    parser.add_argument("--start-together", action="store_true", help="wait for the launcher's start line")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the swarm does (INFO)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -45,17 +51,26 @@ def example_main(doc: str | None, script: str, worker: Callable[[argparse.Namesp
 
 
 def run_local_swarm(script: str, processes: int, worker_args: list[str], timeout: float = 600.0) -> int:
-    """Start `processes` workers of `script` (its --worker mode), wait for them, report."""
-    command = [sys.executable, script, "--worker", *worker_args]
+    """Start `processes` workers of `script` (its --worker mode), start their training together
+    once all listen, wait for them, report."""
+    command = [sys.executable, script, "--worker", "--start-together", *worker_args]
     deadline = time.monotonic() + timeout
     children: list[subprocess.Popen[str]] = []
+
+    def start(*extra: str) -> subprocess.Popen[str]:
+        child = subprocess.Popen([*command, *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        children.append(child)
+        return child
+
     try:
-        first = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-        children.append(first)
-        maddr = _read_maddr(first, deadline)
-        for _ in range(processes - 1):
-            children.append(subprocess.Popen([*command, "--initial-peers", maddr], stdout=subprocess.PIPE, text=True))
-        reports = [_collect(child, deadline) for child in children]
+        maddr, first_lines = _read_until_listening(start(), 0, deadline)
+        joiners = [start("--initial-peers", maddr) for _ in range(processes - 1)]
+        early = [first_lines] + [_read_until_listening(child, i + 1, deadline)[1] for i, child in enumerate(joiners)]
+        for child in children:
+            assert child.stdin is not None
+            child.stdin.write(START + "\n")
+            child.stdin.flush()
+        reports = [_collect(child, lines, deadline) for child, lines in zip(children, early, strict=True)]
     finally:
         for child in children:
             if child.poll() is None:
@@ -64,20 +79,35 @@ def run_local_swarm(script: str, processes: int, worker_args: list[str], timeout
     return _report(reports, [child.returncode for child in children])
 
 
-def _read_maddr(child: subprocess.Popen[str], deadline: float) -> str:
+def _read_until_listening(child: subprocess.Popen[str], index: int, deadline: float) -> tuple[str, list[str]]:
+    """The address a worker listens on, and the lines it printed before."""
     assert child.stdout is not None
+    lines: list[str] = []
     while time.monotonic() < deadline:
         line = child.stdout.readline()
         if not line:
-            raise SystemExit(f"the first process exited (code {child.wait()}) before listening")
+            raise SystemExit(f"process {index} exited (code {child.wait()}) before listening")
         if line.startswith(LISTENING):
-            return line[len(LISTENING) :].strip()
-    raise SystemExit("the first process did not start in time")
+            return line[len(LISTENING) :].strip(), lines
+        lines.append(line)
+    raise SystemExit(f"process {index} did not start in time")
 
 
-def _collect(child: subprocess.Popen[str], deadline: float) -> list[dict[str, Any]]:
+def _collect(child: subprocess.Popen[str], early: list[str], deadline: float) -> list[dict[str, Any]]:
     out, _ = child.communicate(timeout=max(1.0, deadline - time.monotonic()))
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]  # steps, then {"end"}
+    lines = [*early, *out.splitlines()]
+    return [json.loads(line) for line in lines if line.startswith("{")]  # steps, then {"end"}
+
+
+def listening(session: Any, args: argparse.Namespace, timeout: float = 600.0) -> None:
+    """A worker's line once it may train: where it listens (the launcher passes it to the others);
+    with --start-together, it then waits for the launcher's start line."""
+    print(LISTENING + (session.maddrs[0] if session.maddrs else ""), flush=True)
+    if not args.start_together:
+        return
+    ready, _, _ = select.select([sys.stdin], [], [], timeout)
+    if not ready or sys.stdin.readline().strip() != START:
+        raise SystemExit(f"no start line from the launcher within {timeout:.0f} s")
 
 
 def _report(reports: list[list[dict[str, Any]]], codes: list[int | None]) -> int:
@@ -93,7 +123,8 @@ def _report(reports: list[list[dict[str, Any]]], codes: list[int | None]) -> int
         first, last = (f"{losses[0]:.4f}", f"{losses[-1]:.4f}") if losses else ("-", "-")
         print(f"{i:>7} {len(steps):>11} {first:>10} {last:>9}  {final}  ({ends[-1]}, exit {code})")
     agree = len(set(finals)) == 1 and "-" not in finals and all(code == 0 for code in codes)
-    losses = [s["loss"] for s in reports[0] if s.get("loss") is not None]
+    # judged on the process that recorded the most steps (one that caught up by a fetch has fewer)
+    losses = max(([s["loss"] for s in lines if s.get("loss") is not None] for lines in reports), key=len)
     fell = len(losses) >= 2 and losses[-1] < losses[0]
     print(f"one state on every process: {'yes' if agree else 'NO'}; the loss fell: {'yes' if fell else 'NO'}")
     return 0 if agree and fell else 1

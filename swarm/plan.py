@@ -144,7 +144,7 @@ def straggler_horizon(f: Facts, own_finish: float) -> float:
     peer predicted to finish later (stalled, very slow, or lying to hold every step) is not
     waited for, so one identity's records delay a step by at most that much."""
     same = [p for p in f.live() if p.step == f.step]
-    finishes = sorted([own_finish, *(p.finish_time() for p in same)])
+    finishes = sorted([own_finish, *(predicted_finish(f, p) for p in same)])
     # our own pace when we know it (a record's pace is what a liar sets), else the peers' median
     pace = f.own_sec if f.own_sec > 0 else median_pace(same)
     median = finishes[(len(finishes) - 1) // 2]  # the lower median: a liar cannot raise it alone
@@ -156,7 +156,7 @@ def expected_peers(f: Facts, own_finish: float, max_wait: float) -> frozenset[Pe
     straggler horizon: matchmaking ends as soon as all of them have announced (the window
     bounds the wait for the rest)."""
     bound = min(own_finish + max_wait, straggler_horizon(f, own_finish))
-    return frozenset(p.peer_id for p in f.live() if p.step == f.step and p.finish_time() <= bound)
+    return frozenset(p.peer_id for p in f.live() if p.step == f.step and predicted_finish(f, p) <= bound)
 
 
 def latest_finish(f: Facts, own_finish: float, max_wait: float) -> float:
@@ -166,9 +166,20 @@ def latest_finish(f: Facts, own_finish: float, max_wait: float) -> float:
     horizon = straggler_horizon(f, own_finish)
     end = own_finish
     for p in f.live():
-        if p.step == f.step and p.finish_time() <= horizon:
-            end = max(end, min(p.finish_time(), own_finish + max_wait))
+        finish = predicted_finish(f, p)
+        if p.step == f.step and finish <= horizon:
+            end = max(end, min(finish, own_finish + max_wait))
     return end
+
+
+def predicted_finish(f: Facts, p: PeerProgress) -> float:
+    """When peer p should reach H inner steps: from its record's pace, or, before it has timed an
+    inner step, at our own pace from its record's time. (Read as "now", an untimed peer was
+    never waited for: at the start of a run, a process still warming up missed every group of
+    a run of short steps.)"""
+    if p.sec_per_step > 0 or p.inner >= p.inner_steps:
+        return p.finish_time()
+    return p.time + (p.inner_steps - p.inner) * f.own_sec
 
 
 def matchmaking_start(f: Facts, own_finish: float, matchmaking_time: float, max_wait: float) -> float:

@@ -54,6 +54,7 @@ RESULT_POLL = 0.5  # seconds between looks for a step's result while waiting for
 # a group of our step formed without us: its result is seconds away, and the sooner we hold it
 # the more of the next step we train with the others (bounded by max_wait: a few lookups a second)
 AWAIT_POLL = 0.15
+WAIT_RECHECK_S = 1.0  # seconds between readings of the peers' records while waiting for slower ones
 
 
 class StepEnd:
@@ -121,14 +122,24 @@ class StepEnd:
         return step_horizon(step, time.time() - since, self._pace_seen, self.config.inner_steps)
 
     async def _wait_for_peers(self, book: ProgressBook, stop: asyncio.Event) -> None:
-        """Until the slowest live peer of our step should be done (bounded by max_wait), or stop."""
-        await book.refresh()
-        now = time.time()
-        delay = matchmaking_start(self._facts(book), now, self.config.matchmaking_time, self.config.max_wait) - now
-        if delay > 0:
-            logger.info("waiting %.1fs for slower peers of step %d", delay, self.diloco.outer_step)
+        """Until the slowest live peer of our step should be done (bounded by max_wait from when
+        we started waiting), or stop. The peers' records are read again every WAIT_RECHECK_S: a
+        pace first measured slow (a caller's loop that started late) predicts a finish that its
+        next record moves earlier, and peers that finished early must not form their group
+        while we sleep out the first prediction."""
+        started, logged = time.time(), False
+        while not stop.is_set():
+            await book.refresh()
+            now = time.time()
+            start = matchmaking_start(self._facts(book), now, self.config.matchmaking_time, self.config.max_wait)
+            delay = min(start, started + self.config.max_wait) - now
+            if delay <= 0:
+                return
+            if not logged:
+                logger.info("waiting up to %.1fs for slower peers of step %d", delay, self.diloco.outer_step)
+                logged = True
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
+                await asyncio.wait_for(stop.wait(), min(delay, WAIT_RECHECK_S))
 
     async def _matchmake_after_peers(self, averager: Averager, book: ProgressBook, step: int, weight: float,
                                      stop: asyncio.Event) -> Matchmade | None:  # fmt: skip

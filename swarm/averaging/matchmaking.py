@@ -17,7 +17,9 @@
    nobody gets a group). A node whose view differs is redirected to the leader its callee
    joined; a dead or silent leader is left out and the decision is taken again without it, and
    so is a leader whose group misstates our announcement (ready.group_problem). A leader
-   refuses a join whose weight exceeds the run's max_weight.
+   refuses a join whose weight exceeds the run's max_weight. A leader still missing members
+   reads the ready set again every POLL: when a member that announced after it decided ranks
+   first, it steps down, sends its joiners there and joins that leader too.
 5. Done: a node in a group overwrites its announcement with a FORMED marker naming its state
    (a node arriving later at this step is late), a node without one with DONE (not counted).
    A node whose round then fails overwrites FORMED with DONE, so that the step can be retried.
@@ -161,12 +163,16 @@ class Matchmaker:
                                         decision.swarm_state if decision.kind == "other_state" else None,
                                         formed_by(view, me.state) if late else frozenset())  # fmt: skip
                     return outcome
+                leader = decision.leader
                 if decision.kind == "lead":
-                    group, late = await self._lead(state, list(decision.members), step, give_up_at)
-                    outcome = Matchmade(group, loop.time() - started, late=late, late_by=state.late_by)
-                    return outcome
-                assert decision.leader is not None
-                joined = await self._join(state, decision.leader, step, give_up_at)
+                    led = await self._lead(state, list(decision.members), step, give_up_at)
+                    if not isinstance(led, MemberInfo):
+                        group, late = led
+                        outcome = Matchmade(group, loop.time() - started, late=late, late_by=state.late_by)
+                        return outcome
+                    leader = led  # a leader we had not seen ranks before us: we joined it instead
+                assert leader is not None
+                joined = await self._join(state, leader, step, give_up_at)
                 if isinstance(joined, GroupInfo) or joined is None:
                     outcome = Matchmade(joined, loop.time() - started)
                     return outcome
@@ -246,9 +252,10 @@ class Matchmaker:
 
     async def _lead(
         self, state: _StepState, group: list[MemberInfo], step: int, give_up_at: float
-    ) -> tuple[GroupInfo | None, bool]:
+    ) -> tuple[GroupInfo | None, bool] | MemberInfo:
         """The group we lead (None: too few joined, or we may not finalize) and whether we found
-        ourselves late (a group of our state formed elsewhere, or most of it is not with us)."""
+        ourselves late (a group of our state formed elsewhere, or most of it is not with us);
+        or the leader we stepped down for (_better_leader), whom our joiners are sent to."""
         loop = asyncio.get_running_loop()
         state.leading, state.leader = True, None
         # not waiting for members whose liveness check failed (they may still join in time)
@@ -258,9 +265,17 @@ class Matchmaker:
         while not state.expected <= set(state.joiners) and loop.time() < deadline:
             state.joined.clear()
             try:
-                await asyncio.wait_for(state.joined.wait(), deadline - loop.time())
+                await asyncio.wait_for(state.joined.wait(), min(POLL, deadline - loop.time()))
+                continue
             except asyncio.TimeoutError:
-                break
+                pass
+            better = await self._better_leader(step, state.me)
+            if better is not None:  # step down: the joiners waiting on us are redirected to it
+                logger.info("step %d: stepping down for leader %s, announced after we decided", step, better.peer_id)
+                state.leading, state.leader = False, better
+                waiting, state.result = state.result, loop.create_future()
+                waiting.set_result(None)
+                return better
         members = [state.me, *state.joiners.values()]
         order = {m.peer_id: i for i, m in enumerate(group)}
         members.sort(key=lambda m: (order.get(m.peer_id, len(order)), m.peer_id.to_bytes()))
@@ -274,6 +289,16 @@ class Matchmaker:
                 logger.info("step %d: not leading a group of %d: another formed, or we are late", step, len(members))
         state.result.set_result(result)
         return result, late
+
+    async def _better_leader(self, step: int, me: MemberInfo) -> MemberInfo | None:
+        """The leader the ready set names now, when it is not us. Announcements that were not in
+        our view when we decided (stored a moment after our read) can put another member first:
+        it then waits for us while we wait for members that joined it (seen with 3 nodes done
+        within 10 ms: two groups of one waited request_timeout, then a group of 2 formed)."""
+        view = await self.board.read(step)
+        self.board.ask(step, view, frozenset())
+        decision = decide(self.board.marked(view), me, step)
+        return decision.leader if decision.kind == "join" else None
 
     async def _join(
         self, state: _StepState, leader: MemberInfo, step: int, give_up_at: float
@@ -346,6 +371,8 @@ class Matchmaker:
                     group = await asyncio.wait_for(asyncio.shield(state.result), max(0.0, deadline - loop.time()))
                 except asyncio.TimeoutError:
                     break
+                if group is None and state.leader is not None:  # we stepped down for another leader
+                    return {"redirect": state.leader.encode()}
                 return {"group": group.encode()} if group is not None and _has(group, member) else {"none": "no group"}
             if state.leader is not None:
                 return {"redirect": state.leader.encode()}

@@ -234,3 +234,28 @@ async def test_a_leader_that_rewrites_a_members_weight_loses_that_member(
     assert mine is None or mine.members[mine.index_of(victim)].weight == 1.0, "accepted a misstated announcement"
     kept = [f.group for peer, f in found.items() if peer != victim]
     assert all(g is not None and len(g.members) == 3 for g in kept)  # the others were stated right
+
+
+async def test_a_leader_that_sees_a_better_leader_announce_after_it_decided_steps_down(make_peers: MakePeers) -> None:
+    """Views differ by a moment: a node that decided before the first-ranked node announced leads
+    a group whose other members join that node. It steps down and joins it too: one group of
+    everyone (both leaders used to wait request_timeout, then a group formed without it)."""
+    peers = await make_peers(3)
+    step = 9
+    ranked = group_order([p.host.peer_id for p in peers], step)
+    first, second, third = (next(p for p in peers if p.host.peer_id == pid) for pid in ranked)
+    ids = {p.host.peer_id for p in peers}
+    joiner = asyncio.ensure_future(third.matchmaker.form_group(step, third.me(), gather=10.0,
+                                                               expected=frozenset(ids)))  # fmt: skip
+    await board_shows(second, step, [third], "ready")
+    # the second decides on {second, third}: the first has not announced, so the second leads
+    early = asyncio.ensure_future(second.matchmaker.form_group(step, second.me(), gather=0.0,
+                                                               expected=frozenset({third.host.peer_id})))  # fmt: skip
+    await until(lambda: (s := second.matchmaker._steps.get(step)) is not None and s.leading, 10, "the second leads")
+    started = asyncio.get_running_loop().time()
+    last = await first.matchmaker.form_group(step, first.me(), expected=frozenset(ids))
+    found = [last, await early, await joiner]
+    took = asyncio.get_running_loop().time() - started
+    formed = check_agreement([f.group for f in found], [first, second, third])
+    assert len(formed) == 1 and {m.peer_id for m in formed[0].members} == ids
+    assert took < FAST["request_timeout"], f"took {took:.1f}s: someone waited out a leader's wait"

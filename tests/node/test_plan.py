@@ -22,6 +22,7 @@ from swarm.plan import (
     peers_still_behind,
     plan_step,
     plan_without_group,
+    predicted_finish,
     servers_behind,
     straggler_horizon,
     swarm_together,
@@ -131,6 +132,17 @@ def test_latest_finish_waits_for_the_slowest_live_peer_of_the_step_bounded() -> 
     assert latest_finish(f, own_finish=NOW + 2, max_wait=3) == NOW + 5  # capped
     assert latest_finish(f, own_finish=NOW + 9, max_wait=30) == NOW + 9  # we are slowest
     assert latest_finish(facts(), own_finish=NOW, max_wait=30) == NOW
+
+
+def test_a_peer_that_has_not_timed_a_step_is_expected_at_our_pace_from_its_record() -> None:
+    untimed = peer(5, 2, sec=0.0, age=1)  # published 1 s ago, 8 inner steps to go, pace unknown
+    assert predicted_finish(facts(untimed, own_sec=0.5), untimed) == NOW + 3  # 99 + 8 * 0.5
+    assert latest_finish(facts(untimed, own_sec=0.5), own_finish=NOW, max_wait=30) == NOW + 3
+    assert latest_finish(facts(untimed, own_sec=0.5), own_finish=NOW, max_wait=2) == NOW + 2  # capped
+    assert latest_finish(facts(untimed), own_finish=NOW, max_wait=30) == NOW  # nobody's pace known: not waited
+    done = peer(5, H, sec=0.0, age=1)
+    assert predicted_finish(facts(done, own_sec=0.5), done) == NOW - 1  # done is done, whatever its pace
+    assert IDS[0] in expected_peers(facts(untimed, own_sec=0.5), own_finish=NOW, max_wait=30)
 
 
 def test_median_pace_ignores_peers_without_timing() -> None:
