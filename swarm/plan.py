@@ -153,10 +153,17 @@ def straggler_horizon(f: Facts, own_finish: float) -> float:
 
 def expected_peers(f: Facts, own_finish: float, max_wait: float) -> frozenset[PeerID]:
     """The live peers of our step that should be ready by own_finish + max_wait and within the
-    straggler horizon: matchmaking ends as soon as all of them have announced (the window
-    bounds the wait for the rest)."""
+    straggler horizon, and the live peers one step behind: matchmaking ends as soon as all of
+    them have announced (the window bounds the wait for the rest). A peer one step behind
+    missed our last group: it catches up from that step's update, in well under a second, and
+    joins this step's group (plan_step: JOIN_FORMING). Not expected, it never did while the
+    step's end overlapped the next step's training: the next group formed the moment the last
+    round landed, before the late peer could hold its result, and it chased the others one
+    step behind for a whole run."""
     bound = min(own_finish + max_wait, straggler_horizon(f, own_finish))
-    return frozenset(p.peer_id for p in f.live() if p.step == f.step and predicted_finish(f, p) <= bound)
+    return frozenset(
+        p.peer_id for p in f.live() if (p.step == f.step and predicted_finish(f, p) <= bound) or p.step == f.step - 1
+    )
 
 
 def latest_finish(f: Facts, own_finish: float, max_wait: float) -> float:

@@ -125,6 +125,12 @@ def test_matchmaking_expects_the_live_peers_of_our_step_that_finish_in_time() ->
     assert expected_peers(f, own_finish=NOW + 1, max_wait=30) == {IDS[0]}
 
 
+def test_matchmaking_expects_the_live_peers_one_step_behind_who_catch_up_and_join() -> None:
+    f = facts(peer(5, 4, i=0), peer(4, H, i=1), peer(4, 0, i=2), peer(3, H, i=3))
+    assert expected_peers(f, own_finish=NOW + 1, max_wait=30) == {IDS[0], IDS[1], IDS[2]}  # not 2 behind
+    assert expected_peers(facts(peer(4, H, age=60)), own_finish=NOW, max_wait=30) == frozenset()  # not stale ones
+
+
 def test_latest_finish_waits_for_the_slowest_live_peer_of_the_step_bounded() -> None:
     f = facts(peer(5, 4), peer(5, 8, age=1, i=1), peer(6, 0, i=2), peer(5, 0, age=60, i=3))
     # the first peer needs 6 more seconds; the step-6 peer and the stale one do not count
