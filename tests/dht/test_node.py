@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from swarm.dht import DHT, BadSignature, DHTConfig, owner_subkey
+from swarm.dht import DHT, BadSignature, DHTConfig, DHTNode, owner_subkey
 from swarm.dht.ids import key_id
 from swarm.dht.simulation import simulate
 from swarm.dht.storage import RecordStorage
@@ -59,7 +59,17 @@ async def test_a_get_caches_the_value_on_the_closest_node_without_it(make_node: 
     assert len(holders) == 2
     target = key_id("cached")
     others = sorted((n for n in nodes if n not in holders), key=lambda n: n.node_id ^ target)
-    reader = others[-1]
+    holder_ids = {h.peer_id for h in holders}
+    by_peer = {n.peer_id: n for n in nodes}
+
+    def first_hop_knows_a_holder(candidate: DHTNode) -> bool:
+        # buckets of k = 2 do not hold everyone: the reader's first hop (its closest contact to
+        # the key, holders aside) must know a holder, or the single path cannot reach one
+        hops = [c for c in candidate.table.closest(target, len(nodes)) if c.peer_id not in holder_ids]
+        return bool(hops) and any(h in by_peer[hops[0].peer_id].table for h in holder_ids)
+
+    reader = next((n for n in reversed(others) if first_hop_knows_a_holder(n)), None)
+    assert reader is not None, "no node's first hop knows a holder (buckets of 2)"
     for holder in holders:  # the reader must go through other nodes: the path that gets a copy
         reader.table.remove(holder.peer_id)
     result = await reader.lookup_value("cached")
