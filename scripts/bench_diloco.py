@@ -20,8 +20,10 @@ in its all-reduce rounds (summed over the run; mean over nodes; DHT and matchmak
 not in the nodes' metrics) against a data-parallel fp32 ring all-reduce of the gradients at every
 optimizer step, 2(n-1)/n x 4 bytes x parameters x steps (the reduction factor; INTELLECT-1
 reports 400x at H 100 with int8); the compute utilization, inner-step seconds / training wall
-seconds from each node's metrics (mean over nodes); and the share of outer steps that every node
-spent in a full group (a node alone for a step applies its own pseudo-gradient).
+seconds from each node's metrics (mean over nodes; the wall seconds from the first step, which
+`--start-with` holds until every node is live, to the last, less the seconds in evals); and the
+share of outer steps that every node spent in a full group (a node alone for a step applies its
+own pseudo-gradient).
 With --repeat R each swarm configuration runs R times and the medians are reported (the swarm is
 not deterministic: group timing varies); the baselines are deterministic and run once.
 
@@ -198,6 +200,7 @@ def node_args(
         *(["--fragments", str(config.fragments)] if config.fragments > 1 else []),
         *(["--catch-up", config.catch_up] if config.catch_up != "update" else []),
         "--max-outer-steps", str(workload.steps // config.inner_steps),
+        "--start-with", str(workload.workers),  # the run begins once every node is up (costly ids take seconds)
         "--seed", str(workload.seed),
         "--threads", "1",
         "--metrics-file", str(workdir / f"node{index}.jsonl"),
@@ -348,7 +351,8 @@ def summarize(config: SwarmConfig, per_node: list[list[dict[str, Any]]]) -> dict
         "matchmaking_s": [
             sum(e.get("matchmaking_s", 0.0) for e in s if e.get("event") == "outer_step") for s in per_node
         ],
-        "utilization": [f["inner_s"] / f["wall_s"] for f in finals],
+        # the evals (of the final state here) measure the run, they are not part of training
+        "utilization": [f["inner_s"] / (f["wall_s"] - f.get("eval_s", 0.0)) for f in finals],
         "tokens_per_s": [f["tokens_per_s"] for f in finals],
     }
 

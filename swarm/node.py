@@ -14,7 +14,8 @@ Events (`on_event`, called on the event loop; the CLI writes them as JSON lines)
     {"event": "outer_step", "outer_step" (completed, from 0), "train_loss", "eval_loss",
      "state_sha256" (θ_outer, momentum, step), "group_size", "matchmaking_s", "round_s", "bytes_sent",
      "clipped" (contributions our robust reductions dropped or clipped, logged with the peer),
-     "inner_ahead" (--overlap: the next step's inner steps done when this one's average landed), ...}
+     "inner_ahead" (--overlap: the next step's inner steps done when this one's average landed),
+     "inner_s", "wall_s", "eval_s" (seconds in inner steps, since training began, in evals), ...}
     {"event": "fetch", "outer_step", "reason", "bytes", "seconds", "peers", "state_sha256", ...}
     {"event": "network", "peers_known", "connections", "dht_records", "wire_bytes_sent", ...} (node_events.py)
     {"event": "exit", "outer_step", "reason"}
@@ -28,6 +29,7 @@ but owns no part of an all-reduce and serves nothing, so it never stalls a group
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -66,7 +68,7 @@ from swarm.p2p.autonat import check_reachability
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.host import P2PHost
 from swarm.p2p.identity import Identity
-from swarm.plan import borrowed_pace
+from swarm.plan import borrowed_pace, nodes_to_start_with, starting_together
 from swarm.progress import OwnProgress, ProgressBook
 from swarm.run_lookup import initial_peer_ids
 from swarm.state.keeper import StateKeeper
@@ -80,6 +82,8 @@ __all__ = ["Event", "NodeError", "SwarmNode"]
 
 Event = dict[str, Any]
 DATA_LOOP_END_WAIT = 60.0  # seconds for the training thread to finish its inner step at exit
+START_WAIT_S = 600.0  # --start-with: the longest a node waits for the others of a new run
+START_POLL_S = 0.5  # seconds between readings of the run's records while it waits
 
 
 class SwarmNode(OuterStepLoop):
@@ -152,6 +156,8 @@ class SwarmNode(OuterStepLoop):
         self._unmatched: tuple[int, int, int] | None = None
         self._tokens = 0
         self._last_eval: float | None = None
+        self._eval_s = 0.0
+        self._started_with = 0  # --start-with: the nodes the run began with (0: it did not wait, or had begun)
         self._last_group = 0  # size of our last group; 0: no outer step done here yet
         self._started = 0.0
         # (the swarm's step, when we knew it): the base of the plausible-step horizon, set when we
@@ -219,6 +225,7 @@ class SwarmNode(OuterStepLoop):
             # every server follows the servers' state (swarm/state/keeper.py)
             await keeper.publish(diloco, checkpoint=False)
             publisher = Supervised("progress records", lambda: self._publish_forever(book, keeper)).start()
+            await self._wait_to_start(book, stop)
             self._started = asyncio.get_running_loop().time()
             reason = await self._train(averager, keeper, book, stop)
             return reason
@@ -264,12 +271,40 @@ class SwarmNode(OuterStepLoop):
             await self._publish(book)
             await book.refresh()
 
+    async def _wait_to_start(self, book: ProgressBook, stop: asyncio.Event) -> None:
+        """--start-with N: at a new run's first step, wait until N nodes (us included) are live
+        (plan.nodes_to_start_with), publishing our record meanwhile, at most START_WAIT_S."""
+        if self.config.start_with <= 1:
+            return
+        loop = asyncio.get_running_loop()
+        deadline, said = loop.time() + START_WAIT_S, None
+        while not stop.is_set():
+            await self._publish(book)
+            await book.refresh()
+            facts = self._facts(book)
+            missing = nodes_to_start_with(facts, self.config.start_with)
+            if missing == 0:
+                self._started_with = starting_together(facts)  # together from the first step (swarm_together)
+                return
+            if loop.time() >= deadline:
+                logger.warning("--start-with %d: %d node(s) still missing after %.0f s: training without them",
+                               self.config.start_with, missing, START_WAIT_S)  # fmt: skip
+                return
+            if missing != said:
+                logger.info("--start-with %d: waiting for %d more node(s)", self.config.start_with, missing)
+                said = missing
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), START_POLL_S)
+
     async def _publish(self, book: ProgressBook) -> None:
         p, config = self.inner.snapshot(), self.config
         # the model's own count: the trainer's snapshot still shows the last step's right after it
         step, inner, target = self.diloco.working_step, self.diloco.inner_done, p.target
         if self._unmatched is not None:  # the next step trains while this one's group forms
             step, inner, target = self._unmatched
+        # past H (extra steps while a round lands, outer_step.py): peers believe no H above the run's
+        target = min(target, config.inner_steps)
+        inner = min(inner, target)
         sec = p.sec_per_step
         if sec <= 0:  # no step timed yet (a newcomer): assume the peers' pace until we know ours
             sec = borrowed_pace(list(book.peers))

@@ -66,6 +66,9 @@ class NodeConfig:
     # slower peers and the matchmaking go on (once the swarm is together: plan.swarm_together),
     # not only from the moment our group has formed. Off by default: see the README (issue 14)
     overlap_matchmaking: bool = False
+    # nodes (this one included) that start a new run together: at the run's first step the node
+    # waits for this many live ones before it trains (at most START_WAIT_S; 1: no wait). Local
+    start_with: int = 1
     # how a node one outer step behind catches up: "update" (the step's update from its holders,
     # swarm/state/update.py, then the whole state if that fails) or "state" (always the whole state)
     catch_up: str = "update"
@@ -90,7 +93,7 @@ class NodeConfig:
             raise ValueError(f"unknown model {self.model!r}: choose one of {', '.join(PRESETS)}")
         self.compression_spec()  # raises on an unknown codec or a bad density
         positive = ("inner_steps", "batch_size", "seq_len", "eval_every", "eval_windows", "max_group_size",
-                    "checkpoint_every", "shard_bytes", "max_uploads", "fragments")  # fmt: skip
+                    "checkpoint_every", "shard_bytes", "max_uploads", "fragments", "start_with")  # fmt: skip
         for name in positive:
             if not getattr(self, name) >= 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -221,13 +221,16 @@ class OuterStepLoop(StepEnd):
         forming). `after`: the last step in flight (--overlap): matchmaking waits for it to land;
         REPLAN when it did not (a fetch replaced the state)."""
         self.inner.start_step(target)
-        await self._publish(book)
         weight = float(target * self.config.batch_size * self.config.seq_len)  # tokens this step
         training = asyncio.ensure_future(self.inner.train(target))
         stopping = asyncio.ensure_future(stop.wait())
         matchmaking: asyncio.Future[Matchmade] | None = None
         timed, last_event, last_refresh = False, 0.0, 0.0
         try:
+            # the permits first (train runs up to its first await): the record's store takes
+            # round trips on a busy link, which the trainer must not wait for
+            await asyncio.sleep(0)
+            await self._publish(book)
             # a stop ends the step at once unless matchmaking has begun: then the group may count
             # on us, and we finish the inner steps and the round ("finishes the round under way")
             while not training.done() and not (stopping.done() and matchmaking is None):
@@ -262,15 +265,16 @@ class OuterStepLoop(StepEnd):
                 await asyncio.gather(training, return_exceptions=True)
                 return None
             training.result()  # raises NodeError on divergence
-            if after is not None:  # trained before the last round landed: the wait overlap did not hide
-                await asyncio.wait({after, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if after is not None:  # trained before the last round landed: train on until it does
+                await self._train_until_landed(after, stopping)
                 if not after.done():
                     return None
                 if not after.result():
                     return await self._replan(training, stop)
                 after = None
             overlaps = self._overlaps(step)
-            if overlaps and self.config.overlap_matchmaking and swarm_together(self._facts(book), self._last_group):
+            last_group = self._last_group or self._started_with  # before our first step: who started with us
+            if overlaps and self.config.overlap_matchmaking and swarm_together(self._facts(book), last_group):
                 # the matchmaking is the caller's now (not cancelled below); our record is
                 # published as the next step trains
                 handed, matchmaking = matchmaking, None
@@ -299,6 +303,24 @@ class OuterStepLoop(StepEnd):
                 matchmaking.cancel()
             if after is not None and not after.done():
                 await self._settle(after)
+
+    async def _train_until_landed(self, after: asyncio.Future[bool], stopping: asyncio.Future[bool]) -> None:
+        """The step's inner steps are done before the round in flight landed: a node faster than
+        the slowest of its group (whose end the round waits for) would wait here at every step.
+        It trains on instead, one inner step at a time, until the round lands (then, or at a
+        stop, the wait ends; at most H more). The extra steps go into this step's Δ, weighted
+        as its H steps (no member may announce more: AveragingConfig.max_weight); the records
+        still say H (peers would not believe more). Each draws its own windows and keeps the
+        step's last learning rate (DiLoCo.extra_step)."""
+        diloco = self.diloco
+        while not after.done() and not stopping.done() and diloco.extra_room < self.config.inner_steps:
+            diloco.extra_room += 1  # before the permit: the trainer checks it in its step
+            step = asyncio.ensure_future(self.inner.train(diloco.inner_done + 1))
+            await asyncio.wait({step, after, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():  # landed first: a caller's loop may not be stepping (swarm.join)
+                await self.inner.revoke()  # the permit back, between steps (where the landing is)
+            await step
+        await asyncio.wait({after, stopping}, return_when=asyncio.FIRST_COMPLETED)
 
     async def _replan(self, training: asyncio.Future[None], stop: asyncio.Event) -> Replan | None:
         """The round in flight ended in a fetch: the permits left are taken back and the step is

@@ -12,6 +12,8 @@ swarm's result; it applies its own pseudo-gradient only when no live peer could 
     expected_peers(facts, ...)  -> whom matchmaking waits for
     matchmaking_start(...)      -> when to start matchmaking while the last inner steps run
     swarm_together(facts, ...)  -> whether an overlapped node may train on while its group forms
+    nodes_to_start_with(...)    -> how many more nodes a node of a new run waits for (--start-with)
+    starting_together(facts)    -> the nodes at a new run's first step (0: it has begun)
 """
 
 from __future__ import annotations
@@ -233,3 +235,20 @@ def swarm_together(f: Facts, last_group: int) -> bool:
     one step at a time would never reach them (seen: two pairs chasing for a whole run)."""
     servers = sum(1 for p in f.live() if not p.client)  # peers: we are not among them
     return last_group >= 2 and last_group >= 1 + servers
+
+
+def starting_together(f: Facts) -> int:
+    """The nodes, us included, at a new run's first step: 0 once it has begun (we hold a later
+    state, a peer is past step 0, or a live one is training: it started without us)."""
+    live = f.live()
+    if f.step > 0 or any(p.step > 0 or p.inner > 0 for p in live):
+        return 0
+    return 1 + len(live)
+
+
+def nodes_to_start_with(f: Facts, start_with: int) -> int:
+    """How many more nodes a node at a run's first step waits for before it trains
+    (--start-with N: N nodes, itself included, start the run together). 0 once enough live
+    ones are there, or when the run has begun: we join it as any newcomer does."""
+    present = starting_together(f)
+    return 0 if present == 0 else max(0, start_with - present)

@@ -80,7 +80,11 @@ class StepEnd:
     _unmatched: tuple[int, int, int] | None
     _tokens: int
     _last_eval: float | None
+    _eval_s: float  # seconds spent in evals (the eval loss), all steps
     _last_group: int  # size of our last group; 0: no outer step done here yet
+    # --start-with: the nodes that started the run with us, our "last group" before our first
+    # step (0: none, or a fetch since: the run went on without that start)
+    _started_with: int
     _started: float
     _known_at: tuple[int, float] | None  # (the swarm's step, when we knew it)
     _bad_records: OncePerPeer
@@ -263,7 +267,9 @@ class StepEnd:
         last = config.max_outer_steps is not None and diloco.outer_step >= config.max_outer_steps
         evaluate = last or diloco.outer_step % config.eval_every == 0
         if evaluate and self._evaluate is not None:
+            began = time.perf_counter()
             self._last_eval = float(await self.inner.call(diloco.on_outer_weights, self._evaluate))
+            self._eval_s += time.perf_counter() - began
         sha = await self.inner.beside(diloco.state_sha256)
         self._state_sha = bytes.fromhex(sha)
         overlapped = progress is not None  # the next step's inner steps ran while this one's round did
@@ -280,7 +286,8 @@ class StepEnd:
                          bytes_received=report.bytes_received, matchmaking_s=round(report.matchmaking_s, 4),
                          round_s=round(report.reduce_s + report.gather_s, 4), inner_done=progress.inner_done,
                          clipped=sum(len(members) for members in report.clipped.values()),
-                         inner_s=round(progress.inner_s, 4), wall_s=round(wall_s, 4), tokens=self._tokens,
+                         inner_s=round(progress.inner_s, 4), wall_s=round(wall_s, 4), eval_s=round(self._eval_s, 4),
+                         tokens=self._tokens,
                          inner_ahead=diloco.inner_done if overlapped else 0,
                          tokens_per_s=round(self._tokens / wall_s, 1) if wall_s > 0 else 0.0,
                          rss_bytes=resident_bytes())  # fmt: skip
@@ -304,7 +311,7 @@ class StepEnd:
             return False
         if self._feedback is not None:  # its residual is of a state we no longer hold
             self._feedback.reset()
-        self._late = True
+        self._late, self._started_with = True, 0
         self._known_at = (diloco.outer_step, time.time())
         sha = await self.inner.beside(diloco.state_sha256)
         self._state_sha = bytes.fromhex(sha)

@@ -187,6 +187,12 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
     "averaged update from its holders, checked against the state they advertise; int8: ~1/8 of the state) "
     "or state (the whole state).",
 )
+@_opt(
+    "start-with",
+    click.IntRange(1),
+    "Nodes (this one included) that start a new run together: at the run's first outer step, train once "
+    "this many are live (at most 10 minutes, then alone). A run already under way is joined at once.",
+)
 @_opt("max-outer-steps", click.IntRange(1), "Stop after this many outer steps (default: run until stopped).")
 @_opt("device", str, "Torch device: auto (cuda when present), cpu, cuda, cuda:1, ...")
 @_opt("offload-outer/--no-offload-outer", bool, "Keep θ_outer and outer momentum in CPU memory.")

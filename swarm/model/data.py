@@ -144,12 +144,15 @@ def load_data(spec: str, *, tokenizer: str | None = None, max_bytes: int = DEFAU
     raise ValueError(f"unknown data {spec!r}: use 'stdlib' or 'hf:<dataset>[:<config>]'")
 
 
-def node_generator(peer_id_bytes: bytes, step: int) -> torch.Generator:
+def node_generator(peer_id_bytes: bytes, step: int, *, extra: bool = False) -> torch.Generator:
     """The CPU generator a node samples its training windows with at `step`: different for every
-    (PeerID, step), the same whenever the node repeats that step (after a restart, say)."""
+    (PeerID, step), the same whenever the node repeats that step (after a restart, say). `extra`:
+    an inner step past H (DiLoCo.extra_step), whose index is also the next outer step's: drawn
+    apart, so that the next step does not train on the same windows again."""
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    digest = hashlib.sha256(b"swarm.data:" + step.to_bytes(8, "little") + bytes(peer_id_bytes)).digest()
+    domain = b"swarm.data.extra:" if extra else b"swarm.data:"
+    digest = hashlib.sha256(domain + step.to_bytes(8, "little") + bytes(peer_id_bytes)).digest()
     return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 

@@ -131,6 +131,9 @@ class DiLoCo:
         # a node of several ranks then broadcasts it to the others (swarm/ranks/leader.py)
         self.revision = 0
         self.pending: PendingRound | None = None  # step t's round in flight (begin_overlap)
+        # inner steps allowed past H in this step: a node that would wait for a round in flight
+        # trains on (outer_step.py); reset when the step's inner phase ends
+        self.extra_room = 0
         self._at_outer = True  # θ_inner is θ_outer, bit for bit (no inner step since the outer one)
         # a caller's own optimizer sets its own learning rate; ours follows config's schedule
         self.owns_lr = inner_optimizer is None
@@ -172,6 +175,11 @@ class DiLoCo:
 
     @property
     def ready_for_outer(self) -> bool:
+        return self.inner_done >= self.config.inner_steps
+
+    @property
+    def extra_step(self) -> bool:
+        """The next inner step is past H (extra_room): its data and learning rate are its own."""
         return self.inner_done >= self.config.inner_steps
 
     def inner_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> InnerStats:
@@ -216,8 +224,8 @@ class DiLoCo:
         return InnerStats(loss_value, norm_value, lr)
 
     def _check_room(self) -> None:
-        if self.ready_for_outer:
-            raise RuntimeError(f"{self.config.inner_steps} inner steps done: apply an outer step first")
+        if self.inner_done >= self.config.inner_steps + self.extra_room:
+            raise RuntimeError(f"{self.inner_done} inner steps done: apply an outer step first")
 
     def _set_lr(self) -> float:
         """Our schedule's rate for this step, set on our optimizer; a caller's optimizer keeps its
@@ -225,7 +233,8 @@ class DiLoCo:
         groups = self.inner_optimizer.param_groups
         if not self.owns_lr:
             return float(groups[0].get("lr", math.nan))
-        lr = inner_lr(self.config, self.global_inner_step)
+        h = self.config.inner_steps  # an extra step (extra_room) keeps the step's last rate
+        lr = inner_lr(self.config, self.working_step * h + min(self.inner_done, h - 1))
         for group in groups:
             group["lr"] = lr
         return lr
@@ -309,7 +318,7 @@ class DiLoCo:
                     for i in indices]  # fmt: skip
         self.pending = PendingRound(deltas, self._fragment_tokens[fragment], base, fragment)
         self._at_outer = False
-        self.inner_done, self.tokens_since_outer = 0, 0
+        self.inner_done, self.tokens_since_outer, self.extra_room = 0, 0, 0
         self._fragment_tokens[fragment] = 0  # its next Δ counts from here
 
     def apply_own(self) -> None:
@@ -389,6 +398,7 @@ class DiLoCo:
         self.outer_step += int(advance)
         self.inner_done = 0
         self.tokens_since_outer = 0
+        self.extra_room = 0
 
     def _checked(self, tensors: Sequence[torch.Tensor], what: str, indices: range | None = None) -> list[torch.Tensor]:
         """`tensors` as fp32 on θ_outer's device, one for each parameter of `indices` (None: all);

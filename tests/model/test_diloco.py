@@ -157,6 +157,31 @@ def test_inner_steps_stop_at_h_and_skip_non_finite_losses() -> None:
         diloco.inner_step(torch.zeros(1, 2), torch.zeros(1, 2))
 
 
+def test_extra_inner_steps_past_h_keep_the_steps_last_rate_draw_their_own_windows_and_end_with_the_step() -> None:
+    """extra_room (a node training on while a round lands, outer_step.py): that many steps past
+    H, then none; each at the step's last learning rate, on windows of its own; the next step's
+    inner phase (begin_overlap) allows H again."""
+    config = DiLoCoConfig(inner_steps=2, lr=1.0, warmup_steps=0, lr_schedule="cosine", total_steps=8)
+    diloco = DiLoCo(Toy(), loss_fn=toy_loss, config=config)
+    batch = (torch.zeros(1, 2), torch.zeros(1, 2))
+    rates = [diloco.inner_step(*batch).lr for _ in range(2)]
+    with pytest.raises(RuntimeError, match="outer step"):
+        diloco.inner_step(*batch)  # H done, no room past it
+    diloco.extra_room = 2
+    assert diloco.extra_step  # the next step is past H
+    rates += [diloco.inner_step(*batch).lr for _ in range(2)]
+    assert rates[2:] == [rates[1], rates[1]] and rates[0] > rates[1]
+    with pytest.raises(RuntimeError, match="outer step"):
+        diloco.inner_step(*batch)
+    assert diloco.inner_done == 4 and diloco.tokens_since_outer == 8  # the extra steps' tokens count
+    diloco.begin_overlap(eager=True)
+    assert diloco.extra_room == 0 and not diloco.extra_step
+    assert diloco.inner_step(*batch).lr < rates[1]  # the next step's own rate, not the extra steps'
+    peer = b"\x01" * 34
+    same = [torch.randint(0, 1 << 30, (4,), generator=node_generator(peer, 4, extra=e)) for e in (False, True)]
+    assert not torch.equal(*same)  # an extra step's index is the next step's first: drawn apart
+
+
 def test_state_dict_round_trip_and_refusals() -> None:
     source = DiLoCo(Toy(), loss_fn=toy_loss, config=DiLoCoConfig(inner_steps=1))
     set_inner(source, 0.5, 0.5)

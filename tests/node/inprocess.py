@@ -16,6 +16,7 @@ from swarm.node import SwarmNode
 from swarm.node_config import NodeConfig
 from swarm.p2p import P2PConfig, P2PHost
 from swarm.p2p.identity import Identity
+from swarm.trainer import DataLoop, TrainLoopFactory
 
 LOCAL = P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))
 # tiny and quick: short windows, a few inner steps, prompt progress records
@@ -49,8 +50,10 @@ class LocalSwarm:
         return host.visible_maddrs[0]
 
     def start(self, initial: tuple[str, ...], *, identity: Identity | None = None,
-              on_event: Callable[[dict[str, Any]], None] | None = None, **settings: Any) -> Running:  # fmt: skip
-        """A node; its events are recorded, and also handed to `on_event` (a metrics subscriber)."""
+              on_event: Callable[[dict[str, Any]], None] | None = None, train_loop: TrainLoopFactory = DataLoop,
+              **settings: Any) -> Running:  # fmt: skip
+        """A node; its events are recorded, and also handed to `on_event` (a metrics subscriber).
+        `train_loop`: its training thread (swarm-node's DataLoop by default)."""
         config = NodeConfig(**{"run_id": "inproc", **QUICK, **settings})
         running: Running
         events: list[dict[str, Any]] = []
@@ -61,7 +64,7 @@ class LocalSwarm:
                 on_event(event)
 
         node = SwarmNode(config, identity=identity, initial_peers=initial, p2p_config=LOCAL, on_event=record,
-                         data=self.data)  # fmt: skip
+                         data=self.data, train_loop=train_loop)  # fmt: skip
         stop = asyncio.Event()
         running = Running(node, stop, asyncio.ensure_future(node.run(stop)), events)
         self.nodes.append(running)

@@ -197,6 +197,7 @@ def _one_error_line(result: subprocess.CompletedProcess[str]) -> str:
         (["--bandwidth", "nan"], "--bandwidth"),
         (["--device", "cuda:7"] if not torch.cuda.is_available() else ["--device", "tpu"], "device"),
         (["--fragments", "0"], "--fragments"),
+        (["--start-with", "0"], "--start-with"),
         (["--fragments", "2", "--error-feedback", "0.5"], "not yet with fragments > 1"),
         (["--fragments", "1000"], "fragments must be in [1, 56]"),  # more than the tiny model's tensors
     ],

@@ -10,6 +10,7 @@ import torch
 
 from swarm.averaging.hierarchical import GridRound
 from tests.node.inprocess import LocalSwarm
+from tests.waiting import until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
@@ -95,3 +96,21 @@ async def test_a_node_of_another_state_is_not_mixed_in_it_fetches_the_swarms_and
     fetches = [e for e in odd.events if e["event"] == "fetch"]
     assert fetches and fetches[0]["reason"] in ("not the swarm's state", "behind"), fetches
     assert all(not [e for e in n.events if e["event"] == "fetch"] for n in honest)
+
+
+async def test_nodes_told_to_start_with_three_wait_for_the_third_and_average_with_it_from_the_first_step(
+    local: LocalSwarm,
+) -> None:
+    """--start-with 3: two nodes up early do not pair up and leave the third to fetch their
+    state; the run begins when the third is live, in one group of three."""
+    bootstrap = await local.start_bootstrap()
+    early = [local.start((bootstrap,), max_outer_steps=3, start_with=3) for _ in range(2)]
+    await until(lambda: all(any(e["event"] == "start" for e in n.events) for n in early), 60, "the first two's start")
+    await asyncio.sleep(2.0)  # a pair would have averaged its first step by now (4 tiny inner steps)
+    assert not any(n.steps() for n in early), "a node trained before the third was there"
+    local.start((bootstrap,), max_outer_steps=3, start_with=3)
+    assert await local.finish(150) == ["finished"] * 3
+    by_step = local.by_step()
+    assert all(len(by_step[step]) == 1 for step in (0, 1)), by_step
+    assert [n.steps()[0]["group_size"] for n in local.nodes] == [3, 3, 3]
+    assert not [e for n in local.nodes for e in n.events if e["event"] == "fetch"]

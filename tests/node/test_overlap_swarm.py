@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 
 from swarm.averaging.averager import Averager
 from swarm.progress import OwnProgress, ProgressBook
+from swarm.trainer import DataLoop
+from swarm.user_steps import UserSteps
 from tests.node.inprocess import LocalSwarm
 from tests.node.test_one_swarm import assert_one_state
 from tests.waiting import until
@@ -148,3 +151,38 @@ async def test_a_fast_member_trains_the_next_step_while_its_group_waits_for_a_sl
     assert sorted(steps[s]["inner_ahead"] for s in range(3))[1] >= 8, steps
     waiting = [r for r in published if r[3] == r[0] + 1 and r[1] == r[2] == 16]
     assert waiting, published  # it trained step t + 1 while its record said t, done
+
+
+class SlowLoop(DataLoop):
+    """swarm-node's training thread, 0.1 s slower an inner step: the slowest member of a group."""
+
+    def __init__(self, steps: UserSteps, *args: Any, **kwargs: Any) -> None:
+        super().__init__(steps, *args, **kwargs)
+        slow = steps.wait_for_permit
+
+        def wait_for_permit(timeout: float | None = None) -> bool:
+            time.sleep(0.1)
+            return slow(timeout)
+
+        steps.wait_for_permit = wait_for_permit  # type: ignore[method-assign]
+
+
+async def test_members_faster_than_the_slowest_train_on_while_its_round_lands_and_all_hold_one_state(
+    local: LocalSwarm,
+) -> None:
+    """A round waits for its slowest member, so a faster one finishes the next step's inner steps
+    before the round lands: it trains extra inner steps meanwhile (at most H), which its records
+    do not show (peers believe no more than H) and its weight does not count."""
+    bootstrap = await local.start_bootstrap()
+    settings = dict(overlap="eager", overlap_matchmaking=True, start_with=3, max_outer_steps=6)
+    fast = [local.start((bootstrap,), **settings) for _ in range(2)]
+    local.start((bootstrap,), train_loop=SlowLoop, **settings)
+    assert await local.finish(200) == ["finished"] * 3
+    by_step = local.by_step()
+    assert all(len(by_step[s]) == 1 for s in range(5)), by_step  # the last step: LAST_STEP_FLAKE
+    h = local.nodes[0].node.config.inner_steps
+    for running in fast:
+        steps = running.steps()
+        assert all(steps[s]["group_size"] == 3 for s in range(5)), steps
+        assert max(steps[s]["inner_done"] for s in range(1, 5)) > h, steps  # trained on while a round landed
+        assert all(steps[s]["inner_done"] <= 2 * h for s in steps), steps

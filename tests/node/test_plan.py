@@ -19,11 +19,13 @@ from swarm.plan import (
     expected_peers,
     latest_finish,
     median_pace,
+    nodes_to_start_with,
     peers_still_behind,
     plan_step,
     plan_without_group,
     predicted_finish,
     servers_behind,
+    starting_together,
     straggler_horizon,
     swarm_together,
 )  # fmt: skip
@@ -226,3 +228,37 @@ def test_peers_still_behind_the_last_step(peers: tuple[PeerProgress, ...], behin
 )
 def test_swarm_together(what: str, peers: tuple[PeerProgress, ...], last_group: int, together: bool) -> None:
     assert swarm_together(facts(*peers), last_group) is together, what
+
+
+@pytest.mark.parametrize(
+    ("what", "step", "peers", "start_with", "missing"),
+    [
+        ("no wait asked for", 0, (), 1, 0),
+        ("alone, waiting for 3 more", 0, (), 4, 3),
+        ("two of four are here", 0, (peer(0, 0, i=1),), 4, 2),
+        ("every node is here", 0, (peer(0, 0, i=1), peer(0, 0, i=2), peer(0, 0, i=3)), 4, 0),
+        ("more than asked for", 0, (peer(0, 0, i=1), peer(0, 0, i=2)), 2, 0),
+        ("a client counts: it trains too", 0, (peer(0, 0, client=True, i=1),), 2, 0),
+        ("a dead node's stale record does not count", 0, (peer(0, 0, age=30.0, i=1),), 2, 1),
+        ("a peer is training: the run began without us", 0, (peer(0, 3, i=1),), 4, 0),
+        ("a peer is past the first step: the run is under way", 0, (peer(2, 0, i=1),), 4, 0),
+        ("we hold a later state (a resumed or fetched one)", 3, (), 4, 0),
+    ],
+)
+def test_nodes_to_start_with(what: str, step: int, peers: tuple[PeerProgress, ...], start_with: int,
+                             missing: int) -> None:  # fmt: skip
+    assert nodes_to_start_with(facts(*peers, step=step), start_with) == missing, what
+
+
+@pytest.mark.parametrize(
+    ("what", "step", "peers", "present"),
+    [
+        ("alone at a new run", 0, (), 1),
+        ("three of us, none training yet", 0, (peer(0, 0, i=1), peer(0, 0, i=2)), 3),
+        ("a stale record is not a node", 0, (peer(0, 0, i=1), peer(0, 0, age=30.0, i=2)), 2),
+        ("one is training: the run began", 0, (peer(0, 0, i=1), peer(0, 1, i=2)), 0),
+        ("we hold a later step", 2, (peer(2, 0, i=1),), 0),
+    ],
+)
+def test_starting_together(what: str, step: int, peers: tuple[PeerProgress, ...], present: int) -> None:
+    assert starting_together(facts(*peers, step=step)) == present, what
