@@ -233,8 +233,8 @@ class DiLoCo:
         groups = self.inner_optimizer.param_groups
         if not self.owns_lr:
             return float(groups[0].get("lr", math.nan))
-        h = self.config.inner_steps  # an extra step (extra_room) keeps the step's last rate
-        lr = inner_lr(self.config, self.working_step * h + min(self.inner_done, h - 1))
+        past_last = max(0, self.inner_done - (self.config.inner_steps - 1))  # extra steps keep the last one's rate
+        lr = inner_lr(self.config, self.global_inner_step - past_last)
         for group in groups:
             group["lr"] = lr
         return lr
