@@ -24,9 +24,10 @@ forms, our record still says the step with its inner steps done (`_unmatched`), 
 node waiting in matchmaking would, so peers plan and matchmake with us as before. The average
 (or our own Δ, when no group forms and the plan says so) lands between two inner steps
 (UserSteps.call) with the same θ_outer(t+1) as a blocking member's, and the next matchmaking
-waits for it. One step is in flight at most: a node whose next inner steps end first waits for
-it. A step in flight that ends in a fetch discards the next step's inner steps (REPLAN). A late
-joiner's step (no inner steps of ours) and the last step block as before.
+waits for it. One step is in flight at most: a node whose next inner steps end first trains on
+past H until it lands (_train_until_landed). A step in flight that ends in a fetch discards the
+next step's inner steps (REPLAN). A late joiner's step (no inner steps of ours) and the last step
+block as before.
 """
 
 from __future__ import annotations
