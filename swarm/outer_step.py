@@ -312,7 +312,7 @@ class OuterStepLoop(StepEnd):
         stop, the wait ends; at most H more). The extra steps go into this step's Δ, weighted
         as its H steps (no member may announce more: AveragingConfig.max_weight); the records
         still say H (peers would not believe more). Each draws its own windows and keeps the
-        step's last learning rate (DiLoCo.extra_step)."""
+        step's last learning rate (DiLoCo.extra_room)."""
         diloco = self.diloco
         while not after.done() and not stopping.done() and diloco.extra_room < self.config.inner_steps:
             diloco.extra_room += 1  # before the permit: the trainer checks it in its step

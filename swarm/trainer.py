@@ -78,7 +78,8 @@ class DataLoop(TrainingThread):
         steps, diloco = self.steps, self.steps.diloco
         try:
             while steps.wait_for_permit():
-                generator = node_generator(self.peer, diloco.global_inner_step, extra=diloco.extra_step)
+                # a step past H (DiLoCo.extra_room) draws windows of its own
+                generator = node_generator(self.peer, diloco.global_inner_step, extra=diloco.ready_for_outer)
                 inputs, targets = sample_batch(self.data.train, self.batch_size, self.seq_len, generator)
                 loss, tokens = diloco.forward_backward(inputs, targets)
                 steps.step(tokens, loss=loss)

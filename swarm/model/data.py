@@ -147,7 +147,7 @@ def load_data(spec: str, *, tokenizer: str | None = None, max_bytes: int = DEFAU
 def node_generator(peer_id_bytes: bytes, step: int, *, extra: bool = False) -> torch.Generator:
     """The CPU generator a node samples its training windows with at `step`: different for every
     (PeerID, step), the same whenever the node repeats that step (after a restart, say). `extra`:
-    an inner step past H (DiLoCo.extra_step), whose index is also the next outer step's: drawn
+    an inner step past H (DiLoCo.extra_room), whose index is also the next outer step's: drawn
     apart, so that the next step does not train on the same windows again."""
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")

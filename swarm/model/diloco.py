@@ -175,11 +175,8 @@ class DiLoCo:
 
     @property
     def ready_for_outer(self) -> bool:
-        return self.inner_done >= self.config.inner_steps
-
-    @property
-    def extra_step(self) -> bool:
-        """The next inner step is past H (extra_room): its data and learning rate are its own."""
+        """H inner steps are done: a next one (extra_room) is past H, with its own data and the
+        step's last learning rate."""
         return self.inner_done >= self.config.inner_steps
 
     def inner_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> InnerStats:

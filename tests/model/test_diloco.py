@@ -168,14 +168,14 @@ def test_extra_inner_steps_past_h_keep_the_steps_last_rate_draw_their_own_window
     with pytest.raises(RuntimeError, match="outer step"):
         diloco.inner_step(*batch)  # H done, no room past it
     diloco.extra_room = 2
-    assert diloco.extra_step  # the next step is past H
+    assert diloco.ready_for_outer  # the next step is past H
     rates += [diloco.inner_step(*batch).lr for _ in range(2)]
     assert rates[2:] == [rates[1], rates[1]] and rates[0] > rates[1]
     with pytest.raises(RuntimeError, match="outer step"):
         diloco.inner_step(*batch)
     assert diloco.inner_done == 4 and diloco.tokens_since_outer == 8  # the extra steps' tokens count
     diloco.begin_overlap(eager=True)
-    assert diloco.extra_room == 0 and not diloco.extra_step
+    assert diloco.extra_room == 0 and not diloco.ready_for_outer
     assert diloco.inner_step(*batch).lr < rates[1]  # the next step's own rate, not the extra steps'
     peer = b"\x01" * 34
     same = [torch.randint(0, 1 << 30, (4,), generator=node_generator(peer, 4, extra=e)) for e in (False, True)]
