@@ -89,6 +89,13 @@ class Liveness:
             self._pending[member.peer_id] = task
             task.add_done_callback(lambda _t, peer=member.peer_id: self._pending.pop(peer, None))
 
+    def ask_again(self, peers: Set[PeerID]) -> None:
+        """Forget the failed checks of `peers` (they are asked at the next `ask`): a leader about
+        to finalize gives the peers of its state a second chance, since a check of ours that ran
+        out during a stall of our own loop says nothing about them."""
+        for peer in peers:
+            self._failed.pop(peer, None)
+
     def failed(self) -> frozenset[PeerID]:
         """The peers whose last check failed (and is still remembered)."""
         now = asyncio.get_running_loop().time()

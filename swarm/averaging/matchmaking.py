@@ -281,7 +281,7 @@ class Matchmaker:
         members.sort(key=lambda m: (order.get(m.peer_id, len(order)), m.peer_id.to_bytes()))
         result, late = None, False
         if len(members) >= self.config.min_group_size:
-            final_view = self.board.marked(await self.board.read(step)).with_member(state.me)
+            final_view = (await self._final_view(step, state.me, give_up_at)).with_member(state.me)
             if may_finalize(len(members), final_view, state.me.state):
                 result = GroupInfo.create(self.run_id, step, tuple(members))
             else:
@@ -289,6 +289,21 @@ class Matchmaker:
                 logger.info("step %d: not leading a group of %d: another formed, or we are late", step, len(members))
         state.result.set_result(result)
         return result, late
+
+    async def _final_view(self, step: int, me: MemberInfo, give_up_at: float) -> ReadyView:
+        """The ready set a leader finalizes on, with the liveness checks of every owner of our
+        state settled first, and those that failed asked once more. An owner not (yet) proven
+        alive does not count as announced (a flood that never answers must block nobody), so
+        under load a leader of 3 of 8 counted a majority of the 4 it had verified while another
+        leader formed a group of the other 5, and the model forked (test_matchmaking.py,
+        "checks that ran out")."""
+        view = await self.board.read(step)
+        ours = {p for p, m in view.ready.items() if m.state == me.state}
+        ours |= {p for p, s in view.formed.items() if s == me.state}
+        self.board.liveness.ask_again(ours - set(self.board.liveness.alive(ours)))
+        # joiners wait for our answer until give_up_at: keep a margin for it to reach them
+        until = give_up_at - min(1.0, self.config.request_timeout / 4)
+        return await self.board.settled(step, view, ours, until)
 
     async def _better_leader(self, step: int, me: MemberInfo) -> MemberInfo | None:
         """The leader the ready set names now, when it is not us. Announcements that were not in

@@ -1,5 +1,5 @@
 """Matchmaking over real DHT nodes on 127.0.0.1: agreement, splitting, late nodes, a leader that
-dies mid-matchmaking, client-mode members."""
+dies mid-matchmaking, client-mode members, liveness checks that ran out under load."""
 
 from __future__ import annotations
 
@@ -7,16 +7,20 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
 from swarm.averaging import matchmaking
 from swarm.averaging.config import AveragingConfig
+from swarm.averaging.liveness import Liveness
 from swarm.averaging.matchmaking import Matchmade, Matchmaker
 from swarm.averaging.messages import GroupInfo, MemberInfo
 from swarm.averaging.ready import ReadyView, group_order
 from swarm.dht import DHTNode
 from swarm.p2p import P2PConfig, P2PHost
+from swarm.p2p.handlers import CallContext
+from swarm.p2p.peer_id import PeerID
 from tests.waiting import until
 
 LOCAL = P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))
@@ -259,3 +263,34 @@ async def test_a_leader_that_sees_a_better_leader_announce_after_it_decided_step
     formed = check_agreement([f.group for f in found], [first, second, third])
     assert len(formed) == 1 and {m.peer_id for m in formed[0].members} == ids
     assert took < FAST["request_timeout"], f"took {took:.1f}s: someone waited out a leader's wait"
+
+
+async def test_checks_that_ran_out_across_two_halves_never_make_two_groups(
+    make_peers: MakePeers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six nodes of one state in two halves; a node's first check of a node of the other half
+    runs out (its answer comes after request_timeout), later ones are answered at once. Each half
+    then sees only itself alive, and each half's leader counted 3 of the 3 it had verified: two
+    groups of 3. A leader now asks the peers of its state again before it finalizes: it counts
+    all 6, and a group of 3 is no majority. Matchmaking again, the six form one group."""
+    half: dict[PeerID, int] = {}  # filled once the peers exist (their handlers are bound at start)
+    answered: set[tuple[PeerID, PeerID]] = set()
+    original = Liveness._rpc_alive
+
+    async def stalled_once(self: Liveness, ctx: CallContext, args: Any) -> dict[str, str]:
+        pair = (ctx.peer_id, self.host.peer_id)
+        if half.get(ctx.peer_id) != half[self.host.peer_id] and pair not in answered:
+            answered.add(pair)
+            await asyncio.sleep(1.5 * float(FAST["request_timeout"]))  # the caller gave up by now
+        return await original(self, ctx, args)
+
+    monkeypatch.setattr(Liveness, "_rpc_alive", stalled_once)
+    peers = await make_peers(6)
+    half.update({p.host.peer_id: i % 2 for i, p in enumerate(peers)})
+    found = await form(peers, 0)
+    groups = check_agreement([f.group for f in found], peers)
+    assert len(groups) <= 1, f"two groups of one state: {[len(g.members) for g in groups]}"
+    if not groups:  # both leaders stood down: the step is matchmade again, as the node does
+        found = await form(peers, 0)
+        groups = check_agreement([f.group for f in found], peers)
+    assert [len(g.members) for g in groups] == [6]

@@ -55,6 +55,17 @@ def _run(*args: str, timeout: float = 240) -> tuple[int, str, str]:
         process_control.kill(proc, reap_s=None)
 
 
+def _warnings(run_dir: Path, limit: int = 60) -> str:
+    """The nodes' log lines above INFO (a failure's story), at most `limit` of them."""
+    lines = [
+        f"{log.stem}: {line}"
+        for log in sorted(run_dir.glob("node*.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if " WARNING " in line or " ERROR " in line
+    ]
+    return "\n".join(lines[-limit:])
+
+
 def _leftovers(run_dir: Path) -> list[str]:
     """Command lines of live processes that name run_dir: children swarm-sim failed to stop."""
     found = []
@@ -148,7 +159,11 @@ def test_eight_nodes_with_churn_hold_one_state_at_every_outer_step(tmp_path: Pat
         for step in node["steps"]:
             by_step.setdefault(step["outer_step"], set()).add(step["state_sha256"])
     forks = {step: len(states) for step, states in by_step.items() if len(states) > 1}
-    assert not forks, f"outer steps with more than one state: {forks}"
+    # on a failure, each node's (step, group size, state) and the run's warnings say how it forked
+    story = "\n".join(f"{n['name']} {n['status']}: "
+                      + " ".join(f"{s['outer_step']}:{s['group_size']}:{s['state_sha256'][:6]}" for s in n["steps"])
+                      for n in nodes)  # fmt: skip
+    assert not forks, f"outer steps with more than one state: {forks}\n{story}\n{_warnings(run_dir)}"
     # newcomers fetch the swarm's state (one step behind: its update); those that got to average agree (above)
     assert re.search(r"fetched (the state|its step's update) of outer step", out), out
     # nodes average together (one group of the step's ready nodes; with a node killed every 8 s
