@@ -300,7 +300,7 @@ class Matchmaker:
         view = await self.board.read(step)
         ours = {p for p, m in view.ready.items() if m.state == me.state}
         ours |= {p for p, s in view.formed.items() if s == me.state}
-        self.board.liveness.ask_again(ours - set(self.board.liveness.alive(ours)))
+        self.board.liveness.ask_again(ours - self.board.liveness.alive(ours))
         # joiners wait for our answer until give_up_at: keep a margin for it to reach them
         until = give_up_at - min(1.0, self.config.request_timeout / 4)
         return await self.board.settled(step, view, ours, until)

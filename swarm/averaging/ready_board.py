@@ -81,18 +81,17 @@ class ReadyBoard:
         """Start checking the owners in `view` that we know nothing current of (expected first)."""
         self.liveness.ask(step, [*view.ready.values(), *view.formers.values()], expected)
 
-    async def settled(self, step: int, view: ReadyView, expected: Set[PeerID], until: float | None = None) -> ReadyView:
+    async def settled(self, step: int, view: ReadyView, expected: Set[PeerID], until: float = math.inf) -> ReadyView:
         """`view` with the owners that have not proven they are alive marked unverified, after
         asking the ones not asked yet and waiting for the answers (request_timeout at most for
         the peers we expect, SETTLE for the others; never past the loop time `until`)."""
         self.ask(step, view, expected)
         now = asyncio.get_running_loop().time()
-        cap = math.inf if until is None else until
         owners = view.ready.keys() | view.formed.keys()
         # the peers we expect are worth a request's wait; an unknown one (maybe a flood of
         # addresses that never answer) only a short one: it counts once it has answered
-        await self.liveness.settle(owners & expected, min(cap, now + self.config.request_timeout))
-        await self.liveness.settle(owners - expected, min(cap, now + min(SETTLE, self.config.request_timeout)))
+        await self.liveness.settle(owners & expected, min(until, now + self.config.request_timeout))
+        await self.liveness.settle(owners - expected, min(until, now + min(SETTLE, self.config.request_timeout)))
         return self.marked(view)
 
     def marked(self, view: ReadyView) -> ReadyView:
