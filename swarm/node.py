@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,7 @@ from swarm.plan import borrowed_pace, nodes_to_start_with, starting_together
 from swarm.progress import OwnProgress, ProgressBook
 from swarm.run_lookup import initial_peer_ids
 from swarm.state.keeper import StateKeeper
+from swarm.step_end import LINEAGE_STEPS
 from swarm.supervised import Supervised
 from swarm.trainer import DataLoop, NodeError, TrainLoop, TrainLoopFactory
 from swarm.user_steps import UserSteps
@@ -159,6 +161,7 @@ class SwarmNode(OuterStepLoop):
         self._eval_s = 0.0
         self._started_with = 0  # --start-with: the nodes the run began with (0: it did not wait, or had begun)
         self._last_group = 0  # size of our last group; 0: no outer step done here yet
+        self._rounds: deque[tuple[int, bytes]] = deque(maxlen=LINEAGE_STEPS)  # (step, group id): step_end.py
         self._started = 0.0
         # (the swarm's step, when we knew it): the base of the plausible-step horizon, set when we
         # fetch the swarm's state or step with a group. None until then: a node that just started

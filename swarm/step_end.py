@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -55,6 +56,9 @@ RESULT_POLL = 0.5  # seconds between looks for a step's result while waiting for
 # the more of the next step we train with the others (bounded by max_wait: a few lookups a second)
 AWAIT_POLL = 0.15
 WAIT_RECHECK_S = 1.0  # seconds between readings of the peers' records while waiting for slower ones
+# our last rounds whose steps' ready sets we check for a larger group beside ours (a fork) before
+# each matchmaking: a faster smaller lineage is a step or two ahead of the larger one's markers
+LINEAGE_STEPS = 3
 
 
 class StepEnd:
@@ -82,6 +86,7 @@ class StepEnd:
     _last_eval: float | None
     _eval_s: float  # seconds spent in evals (the eval loss), all steps
     _last_group: int  # size of our last group; 0: no outer step done here yet
+    _rounds: deque[tuple[int, bytes]]  # (step, group id) of our last rounds since our state's lineage began
     # --start-with: the nodes that started the run with us, our "last group" before our first
     # step (0: none, or a fetch since: the run went on without that start)
     _started_with: int
@@ -156,11 +161,22 @@ class StepEnd:
         facts = self._facts(book)
         expected = frozenset() if joining else expected_peers(facts, time.time(), self.config.max_wait)
         try:
+            if not joining and await self._outvoted(averager, step):
+                return Matchmade(None, 0.0, outvoted=True)
             return await averager.form_group(weight, step, self._state_sha, gather=gather, expected=expected,
                                              as_client=joining)  # fmt: skip
         except (P2PError, DHTError, TimeoutError) as e:
             logger.warning("matchmaking for step %d failed: %s", step, e)
             return Matchmade(None, 0.0)
+
+    async def _outvoted(self, averager: Averager, step: int) -> bool:
+        """Is our state a fork's smaller lineage? A larger group formed beside one of our last
+        rounds (ready.outvoted): then we fetch the swarm's state instead of matchmaking with ours,
+        waiting for the larger lineage to reach our step when it is behind."""
+        for earlier, group_id in reversed(self._rounds):
+            if earlier < step and await averager.outvoted(earlier, group_id):
+                return True
+        return False
 
     async def _finish_step(
         self,
@@ -198,7 +214,7 @@ class StepEnd:
             late, late_by = late or found.late, late_by | found.late_by
             await book.refresh()
             waited = loop.time() - without_group_since
-            plan = plan_without_group(self._facts(book), late=late, other_state=found.swarm_state is not None,
+            plan = plan_without_group(self._facts(book), late=late, other_state=found.other_state,
                                       waited=waited, max_wait=self.config.max_wait)  # fmt: skip
             if plan.action == APPLY_OWN:
                 await self.inner.call(diloco.apply_own)
@@ -206,7 +222,7 @@ class StepEnd:
                 return True
             if plan.action == FETCH:
                 logger.info("step %d: %s: fetching the swarm's state", step, plan.why)
-                if await self._fetch(keeper, book, alone=False, other_state=found.swarm_state is not None, missed=late):
+                if await self._fetch(keeper, book, alone=False, other_state=found.other_state, missed=late):
                     self._late = True  # the peers are already training on it
                     return False
                 found = Matchmade(None, found.seconds)  # nothing to fetch yet: look again
@@ -277,6 +293,7 @@ class StepEnd:
         self._tokens += progress.inner_done * config.batch_size * config.seq_len
         self._last_group = len(report.members) if report.group_id is not None else 1
         if report.group_id is not None:  # in sync with a group: the swarm was at this step now
+            self._rounds.append((step, bytes.fromhex(report.group_id)))
             self._known_at = (diloco.outer_step, time.time())
         wall_s = asyncio.get_running_loop().time() - self._started
         self.events.emit("outer_step", outer_step=step,
@@ -311,6 +328,7 @@ class StepEnd:
             return False
         if self._feedback is not None:  # its residual is of a state we no longer hold
             self._feedback.reset()
+        self._rounds.clear()  # another lineage's state: our rounds no longer say where it comes from
         self._late, self._started_with = True, 0
         self._known_at = (diloco.outer_step, time.time())
         sha = await self.inner.beside(diloco.state_sha256)

@@ -132,6 +132,11 @@ class Averager:
         """Their FORMED markers made us wait max_wait for a result that never came: ignore them."""
         self.matchmaker.board.distrust_formed(peers)
 
+    async def outvoted(self, step: int, group_id: bytes) -> bool:
+        """Did a larger group than ours (`group_id`) form at `step`? Then our lineage is a fork's
+        smaller one (matchmaking.py, ready.outvoted)."""
+        return await self.matchmaker.outvoted(step, group_id)
+
     def round_failed(self, step: int) -> None:
         """The round of `step` failed: the step may be matchmade again (see matchmaking.py)."""
         self.matchmaker.round_failed(step)

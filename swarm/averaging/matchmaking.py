@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,8 @@ from swarm.averaging.ready import (
     formed_marker,
     group_problem,
     may_finalize,
+    other_groups,
+    outvoted,
 )
 from swarm.averaging.ready_board import ReadyBoard
 from swarm.dht.errors import DHTError
@@ -86,6 +89,12 @@ class Matchmade:
     late: bool = False  # a group of our state formed without us
     swarm_state: bytes | None = None
     late_by: frozenset[PeerID] = frozenset()  # late: the owners of the FORMED markers that said so
+    outvoted: bool = False  # a larger group formed beside ours at an earlier step: we are a fork's smaller lineage
+
+    @property
+    def other_state(self) -> bool:
+        """Our state is not the swarm's: fetch it before we can contribute."""
+        return self.swarm_state is not None or self.outvoted
 
 
 @dataclass
@@ -194,6 +203,23 @@ class Matchmaker:
                 else DONE
             )
             self._mark(step, marker)
+
+    async def outvoted(self, step: int, group_id: bytes) -> bool:
+        """Did a larger group form at `step` than ours (`group_id`), which makes ours a fork's
+        smaller lineage (ready.outvoted)? One read of the step's ready set; only when it names
+        another group are its owners' liveness checks asked and waited for (a few seconds at
+        most, ready_board.SETTLE): owners that do not answer do not count, as in every vote (a
+        check that ran out delays the healing by a step; it never makes a fork)."""
+        view = await self.board.read(step)
+        if not other_groups(view, group_id):
+            return False
+        view = await self.board.settled(step, view, frozenset())
+        larger = outvoted(view, group_id, self.peer_id)
+        if larger is not None:
+            sizes = Counter(view.groups.get(p) for p in view.counted_formed())
+            logger.warning("step %d: a group of %d formed beside ours (%d): ours is the smaller lineage of a fork; "
+                           "taking the swarm's state", step, sizes[larger], max(1, sizes[group_id]))  # fmt: skip
+        return larger is not None
 
     def round_failed(self, step: int) -> None:
         """Our group of `step` could not average: withdraw its FORMED marker, so that the step

@@ -15,6 +15,9 @@ which every node evaluates on its own view. The rules, in order:
    connections (a client cannot lead). No server in view: no group. Nor when every member
    contributes nothing (all weights 0: nodes that only joined to take the average): such a
    group would apply a null step and, by rule 1, make the node that trained wait for it.
+4. **One lineage.** Should two groups still form at one step (a fork), the one with the most
+   FORMED markers that count is the swarm's lineage (`outvoted`): a member of another checks
+   its last rounds' steps before each matchmaking and fetches the swarm's state instead.
 
 Announcements are bounded (ISSUE 12): one per identity (its owner's subkey), and one whose
 weight exceeds what the run allows one step is skipped (`decode_view`), so it is neither
@@ -83,6 +86,7 @@ class ReadyView:
     done: frozenset[PeerID] = frozenset()  # done without a group
     refused: frozenset[PeerID] = frozenset()  # announced something we do not accept (decode_view)
     formers: dict[PeerID, MemberInfo] = field(default_factory=dict)  # where a FORMED marker's owner is
+    groups: dict[PeerID, bytes] = field(default_factory=dict)  # the group id a FORMED marker names
     # owners (ready or formed) that have not proven they are alive (liveness.py): not counted
     unverified: frozenset[PeerID] = frozenset()
 
@@ -116,6 +120,7 @@ def decode_view(
     ready: dict[PeerID, MemberInfo] = {}
     formed: dict[PeerID, bytes] = {}
     formers: dict[PeerID, MemberInfo] = {}
+    groups: dict[PeerID, bytes] = {}
     done: set[PeerID] = set()
     skipped = []
     for subkey, value in entries.items():
@@ -147,6 +152,9 @@ def decode_view(
                 skipped.append(Skipped(owner, "a malformed FORMED marker"))
                 continue
             formed[owner] = state
+            group_id = value.get("group")
+            if isinstance(group_id, bytes) and len(group_id) == 32:  # GroupInfo.make_id: a sha256
+                groups[owner] = group_id
             if "member" in value:
                 try:
                     former = MemberInfo.decode(value["member"])
@@ -169,7 +177,7 @@ def decode_view(
             continue
         ready[owner] = member
     refused = frozenset(item.owner for item in skipped if item.owner is not None) - set(ready)
-    return ReadyView(ready, formed, frozenset(done), refused, formers), skipped
+    return ReadyView(ready, formed, frozenset(done), refused, formers, groups), skipped
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +236,27 @@ def decide(view: ReadyView, me: MemberInfo, step: int) -> Decision:
     if leader.peer_id == me.peer_id:
         return Decision("lead", members, swarm_state=chosen)
     return Decision("join", members, leader, swarm_state=chosen)
+
+
+def other_groups(view: ReadyView, group_id: bytes) -> bool:
+    """Does any FORMED marker in view name a group of this step other than `group_id`? (Cheap:
+    only then are its owners' liveness checks worth asking for `outvoted`.)"""
+    return any(g != group_id for p, g in view.groups.items() if p in view.formed)
+
+
+def outvoted(view: ReadyView, group_id: bytes, me: PeerID) -> bytes | None:
+    """The group of this step that outvotes ours (`group_id`, which `me` was in), or None. Two
+    groups formed at one step (a fork: two leaders that each counted a majority under load, or a
+    late node that computed the step again after its group's members had left) go on as two
+    lineages, and the smaller one, when faster, decides each later step before the larger one's
+    announcements are in: it never sees that it is outvoted (rule 2). The FORMED markers of the
+    step remain: the group with the most owners that count (alive, proven: as rule 2's votes;
+    ties: the smaller id) is the swarm's lineage, and the members of any other fetch its state."""
+    counted = view.counted_formed()
+    sizes = Counter(g for p, g in view.groups.items() if p in counted and p != me)
+    sizes[group_id] += 1  # ourselves, whether or not our marker is in view
+    best = min(sizes, key=lambda g: (-sizes[g], g))
+    return None if best == group_id else best
 
 
 def may_finalize(group_size: int, final_view: ReadyView, state: bytes) -> bool:

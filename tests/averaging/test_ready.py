@@ -15,6 +15,8 @@ from swarm.averaging.ready import (
     formed_marker,
     group_order,
     may_finalize,
+    other_groups,
+    outvoted,
 )
 from swarm.dht.id_proof import BadIdProof, solve, verify
 from swarm.dht.records import owner_subkey
@@ -121,11 +123,46 @@ def test_a_leader_finalizes_only_a_majority_and_only_one_group(size: int, final:
     assert may_finalize(size, final, A) is ok
 
 
+G1, G2, G3 = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32  # group ids, in id order
+
+
+def formed_groups(
+    groups: dict[int, bytes], state: dict[int, bytes] | None = None, dead: tuple[int, ...] = ()
+) -> ReadyView:
+    """FORMED markers naming these groups (owner index -> group id), of state A unless `state` says."""
+    state = state or {}
+    return ReadyView(formed={IDS[i]: state.get(i, A) for i in groups}, groups={IDS[i]: g for i, g in groups.items()},
+                     unverified=frozenset(IDS[i] for i in dead))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("what", "seen", "me", "ours", "winner"),
+    [
+        ("one group: nothing to heal", formed_groups({0: G2, 1: G2, 2: G2}), 0, G2, None),
+        ("ours larger", formed_groups({0: G2, 1: G2, 2: G2, 3: G1, 4: G1}), 0, G2, None),
+        ("ours smaller", formed_groups({0: G2, 1: G2, 2: G2, 3: G1, 4: G1}), 3, G1, G2),
+        ("two states: the lineage of the other state", formed_groups({0: G1, 1: G2, 2: G2}, {0: B}), 0, G1, G2),
+        ("a tie: the smaller id is the swarm's", formed_groups({0: G1, 1: G1, 2: G2, 3: G2}), 2, G2, G1),
+        ("a tie seen from the smaller id", formed_groups({0: G1, 1: G1, 2: G2, 3: G2}), 0, G1, None),
+        # owners that did not prove they are alive do not count: the lone survivor of a group of
+        # 4 (three killed) takes the state of the 2 that computed the step again
+        ("dead members", formed_groups({0: G1, 1: G1, 2: G1, 3: G1, 4: G2, 5: G2}, dead=(1, 2, 3)), 0, G1, G2),
+        ("a larger group, dead", formed_groups({0: G1, 1: G2, 2: G2, 3: G2}, dead=(1, 2, 3)), 0, G1, None),
+        ("our marker not stored yet: we count", formed_groups({1: G1, 2: G2}), 0, G1, None),
+        ("three groups", formed_groups({0: G3, 1: G1, 2: G2, 3: G2}), 0, G3, G2),
+    ],
+)
+def test_a_fork_s_smaller_lineage_is_outvoted(what: str, seen: ReadyView, me: int, ours: bytes,
+                                               winner: bytes | None) -> None:  # fmt: skip
+    assert outvoted(seen, ours, IDS[me]) == winner, what
+    assert other_groups(seen, ours) is (len(set(seen.groups.values()) - {ours}) > 0)
+
+
 def test_decode_view_skips_bad_records() -> None:
     entries = {
         owner_subkey(IDS[0]): announcement(member(0), b""),
         owner_subkey(IDS[1]): announcement(member(2), b""),  # under another's subkey
-        owner_subkey(IDS[2]): formed_marker(A, b"g", b"", member=member(2)),  # where to ask if it is alive
+        owner_subkey(IDS[2]): formed_marker(A, G1, b"", member=member(2)),  # where to ask if it is alive
         owner_subkey(IDS[3]): DONE,
         owner_subkey(IDS[4]): {"formed": b"short"},
         "not an owner": announcement(member(5), b""),
@@ -133,7 +170,9 @@ def test_decode_view_skips_bad_records() -> None:
     }
     seen, skipped = decode_view(entries)
     assert set(seen.ready) == {IDS[0]} and seen.formed == {IDS[2]: A} and seen.done == {IDS[3]}
-    assert seen.formers == {IDS[2]: member(2)}
+    assert seen.formers == {IDS[2]: member(2)} and seen.groups == {IDS[2]: G1}
+    odd, _ = decode_view({owner_subkey(IDS[0]): formed_marker(A, b"not an id", b"")})
+    assert odd.formed == {IDS[0]: A} and odd.groups == {}  # still late-making, never a lineage
     assert len(skipped) == 4
     assert isinstance(decide(seen, member(0), 0), Decision)
 

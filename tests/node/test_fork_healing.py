@@ -1,0 +1,70 @@
+"""A fork's smaller lineage takes the larger one's state (ready.outvoted, step_end._outvoted).
+
+Five SwarmNodes in one event loop. At step 1 the ready sets are split (each half sees only its
+own half's records while it matchmakes), so two groups form, of 3 and of 2: a fork. From step 2
+the smaller half still never sees a record of the larger half's state while it matchmakes
+(as when it always decides before the larger half's announcements are in, the fork CI saw
+persist for 9 steps), but the step-1 FORMED markers stay readable. Without the lineage check the
+two halves go on as two states at every step; with it the smaller half fetches the larger one's
+state and every later step holds one state."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from swarm.averaging.ready import ReadyView
+from swarm.averaging.ready_board import ReadyBoard
+from tests.node.inprocess import LocalSwarm, Running
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
+
+
+def split_boards(monkeypatch: pytest.MonkeyPatch, large: list[Running], small: list[Running]) -> None:
+    """What each node reads of the step it is matchmaking (a past step's set is read whole)."""
+    read = ReadyBoard.read
+    half = {r.node.peer_id: 0 for r in large} | {r.node.peer_id: 1 for r in small}
+    nodes = {r.node.peer_id: r.node for r in (*large, *small)}
+
+    async def partial_read(self: ReadyBoard, step: int) -> ReadyView:
+        view = await read(self, step)
+        node = nodes.get(self.peer_id)
+        if node is None or step != node.diloco.outer_step:
+            return view
+        mine = half[self.peer_id]
+        if step == 1:  # the split: two groups of one state
+            return dataclasses.replace(
+                view,
+                ready={p: m for p, m in view.ready.items() if half.get(p) == mine},
+                formed={p: s for p, s in view.formed.items() if half.get(p) == mine},
+            )
+        if mine == 1:  # the smaller half never sees a record of another state than its own
+            own = node._state_sha
+            return dataclasses.replace(
+                view,
+                ready={p: m for p, m in view.ready.items() if m.state == own},
+                formed={p: s for p, s in view.formed.items() if s == own},
+            )
+        return view
+
+    monkeypatch.setattr(ReadyBoard, "read", partial_read)
+
+
+async def test_the_smaller_half_of_a_fork_takes_the_larger_ones_state(
+    local: LocalSwarm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bootstrap = await local.start_bootstrap()
+    nodes = [local.start((bootstrap,), max_outer_steps=5) for _ in range(5)]
+    large, small = nodes[:3], nodes[3:]
+    split_boards(monkeypatch, large, small)
+    reasons = await local.finish(150)
+    assert reasons == ["finished"] * 5
+    by_step = local.by_step()
+    story = [[(e["event"], e["outer_step"], e["state_sha256"][:6], e.get("group_size"), e.get("reason"))
+              for e in n.events if e["event"] in ("outer_step", "fetch")] for n in nodes]  # fmt: skip
+    assert len(by_step[1]) == 2, f"the test made no fork at step 1: {story}"
+    forks = {step: len(states) for step, states in by_step.items() if step >= 2 and len(states) > 1}
+    assert not forks, f"the fork went on (step: states): {forks}; nodes: {story}"
+    fetched = [e for n in small for e in n.events if e["event"] == "fetch"]
+    assert any(e["reason"] == "not the swarm's state" for e in fetched), story
