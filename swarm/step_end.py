@@ -87,6 +87,7 @@ class StepEnd:
     _eval_s: float  # seconds spent in evals (the eval loss), all steps
     _last_group: int  # size of our last group; 0: no outer step done here yet
     _rounds: deque[tuple[int, bytes]]  # (step, group id) of our last rounds since our state's lineage began
+    _outvoted_since: float | None  # loop time our lineage was first found outvoted (no fetch since)
     # --start-with: the nodes that started the run with us, our "last group" before our first
     # step (0: none, or a fetch since: the run went on without that start)
     _started_with: int
@@ -172,10 +173,20 @@ class StepEnd:
     async def _outvoted(self, averager: Averager, step: int) -> bool:
         """Is our state a fork's smaller lineage? A larger group formed beside one of our last
         rounds (ready.outvoted): then we fetch the swarm's state instead of matchmaking with ours,
-        waiting for the larger lineage to reach our step when it is behind."""
+        waiting for the larger lineage to reach our step when it is behind. Not for longer than
+        max_wait: live identities that renew FORMED markers of a fake larger group, and serve no
+        state, must not stop us for good (as distrust_formed bounds a fake marker of our state)."""
         for earlier, group_id in reversed(self._rounds):
             if earlier < step and await averager.outvoted(earlier, group_id):
-                return True
+                now = asyncio.get_running_loop().time()
+                self._outvoted_since = self._outvoted_since if self._outvoted_since is not None else now
+                if now - self._outvoted_since < self.config.max_wait:
+                    return True
+                logger.warning("step %d: the larger lineage's state did not come in %.0fs: going on with ours",
+                               step, self.config.max_wait)  # fmt: skip
+                self._rounds.clear()
+                break
+        self._outvoted_since = None
         return False
 
     async def _finish_step(
@@ -329,6 +340,7 @@ class StepEnd:
         if self._feedback is not None:  # its residual is of a state we no longer hold
             self._feedback.reset()
         self._rounds.clear()  # another lineage's state: our rounds no longer say where it comes from
+        self._outvoted_since = None
         self._late, self._started_with = True, 0
         self._known_at = (diloco.outer_step, time.time())
         sha = await self.inner.beside(diloco.state_sha256)
