@@ -125,6 +125,7 @@ class Matchmaker:
         self._steps: dict[int, _StepState] = {}
         self._stored: dict[int, float] = {}  # step -> expiration of our last record (later wins)
         self._markers: set[asyncio.Task[None]] = set()
+        self._outvoted_told: set[tuple[int, bytes]] = set()  # (step, our group) found outvoted: logged once
         self._bad_input = OncePerPeer(logger)
         self.board = ReadyBoard(dht, host, run_id, config, excluded, self._bad_input)
         if not config.client_mode:
@@ -215,7 +216,10 @@ class Matchmaker:
             return False
         view = await self.board.settled(step, view, frozenset())
         larger = outvoted(view, group_id, self.peer_id)
-        if larger is not None:
+        if larger is not None and (step, group_id) not in self._outvoted_told:  # asked again until it heals
+            if len(self._outvoted_told) > 16:
+                self._outvoted_told.clear()
+            self._outvoted_told.add((step, group_id))
             sizes = Counter(view.groups.get(p) for p in view.counted_formed())
             logger.warning("step %d: a group of %d formed beside ours (%d): ours is the smaller lineage of a fork; "
                            "taking the swarm's state", step, sizes[larger], max(1, sizes[group_id]))  # fmt: skip
