@@ -179,7 +179,8 @@ class StepEnd:
         for earlier, group_id in reversed(self._rounds):
             if earlier < step and await averager.outvoted(earlier, group_id):
                 now = asyncio.get_running_loop().time()
-                self._outvoted_since = self._outvoted_since if self._outvoted_since is not None else now
+                if self._outvoted_since is None:
+                    self._outvoted_since = now
                 if now - self._outvoted_since < self.config.max_wait:
                     return True
                 logger.warning("step %d: the larger lineage's state did not come in %.0fs: going on with ours",

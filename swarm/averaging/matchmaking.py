@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +53,7 @@ from swarm.averaging.ready import (
     formed_by,
     formed_marker,
     group_problem,
+    group_sizes,
     may_finalize,
     other_groups,
     outvoted,
@@ -220,9 +220,9 @@ class Matchmaker:
             if len(self._outvoted_told) > 16:
                 self._outvoted_told.clear()
             self._outvoted_told.add((step, group_id))
-            sizes = Counter(view.groups.get(p) for p in view.counted_formed())
+            sizes = group_sizes(view, group_id, self.peer_id)
             logger.warning("step %d: a group of %d formed beside ours (%d): ours is the smaller lineage of a fork; "
-                           "taking the swarm's state", step, sizes[larger], max(1, sizes[group_id]))  # fmt: skip
+                           "taking the swarm's state", step, sizes[larger], sizes[group_id])  # fmt: skip
         return larger is not None
 
     def round_failed(self, step: int) -> None:

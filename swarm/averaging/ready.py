@@ -252,11 +252,18 @@ def outvoted(view: ReadyView, group_id: bytes, me: PeerID) -> bytes | None:
     announcements are in: it never sees that it is outvoted (rule 2). The FORMED markers of the
     step remain: the group with the most owners that count (alive, proven: as rule 2's votes;
     ties: the smaller id) is the swarm's lineage, and the members of any other fetch its state."""
-    counted = view.counted_formed()
-    sizes = Counter(g for p, g in view.groups.items() if p in counted and p != me)
-    sizes[group_id] += 1  # ourselves, whether or not our marker is in view
+    sizes = group_sizes(view, group_id, me)
     best = min(sizes, key=lambda g: (-sizes[g], g))
     return None if best == group_id else best
+
+
+def group_sizes(view: ReadyView, group_id: bytes, me: PeerID) -> Counter[bytes]:
+    """group id -> the FORMED markers that count naming it; `me` counts in ours (`group_id`)
+    whether or not its marker is in view."""
+    counted = view.counted_formed()
+    sizes = Counter(g for p, g in view.groups.items() if p in counted and p != me)
+    sizes[group_id] += 1
+    return sizes
 
 
 def may_finalize(group_size: int, final_view: ReadyView, state: bytes) -> bool:
