@@ -60,6 +60,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from swarm.model.adamw import AdamW, inner_adamw
 from swarm.model.configs import DiLoCoConfig
 from swarm.model.fragments import fragments_of
 from swarm.model.loss import autocast_for, lm_loss
@@ -138,7 +139,9 @@ class DiLoCo:
         # a caller's own optimizer sets its own learning rate; ours follows config's schedule
         self.owns_lr = inner_optimizer is None
         if inner_optimizer is None:
-            self.inner_optimizer = _adamw(named, config, fused=self.device.type == "cuda")
+            self.inner_optimizer: AdamW | torch.optim.Optimizer = inner_adamw(
+                named, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, device=self.device
+            )
         else:
             self.inner_optimizer = inner_optimizer(self.params)
             if not isinstance(self.inner_optimizer, torch.optim.Optimizer):
@@ -449,13 +452,3 @@ def tensors_sha256(tensors: Iterable[torch.Tensor]) -> str:
     for t in tensors:
         digest.update(as_memoryview(t.detach().cpu().contiguous()))
     return digest.hexdigest()
-
-
-def _adamw(named: list[tuple[str, nn.Parameter]], config: DiLoCoConfig, fused: bool) -> torch.optim.AdamW:
-    decay = [p for _, p in named if p.dim() >= 2]
-    no_decay = [p for _, p in named if p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, fused=fused or None)
