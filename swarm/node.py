@@ -162,6 +162,7 @@ class SwarmNode(OuterStepLoop):
         self._started_with = 0  # --start-with: the nodes the run began with (0: it did not wait, or had begun)
         self._last_group = 0  # size of our last group; 0: no outer step done here yet
         self._rounds: deque[tuple[int, bytes]] = deque(maxlen=LINEAGE_STEPS)  # (step, group id): step_end.py
+        self._run_over = False
         self._outvoted_since: float | None = None
         self._started = 0.0
         # (the swarm's step, when we knew it): the base of the plausible-step horizon, set when we

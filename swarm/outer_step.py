@@ -150,6 +150,8 @@ class OuterStepLoop(StepEnd):
         return step, await self._train_and_matchmake(averager, book, step, plan.inner_steps, stop)
 
     def _steps_left(self) -> bool:
+        if self._run_over:
+            return False
         return self.config.max_outer_steps is None or self.diloco.outer_step < self.config.max_outer_steps
 
     def _overlaps(self, step: int) -> bool:
@@ -157,8 +159,7 @@ class OuterStepLoop(StepEnd):
         trained nothing of (a late joiner's), nor the last (nothing left to train). It does once
         its group has formed; with --overlap-matchmaking from the end of its inner steps, when the
         swarm is together (plan.swarm_together; while nodes straggle in, their groups form first)."""
-        last = self.config.max_outer_steps is not None and step + 1 >= self.config.max_outer_steps
-        return self.config.overlap != "none" and self.diloco.inner_done > 0 and not last
+        return self.config.overlap != "none" and self.diloco.inner_done > 0 and not self._last_step(step)
 
     async def _finish_unmatched(
         self,

@@ -8,7 +8,8 @@ swarm's result; it applies its own pseudo-gradient only when no live peer could 
 
     plan_step(facts)            -> at the start of a step: fetch | train k | join the forming group
     plan_without_group(...)     -> matchmaking found no group: fetch | await the result | retry |
-                                   apply our own Δ (not while peers behind would not follow it)
+                                   apply our own Δ (not while peers behind would not follow it) |
+                                   end the run (its last step was taken without us)
     expected_peers(facts, ...)  -> whom matchmaking waits for
     matchmaking_start(...)      -> when to start matchmaking while the last inner steps run
     swarm_together(facts, ...)  -> whether an overlapped node may train on while its group forms
@@ -29,6 +30,8 @@ JOIN_FORMING = "join_forming"  # the peers of our step are matchmaking: join now
 AWAIT_RESULT = "await_result"  # a group of our step formed without us: wait for its result, then fetch it
 RETRY = "retry"  # no group yet, but live peers of our step will be ready: matchmake again
 APPLY_OWN = "apply_own"  # no live peer at our step or beyond: our own Δ is the swarm's step
+END = "end"  # the run's last step was taken without us and its result is gone: end without it
+RECHECK = "recheck"  # the last step: matchmake once more to see whether the group that formed without us stands
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,13 +97,26 @@ def plan_step(f: Facts) -> StepPlan:
     return StepPlan(TRAIN, "the peers started before us: finish with them", steps)
 
 
-def plan_without_group(f: Facts, *, late: bool, other_state: bool, waited: float, max_wait: float) -> StepPlan:
+def plan_without_group(f: Facts, *, late: bool, other_state: bool, waited: float, max_wait: float,
+                       ready_peers: int = 0, groupless_for: float = 0.0, last: bool = False,
+                       late_confirmed: bool = False) -> StepPlan:  # fmt: skip
     """Matchmaking of f.step ended without a group. `late`: a group of our state formed without
     us; `other_state`: the swarm starts this step from another state; `waited`: seconds since
-    our first matchmaking of this step ended without a group. A node never applies its own Δ
-    while a group of its state formed without it (`late`: its result will come), nor before it
-    has watched its peers' records for a whole freshness window (a peer that started with it
-    may not have published yet)."""
+    the last matchmaking of this step ended without a group (`groupless_for`: the first);
+    `ready_peers`: the other nodes of our state the last one found ready with us. A node never applies
+    its own Δ while a group of its state formed without it (`late`: its result will come), nor
+    before it has watched its peers' records for a whole freshness window (a peer that started
+    with it may not have published yet), nor within max_wait of matchmaking with ready peers of
+    its state (their records may just be stale: under load, 16 nodes on 2 cores each went on
+    alone from stale records, 16 states at one step). At the run's `last` step it never applies
+    its own Δ, nor groups with other late ones, after the swarm took the step without it (a
+    group of its state formed, or a record says a later step) and its result did not reach it
+    in max_wait: those peers finished the run with the step's result and left, and our own Δ,
+    or a group of the late ones, would be a second final state; it ends without the step
+    (END). Before that it matchmakes once more (RECHECK), trusting the FORMED markers still: a
+    group whose round failed withdrew its marker, and its members are matchmaking again
+    (`late_confirmed`: that matchmaking found the marker still standing; then it waits max_wait
+    more for the result: a round can outlast max_wait on a loaded machine)."""
     if other_state:
         return StepPlan(FETCH, "our state is not the swarm's")
     live = f.live()
@@ -108,6 +124,11 @@ def plan_without_group(f: Facts, *, late: bool, other_state: bool, waited: float
         return StepPlan(FETCH, "the step's result is out")
     # a client can only average with a server; a server with anyone (clients join it)
     same = [p for p in live if p.step == f.step and not (f.client and p.client)]
+    if last and late and waited >= max_wait:
+        if late_confirmed:  # and we waited max_wait more for its result
+            return StepPlan(END, "the run's last step was taken without us and its result did not come: ending")
+        return StepPlan(RECHECK, "the last step's result did not come: does its group still stand?")
+    taken_without_us = any(p.step > f.step for p in f.peers)  # stale records too: they finished the run
     if late and waited >= max_wait and not any(p.step >= f.step and not p.client for p in live):
         late = False  # waited it out, and no server that could hold the result is left: it is lost
     if late or same:
@@ -115,12 +136,16 @@ def plan_without_group(f: Facts, *, late: bool, other_state: bool, waited: float
             return StepPlan(AWAIT_RESULT, "a group of our step formed without us")
         # peers that are done training wait for a group too: matchmaking again at once meets them
         return StepPlan(RETRY, "live peers of our step have no result yet: matchmake again")
+    if ready_peers and groupless_for < max_wait:  # they announced with us: they are live, records or not
+        return StepPlan(RETRY, f"{ready_peers} peer(s) of our state were ready with us: not going on alone")
     if f.watched_for < f.fresh_for:  # a peer that just started may not have published yet
         return StepPlan(RETRY, "no live peer seen yet: waiting to hear from any that just started")
     if not f.sees_peers:  # not seeing anyone is not knowing that nobody is there
         return StepPlan(RETRY, "cannot read the peers' records: not going on alone")
     if waited < max_wait and not f.client and behind_would_not_follow(f):
         return StepPlan(RETRY, "peers behind us would not follow a step we took alone: waiting for them")
+    if last and taken_without_us:
+        return StepPlan(END, "the run's last step was taken without us and its holders left: ending without it")
     return StepPlan(APPLY_OWN, "no live peer at our step: ours is the swarm's state")
 
 

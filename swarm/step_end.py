@@ -25,7 +25,9 @@ from swarm.p2p.peer_id import PeerID
 from swarm.plan import (
     APPLY_OWN,
     AWAIT_RESULT,
+    END,
     FETCH,
+    RECHECK,
     Facts,
     expected_peers,
     matchmaking_start,
@@ -88,6 +90,7 @@ class StepEnd:
     _last_group: int  # size of our last group; 0: no outer step done here yet
     _rounds: deque[tuple[int, bytes]]  # (step, group id) of our last rounds since our state's lineage began
     _outvoted_since: float | None  # loop time our lineage was first found outvoted (no fetch since)
+    _run_over: bool  # the run's last step was taken without us and its result is gone (plan.END)
     # --start-with: the nodes that started the run with us, our "last group" before our first
     # step (0: none, or a fetch since: the run went on without that start)
     _started_with: int
@@ -208,6 +211,8 @@ class StepEnd:
         without_group_since: float | None = None
         late = False  # a group of our state formed without us at this step: its result exists
         late_by: frozenset[PeerID] = frozenset()  # whose FORMED markers said so
+        groupless_since: float | None = None  # our first matchmaking of this step that found no group
+        late_confirmed = False  # the last step: a RECHECK found the group that formed without us standing
         while diloco.outer_step == step:
             if found.group is not None:  # stopping or not: the group counts on our part
                 if self._unmatched is not None:  # the round is under way: our record says the next step
@@ -224,10 +229,18 @@ class StepEnd:
             if without_group_since is None:
                 without_group_since = loop.time()
             late, late_by = late or found.late, late_by | found.late_by
+            if groupless_since is None:
+                groupless_since = without_group_since
             await book.refresh()
-            waited = loop.time() - without_group_since
-            plan = plan_without_group(self._facts(book), late=late, other_state=found.other_state,
-                                      waited=waited, max_wait=self.config.max_wait)  # fmt: skip
+            waited, groupless_for = loop.time() - without_group_since, loop.time() - groupless_since
+            plan = plan_without_group(self._facts(book), late=late, other_state=found.other_state, waited=waited,
+                                      max_wait=self.config.max_wait, ready_peers=found.peers,
+                                      groupless_for=groupless_for, last=self._last_step(step),
+                                      late_confirmed=late_confirmed)  # fmt: skip
+            if plan.action == END:
+                logger.warning("step %d: %s", step, plan.why)
+                self._run_over = True
+                return False
             if plan.action == APPLY_OWN:
                 await self.inner.call(diloco.apply_own)
                 await self._stepped(keeper, step, GroupReport(None, matchmaking_s=found.seconds), progress)
@@ -244,7 +257,14 @@ class StepEnd:
                     self._late = True
                     return False
                 await asyncio.sleep(AWAIT_POLL)
-            else:  # RETRY
+            else:  # RETRY, RECHECK
+                if plan.action == RECHECK:  # trusting the markers still (plan_without_group)
+                    logger.info("step %d: %s", step, plan.why)
+                    again = await self._matchmake(averager, book, step, float(diloco.round_tokens))
+                    late, late_by, late_confirmed = again.late, again.late_by, again.late
+                    found = again
+                    without_group_since = None if found.group is not None else loop.time()
+                    continue
                 if late and late_by and loop.time() - without_group_since >= self.config.max_wait:
                     # we waited max_wait for the result of their group: none came. Believing
                     # their markers again would keep us (and anyone they fool) waiting forever
@@ -262,6 +282,10 @@ class StepEnd:
                     return False
                 found = again
                 without_group_since = None if found.group is not None else loop.time()
+
+    def _last_step(self, step: int) -> bool:
+        """Is `step` the run's last (--max-outer-steps)?"""
+        return self.config.max_outer_steps is not None and step + 1 >= self.config.max_outer_steps
 
     async def _average(self, averager: Averager, keeper: StateKeeper, found: Matchmade) -> GroupReport | None:
         diloco, feedback = self.diloco, self._feedback

@@ -118,7 +118,7 @@ class Averager:
         me = self.member_info(weight, state, as_client=as_client)
         found = await self.matchmaker.form_group(step, me, gather, expected)
         if found.group is not None and len(found.group.members) < 2:
-            return Matchmade(None, found.seconds)
+            return Matchmade(None, found.seconds, peers=found.peers)
         return found
 
     def exclude(self, peers: Sequence[PeerID], why: str) -> None:

@@ -90,6 +90,9 @@ class Matchmade:
     swarm_state: bytes | None = None
     late_by: frozenset[PeerID] = frozenset()  # late: the owners of the FORMED markers that said so
     outvoted: bool = False  # a larger group formed beside ours at an earlier step: we are a fork's smaller lineage
+    # no group, but other nodes of our state were ready with us (we led or joined them): we are
+    # not alone at this step, whatever their progress records say (plan_without_group)
+    peers: int = 0
 
     @property
     def other_state(self) -> bool:
@@ -162,6 +165,7 @@ class Matchmaker:
             view = await self._gather(step, None if expected is None else expected - {me.peer_id}, gather_until)
             view = await self.board.settled(step, view, expected or frozenset())
             dead: set[PeerID] = set()
+            peers = 0  # the most other members of our state a decision of ours counted
             while loop.time() < give_up_at:
                 for peer in dead:
                     view.ready.pop(peer, None)
@@ -173,24 +177,25 @@ class Matchmaker:
                                         decision.swarm_state if decision.kind == "other_state" else None,
                                         formed_by(view, me.state) if late else frozenset())  # fmt: skip
                     return outcome
-                leader = decision.leader
+                leader, peers = decision.leader, max(peers, len(decision.members) - 1)
                 if decision.kind == "lead":
                     led = await self._lead(state, list(decision.members), step, give_up_at)
                     if not isinstance(led, MemberInfo):
                         group, late = led
-                        outcome = Matchmade(group, loop.time() - started, late=late, late_by=state.late_by)
+                        outcome = Matchmade(group, loop.time() - started, late=late, late_by=state.late_by,
+                                            peers=peers)  # fmt: skip
                         return outcome
                     leader = led  # a leader we had not seen ranks before us: we joined it instead
                 assert leader is not None
                 joined = await self._join(state, leader, step, give_up_at)
                 if isinstance(joined, GroupInfo) or joined is None:
-                    outcome = Matchmade(joined, loop.time() - started)
+                    outcome = Matchmade(joined, loop.time() - started, peers=peers)
                     return outcome
                 dead.add(joined)  # the leader failed: decide again without it
                 state.leader = None
                 state.role_known.clear()
                 view = await self.board.settled(step, await self.board.read(step), expected or frozenset())
-            outcome = Matchmade(None, loop.time() - started)
+            outcome = Matchmade(None, loop.time() - started, peers=peers)
             return outcome
         finally:
             if not state.result.done():

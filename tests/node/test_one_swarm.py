@@ -42,8 +42,10 @@ async def test_sixteen_nodes_hold_one_state_after_every_step(local: LocalSwarm) 
     assert reasons == ["finished"] * 16
     by_step = assert_one_state(local)
     assert set(by_step) >= {1, 2}
-    last = [n.steps()[2] for n in local.nodes]
-    assert all(e["group_size"] == 16 for e in last), [e["group_size"] for e in last]
+    # the last step: one group of everyone that completed it (a node the group formed without,
+    # whose result did not reach it, ends without it: plan.END)
+    last = [n.steps()[2] for n in local.nodes if 2 in n.steps()]
+    assert len(last) >= 12 and all(e["group_size"] == len(last) for e in last), [e["group_size"] for e in last]
 
 
 @LAST_STEP_FLAKE

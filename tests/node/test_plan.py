@@ -10,8 +10,10 @@ from swarm.p2p.identity import Identity
 from swarm.plan import (
     APPLY_OWN,
     AWAIT_RESULT,
+    END,
     FETCH,
     JOIN_FORMING,
+    RECHECK,
     RETRY,
     TRAIN,
     Facts,
@@ -119,6 +121,72 @@ GROUPLESS_CASES = [
                          ids=[c[0] for c in GROUPLESS_CASES])  # fmt: skip
 def test_plan_without_group(what: str, f: Facts, late: bool, other: bool, waited: float, action: str) -> None:
     plan = plan_without_group(f, late=late, other_state=other, waited=waited, max_wait=30.0)
+    assert plan.action == action, plan.why
+
+
+READY_PEER_CASES = [
+    # (situation, facts, ready peers in the last matchmaking, seconds since the step's first groupless end, action)
+    ("peers ready with us, their records stale (load): not alone", facts(peer(5, H, age=60)), 3, 1.0, RETRY),
+    ("peers ready with us, no record of them at all", facts(), 1, 1.0, RETRY),
+    ("ready peers, but max_wait since the first groupless end: go on", facts(), 3, 31.0, APPLY_OWN),
+    ("nobody ready with us, no live record: alone", facts(peer(5, H, age=60)), 0, 1.0, APPLY_OWN),
+    ("ready peers, yet the step's result is out: fetch it", facts(peer(6, 0), peer(6, 0, i=1)), 2, 1.0, FETCH),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "f", "ready", "groupless_for", "action"), READY_PEER_CASES,
+                         ids=[c[0] for c in READY_PEER_CASES])  # fmt: skip
+def test_a_node_that_matchmade_with_ready_peers_does_not_go_on_alone(
+    what: str, f: Facts, ready: int, groupless_for: float, action: str
+) -> None:
+    plan = plan_without_group(f, late=False, other_state=False, waited=1.0, max_wait=30.0, ready_peers=ready,
+                              groupless_for=groupless_for)  # fmt: skip
+    assert plan.action == action, plan.why
+
+
+LAST_STEP_CASES = [
+    # (situation, facts, late, waited, last step, action); late: the group formed without us
+    ("last step, late, holders gone after max_wait: does the group stand?", facts(peer(5, H, age=60)), True, 31.0,
+     True, RECHECK),
+    ("not the last step: the result is lost, compute it again", facts(peer(5, H, age=60)), True, 31.0, False,
+     APPLY_OWN),
+    ("last step, a stale record at the next step: they finished, end", facts(peer(6, 0, age=60)), False, 1.0, True,
+     END),
+    ("last step, nobody ever took it: ours is the run's last step", facts(peer(5, H, age=60)), False, 1.0, True,
+     APPLY_OWN),
+    ("last step, late, waiting for the result still", facts(peer(5, H, age=60)), True, 5.0, True, AWAIT_RESULT),
+    ("last step, the finished peers still live: fetch their state", facts(peer(6, 0), peer(6, 0, i=1)), True, 31.0,
+     True, FETCH),
+    ("last step, late, other late ones live at our step: no second group", facts(peer(5, H), peer(5, H, i=1)), True,
+     31.0, True, RECHECK),
+    ("not the last step: late ones group again after max_wait", facts(peer(5, H), peer(5, H, i=1)), True, 31.0,
+     False, RETRY),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "f", "late", "waited", "last", "action"), LAST_STEP_CASES,
+                         ids=[c[0] for c in LAST_STEP_CASES])  # fmt: skip
+def test_at_the_runs_last_step_a_node_never_makes_a_second_final_state(
+    what: str, f: Facts, late: bool, waited: float, last: bool, action: str
+) -> None:
+    plan = plan_without_group(f, late=late, other_state=False, waited=waited, max_wait=30.0, last=last)
+    assert plan.action == action, plan.why
+
+
+CONFIRMED_CASES = [
+    # (situation, facts, waited since the RECHECK's matchmaking, action): it found the group standing
+    ("the group stands: wait for its result once more", facts(peer(5, H, age=60)), 1.0, AWAIT_RESULT),
+    ("the group stands and its result did not come: end", facts(peer(5, H, age=60)), 31.0, END),
+    ("late ones beside us, the group stands: end, no second group", facts(peer(5, H), peer(5, H, i=1)), 31.0, END),
+    ("the finished peers still live: fetch", facts(peer(6, 0), peer(6, 0, i=1)), 31.0, FETCH),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "f", "waited", "action"), CONFIRMED_CASES, ids=[c[0] for c in CONFIRMED_CASES])
+def test_at_the_last_step_a_group_that_still_stands_ends_the_wait(what: str, f: Facts, waited: float,
+                                                                   action: str) -> None:  # fmt: skip
+    plan = plan_without_group(f, late=True, other_state=False, waited=waited, max_wait=30.0, last=True,
+                              late_confirmed=True)  # fmt: skip
     assert plan.action == action, plan.why
 
 
