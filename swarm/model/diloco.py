@@ -40,8 +40,9 @@ the CPU). The same ops on a GPU round the same way, so a CUDA member and a membe
 offloaded to the CPU should agree too; that cross-device claim is not yet pinned by a test.
 
 Precision: θ_outer and the outer momentum are fp32, on the model's device or (offload_outer)
-in CPU memory. On CUDA the inner steps run under bf16 autocast with the fused AdamW; the CPU
-path runs in fp32. The inner AdamW state is local and survives outer steps (as in the paper);
+in CPU memory. On CUDA the inner steps run under bf16 autocast with torch's fused AdamW; the
+CPU path runs in fp32 with swarm.model.adamw.AdamW (torch's CPU update bit for bit, without
+importing torch._dynamo). The inner AdamW state is local and survives outer steps (as in the paper);
 only the outer state (`state_dict`) is shared with peers.
 
 Not thread-safe: call inner_step, pseudo_gradients and apply_outer from one thread at a time.
