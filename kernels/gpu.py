@@ -3,7 +3,8 @@
 The kernels perform reference.py's operations exactly: ``tl.div_rn`` for the two divisions
 (Triton's ``/`` on fp32 is an approximate division), ``rint`` for round-half-even, and every
 launch passes ``enable_fp_fusion=False`` so no multiply-add is fused into an FMA. The payload
-check runs as torch ops on the device before the accumulate kernel writes anything.
+checks are kernels that raise a flag on the device; the (accumulating) dequantize kernel after
+them writes nothing once it is raised, so a malformed payload leaves the output unchanged.
 
 Not exercised on the CPU-only development machines: tests/kernels/test_gpu.py compares every
 kernel with the reference bit for bit where a GPU is present.
@@ -16,7 +17,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from .reference import MAX_ABS_BITS, QMAX, TINY_BITS, num_blocks
+from .reference import MAX_ABS_BITS, MAX_SCALE_BITS, MIN_SCALE_BITS, QMAX, TINY_BITS, num_blocks
 
 try:  # Triton >= 3.0
     from triton.language.extra import libdevice
@@ -25,10 +26,17 @@ except ImportError:  # pragma: no cover - older Triton
 
 _div_rn = tl.div_rn if hasattr(tl, "div_rn") else tl.math.div_rn
 TILE = 2048  # elements per loop step (a power of two)
+CHECK_TILE = 8192  # codes (and scales) per program of the payload checks
+# elements per program and warps of (de)quantize+accumulate: read at each launch, so that
+# scripts/gpu_check.py --sweep can time other shapes
+DEQUANT_TILE = 2048
+DEQUANT_WARPS = 4
 # Triton kernels may read only constexpr globals.
 _QMAX = tl.constexpr(float(QMAX))
 _TINY_BITS = tl.constexpr(TINY_BITS)
 _MAX_ABS_BITS = tl.constexpr(MAX_ABS_BITS)
+_MIN_SCALE_BITS = tl.constexpr(MIN_SCALE_BITS)
+_MAX_SCALE_BITS = tl.constexpr(MAX_SCALE_BITS)
 _NAN_BITS = tl.constexpr(0x7FC00000)  # the scale of a block with a bad input; the host looks for it
 
 
@@ -59,17 +67,60 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, n, B: tl.constexpr, T: tl.con
 
 
 @triton.jit
-def _dequant_kernel(acc_ptr, codes_ptr, scales_ptr, w, n, B: tl.constexpr, T: tl.constexpr, ACC: tl.constexpr):
+def _dequant_kernel(
+    acc_ptr, codes_ptr, scales_ptr, flag_ptr, w, n, B: tl.constexpr, T: tl.constexpr, ACC: tl.constexpr
+):
+    if tl.load(flag_ptr) == 0:  # the payload checks found nothing: out is written only then
+        offs = tl.program_id(0).to(tl.int64) * T + tl.arange(0, T)
+        mask = offs < n
+        c = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.float32)
+        s = tl.load(scales_ptr + offs // B, mask=mask, other=0.0)
+        v = c * s
+        if ACC:
+            a = tl.load(acc_ptr + offs, mask=mask, other=0.0)
+            tl.store(acc_ptr + offs, a + w * v, mask=mask)
+        else:
+            tl.store(acc_ptr + offs, v, mask=mask)
+
+
+@triton.jit
+def _bad_code_kernel(codes_ptr, flag_ptr, n, T: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * T + tl.arange(0, T)
-    mask = offs < n
-    c = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.float32)
-    s = tl.load(scales_ptr + offs // B, mask=mask, other=0.0)
-    v = c * s
-    if ACC:
-        a = tl.load(acc_ptr + offs, mask=mask, other=0.0)
-        tl.store(acc_ptr + offs, a + w * v, mask=mask)
-    else:
-        tl.store(acc_ptr + offs, v, mask=mask)
+    c = tl.load(codes_ptr + offs, mask=offs < n, other=0)
+    if tl.max((c == -128).to(tl.int32), axis=0) > 0:
+        tl.store(flag_ptr, 1)  # every writer writes the same 1: no atomic needed
+
+
+@triton.jit
+def _bad_scale_kernel(scales_ptr, flag_ptr, nb, T: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * T + tl.arange(0, T)
+    bits = tl.load(scales_ptr + offs, mask=offs < nb, other=0.0).to(tl.int32, bitcast=True)
+    ok = (bits == 0) | ((bits >= _MIN_SCALE_BITS) & (bits <= _MAX_SCALE_BITS))
+    if tl.min(ok.to(tl.int32), axis=0) == 0:
+        tl.store(flag_ptr, 1)
+
+
+def _checked_dequant(
+    out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, w32: float, block_size: int, acc: bool
+) -> None:
+    """reference.check_payload and the (accumulating) dequantize in three kernels and one host
+    sync: the checks raise a flag on the device, the dequantize kernel writes nothing when it is
+    raised, and the reference names the bad code or scale afterwards (out unchanged). Torch's
+    `(codes == -128).any()` and a sync before the launch were ~0.3 ms a call on an H200."""
+    n = codes.numel()
+    if n == 0:
+        reference.check_scales(scales)
+        return
+    flag = torch.zeros(1, dtype=torch.int32, device=codes.device)
+    with torch.cuda.device(codes.device):
+        _bad_scale_kernel[(triton.cdiv(scales.numel(), CHECK_TILE),)](scales, flag, scales.numel(), T=CHECK_TILE)
+        _bad_code_kernel[(triton.cdiv(n, CHECK_TILE),)](codes, flag, n, T=CHECK_TILE)
+        _dequant_kernel[(triton.cdiv(n, DEQUANT_TILE),)](out, codes, scales, flag, w32, n, B=block_size,
+                                                           T=DEQUANT_TILE, ACC=acc, num_warps=DEQUANT_WARPS,
+                                                           enable_fp_fusion=False)  # fmt: skip
+    if int(flag.item()):
+        reference.check_payload(codes, scales)  # raises MalformedPayload naming the first bad one
+        raise RuntimeError("the GPU payload check flagged a payload the reference accepts")
 
 
 def _tile(block_size: int) -> int:
@@ -87,24 +138,11 @@ def quantize_into(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bl
         raise reference.nonfinite_error(x)
 
 
-def _launch_dequant(
-    out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, w32: float, block_size: int, acc: bool
-) -> None:
-    n = codes.numel()
-    if n == 0:
-        return
-    with torch.cuda.device(codes.device):
-        grid = (triton.cdiv(n, TILE),)
-        _dequant_kernel[grid](out, codes, scales, w32, n, B=block_size, T=TILE, ACC=acc, enable_fp_fusion=False)
-
-
 def dequantize_into(codes: torch.Tensor, scales: torch.Tensor, block_size: int, out: torch.Tensor) -> None:
-    reference.check_payload(codes, scales)
-    _launch_dequant(out, codes, scales, 1.0, block_size, acc=False)
+    _checked_dequant(out, codes, scales, 1.0, block_size, acc=False)
 
 
 def dequantize_accumulate(
     acc: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, w32: float, block_size: int
 ) -> None:
-    reference.check_payload(codes, scales)  # before acc is written
-    _launch_dequant(acc, codes, scales, w32, block_size, acc=True)
+    _checked_dequant(acc, codes, scales, w32, block_size, acc=True)

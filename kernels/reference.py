@@ -117,11 +117,21 @@ def quantize_into(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bl
 
 def check_payload(codes: torch.Tensor, scales: torch.Tensor) -> None:
     """The well-formedness rule on codes and scales (lengths are checked by the caller)."""
+    check_scales(scales)
+    check_codes(codes)
+
+
+def check_scales(scales: torch.Tensor) -> None:
+    """Each scale is 0 or a positive normal fp32 in range (MalformedPayload names the first not)."""
     bits = scales.view(torch.int32)
     ok = (bits == 0) | ((bits >= MIN_SCALE_BITS) & (bits <= MAX_SCALE_BITS))
     if not bool(ok.all()):
         k = int((~ok).nonzero()[0, 0])
         raise MalformedPayload(f"int8 payload: scale {k} is {float(scales[k])!r} (bits {int(bits[k]) & 0xFFFFFFFF:#x})")
+
+
+def check_codes(codes: torch.Tensor) -> None:
+    """No code is -128 (MalformedPayload names the first)."""
     if bool((codes == -128).any()):
         i = int((codes == -128).nonzero()[0, 0])
         raise MalformedPayload(f"int8 payload: code {i} is -128")

@@ -1,14 +1,16 @@
 """GPU validation in one command (issue 19): codecs bit for bit and their speed, bf16 training of
-`150m` with its MFU, and a 2-node swarm on one GPU; one JSON line with every figure.
+`150m` (eager and compiled) with its MFU, and a 2-node swarm on one GPU; one JSON line with
+every figure.
 
-On a machine with network (once, beforehand), a folder of wheels for the GPU machine's Python:
+On a machine with network and the project installed (once, beforehand), a folder of wheels for
+the GPU machine's Python (scripts/gpu_wheels.py says what goes in):
 
-    python -m scripts.gpu_check --prepare-wheels wheels/ [--python-version 3.12]
+    python -m scripts.gpu_check --prepare-wheels wheels/ [--python-version 3.12] [--present a,b]
 
 On the GPU machine (no network; Python with torch (CUDA), triton, msgpack, uvloop, click, rich,
 safetensors), from the repository root:
 
-    python -m scripts.gpu_check --wheels wheels/          # installs what is missing, then checks
+    python -m scripts.gpu_check --wheels wheels/     # installs them into --site, then checks
 
 Exit 0 when every check passed, 1 on a mismatch or a failed check, 2 when it could not run (no
 CUDA, a missing module with no wheel for it). Targets (issue 19): each codec >= 50% of the
@@ -24,9 +26,12 @@ import importlib.util
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from scripts import gpu_wheels
 
 ROOT = Path(__file__).resolve().parents[1]
 # what the project imports (pyproject's dependencies) and the GPU extra, by import name
@@ -36,8 +41,6 @@ MODULES = {
     "ninja": "ninja", "matplotlib": "matplotlib", "blake3": "blake3", "prometheus_client": "prometheus-client",
     "triton": "triton", "bitsandbytes": "bitsandbytes",
 }  # fmt: skip
-# what the GPU machine is said to have (issue 19); the rest comes from the wheels folder
-PREINSTALLED = ("torch", "triton", "msgpack", "uvloop", "click", "rich", "safetensors")
 # dense bf16 peaks, TFLOPS (vendor data sheets, without sparsity); the first name found in the
 # device's name wins, so longer names come first
 PEAK_BF16_TFLOPS = {
@@ -46,6 +49,8 @@ PEAK_BF16_TFLOPS = {
 }  # fmt: skip
 CODEC_TARGET = 0.5  # of the device copy's GB/s
 MFU_TARGET = 0.35
+# figures that fail the check when False
+MUST_HOLD = ("_bit_identical", "_exact", "_bracketed", "_agree", "_falls")
 
 
 # --- pure parts (tested on the CPU) -------------------------------------------------------------
@@ -54,24 +59,6 @@ MFU_TARGET = 0.35
 def missing_modules(names: dict[str, str] = MODULES) -> list[str]:
     """The pip names of the modules this interpreter cannot import."""
     return [pip for module, pip in names.items() if importlib.util.find_spec(module) is None]
-
-
-def prepare_commands(dest: Path, python_version: str, platform: str) -> list[list[str]]:
-    """pip commands that fill `dest` with wheels for that Python and platform: every module the
-    GPU machine lacks (with their dependencies), setuptools to install the project, and the
-    project itself."""
-    wanted = [pip for module, pip in MODULES.items() if module not in PREINSTALLED] + ["setuptools>=68", "wheel"]
-    download = [sys.executable, "-m", "pip", "download", "--dest", str(dest), "--only-binary=:all:",
-                "--python-version", python_version, "--platform", platform, *wanted]  # fmt: skip
-    project = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(dest), str(ROOT)]
-    return [download, project]
-
-
-def install_commands(wheels: Path, missing: list[str]) -> list[list[str]]:
-    """pip commands that install `missing` and the project from `wheels`, offline (setuptools
-    first: a Python 3.12 venv has none, and the project's build needs it)."""
-    pip = [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(wheels)]
-    return [[*pip, *missing, "setuptools>=68", "wheel"], [*pip, "--no-deps", "--no-build-isolation", "-e", str(ROOT)]]
 
 
 def peak_tflops(device_name: str) -> tuple[str, float] | None:
@@ -183,12 +170,48 @@ def check_bnb(x: Any) -> dict[str, Any]:
     above = torch.searchsorted(ordered, scaled).clamp(1, ordered.numel() - 1)  # the two levels around each value
     nearest = torch.minimum((scaled - ordered[above]).abs(), (scaled - ordered[above - 1]).abs())
     chosen = (scaled - levels[indices]).abs()
+    bracket = torch.stack([ordered[above - 1], ordered[above]])
+    # a block of zeros (absmax 0) decodes to zeros whatever its indices: only the others count
+    counted = absmax.repeat_interleave(4096)[: finite.numel()] > 0
+    bracketed = (levels[indices] == bracket).any(0) | ~counted
+    not_nearest = (chosen > nearest + 1e-6) & counted
     return {"bnb8_decode_exact": bool(torch.equal(decoded, expected)),
-            "bnb8_nearest_level": bool((chosen <= nearest + 1e-6).all())}  # fmt: skip
+            # its index is one of the two levels around the value: always (else a broken encode);
+            # the nearer of them: measured, not required (bitsandbytes' own search)
+            "bnb8_index_bracketed": bool(bracketed.all()),
+            "bnb8_not_nearest_fraction": float(not_nearest.sum() / counted.sum().clamp_min(1))}  # fmt: skip
 
 
-def check_training(model: str, batch: int, seq_len: int, steps: int) -> dict[str, Any]:
-    """Inner steps of `model` in bf16 on the GPU (DiLoCo's own path): tokens/s and MFU."""
+def sweep_dequant(n: int, block: int) -> dict[str, Any]:
+    """GB/s of dequantize+accumulate (its payload check included) for other tile shapes of the
+    Triton kernel, each checked bit for bit against the reference on the same values."""
+    import torch
+
+    from swarm_kernels import dequantize_accumulate, gpu, quantize
+
+    x = edge_case_sample(n, seed=1)
+    codes, scales = quantize(x, block, impl="reference")
+    expected = torch.zeros(n)
+    dequantize_accumulate(expected, codes, scales, 0.3, block, impl="reference")
+    gc, gs = codes.cuda(), scales.cuda()
+    default = (gpu.DEQUANT_TILE, gpu.DEQUANT_WARPS)
+    out: dict[str, Any] = {}
+    try:
+        for tile, warps in ((1024, 4), (2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 16)):
+            gpu.DEQUANT_TILE, gpu.DEQUANT_WARPS = tile, warps
+            acc = torch.zeros(n, device="cuda")
+            dequantize_accumulate(acc, gc, gs, 0.3, block, impl="gpu")
+            same = torch.equal(acc.cpu().view(torch.int32), expected.view(torch.int32))
+            speed = _gb_per_s(lambda a=acc: dequantize_accumulate(a, gc, gs, 0.3, block, impl="gpu"), 4 * n)
+            out[f"{tile}x{warps}"] = {"gbs": speed, "bit_identical": same}
+    finally:
+        gpu.DEQUANT_TILE, gpu.DEQUANT_WARPS = default
+    return {"dequant_sweep": out, "dequant_sweep_bit_identical": all(v["bit_identical"] for v in out.values())}
+
+
+def check_training(model: str, batch: int, seq_len: int, steps: int, compiled: bool = False) -> dict[str, Any]:
+    """Inner steps of `model` in bf16 on the GPU (DiLoCo's own path): tokens/s and MFU; with
+    `compiled`, its modules through torch.compile first (a measurement: nodes run eager)."""
     import torch
 
     from swarm.model.configs import DiLoCoConfig
@@ -197,8 +220,11 @@ def check_training(model: str, batch: int, seq_len: int, steps: int) -> dict[str
     from swarm.model.presets import preset
 
     config = preset(model)
-    diloco = DiLoCo(build_model(config, seed=0, device=torch.device("cuda")),
-                    DiLoCoConfig(inner_steps=steps + 10, warmup_steps=2))  # fmt: skip
+    built = build_model(config, seed=0, device=torch.device("cuda"))
+    if compiled:
+        built.compile()  # in place: the parameters keep their names
+    torch.cuda.reset_peak_memory_stats()
+    diloco = DiLoCo(built, DiLoCoConfig(inner_steps=steps + 10, warmup_steps=2))
     g = torch.Generator().manual_seed(0)
     inputs = torch.randint(0, config.vocab_size, (batch, seq_len + 1), generator=g).cuda()
     for _ in range(3):  # warm-up: kernels compiled and cached
@@ -208,17 +234,25 @@ def check_training(model: str, batch: int, seq_len: int, steps: int) -> dict[str
     losses = [diloco.inner_step(inputs[:, :-1], inputs[:, 1:]).loss for _ in range(steps)]
     torch.cuda.synchronize()
     tokens_per_s = batch * seq_len * steps / (time.perf_counter() - started)
-    name = torch.cuda.get_device_name()
     per_token = flops_per_token(diloco.parameter_count, config.n_layers, seq_len, config.dim)
-    return {"model": model, "device": name, "batch": batch, "seq_len": seq_len, "tokens_per_s": tokens_per_s,
-            "flops_per_token": per_token, "loss_first": losses[0], "loss_last": losses[-1]}  # fmt: skip
+    return {"parameters": diloco.parameter_count, "batch": batch, "seq_len": seq_len, "tokens_per_s": tokens_per_s,
+            "flops_per_token": per_token, "loss_first": losses[0], "loss_last": losses[-1],
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
 
 
-def check_swarm(outer_steps: int, timeout: float) -> dict[str, Any]:
+def training_figures(model: str, raw: dict[str, Any], peak: float | None) -> dict[str, Any]:
+    """One model's training figures under its name, with its MFU (when the peak is known) and
+    whether its loss fell over the timed steps (one batch, repeated: it must)."""
+    out = {f"{model}_{key}": value for key, value in raw.items()}
+    out[f"{model}_loss_falls"] = raw["loss_last"] < raw["loss_first"]
+    if peak:
+        out[f"{model}_mfu"] = mfu(raw["tokens_per_s"], raw["flops_per_token"], peak)
+    return out
+
+
+def check_swarm(outer_steps: int, timeout: float, device: str = "cuda", compiled: bool = False) -> dict[str, Any]:
     """Two swarm-node processes on the one GPU and a bootstrap DHT node, on 127.0.0.1: their
     states agree after every outer step and the eval loss falls."""
-    import tempfile
-
     from swarm import process_control
 
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
@@ -231,10 +265,10 @@ def check_swarm(outer_steps: int, timeout: float) -> dict[str, Any]:
         for i in range(2):
             procs.append(process_control.start([
                 process_control.console_script("swarm-node"), "--initial-peers", maddr, "--host-maddrs",
-                "/ip4/127.0.0.1/tcp/0", "--run-id", "gpu-check", "--model", "tiny", "--device", "cuda",
+                "/ip4/127.0.0.1/tcp/0", "--run-id", "gpu-check", "--model", "tiny", "--device", device,
                 "--inner-steps", "20", "--max-outer-steps", str(outer_steps), "--matchmaking-time", "2",
-                "--metrics-file", str(work / f"node{i}.jsonl")], stdout=subprocess.DEVNULL,
-                stderr=open(work / f"node{i}.log", "wb")))  # fmt: skip  # noqa: SIM115
+                "--metrics-file", str(work / f"node{i}.jsonl"), *(["--compile"] if compiled else [])],
+                stdout=subprocess.DEVNULL, stderr=open(work / f"node{i}.log", "wb")))  # fmt: skip  # noqa: SIM115
         codes = [process_control.wait(p, timeout) for p in procs[1:]]
         events = [[json.loads(line) for line in (work / f"node{i}.jsonl").read_text().splitlines() if line.strip()]
                   for i in range(2)]  # fmt: skip
@@ -250,9 +284,9 @@ def check_swarm(outer_steps: int, timeout: float) -> dict[str, Any]:
 
 
 def failures(figures: dict[str, Any]) -> list[str]:
-    """What did not pass: a mismatch, a failed process, a target missed (named, not fatal)."""
-    bad = [k for k, v in figures.items() if (k.endswith(("_bit_identical", "_exact", "_nearest_level", "_agree",
-                                                        "_falls")) and v is False)]  # fmt: skip
+    """What did not pass: a mismatch, a section that raised, a failed process; a missed target is
+    named in targets(), not here."""
+    bad = [k for k, v in figures.items() if (k.endswith(MUST_HOLD) and v is False) or k.endswith("_error")]
     if any(code != 0 for code in figures.get("swarm_exit_codes", [])):
         bad.append("swarm_exit_codes")
     return bad
@@ -265,36 +299,53 @@ def targets(figures: dict[str, Any]) -> dict[str, bool]:
     for key in ("int8_quantize_gbs", "int8_dequant_acc_gbs"):
         if copy and key in figures:
             out[key.removesuffix("_gbs") + "_half_of_copy"] = figures[key] >= CODEC_TARGET * copy
-    if "mfu" in figures:
-        out["mfu_35"] = figures["mfu"] >= MFU_TARGET
+    for key, value in figures.items():
+        if key.startswith("150m_") and key.endswith("_mfu"):
+            out[f"{key}_35"] = value >= MFU_TARGET
     return out
+
+
+def guarded(figures: dict[str, Any], section: str, check: Any) -> None:
+    """Runs one section; an exception is recorded as that section's failure (and the next section
+    still runs: a lent GPU's minutes are few)."""
+    try:
+        figures.update(check())
+    except Exception as error:  # reported in the JSON line, and the exit is 1
+        figures[f"{section}_error"] = f"{type(error).__name__}: {error}"[:500]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prepare-wheels", type=Path, metavar="DIR", help="download the wheels into DIR and exit")
     parser.add_argument("--python-version", default="3.12", help="of the GPU machine (--prepare-wheels)")
-    parser.add_argument("--platform", default="manylinux2014_x86_64", help="of the GPU machine (--prepare-wheels)")
-    parser.add_argument("--wheels", type=Path, metavar="DIR", help="install what is missing from DIR first")
+    parser.add_argument("--present", default="", help="comma-separated distributions the GPU machine has besides "
+                        f"{', '.join(gpu_wheels.PRESENT)} (--prepare-wheels)")  # fmt: skip
+    parser.add_argument("--wheels", type=Path, metavar="DIR", help="install the wheels of DIR first (offline)")
+    parser.add_argument("--site", type=Path, default=Path(tempfile.gettempdir()) / "swarm-gpu-site",
+                        help="where --wheels installs them (put first on the path)")  # fmt: skip
     parser.add_argument("--elements", type=int, default=256 * 2**20, help="values of the int8 check")
-    parser.add_argument("--model", default="150m")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--models", default="150m", help="comma-separated presets timed in bf16 (MFU)")
+    parser.add_argument("--batch-sizes", default="8", help="comma-separated, each timed")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20, help="timed inner steps")
     parser.add_argument("--outer-steps", type=int, default=3, help="of the 2-node swarm")
+    parser.add_argument("--sweep", action="store_true", help="time other tile shapes of the accumulate kernel")
+    parser.add_argument("--modes", default="eager,compiled", help="comma-separated of eager,compiled: how the "
+                        "models are timed (compiled: torch.compile, as swarm-node --compile)")  # fmt: skip
+    parser.add_argument("--swarm-compile", action="store_true", help="the 2-node swarm with swarm-node --compile")
+    parser.add_argument("--swarm-timeout", type=float, default=300.0, help="seconds the 2-node swarm may take")
     parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak of this GPU (default: by its name)")
     parser.add_argument("--skip", default="", help="comma-separated of codecs,training,swarm")
     args = parser.parse_args(argv)
     if args.prepare_wheels is not None:
-        args.prepare_wheels.mkdir(parents=True, exist_ok=True)
-        for command in prepare_commands(args.prepare_wheels, args.python_version, args.platform):
-            subprocess.run(command, check=True)
+        present = set(gpu_wheels.PRESENT) | set(filter(None, args.present.split(",")))
+        for name in gpu_wheels.prepare(args.prepare_wheels, present, args.python_version):
+            print(name)
         return 0
+    if args.wheels is not None:
+        subprocess.run(gpu_wheels.install_command(args.wheels, args.site), check=True)
+        gpu_wheels.use_site(args.site)
     missing = missing_modules()
-    if missing and args.wheels is not None:
-        for command in install_commands(args.wheels, missing):
-            subprocess.run(command, check=True)
-        missing = missing_modules()
     figures: dict[str, Any] = {"missing": missing}
     import torch
 
@@ -306,18 +357,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     skip = set(filter(None, args.skip.split(",")))
     started = time.perf_counter()
+    figures["device"] = torch.cuda.get_device_name()
+    figures["torch"] = torch.__version__
     if "codecs" not in skip:
-        figures.update(check_codecs(args.elements, 4096))
-    named = peak_tflops(torch.cuda.get_device_name())
+        guarded(figures, "codecs", lambda: check_codecs(args.elements, 4096))
+        if args.sweep:
+            guarded(figures, "sweep", lambda: sweep_dequant(args.elements, 4096))
+    named = peak_tflops(figures["device"])
     peak = args.peak_tflops or (named[1] if named else None)
+    figures["peak_bf16_tflops"] = peak
+    figures["peak_from"] = "--peak-tflops" if args.peak_tflops else (named[0] if named else None)
     if "training" not in skip:
-        figures.update(check_training(args.model, args.batch_size, args.seq_len, args.steps))
-        figures["peak_bf16_tflops"] = peak
-        figures["peak_from"] = "--peak-tflops" if args.peak_tflops else (named[0] if named else None)
-        if peak:
-            figures["mfu"] = mfu(figures["tokens_per_s"], figures["flops_per_token"], peak)
+        for model in filter(None, args.models.split(",")):
+            for batch in map(int, filter(None, args.batch_sizes.split(","))):
+                for mode in filter(None, args.modes.split(",")):
+                    name = f"{model}_b{batch}" + ("_compiled" if mode == "compiled" else "")
+                    guarded(figures, f"training_{name}", lambda m=model, b=batch, n=name, c=mode == "compiled":
+                            training_figures(n, check_training(m, b, args.seq_len, args.steps, c), peak))  # fmt: skip
     if "swarm" not in skip:
-        figures.update(check_swarm(args.outer_steps, 300))
+        guarded(figures, "swarm", lambda: check_swarm(args.outer_steps, args.swarm_timeout, "cuda", args.swarm_compile))
     figures["seconds"] = time.perf_counter() - started
     figures["targets"] = targets(figures)
     figures["failures"] = failures(figures)

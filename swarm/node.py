@@ -336,7 +336,10 @@ def _build(config: NodeConfig, model_config: ModelConfig) -> nn.Module:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise NodeError(f"--device {config.device}: no CUDA device here")
     logger.info("model %s: %d parameters on %s", config.model, count_parameters(model_config), device)
-    return build_model(model_config, config.seed, device=device)
+    model = build_model(model_config, config.seed, device=device)
+    if config.compile:
+        model.compile()  # in place: the parameters keep their names (the state, DiLoCo's groups)
+    return model
 
 
 def _wrapped(model: Any, config: NodeConfig, inner_optimizer: Any) -> DiLoCo:

@@ -196,6 +196,7 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
 @_opt("max-outer-steps", click.IntRange(1), "Stop after this many outer steps (default: run until stopped).")
 @_opt("device", str, "Torch device: auto (cuda when present), cpu, cuda, cuda:1, ...")
 @_opt("offload-outer/--no-offload-outer", bool, "Keep θ_outer and outer momentum in CPU memory.")
+@_opt("compile/--no-compile", bool, "torch.compile the model: faster inner steps on a GPU, after a compile at start.")
 @_opt("client-mode/--no-client-mode", bool, "Accept no inbound connections (behind NAT): trains, serves nothing.")
 @_opt("checkpoint-dir", click.Path(file_okay=False), "Checkpoint the state here (and resume from it).")
 @_opt("checkpoint-every", click.IntRange(1), "Outer steps between local checkpoints.")
@@ -247,6 +248,8 @@ def main(
         raise click.UsageError("--overlap is not yet supported with --nproc-per-node (several ranks per node)")
     if launch is not None and config.fragments > 1:  # not tried with several ranks yet
         raise click.UsageError("--fragments is not yet supported with --nproc-per-node (several ranks per node)")
+    if launch is not None and config.compile:  # its ranks build their models apart
+        raise click.UsageError("--compile is not yet supported with --nproc-per-node (several ranks per node)")
     if shard and launch is None:
         raise click.UsageError("--shard shards the model over several ranks: add --nproc-per-node N (N >= 2)")
     if launch is not None and not launch.leader:  # a rank >= 1 under torchrun: rank 0 speaks to the swarm

@@ -27,6 +27,7 @@ GPUS = torch.cuda.device_count()
         ([], TORCHRUN_TWO_MACHINES, "one swarm node is one machine"),
         (["--shard"], {}, "--shard shards the model over several ranks: add --nproc-per-node N"),
         (["--nproc-per-node", "2", "--fragments", "2"], {}, "--fragments is not yet supported with --nproc-per-node"),
+        (["--nproc-per-node", "2", "--compile"], {}, "--compile is not yet supported with --nproc-per-node"),
     ],
 )
 def test_bad_rank_flags_give_one_line(args: list[str], env: dict[str, str], expected: str) -> None:

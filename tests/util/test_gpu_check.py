@@ -4,28 +4,32 @@ arithmetic, the peak table, what counts as a failure, and a clean exit without C
 from __future__ import annotations
 
 import json
-import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 import torch
 
-from scripts import gpu_check
+from scripts import gpu_check, gpu_wheels
 from swarm_kernels import lowbit, quantize
 
 
-def test_the_wheel_folder_is_filled_for_the_gpu_machines_python_and_installed_offline(tmp_path: Path) -> None:
-    download, project = gpu_check.prepare_commands(tmp_path, "3.12", "manylinux2014_x86_64")
-    assert download[:4] == [sys.executable, "-m", "pip", "download"]
-    assert {"--only-binary=:all:", "3.12", "manylinux2014_x86_64", str(tmp_path)} <= set(download)
-    assert {"multiaddr", "cryptography", "bitsandbytes", "blake3", "setuptools>=68"} <= set(download)
-    assert "torch" not in download and "triton" not in download  # the GPU machine has its own
-    assert project[3] == "wheel" and project[-1] == str(gpu_check.ROOT)
-    first, last = gpu_check.install_commands(tmp_path, ["multiaddr", "blake3"])
-    assert "--no-index" in first and {"multiaddr", "blake3", "setuptools>=68"} <= set(first)
-    assert "--no-index" in last and last[-2:] == ["-e", str(gpu_check.ROOT)]
-    nothing_missing = gpu_check.install_commands(tmp_path, [])[0]
-    assert "multiaddr" not in nothing_missing and "setuptools>=68" in nothing_missing
+def test_the_wheels_folder_holds_what_the_gpu_machine_lacks_at_the_versions_tested_here(tmp_path: Path) -> None:
+    wanted = gpu_wheels.wanted(set(gpu_wheels.PRESENT))
+    assert {"multiaddr", "cryptography", "cffi", "blake3", "base58", "bitsandbytes"} <= set(wanted)
+    assert wanted["multiaddr"] == metadata.version("multiaddr") and wanted["bitsandbytes"] == ""  # newest
+    assert not {"torch", "triton", "msgpack", "swarm-train"} & set(wanted)  # the machine's own; built apart
+    assert "matplotlib" not in gpu_wheels.wanted({*gpu_wheels.PRESENT, "Matplotlib"})  # what it also has
+    download = gpu_wheels.download_command(tmp_path, "blake3", "1.0.11", "3.12")
+    assert {"--no-deps", "--only-binary=:all:", "3.12", "blake3==1.0.11", "manylinux2014_x86_64"} <= set(download)
+    assert gpu_wheels.build_command(tmp_path, "varint", "1.0.2")[3:5] == ["wheel", "--no-deps"]
+    assert gpu_wheels.is_pure("varint-1.0.2-py3-none-any.whl")
+    assert not gpu_wheels.is_pure("cffi-2.1.1-cp312-cp312-manylinux2014_x86_64.whl")
+    for name in ("b-1-py3-none-any.whl", "a-1-py3-none-any.whl"):
+        (tmp_path / name).touch()
+    install = gpu_wheels.install_command(tmp_path, tmp_path / "site")
+    assert {"--no-index", "--no-deps", "--target", str(tmp_path / "site")} <= set(install)
+    assert install[-2:] == [str(tmp_path / "a-1-py3-none-any.whl"), str(tmp_path / "b-1-py3-none-any.whl")]
 
 
 def test_missing_modules_names_what_cannot_be_imported() -> None:
@@ -54,10 +58,10 @@ def test_mfu_arithmetic() -> None:
 def test_a_mismatch_or_a_failed_node_is_a_failure_and_a_missed_target_is_only_reported() -> None:
     figures = {"int8_bit_identical": True, "int4_bit_identical": False, "swarm_states_agree": True,
                "swarm_exit_codes": [0, 1], "device_copy_gbs": 100.0, "int8_quantize_gbs": 40.0,
-               "int8_dequant_acc_gbs": 60.0, "mfu": 0.2}  # fmt: skip
+               "int8_dequant_acc_gbs": 60.0, "150m_b8_mfu": 0.2}  # fmt: skip
     assert gpu_check.failures(figures) == ["int4_bit_identical", "swarm_exit_codes"]
     assert gpu_check.targets(figures) == {"int8_quantize_half_of_copy": False, "int8_dequant_acc_half_of_copy": True,
-                                          "mfu_35": False}  # fmt: skip
+                                          "150m_b8_mfu_35": False}  # fmt: skip
 
 
 def test_the_edge_case_sample_is_valid_codec_input() -> None:
