@@ -99,7 +99,7 @@ def build_project_wheel(dest: Path) -> Path:
             shutil.copytree(ROOT / folder, source / folder, ignore=ignore)
         for name in ("pyproject.toml", "README.md"):
             shutil.copy2(ROOT / name, source / name)
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
                         "--wheel-dir", str(dest), str(source)], check=True, capture_output=True)  # fmt: skip
     return next(dest.glob("swarm_train-*.whl"))
 
