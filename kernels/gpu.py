@@ -105,8 +105,9 @@ def _checked_dequant(
 ) -> None:
     """reference.check_payload and the (accumulating) dequantize in three kernels and one host
     sync: the checks raise a flag on the device, the dequantize kernel writes nothing when it is
-    raised, and the reference names the bad code or scale afterwards (out unchanged). Torch's
-    `(codes == -128).any()` and a sync before the launch were ~0.3 ms a call on an H200."""
+    raised, and the reference names the bad code or scale afterwards (out unchanged). Checked by
+    torch ops (`(codes == -128).any()` writes and reads an n-byte mask) with two syncs before the
+    launch, the accumulate ran at 45-47% of an H200's device copy rate; this way at 62%."""
     n = codes.numel()
     if n == 0:
         reference.check_scales(scales)
