@@ -211,7 +211,7 @@ def sweep_dequant(n: int, block: int) -> dict[str, Any]:
 
 def check_training(model: str, batch: int, seq_len: int, steps: int, compiled: bool = False) -> dict[str, Any]:
     """Inner steps of `model` in bf16 on the GPU (DiLoCo's own path): tokens/s and MFU; with
-    `compiled`, its modules through torch.compile first (a measurement: nodes run eager)."""
+    `compiled`, through torch.compile first (what swarm-node --compile does)."""
     import torch
 
     from swarm.model.configs import DiLoCoConfig
@@ -337,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak of this GPU (default: by its name)")
     parser.add_argument("--skip", default="", help="comma-separated of codecs,training,swarm")
     args = parser.parse_args(argv)
+    if not set(filter(None, args.modes.split(","))) <= {"eager", "compiled"}:
+        parser.error(f"--modes {args.modes}: each of eager, compiled")
     if args.prepare_wheels is not None:
         present = set(gpu_wheels.PRESENT) | set(filter(None, args.present.split(",")))
         for name in gpu_wheels.prepare(args.prepare_wheels, present, args.python_version):

@@ -64,6 +64,33 @@ def test_a_mismatch_or_a_failed_node_is_a_failure_and_a_missed_target_is_only_re
                                           "150m_b8_mfu_35": False}  # fmt: skip
 
 
+def test_a_section_that_raises_is_a_named_failure_and_the_next_section_runs() -> None:
+    figures: dict[str, object] = {}
+
+    def broken() -> dict[str, object]:
+        raise RuntimeError("no kernel")
+
+    gpu_check.guarded(figures, "codecs", broken)
+    gpu_check.guarded(figures, "swarm", lambda: {"swarm_states_agree": True})
+    assert figures == {"codecs_error": "RuntimeError: no kernel", "swarm_states_agree": True}
+    assert gpu_check.failures(figures) == ["codecs_error"]
+
+
+def test_training_figures_are_named_by_model_batch_and_mode() -> None:
+    raw = {"tokens_per_s": 400_000.0, "flops_per_token": 1e9, "loss_first": 5.0, "loss_last": 4.0}
+    out = gpu_check.training_figures("150m_b8_compiled", raw, 1000.0)
+    assert out["150m_b8_compiled_mfu"] == pytest.approx(0.4) and out["150m_b8_compiled_loss_falls"] is True
+    assert gpu_check.targets(out) == {"150m_b8_compiled_mfu_35": True}
+    flat = gpu_check.training_figures("1b_b8", {**raw, "loss_last": 5.0}, None)
+    assert "1b_b8_mfu" not in flat and gpu_check.failures(flat) == ["1b_b8_loss_falls"]
+
+
+def test_an_unknown_mode_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        gpu_check.main(["--modes", "eager,fast"])
+    assert exited.value.code == 2 and "--modes eager,fast" in capsys.readouterr().err
+
+
 def test_the_edge_case_sample_is_valid_codec_input() -> None:
     x = gpu_check.edge_case_sample(20_000)
     assert x.dtype == torch.float32 and x.numel() == 20_000 and bool(torch.isfinite(x).all())
