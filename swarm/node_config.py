@@ -77,8 +77,9 @@ class NodeConfig:
     max_outer_steps: int | None = None
     device: str = "auto"  # "auto": cuda when present
     offload_outer: bool = False
-    # torch.compile the model (inner steps and evals): on a GPU several times the tokens/s of
-    # eager bf16 (README, "On a GPU"), after a compile of tens of seconds at the start
+    # torch.compile the model (inner steps and evals): on an H200 about twice the tokens/s of
+    # eager bf16 for 150m (README, "On a GPU"), after a compile at the start. Local: not a run
+    # setting (members of one group may differ), like device
     compile: bool = False
     eval_every: int = 1  # outer steps between eval losses (and always at the last one)
     eval_windows: int = 32
