@@ -338,6 +338,11 @@ def _build(config: NodeConfig, model_config: ModelConfig) -> nn.Module:
     logger.info("model %s: %d parameters on %s", config.model, count_parameters(model_config), device)
     model = build_model(model_config, config.seed, device=device)
     if config.compile:
+        from torch._dynamo import config as dynamo_config
+
+        # a compile that fails (no C compiler, an op inductor cannot lower) runs that code eager,
+        # with torch's warning, rather than ending the node mid-run
+        dynamo_config.suppress_errors = True
         model.compile()  # in place: the parameters keep their names (the state, DiLoCo's groups)
     return model
 
