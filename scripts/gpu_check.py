@@ -227,9 +227,11 @@ def check_training(model: str, batch: int, seq_len: int, steps: int, compiled: b
     diloco = DiLoCo(built, DiLoCoConfig(inner_steps=steps + 10, warmup_steps=2))
     g = torch.Generator().manual_seed(0)
     inputs = torch.randint(0, config.vocab_size, (batch, seq_len + 1), generator=g).cuda()
-    for _ in range(3):  # warm-up: kernels compiled and cached
+    began = time.perf_counter()
+    for _ in range(3):  # warm-up: kernels compiled and cached (and with `compiled`, the model)
         diloco.inner_step(inputs[:, :-1], inputs[:, 1:])
     torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - began
     started = time.perf_counter()
     losses = [diloco.inner_step(inputs[:, :-1], inputs[:, 1:]).loss for _ in range(steps)]
     torch.cuda.synchronize()
@@ -237,7 +239,7 @@ def check_training(model: str, batch: int, seq_len: int, steps: int, compiled: b
     per_token = flops_per_token(diloco.parameter_count, config.n_layers, seq_len, config.dim)
     return {"parameters": diloco.parameter_count, "batch": batch, "seq_len": seq_len, "tokens_per_s": tokens_per_s,
             "flops_per_token": per_token, "loss_first": losses[0], "loss_last": losses[-1],
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "warmup_s": warmup_s}  # fmt: skip
 
 
 def training_figures(model: str, raw: dict[str, Any], peak: float | None) -> dict[str, Any]:
