@@ -13,7 +13,9 @@ the same configurations run on hivemind's DecentralizedAverager (scripts/hivemin
 robust reduction's cost is robust's round time against mean's); "robust+audit" adds the owner
 audit (audit_round.py), which the other names leave off; "+whole" (e.g. "mean+whole") has each
 owner answer only once its whole part is reduced, instead of chunk by chunk as the senders'
-bytes arrive (AveragingConfig.stream_parts).
+bytes arrive (AveragingConfig.stream_parts); "+paced" has each member cap its sending to each
+peer at its share of its measured upload (bandwidth.LinkEstimate.pace, p2p/pacing.py, as
+`swarm-node --bandwidth auto` does), after one unmeasured round that measures it.
 
 `--link RATE` (as root) puts each member in a network namespace of its own behind a link shaped
 to RATE both ways (swarm.netlab, as `swarm-sim --link`), instead of 127.0.0.1; the table then
@@ -35,10 +37,12 @@ from typing import Any
 
 from scripts import worker_process
 from scripts.worker_process import WorkerProcess
+from swarm.averaging.config import AGGREGATORS
 from swarm.process_control import exit_on_sigterm
 
 MARK = "BENCH_ALLREDUCE "
 BYTES_PER_ELEMENT = {"none": 4, "fp16": 2, "int8": 1}
+EXTRAS = {"audit", "whole", "paced"}  # "+audit", "+whole", "+paced" after a rule (module docstring)
 
 
 def make_input(seed: int, index: int, elements: int) -> Any:
@@ -78,6 +82,7 @@ async def worker_main(host_ip: str) -> None:
             cmd = json.loads(line)
             aggregator, *extras = cmd["aggregator"].split("+")
             avg_config = AveragingConfig(codec=cmd["codec"], aggregator=aggregator, audit="audit" in extras,
+                                         measure_bandwidth=True,
                                          stream_parts="whole" not in extras,
                                          part_timeout=60.0, request_timeout=30.0)  # fmt: skip
             if registry is None:
@@ -90,7 +95,8 @@ async def worker_main(host_ip: str) -> None:
                 vector, vector_key = make_input(cmd["seed"], group.index_of(host.peer_id), cmd["elements"]), key
             sent_before, received_before = host.traffic.sent, host.traffic.received
             started, cpu_started = time.perf_counter(), time.process_time()
-            result, report = await AllReduceRound(host, registry, group, vector, avg_config).run()
+            upload = cmd.get("upload")  # bytes/s to pace our sending by (bandwidth.LinkEstimate.pace), or None
+            result, report = await AllReduceRound(host, registry, group, vector, avg_config, upload=upload).run()
             seconds = time.perf_counter() - started
             cpu_s = time.process_time() - cpu_started
             answer = {
@@ -101,6 +107,7 @@ async def worker_main(host_ip: str) -> None:
                 "sha256": hashlib.sha256(as_memoryview(result)).hexdigest(),
                 "up": report.up,  # the streams' (bytes, seconds): bench_bandwidth's estimates
                 "down": report.down,
+                "busy": report.busy,
             }
             if cmd.get("save"):
                 torch.save(result, cmd["save"])
@@ -123,11 +130,14 @@ def measure_swarm(
     import msgpack
     import torch
 
+    from swarm.averaging.bandwidth import LinkEstimate
     from swarm.averaging.config import AveragingConfig
     from swarm.averaging.messages import GroupInfo, MemberInfo
     from swarm.p2p import PeerID
     from swarm_kernels import get_codec
 
+    paced = "paced" in aggregator.split("+")[1:]
+    estimates = [LinkEstimate() for _ in range(n)]  # each member's, as its Averager keeps it
     lab, rate = None, None
     if link is not None:
         from swarm.netlab import Lab, exec_prefix, parse_rate
@@ -156,18 +166,27 @@ def measure_swarm(
             exact /= n
             for codec in codecs:
                 times, sent, received, cpu, hashes = [], [], [], [], set()
+                paced_rounds = 0
                 with tempfile.TemporaryDirectory() as tmp:
                     saved = os.path.join(tmp, "result.pt")
-                    for r in range(repeats):
+                    for r in range(-1 if paced else 0, repeats):  # r = -1: the round that measures the links
                         step += 1
                         group = GroupInfo.create("bench", step, members)
                         packed = msgpack.packb(group.encode(), use_bin_type=True).hex()
+                        uploads = [e.pace() if paced else None for e in estimates]
                         for i, w in enumerate(workers):
                             last = r == repeats - 1 and i == 0
                             w.send({"group": packed, "codec": codec, "seed": seed, "elements": elements,
-                                    "aggregator": aggregator, "save": saved if last else None})  # fmt: skip
+                                    "aggregator": aggregator, "save": saved if last else None,
+                                    "upload": uploads[i]})  # fmt: skip
                         answers = [w.receive(900) for w in workers]
+                        for e, a, upload in zip(estimates, answers, uploads, strict=True):
+                            e.observe([tuple(x) for x in a["up"]], [tuple(x) for x in a["down"]], a["busy"],
+                                      paced=upload is not None)  # fmt: skip
+                        if r < 0:
+                            continue
                         times.append(max(a["seconds"] for a in answers))
+                        paced_rounds += all(u is not None for u in uploads)
                         sent += [a["wire_sent"] for a in answers]
                         received += [a["wire_received"] for a in answers]
                         cpu += [a["cpu_s"] for a in answers]
@@ -180,7 +199,7 @@ def measure_swarm(
                 rows.append({
                     "link": link, "link_bound_s": ideal / rate.bytes_per_s if rate is not None else None,
                     "impl": "swarm", "n": n, "elements": elements, "codec": codec, "aggregator": aggregator,
-                    "round_s": statistics.median(times), "round_s_all": times,
+                    "round_s": statistics.median(times), "round_s_all": times, "paced_rounds": paced_rounds,
                     "wire_bytes_per_member": statistics.median(sent),
                     "wire_received_per_member": statistics.median(received),
                     "cpu_s_per_member": statistics.median(cpu),
@@ -253,6 +272,10 @@ def main() -> None:
 
         run(worker_main(args._host))
         return
+    for name in args.aggregators.split(","):
+        rule, *extras = name.split("+")
+        if rule not in AGGREGATORS or not set(extras) <= EXTRAS:
+            parser.error(f"--aggregators: {name!r} is not a rule of {AGGREGATORS} with extras from {sorted(EXTRAS)}")
     if args.link is not None:
         from swarm.netlab import missing, parse_rate
 

@@ -7,6 +7,8 @@ needs root), run flat int8 all-reduce rounds of `--elements` fp32:
   equal      every member announces the same bandwidth (swarm-node's default)
   measured   each member announces what its earlier rounds measured (averaging/bandwidth.py,
              `swarm-node --bandwidth auto`); the first round, with nothing measured, is equal
+  paced      the same, and each member caps its sending to each peer at its share of its
+             measured upload (bandwidth.LinkEstimate.pace, p2p/pacing.py), as swarm-node does
   links      each member announces its link's true rate (`swarm-node --bandwidth 1.25` on a
              10 Mbit/s link): what a perfect estimate would give
 
@@ -36,7 +38,7 @@ from scripts.bench_allreduce import MARK, parse_count
 from scripts.worker_process import WorkerProcess
 from swarm.process_control import exit_on_sigterm
 
-SPLITS = ("equal", "measured", "links")
+SPLITS = ("equal", "measured", "paced", "links")
 ANNOUNCED = 100.0  # MB/s everyone announces in the equal split (AveragingConfig's default)
 
 
@@ -104,20 +106,23 @@ def measure(links: Sequence[str], elements: int, rounds: int, seed: int) -> list
             for _ in range(rounds + 1):
                 step += 1
                 bandwidths = [
-                    e.announced_mb_s(ANNOUNCED) if split == "measured" else r.bytes_per_s / 1e6 if split == "links"
+                    e.announced_mb_s(ANNOUNCED) if split in ("measured", "paced")
+                    else r.bytes_per_s / 1e6 if split == "links"
                     else ANNOUNCED for e, r in zip(estimates, rates, strict=True)
                 ]  # fmt: skip
+                uploads = [e.pace() if split == "paced" else None for e in estimates]
                 members = tuple(MemberInfo(PeerID(bytes.fromhex(h["peer_id"])), (h["maddr"],), 1.0, b, False)
                                 for h, b in zip(hello, bandwidths, strict=True))  # fmt: skip
                 packed = msgpack.packb(GroupInfo.create("bench", step, members).encode(), use_bin_type=True).hex()
-                for w in workers:
+                for w, upload in zip(workers, uploads, strict=True):
                     w.send({"group": packed, "codec": "int8", "seed": seed, "elements": elements,
-                            "aggregator": "robust", "save": None})  # fmt: skip
+                            "aggregator": "robust", "save": None, "upload": upload})  # fmt: skip
                 answers = [w.receive(900) for w in workers]
                 if len({a["sha256"] for a in answers}) != 1:
                     raise RuntimeError(f"{split}: members disagree")
-                for e, a in zip(estimates, answers, strict=True):
-                    e.observe([tuple(x) for x in a["up"]], [tuple(x) for x in a["down"]])
+                for e, a, upload in zip(estimates, answers, uploads, strict=True):
+                    e.observe([tuple(x) for x in a["up"]], [tuple(x) for x in a["down"]], a["busy"],
+                              paced=upload is not None)  # fmt: skip
                 times.append(max(a["seconds"] for a in answers))
                 announced.append(bandwidths)
             last = announced[-1]

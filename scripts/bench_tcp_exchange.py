@@ -10,6 +10,9 @@ loop: the floor any all-reduce over TCP on these links can reach. Two schedules:
   rotation   process i sends to i+1, then i+2, ... (mod n), one after another, with
              TCP_NOTSENT_LOWAT so that a send returns once its bytes are nearly on the wire:
              each link carries one stream at a time
+  paced      as at-once, each stream capped (SO_MAX_PACING_RATE, the kernel's own TCP pacing)
+             at `--pace` x the link's payload rate / (n - 1): every stream gets its fair share
+             of a token bucket that, as a FIFO queue, would not share it evenly
 
 Reported: the exchange's time (median of `--repeats`; it ends when the last process holds every
 result) against the links' raw bound 2(n-1) x MB / rate and TCP's: the same at the rate of
@@ -34,13 +37,16 @@ from swarm.process_control import exit_on_sigterm
 
 MODULE = "scripts.bench_tcp_exchange"
 PORT = 9100
-MODES = ("at-once", "rotation")
+MODES = ("at-once", "rotation", "paced")
+SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
 NOTSENT_LOWAT = 256 * 1024
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
 PAYLOAD_PER_FRAME = 1448 / 1514  # TCP payload of a full Ethernet frame (timestamps on)
 
 
-def worker(me: int, addresses: list[str], nbytes: int, mode: str, start_at: float) -> dict[str, float]:
+def worker(
+    me: int, addresses: list[str], nbytes: int, mode: str, start_at: float, pace_bytes_per_s: int
+) -> dict[str, float]:
     """One process: listen, then both phases; the seconds from the start to each phase's end."""
     n = len(addresses)
     server = socket.create_server((addresses[me], PORT), backlog=2 * n)
@@ -61,10 +67,12 @@ def worker(me: int, addresses: list[str], nbytes: int, mode: str, start_at: floa
             conn, _ = server.accept()
             threading.Thread(target=receive, args=(conn,), daemon=True).start()
 
-    def send(to: int, phase: int, paced: bool) -> None:
+    def send(to: int, phase: int, lowat: bool) -> None:
         with socket.create_connection((addresses[to], PORT), timeout=120) as sock:
-            if paced:
+            if lowat:
                 sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, NOTSENT_LOWAT)
+            if mode == "paced":
+                sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, pace_bytes_per_s)
             sock.sendall(bytes([phase]))
             sock.sendall(payload)
             sock.shutdown(socket.SHUT_WR)
@@ -74,7 +82,7 @@ def worker(me: int, addresses: list[str], nbytes: int, mode: str, start_at: floa
         order = [(me + step) % n for step in range(1, n)]
         if mode == "rotation":
             for to in order:
-                send(to, number, paced=True)
+                send(to, number, lowat=True)
         else:
             threads = [threading.Thread(target=send, args=(to, number, False)) for to in order]
             for thread in threads:
@@ -95,12 +103,13 @@ def worker(me: int, addresses: list[str], nbytes: int, mode: str, start_at: floa
     return {"phase1_s": first, "total_s": time.time() - started}
 
 
-def measure(link: str, n: int, mb: float, modes: list[str], repeats: int) -> list[dict[str, Any]]:
+def measure(link: str, n: int, mb: float, modes: list[str], repeats: int, pace: float = 1.0) -> list[dict[str, Any]]:
     from swarm.netlab import Lab, exec_prefix, parse_rate
 
     rate = parse_rate(link)
     nbytes = round(mb * 1e6)
     raw_bound = 2 * (n - 1) * nbytes / rate.bytes_per_s
+    pace_bytes_per_s = round(pace * rate.bytes_per_s * PAYLOAD_PER_FRAME / (n - 1))
     rows = []
     with Lab.create("tcpexchange", [(f"m{i}", rate) for i in range(n)]) as lab:
         addresses = [lab.endpoint(f"m{i}").address for i in range(n)]
@@ -108,7 +117,7 @@ def measure(link: str, n: int, mb: float, modes: list[str], repeats: int) -> lis
             times = []
             for _ in range(repeats):
                 start_at = time.time() + 1.5  # every process starts its first phase at once
-                argv = ["--_worker", json.dumps([addresses, nbytes, mode, start_at])]
+                argv = ["--_worker", json.dumps([addresses, nbytes, mode, start_at, pace_bytes_per_s])]
                 commands = [
                     [*exec_prefix(lab.endpoint(f"m{i}")), sys.executable, "-m", MODULE, *argv, "--_me", str(i)]
                     for i in range(n)
@@ -125,7 +134,8 @@ def measure(link: str, n: int, mb: float, modes: list[str], repeats: int) -> lis
                             p.wait()
                 times.append(max(o["total_s"] for o in outs))
             rows.append({
-                "mode": mode, "link": link, "n": n, "mb_per_pair": mb, "seconds": statistics.median(times),
+                "mode": mode, "pace": pace if mode == "paced" else None,
+                "link": link, "n": n, "mb_per_pair": mb, "seconds": statistics.median(times),
                 "seconds_all": times, "raw_bound_s": raw_bound, "tcp_bound_s": raw_bound / PAYLOAD_PER_FRAME,
             })  # fmt: skip
     return rows
@@ -138,19 +148,20 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=17.8, help="MB each process sends each other one, per phase")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pace", type=float, default=1.0, help="paced: x the fair share of the payload rate")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
     parser.add_argument("--_me", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._worker is not None:
-        addresses, nbytes, mode, start_at = json.loads(args._worker)
-        print(json.dumps(worker(args._me, addresses, nbytes, mode, start_at)), flush=True)
+        addresses, nbytes, mode, start_at, pace_bytes_per_s = json.loads(args._worker)
+        print(json.dumps(worker(args._me, addresses, nbytes, mode, start_at, pace_bytes_per_s)), flush=True)
         return
     modes = args.modes.split(",")
-    if any(m not in MODES for m in modes) or not 2 <= args.n <= 16 or args.mb <= 0:
-        parser.error(f"--modes from {MODES}, --n 2-16, --mb > 0")
+    if any(m not in MODES for m in modes) or not 2 <= args.n <= 16 or args.mb <= 0 or not 0.1 <= args.pace <= 10:
+        parser.error(f"--modes from {MODES}, --n 2-16, --mb > 0, --pace 0.1-10")
     exit_on_sigterm()
-    rows = measure(args.link, args.n, args.mb, modes, args.repeats)
+    rows = measure(args.link, args.n, args.mb, modes, args.repeats, args.pace)
     if args.json:
         print(json.dumps({"rows": rows}))
         return

@@ -42,10 +42,11 @@ import msgpack
 import torch
 
 from swarm.averaging.audit_round import RoundAudit
+from swarm.averaging.bandwidth import PACE_FACTOR, busy_rate
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.errors import AllReduceError
 from swarm.averaging.messages import GroupInfo
-from swarm.averaging.partition import part_bounds, payload_layout, payload_size
+from swarm.averaging.partition import part_bounds, payload_layout, payload_size, upload_paces
 from swarm.averaging.reduction import Incoming, PartReduction, byte_buffer
 from swarm.averaging.registry import FETCH, PART, RoundRegistry
 from swarm.averaging.round_member import RoundMember, RoundReport, await_parts
@@ -58,18 +59,32 @@ from swarm_kernels import MalformedPayload
 
 logger = logging.getLogger(__name__)
 
+SAMPLE_S = 0.05  # how often a round that measures bandwidth notes what its sockets took
+
 # imported from here by callers: the round, what it reports and raises, and the registry it joins
 __all__ = ["AllReduceError", "AllReduceRound", "RoundRegistry", "RoundReport"]
 
 
 class AllReduceRound(RoundMember):
-    """One member's side of one round: call `run()` once."""
+    """One member's side of one round: call `run()` once. `upload`: our link's upload rate
+    (bytes/s, bandwidth.LinkEstimate.pace); when given, the round caps its sending to each member
+    at that member's share of it (partition.upload_paces) and lifts the caps when it ends."""
 
     def __init__(
-        self, host: P2PHost, registry: RoundRegistry, group: GroupInfo, vector: torch.Tensor, config: AveragingConfig
+        self,
+        host: P2PHost,
+        registry: RoundRegistry,
+        group: GroupInfo,
+        vector: torch.Tensor,
+        config: AveragingConfig,
+        *,
+        upload: float | None = None,
     ) -> None:
         super().__init__(host, registry, group, vector, config)
         self.parts = part_bounds(vector.numel(), self.bandwidths, config.block_size)
+        # member index -> the cap on our sending to it, while the round runs (`_pace`)
+        self.paces = upload_paces(self.parts, self.me, upload, PACE_FACTOR) if upload is not None else {}
+        self.paced: set[int] = set()
         self.final: dict[int, Final] = {}  # the encoded average of each part, as every member gets it
         self.reductions: dict[int, PartReduction] = {}
         self.reducer_of: dict[int, int] = {}  # part -> the member whose result we took (the audit asks it)
@@ -82,6 +97,8 @@ class AllReduceRound(RoundMember):
         self.registry.add(self)
         parts = [j for j, (lo, hi) in enumerate(self.parts) if hi > lo]
         result = self.result  # release() below drops the round's own reference
+        acked: list[tuple[float, int]] = []
+        sampler = asyncio.ensure_future(self._sample_acked(acked)) if self.config.measure_bandwidth else None
         tasks = {j: asyncio.ensure_future(self._obtain(j)) for j in parts}
         try:  # the audit runs before the round's buffers are released
             await await_parts(tasks, self._tasks, lambda: None)
@@ -89,8 +106,29 @@ class AllReduceRound(RoundMember):
                 self.report.audit_excluded = await self.audit.run(self.reducer_of)
         finally:
             self.registry.finished(self)
+            for index in self.paced:
+                self.host.pace(self.group.members[index].peer_id, None)
+            if sampler is not None:
+                sampler.cancel()
+        self.report.busy = busy_rate(acked)
         self.report.total_s = time.perf_counter() - self._started
         return result, self.report
+
+    async def _sample_acked(self, acked: list[tuple[float, int]]) -> None:
+        """What the other members acknowledged of our sending, every SAMPLE_S, for the round's
+        busy rate (bandwidth.busy_rate). Not what we wrote: up to 8 MiB a connection waits in
+        buffers, so writes come in bursts seconds apart on a slow link."""
+        peers = [m.peer_id for i, m in enumerate(self.group.members) if i != self.me]
+        while True:
+            acked.append((time.monotonic(), self.host.bytes_acked(peers)))
+            await asyncio.sleep(SAMPLE_S)
+
+    def _pace(self, index: int) -> None:
+        """Cap our sending to member `index` at its share of our upload, once a stream to or from
+        it runs (the connection exists by then); `run` lifts the caps."""
+        rate = self.paces.get(index)
+        if rate is not None and index not in self.paced and self.host.pace(self.group.members[index].peer_id, rate):
+            self.paced.add(index)
 
     def release(self) -> None:
         """Drop the vectors and buffers of a finished round; `final` stays for avg.fetch."""
@@ -160,6 +198,7 @@ class AllReduceRound(RoundMember):
         args = {"g": self.group.group_id, "i": self.me, "p": j}
         member = self.group.members[reducer]
         async with await self.host.open_stream(member.address(), PART, args, timeout=timeout) as stream:
+            self._pace(reducer)
             started = time.monotonic()
             # read while we write: a streamed answer begins before our slice is all sent
             answer = asyncio.ensure_future(self._read_final(stream, lo, hi, 2 * timeout))
@@ -265,6 +304,7 @@ class AllReduceRound(RoundMember):
             return
         if self.finished:
             raise BadRequest("avg.part: this member's round is over")
+        self._pace(index)
         reduction = self._reduction(part)
         try:
             incoming = reduction.incoming(index)

@@ -155,14 +155,18 @@ class Averager:
             return [t.detach().clone() for t in tensors], GroupReport(None, matchmaking_s=matchmaking_s)
         # Beyond max_group_size the hierarchical butterfly: the same average, about 2*sqrt(n) peers each.
         flat = len(group.members) <= self.config.max_group_size
-        kind = AllReduceRound if flat else GridRound
+        pace = self.link.pace() if self.config.measure_bandwidth and flat else None
         try:
-            averaged, rr = await kind(self.host, self.registry, group, vector, self.config).run()
+            if flat:
+                round_ = AllReduceRound(self.host, self.registry, group, vector, self.config, upload=pace)
+            else:
+                round_ = GridRound(self.host, self.registry, group, vector, self.config)
+            averaged, rr = await round_.run()
         except AuditError as e:
             self.exclude(e.owners, str(e))
             raise
         self.exclude(rr.audit_excluded, "it misstated our contribution to its part")
-        self.link.observe(rr.up, rr.down)
+        self.link.observe(rr.up, rr.down, rr.busy, paced=pace is not None)
         report = GroupReport(
             group.group_id.hex(),
             rr.members,

@@ -22,6 +22,21 @@ exponential average over rounds; the announced bandwidth is the slower direction
 receives and sends as much), clamped to what MemberInfo accepts, and the group still caps it at
 BANDWIDTH_CAP times its median (partition.capped_bandwidths).
 
+Pacing (partition.upload_paces, p2p/pacing.py): once it knows its upload rate, a member caps its
+stream to each peer at its share of that rate, so that a FIFO uplink serves every peer evenly and
+none finishes early while another trickles. That rate is not `up`: our slices share the uplink
+with the results we send as an owner, so their rates add up to half of it or less (6.5-9.2 MB/s
+on a 11.9 MB/s link). It is `busy`: the bytes of ours the group's members acknowledged (TCP's
+own count, p2p/pacing.bytes_acked: what left through the link, not what waits in buffers), in
+windows of BUSY_WINDOW_S over the round, at the rate most windows reached (`busy_rate`: the
+BUSY_QUANTILE of the windows, so that the round's slow tail does not count).
+A paced round cannot show a faster link than its caps allow, so paced rounds leave `busy` alone:
+every PROBE_EVERY-th round runs unpaced and measures the link again (a link that got faster or
+slower is seen within that many rounds). Above MAX_PACED (1 Gbit/s) nothing is paced: there the
+CPU, not one FIFO queue, sets the pace (127.0.0.1 moves GB/s). `busy` is our own count: no
+peer's word enters it (a peer that reads slowly in the measuring round lowers it, as it slows
+that round itself).
+
 Why it is not the default (AveragingConfig.measure_bandwidth): one benchmark run says it pays
 (scripts/bench_bandwidth.py at 100,100,100,10 Mbit/s, 4M elements: 4.81 s a round against 6.52 s
 for the equal split, 1.35x the best split's bound, where announcing the links' true rates gave
@@ -42,6 +57,12 @@ SMOOTHING = 0.5  # weight of the newest round
 MIN_MB_S, MAX_MB_S = 0.01, 1e5  # what we ever announce (1e5 MB/s: 800 Gbit/s)
 MIN_HELD = 0.05  # a rate counts only if held for this share of the round's timed span,
 MIN_HELD_S = 0.05  # or for this long: one slow stream (a slow peer's) must not hide fast ones
+PACE_FACTOR = 1.05  # caps a little above our share: an estimate a few % low must not idle the link
+PROBE_EVERY = 8  # every 8th round runs unpaced, to measure the link again
+MAX_PACED = 125e6  # bytes/s (1 Gbit/s): faster uploads are not paced
+BUSY_WINDOW_S = 0.25
+BUSY_QUANTILE = 0.9
+MIN_BUSY_WINDOWS = 4  # a shorter round says too little about the link to pace by
 
 Sample = tuple[int, float, float]  # (bytes, start, end) of one stream, monotonic seconds
 
@@ -61,6 +82,22 @@ def round_rate(samples: Sequence[Sample]) -> float | None:
     return best or sum(b for b, _, _ in timed) / span
 
 
+def busy_rate(acked: Sequence[tuple[float, int]], window: float = BUSY_WINDOW_S) -> float | None:
+    """Bytes/s our link carried while busy (module docstring): `acked` is (monotonic seconds,
+    bytes acknowledged so far) samples over a round, in time order. None for a round too short to
+    say. A count that falls (a connection closed) makes its window count as idle."""
+    if len(acked) < 2 or acked[-1][0] - acked[0][0] < MIN_BUSY_WINDOWS * window:
+        return None
+    rates, start = [], 0
+    for i, (t, total) in enumerate(acked):
+        if t - acked[start][0] >= window:
+            rates.append(max(0, total - acked[start][1]) / (t - acked[start][0]))
+            start = i
+    rates.sort()
+    rate = rates[min(len(rates) - 1, int(BUSY_QUANTILE * len(rates)))]
+    return rate if rate > 0 else None
+
+
 def upload_span(sent: int, started: float, local_s: float, reported_rate: object) -> Sample | None:
     """Our upload of `sent` bytes, begun at `started`, as the receiver's rate (its answer's "r")
     times it, never shorter than our own clock says; None when the receiver gave no usable rate."""
@@ -78,10 +115,30 @@ class LinkEstimate:
 
     up: float | None = None
     down: float | None = None
+    busy: float | None = None  # bytes/s our sockets took while a round kept them busy (busy_rate)
+    paced_rounds: int = 0  # rounds since the last unpaced one
 
-    def observe(self, up: Sequence[Sample], down: Sequence[Sample]) -> None:
+    def observe(
+        self, up: Sequence[Sample], down: Sequence[Sample], busy: float | None = None, *, paced: bool = False
+    ) -> None:
+        """A finished round's streams and busy rate; `paced`: we capped our sending in it (`pace`),
+        so it measured our caps, not the link, and changes nothing but the count to the next probe."""
+        if paced:
+            self.paced_rounds += 1
+            return
         self.up = _smooth(self.up, round_rate(up))
         self.down = _smooth(self.down, round_rate(down))
+        self.busy, self.paced_rounds = _smooth(self.busy, busy), 0
+
+    def pace(self) -> float | None:
+        """The upload rate (bytes/s) the next round paces its sending by, None: unpaced (nothing
+        measured yet, a link faster than MAX_PACED, or the round that measures it again). Both
+        measures are lower bounds where the other falls short: `busy` when our link was not the
+        round's bottleneck (a slow peer gated our sending), `up` when our results shared it."""
+        known = [r for r in (self.busy, self.up) if r is not None]
+        if not known or max(known) > MAX_PACED or self.paced_rounds >= PROBE_EVERY - 1:
+            return None
+        return max(known)
 
     def announced_mb_s(self, default: float) -> float:
         """MB/s to announce: the slower measured direction, else `default` (nothing measured)."""

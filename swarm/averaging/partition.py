@@ -63,3 +63,16 @@ def payload_layout(
 
 def payload_size(layout: list[tuple[int, int, slice]]) -> int:
     return layout[-1][2].stop if layout else 0
+
+
+def upload_paces(parts: Sequence[tuple[int, int]], me: int, upload: float, factor: float) -> dict[int, float]:
+    """Bytes/s to cap our sending to each other member at (p2p/pacing.py says why): our upload
+    rate times `factor`, split in proportion to what we send each one in a round: our slice of its
+    part, plus our own part's average, which every member gets. Members we send nothing get no
+    cap (an empty dict when we send nobody anything)."""
+    if not (upload > 0 and factor > 0):
+        raise ValueError(f"upload rate and factor must be positive, got {upload} and {factor}")
+    mine = parts[me][1] - parts[me][0]
+    load = {j: hi - lo + mine for j, (lo, hi) in enumerate(parts) if j != me}
+    total = sum(load.values())
+    return {j: factor * upload * b / total for j, b in load.items() if b > 0}

@@ -21,6 +21,7 @@ import asyncio
 import errno
 import logging
 import socket
+from collections.abc import Iterable
 from typing import Any
 
 from swarm.log_once import RateLimitedLog
@@ -36,6 +37,7 @@ from swarm.p2p.gate import Gate
 from swarm.p2p.handlers import CallContext, Handler, StreamHandler, UnaryHandler
 from swarm.p2p.identity import Identity
 from swarm.p2p.maddr import TcpAddress, parse_maddr
+from swarm.p2p.pacing import bytes_acked, max_pacing_rate, set_max_pacing_rate
 from swarm.p2p.peer_id import PeerID
 from swarm.p2p.stream import Stream
 
@@ -219,6 +221,29 @@ class P2PHost:
     async def connect(self, peer: PeerRef, *, timeout: float | None = None) -> Connection:
         """The connection to a peer: an open one if any, else a new dial (deduplicated)."""
         return await self._dialer.connect(peer, timeout=timeout)
+
+    def pace(self, peer: PeerID, bytes_per_s: float | None) -> int:
+        """Cap what we send to `peer` at `bytes_per_s` on each open connection to it (None: lift
+        the cap; pacing.py says why a round paces). How many connections took it."""
+        return sum(set_max_pacing_rate(sock, bytes_per_s) for sock in self._sockets(peer))
+
+    def paces(self, peer: PeerID) -> list[int | None]:
+        """The cap on each open connection to `peer`, bytes/s (None: uncapped)."""
+        return [max_pacing_rate(sock) for sock in self._sockets(peer)]
+
+    def bytes_acked(self, peers: Iterable[PeerID]) -> int:
+        """What these peers acknowledged of our sending, summed over our open connections to them
+        (pacing.bytes_acked; 0 where the kernel does not say): rises as bytes leave the link."""
+        return sum(bytes_acked(sock) or 0 for peer in peers for sock in self._sockets(peer))
+
+    def _sockets(self, peer: PeerID) -> list[Any]:
+        found = []
+        for conn in self._connections.get(peer, ()):
+            transport = conn.protocol.transport
+            sock = transport.get_extra_info("socket") if transport is not None and not conn.protocol.closed else None
+            if sock is not None:
+                found.append(sock)
+        return found
 
     async def probe(self, peer: TcpAddress | str, *, timeout: float | None = None) -> PeerID:
         """Dial `peer` on a fresh connection, authenticate, and close it: proves the address

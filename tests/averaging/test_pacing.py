@@ -1,0 +1,154 @@
+"""Paced uploads (p2p/pacing.py, partition.upload_paces, bandwidth.LinkEstimate.pace): the
+arithmetic by tables, the kernel's cap and acknowledged-bytes count on real sockets, and a real
+round on 127.0.0.1 that caps each member's connections while it runs and lifts the caps after,
+with results bit-identical to an unpaced round's."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+import time
+
+import pytest
+import torch
+
+from swarm.averaging import bandwidth
+from swarm.averaging.allreduce import AllReduceRound
+from swarm.averaging.bandwidth import MAX_PACED, PROBE_EVERY, LinkEstimate, busy_rate
+from swarm.averaging.messages import GroupInfo
+from swarm.averaging.partition import upload_paces
+from swarm.p2p.pacing import bytes_acked, max_pacing_rate, set_max_pacing_rate
+from tests.averaging.rounds import MakeGroup
+
+MB = 1 << 20
+linux = pytest.mark.skipif(sys.platform != "linux", reason="SO_MAX_PACING_RATE and TCP_INFO are Linux's")
+
+
+@pytest.mark.parametrize(
+    ("parts", "me", "paces"),
+    [
+        # equal parts: every peer gets our slice of its part and our part's average, a third each
+        ([(0, 10), (10, 20), (20, 30), (30, 40)], 0, {1: 1 / 3, 2: 1 / 3, 3: 1 / 3}),
+        # a slow member owning little: we send it little of its part, but still all of our average
+        ([(0, 32), (32, 64), (64, 96), (96, 100)], 0, {1: 64 / 164, 2: 64 / 164, 3: 36 / 164}),
+        # the slow member itself: its own small part's average to each, plus its slices of theirs
+        ([(0, 32), (32, 64), (64, 96), (96, 100)], 3, {0: 36 / 108, 1: 36 / 108, 2: 36 / 108}),
+        # a client (owns nothing) sends only slices; a member sends a client only its average
+        ([(0, 50), (50, 100), (100, 100)], 2, {0: 0.5, 1: 0.5}),
+        ([(0, 50), (50, 100), (100, 100)], 0, {1: 100 / 150, 2: 50 / 150}),
+        ([(0, 0), (0, 0), (0, 100)], 0, {2: 1.0}),  # a client among clients: only the owner
+    ],
+)
+def test_upload_paces_split_the_rate_by_what_each_peer_gets(
+    parts: list[tuple[int, int]], me: int, paces: dict[int, float]
+) -> None:
+    got = upload_paces(parts, me, upload=1000.0, factor=1.0)
+    assert got.keys() == paces.keys()
+    assert all(got[j] == pytest.approx(1000.0 * share) for j, share in paces.items())
+    assert sum(upload_paces(parts, me, 1000.0, 1.05).values()) == pytest.approx(1050.0)
+
+
+@pytest.mark.parametrize(("upload", "factor"), [(0.0, 1.0), (-1.0, 1.0), (1.0, 0.0), (float("nan"), 1.0)])
+def test_upload_paces_refuse_a_rate_that_is_not_positive(upload: float, factor: float) -> None:
+    with pytest.raises(ValueError, match="positive"):
+        upload_paces([(0, 1), (1, 2)], 0, upload, factor)
+
+
+@pytest.mark.parametrize(
+    ("acked", "rate"),
+    [
+        ([], None),
+        ([(0.0, 0), (0.5, MB)], None),  # shorter than MIN_BUSY_WINDOWS windows: says nothing
+        ([(t / 20, t * MB // 20) for t in range(41)], MB),  # 1 MB/s throughout
+        # 1 MB/s for 2 s, then a 1-s tail at a tenth of it: the tail does not count
+        ([(t / 20, t * MB // 20) for t in range(41)] + [(2 + t / 20, 2 * MB + t * MB // 200) for t in range(21)], MB),
+        ([(t / 20, 0) for t in range(41)], None),  # nothing acknowledged: no rate
+        ([(0.0, 5 * MB), (0.5, 0), (1.0, MB), (1.5, 2 * MB), (2.0, 3 * MB)], 2 * MB),  # a count that fell: idle
+    ],
+)
+def test_busy_rate(acked: list[tuple[float, int]], rate: float | None) -> None:
+    got = busy_rate(acked)
+    assert got == (None if rate is None else pytest.approx(rate, rel=0.02))
+
+
+def test_the_estimate_paces_by_unpaced_rounds_and_probes_again() -> None:
+    link = LinkEstimate()
+    assert link.pace() is None  # nothing measured: unpaced
+    link.observe(up=[(4 * MB, 0.0, 1.0)], down=[], busy=10 * MB)
+    assert link.pace() == pytest.approx(10 * MB)  # the larger lower bound: busy
+    link.observe(up=[(16 * MB, 0.0, 0.5)], down=[(MB, 0.0, 1.0)], busy=None)
+    assert link.pace() == pytest.approx(link.up) and link.up > link.busy  # a round our link did not bind: up
+    before = (link.up, link.down, link.busy)
+    for _ in range(PROBE_EVERY - 1):  # a paced round measures our caps: nothing it saw changes the estimate
+        assert link.pace() == pytest.approx(before[0])
+        link.observe(up=[(MB, 0.0, 1.0)], down=[(MB, 0.0, 1.0)], busy=1.0, paced=True)
+        assert (link.up, link.down, link.busy) == before
+    assert link.pace() is None  # every PROBE_EVERY-th round is unpaced, and measures the link again
+    link.observe(up=[(MB, 0.0, 1.0)], down=[(MB, 0.0, 1.0)], busy=MB, paced=False)
+    assert link.busy < before[2] and link.up < before[0] and link.down is not None
+    assert link.pace() == pytest.approx(max(link.up, link.busy))  # paced again from the new measures
+    assert LinkEstimate(busy=2 * MAX_PACED).pace() is None  # a link faster than 1 Gbit/s: the CPU paces it
+    assert LinkEstimate(up=MB, down=MB, busy=None).pace() == MB
+    assert bandwidth.PACE_FACTOR >= 1.0  # a cap below our share would idle the link
+
+
+@linux
+def test_a_socket_takes_a_cap_lifts_it_and_counts_what_was_acknowledged() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as client:
+        peer, _ = server.accept()
+        with peer:
+            acked = bytes_acked(client)
+            assert max_pacing_rate(client) is None and acked in (0, 1)  # the SYN counts on some kernels
+            assert set_max_pacing_rate(client, 1.5e6) and max_pacing_rate(client) == 1_500_000
+            client.sendall(b"x" * 100_000)
+            got = 0
+            while got < 100_000:
+                got += len(peer.recv(1 << 16))
+            deadline = time.monotonic() + 5  # the last ACK may trail the data by a moment
+            while bytes_acked(client) != acked + 100_000 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert bytes_acked(client) == acked + 100_000
+            assert set_max_pacing_rate(client, None) and max_pacing_rate(client) is None
+    for bad in (0.0, -5.0, float("nan"), 10.0):
+        with pytest.raises(ValueError, match="pacing rate"):
+            set_max_pacing_rate(client, bad)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        assert bytes_acked(udp) is None  # not TCP: the kernel says nothing
+
+
+@linux
+async def test_a_paced_round_caps_each_connection_while_it_runs_and_agrees_with_an_unpaced_one(
+    make_group: MakeGroup,
+) -> None:
+    n, numel = 3, 1_000_000
+    group, members = await make_group(n, weights=[1.0] * n, bandwidths=[100.0] * n, chunk_elements=1 << 16,
+                                      measure_bandwidth=True)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    vectors = [torch.randn(numel, generator=gen) for _ in range(n)]
+    upload = 400e6  # bytes/s: on 127.0.0.1 the caps must not slow the test
+    caps_seen: list[int | None] = []
+
+    def connection_caps(index: int) -> list[int | None]:
+        host = members[index].host
+        return [cap for peer in host.connected_peers() for cap in host.paces(peer)]
+
+    paced = [
+        AllReduceRound(m.host, m.registry, group, v, m.config, upload=upload)
+        for m, v in zip(members, vectors, strict=True)
+    ]
+    run = asyncio.gather(*(r.run() for r in paced))
+    while not run.done():  # caps appear once each round's streams run
+        caps_seen += connection_caps(0)
+        await asyncio.sleep(0.005)
+    results = await run
+    expected = upload * bandwidth.PACE_FACTOR / (n - 1)  # equal parts: half of our upload to each peer
+    assert any(c is not None and c == pytest.approx(expected, rel=0.01) for c in caps_seen)
+    assert paced[0].paced == {1, 2}
+    assert all(cap is None for i in range(n) for cap in connection_caps(i))  # lifted when the round ended
+    assert all(report.busy is None or report.busy > 0 for _, report in results)  # sampled: measure_bandwidth
+    again = GroupInfo.create("run", 1, group.members)
+    plain = [AllReduceRound(m.host, m.registry, again, v, m.config) for m, v in zip(members, vectors, strict=True)]
+    unpaced = await asyncio.gather(*(r.run() for r in plain))
+    assert all(torch.equal(a, results[0][0]) for a, _ in results)
+    assert torch.equal(unpaced[0][0], results[0][0])  # pacing moves bytes later, never changes them
