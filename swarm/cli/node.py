@@ -167,7 +167,8 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
 )
 @click.option("--bandwidth", default="100", show_default=True, callback=_bandwidth, metavar="MB/S|auto",
               help="MB/s to announce: parts of the all-reduce are split by it. auto: what this node's rounds "
-              "measure (100 until one has; see the README before using it).")  # fmt: skip
+              "measure (100 until one has), and each round's uploads paced by it (see the README before "
+              "using it).")  # fmt: skip
 @_opt(
     "overlap",
     click.Choice(OVERLAP_MODES),
