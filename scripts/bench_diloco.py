@@ -78,11 +78,12 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 @dataclass(frozen=True, slots=True)
 class SwarmConfig:
     """One swarm configuration, named
-    H<inner steps>_<--compression>[_ef<--error-feedback>][_f<--fragments>][_<--overlap>[_mm]][_fetchstate]:
+    H<inner steps>_<--compression>[_ef<--error-feedback>][_f<--fragments>][_<--overlap>[_mm]][_fetchstate][_bwauto]:
     "H50_int8", "H100_int4:0.25", "H100_int2_ef1", "H50_int8_eager", "H50_int8_f5_eager". With
     fragments P, H is each fragment's (swarm-node --fragments P --inner-steps H/P): the same H as
     the configuration without them. `_mm`: --overlap-matchmaking. `_fetchstate`: --catch-up state
-    (a node that missed a group fetches the whole state, not the step's update)."""
+    (a node that missed a group fetches the whole state, not the step's update). `_bwauto`:
+    --bandwidth auto (measured bandwidths, and rounds paced by them)."""
 
     name: str
     inner_steps: int  # swarm-node's --inner-steps (H / fragments)
@@ -92,6 +93,7 @@ class SwarmConfig:
     fragments: int = 1  # swarm-node's --fragments
     catch_up: str = "update"  # swarm-node's --catch-up
     overlap_matchmaking: bool = False  # swarm-node's --overlap-matchmaking
+    bandwidth_auto: bool = False  # swarm-node's --bandwidth auto (else its fixed default)
 
     @classmethod
     def parse(cls, name: str) -> SwarmConfig:
@@ -102,10 +104,13 @@ class SwarmConfig:
         compression, *extras = rest.split("_")
         modes = [m for m in OVERLAP_MODES if m != "none"]
         usage = (f"use H<inner steps>_<{'|'.join(COMPRESSIONS)}>[:DENSITY][_ef<DECAY>][_f<FRAGMENTS>]"
-                 f"[_{'|'.join(modes)}[_mm]][_fetchstate], e.g. H50_int8, H100_int4_ef1, H50_int8_f5_eager, "
-                 "H50_int8_f8_eager_mm, H50_int8_fetchstate")  # fmt: skip
+                 f"[_{'|'.join(modes)}[_mm]][_fetchstate][_bwauto], e.g. H50_int8, H100_int4_ef1, "
+                 "H50_int8_f5_eager, H50_int8_f8_eager_mm, H50_int8_fetchstate, H50_int8_bwauto")  # fmt: skip
         if not (h.startswith("H") and h[1:].isdigit() and int(h[1:]) > 0):
             raise ValueError(f"bad configuration {name!r}: {usage}")
+        bandwidth_auto = bool(extras) and extras[-1] == "bwauto"
+        if bandwidth_auto:
+            extras.pop()
         catch_up = "update"
         if extras and extras[-1] == "fetchstate":
             extras.pop()
@@ -131,7 +136,8 @@ class SwarmConfig:
             raise ValueError(f"bad configuration {name!r}: {e}; {usage}") from None
         if feedback and not 0.0 < decay <= 1.0:
             raise ValueError(f"bad configuration {name!r}: error feedback is ef<decay in (0, 1]>; {usage}")
-        return cls(name, int(h[1:]) // fragments, compression, decay, overlap, fragments, catch_up, matchmaking)
+        return cls(name, int(h[1:]) // fragments, compression, decay, overlap, fragments, catch_up, matchmaking,
+                   bandwidth_auto)  # fmt: skip
 
     def labels(self) -> dict[str, Any]:
         """The keys issues 15 and 14 add to each row: the codec, the density, the error feedback,
@@ -142,7 +148,8 @@ class SwarmConfig:
         mode = "blocking" if self.overlap == "none" else self.overlap
         return {"codec": spec.codec, "density": spec.density, "error_feedback": self.error_feedback, "mode": mode,
                 "fragments": self.fragments, "catch_up": self.catch_up,
-                "overlap_matchmaking": self.overlap_matchmaking}  # fmt: skip
+                "overlap_matchmaking": self.overlap_matchmaking,
+                "bandwidth": "auto" if self.bandwidth_auto else "fixed"}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -199,6 +206,7 @@ def node_args(
         *(["--overlap-matchmaking"] if config.overlap_matchmaking else []),
         *(["--fragments", str(config.fragments)] if config.fragments > 1 else []),
         *(["--catch-up", config.catch_up] if config.catch_up != "update" else []),
+        *(["--bandwidth", "auto"] if config.bandwidth_auto else []),
         "--max-outer-steps", str(workload.steps // config.inner_steps),
         "--start-with", str(workload.workers),  # the run begins once every node is up (costly ids take seconds)
         "--seed", str(workload.seed),
@@ -387,7 +395,7 @@ def results(
         "link": None if rates is None else [str(r) for r in rates],  # node i's link; None: 127.0.0.1
     }
     keys = ("diloco_eval_loss", "ratio_to_ddp", "gap_closed", "bytes_sent_per_node", "reduction_factor")
-    labels = ("codec", "density", "error_feedback", "mode", "fragments", "catch_up", "overlap_matchmaking")
+    labels = ("codec", "density", "error_feedback", "mode", "fragments", "catch_up", "overlap_matchmaking", "bandwidth")
     timing = ("utilization", "round_s", "round_bound_s", "run_s")
     catching_up = ("fetches", "fetches_by_update", "fetched_bytes")  # per run, summed over nodes: the median run
     for key in (*keys, *timing, *catching_up, "full_group_share", "states_agree", *labels):

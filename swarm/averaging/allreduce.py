@@ -59,7 +59,7 @@ from swarm_kernels import MalformedPayload
 
 logger = logging.getLogger(__name__)
 
-SAMPLE_S = 0.05  # how often a round that measures bandwidth notes what its sockets took
+SAMPLE_S = 0.05  # how often a round that measures bandwidth notes what the group acknowledged
 
 # imported from here by callers: the round, what it reports and raises, and the registry it joins
 __all__ = ["AllReduceError", "AllReduceRound", "RoundRegistry", "RoundReport"]

@@ -24,18 +24,19 @@ BANDWIDTH_CAP times its median (partition.capped_bandwidths).
 
 Pacing (partition.upload_paces, p2p/pacing.py): once it knows its upload rate, a member caps its
 stream to each peer at its share of that rate, so that a FIFO uplink serves every peer evenly and
-none finishes early while another trickles. That rate is not `up`: our slices share the uplink
-with the results we send as an owner, so their rates add up to half of it or less (6.5-9.2 MB/s
-on a 11.9 MB/s link). It is `busy`: the bytes of ours the group's members acknowledged (TCP's
-own count, p2p/pacing.bytes_acked: what left through the link, not what waits in buffers), in
-windows of BUSY_WINDOW_S over the round, at the rate most windows reached (`busy_rate`: the
-BUSY_QUANTILE of the windows, so that the round's slow tail does not count).
-A paced round cannot show a faster link than its caps allow, so paced rounds leave `busy` alone:
-every PROBE_EVERY-th round runs unpaced and measures the link again (a link that got faster or
-slower is seen within that many rounds). Above MAX_PACED (1 Gbit/s) nothing is paced: there the
-CPU, not one FIFO queue, sets the pace (127.0.0.1 moves GB/s). `busy` is our own count: no
-peer's word enters it (a peer that reads slowly in the measuring round lowers it, as it slows
-that round itself).
+none finishes early while another trickles. `up` alone would cap too low where our link is the
+bottleneck: our slices share the uplink with the results we send as an owner, so their rates add
+up to half of it or less (6.5-9.2 MB/s on a 11.9 MB/s link). So a round also measures `busy`:
+the bytes of ours the group's members acknowledged (TCP's own count, p2p/pacing.bytes_acked: what
+left through the link, not what waits in buffers), in windows of BUSY_WINDOW_S, at the rate
+BUSY_QUANTILE of the windows stay under (the round's slow tail does not count). `busy` falls short
+where our link was not the bottleneck (a slow peer gated our sending: 2.5-2.9 MB/s of a 12.5 MB/s
+link), and there `up` is higher: the pace is the larger of the two. A paced round measures our
+caps, not the link, so it changes no estimate (nor what we announce): every PROBE_EVERY-th round
+runs unpaced and measures the link again (a link that got faster or slower is seen within that
+many rounds). Above MAX_PACED (1 Gbit/s) nothing is paced: there the CPU, not one FIFO queue,
+sets the pace (127.0.0.1 moves GB/s). `busy` is our own count: no peer's word enters it (a peer
+that reads slowly in the measuring round lowers it, as it slows that round itself).
 
 Why it is not the default (AveragingConfig.measure_bandwidth): one benchmark run says it pays
 (scripts/bench_bandwidth.py at 100,100,100,10 Mbit/s, 4M elements: 4.81 s a round against 6.52 s
@@ -115,7 +116,7 @@ class LinkEstimate:
 
     up: float | None = None
     down: float | None = None
-    busy: float | None = None  # bytes/s our sockets took while a round kept them busy (busy_rate)
+    busy: float | None = None  # bytes/s the group acknowledged of our sending while busy (busy_rate)
     paced_rounds: int = 0  # rounds since the last unpaced one
 
     def observe(

@@ -80,7 +80,7 @@ class RoundReport:
     # (bytes, start, end) of the streams we sent (timed by their receivers) and received: bandwidth.py
     up: list[Sample] = field(default_factory=list)
     down: list[Sample] = field(default_factory=list)
-    busy: float | None = None  # bytes/s our sockets took while busy (bandwidth.busy_rate); flat rounds
+    busy: float | None = None  # bytes/s the group acknowledged of our sending (bandwidth.busy_rate); flat rounds
 
 
 class RoundMember:
