@@ -3,14 +3,18 @@ The make_group fixture that builds members lives in conftest.py."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
 
 from swarm.averaging.allreduce import RoundRegistry
+from swarm.averaging.averager import Averager
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.messages import GroupInfo
+from swarm.dht import DHTNode
 from swarm.p2p import P2PConfig, P2PHost
 
 LOCAL = P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))
@@ -44,3 +48,18 @@ def exact_mean(vectors: list[torch.Tensor], group: GroupInfo, included: list[int
 def int8_bound(vectors: list[torch.Tensor], mean: torch.Tensor) -> float:
     """Each sender's codes are off by at most half a scale (absmax/127), and so is the average's."""
     return max(v.abs().max().item() for v in vectors) / 127 / 2 + mean.abs().max().item() / 127 / 2 + 1e-6
+
+
+@contextlib.asynccontextmanager
+async def averagers(n: int, config: AveragingConfig, run_id: str = "run") -> AsyncIterator[list[Averager]]:
+    """n Averagers of one run, each on its own host and DHT node on 127.0.0.1; closed after."""
+    hosts = [await P2PHost(config=LOCAL).start() for _ in range(n)]
+    dhts = [await DHTNode(host=h).start() for h in hosts]
+    made = [Averager(d, h, run_id, config) for d, h in zip(dhts, hosts, strict=True)]
+    try:
+        yield made
+    finally:
+        for a in made:
+            a.close()
+        await asyncio.gather(*(d.close() for d in dhts))
+        await asyncio.gather(*(h.close() for h in hosts))

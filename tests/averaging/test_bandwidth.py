@@ -106,36 +106,25 @@ async def test_a_grid_round_times_its_streams_too(make_group: MakeGroup) -> None
 
 
 async def test_an_averager_announces_what_its_rounds_measured() -> None:
-    from swarm.averaging.averager import Averager
     from swarm.averaging.config import AveragingConfig
-    from swarm.dht import DHTNode
-    from swarm.p2p import P2PHost
-    from tests.averaging.rounds import LOCAL
+    from tests.averaging.rounds import averagers
 
     n, numel = 3, 2_000_000
     config = AveragingConfig(chunk_elements=1 << 16, measure_bandwidth=True)
-    hosts = [await P2PHost(config=LOCAL).start() for _ in range(n)]
-    dhts = [await DHTNode(host=h).start() for h in hosts]
-    averagers = [Averager(d, h, "run", config) for d, h in zip(dhts, hosts, strict=True)]
-    try:
-        assert [a.bandwidth() for a in averagers] == [config.bandwidth] * n  # nothing measured yet
+    async with averagers(n, config) as made:
+        assert [a.bandwidth() for a in made] == [config.bandwidth] * n  # nothing measured yet
         vectors = _vectors(n, numel)
-        group = GroupInfo.create("run", 0, tuple(a.member_info(1.0) for a in averagers))
-        await asyncio.gather(*(a.run_round(group, [v]) for a, v in zip(averagers, vectors, strict=True)))
-        measured = [a.bandwidth() for a in averagers]
+        group = GroupInfo.create("run", 0, tuple(a.member_info(1.0) for a in made))
+        await asyncio.gather(*(a.run_round(group, [v]) for a, v in zip(made, vectors, strict=True)))
+        measured = [a.bandwidth() for a in made]
         assert all(m != config.bandwidth and bandwidth.MIN_MB_S <= m <= bandwidth.MAX_MB_S for m in measured)
-        assert averagers[0].member_info(1.0).bandwidth == measured[0]
+        assert made[0].member_info(1.0).bandwidth == measured[0]
         # the next group splits by what was measured; every member still computes the same split
-        again = GroupInfo.create("run", 1, tuple(a.member_info(1.0) for a in averagers))
-        results = await asyncio.gather(*(a.run_round(again, [v]) for a, v in zip(averagers, vectors, strict=True)))
+        again = GroupInfo.create("run", 1, tuple(a.member_info(1.0) for a in made))
+        results = await asyncio.gather(*(a.run_round(again, [v]) for a, v in zip(made, vectors, strict=True)))
         assert all(torch.equal(r[0][0], results[0][0][0]) for r in results)
-        averagers[0].config = AveragingConfig(bandwidth=7.0)  # measuring off: the configured value
-        assert averagers[0].bandwidth() == 7.0
-    finally:
-        for a in averagers:
-            a.close()
-        await asyncio.gather(*(d.close() for d in dhts))
-        await asyncio.gather(*(h.close() for h in hosts))
+        made[0].config = AveragingConfig(bandwidth=7.0)  # measuring off: the configured value
+        assert made[0].bandwidth() == 7.0
 
 
 def test_a_node_announces_a_fixed_number_unless_told_to_measure() -> None:

@@ -16,10 +16,11 @@ import torch
 from swarm.averaging import bandwidth
 from swarm.averaging.allreduce import AllReduceRound
 from swarm.averaging.bandwidth import MAX_PACED, PROBE_EVERY, LinkEstimate, busy_rate
+from swarm.averaging.config import AveragingConfig
 from swarm.averaging.messages import GroupInfo
 from swarm.averaging.partition import upload_paces
 from swarm.p2p.pacing import bytes_acked, max_pacing_rate, set_max_pacing_rate
-from tests.averaging.rounds import MakeGroup
+from tests.averaging.rounds import MakeGroup, averagers
 
 MB = 1 << 20
 linux = pytest.mark.skipif(sys.platform != "linux", reason="SO_MAX_PACING_RATE and TCP_INFO are Linux's")
@@ -155,35 +156,21 @@ async def test_a_paced_round_caps_each_connection_while_it_runs_and_agrees_with_
 
 
 async def test_an_averager_that_measured_its_upload_paces_its_next_round() -> None:
-    from swarm.averaging.averager import Averager
-    from swarm.averaging.config import AveragingConfig
-    from swarm.dht import DHTNode
-    from swarm.p2p import P2PHost
-    from tests.averaging.rounds import LOCAL
-
     n, numel = 3, 500_000
-    config = AveragingConfig(chunk_elements=1 << 16, measure_bandwidth=True)
-    hosts = [await P2PHost(config=LOCAL).start() for _ in range(n)]
-    dhts = [await DHTNode(host=h).start() for h in hosts]
-    averagers = [Averager(d, h, "run", config) for d, h in zip(dhts, hosts, strict=True)]
-    try:
+    async with averagers(n, AveragingConfig(chunk_elements=1 << 16, measure_bandwidth=True)) as made:
         gen = torch.Generator().manual_seed(1)
         vectors = [torch.randn(numel, generator=gen) for _ in range(n)]
-        for a in averagers:  # as if an unpaced round had measured 100 MB/s: the next one paces
+        for a in made:  # as if an unpaced round had measured 100 MB/s: the next one paces
             a.link = LinkEstimate(busy=100e6)
-        group = GroupInfo.create("run", 0, tuple(a.member_info(1.0) for a in averagers))
-        results = await asyncio.gather(*(a.run_round(group, [v]) for a, v in zip(averagers, vectors, strict=True)))
+        group = GroupInfo.create("run", 0, tuple(a.member_info(1.0) for a in made))
+        results = await asyncio.gather(*(a.run_round(group, [v]) for a, v in zip(made, vectors, strict=True)))
         assert all(torch.equal(r[0][0], results[0][0][0]) for r in results)
-        assert [a.link.paced_rounds for a in averagers] == [1] * n  # paced, so it measured nothing
-        assert [a.link.busy for a in averagers] == [100e6] * n
+        assert [a.link.paced_rounds for a in made] == [1] * n  # paced, so it measured nothing
+        assert [a.link.busy for a in made] == [100e6] * n
+        hosts = [a.host for a in made]
         assert all(cap is None for h in hosts for peer in h.connected_peers() for cap in h.paces(peer))
-        for a in averagers:  # a fixed --bandwidth never paces, whatever was measured
+        for a in made:  # a fixed --bandwidth never paces, whatever was measured
             a.config = AveragingConfig(chunk_elements=1 << 16)
-        again = GroupInfo.create("run", 1, tuple(a.member_info(1.0) for a in averagers))
-        await asyncio.gather(*(a.run_round(again, [v]) for a, v in zip(averagers, vectors, strict=True)))
-        assert [a.link.paced_rounds for a in averagers] == [0] * n
-    finally:
-        for a in averagers:
-            a.close()
-        await asyncio.gather(*(d.close() for d in dhts))
-        await asyncio.gather(*(h.close() for h in hosts))
+        again = GroupInfo.create("run", 1, tuple(a.member_info(1.0) for a in made))
+        await asyncio.gather(*(a.run_round(again, [v]) for a, v in zip(made, vectors, strict=True)))
+        assert [a.link.paced_rounds for a in made] == [0] * n
