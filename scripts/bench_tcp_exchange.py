@@ -4,7 +4,7 @@ n processes, each in a network namespace of its own behind a link of `--link` bo
 (swarm.netlab, as `swarm-sim --link`; needs root), exchange `--mb` MB with every other one, twice,
 as a butterfly round does (each sends a slice to every owner; once it holds every slice of its
 own part, it sends the result to every member). No codec, no framing, no encryption, no event
-loop: the floor any all-reduce over TCP on these links can reach. Two schedules:
+loop: the floor any all-reduce over TCP on these links can reach. Three schedules:
 
   at-once    a process sends to all the others at the same time (as swarm's round does)
   rotation   process i sends to i+1, then i+2, ... (mod n), one after another, with
@@ -33,12 +33,12 @@ import threading
 import time
 from typing import Any
 
+from swarm.p2p.pacing import set_max_pacing_rate
 from swarm.process_control import exit_on_sigterm
 
 MODULE = "scripts.bench_tcp_exchange"
 PORT = 9100
 MODES = ("at-once", "rotation", "paced")
-SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
 NOTSENT_LOWAT = 256 * 1024
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
 PAYLOAD_PER_FRAME = 1448 / 1514  # TCP payload of a full Ethernet frame (timestamps on)
@@ -71,8 +71,8 @@ def worker(
         with socket.create_connection((addresses[to], PORT), timeout=120) as sock:
             if lowat:
                 sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, NOTSENT_LOWAT)
-            if mode == "paced":
-                sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, pace_bytes_per_s)
+            if mode == "paced" and not set_max_pacing_rate(sock, pace_bytes_per_s):
+                raise RuntimeError("this kernel does not pace TCP sockets (SO_MAX_PACING_RATE)")
             sock.sendall(bytes([phase]))
             sock.sendall(payload)
             sock.shutdown(socket.SHUT_WR)
