@@ -54,6 +54,7 @@ from swarm.averaging.round_streams import Final, read_exactly, read_header, read
 from swarm.p2p.errors import BadRequest, P2PError
 from swarm.p2p.handlers import CallContext
 from swarm.p2p.host import P2PHost
+from swarm.p2p.pacing import MIN_RATE
 from swarm.p2p.stream import Stream
 from swarm_kernels import MalformedPayload
 
@@ -82,8 +83,10 @@ class AllReduceRound(RoundMember):
     ) -> None:
         super().__init__(host, registry, group, vector, config)
         self.parts = part_bounds(vector.numel(), self.bandwidths, config.block_size)
-        # member index -> the cap on our sending to it, while the round runs (`_pace`)
-        self.paces = upload_paces(self.parts, self.me, upload, PACE_FACTOR) if upload is not None else {}
+        # member index -> the cap on our sending to it, while the round runs (`_pace`); never under
+        # the kernel's floor (a member announcing a tiny bandwidth owns a tiny part, so a tiny share)
+        paces = upload_paces(self.parts, self.me, upload, PACE_FACTOR) if upload is not None else {}
+        self.paces = {j: max(MIN_RATE, rate) for j, rate in paces.items()}
         self.paced: set[int] = set()
         self.final: dict[int, Final] = {}  # the encoded average of each part, as every member gets it
         self.reductions: dict[int, PartReduction] = {}

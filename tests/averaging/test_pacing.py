@@ -19,7 +19,7 @@ from swarm.averaging.bandwidth import MAX_PACED, PROBE_EVERY, LinkEstimate, busy
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.messages import GroupInfo
 from swarm.averaging.partition import upload_paces
-from swarm.p2p.pacing import bytes_acked, max_pacing_rate, set_max_pacing_rate
+from swarm.p2p.pacing import MIN_RATE, bytes_acked, max_pacing_rate, set_max_pacing_rate
 from tests.averaging.rounds import MakeGroup, averagers
 
 MB = 1 << 20
@@ -174,3 +174,25 @@ async def test_an_averager_that_measured_its_upload_paces_its_next_round() -> No
         again = GroupInfo.create("run", 1, tuple(a.member_info(1.0) for a in made))
         await asyncio.gather(*(a.run_round(again, [v]) for a, v in zip(made, vectors, strict=True)))
         assert [a.link.paced_rounds for a in made] == [0] * n
+
+
+@linux
+async def test_a_share_below_the_kernel_floor_is_capped_at_the_floor_not_an_error(make_group: MakeGroup) -> None:
+    # a member that announces a tiny bandwidth owns a tiny part; a client sends it only its slice
+    # of it, and that share of a 1 MB/s upload is under pacing.MIN_RATE: the round takes the floor
+    # as the cap instead of failing the part on a refused rate
+    n, numel = 4, 300_000
+    group, members = await make_group(n, clients=1, weights=[1.0] * n, bandwidths=[100.0, 100.0, 0.05, 0.0],
+                                      chunk_elements=1 << 16)  # fmt: skip
+    gen = torch.Generator().manual_seed(2)
+    vectors = [torch.randn(numel, generator=gen) for _ in range(n)]
+    rounds = [
+        AllReduceRound(m.host, m.registry, group, v, m.config, upload=1e6 if i == 3 else None)
+        for i, (m, v) in enumerate(zip(members, vectors, strict=True))
+    ]
+    tiny = rounds[3].parts[2][1] - rounds[3].parts[2][0]
+    assert 0 < tiny * 1e6 / numel < MIN_RATE  # unfloored, the client's cap for member 2 would be refused
+    assert rounds[3].paces[2] == MIN_RATE
+    results = await asyncio.gather(*(r.run() for r in rounds))
+    assert all(torch.equal(a, results[0][0]) for a, _ in results)
+    assert all(sorted(included) == [0, 1, 2, 3] for included in results[3][1].contributions.values())
