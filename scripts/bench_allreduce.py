@@ -114,6 +114,12 @@ async def worker_main(host_ip: str) -> None:
             reply(answer)
 
 
+def observe(estimate: Any, answer: dict[str, Any], upload: float | None) -> None:
+    """A member's LinkEstimate takes what its round (`answer`, paced by `upload`) measured."""
+    up, down = [tuple(x) for x in answer["up"]], [tuple(x) for x in answer["down"]]
+    estimate.observe(up, down, answer["busy"], paced=upload is not None)
+
+
 def reply(obj: dict[str, Any]) -> None:
     worker_process.reply(MARK, obj)
 
@@ -181,8 +187,7 @@ def measure_swarm(
                                     "upload": uploads[i]})  # fmt: skip
                         answers = [w.receive(900) for w in workers]
                         for e, a, upload in zip(estimates, answers, uploads, strict=True):
-                            e.observe([tuple(x) for x in a["up"]], [tuple(x) for x in a["down"]], a["busy"],
-                                      paced=upload is not None)  # fmt: skip
+                            observe(e, a, upload)
                         if r < 0:
                             continue
                         times.append(max(a["seconds"] for a in answers))

@@ -34,7 +34,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from scripts.bench_allreduce import MARK, parse_count
+from scripts.bench_allreduce import MARK, observe, parse_count
 from scripts.worker_process import WorkerProcess
 from swarm.process_control import exit_on_sigterm
 
@@ -121,8 +121,7 @@ def measure(links: Sequence[str], elements: int, rounds: int, seed: int) -> list
                 if len({a["sha256"] for a in answers}) != 1:
                     raise RuntimeError(f"{split}: members disagree")
                 for e, a, upload in zip(estimates, answers, uploads, strict=True):
-                    e.observe([tuple(x) for x in a["up"]], [tuple(x) for x in a["down"]], a["busy"],
-                              paced=upload is not None)  # fmt: skip
+                    observe(e, a, upload)
                 times.append(max(a["seconds"] for a in answers))
                 announced.append(bandwidths)
             last = announced[-1]
