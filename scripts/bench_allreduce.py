@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import os
 import statistics
@@ -36,7 +35,7 @@ import time
 from typing import Any
 
 from scripts import worker_process
-from scripts.worker_process import WorkerProcess
+from scripts.worker_process import WorkerProcess, sha256_hex
 from swarm.averaging.config import AGGREGATORS
 from swarm.process_control import exit_on_sigterm
 
@@ -69,7 +68,6 @@ async def worker_main(host_ip: str) -> None:
     from swarm.averaging.config import AveragingConfig
     from swarm.averaging.messages import GroupInfo
     from swarm.p2p import P2PConfig, P2PHost
-    from swarm_kernels import as_memoryview
 
     torch.set_num_threads(1)  # n members share 2 cores
     loop = asyncio.get_running_loop()
@@ -104,13 +102,13 @@ async def worker_main(host_ip: str) -> None:
                 "cpu_s": cpu_s,
                 "wire_sent": host.traffic.sent - sent_before,
                 "wire_received": host.traffic.received - received_before,
-                "sha256": hashlib.sha256(as_memoryview(result)).hexdigest(),
+                "sha256": await asyncio.to_thread(sha256_hex, result),
                 "up": report.up,  # the streams' (bytes, seconds): bench_bandwidth's estimates
                 "down": report.down,
                 "busy": report.busy,
             }
             if cmd.get("save"):
-                torch.save(result, cmd["save"])
+                await asyncio.to_thread(torch.save, result, cmd["save"])
             reply(answer)
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
 import statistics
 import sys
@@ -160,8 +159,6 @@ class Shard:
                          ) -> dict[str, Any]:  # fmt: skip
         import torch
 
-        from swarm_kernels import as_memoryview
-
         index, _, _, vector = member
         if group is None:
             return {"index": index, "error": "no group"}
@@ -171,8 +168,8 @@ class Shard:
             return {"index": index, "error": f"run_round raised {e!r}"}
         seconds = time.time() - cmd["at"]
         if index == 0 and cmd.get("save"):
-            torch.save(result, cmd["save"])
-        digest = hashlib.sha256(as_memoryview(result)).hexdigest()
+            await asyncio.to_thread(torch.save, result, cmd["save"])
+        digest = await asyncio.to_thread(worker_process.sha256_hex, result)
         return {"index": index, "round_s": seconds, "bytes_sent": report.bytes_sent,
                 "bytes_received": report.bytes_received, "sha256": digest}  # fmt: skip
 

@@ -3,6 +3,7 @@ answering with one JSON line, prefixed by a marker, on its stdout (other output 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -66,3 +67,11 @@ class WorkerProcess:
         if self.proc.poll() is None:
             process_control.close_stdin(self.proc)
             process_control.stop(self.proc, grace, term=None, group=True)
+
+
+def sha256_hex(tensor: Any) -> str:
+    """A result's SHA-256 (members compare them). Run it in a thread: a round's result is
+    hundreds of MB, and the loop must keep answering peers still auditing the round."""
+    from swarm_kernels import as_memoryview
+
+    return hashlib.sha256(as_memoryview(tensor)).hexdigest()

@@ -109,6 +109,8 @@ class AllReduceRound(RoundMember):
                 self.report.audit_excluded = await self.audit.run(self.reducer_of)
         finally:
             self.registry.finished(self)
+            if self.audit is not None:
+                self.audit.cancel()
             for index in self.paced:
                 self.host.pace(self.group.members[index].peer_id, None)
             if sampler is not None:

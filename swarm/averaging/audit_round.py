@@ -15,9 +15,11 @@ every other part's owner once the round's results are in.
    KB to a few hundred KB) for as long as the round lingers; it answers `avg.receipt` only once
    its own result of the part is final, and only for that part's seed. For each other part it
    sketches the result and its own slice as it sent it, encoded (prepare_part).
-3. Checks. Every member (client members too) fetches, in parallel, the receipt of every part it
-   did not reduce from the member that sent it that part's result, and checks it in a worker
-   thread (audit.check_receipt) with its own sent slice and the decoded result. Verdicts:
+3. Checks. Every member (client members too) fetches the receipt of every part it did not reduce
+   from the member that sent it that part's result, as soon as it holds that result (the owner
+   answers once its own result is final, which it is: it sent it), and checks it in a worker
+   thread (audit.check_receipt) with its own sent slice and the decoded result; the round ends
+   once every part's verdict is in. Verdicts:
    - consistency (Gram vs sketches, result vs the described reduction, a member list other than
      the result's, a malformed receipt, an original owner without a receipt for its own part):
      every member with the same receipt sees it: the round fails (AuditError, naming the owner)
@@ -156,12 +158,21 @@ class RoundAudit:
         self.seeds: dict[int, asyncio.Future[bytes]] = {}  # part -> its audit seed (part_seed)
         self.receipts: dict[int, asyncio.Future[bytes]] = {}  # part -> our encoded receipt
         self.prepared: dict[int, asyncio.Future[tuple[bytes, Prepared | None] | None]] = {}
+        self.verdicts: dict[int, asyncio.Future[Verdict]] = {}  # part -> its check, under way
 
     def result_in(self, part: int, payload: memoryview, reducer: int) -> None:
         """Part `part`'s result is final (decoded into the round's result) and came from
-        `reducer`: hash it, then build our receipt (we reduced it) or our sketches (we audit it)."""
+        `reducer`: hash it, then build our receipt (we reduced it) or our sketches, and check
+        `reducer`'s receipt at once (we audit it), while the other parts are still on the wire."""
         if part not in self.prepared:
             self.prepared[part] = asyncio.ensure_future(self._prepare(part, payload, reducer))
+            if reducer != self.round.me:
+                self.verdicts[part] = asyncio.ensure_future(self._audit(part, reducer))
+
+    def cancel(self) -> None:
+        """The round failed: stop the checks still under way (nobody awaits their verdicts)."""
+        for verdict in self.verdicts.values():
+            verdict.cancel()
 
     def _seed(self, part: int) -> asyncio.Future[bytes]:
         if part not in self.seeds:
@@ -196,8 +207,7 @@ class RoundAudit:
         r = self.round
         for j in r.final:  # a result that did not come through result_in
             self.result_in(j, r.final[j][1], reducer_of[j])
-        audited = {j: k for j, k in reducer_of.items() if k != r.me and j in r.final}
-        verdicts = await asyncio.gather(*(self._audit(j, k) for j, k in sorted(audited.items())))
+        verdicts = await asyncio.gather(*(self.verdicts[j] for j in sorted(self.verdicts)))
         # our receipts are built before the buffers go; one that failed is served as an error
         await asyncio.gather(*self.prepared.values())
         built = await asyncio.gather(*self.receipts.values(), return_exceptions=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 from typing import Any
 
 import pytest
@@ -155,6 +156,41 @@ async def test_a_receipt_asked_with_a_wrong_seed_or_part_gets_a_clean_error(make
         await ask({"g": group.group_id, "p": 1, "s": "x"})
     with pytest.raises(RemoteError, match="no such group"):
         await ask({"g": b"x" * 32, "p": 1, "s": b"\0" * 32})
+
+
+async def test_a_part_is_audited_while_the_other_parts_are_still_on_the_wire(
+    make_group: MakeGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Member 0 gets part 2's average only once member 1 served it part 1's receipt: the audit of
+    a part starts when its result is in, not when the round's last part is (the tail a slow
+    link leaves after it)."""
+    group, members = await make_group(3, weights=[1.0] * 3, **SMALL)
+    rounds = rounds_of(group, members, deltas(3))
+    served = asyncio.Event()
+    serve = RoundAudit.serve
+
+    async def noting(self: RoundAudit, ctx: Any, args: Any, stream: Any) -> None:
+        await serve(self, ctx, args, stream)
+        if self.round is rounds[1] and args.get("p") == 1 and ctx.peer_id == group.members[0].peer_id:
+            served.set()
+
+    exchange = rounds[0]._exchange
+    early: list[bool] = []
+
+    async def last_part_late(reducer: int, j: int) -> Any:
+        if j == 2:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(served.wait(), 3.0)
+            early.append(served.is_set())
+        return await exchange(reducer, j)
+
+    monkeypatch.setattr(RoundAudit, "serve", noting)
+    monkeypatch.setattr(rounds[0], "_exchange", last_part_late)
+    outcomes = await run_all(rounds)
+    for outcome in outcomes:
+        assert not isinstance(outcome, BaseException), outcome
+    assert early == [True]
+    assert all(torch.equal(o[0], outcomes[0][0]) for o in outcomes)
 
 
 async def test_averagers_exclude_a_caught_owner_and_average_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
