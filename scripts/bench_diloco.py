@@ -78,12 +78,13 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 @dataclass(frozen=True, slots=True)
 class SwarmConfig:
     """One swarm configuration, named
-    H<inner steps>_<--compression>[_ef<--error-feedback>][_f<--fragments>][_<--overlap>[_mm]][_fetchstate][_bwauto]:
+    H<inner steps>_<--compression>[_ef<--error-feedback>][_f<--fragments>][_<--overlap>[_mm]][_fetchstate][_bwfixed]:
     "H50_int8", "H100_int4:0.25", "H100_int2_ef1", "H50_int8_eager", "H50_int8_f5_eager". With
     fragments P, H is each fragment's (swarm-node --fragments P --inner-steps H/P): the same H as
     the configuration without them. `_mm`: --overlap-matchmaking. `_fetchstate`: --catch-up state
-    (a node that missed a group fetches the whole state, not the step's update). `_bwauto`:
-    --bandwidth auto (measured bandwidths, and rounds paced by them)."""
+    (a node that missed a group fetches the whole state, not the step's update). `_bwfixed`:
+    --bandwidth 100 (every node announces the same, and no round is paced; the default before
+    --bandwidth auto, which measures bandwidths and paces rounds by them)."""
 
     name: str
     inner_steps: int  # swarm-node's --inner-steps (H / fragments)
@@ -93,7 +94,7 @@ class SwarmConfig:
     fragments: int = 1  # swarm-node's --fragments
     catch_up: str = "update"  # swarm-node's --catch-up
     overlap_matchmaking: bool = False  # swarm-node's --overlap-matchmaking
-    bandwidth_auto: bool = False  # swarm-node's --bandwidth auto (else its fixed default)
+    bandwidth_fixed: bool = False  # swarm-node's --bandwidth 100 (else its default: auto)
 
     @classmethod
     def parse(cls, name: str) -> SwarmConfig:
@@ -104,12 +105,12 @@ class SwarmConfig:
         compression, *extras = rest.split("_")
         modes = [m for m in OVERLAP_MODES if m != "none"]
         usage = (f"use H<inner steps>_<{'|'.join(COMPRESSIONS)}>[:DENSITY][_ef<DECAY>][_f<FRAGMENTS>]"
-                 f"[_{'|'.join(modes)}[_mm]][_fetchstate][_bwauto], e.g. H50_int8, H100_int4_ef1, "
-                 "H50_int8_f5_eager, H50_int8_f8_eager_mm, H50_int8_fetchstate, H50_int8_bwauto")  # fmt: skip
+                 f"[_{'|'.join(modes)}[_mm]][_fetchstate][_bwfixed], e.g. H50_int8, H100_int4_ef1, "
+                 "H50_int8_f5_eager, H50_int8_f8_eager_mm, H50_int8_fetchstate, H50_int8_bwfixed")  # fmt: skip
         if not (h.startswith("H") and h[1:].isdigit() and int(h[1:]) > 0):
             raise ValueError(f"bad configuration {name!r}: {usage}")
-        bandwidth_auto = bool(extras) and extras[-1] == "bwauto"
-        if bandwidth_auto:
+        bandwidth_fixed = bool(extras) and extras[-1] == "bwfixed"
+        if bandwidth_fixed:
             extras.pop()
         catch_up = "update"
         if extras and extras[-1] == "fetchstate":
@@ -137,7 +138,7 @@ class SwarmConfig:
         if feedback and not 0.0 < decay <= 1.0:
             raise ValueError(f"bad configuration {name!r}: error feedback is ef<decay in (0, 1]>; {usage}")
         return cls(name, int(h[1:]) // fragments, compression, decay, overlap, fragments, catch_up, matchmaking,
-                   bandwidth_auto)  # fmt: skip
+                   bandwidth_fixed)  # fmt: skip
 
     def labels(self) -> dict[str, Any]:
         """The keys issues 15 and 14 add to each row: the codec, the density, the error feedback,
@@ -149,7 +150,7 @@ class SwarmConfig:
         return {"codec": spec.codec, "density": spec.density, "error_feedback": self.error_feedback, "mode": mode,
                 "fragments": self.fragments, "catch_up": self.catch_up,
                 "overlap_matchmaking": self.overlap_matchmaking,
-                "bandwidth": "auto" if self.bandwidth_auto else "fixed"}  # fmt: skip
+                "bandwidth": "fixed" if self.bandwidth_fixed else "auto"}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -206,7 +207,7 @@ def node_args(
         *(["--overlap-matchmaking"] if config.overlap_matchmaking else []),
         *(["--fragments", str(config.fragments)] if config.fragments > 1 else []),
         *(["--catch-up", config.catch_up] if config.catch_up != "update" else []),
-        *(["--bandwidth", "auto"] if config.bandwidth_auto else []),
+        *(["--bandwidth", "100"] if config.bandwidth_fixed else []),
         "--max-outer-steps", str(workload.steps // config.inner_steps),
         "--start-with", str(workload.workers),  # the run begins once every node is up (costly ids take seconds)
         "--seed", str(workload.seed),

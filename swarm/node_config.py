@@ -53,10 +53,9 @@ class NodeConfig:
     max_group_size: int = 64  # largest flat all-reduce; beyond it the one group averages hierarchically
     matchmaking_time: float = 5.0
     part_timeout: float = 60.0  # longest wait for a member's slice (a member that died before sending)
-    # MB/s announced for the all-reduce's split; None: measured in our rounds (averaging/bandwidth.py).
-    # The same number everywhere is the default: splitting by the measured rates has not been
-    # shown to pay yet, and the estimates are rough (README, "Measured bandwidth")
-    bandwidth: float | None = 100.0
+    # MB/s announced for the all-reduce's split; None (the default): measured in our rounds, and
+    # our uploads paced by it (averaging/bandwidth.py; README, "Measured bandwidth")
+    bandwidth: float | None = None
     max_wait: float = 30.0  # longest a node that finished waits for slower peers of its step
     # the outer step's round while the next inner steps train (outer_step.py): "none" (blocking),
     # "eager" (the next steps start from our own Δ's outer step) or "delayed" (from where we

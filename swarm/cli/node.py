@@ -165,10 +165,10 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
     click.FloatRange(0, min_open=True),
     "Longest wait of the all-reduce for one member (a member that died mid-round costs this much).",
 )
-@click.option("--bandwidth", default="100", show_default=True, callback=_bandwidth, metavar="MB/S|auto",
+@click.option("--bandwidth", default="auto", show_default=True, callback=_bandwidth, metavar="MB/S|auto",
               help="MB/s to announce: parts of the all-reduce are split by it. auto: what this node's rounds "
-              "measure (100 until one has), and each round's uploads paced by it (see the README before "
-              "using it).")  # fmt: skip
+              "measure (100 until one has), and each round's uploads paced by it; a number: announced as "
+              "it is, nothing paced.")  # fmt: skip
 @_opt(
     "overlap",
     click.Choice(OVERLAP_MODES),

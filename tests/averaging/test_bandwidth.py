@@ -127,11 +127,10 @@ async def test_an_averager_announces_what_its_rounds_measured() -> None:
         assert made[0].bandwidth() == 7.0
 
 
-def test_a_node_announces_a_fixed_number_unless_told_to_measure() -> None:
+def test_a_node_measures_its_bandwidth_unless_told_a_number() -> None:
     from swarm.node_config import NodeConfig
 
-    assert not NodeConfig().averaging_config(client_mode=False).measure_bandwidth
-    measured = NodeConfig(bandwidth=None).averaging_config(client_mode=False)
+    measured = NodeConfig().averaging_config(client_mode=False)
     assert measured.measure_bandwidth and measured.bandwidth == 100.0  # 100 until a round measured
     fixed = NodeConfig(bandwidth=12.5).averaging_config(client_mode=False)
     assert not fixed.measure_bandwidth and fixed.bandwidth == 12.5

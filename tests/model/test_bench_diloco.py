@@ -113,7 +113,7 @@ def test_bench_configs_and_ring_bytes() -> None:
     assert bench_diloco.SwarmConfig.parse("H100_none") == bench_diloco.SwarmConfig("H100_none", 100, "none")
     ef = bench_diloco.SwarmConfig.parse("H100_int4:0.25_ef0.9")
     assert ef == bench_diloco.SwarmConfig("H100_int4:0.25_ef0.9", 100, "int4:0.25", 0.9)
-    one = {"mode": "blocking", "fragments": 1, "catch_up": "update", "overlap_matchmaking": False, "bandwidth": "fixed"}
+    one = {"mode": "blocking", "fragments": 1, "catch_up": "update", "overlap_matchmaking": False, "bandwidth": "auto"}
     assert ef.labels() == {"codec": "int4", "density": 0.25, "error_feedback": 0.9, **one}
     plain = bench_diloco.SwarmConfig.parse("H50_int2")
     assert plain.labels() == {"codec": "int2", "density": 1.0, "error_feedback": 0.0, **one}
@@ -130,14 +130,15 @@ def test_bench_configs_and_ring_bytes() -> None:
     background = bench_diloco.SwarmConfig.parse("H48_int8_f8_eager_mm_fetchstate")  # --overlap-matchmaking
     assert (background.overlap, background.fragments, background.catch_up) == ("eager", 8, "state")
     assert background.overlap_matchmaking and background.labels()["overlap_matchmaking"] is True
-    measured = bench_diloco.SwarmConfig.parse("H48_int8_f8_eager_mm_fetchstate_bwauto")  # --bandwidth auto
-    assert measured.bandwidth_auto and measured.catch_up == "state" and measured.labels()["bandwidth"] == "auto"
-    assert bench_diloco.SwarmConfig.parse("H50_int8").labels()["bandwidth"] == "fixed"
+    fixed = bench_diloco.SwarmConfig.parse("H48_int8_f8_eager_mm_fetchstate_bwfixed")  # --bandwidth 100
+    assert fixed.bandwidth_fixed and fixed.catch_up == "state" and fixed.labels()["bandwidth"] == "fixed"
+    assert bench_diloco.SwarmConfig.parse("H50_int8").labels()["bandwidth"] == "auto"
     for bad in ("H0_int8", "50_int8", "H50_int3", "H50_int4:0", "H50_int4:2", "H50_none:0.5", "H50_int4_ef0",
                 "H50_int4_ef2", "H50_int4_x1", "H50_int4_efx", "H50_int8_eager_ef1", "H50_int8_none",
                 "H50_int8_eager_eager", "H50_int8_f3", "H50_int8_f0", "H50_int8_f100",
                 "H50_int8_eager_f5", "H50_int8_fetchstate_eager", "H50_fetchstate", "H50_int8_mm",
-                "H50_int8_mm_eager", "H50_int8_bwauto_eager", "H50_bwauto", "H50_int8_bwauto_bwauto"):  # fmt: skip
+                "H50_int8_mm_eager", "H50_int8_bwfixed_eager", "H50_bwfixed", "H50_int8_bwfixed_bwfixed",
+                "H50_int8_bwauto"):  # fmt: skip
         with pytest.raises(ValueError):
             bench_diloco.SwarmConfig.parse(bad)
     assert bench_diloco.ring_allreduce_bytes(nodes=4, parameters=1000, steps=10) == 1.5 * 4 * 1000 * 10
