@@ -217,8 +217,11 @@ class StepEnd:
             if found.group is not None:  # stopping or not: the group counts on our part
                 if self._unmatched is not None:  # the round is under way: our record says the next step
                     self._unmatched = None  # at once: peers there expect us (we train it already)
-                    await self._publish(book)
-                report = await self._average(averager, keeper, found)
+                    # stored beside the round: the round must not wait for the DHT's round trips
+                    # (every member's late start is the whole group's, and the landing's)
+                    report, _ = await asyncio.gather(self._average(averager, keeper, found), self._publish(book))
+                else:
+                    report = await self._average(averager, keeper, found)
                 if report is not None:
                     await self._stepped(keeper, step, report, progress)
                     return True
@@ -290,7 +293,9 @@ class StepEnd:
     async def _average(self, averager: Averager, keeper: StateKeeper, found: Matchmade) -> GroupReport | None:
         diloco, feedback = self.diloco, self._feedback
         step, base = diloco.outer_step, self._state_sha.hex()  # the state the group averaged from
-        deltas = await self.inner.call(diloco.round_deltas)
+        # an overlapped step's Δ is set aside (begin_overlap) and read as it is; otherwise the
+        # inner steps must be between two steps (the round would wait for the one under way)
+        deltas = diloco.round_deltas() if diloco.pending is not None else await self.inner.call(diloco.round_deltas)
         # what this step sends: the residual of earlier steps with it (error feedback), only the
         # step's chosen blocks with a density below 1 (beside: the inner steps go on meanwhile)
         payload = await self.inner.beside(outgoing, deltas, self._compression, feedback, self.config.run_id,

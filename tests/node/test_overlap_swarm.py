@@ -186,3 +186,47 @@ async def test_members_faster_than_the_slowest_train_on_while_its_round_lands_an
         assert all(steps[s]["group_size"] == 3 for s in range(5)), steps
         assert max(steps[s]["inner_done"] for s in range(1, 5)) > h, steps  # trained on while a round landed
         assert all(steps[s]["inner_done"] <= 2 * h for s in steps), steps
+
+
+async def test_a_round_in_flight_starts_without_waiting_for_the_inner_step_under_way(
+    local: LocalSwarm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--overlap-matchmaking: a fast member's inner steps end first (2 x 2 s), and it trains the
+    next step while a slow one (2 x 2.5 s) finishes; the group forms half a second before the slow
+    one is done, while the fast one's inner step under way runs until 6 s. The fast one's Δ was
+    set aside when its steps ended, so its round starts once the group forms: it does not wait
+    for that inner step (a late start is every member's, and the landing's)."""
+    bootstrap = await local.start_bootstrap()
+    settings = dict(max_outer_steps=2, overlap="eager", overlap_matchmaking=True, inner_steps=2, start_with=2,
+                    matchmaking_time=0.5)  # fmt: skip
+    nodes = [local.start((bootstrap,), **settings) for _ in range(2)]
+    for running, seconds in zip(nodes, (2.0, 2.5), strict=True):
+        step = running.node.inner.step
+
+        def slowed(tokens: int, *, loss: object = None, step: Any = step, seconds: float = seconds) -> Any:
+            time.sleep(seconds)  # inside the caller's inner step, holding its permit
+            return step(tokens, loss=loss)
+
+        running.node.inner.step = slowed  # type: ignore[method-assign]
+    formed: dict[Any, float] = {}  # peer -> when its group of step 0 formed
+    started: dict[Any, float] = {}  # peer -> when its round of step 0 started
+    form_group, run_round = Averager.form_group, Averager.run_round
+
+    async def noted_group(self: Averager, weight: float, step: int, *args: Any, **kwargs: Any) -> Any:
+        found = await form_group(self, weight, step, *args, **kwargs)
+        if step == 0 and found.group is not None:
+            formed[self.host.peer_id] = time.monotonic()
+        return found
+
+    async def noted_round(self: Averager, group, tensors, matchmaking_s):  # type: ignore[no-untyped-def]
+        if group.step == 0:
+            started[self.host.peer_id] = time.monotonic()
+        return await run_round(self, group, tensors, matchmaking_s)
+
+    monkeypatch.setattr(Averager, "form_group", noted_group)
+    monkeypatch.setattr(Averager, "run_round", noted_round)
+    assert await local.finish(200) == ["finished"] * 2
+    assert_one_state(local)
+    fast = nodes[0]
+    assert fast.steps()[0]["group_size"] == 2 and fast.steps()[0]["inner_ahead"] > 0
+    assert started[fast.node.peer_id] - formed[fast.node.peer_id] < 0.5
