@@ -28,7 +28,7 @@ Faults (DESIGN invariant 5):
                by the robust rule clipping someone: it replaces the streamed bytes)
     avg.fetch  {"g": group_id, "p": part}
                -> msgpack {"inc": [...]} and the encoded average, or {"none": true}
-    avg.receipt  the owner audit, once every part is final (audit_round.py)
+    avg.receipt  the owner audit, each part once its result is final (audit_round.py)
 """
 
 from __future__ import annotations
