@@ -179,7 +179,7 @@ async def test_a_part_is_audited_while_the_other_parts_are_still_on_the_wire(
 
     async def last_part_late(reducer: int, j: int) -> Any:
         if j == 2:
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):  # not the builtin one before Python 3.11
                 await asyncio.wait_for(served.wait(), 3.0)
             early.append(served.is_set())
         return await exchange(reducer, j)
