@@ -167,7 +167,8 @@ class RoundAudit:
         if part not in self.prepared:
             self.prepared[part] = asyncio.ensure_future(self._prepare(part, payload, reducer))
             if reducer != self.round.me:
-                self.verdicts[part] = asyncio.ensure_future(self._audit(part, reducer))
+                verdict = self.verdicts[part] = asyncio.ensure_future(self._audit(part, reducer))
+                verdict.add_done_callback(checked)  # a failed round awaits no verdict
 
     def cancel(self) -> None:
         """The round failed: stop the checks still under way (nobody awaits their verdicts)."""
@@ -334,6 +335,13 @@ def retrieved(task: asyncio.Future[Any]) -> None:
     """A receipt task's done-callback: a failure is logged (nobody may await it)."""
     if not task.cancelled() and task.exception() is not None:
         logger.info("audit: a receipt could not be built: %r", task.exception())
+
+
+def checked(task: asyncio.Future[Any]) -> None:
+    """A part check's done-callback: an unexpected failure is logged (a failed round awaits no
+    verdict; a completed one raises it from `run` too)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.info("audit: a part's check failed: %r", task.exception())
 
 
 def succeeded(result: asyncio.Future[Any]) -> bool:
