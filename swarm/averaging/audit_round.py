@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -331,17 +332,19 @@ def judge(r: RoundMember, verdicts: list[Verdict], unit: str) -> list[PeerID]:
     return sorted({members[v.owner].peer_id for v in ours}, key=str)
 
 
-def retrieved(task: asyncio.Future[Any]) -> None:
-    """A receipt task's done-callback: a failure is logged (nobody may await it)."""
-    if not task.cancelled() and task.exception() is not None:
-        logger.info("audit: a receipt could not be built: %r", task.exception())
+def failure_logged(what: str) -> Callable[[asyncio.Future[Any]], None]:
+    """A done-callback for an audit task nobody may await (its round failed): a failure is
+    logged as `what`."""
+
+    def callback(task: asyncio.Future[Any]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.info("audit: %s: %r", what, task.exception())
+
+    return callback
 
 
-def checked(task: asyncio.Future[Any]) -> None:
-    """A part check's done-callback: an unexpected failure is logged (a failed round awaits no
-    verdict; a completed one raises it from `run` too)."""
-    if not task.cancelled() and task.exception() is not None:
-        logger.info("audit: a part's check failed: %r", task.exception())
+retrieved = failure_logged("a receipt could not be built")  # a receipt task's
+checked = failure_logged("a part's check failed")  # a part check's (a completed round raises it from `run` too)
 
 
 def succeeded(result: asyncio.Future[Any]) -> bool:
