@@ -227,6 +227,12 @@ class StepEnd:
                     return True
                 averager.round_failed(step)
                 found = Matchmade(None, found.seconds)
+                if progress is not None and self._unmatched is None:
+                    # overlapped: our record has said the next step since the group formed. Its
+                    # members' rounds failed too, and they must find us at this step again (done
+                    # training it), or each would read the others as past it and step alone
+                    self._unmatched = (step, progress.inner_done, progress.target)
+                    await self._publish(book)
             if stop.is_set():
                 return False
             if without_group_since is None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from swarm.averaging.allreduce import AllReduceError
 from swarm.averaging.averager import Averager
 from swarm.progress import OwnProgress, ProgressBook
 from swarm.trainer import DataLoop
@@ -230,3 +231,30 @@ async def test_a_round_in_flight_starts_without_waiting_for_the_inner_step_under
     fast = nodes[0]
     assert fast.steps()[0]["group_size"] == 2 and fast.steps()[0]["inner_ahead"] > 0
     assert started[fast.node.peer_id] - formed[fast.node.peer_id] < 0.5
+
+
+async def test_members_whose_overlapped_round_failed_average_that_step_again_not_alone(
+    local: LocalSwarm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An overlapped member's record says the next step once its group formed. When the round
+    fails (here: every member's first round of step 1), the members must see each other at step 1
+    again and average it in a new round. Reading the others as past it, each waited for a result
+    nobody had (this test, before: it never ended) or stepped alone (two states at step 1, seen in
+    a loaded suite when a slow member started its round after the other's part_timeout)."""
+    bootstrap = await local.start_bootstrap()
+    nodes = [local.start((bootstrap,), max_outer_steps=3, overlap="eager", start_with=2) for _ in range(2)]
+    run_round, failed = Averager.run_round, set()
+
+    async def first_of_step_1_fails(self: Averager, group, tensors, matchmaking_s):  # type: ignore[no-untyped-def]
+        if group.step == 1 and self.host.peer_id not in failed:
+            failed.add(self.host.peer_id)
+            await asyncio.sleep(2.0)  # as a round that timed out: the peers' records are read meanwhile
+            raise AllReduceError("injected: the round of step 1 failed")
+        return await run_round(self, group, tensors, matchmaking_s)
+
+    monkeypatch.setattr(Averager, "run_round", first_of_step_1_fails)
+    assert await local.finish(200) == ["finished"] * 2
+    assert failed == {n.node.peer_id for n in nodes}
+    assert_one_state(local)
+    for running in nodes:
+        assert running.steps()[1]["group_size"] == 2, running.steps()
