@@ -25,7 +25,10 @@ node waiting in matchmaking would, so peers plan and matchmake with us as before
 (or our own Δ, when no group forms and the plan says so) lands between two inner steps
 (UserSteps.call) with the same θ_outer(t+1) as a blocking member's, and the next matchmaking
 waits for it. One step is in flight at most: a node whose next inner steps end first trains on
-past H until it lands (_train_until_landed). A step in flight that ends in a fetch discards the
+past H until it lands (_train_until_landed). With --overlap-matchmaking a node faster than the
+slowest peer of its step trains on past H into the step's Δ first, while that peer should still be
+training (_train_on_for_slower): the round cannot start sooner, and a next step begun early would
+only train more inner steps from the proxy before the average lands. A step in flight that ends in a fetch discards the
 next step's inner steps (REPLAN). A late joiner's step (no inner steps of ours) and the last step
 block as before.
 """
@@ -42,7 +45,15 @@ from typing import TYPE_CHECKING
 
 from swarm.averaging.averager import Averager
 from swarm.averaging.matchmaking import Matchmade
-from swarm.plan import FETCH, JOIN_FORMING, matchmaking_start, peers_still_behind, plan_step, swarm_together
+from swarm.plan import (
+    FETCH,
+    JOIN_FORMING,
+    matchmaking_start,
+    peers_still_behind,
+    plan_step,
+    swarm_together,
+    train_on_for_slower,
+)
 from swarm.progress import ProgressBook
 from swarm.state.keeper import StateKeeper
 from swarm.step_end import RESULT_POLL, StepEnd
@@ -277,6 +288,7 @@ class OuterStepLoop(StepEnd):
             overlaps = self._overlaps(step)
             last_group = self._last_group or self._started_with  # before our first step: who started with us
             if overlaps and self.config.overlap_matchmaking and swarm_together(self._facts(book), last_group):
+                await self._train_on_for_slower(book, stopping)
                 # the matchmaking is the caller's now (not cancelled below); our record is
                 # published as the next step trains
                 handed, matchmaking = matchmaking, None
@@ -323,6 +335,24 @@ class OuterStepLoop(StepEnd):
                 await self.inner.revoke()  # the permit back, between steps (where the landing is)
             await step
         await asyncio.wait({after, stopping}, return_when=asyncio.FIRST_COMPLETED)
+
+    async def _train_on_for_slower(self, book: ProgressBook, stopping: asyncio.Future[bool]) -> None:
+        """--overlap-matchmaking, our H inner steps done: while a slower peer of our step should
+        still be training past our next inner step (plan.train_on_for_slower), train that step
+        into this step's Δ, one at a time, as _train_until_landed does (weighted as H, windows
+        of their own, the step's last learning rate). Starting the next step instead would only
+        put our inner steps further ahead of the average's landing."""
+        diloco = self.diloco
+        while not stopping.done():
+            if not train_on_for_slower(self._facts(book), diloco.extra_room, self.config.max_wait):
+                return
+            diloco.extra_room += 1  # before the permit: the trainer checks it in its step
+            step = asyncio.ensure_future(self.inner.train(diloco.inner_done + 1))
+            reading = asyncio.ensure_future(book.refresh())  # the records, while the step trains
+            await asyncio.wait({step, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():  # stopped: the permit back, between steps
+                await self.inner.revoke()
+            await asyncio.gather(step, reading)
 
     async def _replan(self, training: asyncio.Future[None], stop: asyncio.Event) -> Replan | None:
         """The round in flight ended in a fetch: the permits left are taken back and the step is

@@ -122,8 +122,9 @@ async def test_a_fast_member_trains_the_next_step_while_its_group_waits_for_a_sl
     local: LocalSwarm, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--overlap-matchmaking: an overlapped member done with its inner steps does not idle while
-    its group waits for a slower peer; it trains the next step meanwhile, and its record still
-    says the step it matchmakes for, with its inner steps done (what a waiting node's says)."""
+    its group waits for a slower peer; it trains on (this step's Δ, then the next step)
+    meanwhile, and its record still says the step it matchmakes for, with its inner steps done
+    (what a waiting node's says)."""
     bootstrap = await local.start_bootstrap()
     settings = dict(max_outer_steps=4, overlap="eager", overlap_matchmaking=True, inner_steps=16)
     fast, slow = (local.start((bootstrap,), **settings) for _ in range(2))
@@ -147,6 +148,9 @@ async def test_a_fast_member_trains_the_next_step_while_its_group_waits_for_a_sl
     assert_one_state(local)
     steps = fast.steps()
     assert all(steps[s]["group_size"] == 2 for s in range(4)), steps
+    # it trains on into the step's Δ while the slow one should still be training (at most H more:
+    # plan.train_on_for_slower), and only then starts the next step
+    assert max(steps[s]["inner_done"] for s in (1, 2)) > 16, steps
     # the slow member takes at least 16 x 0.15 s more a step: the fast one's next step is well
     # under way when the group forms (blocking on matchmaking, it trained only during the round)
     assert sorted(steps[s]["inner_ahead"] for s in range(3))[1] >= 8, steps
@@ -258,3 +262,33 @@ async def test_members_whose_overlapped_round_failed_average_that_step_again_not
     assert_one_state(local)
     for running in nodes:
         assert running.steps()[1]["group_size"] == 2, running.steps()
+
+
+async def test_a_faster_member_trains_into_its_step_while_a_slower_one_finishes_and_lands_as_soon(
+    local: LocalSwarm,
+) -> None:
+    """--overlap-matchmaking: a member twice as fast as its peer (4 x 0.5 s against 4 x 1 s) would
+    start the next step 2 s before the round can start, and every inner step trained before the
+    average lands is computed from a proxy of θ_outer. It trains on into the step's Δ instead
+    while the slow one should still be training (plan.train_on_for_slower), so the average lands
+    about as few inner steps into its next step as into the slow one's (without: 4 and more)."""
+    bootstrap = await local.start_bootstrap()
+    settings = dict(max_outer_steps=5, overlap="eager", overlap_matchmaking=True, inner_steps=4, start_with=2,
+                    matchmaking_time=0.5)  # fmt: skip
+    fast, slow = (local.start((bootstrap,), **settings) for _ in range(2))
+    for running, seconds in ((fast, 0.5), (slow, 1.0)):
+        step = running.node.inner.step
+
+        def slowed(tokens: int, *, loss: object = None, step: Any = step, seconds: float = seconds) -> Any:
+            time.sleep(seconds)  # inside the caller's inner step, holding its permit
+            return step(tokens, loss=loss)
+
+        running.node.inner.step = slowed  # type: ignore[method-assign]
+    assert await local.finish(200) == ["finished"] * 2
+    assert_one_state(local)
+    steps, slow_steps = fast.steps(), slow.steps()
+    middle = (1, 2, 3)  # the first: no pace in the records yet; the last blocks
+    assert all(steps[s]["group_size"] == 2 for s in range(5)), steps
+    assert all(steps[s]["inner_done"] > 4 for s in middle), steps  # extra steps in its Δ
+    ahead = sorted(steps[s]["inner_ahead"] for s in middle)
+    assert ahead[1] <= 2, (steps, slow_steps)
