@@ -51,8 +51,8 @@ from swarm.plan import (
     matchmaking_start,
     peers_still_behind,
     plan_step,
+    steps_for_slower,
     swarm_together,
-    train_on_for_slower,
 )
 from swarm.progress import ProgressBook
 from swarm.state.keeper import StateKeeper
@@ -328,31 +328,36 @@ class OuterStepLoop(StepEnd):
         step's last learning rate (DiLoCo.extra_room)."""
         diloco = self.diloco
         while not after.done() and not stopping.done() and diloco.extra_room < self.config.inner_steps:
-            diloco.extra_room += 1  # before the permit: the trainer checks it in its step
-            step = asyncio.ensure_future(self.inner.train(diloco.inner_done + 1))
-            await asyncio.wait({step, after, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():  # landed first: a caller's loop may not be stepping (swarm.join)
-                await self.inner.revoke()  # the permit back, between steps (where the landing is)
-            await step
+            await self._extra_inner_steps(1, after, stopping)
         await asyncio.wait({after, stopping}, return_when=asyncio.FIRST_COMPLETED)
 
     async def _train_on_for_slower(self, book: ProgressBook, stopping: asyncio.Future[bool]) -> None:
-        """--overlap-matchmaking, our H inner steps done: while a slower peer of our step should
-        still be training past our next inner step (plan.train_on_for_slower), train that step
-        into this step's Δ, one at a time, as _train_until_landed does (weighted as H, windows
-        of their own, the step's last learning rate). Starting the next step instead would only
-        put our inner steps further ahead of the average's landing."""
-        diloco = self.diloco
+        """--overlap-matchmaking, our H inner steps done: the inner steps that end before the
+        slowest peer of our step should finish (plan.steps_for_slower) go into this step's Δ,
+        as _train_until_landed's do (weighted as H, windows of their own, the step's last
+        learning rate), in one grant (no gap between them); then the records, read meanwhile,
+        are asked again. Starting the next step instead would only put our inner steps further
+        ahead of the average's landing."""
         while not stopping.done():
-            if not train_on_for_slower(self._facts(book), diloco.extra_room, self.config.max_wait):
+            more = steps_for_slower(self._facts(book), self.diloco.extra_room, self.config.max_wait)
+            if more <= 0:
                 return
-            diloco.extra_room += 1  # before the permit: the trainer checks it in its step
-            step = asyncio.ensure_future(self.inner.train(diloco.inner_done + 1))
-            reading = asyncio.ensure_future(book.refresh())  # the records, while the step trains
-            await asyncio.wait({step, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():  # stopped: the permit back, between steps
-                await self.inner.revoke()
-            await asyncio.gather(step, reading)
+            reading = asyncio.ensure_future(book.refresh())  # the records, while the steps train
+            try:
+                await self._extra_inner_steps(more, stopping)
+            finally:
+                await reading
+
+    async def _extra_inner_steps(self, count: int, *until: asyncio.Future[bool]) -> None:
+        """`count` inner steps past H (DiLoCo.extra_room). When one of `until` ends first, the
+        permits left are taken back, between steps (where a landing goes): a caller's loop may
+        not be stepping (swarm.join)."""
+        self.diloco.extra_room += count  # before the permits: the trainer checks it in its step
+        steps = asyncio.ensure_future(self.inner.train(self.diloco.inner_done + count))
+        await asyncio.wait({steps, *until}, return_when=asyncio.FIRST_COMPLETED)
+        if not steps.done():
+            await self.inner.revoke()
+        await steps
 
     async def _replan(self, training: asyncio.Future[None], stop: asyncio.Event) -> Replan | None:
         """The round in flight ended in a fetch: the permits left are taken back and the step is

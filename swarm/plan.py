@@ -13,8 +13,8 @@ swarm's result; it applies its own pseudo-gradient only when no live peer could 
     expected_peers(facts, ...)  -> whom matchmaking waits for
     matchmaking_start(...)      -> when to start matchmaking while the last inner steps run
     swarm_together(facts, ...)  -> whether an overlapped node may train on while its group forms
-    train_on_for_slower(...)    -> whether an overlapped node done with its H trains one more inner
-                                   step into the step's Δ while a slower peer finishes
+    steps_for_slower(...)       -> how many more inner steps an overlapped node done with its H
+                                   trains into the step's Δ while a slower peer finishes
     nodes_to_start_with(...)    -> how many more nodes a node of a new run waits for (--start-with)
     starting_together(facts)    -> the nodes at a new run's first step (0: it has begun)
 """
@@ -224,18 +224,19 @@ def matchmaking_start(f: Facts, own_finish: float, matchmaking_time: float, max_
     return latest_finish(f, own_finish, max_wait) - matchmaking_time
 
 
-def train_on_for_slower(f: Facts, extra_done: int, max_wait: float) -> bool:
+def steps_for_slower(f: Facts, extra_done: int, max_wait: float) -> int:
     """Our H inner steps are done (--overlap-matchmaking) and the round cannot start before the
     slowest live peer of our step finishes (latest_finish: within the straggler horizon and
-    max_wait). Does one more inner step of ours, into this step's Δ, end before that? Then a
-    faster node trains it rather than start the next step early: every inner step it trains
-    before the average lands is computed from a proxy of θ_outer (the next step's start), and
-    a node that starts the next step a second before the slowest lands that average a second
-    later into it (each step of such lag costs loss: README, "An outer step that overlaps").
-    At most H more (DiLoCo.extra_room), and never without our pace."""
+    max_wait). How many more inner steps of ours, into this step's Δ, end before that? A faster
+    node trains them rather than start the next step early: every inner step it trains before
+    the average lands is computed from a proxy of θ_outer (the next step's start), and a node
+    that starts the next step a second before the slowest lands that average a second later
+    into it (each step of such lag costs loss: README, "An outer step that overlaps"). At most
+    H more in all (DiLoCo.extra_room: `extra_done` so far), and none without our pace."""
     if f.own_sec <= 0 or extra_done >= f.inner_steps:
-        return False
-    return f.now + f.own_sec <= latest_finish(f, f.now, max_wait)
+        return 0
+    fit = int((latest_finish(f, f.now, max_wait) - f.now) / f.own_sec)
+    return min(fit, f.inner_steps - extra_done)
 
 
 def median_pace(peers: list[PeerProgress]) -> float:

@@ -149,7 +149,7 @@ async def test_a_fast_member_trains_the_next_step_while_its_group_waits_for_a_sl
     steps = fast.steps()
     assert all(steps[s]["group_size"] == 2 for s in range(4)), steps
     # it trains on into the step's Δ while the slow one should still be training (at most H more:
-    # plan.train_on_for_slower), and only then starts the next step
+    # plan.steps_for_slower), and only then starts the next step
     assert max(steps[s]["inner_done"] for s in (1, 2)) > 16, steps
     # the slow member takes at least 16 x 0.15 s more a step: the fast one's next step is well
     # under way when the group forms (blocking on matchmaking, it trained only during the round)
@@ -270,7 +270,7 @@ async def test_a_faster_member_trains_into_its_step_while_a_slower_one_finishes_
     """--overlap-matchmaking: a member twice as fast as its peer (4 x 0.5 s against 4 x 1 s) would
     start the next step 2 s before the round can start, and every inner step trained before the
     average lands is computed from a proxy of θ_outer. It trains on into the step's Δ instead
-    while the slow one should still be training (plan.train_on_for_slower), so the average lands
+    while the slow one should still be training (plan.steps_for_slower), so the average lands
     about as few inner steps into its next step as into the slow one's (without: 4 and more)."""
     bootstrap = await local.start_bootstrap()
     settings = dict(max_outer_steps=5, overlap="eager", overlap_matchmaking=True, inner_steps=4, start_with=2,

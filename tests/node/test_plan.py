@@ -28,9 +28,9 @@ from swarm.plan import (
     predicted_finish,
     servers_behind,
     starting_together,
+    steps_for_slower,
     straggler_horizon,
     swarm_together,
-    train_on_for_slower,
 )  # fmt: skip
 from swarm.progress import PeerProgress
 
@@ -334,22 +334,23 @@ def test_starting_together(what: str, step: int, peers: tuple[PeerProgress, ...]
 
 
 @pytest.mark.parametrize(
-    ("what", "peers", "own_sec", "extra_done", "max_wait", "train_on"),
+    ("what", "peers", "own_sec", "extra_done", "max_wait", "steps"),
     [
-        ("a slower peer 3 s from its end: one more step of ours fits", (peer(5, 7),), 1.0, 0, 30.0, True),
-        ("the slowest ends within our next step: start the round", (peer(5, 9, sec=0.5),), 1.0, 0, 30.0, False),
-        ("every peer is done: start the round", (peer(5, H), peer(5, H, i=1)), 1.0, 0, 30.0, False),
-        ("the slowest of several sets it", (peer(5, H), peer(5, 8, i=1)), 1.0, 0, 30.0, True),
-        ("no pace of ours yet", (peer(5, 2),), 0.0, 0, 30.0, False),
-        ("H extra steps already", (peer(5, 2),), 1.0, H, 30.0, False),
-        ("one fewer than H: one more", (peer(5, 2),), 1.0, H - 1, 30.0, True),
-        ("a peer at the next step is not waited for", (peer(6, 2),), 1.0, 0, 30.0, False),
-        ("a peer one step behind is not either", (peer(4, 2),), 1.0, 0, 30.0, False),
-        ("a dead peer's stale record", (peer(5, 2, age=60.0),), 1.0, 0, 30.0, False),
-        ("a liar's slow pace, past the straggler horizon", (peer(5, 0, sec=100.0),), 1.0, 0, 30.0, False),
-        ("max_wait bounds the wait it could cause", (peer(5, 5),), 1.0, 0, 0.5, False),
+        ("a slower peer 3 s from its end: three steps of ours fit", (peer(5, 7),), 1.0, 0, 30.0, 3),
+        ("at half our pace, one fits", (peer(5, 7),), 2.0, 0, 30.0, 1),
+        ("the slowest ends within our next step: start the round", (peer(5, 9, sec=0.5),), 1.0, 0, 30.0, 0),
+        ("every peer is done: start the round", (peer(5, H), peer(5, H, i=1)), 1.0, 0, 30.0, 0),
+        ("the slowest of several sets it", (peer(5, H), peer(5, 8, i=1)), 1.0, 0, 30.0, 2),
+        ("no pace of ours yet", (peer(5, 2),), 0.0, 0, 30.0, 0),
+        ("H extra steps already", (peer(5, 2),), 1.0, H, 30.0, 0),
+        ("never more than H in all", (peer(5, 2),), 1.0, H - 1, 30.0, 1),
+        ("a peer at the next step is not waited for", (peer(6, 2),), 1.0, 0, 30.0, 0),
+        ("a peer one step behind is not either", (peer(4, 2),), 1.0, 0, 30.0, 0),
+        ("a dead peer's stale record", (peer(5, 2, age=60.0),), 1.0, 0, 30.0, 0),
+        ("a liar's slow pace, past the straggler horizon", (peer(5, 0, sec=100.0),), 1.0, 0, 30.0, 0),
+        ("max_wait bounds the wait it could cause", (peer(5, 5),), 1.0, 0, 2.5, 2),
     ],
 )
-def test_train_on_for_slower(what: str, peers: tuple[PeerProgress, ...], own_sec: float, extra_done: int,
-                             max_wait: float, train_on: bool) -> None:  # fmt: skip
-    assert train_on_for_slower(facts(*peers, own_sec=own_sec), extra_done, max_wait) is train_on, what
+def test_steps_for_slower(what: str, peers: tuple[PeerProgress, ...], own_sec: float, extra_done: int,
+                          max_wait: float, steps: int) -> None:  # fmt: skip
+    assert steps_for_slower(facts(*peers, own_sec=own_sec), extra_done, max_wait) == steps, what
