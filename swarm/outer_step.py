@@ -26,11 +26,11 @@ node waiting in matchmaking would, so peers plan and matchmake with us as before
 (UserSteps.call) with the same θ_outer(t+1) as a blocking member's, and the next matchmaking
 waits for it. One step is in flight at most: a node whose next inner steps end first trains on
 past H until it lands (_train_until_landed). With --overlap-matchmaking a node faster than the
-slowest peer of its step trains on past H into the step's Δ first, while that peer should still be
-training (_train_on_for_slower): the round cannot start sooner, and a next step begun early would
-only train more inner steps from the proxy before the average lands. A step in flight that ends in a fetch discards the
-next step's inner steps (REPLAN). A late joiner's step (no inner steps of ours) and the last step
-block as before.
+slowest peer of its step trains on past H into the step's Δ first, while that peer should still
+be training (_train_on_for_slower): the round cannot start sooner, and a next step begun early
+would only train more inner steps from the proxy before the average lands. A step in flight that
+ends in a fetch discards the next step's inner steps (REPLAN). A late joiner's step (no inner
+steps of ours) and the last step block as before.
 """
 
 from __future__ import annotations
