@@ -1,0 +1,197 @@
+"""Which lineage a node may adopt: pure, no I/O. A state's legitimacy comes from the signed
+rounds that made it (receipts.py), never from how many identities advertise it.
+
+A **lineage** is a chain of links, one per outer step, from an anchor: each link is one round's
+receipt as the verifier sees it (parent state -> result state, the members with their weights,
+the members whose signature checks out). A node's own lineage starts at the state it trusts
+without a receipt: the run's genesis (the initial state every node of the run builds from the
+run settings), or a checkpoint of its own written before it kept receipts.
+
+**Endorsed links.** A link continues its parent round only when at least half of that round's
+members, by count and by weight, signed it or a later link of the same chain (a member that
+averages on from a state vouches for it as much as one that signed it). Identities that were not
+members of a round back nothing after it, however many they are, and a minority of a round
+cannot fork it. The link out of an anchor has no parent round here: any signed link is taken
+(what a newcomer's anchor vouches for, and why a join names peers that hold the run's state).
+
+**Fork choice (`judge`).** A node compares a candidate lineage with its own at the fork point F,
+the newest state both hold. Each side's *support* is the set of members of the round that
+produced F (the node's own round: members it saw averaging) that took part in that side after F:
+on the node's own side the members of its own rounds (it was there), on the candidate's side
+those whose signatures check out. A member found on both sides signed two histories and counts
+for neither. Then:
+1. a candidate that is not a lineage (links that do not chain, unsigned links, a result other
+   than the state advertised) or does not descend from any state the node holds is refused;
+2. every candidate link after F must be endorsed, except its newest one when the node holds a
+   fork of its own after F: that link, signed by at least one member of its parent round, is
+   still collecting the endorsements of the next round (a split of equal halves, a round of one);
+3. a node with no link after F (a newcomer, a node behind, one in sync that has not finished
+   its step) adopts an endorsed candidate;
+4. otherwise the side with more support wins; on equal support, the side whose first state after
+   F has the smaller hash (every node of a split takes the same one). A node in sync whose round
+   held a majority of F's members is never moved: no other side can have as much support.
+
+What this does not stop: identities holding at least half of a round's members and weight can
+fork it (and a fork of exactly half is settled by a hash); a lineage fabricated from an anchor
+by identities of their own (the link out of an anchor is taken from anyone), which a newcomer
+meets only when none of its initial peers holds the run's state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from swarm.p2p.peer_id import PeerID
+from swarm.state.receipts import Receipt
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """One round as a verifier sees it."""
+
+    step: int  # the outer step the round averaged
+    parent: bytes  # state_sha256 at `step`
+    result: bytes  # state_sha256 at `step + 1`
+    members: Mapping[PeerID, float]  # member -> the weight it announced
+    signers: frozenset[PeerID]  # the members whose signature checks out
+
+    @classmethod
+    def of(cls, receipt: Receipt, signers: frozenset[PeerID]) -> Link:
+        body = receipt.body
+        return cls(body.step, body.parent, body.result, body.weight_of(), signers & frozenset(body.members))
+
+
+@dataclass(frozen=True, slots=True)
+class Lineage:
+    """States from `anchor` (trusted without a receipt) through `links`, one per step."""
+
+    anchor_step: int
+    anchor: bytes  # state_sha256 at anchor_step
+    links: tuple[Link, ...] = ()
+
+    @property
+    def step(self) -> int:
+        return self.anchor_step + len(self.links)
+
+    @property
+    def state(self) -> bytes:
+        return self.links[-1].result if self.links else self.anchor
+
+    def state_at(self, step: int) -> bytes | None:
+        if step == self.anchor_step:
+            return self.anchor
+        if self.anchor_step < step <= self.step:
+            return self.links[step - self.anchor_step - 1].result
+        return None
+
+    def link_into(self, step: int) -> Link | None:
+        """The link whose result is the state at `step` (None at the anchor or outside)."""
+        return self.links[step - self.anchor_step - 1] if self.anchor_step < step <= self.step else None
+
+    def after(self, step: int) -> tuple[Link, ...]:
+        """The links from the state at `step` on."""
+        return self.links[max(0, step - self.anchor_step) :]
+
+    def voters(self) -> frozenset[PeerID] | None:
+        """The members of our last round of two or more: whose word counts in matchmaking's vote
+        on the swarm's state (None: no such round here: everyone's counts)."""
+        for link in reversed(self.links):
+            if len(link.members) >= 2:
+                return frozenset(link.members)
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Judgement:
+    adopt: bool
+    why: str
+    fork_step: int | None = None
+
+
+def structure_problem(chain: Lineage, step: int, state: bytes) -> str | None:
+    """Why `chain` is not a lineage of the state `state` at `step` (None: it is)."""
+    if not chain.links:
+        return "it has no round receipts"
+    if chain.step != step or chain.state != state:
+        return f"its receipts lead to another state (step {chain.step}) than the one advertised (step {step})"
+    previous = chain.anchor
+    for i, link in enumerate(chain.links):
+        if link.step != chain.anchor_step + i or link.parent != previous:
+            return f"its receipt of step {link.step} does not follow the one before it"
+        if not link.signers:
+            return f"its receipt of step {link.step} has no valid signature of a member"
+        previous = link.result
+    return None
+
+
+def endorsed(parent_round: Link, endorsers: frozenset[PeerID]) -> bool:
+    """Do `endorsers` hold at least half of `parent_round`'s members by count and by weight?"""
+    members = parent_round.members
+    count = sum(1 for p in members if p in endorsers)
+    total = sum(members.values())
+    weight = sum(w for p, w in members.items() if p in endorsers)
+    return 2 * count >= len(members) and 2 * weight >= total
+
+
+def fork_step(own: Lineage, candidate: Lineage) -> int | None:
+    """The newest step at which both lineages hold the same state (None: none)."""
+    low, high = max(own.anchor_step, candidate.anchor_step), min(own.step, candidate.step)
+    for step in range(high, low - 1, -1):
+        ours = own.state_at(step)
+        if ours is not None and ours == candidate.state_at(step):
+            return step
+    return None
+
+
+def judge(own: Lineage, candidate: Lineage) -> Judgement:
+    """Does the node holding `own` adopt the state at the end of `candidate` (whose structure
+    `structure_problem` has passed)? The rules of the module docstring."""
+    fork = fork_step(own, candidate)
+    if fork is None:
+        return Judgement(False, f"it does not descend from any state we hold (ours: step {own.step}, "
+                                f"its receipts from step {candidate.anchor_step})")  # fmt: skip
+    theirs, ours = candidate.after(fork), own.after(fork)
+    if not theirs:
+        return Judgement(False, f"it is a state of our own lineage (step {candidate.step})", fork)
+    fork_round = own.link_into(fork)  # None: the fork is at our anchor, whose round we do not know
+    problem = _unendorsed(theirs, fork_round, pending_ok=bool(ours))
+    if problem is not None:
+        return Judgement(False, problem, fork)
+    if not ours:
+        return Judgement(True, f"an endorsed continuation of our state of step {fork}", fork)
+    if fork_round is None:  # two forks of an anchor: no members to weigh them by
+        newer = candidate.step > own.step
+        return Judgement(newer, f"a fork of our anchor at step {fork}; {'newer' if newer else 'not newer'} "
+                                "than ours", fork)  # fmt: skip
+    members = frozenset(fork_round.members)
+    our_side = members & frozenset(p for link in ours for p in link.members)
+    their_side = members & frozenset(p for link in theirs for p in link.signers)
+    twice = our_side & their_side  # signed two histories: counts for neither
+    our_side, their_side = our_side - twice, their_side - twice
+    told = f"{len(their_side)} of the {len(members)} members of our round of step {fork - 1} against our {len(our_side)}"
+    if len(their_side) != len(our_side):
+        return Judgement(len(their_side) > len(our_side), f"a fork at step {fork}: {told}", fork)
+    smaller = theirs[0].result < ours[0].result
+    return Judgement(smaller, f"a fork at step {fork}: {told}, settled by the smaller hash", fork)
+
+
+def _unendorsed(links: Sequence[Link], fork_round: Link | None, *, pending_ok: bool) -> str | None:
+    """Why some link of `links` (from the fork on) is not endorsed by its parent round (None:
+    all are). `pending_ok`: the newest may still be collecting its endorsements (judge, rule 2)."""
+    later: set[PeerID] = set()
+    signed_from: list[frozenset[PeerID]] = []  # signers of links[i:] for each i
+    for link in reversed(links):
+        later |= link.signers
+        signed_from.append(frozenset(later))
+    signed_from.reverse()
+    for i, link in enumerate(links):
+        parent_round = fork_round if i == 0 else links[i - 1]
+        if parent_round is None or endorsed(parent_round, signed_from[i]):
+            continue
+        if pending_ok and i == len(links) - 1 and link.signers & frozenset(parent_round.members):
+            continue
+        count = sum(1 for p in parent_round.members if p in signed_from[i])
+        return (f"its round of step {link.step} is endorsed by {count} of the {len(parent_round.members)} "
+                "members of the round before it (at least half are needed)")  # fmt: skip
+    return None

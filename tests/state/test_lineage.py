@@ -1,0 +1,207 @@
+"""Which lineage a node adopts (swarm/state/lineage.py) on a table of situations, and the round
+receipts' checks (swarm/state/receipts.py) as properties: forged signatures, a wrong parent,
+reordered members, receipts replayed from another run or step."""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarm.p2p.identity import Identity
+from swarm.p2p.peer_id import PeerID
+from swarm.state.lineage import Lineage, Link, judge, structure_problem
+from swarm.state.receipts import BadReceipt, Receipt, RoundBody, decode_receipt, sign, valid_signers
+
+KEYS = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(12)]
+P = [k.peer_id for k in KEYS]
+A, B, C, D, E, X, Y, Z = P[0], P[1], P[2], P[3], P[4], P[9], P[10], P[11]  # X, Y, Z: attackers
+
+
+def sha(name: str) -> bytes:
+    return hashlib.sha256(name.encode()).digest()
+
+
+def link(step: int, parent: str, result: str, members: str, signers: str | None = None,
+         weights: dict[str, float] | None = None) -> Link:  # fmt: skip
+    """A link by letters: members "abc" (attackers "xyz"), signed by `signers` (default: all)."""
+    ids = {"a": A, "b": B, "c": C, "d": D, "e": E, "x": X, "y": Y, "z": Z}
+    weights = weights or {}
+    return Link(step, sha(parent), sha(result), {ids[m]: weights.get(m, 1.0) for m in members},
+                frozenset(ids[s] for s in (members if signers is None else signers)))
+
+
+def chain(anchor_step: int, anchor: str, *links: Link) -> Lineage:
+    return Lineage(anchor_step, sha(anchor), tuple(links))
+
+
+G = "genesis"
+# the honest swarm a, b, c: rounds of steps 0-3 (states s1..s4)
+HONEST = [link(0, G, "s1", "abc"), link(1, "s1", "s2", "abc"), link(2, "s2", "s3", "abc"), link(3, "s3", "s4", "abc")]
+IN_SYNC = chain(0, G, *HONEST[:3])  # a node at step 3
+
+CASES = [
+    # (situation, own lineage, candidate, adopt?)
+    ("a newcomer at genesis adopts the swarm's lineage", chain(0, G), chain(0, G, *HONEST), True),
+    ("a node one step behind adopts its group's next state", IN_SYNC, chain(0, G, *HONEST), True),
+    ("a forged state with receipts signed by 3 fresh ids is refused by a node in sync",
+     IN_SYNC, chain(0, G, *HONEST[:3], link(3, "s3", "zero", "xyz")), False),
+    ("... and by a node behind it", chain(0, G, *HONEST[:2]), chain(0, G, *HONEST[:3], link(3, "s3", "zero", "xyz")),
+     False),
+    ("forged ids listing honest members without their signatures back nothing",
+     IN_SYNC, chain(0, G, *HONEST[:3], link(3, "s3", "zero", "abcxyz", "xyz")), False),
+    ("one step ahead: a forged round on top of the honest tip is refused", chain(0, G, *HONEST),
+     chain(0, G, *HONEST, link(4, "s4", "zero", "xyz"), link(5, "zero", "zero2", "xyz")), False),
+    ("a minority member of the honest round forks alone: refused (not endorsed)",
+     chain(0, G, *HONEST[:3]), chain(0, G, *HONEST[:3], link(3, "s3", "fork", "cxyz", "cxyz")), False),
+    ("... also when it sits on the node's own fork (its own round outweighs it)",
+     chain(0, G, *HONEST), chain(0, G, *HONEST[:3], link(3, "s3", "fork", "cxyz", "cxyz")), False),
+    ("members that averaged honestly, then forked as a minority: their later rounds endorse nothing",
+     chain(0, G, *HONEST[:3], link(3, "s3", "s4", "abcde")),
+     chain(0, G, *HONEST[:3], link(3, "s3", "s4", "abcde"), link(4, "s4", "f5", "dexyz"), link(5, "f5", "f6", "dexyz")),
+     False),
+    ("a node that applied its own Δ alone takes the group's result of that step",
+     chain(0, G, *HONEST[:3], link(3, "s3", "solo", "c")), chain(0, G, *HONEST), True),
+    ("the group keeps its state when the solo node advertises its own",
+     chain(0, G, *HONEST), chain(0, G, *HONEST[:3], link(3, "s3", "solo", "c")), False),
+    ("a split of three solo nodes heals onto the smallest hash (this side's is smaller)",
+     chain(0, G, *HONEST[:3], link(3, "s3", "zz-a", "a")), chain(0, G, *HONEST[:3], link(3, "s3", "aa-b", "b")),
+     sha("aa-b") < sha("zz-a")),
+    ("... and the other side keeps its own (one of the two moves)",
+     chain(0, G, *HONEST[:3], link(3, "s3", "aa-b", "b")), chain(0, G, *HONEST[:3], link(3, "s3", "zz-a", "a")),
+     sha("zz-a") < sha("aa-b")),
+    ("a network split 3 + 2 of a round of 5: the half of 2 takes the half of 3",
+     chain(0, G, link(0, G, "t1", "abcde"), link(1, "t1", "m2", "de"), link(2, "m2", "m3", "de")),
+     chain(0, G, link(0, G, "t1", "abcde"), link(1, "t1", "n2", "abc"), link(2, "n2", "n3", "abc")), True),
+    ("... and the half of 3 refuses the half of 2 (2 of 5 endorse it)",
+     chain(0, G, link(0, G, "t1", "abcde"), link(1, "t1", "n2", "abc"), link(2, "n2", "n3", "abc")),
+     chain(0, G, link(0, G, "t1", "abcde"), link(1, "t1", "m2", "de"), link(2, "m2", "m3", "de")), False),
+    ("a member that signed both histories counts for neither", chain(0, G, link(0, G, "t1", "abcd"),
+     link(1, "t1", "n2", "abc")), chain(0, G, link(0, G, "t1", "abcd"), link(1, "t1", "m2", "cd", "cd")), False),
+    ("half of the members but not half of the weight: not endorsed", chain(0, G, link(0, G, "t1", "ab", weights={"a": 3})),
+     chain(0, G, link(0, G, "t1", "ab", weights={"a": 3}), link(1, "t1", "u2", "b"), link(2, "u2", "u3", "b")), False),
+    ("a round of two whose other member died: the survivor's rounds with newcomers are endorsed",
+     chain(0, G, link(0, G, "t1", "ab")), chain(0, G, link(0, G, "t1", "ab"), link(1, "t1", "u2", "ad"),
+                                                link(2, "u2", "u3", "ade")), True),
+    ("a lineage that shares no state with ours is refused", chain(0, G, *HONEST[:2]),
+     chain(3, "elsewhere", link(3, "elsewhere", "e4", "xyz")), False),
+    ("a state of our own lineage is not adopted", IN_SYNC, chain(0, G, *HONEST[:2]), False),
+    ("a newcomer resumed from a checkpoint adopts an endorsed continuation of it",
+     chain(2, "s2"), chain(0, G, *HONEST), True),
+]
+
+
+@pytest.mark.parametrize(("situation", "own", "candidate", "adopt"), CASES, ids=[c[0][:60] for c in CASES])
+def test_adoption_rules(situation: str, own: Lineage, candidate: Lineage, adopt: bool) -> None:
+    assert structure_problem(candidate, candidate.step, candidate.state) is None
+    verdict = judge(own, candidate)
+    assert verdict.adopt is adopt, f"{situation}: {verdict.why}"
+
+
+def test_a_forged_chain_of_zeros_fabricated_from_genesis_is_taken_by_a_newcomer_only() -> None:
+    """What the lineage cannot tell a newcomer whose anchor is genesis: identities of their own
+    signing from genesis on. A node that averaged with the swarm refuses it."""
+    forged = chain(0, G, link(0, G, "z1", "xyz"), link(1, "z1", "z2", "xyz"), link(2, "z2", "z3", "xyz"))
+    assert judge(chain(0, G), forged).adopt
+    assert not judge(IN_SYNC, forged).adopt  # a fork at genesis, ours newer or as new: kept
+
+
+def test_structure_problems() -> None:
+    good = chain(0, G, *HONEST)
+    assert structure_problem(good, 4, sha("s4")) is None
+    assert "another state" in structure_problem(good, 4, sha("zero"))
+    assert "no round receipts" in structure_problem(chain(4, "s4"), 4, sha("s4"))
+    broken = chain(0, G, HONEST[0], link(1, "other", "s2", "abc"))
+    assert "does not follow" in structure_problem(broken, 2, sha("s2"))
+    unsigned = chain(0, G, link(0, G, "s1", "abc", ""))
+    assert "no valid signature" in structure_problem(unsigned, 1, sha("s1"))
+
+
+def test_voters_are_the_members_of_the_last_round_of_two_or_more() -> None:
+    assert chain(0, G).voters() is None
+    assert chain(0, G, *HONEST[:2], link(2, "s2", "solo", "a")).voters() == {A, B, C}
+
+
+# --- receipts --------------------------------------------------------------------------------
+
+
+def body(step: int = 3, members: tuple[PeerID, ...] = (A, B, C), run: str = "run", parent: str = "p",
+         result: str = "r") -> RoundBody:  # fmt: skip
+    return RoundBody(run, b"settings", step, sha("group"), members, tuple(1.0 + i for i in range(len(members))),
+                     sha(parent), sha(result))  # fmt: skip
+
+
+def signed(b: RoundBody) -> Receipt:
+    keys = {k.peer_id: k for k in KEYS}
+    return Receipt(b, {p: sign(b, keys[p]) for p in b.members})
+
+
+def test_a_receipt_round_trips_and_its_signatures_hold() -> None:
+    receipt = signed(body())
+    again = decode_receipt(msgpack.unpackb(msgpack.packb(receipt.encode())), "run")
+    assert again == receipt
+    assert valid_signers(again) == {A, B, C}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(["step", "run", "parent", "result", "order", "members"]))
+def test_a_signature_does_not_carry_over_to_another_body(change: str) -> None:
+    """Replayed from another run or step, moved onto another parent or result, or onto the
+    members in another order: no signature holds."""
+    original = signed(body())
+    other = {
+        "step": body(step=4), "run": body(run="other"), "parent": body(parent="q"), "result": body(result="s"),
+        "order": RoundBody("run", b"settings", 3, sha("group"), (B, A, C), (2.0, 1.0, 3.0), sha("p"), sha("r")),
+        "members": body(members=(A, B, C, D)),
+    }[change]  # fmt: skip
+    assert valid_signers(Receipt(other, original.signatures)) == frozenset()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(min_size=64, max_size=64), st.integers(0, 2))
+def test_a_forged_signature_never_holds(forged: bytes, index: int) -> None:
+    receipt = signed(body())
+    member = receipt.body.members[index]
+    assert valid_signers(receipt.with_signatures({member: forged})) == frozenset(receipt.body.members) - {member}
+
+
+def test_a_non_member_signature_is_ignored() -> None:
+    b = body()
+    outsider = KEYS[9]
+    with pytest.raises(BadReceipt):
+        sign(b, outsider)
+    forged = Receipt(b, {outsider.peer_id: outsider.sign(b.digest())})
+    assert valid_signers(forged) == frozenset()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.binary(max_size=40)
+                    | st.text(max_size=10), lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(st.text(max_size=8), inner, max_size=10), max_leaves=30))  # fmt: skip
+def test_garbage_is_a_bad_receipt(item: object) -> None:
+    try:
+        decode_receipt(item)
+    except BadReceipt:
+        pass
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda e: e.update(v=2), lambda e: e.update(step=-1), lambda e: e.update(step=True),
+    lambda e: e.update(parent=b"short"), lambda e: e.update(m=[]), lambda e: e.update(m=e["m"] + e["m"][:1]),
+    lambda e: e["m"][0].__setitem__(1, float("nan")), lambda e: e["m"][0].__setitem__(1, -1.0),
+    lambda e: e.update(sigs=[[7, b"\0" * 64]]), lambda e: e.update(sigs=[[0, b"\0" * 63]]),
+    lambda e: e.update(settings=b"x" * 65), lambda e: e.update(run=""),
+])  # fmt: skip
+def test_malformed_receipts_are_refused(mutate) -> None:  # type: ignore[no-untyped-def]
+    encoded = msgpack.unpackb(msgpack.packb(signed(body()).encode()))
+    mutate(encoded)
+    with pytest.raises(BadReceipt):
+        decode_receipt(encoded)
+
+
+def test_a_receipt_of_another_run_is_refused() -> None:
+    with pytest.raises(BadReceipt, match="another|not"):
+        decode_receipt(signed(body(run="other")).encode(), "run")
