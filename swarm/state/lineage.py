@@ -169,7 +169,9 @@ def judge(own: Lineage, candidate: Lineage) -> Judgement:
     their_side = members & frozenset(p for link in theirs for p in link.signers)
     twice = our_side & their_side  # signed two histories: counts for neither
     our_side, their_side = our_side - twice, their_side - twice
-    told = f"{len(their_side)} of the {len(members)} members of our round of step {fork - 1} against our {len(our_side)}"
+    told = (
+        f"{len(their_side)} of the {len(members)} members of our round of step {fork - 1} against our {len(our_side)}"
+    )
     if len(their_side) != len(our_side):
         return Judgement(len(their_side) > len(our_side), f"a fork at step {fork}: {told}", fork)
     smaller = theirs[0].result < ours[0].result

@@ -112,7 +112,7 @@ class Receipt:
         return {"v": VERSION, "run": b.run_id, "settings": b.settings, "step": b.step, "group": b.group_id,
                 "parent": b.parent, "result": b.result,
                 "m": [[p.to_bytes(), float(w)] for p, w in zip(b.members, b.weights, strict=True)],
-                "sigs": [[index[p], s] for p, s in sorted(self.signatures.items(), key=lambda kv: index[kv[0]])]}  # fmt: skip
+                "sigs": sorted([index[p], s] for p, s in self.signatures.items())}  # fmt: skip
 
 
 def encoded_size(members: int, signatures: int) -> int:
