@@ -73,6 +73,7 @@ from swarm.plan import borrowed_pace, nodes_to_start_with, starting_together
 from swarm.progress import OwnProgress, ProgressBook
 from swarm.run_lookup import initial_peer_ids
 from swarm.state.keeper import StateKeeper
+from swarm.state.lineage_book import LineageBook
 from swarm.step_end import LINEAGE_STEPS
 from swarm.supervised import Supervised
 from swarm.trainer import DataLoop, NodeError, TrainLoop, TrainLoopFactory
@@ -149,6 +150,7 @@ class SwarmNode(OuterStepLoop):
             self._data_loop = train_loop(self.inner, data, self.peer_id, batch_size=config.batch_size,
                                          seq_len=config.seq_len)  # fmt: skip
         self._settings_digest = settings_digest(self.settings)
+        self._lineage: LineageBook | None = None  # while `run` runs: our lineage (swarm/state/lineage_book.py)
         self.run_info = RunInfo(run_id=config.run_id, model=config.model, model_config=model_config,
                                 seed=config.seed, data=data_name, inner_steps=config.inner_steps,
                                 settings=self.settings)  # fmt: skip
@@ -203,16 +205,20 @@ class SwarmNode(OuterStepLoop):
                       id_proof_path=self.id_proof_path)  # fmt: skip
         await dht.start()
         averager = Averager(dht, host, config.run_id, config.averaging_config(self.client_mode, self._settings_digest))
+        lineage = self._lineage = LineageBook(host, dht, config.run_id, self._settings_digest,
+                                              serve=not self.client_mode)  # fmt: skip
         keeper = StateKeeper(host, dht, self.run_info, in_trainer=self.inner.call, beside_trainer=self.inner.beside,
                              serve=not self.client_mode,
                              checkpoint_dir=Path(config.checkpoint_dir) if config.checkpoint_dir else None,
                              config=config.keeper_config(), on_fetch_progress=self.events.fetch_progress,
-                             vouching=initial_peer_ids(self.initial_peers), elders=self.initial_peers)  # fmt: skip
+                             vouching=initial_peer_ids(self.initial_peers), elders=self.initial_peers,
+                             lineage=lineage)  # fmt: skip
         book = ProgressBook(dht, config.run_id, config.publish_interval)
         publisher: Supervised | None = None
         reason = "stopped"
         try:
-            await self._resume(keeper)
+            if not await self._resume(keeper):  # the run's genesis: every node of the run builds this state
+                lineage.start(diloco.outer_step, bytes.fromhex(await self.inner.call(diloco.state_sha256)))
             if self.initial_peers:
                 await book.refresh()
                 remedy = API_REMEDY if config.model == CUSTOM_MODEL else CLI_REMEDY
@@ -238,23 +244,26 @@ class SwarmNode(OuterStepLoop):
             if publisher is not None and (error := await publisher.close()) is not None:
                 logger.warning("publishing our progress had failed %d time(s), last: %r", publisher.failures, error)
             await keeper.close()
+            await lineage.close()
             averager.close()
             await dht.close()
             self.events.emit("exit", outer_step=diloco.outer_step, reason=reason)
 
-    async def _resume(self, keeper: StateKeeper) -> None:
+    async def _resume(self, keeper: StateKeeper) -> bool:
+        """Resume from our last checkpoint; False when there is none."""
         try:
             step = await keeper.resume_local(self.diloco)
         except CheckpointError as e:
             raise NodeError(f"cannot resume from --checkpoint-dir: {e}") from None
         if step is None:
-            return
+            return False
         self.events.emit("resume", outer_step=step, checkpoint_dir=self.config.checkpoint_dir)
         if self._feedback is not None:
             try:
                 self._feedback.load_state_dict(await keeper.load_local(step))
             except ValueError as e:  # an optimisation lost, never a reason not to resume
                 logger.warning("starting without the checkpoint's error-feedback residual: %s", e)
+        return True
 
     async def _check_reachability(self, host: P2PHost) -> None:
         result = await check_reachability(host, host.visible_maddrs, self.initial_peers[:3])

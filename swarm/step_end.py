@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from swarm.model.error_feedback import ErrorFeedback
     from swarm.node_config import NodeConfig
     from swarm.node_events import EventSink
+    from swarm.state.lineage_book import LineageBook
     from swarm.user_steps import InnerProgress, UserSteps
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class StepEnd:
     _feedback: ErrorFeedback | None  # --error-feedback: the codec's residual (model/error_feedback.py)
     _compression: CompressionSpec  # --compression CODEC[:DENSITY] (model/compression.py)
     _block_size: int
+    _lineage: LineageBook | None  # our lineage while the node runs (node.py)
 
     def _facts(self, book: ProgressBook) -> Facts:
         pace, now = self.inner.snapshot().sec_per_step, time.time()
@@ -167,8 +169,9 @@ class StepEnd:
         try:
             if not joining and await self._outvoted(averager, step):
                 return Matchmade(None, 0.0, outvoted=True)
+            voters = self._lineage.lineage.voters() if self._lineage is not None else None
             return await averager.form_group(weight, step, self._state_sha, gather=gather, expected=expected,
-                                             as_client=joining)  # fmt: skip
+                                             as_client=joining, voters=voters)  # fmt: skip
         except (P2PError, DHTError, TimeoutError) as e:
             logger.warning("matchmaking for step %d failed: %s", step, e)
             return Matchmade(None, 0.0)
@@ -334,9 +337,17 @@ class StepEnd:
             self._last_eval = float(await self.inner.call(diloco.on_outer_weights, self._evaluate))
             self._eval_s += time.perf_counter() - began
         sha = await self.inner.beside(diloco.state_sha256)
-        self._state_sha = bytes.fromhex(sha)
+        parent, self._state_sha = self._state_sha, bytes.fromhex(sha)
         overlapped = progress is not None  # the next step's inner steps ran while this one's round did
         progress = progress or self.inner.snapshot()
+        if self._lineage is not None:  # the receipt of the round (or of our Δ alone) that made this state
+            group = report.group
+            if group is not None:
+                members = [(m.peer_id, m.weight) for m in group.members]
+                self._lineage.record_round(step, group.group_id, members, parent, self._state_sha)
+            else:
+                weight = float(progress.inner_done * config.batch_size * config.seq_len)
+                self._lineage.record_alone(step, weight, parent, self._state_sha)
         self._tokens += progress.inner_done * config.batch_size * config.seq_len
         self._last_group = len(report.members) if report.group_id is not None else 1
         if report.group_id is not None:  # in sync with a group: the swarm was at this step now

@@ -55,6 +55,7 @@ class GroupReport:
     reduce_s: float = 0.0  # round start until our own part was averaged
     gather_s: float = 0.0  # the rest of the round: receiving the other parts' averages
     clipped: dict[int, list[int]] = field(default_factory=dict)  # our parts -> members dropped/clipped
+    group: GroupInfo | None = None  # the group of the round (its members' announced weights: the round's receipt)
 
 
 class Averager:
@@ -103,6 +104,7 @@ class Averager:
         gather: float | None = None,
         expected: frozenset[PeerID] | None = None,
         as_client: bool = False,
+        voters: frozenset[PeerID] | None = None,
     ) -> Matchmade:
         """Matchmaking alone: the group for this step, or why there is none. A trainer may start
         it before its tensors are ready (hivemind's pre-scheduled step) and hand the group to
@@ -110,13 +112,14 @@ class Averager:
         `state` the sha256 of the state it starts from. `gather`: the longest wait for the
         `expected` peers (default matchmaking_time). `as_client`: take part as a client-mode
         member (never leads, owns no part), so that a node joining a group already gathering
-        cannot change who leads it."""
+        cannot change who leads it. `voters`: whose vote on the swarm's state counts (the members
+        of our last round: ready.decide; None: everyone's)."""
         if not math.isfinite(weight) or weight < 0:
             raise ValueError(f"weight must be a finite number >= 0, got {weight}")
         if gather is not None and not (math.isfinite(gather) and gather >= 0):
             raise ValueError(f"gather must be a finite number of seconds >= 0, got {gather}")
         me = self.member_info(weight, state, as_client=as_client)
-        found = await self.matchmaker.form_group(step, me, gather, expected)
+        found = await self.matchmaker.form_group(step, me, gather, expected, voters)
         if found.group is not None and len(found.group.members) < 2:
             return Matchmade(None, found.seconds, peers=found.peers)
         return found
@@ -177,6 +180,7 @@ class Averager:
             rr.reduce_s,
             max(0.0, rr.total_s - rr.reduce_s),
             rr.clipped,
+            group,
         )
         return _unflatten(averaged, tensors), report
 

@@ -111,6 +111,7 @@ class _StepState:
     result: asyncio.Future[GroupInfo | None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     role_known: asyncio.Event = field(default_factory=asyncio.Event)  # leading, or joined a leader
     joined: asyncio.Event = field(default_factory=asyncio.Event)  # a joiner arrived (the leader waits on it)
+    voters: frozenset[PeerID] | None = None  # whose vote on the swarm's state counts (ready.decide)
 
 
 class Matchmaker:
@@ -145,15 +146,17 @@ class Matchmaker:
             task.cancel()
 
     async def form_group(
-        self, step: int, me: MemberInfo, gather: float | None = None, expected: frozenset[PeerID] | None = None
+        self, step: int, me: MemberInfo, gather: float | None = None, expected: frozenset[PeerID] | None = None,
+        voters: frozenset[PeerID] | None = None,
     ) -> Matchmade:
         """Announce, gather until every `expected` peer is in (at most `gather`, default
         matchmaking_time, seconds; None: not known, gather the whole window), and return what
-        this step's matchmaking found."""
+        this step's matchmaking found. `voters`: whose vote on the swarm's state counts
+        (ready.decide; None: everyone's)."""
         config = self.config
         loop = asyncio.get_running_loop()
         started = loop.time()
-        state = self._steps[step] = _StepState(me)
+        state = self._steps[step] = _StepState(me, voters=voters)
         outcome: Matchmade | None = None
         try:
             gather_until = started + (config.matchmaking_time if gather is None else gather)
@@ -169,7 +172,7 @@ class Matchmaker:
             while loop.time() < give_up_at:
                 for peer in dead:
                     view.ready.pop(peer, None)
-                decision = decide(view, me, step)
+                decision = decide(view, me, step, voters)
                 if decision.kind in ("late", "other_state", "alone"):
                     logger.info("step %d: no group: %s", step, decision.kind.replace("_", " "))
                     late = decision.kind == "late"
@@ -347,7 +350,8 @@ class Matchmaker:
         within 10 ms: two groups of one waited request_timeout, then a group of 2 formed)."""
         view = await self.board.read(step)
         self.board.ask(step, view, frozenset())
-        decision = decide(self.board.marked(view), me, step)
+        state = self._steps.get(step)
+        decision = decide(self.board.marked(view), me, step, state.voters if state is not None else None)
         return decision.leader if decision.kind == "join" else None
 
     async def _join(

@@ -9,7 +9,12 @@ which every node evaluates on its own view. The rules, in order:
    a different update).
 2. **The swarm's state.** Among the members in view (ready or formed), the state held by the
    most of them is the swarm's (ties: the smaller hash, so every node picks the same one). A
-   member of another state does not average: it fetches the swarm's state first.
+   member of another state does not average: it fetches the swarm's state first. Only members
+   count: a node that averaged in a round of two or more counts the members of that round (its
+   `voters`, from its lineage: state/lineage.py) and itself, so identities that never averaged
+   with it cannot make another state the swarm's, however many they are; a node with no such
+   round yet (a newcomer) counts everyone in view. Whatever the vote, a node adopts another state
+   only when its lineage allows (state/lineage.py): the vote says whom to try, not whom to believe.
 3. **One group.** Every ready member of the swarm's state is in the one group, in an order
    fixed by a hash of (step, PeerID); its leader is the first member that accepts inbound
    connections (a client cannot lead). No server in view: no group. Nor when every member
@@ -198,11 +203,11 @@ class Decision:
     swarm_state: bytes = b""  # the state of the swarm at this step (always set)
 
 
-def swarm_state(view: ReadyView) -> bytes | None:
+def swarm_state(view: ReadyView, voters: frozenset[PeerID] | None = None) -> bytes | None:
     """The state most members in view start from (ties: the smaller hash); None: nobody.
-    Unverified owners do not vote."""
-    votes = Counter(m.state for m in view.counted_ready().values())
-    votes.update(view.counted_formed().values())
+    Unverified owners do not vote; with `voters`, only they do (rule 2)."""
+    votes = Counter(m.state for p, m in view.counted_ready().items() if voters is None or p in voters)
+    votes.update(s for p, s in view.counted_formed().items() if voters is None or p in voters)
     if not votes:
         return None
     return min(votes, key=lambda s: (-votes[s], s))
@@ -218,13 +223,13 @@ def group_order(peers: list[PeerID], step: int) -> list[PeerID]:
     return sorted(set(peers), key=lambda p: hashlib.sha256(step.to_bytes(8, "big") + p.to_bytes()).digest())
 
 
-def decide(view: ReadyView, me: MemberInfo, step: int) -> Decision:
+def decide(view: ReadyView, me: MemberInfo, step: int, voters: frozenset[PeerID] | None = None) -> Decision:
     """This node's part in step `step`, by the rules in the module docstring. `view` need not
-    contain `me`: it is added."""
+    contain `me`: it is added. `voters`: the members of our last round (rule 2), None: all."""
     view = view.with_member(me)
     if me.state in view.counted_formed().values():
         return Decision("late", swarm_state=me.state)
-    chosen = swarm_state(view)
+    chosen = swarm_state(view, None if voters is None else voters | {me.peer_id})
     assert chosen is not None  # we are in the view
     if chosen != me.state:
         return Decision("other_state", swarm_state=chosen)

@@ -35,7 +35,9 @@ class DHTConfig:
     max_ttl: float = 7 * 24 * 3600.0  # the furthest an expiration may lie ahead
     # the furthest ahead per kind of run key (ttl_caps.py): a record of a live node needs
     # seconds to minutes, so a flood of them cannot outlive its authors for days
-    ttl_caps: tuple[tuple[str, float], ...] = (("nodes", 900.0), ("state", 3600.0), ("ready", 3600.0), ("runs", 900.0))
+    ttl_caps: tuple[tuple[str, float], ...] = (
+        ("nodes", 900.0), ("state", 3600.0), ("ready", 3600.0), ("runs", 900.0), ("receipts", 3600.0),
+    )  # fmt: skip
     # quotas (quotas.py). Memory: storage and cache each hold at most max_storage_bytes of
     # keys, subkeys and values; one peer's stores fill at most max_*_per_source of it.
     max_storage_bytes: int = 64 * MiB

@@ -3,6 +3,7 @@
 Kinds are the run keys of run_keys.py, matched on the key's shape (a run id has no '/'):
 
     <run>/nodes -> "nodes"     <run>/state -> "state"     <run>/ready/<N> -> "ready"     runs -> "runs"
+    <run>/receipts/<N> -> "receipts"
 
 Any other key is capped by DHTConfig.max_ttl alone. A signed record cannot be shortened by the
 node that stores it (the signature covers the expiration), so one that asks for too long is
@@ -27,8 +28,9 @@ def key_kind(key: Key) -> str | None:
         return None
     if rest in ("nodes", "state"):
         return rest
-    if rest.startswith("ready/") and rest[len("ready/") :].isdigit():
-        return "ready"
+    for kind in ("ready", "receipts"):
+        if rest.startswith(f"{kind}/") and rest[len(kind) + 1 :].isdigit():
+            return kind
     return None
 
 

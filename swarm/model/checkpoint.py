@@ -54,6 +54,7 @@ _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 KINDS = ("params", "momentum")
 LOCAL_FILE = "local.safetensors"  # a node's own tensors beside a checkpoint's shards (never served)
+LINEAGE_FILE = "lineage.msgpack"  # the receipts of the rounds that made the state (swarm/state/lineage_book.py)
 
 
 class CheckpointError(ValueError):
@@ -340,9 +341,11 @@ class CheckpointDir:
             raise ValueError("keep must be >= 1")
         self.path, self.keep = Path(path), keep
 
-    def write(self, snapshot: Snapshot, local: Mapping[str, torch.Tensor] | None = None) -> Path:
+    def write(self, snapshot: Snapshot, local: Mapping[str, torch.Tensor] | None = None,
+              lineage: bytes | None = None) -> Path:  # fmt: skip
         """Write the snapshot (and `local`: this node's own tensors, never served, e.g. its
-        error-feedback residual, in LOCAL_FILE beside the shards) as one step directory."""
+        error-feedback residual, in LOCAL_FILE beside the shards; `lineage`: the receipts of the
+        rounds that made the state, in LINEAGE_FILE) as one step directory."""
         self.path.mkdir(parents=True, exist_ok=True)
         final = self.path / f"step-{snapshot.manifest.step:08d}"
         temp = self.path / f"{final.name}.tmp-{os.getpid()}"
@@ -351,6 +354,8 @@ class CheckpointDir:
         for name, data in snapshot.shards.items():
             _write_synced(temp / name, data)
         _write_synced(temp / "manifest.json", snapshot.manifest.to_json())
+        if lineage is not None:
+            _write_synced(temp / LINEAGE_FILE, lineage)
         if local:
             _write_synced(temp / LOCAL_FILE, safetensors_save({k: v.contiguous() for k, v in local.items()}))
         _fsync_dir(temp)
@@ -378,7 +383,10 @@ class CheckpointDir:
                     data = read_file(directory / info.name)
                     verify_shard(info, data)
                     shards.append(data)
-                return manifest, state_from_shards(manifest, shards)
+                state = state_from_shards(manifest, shards)
+                for skipped in errors:  # a newer checkpoint that could not be used: never silently
+                    logger.warning("skipped the checkpoint %s; resuming from %s instead", skipped, directory.name)
+                return manifest, state
             except OSError as e:
                 errors.append(f"{directory.name}: {e.strerror or e}")
             except IncompatibleState as e:
@@ -388,6 +396,15 @@ class CheckpointDir:
         if errors:
             raise CheckpointError(f"no whole checkpoint in {self.path}: {'; '.join(errors)}")
         return None
+
+    def load_lineage(self, step: int) -> bytes | None:
+        """The receipts written with the checkpoint of `step` (None: none, or unreadable)."""
+        path = self.path / f"step-{step:08d}" / LINEAGE_FILE
+        try:
+            return bytes(read_file(path)) if path.exists() else None
+        except OSError as e:
+            logger.warning("ignoring the unreadable %s: %s", path, e)
+            return None
 
     def load_local(self, step: int) -> dict[str, torch.Tensor]:
         """The node's own tensors written with the checkpoint of `step` ({} when there are none

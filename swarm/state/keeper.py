@@ -43,7 +43,7 @@ from swarm.dht.ages import ages_known_by
 from swarm.dht.node import DHTNode
 from swarm.log_once import OncePerPeer
 from swarm.model.checkpoint import KINDS, CheckpointDir, Manifest, RunInfo, Snapshot, copy_state, make_snapshot
-from swarm.model.diloco import DiLoCo
+from swarm.model.diloco import DiLoCo, state_sha256
 from swarm.p2p.errors import P2PError
 from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
@@ -59,6 +59,9 @@ from swarm.state.fetcher import (
     remove_fetch_dir,
 )
 from swarm.state.holders import Holder, advertise, find_holders, settled_holders
+from swarm.state.lineage import Lineage, judge, structure_problem
+from swarm.state.lineage_book import LineageBook, LineageError, encode_receipts
+from swarm.state.receipts import Receipt
 from swarm.state.server import StateServer, StepUpdate
 from swarm.state.trust import Known, choose_trusted, fetch_reason, manifest_problem
 from swarm.state.update import encode_update
@@ -78,12 +81,25 @@ MAX_ELDERS = 3  # initial peers asked how long they have known a state's holders
 AGES_TIMEOUT_S = 5.0
 AGES_KEPT_S = 30.0  # a holder not seasoned yet is asked about again after this long
 MAX_AGES = 4096
+# a state whose lineage we refused is not weighed again for this long (its tip may be collecting
+# its members' signatures: seconds), nor its holders asked again for it
+UNLINKED_S = 5.0
+FORK_DEPTH = 64  # steps back from our state where a candidate's lineage may fork from ours
+Linked = tuple[Lineage, list[Receipt], bool]  # a lineage we may adopt, its receipts, and whether it is provisional
 
 
 def tensor_sizes(diloco: DiLoCo) -> dict[str, int]:
     """Each tensor of the state as a manifest names it, with its raw byte size."""
     state = diloco.state_dict()
     return {f"{kind}/{name}": t.numel() * t.element_size() for kind in KINDS for name, t in state[kind].items()}
+
+
+def _state_sha(state: dict[str, Any], names: list[str]) -> bytes:
+    """state_sha256 of a loaded state, whose tensors are listed shard by shard: in the model's
+    order (`names`), as the hash takes them."""
+    ordered = {kind: {n: state[kind][n] for n in names if n in state[kind]} for kind in ("params", "momentum")}
+    ordered["outer_step"] = state["outer_step"]
+    return bytes.fromhex(state_sha256(ordered))
 
 
 class StateKeeper:
@@ -106,8 +122,12 @@ class StateKeeper:
         vouching: frozenset[PeerID] = frozenset(),
         elders: Sequence[str] = (),
         beside_trainer: InTrainer | None = None,
+        lineage: LineageBook,
     ) -> None:
         self.host, self.dht, self.run, self.config = host, dht, run, config
+        self.lineage = lineage  # our lineage: which states we may adopt (lineage.py)
+        self._unlinked: dict[str, float] = {}  # manifest -> when its lineage was refused (monotonic)
+        self._warned_unvouched = False
         # in_trainer: work that writes the model (a loaded state), between the caller's inner
         # steps; beside_trainer: work that only reads the outer state (the copy to publish), in the
         # same thread while the inner steps go on (an overlapped node trains meanwhile)
@@ -152,6 +172,12 @@ class StateKeeper:
         if found is None:
             return None
         manifest, state = found
+        sha = await asyncio.to_thread(_state_sha, state, diloco.names)
+        data = await asyncio.to_thread(self.checkpoints.load_lineage, manifest.step)
+        if data is None or not self.lineage.restore(data, manifest.step, sha):
+            self.lineage.start(manifest.step, sha)
+            logger.info("the checkpoint of outer step %d has no lineage that leads to it: our lineage starts there",
+                        manifest.step)  # fmt: skip
         await self.in_trainer(diloco.load_state_dict, state)
         logger.info("resumed from the checkpoint of outer step %d in %s", manifest.step, self.checkpoints.path)
         return manifest.step
@@ -172,7 +198,10 @@ class StateKeeper:
         without us, trust.Known.missed). Returns (why, report) after a fetch, None when the
         node's own state is right. Raises FetchError or IncompatibleState when a needed fetch
         fails."""
-        holders = [h for h in await self._holders() if h.manifest not in self._refused]
+        now = time.monotonic()
+        self._unlinked = {sha: t for sha, t in self._unlinked.items() if now - t < UNLINKED_S}
+        skipped = self._refused | set(self._unlinked)
+        holders = [h for h in await self._holders() if h.manifest not in skipped]
         seasoned = await self._seasoned([h.peer_id for h in holders if h.step > diloco.outer_step])
         verdict = choose_trusted(holders, Known(diloco.outer_step, horizon, self.vouching, missed, seasoned))
         for peer, reason in verdict.refused:
@@ -187,9 +216,12 @@ class StateKeeper:
                            servers_behind=servers_behind, other_state=other_state)  # fmt: skip
         if why is None:
             return None
+        linked = await self._linked(agreeing, step, sha)
+        if linked is None:
+            return None
         if step == diloco.outer_step + 1 and self.config.by_update:
             # an update comes from one holder: no wait for more donors to spread it over (below)
-            report = await self._by_update(diloco, sha, agreeing, why)
+            report = await self._by_update(diloco, sha, agreeing, why, linked)
             if report is not None:
                 return why, report
         settled = await settled_holders(holders, step, self._holders)  # spread the fetch over all donors
@@ -208,6 +240,7 @@ class StateKeeper:
                 find_holders=self._holders,
                 expect_tensors=await self.in_trainer(tensor_sizes, diloco),
             )
+            await self._check_lineage_leads_to(state, sha, linked[0], diloco.names)
             try:
                 await self.in_trainer(diloco.load_state_dict, state)
             except ValueError as e:  # hashes right, but NaN or misshapen tensors: never ours
@@ -225,6 +258,7 @@ class StateKeeper:
         except FetchError as e:
             self._not_delivered(e.failed, sha)
             raise
+        self.lineage.adopt(*linked)
         if dest is not None:
             await asyncio.to_thread(remove_fetch_dir, dest, manifest)
         logger.info("fetched the state of outer step %d (%s): %.1f MB from %d peers in %.2fs", manifest.step, why,
@@ -240,7 +274,8 @@ class StateKeeper:
             self._undelivered.clear()
         self._undelivered.update({(peer, sha): time.monotonic() for peer in failed})
 
-    async def _by_update(self, diloco: DiLoCo, sha: str, donors: list[Holder], why: str) -> FetchReport | None:
+    async def _by_update(self, diloco: DiLoCo, sha: str, donors: list[Holder], why: str,
+                         linked: Linked) -> FetchReport | None:  # fmt: skip
         """Take state `sha` (our step + 1) from our state and the step's update (update_fetch.py);
         None when no donor's update led to it (the caller fetches the whole state)."""
         started = time.perf_counter()
@@ -261,7 +296,9 @@ class StateKeeper:
         self._not_delivered(failed, sha)
         if caught is None:
             return None
+        await self._check_lineage_leads_to(caught.state, sha, linked[0], diloco.names)
         await self.in_trainer(diloco.load_state_dict, caught.state)
+        self.lineage.adopt(*linked)
         if self.server is not None:  # we hold the step's update now too: a node behind us can take it
             self.server.publish_update(StepUpdate(manifest.step - 1, base, caught.body))
         nbytes = len(caught.body)
@@ -273,6 +310,57 @@ class StateKeeper:
                     manifest.total_bytes / 1e6)  # fmt: skip
         await self.publish(diloco, checkpoint=True, made=caught.snapshot if manifest.run == self.run else None)
         return report
+
+    async def _linked(self, holders: list[Holder], step: int, sha: str) -> Linked | None:
+        """The lineage of state `sha` (outer step `step`) from its holders, with whether it will
+        be provisional, when it is one we may adopt (lineage.judge); None otherwise (logged, and
+        the state not weighed again for UNLINKED_S)."""
+        own = self.lineage.lineage
+        since = max(own.anchor_step, min(own.step, step) - FORK_DEPTH)
+        why: str | None = None
+        if since >= step:
+            why = f"its step {step} is not after the state we trust without receipts (step {own.anchor_step})"
+        else:
+            try:
+                chain, receipts = await self.lineage.fetch(holders, since, step)
+            except LineageError as e:
+                why = f"no lineage from its holders ({e})"
+            else:
+                why = structure_problem(chain, step, chain.state)
+                vouched = any(h.peer_id in self.vouching for h in holders)
+                if why is None:
+                    verdict = judge(own, chain, vouched=vouched, provisional=self.lineage.provisional)
+                    if verdict.adopt:
+                        # taken at our anchor from peers nobody vouched for: provisional (lineage.py rule 5)
+                        at_anchor = verdict.fork_step == own.anchor_step
+                        if at_anchor and not vouched:
+                            self._warn_unvouched()
+                        provisional = not vouched if at_anchor else self.lineage.provisional
+                        logger.info("adopting the lineage of state %s (step %d): %s", sha[:12], step, verdict.why)
+                        return chain, receipts, provisional
+                    why = verdict.why
+        self._unlinked[sha] = time.monotonic()
+        for holder in holders:
+            self._distrusted.log(holder.peer_id, "lineage", "not adopting the state it advertises (step %d): %s",
+                                 step, why)  # fmt: skip
+        return None
+
+    def _warn_unvouched(self) -> None:
+        """A lineage taken at our anchor from peers none of our initial peers is: said once."""
+        if self._warned_unvouched:
+            return
+        self._warned_unvouched = True
+        logger.warning("adopting the run's state from peers none of our --initial-peers vouches for: a lineage "
+                       "from the run's start cannot be told from one that identities of their own made up; join "
+                       "through a peer that holds the run's state to be sure")  # fmt: skip
+
+    async def _check_lineage_leads_to(self, state: dict[str, Any], sha: str, chain: Lineage, names: list[str]) -> None:
+        """RefusedManifest when the fetched state is not the one its lineage ends in. `names`: the
+        model's tensor names in its order (the hash's; a fetched state lists them shard by shard)."""
+        got = await asyncio.to_thread(_state_sha, state, names)
+        if got != chain.state:
+            raise RefusedManifest(sha, f"its lineage ends in state {chain.state.hex()[:12]}, not this one "
+                                       f"({got.hex()[:12]})")  # fmt: skip
 
     def record_update(self, step: int, base: str, averaged: list[torch.Tensor], codec: str, block_size: int) -> None:
         """Serve the update outer step `step` applied to our state `base` (state_sha256 hex): the
@@ -351,7 +439,9 @@ class StateKeeper:
         if checkpoint is None:
             checkpoint = diloco.outer_step % self.config.checkpoint_every == 0
         own = await self.beside_trainer(local) if local is not None and checkpoint and self.checkpoints else None
-        self._publishing = asyncio.ensure_future(self._publish(copied if made is None else made, checkpoint, own))
+        receipts = list(self.lineage.receipts) if checkpoint and self.checkpoints else None
+        self._publishing = asyncio.ensure_future(self._publish(copied if made is None else made, checkpoint, own,
+                                                               receipts))  # fmt: skip
 
     async def load_local(self, step: int) -> dict[str, torch.Tensor]:
         """The node's own tensors checkpointed with the state of `step` ({}: none)."""
@@ -360,7 +450,7 @@ class StateKeeper:
         return await asyncio.to_thread(self.checkpoints.load_local, step)
 
     async def _publish(self, copied: dict[str, Any] | Snapshot, checkpoint: bool,
-                       local: dict[str, torch.Tensor] | None) -> None:  # fmt: skip
+                       local: dict[str, torch.Tensor] | None, receipts: list[Receipt] | None) -> None:  # fmt: skip
         try:
             snapshot = copied if isinstance(copied, Snapshot) else await asyncio.to_thread(
                 make_snapshot, copied, self.run, self.config.shard_bytes)  # fmt: skip
@@ -375,7 +465,8 @@ class StateKeeper:
                     self._refresher = Supervised("state advertisement", self._refresh_forever).start()
             if checkpoint and self.checkpoints is not None:
                 started = time.perf_counter()
-                where = await asyncio.to_thread(self.checkpoints.write, snapshot, local)
+                lineage = None if receipts is None else await asyncio.to_thread(encode_receipts, receipts)
+                where = await asyncio.to_thread(self.checkpoints.write, snapshot, local, lineage)
                 logger.info("checkpoint of outer step %d written to %s in %.2fs", snapshot.manifest.step, where,
                             time.perf_counter() - started)  # fmt: skip
         except OSError as e:  # a full disk must not stop training: say so, try again next step

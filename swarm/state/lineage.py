@@ -29,12 +29,18 @@ for neither. Then:
    its step) adopts an endorsed candidate;
 4. otherwise the side with more support wins; on equal support, the side whose first state after
    F has the smaller hash (every node of a split takes the same one). A node in sync whose round
-   held a majority of F's members is never moved: no other side can have as much support.
+   held a majority of F's members is never moved: no other side can have as much support;
+5. two forks of the node's anchor (genesis) have no round to weigh them by: the node keeps its
+   own, unless one of its --initial-peers holds the candidate (the operator trusts them), or its
+   own lineage is provisional (taken at the anchor from peers nobody vouched for: a newcomer that
+   joined through a bare DHT node) and the candidate is newer.
 
 What this does not stop: identities holding at least half of a round's members and weight can
-fork it (and a fork of exactly half is settled by a hash); a lineage fabricated from an anchor
-by identities of their own (the link out of an anchor is taken from anyone), which a newcomer
-meets only when none of its initial peers holds the run's state.
+fork it (and a fork of exactly half is settled by a hash); a lineage fabricated from genesis by
+identities of their own (the link out of an anchor is taken from anyone), which takes a newcomer
+none of whose initial peers holds the run's state, and keeps it while they stay ahead. Honest
+nodes that split at the run's very first round and share no initial peer that holds a state
+stay two lineages (nothing tells either side that the other is honest).
 """
 
 from __future__ import annotations
@@ -144,9 +150,11 @@ def fork_step(own: Lineage, candidate: Lineage) -> int | None:
     return None
 
 
-def judge(own: Lineage, candidate: Lineage) -> Judgement:
+def judge(own: Lineage, candidate: Lineage, *, vouched: bool = False, provisional: bool = False) -> Judgement:
     """Does the node holding `own` adopt the state at the end of `candidate` (whose structure
-    `structure_problem` has passed)? The rules of the module docstring."""
+    `structure_problem` has passed)? The rules of the module docstring. `vouched`: one of the
+    node's --initial-peers holds the candidate; `provisional`: the node's own lineage was taken
+    at its anchor from peers no initial peer vouched for (rule 5)."""
     fork = fork_step(own, candidate)
     if fork is None:
         return Judgement(False, f"it does not descend from any state we hold (ours: step {own.step}, "
@@ -160,10 +168,12 @@ def judge(own: Lineage, candidate: Lineage) -> Judgement:
         return Judgement(False, problem, fork)
     if not ours:
         return Judgement(True, f"an endorsed continuation of our state of step {fork}", fork)
-    if fork_round is None:  # two forks of an anchor: no members to weigh them by
-        newer = candidate.step > own.step
-        return Judgement(newer, f"a fork of our anchor at step {fork}; {'newer' if newer else 'not newer'} "
-                                "than ours", fork)  # fmt: skip
+    if fork_round is None:  # two forks of an anchor (rule 5): no members to weigh them by
+        if vouched:
+            return Judgement(True, f"a fork of our anchor at step {fork}, held by one of our initial peers", fork)
+        newer = provisional and candidate.step > own.step
+        why = "newer than ours, which no initial peer vouched for" if newer else "we keep ours"
+        return Judgement(newer, f"a fork of our anchor at step {fork}: {why}", fork)
     members = frozenset(fork_round.members)
     our_side = members & frozenset(p for link in ours for p in link.members)
     their_side = members & frozenset(p for link in theirs for p in link.signers)

@@ -173,12 +173,19 @@ def test_adoption_rules(situation: str, own: Lineage, candidate: Lineage, adopt:
     assert verdict.adopt is adopt, f"{situation}: {verdict.why}"
 
 
-def test_a_forged_chain_of_zeros_fabricated_from_genesis_is_taken_by_a_newcomer_only() -> None:
-    """What the lineage cannot tell a newcomer whose anchor is genesis: identities of their own
-    signing from genesis on. A node that averaged with the swarm refuses it."""
-    forged = chain(0, G, link(0, G, "z1", "xyz"), link(1, "z1", "z2", "xyz"), link(2, "z2", "z3", "xyz"))
-    assert judge(chain(0, G), forged).adopt
-    assert not judge(IN_SYNC, forged).adopt  # a fork at genesis, ours newer or as new: kept
+FORGED = chain(0, G, *(link(i, G if i == 0 else f"z{i}", f"z{i + 1}", "xyz") for i in range(5)))  # from genesis
+
+
+def test_a_lineage_fabricated_from_genesis_takes_an_unvouched_newcomer_only() -> None:
+    """What a lineage cannot tell a newcomer whose anchor is genesis: identities of their own
+    signing from genesis on. A node that averaged with the swarm keeps its own, even against a
+    longer one, unless an initial peer holds it; a newcomer that took a lineage nobody vouched
+    for (provisional) moves to a newer one, and to any its initial peers hold."""
+    assert judge(chain(0, G), FORGED).adopt
+    assert not judge(IN_SYNC, FORGED).adopt
+    assert judge(IN_SYNC, FORGED, vouched=True).adopt
+    assert judge(IN_SYNC, FORGED, provisional=True).adopt  # newer: 5 steps against 3
+    assert not judge(chain(0, G, *HONEST, link(4, "s4", "s5", "abc")), FORGED, provisional=True).adopt  # as new
 
 
 def test_structure_problems() -> None:

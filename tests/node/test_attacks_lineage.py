@@ -1,0 +1,191 @@
+"""A forged state cannot take over the swarm: 3 honest SwarmNodes in one event loop over real
+sockets, K attacker identities (each with a proven DHT id) that copy the honest lineage from an
+honest node's `state.lineage` and extend it with a round of their own that ends in a forged
+state (an all-zero θ, or the honest state with one tensor scaled x1.5), at the honest swarm's
+step or one step ahead, following the honest tip as it moves; then a newcomer that joins through
+the bootstrap alone (a bare DHT node: it vouches for nothing). Before round receipts, 3 such
+identities took every node (eval ln 256 = 5.5452 everywhere). Now no honest node and no newcomer
+fetches a state the honest nodes did not compute, they agree at every step, and their final eval
+loss is within 1.05x of the same run without the attackers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from swarm.dht import DHTNode
+from swarm.model.checkpoint import Snapshot, copy_state, make_snapshot
+from swarm.model.data import TokenData
+from swarm.model.diloco import state_sha256
+from swarm.p2p import P2PHost
+from swarm.p2p.errors import P2PError
+from swarm.state.holders import advertise
+from swarm.state.lineage_book import LINEAGE, serve_lineage
+from swarm.state.receipts import Receipt, RoundBody, decode_receipt, sign
+from swarm.state.server import StateServer
+from tests.node.inprocess import LocalSwarm, Running
+from tests.node.test_attacks_bounds import (
+    LONG,
+    RUN_ID,
+    assert_agree,
+    assert_fetched_only_swarm_states,
+    assert_within_clean,
+    clean_run,
+    fetches,
+    finish,
+    outsider,
+    start_honest,
+    until_stepped,
+)
+from tests.waiting import until as until_true
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+FOLLOW_S = 0.5  # how often the attackers look at the honest tip and move their forgery with it
+
+
+def zero_state(state: dict[str, Any]) -> dict[str, Any]:
+    for kind in ("params", "momentum"):
+        state[kind] = {n: torch.zeros_like(t) for n, t in state[kind].items()}
+    return state
+
+
+def scaled_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The quieter forgery: the honest θ with its first tensor scaled x1.5."""
+    first = next(iter(state["params"]))
+    state["params"] = {**state["params"], first: state["params"][first] * 1.5}
+    return state
+
+
+class Forgers:
+    """K attacker identities serving one forged state with a lineage copied from an honest node
+    and extended by a round whose members are the attackers alone, all signing it."""
+
+    def __init__(self, peers: list[tuple[P2PHost, DHTNode]], like: Running, ahead: int,
+                 forge: Callable[[dict[str, Any]], dict[str, Any]], *, from_genesis: bool = False) -> None:  # fmt: skip
+        self.peers, self.like, self.ahead, self.forge = peers, like, ahead, forge
+        self.from_genesis = from_genesis  # every round of the lineage made up, not only the last
+        self.receipts: list[Receipt] = []
+        self.servers = [StateServer(host, RUN_ID) for host, _ in peers]
+        for host, _ in peers:
+            serve_lineage(host, RUN_ID, lambda: self.receipts)
+        self.snapshot: Snapshot | None = None
+        self.forged_at: int | None = None
+        self.forgeries = 0
+
+    async def follow(self, honest_maddr: str) -> None:
+        while True:
+            with contextlib.suppress(P2PError):
+                await self._forge_at_the_tip(honest_maddr)
+            if self.snapshot is not None:
+                for host, dht in self.peers:
+                    await advertise(dht, RUN_ID, self.snapshot.manifest, host.visible_maddrs, time.time() + 10)
+            await asyncio.sleep(FOLLOW_S)
+
+    async def _forge_at_the_tip(self, honest_maddr: str) -> None:
+        host = self.peers[0][0]
+        reply = await host.call(honest_maddr, LINEAGE, {"run": RUN_ID, "since": 0}, timeout=5.0)
+        honest = [decode_receipt(item, RUN_ID) for item in reply["receipts"]]
+        if not honest:
+            return
+        # at the honest step: a round of ours in place of the honest round that made its state;
+        # one step ahead: a round of ours on top of the honest state
+        base = honest if self.ahead else honest[:-1]
+        tip = honest[-1].body
+        step = tip.step + 1 if self.ahead else tip.step
+        if step == self.forged_at:
+            return
+        parent = tip.result if self.ahead else tip.parent
+        state = copy_state(self.like.node.diloco.state_dict())  # the honest θ now: the quiet forgery scales it
+        state["outer_step"] = step + 1
+        state = self.forge(state)
+        result = bytes.fromhex(state_sha256(state))
+        if self.from_genesis:  # made-up states from the honest genesis on, every round ours
+            base, parent = [], honest[0].body.parent
+            for made_up in range(step):
+                base.append(self._round(tip.settings, made_up, parent, hashlib.sha256(b"%d" % made_up).digest()))
+                parent = base[-1].body.result
+        self.snapshot = make_snapshot(state, self.like.node.run_info, shard_bytes=1 << 20)
+        for server in self.servers:
+            server.publish(self.snapshot)
+        self.receipts = [*base, self._round(tip.settings, step, parent, result)]
+        self.forged_at = step
+        self.forgeries += 1
+
+
+    def _round(self, settings: bytes, step: int, parent: bytes, result: bytes) -> Receipt:
+        """A round of the attackers alone, each signing it."""
+        members = tuple(host.peer_id for host, _ in self.peers)
+        group = hashlib.sha256(b"forged %d" % step).digest()
+        body = RoundBody(RUN_ID, settings, step, group, members, tuple(1024.0 for _ in members), parent, result)
+        return Receipt(body, {host.peer_id: sign(body, host.identity) for host, _ in self.peers})
+
+
+ATTACKS = [
+    # (attackers, steps ahead of the honest tip, the forged θ)
+    pytest.param(3, 0, zero_state, id="3 ids, zero state at the honest step"),
+    pytest.param(3, 1, zero_state, id="3 ids, zero state one step ahead"),
+    pytest.param(4, 0, scaled_state, id="4 ids, the honest state with a tensor x1.5"),
+]
+
+
+@pytest.mark.parametrize(("k", "ahead", "forge"), ATTACKS)
+async def test_a_forged_lineage_takes_no_honest_node_and_no_newcomer(
+    local: LocalSwarm, data: TokenData, k: int, ahead: int, forge: Callable[[dict[str, Any]], dict[str, Any]]
+) -> None:
+    clean = await clean_run(data)
+    bootstrap = await local.start_bootstrap()
+    honest = start_honest(local, bootstrap)
+    await until_stepped(honest)
+    await until_true(lambda: all(len(n.steps()) >= 2 for n in honest), 60, "two steps of every node", poll=0.1)
+    async with contextlib.AsyncExitStack() as stack:
+        peers = [await stack.enter_async_context(outsider(bootstrap)) for _ in range(k)]
+        forgers = Forgers(peers, honest[0], ahead, forge)
+        following = asyncio.ensure_future(forgers.follow(honest[0].node.maddrs[0]))
+        try:
+            newcomer = local.start((bootstrap,), max_outer_steps=LONG)  # through the bare bootstrap
+            await finish(honest, (newcomer,), timeout=180)
+        finally:
+            following.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await following
+    assert forgers.forgeries >= 2, "the attackers never followed the honest tip: the test shows nothing"
+    nodes = [*honest, newcomer]
+    assert_fetched_only_swarm_states(nodes)  # never the forged state: no honest node computed it
+    assert_agree(honest, (newcomer,))
+    assert_within_clean(honest, clean)
+    assert fetches(newcomer), "the newcomer never took the swarm's state"
+
+
+async def test_a_lineage_made_up_from_genesis_one_step_ahead_moves_no_node_in_sync_nor_a_vouched_newcomer(
+    local: LocalSwarm, data: TokenData
+) -> None:
+    """The strongest forgery the lineage cannot refuse by itself: 4 identities sign every round
+    from the run's genesis to a zero state one step ahead of the honest swarm. A node that
+    averaged keeps its own lineage (a fork of genesis, not held by an initial peer), and a
+    newcomer whose --initial-peers name an honest node takes the lineage that node holds."""
+    clean = await clean_run(data)
+    bootstrap = await local.start_bootstrap()
+    honest = start_honest(local, bootstrap)
+    await until_stepped(honest)
+    async with contextlib.AsyncExitStack() as stack:
+        peers = [await stack.enter_async_context(outsider(bootstrap)) for _ in range(4)]
+        forgers = Forgers(peers, honest[0], 1, zero_state, from_genesis=True)
+        following = asyncio.ensure_future(forgers.follow(honest[0].node.maddrs[0]))
+        try:
+            newcomer = local.start((honest[0].node.maddrs[0],), max_outer_steps=LONG)  # vouched by an honest node
+            await finish(honest, (newcomer,), timeout=180)
+        finally:
+            following.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await following
+    assert forgers.forgeries >= 2, "the attackers never followed the honest tip: the test shows nothing"
+    assert_fetched_only_swarm_states([*honest, newcomer])
+    assert_agree(honest, (newcomer,))
+    assert_within_clean(honest, clean)
