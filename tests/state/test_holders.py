@@ -18,6 +18,7 @@ from swarm.p2p import P2PConfig, P2PHost
 from swarm.state.config import KeeperConfig
 from swarm.state.holders import advertise, find_holders
 from swarm.state.keeper import StateKeeper
+from swarm.state.lineage_book import LineageBook
 from tests.dht.refusing import refusing_dht
 
 MANIFEST = Manifest(RunInfo(run_id="run", model="tiny", model_config={}, seed=0), step=3, shards=())
@@ -52,10 +53,12 @@ async def test_the_keeper_counts_an_advertisement_stored_nowhere_as_failed(
     diloco = DiLoCo(nn.Linear(4, 4), DiLoCoConfig(inner_steps=2))
     run = RunInfo(run_id="run", model="linear", model_config={}, seed=0)
     async with refusing_dht() as dht, P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))) as host:
+        lineage = LineageBook(host, dht.client, "run", b"", serve=True)
         keeper = StateKeeper(host, dht.client, run, in_trainer=in_trainer, serve=True, checkpoint_dir=None,
-                             config=KeeperConfig(shard_bytes=1 << 20))  # fmt: skip
+                             config=KeeperConfig(shard_bytes=1 << 20), lineage=lineage)  # fmt: skip
         await keeper.publish(diloco)
         await keeper.close()  # waits for the publication under way
+        await lineage.close()
         assert keeper.current is not None and keeper.advertised is False
         assert dht.stored(state_key("run")) == store_retry.STORE_TRIES
     assert any("is not advertised" in r.getMessage() for r in caplog.records)

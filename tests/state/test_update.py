@@ -23,6 +23,8 @@ from swarm.p2p.peer_id import PeerID
 from swarm.state.config import KeeperConfig
 from swarm.state.holders import Holder, advertise
 from swarm.state.keeper import StateKeeper
+from swarm.state.lineage_book import LineageBook, serve_lineage
+from swarm.state.receipts import Receipt, RoundBody, sign
 from swarm.state.server import KEPT_UPDATES, ServeFaults, StateServer, StepUpdate
 from swarm.state.update import HEADER, UpdateError, decode_update, encode_update, max_body_length, split_update
 from swarm.state.update_fetch import CaughtUp, by_update, fetch_update_body
@@ -191,6 +193,11 @@ class Donors:
         server.publish(self.snapshot)
         averaged = _average(self.diloco, seed=9) if kind == "liar" else self.averaged
         server.publish_update(StepUpdate(0, self.base, encode_update(averaged, "int8", 64)))
+        # the state's lineage: a round of one, the donor's, from the base state (its genesis)
+        body = RoundBody(run_id, b"", 0, bytes(32), (host.peer_id,), (1.0,), bytes.fromhex(self.base),
+                         bytes.fromhex(state_sha256(self.expected)))  # fmt: skip
+        receipt = Receipt(body, {host.peer_id: sign(body, host.identity)})
+        serve_lineage(host, run_id, lambda: [receipt])
         m = self.snapshot.manifest
         return Holder(host.peer_id, m.step, m.sha256, tuple(host.visible_maddrs), m.total_bytes)
 
@@ -303,12 +310,15 @@ async def test_the_keeper_takes_the_update_and_falls_back_to_the_whole_state_whe
         donors.hosts.append(node)
         dhts.append(await DHTNode(host=node, initial_peers=bootstrap.visible_maddrs).start())
         diloco = _diloco()  # the base state: step 0, as the donors' was
+        lineage = LineageBook(node, dhts[-1], "run", b"", serve=True)
+        lineage.start(0, bytes.fromhex(donors.base))
         keeper = StateKeeper(node, dhts[-1], RUN, in_trainer=_call, serve=True, checkpoint_dir=None,
-                             config=KeeperConfig(shard_bytes=20_000))  # fmt: skip
+                             config=KeeperConfig(shard_bytes=20_000), lineage=lineage)  # fmt: skip
         try:
             fetched = await keeper.catch_up(diloco, alone_last_step=False)
         finally:
             await keeper.close()
+            await lineage.close()
         assert fetched is not None and holder.step == 1
         _, report = fetched
         assert report.by_update is by_update_expected
