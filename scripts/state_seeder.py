@@ -14,6 +14,11 @@ A donor can be made slow, lying or stalled through StateServer's public fault ho
 `--claim-run`/`--claim-model` write another run id or model into its manifest (a state of
 another run, correctly hashed), and `--node-settings` the run settings of swarm-nodes of the same
 flags (without it: none, as scripts/bench_state.py expects).
+
+It serves the state's lineage too (`state.lineage`): rounds of one, signed by itself, from the
+run's genesis (the model's seed weights) to its state. A newcomer whose anchor is genesis and
+whose initial peers hold no state takes such a lineage (state/lineage.py says why): the seeder
+stands in for the swarm that would have made the state.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import hashlib
 import json
 import signal
 import sys
@@ -36,11 +42,14 @@ from swarm.model.checkpoint import RunInfo, Snapshot, make_snapshot
 from swarm.model.diloco import state_sha256
 from swarm.model.llama import build_model
 from swarm.model.presets import preset
-from swarm.model.run_settings import training_settings
+from swarm.model.run_settings import settings_digest, training_settings
 from swarm.node_config import NodeConfig
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.host import P2PHost
+from swarm.p2p.identity import Identity
 from swarm.state.holders import advertise
+from swarm.state.lineage_book import LINEAGE, serve_lineage
+from swarm.state.receipts import Receipt, RoundBody, sign
 from swarm.state.server import ServeFaults, StateServer
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -92,6 +101,25 @@ class SeedSpec:
             settings=self.settings,
         )
 
+    def genesis(self) -> str:
+        """state_sha256 of the run's initial state: the seed weights, zero momentum, step 0."""
+        net = build_model(preset(self.model), self.seed)
+        params = {n: p.detach().float() for n, p in net.named_parameters() if p.requires_grad}
+        return state_sha256({"outer_step": 0, "params": params, "momentum": {n: torch.zeros_like(p) for n, p in
+                                                                             params.items()}})  # fmt: skip
+
+    def lineage(self, identity: Identity, state_hash: str) -> list[Receipt]:
+        """Rounds of one, signed by `identity`, from the genesis to the state (module docstring)."""
+        settings = settings_digest(self.settings) if self.settings else b""
+        receipts, parent = [], bytes.fromhex(self.genesis())
+        for step in range(self.step):
+            last = step == self.step - 1
+            result = bytes.fromhex(state_hash) if last else hashlib.sha256(b"seeded %d" % step).digest()
+            body = RoundBody(self.run_id, settings, step, bytes(32), (identity.peer_id,), (1.0,), parent, result)
+            receipts.append(Receipt(body, {identity.peer_id: sign(body, identity)}))
+            parent = result
+        return receipts
+
     def snapshot(self) -> tuple[Snapshot, str]:
         """(the snapshot served, the state's state_sha256). CPU-heavy: call it in a thread."""
         state = make_state(self.model, self.seed, self.step)
@@ -118,6 +146,8 @@ class Seeder:
             raise
         server = StateServer(host, spec.run_id, max_uploads=max_uploads, faults=faults)
         server.publish(snapshot)
+        receipts = await asyncio.to_thread(spec.lineage, host.identity, state_hash)
+        serve_lineage(host, spec.run_id, lambda: receipts)
         seeder = cls(host, dht, server, snapshot, state_hash)
         expiration = time.time() + 3600
         if not await advertise(dht, spec.run_id, snapshot.manifest, host.visible_maddrs, expiration):
@@ -138,6 +168,7 @@ class Seeder:
     async def close(self) -> None:
         """Stop serving at once, as a donor that dies would (its connections close). Idempotent."""
         self.server.close()
+        self.host.remove_handler(LINEAGE)
         await self.dht.close()
         await self.host.close()
 

@@ -329,7 +329,8 @@ class StateKeeper:
                 why = structure_problem(chain, step, chain.state)
                 vouched = any(h.peer_id in self.vouching for h in holders)
                 if why is None:
-                    verdict = judge(own, chain, vouched=vouched, provisional=self.lineage.provisional)
+                    verdict = judge(own, chain, vouched=vouched, provisional=self.lineage.provisional,
+                                    client=self.server is None)  # fmt: skip
                     if verdict.adopt:
                         # taken at our anchor from peers nobody vouched for: provisional (lineage.py rule 5)
                         at_anchor = verdict.fork_step == own.anchor_step

@@ -26,14 +26,18 @@ for neither. Then:
    fork of its own after F: that link, signed by at least one member of its parent round, is
    still collecting the endorsements of the next round (a split of equal halves, a round of one);
 3. a node with no link after F (a newcomer, a node behind, one in sync that has not finished
-   its step) adopts an endorsed candidate;
+   its step) adopts an endorsed candidate; so does a node that holds no round at all since its
+   anchor, whether or not the candidate shares a state with it (a node started from another
+   state has nothing of its own to keep);
 4. otherwise the side with more support wins; on equal support, the side whose first state after
    F has the smaller hash (every node of a split takes the same one). A node in sync whose round
    held a majority of F's members is never moved: no other side can have as much support;
 5. two forks of the node's anchor (genesis) have no round to weigh them by: the node keeps its
    own, unless one of its --initial-peers holds the candidate (the operator trusts them), or its
    own lineage is provisional (taken at the anchor from peers nobody vouched for: a newcomer that
-   joined through a bare DHT node) and the candidate is newer.
+   joined through a bare DHT node) and the candidate is newer;
+6. a client (it serves nothing) counts its own rounds of one as nothing: nobody can ever fetch
+   the steps it took alone, so it follows the servers' lineage, even an older one.
 
 What this does not stop: identities holding at least half of a round's members and weight can
 fork it (and a fork of exactly half is settled by a hash); a lineage fabricated from genesis by
@@ -150,16 +154,25 @@ def fork_step(own: Lineage, candidate: Lineage) -> int | None:
     return None
 
 
-def judge(own: Lineage, candidate: Lineage, *, vouched: bool = False, provisional: bool = False) -> Judgement:
+def judge(own: Lineage, candidate: Lineage, *, vouched: bool = False, provisional: bool = False,
+          client: bool = False) -> Judgement:  # fmt: skip
     """Does the node holding `own` adopt the state at the end of `candidate` (whose structure
     `structure_problem` has passed)? The rules of the module docstring. `vouched`: one of the
     node's --initial-peers holds the candidate; `provisional`: the node's own lineage was taken
-    at its anchor from peers no initial peer vouched for (rule 5)."""
+    at its anchor from peers no initial peer vouched for (rule 5); `client`: the node serves
+    nothing (rule 6)."""
     fork = fork_step(own, candidate)
+    if fork is None and not own.links:  # nothing computed with anyone since our anchor (rule 3)
+        problem = _unendorsed(candidate.links, None, pending_ok=False)
+        if problem is not None:
+            return Judgement(False, problem)
+        return Judgement(True, f"an endorsed lineage (we hold no round since our state of step {own.step})")
     if fork is None:
         return Judgement(False, f"it does not descend from any state we hold (ours: step {own.step}, "
                                 f"its receipts from step {candidate.anchor_step})")  # fmt: skip
     theirs, ours = candidate.after(fork), own.after(fork)
+    if client and all(len(link.members) == 1 for link in ours):
+        ours = ()  # rule 6: a client's rounds alone can never be fetched: they weigh nothing
     if not theirs:
         return Judgement(False, f"it is a state of our own lineage (step {candidate.step})", fork)
     fork_round = own.link_into(fork)  # None: the fork is at our anchor, whose round we do not know

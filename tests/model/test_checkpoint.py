@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -143,7 +144,10 @@ def test_checkpoint_dir_keeps_the_last_two_and_loads_the_newest(tmp_path: Path) 
         ckpt.load_latest(dataclasses.replace(RUN, run_id="other"))
 
 
-def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path) -> None:
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="swarm.model.checkpoint")
     ckpt = CheckpointDir(tmp_path)
     for step in (4, 5):
         ckpt.write(make_snapshot(copy_state(_diloco(step).state_dict()), RUN, shard_bytes=2 << 20))
@@ -153,6 +157,8 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: Pa
     shard.write_bytes(bytes(data))
     manifest, _ = ckpt.load_latest(RUN)
     assert manifest.step == 4
+    skipped = [r.getMessage() for r in caplog.records if "skipped the checkpoint" in r.getMessage()]
+    assert len(skipped) == 1 and "step-00000005" in skipped[0] and "step-00000004" in skipped[0], skipped
     # a writer killed mid-write: a temporary directory and no LATEST update; it is ignored and cleaned
     partial = tmp_path / f"step-00000006.tmp-{os.getpid() + 1}"
     partial.mkdir()

@@ -188,6 +188,19 @@ def test_a_lineage_fabricated_from_genesis_takes_an_unvouched_newcomer_only() ->
     assert not judge(chain(0, G, *HONEST, link(4, "s4", "s5", "abc")), FORGED, provisional=True).adopt  # as new
 
 
+def test_a_node_started_from_another_state_with_no_round_takes_the_swarms_lineage() -> None:
+    assert judge(chain(0, "perturbed"), chain(0, G, *HONEST)).adopt
+    assert not judge(chain(0, "perturbed"), chain(0, G, link(0, G, "s1", "abc"), link(1, "s1", "s2", "x"))).adopt
+
+
+def test_a_client_follows_the_servers_even_to_an_older_step() -> None:
+    """Its steps alone can never be fetched (rule 6); a server keeps its own."""
+    alone = chain(0, G, link(0, G, "c1", "c"), link(1, "c1", "c2", "c"), link(2, "c2", "c3", "c"))
+    servers = chain(0, G, link(0, G, "s1", "ab"))
+    assert judge(alone, servers, client=True).adopt
+    assert not judge(alone, servers).adopt
+
+
 def test_structure_problems() -> None:
     good = chain(0, G, *HONEST)
     assert structure_problem(good, 4, sha("s4")) is None
