@@ -218,7 +218,8 @@ class SwarmNode(OuterStepLoop):
         reason = "stopped"
         try:
             if not await self._resume(keeper):  # the run's genesis: every node of the run builds this state
-                lineage.start(diloco.outer_step, bytes.fromhex(await self.inner.call(diloco.state_sha256)))
+                genesis = bytes.fromhex(await self.inner.call(diloco.state_sha256))
+                lineage.start(diloco.outer_step, genesis, provisional=bool(self.initial_peers))
             if self.initial_peers:
                 await book.refresh()
                 remedy = API_REMEDY if config.model == CUSTOM_MODEL else CLI_REMEDY

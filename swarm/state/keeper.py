@@ -318,12 +318,18 @@ class StateKeeper:
         own = self.lineage.lineage
         since = max(own.anchor_step, min(own.step, step) - FORK_DEPTH)
         why: str | None = None
+        alone = all(len(link.members) == 1 for link in own.links)
+        if step == own.anchor_step and self.server is None and alone:  # lineage.py rule 6: back to our anchor
+            return Lineage(own.anchor_step, own.anchor), [], self.lineage.provisional
         if since >= step:
             why = f"its step {step} is not after the state we trust without receipts (step {own.anchor_step})"
         else:
             try:
                 chain, receipts = await self.lineage.fetch(holders, since, step)
             except LineageError as e:
+                if e.unreachable:  # as a fetch from them would: passed over for a while, the caller told
+                    self._not_delivered(e.unreachable, sha)
+                    raise FetchError(f"no holder of state {sha[:12]} sent its lineage ({e})", e.unreachable) from None
                 why = f"no lineage from its holders ({e})"
             else:
                 why = structure_problem(chain, step, chain.state)

@@ -34,8 +34,9 @@ for neither. Then:
    held a majority of F's members is never moved: no other side can have as much support;
 5. two forks of the node's anchor (genesis) have no round to weigh them by: the node keeps its
    own, unless one of its --initial-peers holds the candidate (the operator trusts them), or its
-   own lineage is provisional (taken at the anchor from peers nobody vouched for: a newcomer that
-   joined through a bare DHT node) and the candidate is newer;
+   own lineage is provisional and the candidate is newer: taken at the anchor from peers nobody
+   vouched for (a newcomer that joined through a bare DHT node), or made by a node that joined a
+   run and has averaged with nobody yet (a round with others ends it);
 6. a client (it serves nothing) counts its own rounds of one as nothing: nobody can ever fetch
    the steps it took alone, so it follows the servers' lineage, even an older one.
 

@@ -68,7 +68,11 @@ MAX_HOLDERS_ASKED = 3
 
 
 class LineageError(RuntimeError):
-    """No holder sent a lineage that holds together."""
+    """No holder sent a lineage that holds together; `unreachable`: those that sent nothing."""
+
+    def __init__(self, message: str, unreachable: frozenset[PeerID] = frozenset()) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 class LineageBook:
@@ -99,9 +103,11 @@ class LineageBook:
 
     # --- our own lineage -------------------------------------------------------------------------
 
-    def start(self, step: int, state: bytes) -> None:
-        """Anchor the lineage at a state trusted without receipts (genesis, an old checkpoint)."""
-        self.lineage, self.receipts, self._due, self.provisional = Lineage(step, state), [], {}, False
+    def start(self, step: int, state: bytes, provisional: bool = False) -> None:
+        """Anchor the lineage at a state trusted without receipts (genesis, an old checkpoint).
+        `provisional`: the node joins a run that exists elsewhere (it has initial peers) and has
+        averaged with nobody yet (lineage.py rule 5); a round with others ends it."""
+        self.lineage, self.receipts, self._due, self.provisional = Lineage(step, state), [], {}, provisional
 
     def restore(self, data: bytes, step: int, state: bytes) -> bool:
         """The lineage written with our checkpoint of `step` (whose state is `state`); False (and
@@ -129,6 +135,7 @@ class LineageBook:
                          tuple(float(w) for _, w in members), parent, result)  # fmt: skip
         signature = sign(body, self.identity)
         self._append(Receipt(body, {self.identity.peer_id: signature}))
+        self.provisional = False  # we averaged with others from our own state: it is ours to keep
         self._due[step] = 0
         self._recorded_at[step] = time.monotonic()
         self._unstored[step] = {"g": group_id, "r": result, "s": signature}
@@ -247,11 +254,15 @@ class LineageBook:
     async def fetch(self, holders: Sequence[Holder], since: int, until: int) -> tuple[Lineage, list[Receipt]]:
         """The lineage of one of `holders` from step `since` up to step `until` (the state they
         advertise), its signatures checked in a thread. LineageError when none sends one."""
-        reasons = []
+        reasons, unreachable = [], set()
         for holder in holders[:MAX_HOLDERS_ASKED]:
             try:
                 receipts = await self._fetch_from(holder, since, until)
-            except (P2PError, BadReceipt, LineageError) as e:
+            except P2PError as e:
+                reasons.append(f"{str(holder.peer_id)[-8:]}: {e}")
+                unreachable.add(holder.peer_id)
+                continue
+            except (BadReceipt, LineageError) as e:
                 reasons.append(f"{str(holder.peer_id)[-8:]}: {e}")
                 continue
             checked = await asyncio.to_thread(lambda rs=receipts: [(r, valid_signers(r)) for r in rs])
@@ -260,7 +271,7 @@ class LineageBook:
                 reasons.append(f"{str(holder.peer_id)[-8:]}: its receipts do not chain")
                 continue
             return chain, receipts
-        raise LineageError("; ".join(reasons)[:400] or "no holder to ask")
+        raise LineageError("; ".join(reasons)[:400] or "no holder to ask", frozenset(unreachable))
 
     async def _fetch_from(self, holder: Holder, since: int, until: int) -> list[Receipt]:
         receipts: list[Receipt] = []
