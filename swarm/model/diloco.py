@@ -430,10 +430,12 @@ def _moved(theta: torch.Tensor, momentum: torch.Tensor, g: torch.Tensor, config:
 
 def state_sha256(state: dict[str, Any]) -> str:
     """sha256 of an outer state as DiLoCo.state_dict() gives it: step, then θ_outer and the
-    momentum in name order."""
-    digest = hashlib.sha256(b"swarm-state/1" + int(state["outer_step"]).to_bytes(8, "big"))
-    for t in [*state["params"].values(), *state["momentum"].values()]:
-        digest.update(as_memoryview(t.detach().cpu().contiguous()))
+    momentum, each sorted by name (so a state loaded from shards, which lists its tensors shard
+    by shard, hashes as the model's own does)."""
+    digest = hashlib.sha256(b"swarm-state/2" + int(state["outer_step"]).to_bytes(8, "big"))
+    for kind in ("params", "momentum"):
+        for name in sorted(state[kind]):
+            digest.update(as_memoryview(state[kind][name].detach().cpu().contiguous()))
     return digest.hexdigest()
 
 

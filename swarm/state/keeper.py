@@ -48,6 +48,7 @@ from swarm.p2p.errors import P2PError
 from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
 from swarm.state import trust
+from swarm.state.adoption import Adoption, Linked
 from swarm.state.config import KeeperConfig
 from swarm.state.fetcher import (
     FetchError,
@@ -59,8 +60,7 @@ from swarm.state.fetcher import (
     remove_fetch_dir,
 )
 from swarm.state.holders import Holder, advertise, find_holders, settled_holders
-from swarm.state.lineage import Lineage, judge, structure_problem
-from swarm.state.lineage_book import LineageBook, LineageError, encode_receipts
+from swarm.state.lineage_book import LineageBook, encode_receipts
 from swarm.state.receipts import Receipt
 from swarm.state.server import StateServer, StepUpdate
 from swarm.state.trust import Known, choose_trusted, fetch_reason, manifest_problem
@@ -81,25 +81,12 @@ MAX_ELDERS = 3  # initial peers asked how long they have known a state's holders
 AGES_TIMEOUT_S = 5.0
 AGES_KEPT_S = 30.0  # a holder not seasoned yet is asked about again after this long
 MAX_AGES = 4096
-# a state whose lineage we refused is not weighed again for this long (its tip may be collecting
-# its members' signatures: seconds), nor its holders asked again for it
-UNLINKED_S = 5.0
-FORK_DEPTH = 64  # steps back from our state where a candidate's lineage may fork from ours
-Linked = tuple[Lineage, list[Receipt], bool]  # a lineage we may adopt, its receipts, and whether it is provisional
 
 
 def tensor_sizes(diloco: DiLoCo) -> dict[str, int]:
     """Each tensor of the state as a manifest names it, with its raw byte size."""
     state = diloco.state_dict()
     return {f"{kind}/{name}": t.numel() * t.element_size() for kind in KINDS for name, t in state[kind].items()}
-
-
-def _state_sha(state: dict[str, Any], names: list[str]) -> bytes:
-    """state_sha256 of a loaded state, whose tensors are listed shard by shard: in the model's
-    order (`names`), as the hash takes them."""
-    ordered = {kind: {n: state[kind][n] for n in names if n in state[kind]} for kind in ("params", "momentum")}
-    ordered["outer_step"] = state["outer_step"]
-    return bytes.fromhex(state_sha256(ordered))
 
 
 class StateKeeper:
@@ -125,9 +112,8 @@ class StateKeeper:
         lineage: LineageBook,
     ) -> None:
         self.host, self.dht, self.run, self.config = host, dht, run, config
-        self.lineage = lineage  # our lineage: which states we may adopt (lineage.py)
-        self._unlinked: dict[str, float] = {}  # manifest -> when its lineage was refused (monotonic)
-        self._warned_unvouched = False
+        self.lineage = lineage  # our lineage: which states we may adopt (lineage.py, adoption.py)
+        self.adoption = Adoption(lineage, vouching=vouching, client=not serve)
         # in_trainer: work that writes the model (a loaded state), between the caller's inner
         # steps; beside_trainer: work that only reads the outer state (the copy to publish), in the
         # same thread while the inner steps go on (an overlapped node trains meanwhile)
@@ -172,9 +158,10 @@ class StateKeeper:
         if found is None:
             return None
         manifest, state = found
-        sha = await asyncio.to_thread(_state_sha, state, diloco.names)
+        sha = bytes.fromhex(await asyncio.to_thread(state_sha256, state))
         data = await asyncio.to_thread(self.checkpoints.load_lineage, manifest.step)
-        if data is None or not self.lineage.restore(data, manifest.step, sha):
+        # decoding a long run's receipts is work for a thread; nothing else uses the book yet
+        if data is None or not await asyncio.to_thread(self.lineage.restore, data, manifest.step, sha):
             self.lineage.start(manifest.step, sha)
             logger.info("the checkpoint of outer step %d has no lineage that leads to it: our lineage starts there",
                         manifest.step)  # fmt: skip
@@ -198,9 +185,7 @@ class StateKeeper:
         without us, trust.Known.missed). Returns (why, report) after a fetch, None when the
         node's own state is right. Raises FetchError or IncompatibleState when a needed fetch
         fails."""
-        now = time.monotonic()
-        self._unlinked = {sha: t for sha, t in self._unlinked.items() if now - t < UNLINKED_S}
-        skipped = self._refused | set(self._unlinked)
+        skipped = self._refused | self.adoption.unlinked()
         holders = [h for h in await self._holders() if h.manifest not in skipped]
         seasoned = await self._seasoned([h.peer_id for h in holders if h.step > diloco.outer_step])
         verdict = choose_trusted(holders, Known(diloco.outer_step, horizon, self.vouching, missed, seasoned))
@@ -216,7 +201,11 @@ class StateKeeper:
                            servers_behind=servers_behind, other_state=other_state)  # fmt: skip
         if why is None:
             return None
-        linked = await self._linked(agreeing, step, sha)
+        try:
+            linked = await self.adoption.linked(agreeing, step, sha)
+        except FetchError as e:
+            self._not_delivered(e.failed, sha)
+            raise
         if linked is None:
             return None
         if step == diloco.outer_step + 1 and self.config.by_update:
@@ -240,7 +229,7 @@ class StateKeeper:
                 find_holders=self._holders,
                 expect_tensors=await self.in_trainer(tensor_sizes, diloco),
             )
-            await self._check_lineage_leads_to(state, sha, linked[0], diloco.names)
+            await self.adoption.check_leads_to(state, sha, linked[0])
             try:
                 await self.in_trainer(diloco.load_state_dict, state)
             except ValueError as e:  # hashes right, but NaN or misshapen tensors: never ours
@@ -296,7 +285,7 @@ class StateKeeper:
         self._not_delivered(failed, sha)
         if caught is None:
             return None
-        await self._check_lineage_leads_to(caught.state, sha, linked[0], diloco.names)
+        await self.adoption.check_leads_to(caught.state, sha, linked[0])
         await self.in_trainer(diloco.load_state_dict, caught.state)
         self.lineage.adopt(*linked)
         if self.server is not None:  # we hold the step's update now too: a node behind us can take it
@@ -310,64 +299,6 @@ class StateKeeper:
                     manifest.total_bytes / 1e6)  # fmt: skip
         await self.publish(diloco, checkpoint=True, made=caught.snapshot if manifest.run == self.run else None)
         return report
-
-    async def _linked(self, holders: list[Holder], step: int, sha: str) -> Linked | None:
-        """The lineage of state `sha` (outer step `step`) from its holders, with whether it will
-        be provisional, when it is one we may adopt (lineage.judge); None otherwise (logged, and
-        the state not weighed again for UNLINKED_S)."""
-        own = self.lineage.lineage
-        since = max(own.anchor_step, min(own.step, step) - FORK_DEPTH)
-        why: str | None = None
-        alone = all(len(link.members) == 1 for link in own.links)
-        if step == own.anchor_step and self.server is None and alone:  # lineage.py rule 6: back to our anchor
-            return Lineage(own.anchor_step, own.anchor), [], self.lineage.provisional
-        if since >= step:
-            why = f"its step {step} is not after the state we trust without receipts (step {own.anchor_step})"
-        else:
-            try:
-                chain, receipts = await self.lineage.fetch(holders, since, step)
-            except LineageError as e:
-                if e.unreachable:  # as a fetch from them would: passed over for a while, the caller told
-                    self._not_delivered(e.unreachable, sha)
-                    raise FetchError(f"no holder of state {sha[:12]} sent its lineage ({e})", e.unreachable) from None
-                why = f"no lineage from its holders ({e})"
-            else:
-                why = structure_problem(chain, step, chain.state)
-                vouched = any(h.peer_id in self.vouching for h in holders)
-                if why is None:
-                    verdict = judge(own, chain, vouched=vouched, provisional=self.lineage.provisional,
-                                    client=self.server is None)  # fmt: skip
-                    if verdict.adopt:
-                        # taken at our anchor from peers nobody vouched for: provisional (lineage.py rule 5)
-                        at_anchor = verdict.fork_step == own.anchor_step
-                        if at_anchor and not vouched:
-                            self._warn_unvouched()
-                        provisional = not vouched if at_anchor else self.lineage.provisional
-                        logger.info("adopting the lineage of state %s (step %d): %s", sha[:12], step, verdict.why)
-                        return chain, receipts, provisional
-                    why = verdict.why
-        self._unlinked[sha] = time.monotonic()
-        for holder in holders:
-            self._distrusted.log(holder.peer_id, "lineage", "not adopting the state it advertises (step %d): %s",
-                                 step, why)  # fmt: skip
-        return None
-
-    def _warn_unvouched(self) -> None:
-        """A lineage taken at our anchor from peers none of our initial peers is: said once."""
-        if self._warned_unvouched:
-            return
-        self._warned_unvouched = True
-        logger.warning("adopting the run's state from peers none of our --initial-peers vouches for: a lineage "
-                       "from the run's start cannot be told from one that identities of their own made up; join "
-                       "through a peer that holds the run's state to be sure")  # fmt: skip
-
-    async def _check_lineage_leads_to(self, state: dict[str, Any], sha: str, chain: Lineage, names: list[str]) -> None:
-        """RefusedManifest when the fetched state is not the one its lineage ends in. `names`: the
-        model's tensor names in its order (the hash's; a fetched state lists them shard by shard)."""
-        got = await asyncio.to_thread(_state_sha, state, names)
-        if got != chain.state:
-            raise RefusedManifest(sha, f"its lineage ends in state {chain.state.hex()[:12]}, not this one "
-                                       f"({got.hex()[:12]})")  # fmt: skip
 
     def record_update(self, step: int, base: str, averaged: list[torch.Tensor], codec: str, block_size: int) -> None:
         """Serve the update outer step `step` applied to our state `base` (state_sha256 hex): the

@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 LINEAGE = "state.lineage"
 PAGE_BYTES = 512 << 10  # a reply's receipts (the RPC head limit is 1 MiB)
-MAX_LINKS = 1_000_000  # steps of a lineage fetched or restored
+MAX_LINKS = 100_000  # steps of a lineage fetched or restored (a liar's would cost a newcomer minutes of checks)
 RECEIPT_TTL_S = 900.0  # a signature record outlives its round long enough for every member to read it
 COLLECT_AFTER_S = (0.3, 1.0, 3.0, 10.0)  # when, after its round, a member reads the others' signatures
 SOLO_GROUP = bytes(32)  # the group id of a round of one
@@ -166,8 +166,17 @@ class LineageBook:
             logger.info("our lineage restarts at step %d (it ended at step %d)", body.step, self.lineage.step)
             self.start(body.step, body.parent)
         link = Link.of(receipt, frozenset(receipt.signatures))
-        self.lineage = Lineage(self.lineage.anchor_step, self.lineage.anchor, (*self.lineage.links, link)[-MAX_LINKS:])
-        self.receipts = [*self.receipts, receipt][-MAX_LINKS:]
+        held = self.lineage
+        self._keep(held.anchor_step, held.anchor, [*held.links, link], [*self.receipts, receipt])
+
+    def _keep(self, anchor_step: int, anchor: bytes, links: list[Link], receipts: list[Receipt]) -> None:
+        """Hold these links and their receipts, at most MAX_LINKS: past it the oldest go, and the
+        lineage is anchored at the state the last dropped one made."""
+        drop = max(0, len(links) - MAX_LINKS)
+        if drop:
+            anchor_step, anchor = anchor_step + drop, links[drop - 1].result
+            links, receipts = links[drop:], receipts[drop:]
+        self.lineage, self.receipts = Lineage(anchor_step, anchor, tuple(links)), receipts
 
     def adopt(self, chain: Lineage, receipts: Sequence[Receipt], provisional: bool) -> None:
         """The lineage of a state we fetched (judged first): ours up to where it begins, then its.
@@ -177,10 +186,9 @@ class LineageBook:
         if chain.anchor_step < self.lineage.anchor_step or self.lineage.state_at(chain.anchor_step) != chain.anchor:
             self.lineage, self.receipts = chain, list(receipts)
         else:
-            links = (*self.lineage.links[:keep], *chain.links)[-MAX_LINKS:]
-            self.lineage = Lineage(self.lineage.anchor_step, self.lineage.anchor, links)
-            self.receipts = [*self.receipts[:keep], *receipts][-MAX_LINKS:]
-        self._due = {}
+            self._keep(self.lineage.anchor_step, self.lineage.anchor, [*self.lineage.links[:keep], *chain.links],
+                       [*self.receipts[:keep], *receipts])  # fmt: skip
+        self._due, self._recorded_at = {}, {}
 
     # --- signatures of our rounds -----------------------------------------------------------------
 
@@ -193,7 +201,10 @@ class LineageBook:
             due = [s for s, n in self._due.items() if now - self._recorded_at[s] >= COLLECT_AFTER_S[n]]
             for step in due:
                 await self.collect(step)
-                self._due[step] = self._due.get(step, 0) + 1
+                if step not in self._due:  # an adopted lineage replaced ours meanwhile
+                    self._recorded_at.pop(step, None)
+                    continue
+                self._due[step] += 1
                 if self._due[step] >= len(COLLECT_AFTER_S) or self._complete(step):
                     self._due.pop(step, None)
                     self._recorded_at.pop(step, None)
@@ -254,6 +265,8 @@ class LineageBook:
     async def fetch(self, holders: Sequence[Holder], since: int, until: int) -> tuple[Lineage, list[Receipt]]:
         """The lineage of one of `holders` from step `since` up to step `until` (the state they
         advertise), its signatures checked in a thread. LineageError when none sends one."""
+        if until - since > MAX_LINKS:  # before a byte is asked for: a state a million steps on
+            raise LineageError(f"a lineage of {until - since} steps is more than we check ({MAX_LINKS})")
         reasons, unreachable = [], set()
         for holder in holders[:MAX_HOLDERS_ASKED]:
             try:

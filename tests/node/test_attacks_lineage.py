@@ -67,8 +67,8 @@ class Forgers:
     """K attacker identities serving one forged state with a lineage copied from an honest node
     and extended by a round whose members are the attackers alone, all signing it."""
 
-    def __init__(self, peers: list[tuple[P2PHost, DHTNode]], like: Running, ahead: int,
-                 forge: Callable[[dict[str, Any]], dict[str, Any]], *, from_genesis: bool = False) -> None:  # fmt: skip
+    def __init__(self, peers: list[tuple[P2PHost, DHTNode]], like: Running, *, ahead: int,
+                 forge: Callable[[dict[str, Any]], dict[str, Any]], from_genesis: bool = False) -> None:  # fmt: skip
         self.peers, self.like, self.ahead, self.forge = peers, like, ahead, forge
         self.from_genesis = from_genesis  # every round of the lineage made up, not only the last
         self.receipts: list[Receipt] = []
@@ -127,6 +127,26 @@ class Forgers:
         return Receipt(body, {host.peer_id: sign(body, host.identity) for host, _ in self.peers})
 
 
+async def attacked(local: LocalSwarm, bootstrap: str, honest: list[Running], k: int, newcomer_joins: str,
+                   **forging: Any) -> Running:  # fmt: skip
+    """K attacker identities forge (Forgers, with `forging`) while a newcomer joins through
+    `newcomer_joins` and the honest nodes finish their steps; the attackers stop with them.
+    Returns the newcomer."""
+    async with contextlib.AsyncExitStack() as stack:
+        peers = [await stack.enter_async_context(outsider(bootstrap)) for _ in range(k)]
+        forgers = Forgers(peers, honest[0], **forging)
+        following = asyncio.ensure_future(forgers.follow(honest[0].node.maddrs[0]))
+        try:
+            newcomer = local.start((newcomer_joins,), max_outer_steps=LONG)
+            await finish(honest, (newcomer,), timeout=180)
+        finally:
+            following.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await following
+    assert forgers.forgeries >= 2, "the attackers never followed the honest tip: the test shows nothing"
+    return newcomer
+
+
 ATTACKS = [
     # (attackers, steps ahead of the honest tip, the forged θ)
     pytest.param(3, 0, zero_state, id="3 ids, zero state at the honest step"),
@@ -144,18 +164,7 @@ async def test_a_forged_lineage_takes_no_honest_node_and_no_newcomer(
     honest = start_honest(local, bootstrap)
     await until_stepped(honest)
     await until_true(lambda: all(len(n.steps()) >= 2 for n in honest), 60, "two steps of every node", poll=0.1)
-    async with contextlib.AsyncExitStack() as stack:
-        peers = [await stack.enter_async_context(outsider(bootstrap)) for _ in range(k)]
-        forgers = Forgers(peers, honest[0], ahead, forge)
-        following = asyncio.ensure_future(forgers.follow(honest[0].node.maddrs[0]))
-        try:
-            newcomer = local.start((bootstrap,), max_outer_steps=LONG)  # through the bare bootstrap
-            await finish(honest, (newcomer,), timeout=180)
-        finally:
-            following.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await following
-    assert forgers.forgeries >= 2, "the attackers never followed the honest tip: the test shows nothing"
+    newcomer = await attacked(local, bootstrap, honest, k, bootstrap, ahead=ahead, forge=forge)  # a bare bootstrap
     nodes = [*honest, newcomer]
     assert_fetched_only_swarm_states(nodes)  # never the forged state: no honest node computed it
     assert_agree(honest, (newcomer,))
@@ -174,18 +183,8 @@ async def test_a_lineage_made_up_from_genesis_one_step_ahead_moves_no_node_in_sy
     bootstrap = await local.start_bootstrap()
     honest = start_honest(local, bootstrap)
     await until_stepped(honest)
-    async with contextlib.AsyncExitStack() as stack:
-        peers = [await stack.enter_async_context(outsider(bootstrap)) for _ in range(4)]
-        forgers = Forgers(peers, honest[0], 1, zero_state, from_genesis=True)
-        following = asyncio.ensure_future(forgers.follow(honest[0].node.maddrs[0]))
-        try:
-            newcomer = local.start((honest[0].node.maddrs[0],), max_outer_steps=LONG)  # vouched by an honest node
-            await finish(honest, (newcomer,), timeout=180)
-        finally:
-            following.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await following
-    assert forgers.forgeries >= 2, "the attackers never followed the honest tip: the test shows nothing"
+    vouched_by = honest[0].node.maddrs[0]  # the newcomer's initial peer: an honest node
+    newcomer = await attacked(local, bootstrap, honest, 4, vouched_by, ahead=1, forge=zero_state, from_genesis=True)
     assert_fetched_only_swarm_states([*honest, newcomer])
     assert_agree(honest, (newcomer,))
     assert_within_clean(honest, clean)

@@ -11,9 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from swarm.dht import DHTNode
+from swarm.p2p import P2PConfig, P2PHost
 from swarm.p2p.identity import Identity
 from swarm.p2p.peer_id import PeerID
+from swarm.state import lineage_book
+from swarm.state.holders import Holder
 from swarm.state.lineage import Lineage, Link, judge, structure_problem
+from swarm.state.lineage_book import LineageBook, LineageError
 from swarm.state.receipts import BadReceipt, Receipt, RoundBody, decode_receipt, sign, valid_signers
 
 KEYS = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(12)]
@@ -297,3 +302,30 @@ def test_malformed_receipts_are_refused(mutate) -> None:  # type: ignore[no-unty
 def test_a_receipt_of_another_run_is_refused() -> None:
     with pytest.raises(BadReceipt, match="of run"):
         decode_receipt(signed(body(run="other")).encode(), "run")
+
+
+# --- the book: bounds --------------------------------------------------------------------------
+
+
+async def test_the_book_refuses_a_lineage_too_long_to_check_and_keeps_its_own_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A state a million steps on costs a newcomer no byte of receipts; past MAX_LINKS rounds of
+    its own a node keeps the newest, anchored where the oldest kept one starts."""
+    async with P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))) as host:
+        dht = await DHTNode(host=host).start()
+        book = LineageBook(host, dht, "run", b"", serve=True)
+        try:
+            liar = Holder(P[9], 1_000_000, "a" * 64, ("/ip4/127.0.0.1/tcp/9/p2p/" + str(P[9]),), 100)
+            with pytest.raises(LineageError, match="more than we check"):
+                await book.fetch([liar], 0, 1_000_000)
+            monkeypatch.setattr(lineage_book, "MAX_LINKS", 3)
+            book.start(0, sha(G))
+            for step in range(5):
+                book.record_alone(step, 1.0, book.lineage.state, sha(f"own{step + 1}"))
+            kept = book.lineage
+            assert (kept.anchor_step, kept.anchor, kept.step, kept.state) == (2, sha("own2"), 5, sha("own5"))
+            assert [r.body.step for r in book.receipts] == [2, 3, 4]
+        finally:
+            await book.close()
+            await dht.close()

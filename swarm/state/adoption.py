@@ -1,0 +1,111 @@
+"""Adoption: whether the keeper may take a state it found, by the state's lineage (lineage.py).
+
+    adoption = Adoption(book, vouching=initial_peer_ids, client=False)
+    linked = await adoption.linked(holders, step, sha)   # None: not ours to take (logged once per holder)
+    ... fetch the state ...
+    await adoption.check_leads_to(state, sha, linked[0]) # RefusedManifest: the state is not the lineage's end
+    book.adopt(*linked)
+
+A candidate's lineage is fetched from its holders (from FORK_DEPTH steps before the node's own
+state, or from its anchor) and judged against the node's own before any shard is asked for. A
+state whose lineage was refused is not weighed again for UNLINKED_S; holders that could not be
+reached raise FetchError (with them as `failed`), as a fetch from them would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from swarm.log_once import OncePerPeer
+from swarm.model.diloco import state_sha256
+from swarm.p2p.peer_id import PeerID
+from swarm.state.fetcher import FetchError, RefusedManifest
+from swarm.state.holders import Holder
+from swarm.state.lineage import Lineage, judge, structure_problem
+from swarm.state.lineage_book import LineageBook, LineageError
+from swarm.state.receipts import Receipt
+
+logger = logging.getLogger(__name__)
+
+# a state whose lineage we refused is not weighed again for this long (its tip may be collecting
+# its members' signatures: seconds), nor its holders asked again for it
+UNLINKED_S = 5.0
+FORK_DEPTH = 64  # steps back from our state where a candidate's lineage may fork from ours
+Linked = tuple[Lineage, list[Receipt], bool]  # a lineage we may adopt, its receipts, and whether it is provisional
+
+
+class Adoption:
+    """Owns the states refused by their lineage (for UNLINKED_S) and the one warning a newcomer
+    gets when it takes a lineage nobody vouched for."""
+
+    def __init__(self, book: LineageBook, *, vouching: frozenset[PeerID], client: bool) -> None:
+        self.book, self.vouching, self.client = book, vouching, client
+        self._unlinked: dict[str, float] = {}  # manifest -> when its lineage was refused (monotonic)
+        self._warned_unvouched = False
+        self._distrusted = OncePerPeer(logger)
+
+    def unlinked(self) -> set[str]:
+        """The manifests whose lineage was refused lately: not weighed again yet."""
+        now = time.monotonic()
+        self._unlinked = {sha: t for sha, t in self._unlinked.items() if now - t < UNLINKED_S}
+        return set(self._unlinked)
+
+    async def linked(self, holders: Sequence[Holder], step: int, sha: str) -> Linked | None:
+        """The lineage of state `sha` (outer step `step`) from its holders, with whether it will
+        be provisional, when it is one we may adopt (lineage.judge); None otherwise (logged, and
+        the state not weighed again for UNLINKED_S). FetchError when no holder answered."""
+        own = self.book.lineage
+        alone = all(len(link.members) == 1 for link in own.links)
+        if step == own.anchor_step and self.client and alone:  # lineage.py rule 6: back to our anchor
+            return Lineage(own.anchor_step, own.anchor), [], self.book.provisional
+        since = max(own.anchor_step, min(own.step, step) - FORK_DEPTH)
+        if since >= step:
+            why = f"its step {step} is not after the state we trust without receipts (step {own.anchor_step})"
+        else:
+            try:
+                chain, receipts = await self.book.fetch(holders, since, step)
+            except LineageError as e:
+                if e.unreachable:
+                    raise FetchError(f"no holder of state {sha[:12]} sent its lineage ({e})", e.unreachable) from None
+                why = f"no lineage from its holders ({e})"
+            else:
+                vouched = any(h.peer_id in self.vouching for h in holders)
+                adopted = self._judged(own, chain, sha, vouched)
+                if isinstance(adopted, bool):
+                    return chain, receipts, adopted
+                why = adopted
+        self._unlinked[sha] = time.monotonic()
+        for holder in holders:
+            self._distrusted.log(holder.peer_id, "lineage", "not adopting the state it advertises (step %d): %s",
+                                 step, why)  # fmt: skip
+        return None
+
+    def _judged(self, own: Lineage, chain: Lineage, sha: str, vouched: bool) -> bool | str:
+        """Whether the adopted lineage is provisional (lineage.py rule 5), or why it is refused."""
+        problem = structure_problem(chain, chain.step, chain.state)
+        if problem is not None:
+            return problem
+        verdict = judge(own, chain, vouched=vouched, provisional=self.book.provisional, client=self.client)
+        if not verdict.adopt:
+            return verdict.why
+        logger.info("adopting the lineage of state %s (step %d): %s", sha[:12], chain.step, verdict.why)
+        if verdict.fork_step != own.anchor_step:
+            return self.book.provisional
+        if not vouched and not self._warned_unvouched:  # taken at our anchor from peers nobody vouched for
+            self._warned_unvouched = True
+            logger.warning("adopting the run's state from peers none of our --initial-peers vouches for: a lineage "
+                           "from the run's start cannot be told from one that identities of their own made up; join "
+                           "through a peer that holds the run's state to be sure")  # fmt: skip
+        return not vouched
+
+    @staticmethod
+    async def check_leads_to(state: dict[str, Any], sha: str, chain: Lineage) -> None:
+        """RefusedManifest when the fetched state is not the one its lineage ends in."""
+        got = bytes.fromhex(await asyncio.to_thread(state_sha256, state))
+        if got != chain.state:
+            raise RefusedManifest(sha, f"its lineage ends in state {chain.state.hex()[:12]}, not this one "
+                                       f"({got.hex()[:12]})")  # fmt: skip
