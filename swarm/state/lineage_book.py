@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 LINEAGE = "state.lineage"
 PAGE_BYTES = 512 << 10  # a reply's receipts (the RPC head limit is 1 MiB)
+MAX_LINEAGE_BYTES = 64 << 20  # receipts taken from one holder for one lineage (rounds of 8: ~45,000 steps)
 MAX_LINKS = 100_000  # steps of a lineage fetched or restored (a liar's would cost a newcomer minutes of checks)
 RECEIPT_TTL_S = 900.0  # a signature record outlives its round long enough for every member to read it
 COLLECT_AFTER_S = (0.3, 1.0, 3.0, 10.0)  # when, after its round, a member reads the others' signatures
@@ -288,7 +289,7 @@ class LineageBook:
 
     async def _fetch_from(self, holder: Holder, since: int, until: int) -> list[Receipt]:
         receipts: list[Receipt] = []
-        step = since
+        step, size = since, 0
         while step < until:
             reply = await self.host.call(holder.maddrs[0], LINEAGE, {"run": self.run_id, "since": step},
                                          timeout=FETCH_TIMEOUT_S)  # fmt: skip
@@ -302,6 +303,9 @@ class LineageBook:
                 if receipt.body.settings != self.settings:
                     raise LineageError(f"a receipt of other run settings at step {step}")
                 receipts.append(receipt)
+                size += encoded_size(len(receipt.body.members), len(receipt.signatures))
+                if size > MAX_LINEAGE_BYTES:  # stuffed receipts: stop before their signatures are checked
+                    raise LineageError(f"more than {MAX_LINEAGE_BYTES >> 20} MiB of receipts")
                 step += 1
                 if step >= until:
                     break

@@ -314,11 +314,20 @@ async def test_the_book_refuses_a_lineage_too_long_to_check_and_keeps_its_own_bo
     its own a node keeps the newest, anchored where the oldest kept one starts."""
     async with P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))) as host:
         dht = await DHTNode(host=host).start()
-        book = LineageBook(host, dht, "run", b"", serve=True)
+        book = LineageBook(host, dht, "run", b"settings", serve=True)
         try:
             liar = Holder(P[9], 1_000_000, "a" * 64, ("/ip4/127.0.0.1/tcp/9/p2p/" + str(P[9]),), 100)
             with pytest.raises(LineageError, match="more than we check"):
                 await book.fetch([liar], 0, 1_000_000)
+            # receipts stuffed with members and signatures: the fetch stops at MAX_LINEAGE_BYTES
+            async with P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))) as stuffer:
+                stuffed = [signed(body(step, members=tuple(P[:8]), parent=G if step == 0 else f"x{step}",
+                                       result=f"x{step + 1}")) for step in range(20)]  # fmt: skip
+                lineage_book.serve_lineage(stuffer, "run", lambda: stuffed)
+                holder = Holder(stuffer.peer_id, 20, "a" * 64, (stuffer.visible_maddrs[0],), 100)
+                monkeypatch.setattr(lineage_book, "MAX_LINEAGE_BYTES", 10_000)
+                with pytest.raises(LineageError, match="MiB of receipts"):
+                    await book.fetch([holder], 0, 20)
             monkeypatch.setattr(lineage_book, "MAX_LINKS", 3)
             book.start(0, sha(G))
             for step in range(5):
