@@ -294,5 +294,11 @@ async def test_a_faster_member_trains_into_its_step_while_a_slower_one_finishes_
     middle = (1, 2, 3)  # the first: no pace in the records yet; the last blocks
     assert all(steps[s]["group_size"] == 2 for s in range(5)), steps
     assert all(steps[s]["inner_done"] > 4 for s in middle), steps  # extra steps in its Δ
+    # The round lands some seconds after the slow member's H steps; those seconds are more on a
+    # busy machine, and the fast one trains twice the steps in them. So its lead is bounded by
+    # twice the slow one's plus two (one step of granularity each, and its last extra step may end
+    # up to a step before the slow one's predicted end). Starting its next step early instead
+    # would add the 4 steps of 2 s it is ahead by on top, which this bound does not allow.
     ahead = sorted(steps[s]["inner_ahead"] for s in middle)
-    assert ahead[1] <= 2, (steps, slow_steps)
+    slow_ahead = sorted(slow_steps[s]["inner_ahead"] for s in middle)
+    assert ahead[1] <= 2 * slow_ahead[1] + 2, (ahead, slow_ahead, steps, slow_steps)
