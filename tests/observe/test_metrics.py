@@ -1,5 +1,5 @@
 """NodeMetrics (swarm/observe/metrics.py): events fold into Prometheus metrics of their own
-registry, with the names METRICS and the README document."""
+registry, with the names METRICS and the docs' "Watching a run" page document."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.observe.metrics import METRICS, NodeMetrics
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+WATCHING = Path(__file__).resolve().parents[2] / "docs" / "guides" / "watching.md"  # the metrics' table
 
 
 def scrape(metrics: NodeMetrics) -> dict[str, float]:
@@ -32,7 +32,7 @@ def samples(text: str) -> dict[str, float]:
 
 
 def exposed_names(text: str) -> set[str]:
-    """Family names as METRICS and the README write them: counters with _total, infos with _info."""
+    """Family names as METRICS and the docs write them: counters with _total, infos with _info."""
     suffix = {"counter": "_total", "info": "_info"}
     return {f.name + suffix.get(f.type, "") for f in text_string_to_metric_families(text)}
 
@@ -45,9 +45,9 @@ def test_names_follow_the_conventions_and_match_the_list() -> None:
         assert name.endswith("_total") == (kind == "counter"), name
 
 
-def test_the_readme_lists_every_metric() -> None:
-    text = README.read_text()
-    section = text.split("## Watching a swarm", 1)[1].split("\n## ", 1)[0]
+def test_the_docs_list_every_metric() -> None:
+    text = WATCHING.read_text()
+    section = text.split("## The metrics", 1)[1].split("\n## ", 1)[0]
     listed = dict(re.findall(r"^\| `(swarm_[a-z_]+)` \| (\w+) \|", section, re.M))
     assert listed == {name: kind for name, (kind, _) in METRICS.items()}
 
