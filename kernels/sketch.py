@@ -1,4 +1,4 @@
-"""The owner audit's seeded sketch (swarm/averaging/audit.py), fast and reference.
+"""The owner audit's seeded sketch (swarm/averaging/audit/arithmetic.py), fast and reference.
 
     plan = SketchPlan(signs, shifts, buckets, numel)     # one per (seed, part): row parameters
     sq = sketch_accumulate(out, x, offset, plan)         # out += S(x placed at [offset, ...));

@@ -22,5 +22,5 @@ Run each one as a module from the repository root, so that it imports its siblin
 their parts: worker_process (a child driven by JSON lines), hivemind_* (the hivemind side of each
 comparison), hivemind_procs (finding and cleaning up hivemind's processes and socket files),
 state_seeder (a state donor that does not train, also used by the tests), attacker / attacks.
-Children are started, read and stopped through swarm.process_control.
+Children are started, read and stopped through swarm.utils.process_control.
 """

@@ -79,7 +79,7 @@ def weight() -> None:
 
 
 def owner() -> None:
-    from swarm.averaging.reduction import PartReduction
+    from swarm.averaging.rounds.reduction import PartReduction
 
     _announce(bandwidth=1e12)
 
@@ -129,7 +129,7 @@ def big_manifest() -> None:
 
 
 def records() -> None:
-    from swarm.progress import OwnProgress
+    from swarm.node.progress import OwnProgress
 
     def make(original: Any) -> Any:
         def encode(self: Any, now: float) -> dict[str, Any]:

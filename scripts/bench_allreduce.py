@@ -11,7 +11,7 @@ the raw loopback throughput (plain Python sockets, as in bench_p2p.py). With --c
 the same configurations run on hivemind's DecentralizedAverager (scripts/hivemind_allreduce.py).
 `--aggregators mean,robust` measures the part owners' rules one after the other (issue 12: the
 robust reduction's cost is robust's round time against mean's); "robust+audit" adds the owner
-audit (audit_round.py), which the other names leave off; "+whole" (e.g. "mean+whole") has each
+audit (audit/flat.py), which the other names leave off; "+whole" (e.g. "mean+whole") has each
 owner answer only once its whole part is reduced, instead of chunk by chunk as the senders'
 bytes arrive (AveragingConfig.stream_parts); "+paced" has each member cap its sending to each
 peer at its share of its measured upload (bandwidth.LinkEstimate.pace, p2p/pacing.py, as
@@ -37,7 +37,7 @@ from typing import Any
 from scripts import worker_process
 from scripts.worker_process import WorkerProcess, sha256_hex
 from swarm.averaging.config import AGGREGATORS
-from swarm.process_control import exit_on_sigterm
+from swarm.utils.process_control import exit_on_sigterm
 
 MARK = "BENCH_ALLREDUCE "
 BYTES_PER_ELEMENT = {"none": 4, "fp16": 2, "int8": 1}
@@ -64,9 +64,10 @@ async def worker_main(host_ip: str) -> None:
     import msgpack
     import torch
 
-    from swarm.averaging.allreduce import AllReduceRound, RoundRegistry
     from swarm.averaging.config import AveragingConfig
     from swarm.averaging.messages import GroupInfo
+    from swarm.averaging.rounds.flat import AllReduceRound
+    from swarm.averaging.rounds.registry import RoundRegistry
     from swarm.p2p import P2PConfig, P2PHost
 
     torch.set_num_threads(1)  # n members share 2 cores
@@ -134,9 +135,9 @@ def measure_swarm(
     import msgpack
     import torch
 
-    from swarm.averaging.bandwidth import LinkEstimate
     from swarm.averaging.config import AveragingConfig
     from swarm.averaging.messages import GroupInfo, MemberInfo
+    from swarm.averaging.rounds.bandwidth import LinkEstimate
     from swarm.p2p import PeerID
     from swarm_kernels import get_codec
 
@@ -271,7 +272,7 @@ def main() -> None:
     parser.add_argument("--_host", default="127.0.0.1", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._worker:
-        from swarm.eventloop import run
+        from swarm.utils.eventloop import run
 
         run(worker_main(args._host))
         return

@@ -36,7 +36,7 @@ from typing import Any
 
 from scripts.bench_allreduce import MARK, observe, parse_count
 from scripts.worker_process import WorkerProcess
-from swarm.process_control import exit_on_sigterm
+from swarm.utils.process_control import exit_on_sigterm
 
 SPLITS = ("equal", "measured", "paced", "links")
 ANNOUNCED = 100.0  # MB/s everyone announces in the equal split (AveragingConfig's default)
@@ -72,7 +72,7 @@ def optimal_overlapped_s(payload: float, rates: Sequence[float]) -> float:
 
 def shares_of(numel: int, bandwidths: Sequence[float], block_size: int) -> list[float]:
     """Each member's share of the vector, as the round splits it (capped, block-aligned)."""
-    from swarm.averaging.partition import capped_bandwidths, part_bounds
+    from swarm.averaging.rounds.partition import capped_bandwidths, part_bounds
 
     return [(hi - lo) / numel for lo, hi in part_bounds(numel, capped_bandwidths(bandwidths), block_size)]
 
@@ -80,9 +80,9 @@ def shares_of(numel: int, bandwidths: Sequence[float], block_size: int) -> list[
 def measure(links: Sequence[str], elements: int, rounds: int, seed: int) -> list[dict[str, Any]]:
     import msgpack
 
-    from swarm.averaging.bandwidth import LinkEstimate
     from swarm.averaging.config import AveragingConfig
     from swarm.averaging.messages import GroupInfo, MemberInfo
+    from swarm.averaging.rounds.bandwidth import LinkEstimate
     from swarm.netlab import Lab, exec_prefix, parse_rate
     from swarm.p2p import PeerID
     from swarm_kernels import get_codec

@@ -43,8 +43,8 @@ from typing import Any
 
 from scripts import worker_process
 from scripts.worker_process import WorkerProcess
-from swarm.process_control import exit_on_sigterm
-from swarm.process_memory import pss_bytes
+from swarm.utils.process_control import exit_on_sigterm
+from swarm.utils.process_memory import pss_bytes
 
 MARK = "BENCH_DHT "
 VALUE_TTL = 600.0
@@ -315,7 +315,7 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def simulate(sizes: list[int], gets: int) -> list[dict[str, Any]]:
     from swarm.dht.simulation import simulate as run_simulation
-    from swarm.eventloop import run
+    from swarm.utils.eventloop import run
 
     reports = [run(run_simulation(n, gets=gets)) for n in sizes]
     return [{name: getattr(r, name) for name in r.__slots__} for r in reports]
@@ -411,7 +411,7 @@ def main() -> None:
     parser.add_argument("--_worker", choices=["swarm", "hivemind"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._worker:
-        from swarm.eventloop import run
+        from swarm.utils.eventloop import run
 
         run(worker_main(args._worker))
         return

@@ -64,10 +64,10 @@ from typing import IO, Any
 
 from scripts.diloco_sweep import Cache, Workload, gap_closed, node_identity, run_baselines
 from scripts.hiccup import Hiccup
-from swarm import process_control
 from swarm.model.schedule import SCHEDULES
 from swarm.netlab import Lab, Rate, exec_prefix, missing, parse_rate, parse_rates
-from swarm.process_control import console_script
+from swarm.utils import process_control
+from swarm.utils.process_control import console_script
 
 CONFIGS = ("H50_int8", "H50_none", "H100_int8", "H100_none")
 COMPRESSIONS = ("int8", "int4", "int2", "fp16", "none")  # swarm-node's --compression codecs
@@ -99,7 +99,7 @@ class SwarmConfig:
     @classmethod
     def parse(cls, name: str) -> SwarmConfig:
         from swarm.model.compression_spec import CompressionSpec
-        from swarm.node_config import OVERLAP_MODES
+        from swarm.node.config import OVERLAP_MODES
 
         h, _, rest = name.partition("_")
         compression, *extras = rest.split("_")

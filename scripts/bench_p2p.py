@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from scripts.worker_process import ROOT, module_command
-from swarm import process_control
+from swarm.utils import process_control
 
 MiB = 2**20
 CHUNK = 4 * MiB
@@ -78,8 +78,8 @@ def swarm_config(encrypt: bool) -> Any:
 
 
 def serve_swarm(encrypt: bool) -> None:
-    from swarm.eventloop import run
     from swarm.p2p import P2PHost
+    from swarm.utils.eventloop import run
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -170,8 +170,8 @@ def measure_raw(rpc_calls: int, stream_bytes: int) -> dict[str, float]:
 
 
 def measure_swarm(rpc_calls: int, stream_bytes: int, *, encrypt: bool = True) -> dict[str, float]:
-    from swarm.eventloop import run
     from swarm.p2p import P2PHost
+    from swarm.utils.eventloop import run
 
     async def main(maddr: str) -> dict[str, float]:
         async with P2PHost(config=swarm_config(encrypt)) as host:

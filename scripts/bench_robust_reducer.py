@@ -26,7 +26,7 @@ Reported: relative error |aggregate - honest mean| / |honest mean| (honest mean:
 mean of the honest contributions), at --elements (default 1M), and ms per --time-elements
 (default 16M) part with 5 contributions, median of --repeat runs, on --threads threads, without
 an attacker and with the sign-flipping one (cclip then makes its second pass). The swarm's own
-reduction (reduction.py) decodes int8 payloads instead of stacking fp32 inputs; its cost against
+reduction (rounds/reduction.py) decodes int8 payloads instead of stacking fp32 inputs; its cost against
 the plain mean is in `python -m scripts.bench_allreduce --aggregators mean,robust`.
 """
 

@@ -6,8 +6,8 @@ its own P2PHost, DHTNode and Averager, bootstrapped from one extra DHT node; mem
 seeded random vector of `--elements` fp32. Each row is one path of the same swarm:
 
   flat           max_group_size = n: one butterfly all-reduce over the whole group
-  hierarchical   max_group_size = --cap (2 when n <= cap): the grid butterfly (hierarchical.py)
-  <path>-unaudited  the same without the owner audit (audit_round.py, grid_audit.py): its cost
+  hierarchical   max_group_size = --cap (2 when n <= cap): the grid butterfly (rounds/grid.py)
+  <path>-unaudited  the same without the owner audit (audit/flat.py, audit/grid.py): its cost
 
 A round: the parent broadcasts a wall-clock instant; at it every member calls form_group for the
 same step, expecting every member's PeerID (matchmaking ends once all have announced; the
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts import worker_process
-from swarm import process_control
+from swarm.utils import process_control
 
 MARK = "BENCH_SCALE "
 PATHS = ("flat", "hierarchical")
@@ -390,7 +390,7 @@ def main() -> None:
     parser.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._worker:
-        from swarm.eventloop import run
+        from swarm.utils.eventloop import run
 
         run(worker_main())
         return

@@ -80,10 +80,10 @@ from typing import IO, Any
 
 from scripts.bench_p2p import sink_one_transfer
 from scripts.worker_process import ROOT, module_command
-from swarm import process_control
 from swarm.netlab import Lab, Rate, exec_prefix, missing, parse_rate
-from swarm.process_control import console_script
-from swarm.process_memory import status_kib
+from swarm.utils import process_control
+from swarm.utils.process_control import console_script
+from swarm.utils.process_memory import status_kib
 
 MARK = "BENCH_STATE "
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -680,7 +680,7 @@ def main() -> None:
         sink_main(args._sink)
         return
     if args._newcomer:
-        from swarm.eventloop import run
+        from swarm.utils.eventloop import run
 
         reply(run(newcomer_main(args)))
         return

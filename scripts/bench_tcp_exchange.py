@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 from swarm.p2p.pacing import set_max_pacing_rate
-from swarm.process_control import exit_on_sigterm
+from swarm.utils.process_control import exit_on_sigterm
 
 MODULE = "scripts.bench_tcp_exchange"
 PORT = 9100

@@ -255,7 +255,7 @@ def training_figures(model: str, raw: dict[str, Any], peak: float | None) -> dic
 def check_swarm(outer_steps: int, timeout: float, device: str = "cuda", compiled: bool = False) -> dict[str, Any]:
     """Two swarm-node processes on the one GPU and a bootstrap DHT node, on 127.0.0.1: their
     states agree after every outer step and the eval loss falls."""
-    from swarm import process_control
+    from swarm.utils import process_control
 
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     procs = []

@@ -98,7 +98,7 @@ import numpy as np
 import psutil
 
 from scripts.hivemind_procs import P2PD_LISTEN_ARG, remove_files, running, socket_files
-from swarm import process_control
+from swarm.utils import process_control
 
 # hivemind reads these when it is first imported: keep its INFO logs out of benchmark output.
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")

@@ -49,7 +49,7 @@ from typing import Any
 import psutil
 
 from scripts.hivemind_procs import exists, remove_files, running, socket_files
-from swarm.process_memory import pss_bytes
+from swarm.utils.process_memory import pss_bytes
 
 # hivemind reads this once, when it is first imported: keep its INFO logs out of benchmark output.
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")

@@ -34,7 +34,7 @@ from typing import IO, Any
 
 from scripts.hivemind_procs import remove_files
 from scripts.worker_process import ROOT, module_command
-from swarm import process_control
+from swarm.utils import process_control
 
 _ECHO = "swarm_bench.hivemind_echo"
 _SINK = "swarm_bench.hivemind_sink"

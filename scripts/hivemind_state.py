@@ -50,8 +50,8 @@ from typing import Any
 
 from scripts.hivemind_procs import remove_files, socket_files
 from scripts.worker_process import ROOT, module_command
-from swarm import process_control
-from swarm.process_memory import status_kib
+from swarm.utils import process_control
+from swarm.utils.process_memory import status_kib
 
 MARK = "HIVEMIND_STATE "
 SEED = 0

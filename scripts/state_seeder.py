@@ -36,14 +36,13 @@ from typing import Any
 
 import torch
 
-from swarm import eventloop
 from swarm.dht.node import DHTNode
 from swarm.model.checkpoint import RunInfo, Snapshot, make_snapshot
 from swarm.model.diloco import state_sha256
 from swarm.model.llama import build_model
 from swarm.model.presets import preset
 from swarm.model.run_settings import settings_digest, training_settings
-from swarm.node_config import NodeConfig
+from swarm.node.config import NodeConfig
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.host import P2PHost
 from swarm.p2p.identity import Identity
@@ -51,6 +50,7 @@ from swarm.state.holders import advertise
 from swarm.state.lineage_book import LINEAGE, serve_lineage
 from swarm.state.receipts import Receipt, RoundBody, sign
 from swarm.state.server import ServeFaults, StateServer
+from swarm.utils import eventloop
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 

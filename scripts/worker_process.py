@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from swarm import process_control
+from swarm.utils import process_control
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: where `python -m scripts.<name>` works
 

@@ -4,6 +4,10 @@ __version__ = "0.1.0"
 
 from typing import TYPE_CHECKING, Any
 
+from swarm.utils import moved
+
+moved.install()
+
 if TYPE_CHECKING:
     from swarm.api import SwarmSession, join
 

@@ -37,16 +37,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from swarm import eventloop
 from swarm.dht.config import DHTConfig
 from swarm.dht.id_proof import proof_path_for
 from swarm.model.diloco import OptimizerFactory
 from swarm.model.run_settings import CUSTOM_MODEL
 from swarm.node import Event, SwarmNode
-from swarm.node_config import NodeConfig
+from swarm.node.config import NodeConfig
+from swarm.node.permits import SessionClosed
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.identity import Identity
-from swarm.user_steps import SessionClosed
+from swarm.utils import eventloop
 
 logger = logging.getLogger(__name__)
 

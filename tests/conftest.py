@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from swarm.dht.config import ID_BITS_ENV
-from swarm.eventloop import loop_factory
+from swarm.utils.eventloop import loop_factory
 
 # DHT ids cost 2^id_bits hashes (swarm/dht/id_proof.py): ~1 s each by default, 1 ms in tests.
 # Set before any DHTConfig is built; subprocesses (swarm-node, swarm-dht) inherit it.

@@ -4,12 +4,10 @@ Every import of every file of a layer is read with `ast` (relative imports resol
 TYPE_CHECKING included: a type-only import upward still couples the layers), mapped to the layer
 it names, and checked against the layer's allowed set; a failure lists every offender.
 
-Beyond DESIGN.md's list: `swarm/eventloop.py`, `log_once.py`, `supervised.py`, `process_control.py`
-and `process_memory.py` are shared helpers that every layer may use and that import no layer; the
-other modules at the top of swarm/ (node.py and its parts: node_config, plan, progress, trainer,
-...) form the node layer; `swarm/api.py` (and
-`swarm/__init__.py`, which re-exports it) sits on the node, `swarm/observe/` (metrics, dashboard)
-too, and cli/ on everything.
+A layer is a folder: swarm/<package>/ is the layer of that name, kernels/ is "kernels", and
+swarm/utils/ holds the helpers every layer may use and that import no layer. The only modules at
+the top of swarm/ are `api.py` and `__init__.py` (which re-exports it): the "api" layer, on the
+node. swarm/observe/ (metrics, dashboard) sits on the node too, and cli/ on everything.
 """
 
 from __future__ import annotations
@@ -20,30 +18,28 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# swarm/<name>.py usable from every layer
-HELPERS = {"eventloop", "log_once", "supervised", "process_control", "process_memory"}
-API = {"api", "__init__"}
+API = {"api", "__init__"}  # the only modules at the top of swarm/
 
 # layer -> the layers it may import (itself included); DESIGN.md order: p2p, dht, kernels,
 # averaging, model, state, node, cli. Stricter than "anything above" where DESIGN.md says so:
 # model/ never imports the networking (p2p, dht, averaging), nor state/ averaging/ (handed in).
 ALLOWED: dict[str, set[str]] = {
-    "helpers": {"helpers"},
+    "utils": {"utils"},
     "kernels": {"kernels"},
     "netlab": {"netlab"},  # shaped links for swarm-sim and the benchmarks: pure stdlib, imports nothing of ours
-    "p2p": {"helpers", "p2p"},
-    "dht": {"helpers", "p2p", "dht"},
-    "averaging": {"helpers", "p2p", "dht", "kernels", "averaging"},
-    "model": {"helpers", "kernels", "model"},
-    "state": {"helpers", "p2p", "dht", "kernels", "model", "state"},
-    "node": {"helpers", "p2p", "dht", "kernels", "averaging", "model", "state", "node"},
+    "p2p": {"utils", "p2p"},
+    "dht": {"utils", "p2p", "dht"},
+    "averaging": {"utils", "p2p", "dht", "kernels", "averaging"},
+    "model": {"utils", "kernels", "model"},
+    "state": {"utils", "p2p", "dht", "kernels", "model", "state"},
+    "node": {"utils", "p2p", "dht", "kernels", "averaging", "model", "state", "node"},
     # a node of several ranks (swarm/ranks/): torch.distributed under the node, beside it
-    "ranks": {"helpers", "p2p", "kernels", "model", "node", "ranks"},
-    "api": {"helpers", "p2p", "dht", "kernels", "averaging", "model", "state", "node", "api"},
+    "ranks": {"utils", "p2p", "kernels", "model", "node", "ranks"},
+    "api": {"utils", "p2p", "dht", "kernels", "averaging", "model", "state", "node", "api"},
     # metrics and the dashboard: they read the node's events and records, and serve them to the CLI
-    "observe": {"helpers", "p2p", "dht", "kernels", "averaging", "model", "state", "node", "observe"},
+    "observe": {"utils", "p2p", "dht", "kernels", "averaging", "model", "state", "node", "observe"},
     "cli": {
-        "helpers",
+        "utils",
         "p2p",
         "dht",
         "kernels",
@@ -67,8 +63,9 @@ def file_layer(path: Path) -> str:
         return "kernels"
     assert parts[0] == "swarm", path
     if len(parts) > 2:
-        return parts[1]  # swarm/<package>/...: p2p, dht, averaging, model, state, cli
-    return "helpers" if parts[1] in HELPERS else "api" if parts[1] in API else "node"
+        return parts[1]  # swarm/<package>/...: utils, p2p, dht, averaging, model, state, node, cli
+    assert parts[1] in API, f"{path}: a module at the top of swarm/ belongs in a package"
+    return "api"
 
 
 def module_layer(name: str) -> str | None:
@@ -84,7 +81,10 @@ def module_layer(name: str) -> str | None:
         return "api"  # `import swarm` / `from swarm import join`
     if (ROOT / "swarm" / parts[1]).is_dir():
         return parts[1]
-    return "helpers" if parts[1] in HELPERS else "api" if parts[1] in API else "node"
+    if parts[1] in API:
+        return "api"
+    # a module moved out of the top of swarm/ and still imported by its old name (swarm/utils/moved.py)
+    return "moved"
 
 
 def imported_modules(path: Path, package: list[str]) -> list[tuple[int, str]]:

@@ -1,5 +1,12 @@
 """swarm.averaging: DHT matchmaking and the fault-tolerant butterfly all-reduce of a group.
 
+    averager.py    Averager: what the node calls once per outer step (form a group, run its round)
+    config.py      AveragingConfig;  errors.py: the errors a round raises;  messages.py: the wire values
+    robust.py      the bounded-influence aggregate every part owner computes
+    matchmaking/   who averages: the DHT protocol, the pure rules of readiness, liveness
+    rounds/        how: the flat and the grid butterfly, their parts, streams and registry
+    audit/         checking the part owners: the arithmetic, and its flat and grid rounds
+
 The names below load on first use (PEP 562), so that `swarm.averaging.config` (no torch) is
 quick to import for the command line's checks."""
 
@@ -9,8 +16,8 @@ import importlib
 from typing import Any
 
 _WHERE = {
-    "AllReduceError": "allreduce",
-    "RoundReport": "round_member",
+    "AllReduceError": "errors",
+    "RoundReport": "rounds.member",
     "Averager": "averager",
     "GroupReport": "averager",
     "AveragingConfig": "config",

@@ -3,14 +3,14 @@
     averager = Averager(dht_node, host, run_id="run1", config=AveragingConfig())
     averaged, report = await averager.step(pseudo_gradients, weight=tokens, step=outer_step)
 
-`step` forms the group of this outer step through the DHT (matchmaking.py: every ready node of
-the same state), runs the butterfly all-reduce of the flattened tensors with it (allreduce.py;
-hierarchical.py beyond max_group_size), and returns new tensors shaped and typed like the
+`step` forms the group of this outer step through the DHT (matchmaking/matchmaker.py: every ready node of
+the same state), runs the butterfly all-reduce of the flattened tensors with it (rounds/flat.py;
+rounds/grid.py beyond max_group_size), and returns new tensors shaped and typed like the
 inputs, plus a GroupReport. With no group (alone, late, of another state) it returns copies of
 the inputs and `report.group_id is None`. It raises AllReduceError when a group was formed but
 the round could not complete; the inputs are never modified.
 
-Owner audit (audit_round.py): a part owner the audit catches lying is excluded for the
+Owner audit (audit/flat.py): a part owner the audit catches lying is excluded for the
 Averager's lifetime (`excluded`): matchmaking ignores its announcements and refuses a group that
 holds it. A lie every member sees fails the round (AuditError, an AllReduceError: the caller
 matchmakes the step again); one that only this member sees (its own contribution misstated)
@@ -30,13 +30,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarm.averaging.allreduce import AllReduceRound, RoundRegistry
-from swarm.averaging.bandwidth import LinkEstimate
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.errors import AuditError
-from swarm.averaging.hierarchical import GridRound
-from swarm.averaging.matchmaking import Matchmade, Matchmaker
+from swarm.averaging.matchmaking.matchmaker import Matchmade, Matchmaker
 from swarm.averaging.messages import GroupInfo, MemberInfo
+from swarm.averaging.rounds.bandwidth import LinkEstimate
+from swarm.averaging.rounds.flat import AllReduceRound
+from swarm.averaging.rounds.grid import GridRound
+from swarm.averaging.rounds.registry import RoundRegistry
 from swarm.dht.node import DHTNode
 from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
@@ -69,7 +70,7 @@ class Averager:
         self.excluded: set[PeerID] = set()  # owners our audits caught lying: never grouped with again
         self.matchmaker = Matchmaker(dht, host, run_id, self.config, excluded=self.excluded)
         self.registry = RoundRegistry(host, self.config)
-        self.link = LinkEstimate()  # what our rounds measured of our link (bandwidth.py)
+        self.link = LinkEstimate()  # what our rounds measured of our link (rounds/bandwidth.py)
 
     def close(self) -> None:
         self.matchmaker.close()
@@ -137,11 +138,11 @@ class Averager:
 
     async def outvoted(self, step: int, group_id: bytes) -> bool:
         """Did a larger group than ours (`group_id`) form at `step`? Then our lineage is a fork's
-        smaller one (matchmaking.py, ready.outvoted)."""
+        smaller one (matchmaking/matchmaker.py, ready.outvoted)."""
         return await self.matchmaker.outvoted(step, group_id)
 
     def round_failed(self, step: int) -> None:
-        """The round of `step` failed: the step may be matchmade again (see matchmaking.py)."""
+        """The round of `step` failed: the step may be matchmade again (see matchmaking/matchmaker.py)."""
         self.matchmaker.round_failed(step)
 
     async def run_round(

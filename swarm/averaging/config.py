@@ -32,17 +32,17 @@ class AveragingConfig:
     # Mbit/s split by the links' rates: 6.41 s, against 4.49-4.61 s at 256K)
     chunk_elements: int = 1 << 18
     # an owner answers each chunk of its part as soon as every sender's bytes of it are in, while
-    # the rest still arrives (reduction.py); False: only once the whole part is reduced
+    # the rest still arrives (rounds/reduction.py); False: only once the whole part is reduced
     stream_parts: bool = True
     bandwidth: float = 100.0  # MB/s this node announces; parts are split in proportion to it
-    # announce what our rounds measured instead (bandwidth.py), `bandwidth` until one has
+    # announce what our rounds measured instead (rounds/bandwidth.py), `bandwidth` until one has
     measure_bandwidth: bool = False
     client_mode: bool = False  # accepts no inbound connections: owns no part, still contributes
     # how a part owner reduces the contributions: "robust" (robust.py: non-finite and absurd
     # ones dropped, far ones clipped, the mean when nobody is an outlier) or "mean" (the exact
     # weighted mean: one bad member moves the result anywhere)
     aggregator: str = "robust"
-    # the owner audit (audit_round.py, grid_audit.py): members check every part owner's robust
+    # the owner audit (audit/flat.py, audit/grid.py): members check every part owner's robust
     # reduction after each round; only with the robust aggregator
     audit: bool = True
     part_timeout: float = 60.0  # bound on each wait of the all-reduce (a chunk, a peer's result)

@@ -1,4 +1,4 @@
-"""The errors a round raises (allreduce.py re-exports AllReduceError)."""
+"""The errors a round raises (rounds/flat.py re-exports AllReduceError)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ class AllReduceError(Exception):
 
 
 class AuditError(AllReduceError):
-    """The owner audit failed the round (audit_round.py): `owners` broadcast something other
+    """The owner audit failed the round (audit/flat.py): `owners` broadcast something other
     than the reduction their receipts describe (empty: members hold different results, and the
     audit cannot say who equivocated)."""
 

@@ -8,12 +8,12 @@ momentum, outer step): only members of equal state average together (b"": not gi
 tests of the all-reduce alone). The group id is SHA-256 over the run, the step and the ordered
 members' ids, states, weights, bandwidths and client flags, so every member can check that a
 group message is self-consistent, and a member that finds its own entry other than it announced
-refuses the group (matchmaking.py): a leader cannot rewrite what members announced.
+refuses the group (matchmaking/matchmaker.py): a leader cannot rewrite what members announced.
 Decoders raise BadRequest on anything malformed.
 
 Self-announced numbers are bounded by the run (ISSUE 12, "bounded self-announcements"): a
 weight above the run's `max_weight` (the tokens of H inner steps) makes an announcement ignored
-(ready.py) and a group refused; a bandwidth counts at most BANDWIDTH_CAP times the group's
+(matchmaking/ready.py) and a group refused; a bandwidth counts at most BANDWIDTH_CAP times the group's
 median (partition.capped_bandwidths), so nobody owns the vector by announcing 1e12 MB/s.
 """
 

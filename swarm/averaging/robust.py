@@ -151,7 +151,7 @@ def robust_reduce(
     block an (n, width) fp32 tensor (contribution k's elements [lo, lo + width) in row k), in
     order, covering [0, numel). One pass computes the Gram matrix and the weighted mean; a second
     call of `blocks()` happens only when the rule drops or clips someone. Also returns the Gram
-    matrix the rule ran on (the owner audit's receipt carries it: audit.py)."""
+    matrix the rule ran on (the owner audit's receipt carries it: audit/arithmetic.py)."""
     mean = mean_coefficients(weights)
     out = torch.empty(numel, dtype=torch.float32)
     gram = data_pass(blocks, numel, len(weights), out, mean, gram=True)
@@ -315,7 +315,7 @@ def data_pass(
 
 class DataPass:
     """data_pass fed block by block, in order, as the blocks become available (a part owner that
-    reduces each wire chunk as it arrives: reduction.py). With every c_k nonzero (every row
+    reduces each wire chunk as it arrives: rounds/reduction.py). With every c_k nonzero (every row
     finite, or the result is thrown away) the sum is one matrix-vector product (piece^T c) per
     piece; otherwise the nonzero terms, in member order, a multiply and an add each (a dropped
     row may hold NaN: 0 * NaN is NaN)."""

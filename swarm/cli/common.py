@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from swarm import eventloop
 from swarm.dht.config import DHTConfig
 from swarm.dht.errors import DHTError, RecordError
 from swarm.dht.node import DHTNode
@@ -31,6 +30,7 @@ from swarm.p2p.config import P2PConfig
 from swarm.p2p.errors import P2PError
 from swarm.p2p.identity import Identity
 from swarm.p2p.maddr import parse_maddr, parse_maddrs
+from swarm.utils import eventloop
 
 if TYPE_CHECKING:  # rich is imported when a table is printed: --json answers start faster
     from rich.table import Table

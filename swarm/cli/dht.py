@@ -60,9 +60,9 @@ from swarm.dht.id_proof import proof_path_for
 from swarm.dht.node import DHTNode, user_value
 from swarm.dht.records import OWNER_PREFIX, Record, ValueWithExpiration, owner_of, owner_subkey
 from swarm.dht.store_retry import store_or_warn
+from swarm.node.run_lookup import listed_runs
 from swarm.p2p.identity import Identity
 from swarm.p2p.maddr import parse_maddr
-from swarm.run_lookup import listed_runs
 
 T = TypeVar("T")
 

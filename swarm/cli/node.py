@@ -4,7 +4,7 @@
     swarm-node --run-id demo --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...
 
 A node with --initial-peers adopts the run's settings (model, H, batch, schedule, ...) that it
-was not given (swarm/run_lookup.py); a given one that contradicts the run is refused.
+was not given (swarm/node/run_lookup.py); a given one that contradicts the run is refused.
 
 `--config FILE` reads the same options from TOML (`inner-steps = 50` or `inner_steps = 50`);
 flags on the command line override it. SIGINT or SIGTERM: finish the round under way, leave,
@@ -47,9 +47,16 @@ from swarm.dht.id_proof import proof_path_for
 from swarm.model.presets import PRESETS
 from swarm.model.run_settings import FIELDS, FLAGS, join_flags, training_settings
 from swarm.model.schedule import SCHEDULES
-from swarm.node_config import CATCH_UP_MODES, OVERLAP_MODES, NodeConfig
+from swarm.node.config import CATCH_UP_MODES, OVERLAP_MODES, NodeConfig
+from swarm.node.run_lookup import (
+    RunChoiceError,
+    RunLookup,
+    adoptable_settings,
+    initial_peer_ids,
+    look_up_run,
+    run_to_join,
+)
 from swarm.p2p.identity import Identity
-from swarm.run_lookup import RunChoiceError, RunLookup, adoptable_settings, initial_peer_ids, look_up_run, run_to_join
 
 if TYPE_CHECKING:  # torch and the node load inside main(), after the flags are checked
     from swarm.node import Event, SwarmNode
@@ -352,7 +359,7 @@ def _adopt_run_settings(
     proof_path: Path | None,
 ) -> NodeConfig:  # fmt: skip
     """The run to join (without --run-id: the DHT's one run) and every run setting not given on
-    the command line or in --config, from the run's records (swarm/run_lookup.py); each said in
+    the command line or in --config, from the run's records (swarm/node/run_lookup.py); each said in
     one line. A --run-id nobody trains, where others are trained, is warned about."""
     ctx = click.get_current_context()
     given = {n for n in FIELDS if ctx.get_parameter_source(n) not in (ParameterSource.DEFAULT, None)}

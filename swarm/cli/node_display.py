@@ -1,5 +1,5 @@
 """What swarm-node shows while it trains: a live panel on a terminal, plain log lines otherwise.
-Both read the node's events (swarm/node.py), the same ones --metrics-file records."""
+Both read the node's events (swarm/node/node.py), the same ones --metrics-file records."""
 
 from __future__ import annotations
 

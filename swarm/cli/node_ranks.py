@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING
 import click
 
 from swarm.cli.common import CliError
-from swarm.node_config import NodeConfig
+from swarm.node.config import NodeConfig
 
 if TYPE_CHECKING:
     from torch import nn
 
     from swarm.model.data import TokenData
     from swarm.model.diloco import OptimizerFactory
+    from swarm.node.data_loop import TrainLoopFactory
     from swarm.ranks.launch import RankLaunch
-    from swarm.trainer import TrainLoopFactory
 
 
 def plan(nproc: int, config: NodeConfig) -> RankLaunch | None:

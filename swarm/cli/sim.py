@@ -46,7 +46,6 @@ from typing import Any
 
 import click
 
-from swarm import process_control
 from swarm.cli import sim_report
 from swarm.cli.common import CliError, OneLineCommand, compression_option, positive_seconds
 from swarm.cli.sim_report import (
@@ -64,7 +63,8 @@ from swarm.cli.sim_report import (
 )
 from swarm.model.schedule import DEFAULT_DECAY_FRACTION, DEFAULT_WARMUP_STEPS, SCHEDULES, schedule_problem
 from swarm.netlab import Lab, LabError, Rate, exec_prefix, missing, parse_rate, parse_rates
-from swarm.node_config import OVERLAP_MODES
+from swarm.node.config import OVERLAP_MODES
+from swarm.utils import process_control
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 POLL_S = 0.25  # how often the simulator reads the metrics files and checks its children

@@ -22,9 +22,9 @@ from swarm.dht.config import DHTConfig
 from swarm.dht.ids import Key
 from swarm.dht.node import DHTNode
 from swarm.dht.records import ValueWithExpiration
-from swarm.eventloop import loop_factory
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.identity import Identity
+from swarm.utils.eventloop import loop_factory
 
 T = TypeVar("T")
 

@@ -43,7 +43,7 @@ from swarm.p2p.errors import BadRequest, P2PError
 from swarm.p2p.host import P2PHost
 from swarm.p2p.identity import Identity
 from swarm.p2p.peer_id import PeerID
-from swarm.supervised import Supervised
+from swarm.utils.supervised import Supervised
 
 logger = logging.getLogger(__name__)
 

@@ -72,9 +72,23 @@ def join_flags(config: Any, defaults: Any) -> str:
     return "".join(f"{FLAGS[n]} {settings[n]} " for n in names if settings[n] is not None)
 
 
+def canonical_value(value: Any) -> Any:
+    """The one form of a settings value that every comparison and the digest use. A float that
+    holds a whole number is that int: `outer_lr=1` (swarm.join) and `1.0` (the CLI), or a 0
+    that msgpack hands back as 0.0, are one setting, and nodes that pass the join check must
+    also share a digest or they never group. Bools stay bools (True is not the setting 1)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def canonical(settings: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: canonical_value(value) for name, value in settings.items()}
+
+
 def settings_digest(settings: Mapping[str, Any]) -> bytes:
-    """SHA-256 of the canonical JSON of the settings (sorted keys, no spaces)."""
-    body = json.dumps(dict(settings), sort_keys=True, separators=(",", ":"))
+    """SHA-256 of the canonical JSON of the canonical settings (sorted keys, no spaces)."""
+    body = json.dumps(canonical(settings), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(b"swarm-settings/1\x00" + body.encode()).digest()
 
 
@@ -104,11 +118,9 @@ def differences(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]
 
 
 def same_value(a: Any, b: Any) -> bool:
-    """Equal settings values: numbers by value (msgpack may hand back 1 for 1.0), bools as bools."""
-    numbers = isinstance(a, int | float) and isinstance(b, int | float)
-    if numbers and not isinstance(a, bool) and not isinstance(b, bool):
-        return float(a) == float(b)
-    return a == b
+    """Equal settings values, as the digest sees them (canonical_value; bools apart from ints)."""
+    a, b = canonical_value(a), canonical_value(b)
+    return type(a) is type(b) and a == b
 
 
 def run_settings(

@@ -35,7 +35,7 @@ from swarm.observe.runview import RunView
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.errors import P2PError
 from swarm.p2p.identity import Identity
-from swarm.supervised import Supervised
+from swarm.utils.supervised import Supervised
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from swarm.model.run_settings import run_settings
-from swarm.progress import PeerProgress, decode_progress
+from swarm.node.progress import PeerProgress, decode_progress
 from swarm.state.holders import decode_holder
 
 MAX_NODES_SHOWN = 500  # rows of the node table (the most advanced first)

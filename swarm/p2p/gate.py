@@ -12,13 +12,13 @@ import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from swarm.log_once import RateLimitedLog
 from swarm.p2p import handshake as hs
 from swarm.p2p.admission import PeerFacts, admit_handshake, plan_admission, source_of
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.connection import Connection
 from swarm.p2p.errors import HandshakeError
 from swarm.p2p.peer_id import PeerID
+from swarm.utils.log_once import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,6 @@ import socket
 from collections.abc import Iterable
 from typing import Any
 
-from swarm.log_once import RateLimitedLog
 from swarm.p2p import handshake as hs
 from swarm.p2p.autonat import DIALBACK, dialback_handler
 from swarm.p2p.budget import HostStreams
@@ -40,6 +39,7 @@ from swarm.p2p.maddr import TcpAddress, parse_maddr
 from swarm.p2p.pacing import bytes_acked, max_pacing_rate, set_max_pacing_rate
 from swarm.p2p.peer_id import PeerID
 from swarm.p2p.stream import Stream
+from swarm.utils.log_once import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from swarm.model.data import TokenData, load_data
 from swarm.model.diloco import DiLoCo, NonFiniteLossError, tensors_sha256
 from swarm.model.llama import build_model
 from swarm.model.presets import preset
-from swarm.node_config import NodeConfig
+from swarm.node.config import NodeConfig
 from swarm.ranks.commands import Command, Op
 from swarm.ranks.group import RankGroup, describe
 from swarm.ranks.launch import LaunchError, RankLaunch

@@ -20,13 +20,14 @@ from collections.abc import Callable
 
 from swarm.model.data import TokenData
 from swarm.model.diloco import NonFiniteLossError, tensors_sha256
+from swarm.node.data_loop import TrainingThread
+from swarm.node.errors import NodeError
+from swarm.node.permits import SessionClosed, UserSteps
 from swarm.p2p.peer_id import PeerID
 from swarm.ranks.commands import Command, Op
 from swarm.ranks.group import RankGroup, describe
 from swarm.ranks.shard import ShardedInner, gather, scatter
 from swarm.ranks.step import rank_step
-from swarm.trainer import NodeError, TrainingThread
-from swarm.user_steps import SessionClosed, UserSteps
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from swarm import process_control
 from swarm.ranks.launch import RankLaunch
+from swarm.utils import process_control
 
 __all__ = ["SpawnedRanks"]
 

@@ -20,7 +20,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from swarm.log_once import OncePerPeer
 from swarm.model.diloco import state_sha256
 from swarm.p2p.peer_id import PeerID
 from swarm.state.fetcher import FetchError, RefusedManifest
@@ -28,6 +27,7 @@ from swarm.state.holders import Holder
 from swarm.state.lineage import Lineage, judge, structure_problem
 from swarm.state.lineage_book import LineageBook, LineageError
 from swarm.state.receipts import Receipt
+from swarm.utils.log_once import OncePerPeer
 
 logger = logging.getLogger(__name__)
 

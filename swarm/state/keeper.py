@@ -41,7 +41,6 @@ import torch
 
 from swarm.dht.ages import ages_known_by
 from swarm.dht.node import DHTNode
-from swarm.log_once import OncePerPeer
 from swarm.model.checkpoint import KINDS, CheckpointDir, Manifest, RunInfo, Snapshot, copy_state, make_snapshot
 from swarm.model.diloco import DiLoCo, state_sha256
 from swarm.p2p.errors import P2PError
@@ -66,7 +65,8 @@ from swarm.state.server import StateServer, StepUpdate
 from swarm.state.trust import Known, choose_trusted, fetch_reason, manifest_problem
 from swarm.state.update import encode_update
 from swarm.state.update_fetch import by_update
-from swarm.supervised import Supervised
+from swarm.utils.log_once import OncePerPeer
+from swarm.utils.supervised import Supervised
 
 logger = logging.getLogger(__name__)
 

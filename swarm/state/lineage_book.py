@@ -53,7 +53,7 @@ from swarm.state.receipts import (
     signature_holds,
     valid_signers,
 )
-from swarm.supervised import Supervised
+from swarm.utils.supervised import Supervised
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from swarm.model.diloco import DiLoCo, DiLoCoConfig
-from swarm.user_steps import SessionClosed, UserSteps
+from swarm.node.permits import SessionClosed, UserSteps
 
 
 def wrapped(inner_steps: int = 3) -> DiLoCo:
@@ -81,8 +81,9 @@ async def test_closing_releases_the_caller_and_the_node() -> None:
 
 async def test_swarm_nodes_own_loop_steps_with_permits_and_a_divergence_fails_the_node() -> None:
     from swarm.model.data import stdlib_corpus
+    from swarm.node.data_loop import DataLoop
+    from swarm.node.errors import NodeError
     from swarm.p2p.identity import Identity
-    from swarm.trainer import DataLoop, NodeError
 
     data = stdlib_corpus(100_000)
     torch.manual_seed(0)

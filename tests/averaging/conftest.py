@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from swarm.averaging.allreduce import RoundRegistry
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.messages import GroupInfo, MemberInfo
+from swarm.averaging.rounds.registry import RoundRegistry
 from swarm.p2p import P2PHost
 from tests.averaging.rounds import LOCAL, MakeGroup, Member
 

@@ -19,12 +19,14 @@ import sys
 import msgpack
 import torch
 
-from swarm.averaging import reduction
-from swarm.averaging.allreduce import AllReduceError, AllReduceRound, RoundRegistry
 from swarm.averaging.config import AveragingConfig
+from swarm.averaging.errors import AllReduceError
 from swarm.averaging.messages import GroupInfo
-from swarm.eventloop import run
+from swarm.averaging.rounds import reduction
+from swarm.averaging.rounds.flat import AllReduceRound
+from swarm.averaging.rounds.registry import RoundRegistry
 from swarm.p2p import P2PConfig, P2PHost
+from swarm.utils.eventloop import run
 from swarm_kernels import as_memoryview
 from tests.averaging.faults import garbage_codec
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.averaging.allreduce import RoundRegistry
 from swarm.averaging.averager import Averager
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.messages import GroupInfo
+from swarm.averaging.rounds.registry import RoundRegistry
 from swarm.dht import DHTNode
 from swarm.p2p import P2PConfig, P2PHost
 

@@ -7,8 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from swarm.averaging.allreduce import AllReduceError, AllReduceRound
+from swarm.averaging.errors import AllReduceError
 from swarm.averaging.messages import GroupInfo
+from swarm.averaging.rounds.flat import AllReduceRound
 from tests.averaging.faults import garbage_codec
 from tests.averaging.rounds import EXACT, MakeGroup, Member, exact_mean, inputs, int8_bound
 

@@ -1,4 +1,4 @@
-"""The owner audit's arithmetic (swarm/averaging/audit.py): an honest receipt passes, every lie
+"""The owner audit's arithmetic (swarm/averaging/audit/arithmetic.py): an honest receipt passes, every lie
 of the issue's threat model is caught, and the sketch is what the docstring says."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import msgpack
 import pytest
 import torch
 
-from swarm.averaging.audit import (
+from swarm.averaging.audit.arithmetic import (
     AuditFailure,
     Receipt,
     check_receipt,

@@ -1,4 +1,4 @@
-"""The owner audit of a flat round (audit_round.py) over real sockets on 127.0.0.1: a lying owner
+"""The owner audit of a flat round (audit/flat.py) over real sockets on 127.0.0.1: a lying owner
 fails the round for everyone and is excluded; an owner that misstates one member's input is
 caught by that member alone; honest rounds pass and stay bit-identical."""
 
@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from swarm.averaging import reduction
-from swarm.averaging.allreduce import AllReduceError, AllReduceRound
-from swarm.averaging.audit_round import RECEIPT, RoundAudit
+from swarm.averaging.audit.flat import RECEIPT, RoundAudit
 from swarm.averaging.averager import Averager
 from swarm.averaging.config import AveragingConfig
-from swarm.averaging.errors import AuditError
+from swarm.averaging.errors import AllReduceError, AuditError
 from swarm.averaging.messages import GroupInfo
-from swarm.averaging.partition import payload_layout
+from swarm.averaging.rounds import reduction
+from swarm.averaging.rounds.flat import AllReduceRound
+from swarm.averaging.rounds.partition import payload_layout
 from swarm.dht import DHTNode
 from swarm.p2p import P2PHost
 from swarm.p2p.errors import RemoteError

@@ -1,4 +1,4 @@
-"""Measured bandwidth (bandwidth.py): the arithmetic by tables, then real rounds on 127.0.0.1
+"""Measured bandwidth (rounds/bandwidth.py): the arithmetic by tables, then real rounds on 127.0.0.1
 that time their streams, and an Averager that announces what it measured."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from swarm.averaging import bandwidth
-from swarm.averaging.allreduce import AllReduceRound
-from swarm.averaging.bandwidth import MIN_ROUND_BYTES, MIN_STREAM_BYTES, LinkEstimate, round_rate, upload_span
-from swarm.averaging.hierarchical import GridRound
 from swarm.averaging.messages import GroupInfo
+from swarm.averaging.rounds import bandwidth
+from swarm.averaging.rounds.bandwidth import MIN_ROUND_BYTES, MIN_STREAM_BYTES, LinkEstimate, round_rate, upload_span
+from swarm.averaging.rounds.flat import AllReduceRound
+from swarm.averaging.rounds.grid import GridRound
 from tests.averaging.rounds import MakeGroup
 
 MB = 1 << 20
@@ -128,7 +128,7 @@ async def test_an_averager_announces_what_its_rounds_measured() -> None:
 
 
 def test_a_node_measures_its_bandwidth_unless_told_a_number() -> None:
-    from swarm.node_config import NodeConfig
+    from swarm.node.config import NodeConfig
 
     measured = NodeConfig().averaging_config(client_mode=False)
     assert measured.measure_bandwidth and measured.bandwidth == 100.0  # 100 until a round measured

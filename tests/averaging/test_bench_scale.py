@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from scripts.bench_scale import run_bench
-from swarm.averaging.audit import audit_buckets
-from swarm.averaging.audit_round import receipt_limit
+from swarm.averaging.audit.arithmetic import audit_buckets
+from swarm.averaging.audit.flat import receipt_limit
 
 ELEMENTS = 1 << 16
 

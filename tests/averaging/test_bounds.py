@@ -8,9 +8,9 @@ import dataclasses
 
 import pytest
 
+from swarm.averaging.matchmaking.ready import announcement, decode_view, group_problem
 from swarm.averaging.messages import GroupInfo, MemberInfo
-from swarm.averaging.partition import BANDWIDTH_CAP, capped_bandwidths, part_bounds
-from swarm.averaging.ready import announcement, decode_view, group_problem
+from swarm.averaging.rounds.partition import BANDWIDTH_CAP, capped_bandwidths, part_bounds
 from swarm.dht.records import owner_subkey
 from swarm.p2p.errors import BadRequest
 from swarm.p2p.identity import Identity

@@ -13,9 +13,9 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from swarm import process_control
 from swarm.averaging.messages import GroupInfo, MemberInfo
 from swarm.p2p import PeerID
+from swarm.utils import process_control
 
 ROOT = Path(__file__).resolve().parents[2]  # where `python -m tests.averaging.member` imports from
 ANSWER_TIMEOUT_S = 90.0

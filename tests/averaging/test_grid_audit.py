@@ -1,4 +1,4 @@
-"""The owner audit of a grid round (grid_audit.py) over real sockets on 127.0.0.1: honest rounds
+"""The owner audit of a grid round (audit/grid.py) over real sockets on 127.0.0.1: honest rounds
 pass bit-identically; a column owner that broadcasts a lie fails the round for everyone; a row
 owner whose partial is not what its receipt describes is caught by its row; an owner that
 misstates one input is caught by the one who sent it."""
@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from swarm.averaging import reduction
 from swarm.averaging.errors import AuditError
-from swarm.averaging.hierarchical import GridRound
 from swarm.averaging.messages import GroupInfo
+from swarm.averaging.rounds import reduction
+from swarm.averaging.rounds.grid import GridRound
 from swarm_kernels import as_memoryview
 from tests.averaging.rounds import MakeGroup, Member
 
@@ -158,7 +158,7 @@ async def test_a_row_owner_that_states_its_partial_as_nan_is_excluded_by_its_row
 ) -> None:
     """NaN compares false with every bound: a receipt whose partial is NaN must not pass as one
     that holds (here the partial itself is honest; only what the receipt says of it is not)."""
-    from swarm.averaging import grid_audit
+    from swarm.averaging.audit import grid as grid_audit
 
     group, members = await make_group(N, weights=[1.0] * N, **GRID)
     liar = 5  # owner (1, 1): row 1 is members 4..7

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 import torch
 
-from swarm.averaging import hierarchical
-from swarm.averaging.allreduce import AllReduceRound
 from swarm.averaging.averager import Averager
-from swarm.averaging.grid import grid_shape, make_grid
-from swarm.averaging.hierarchical import GridRound
 from swarm.averaging.messages import GroupInfo
+from swarm.averaging.rounds import grid
+from swarm.averaging.rounds.flat import AllReduceRound
+from swarm.averaging.rounds.grid import GridRound
+from swarm.averaging.rounds.grid_shape import grid_shape, make_grid
 from swarm.dht import DHTNode
 from swarm.p2p.errors import RemoteError
 from swarm.p2p.wire import ErrorCode
@@ -208,13 +208,13 @@ async def test_bad_requests_on_the_grid_methods_get_bad_request(make_group: Make
     caller = members[1]  # (0, 1), asking (0, 0)
     g, address = group.group_id, group.members[0].address()
     cases = [
-        (hierarchical.ROW, {"g": g, "i": 2, "p": 0}),  # an index that is not the caller's
-        (hierarchical.ROW, {"g": g, "i": 1, "p": 1}),  # a part (0, 0) does not own
-        (hierarchical.ROW, {"g": b"x" * 32, "i": 1, "p": 0}),  # no such group
-        (hierarchical.ROW, {"g": g, "i": 1, "p": "0"}),
-        (hierarchical.COL, {"g": g, "i": 1, "p": 0, "s": 0, "inc": [1]}),  # not of column 0
-        (hierarchical.DOWN, {"g": g, "p": 0, "s": 99}),
-        (hierarchical.DOWN, {"g": g, "p": 3, "s": 0}),
+        (grid.ROW, {"g": g, "i": 2, "p": 0}),  # an index that is not the caller's
+        (grid.ROW, {"g": g, "i": 1, "p": 1}),  # a part (0, 0) does not own
+        (grid.ROW, {"g": b"x" * 32, "i": 1, "p": 0}),  # no such group
+        (grid.ROW, {"g": g, "i": 1, "p": "0"}),
+        (grid.COL, {"g": g, "i": 1, "p": 0, "s": 0, "inc": [1]}),  # not of column 0
+        (grid.DOWN, {"g": g, "p": 0, "s": 99}),
+        (grid.DOWN, {"g": g, "p": 3, "s": 0}),
         ("avg.part", {"g": g, "i": 1, "p": 0}),  # a flat method on a grid round
     ]
     col_caller = members[4]  # (1, 0): its partial must list members of its own row
@@ -224,7 +224,7 @@ async def test_bad_requests_on_the_grid_methods_get_bad_request(make_group: Make
         {"g": g, "i": 4, "p": 0, "s": 0, "inc": [5, 4]},
         {"g": g, "i": 4, "p": 0, "s": 0, "inc": "all"},
     ]
-    calls = [(caller, method, args) for method, args in cases] + [(col_caller, hierarchical.COL, a) for a in col_cases]
+    calls = [(caller, method, args) for method, args in cases] + [(col_caller, grid.COL, a) for a in col_cases]
     for who, method, args in calls:
         async with await who.host.open_stream(address, method, args, timeout=5.0) as stream:
             await stream.end()

@@ -1,4 +1,4 @@
-"""Liveness checks (swarm/averaging/liveness.py) over real hosts on 127.0.0.1: a peer counts only
+"""Liveness checks (swarm/averaging/matchmaking/liveness.py) over real hosts on 127.0.0.1: a peer counts only
 once it answered; a closed port, another run, or a client never counts; the pings per step are
 bounded."""
 
@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from swarm.averaging import liveness
-from swarm.averaging.liveness import Liveness
+from swarm.averaging.matchmaking import liveness
+from swarm.averaging.matchmaking.liveness import Liveness
 from swarm.averaging.messages import MemberInfo
 from swarm.p2p import P2PConfig, P2PHost
 from swarm.p2p.identity import Identity

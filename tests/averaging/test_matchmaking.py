@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from swarm.averaging import matchmaking
 from swarm.averaging.config import AveragingConfig
-from swarm.averaging.liveness import Liveness
-from swarm.averaging.matchmaking import Matchmade, Matchmaker
+from swarm.averaging.matchmaking import matchmaker
+from swarm.averaging.matchmaking.liveness import Liveness
+from swarm.averaging.matchmaking.matchmaker import Matchmade, Matchmaker
+from swarm.averaging.matchmaking.ready import ReadyView, group_order
 from swarm.averaging.messages import GroupInfo, MemberInfo
-from swarm.averaging.ready import ReadyView, group_order
 from swarm.dht import DHTNode
 from swarm.p2p import P2PConfig, P2PHost
 from swarm.p2p.handlers import CallContext
@@ -231,7 +231,7 @@ async def test_a_leader_that_rewrites_a_members_weight_loses_that_member(
             forged = tuple(dataclasses.replace(m, weight=1000.0) if m.peer_id == victim else m for m in members)
             return super().create(run_id, step, forged)
 
-    monkeypatch.setattr(matchmaking, "GroupInfo", Rewriting)
+    monkeypatch.setattr(matchmaker, "GroupInfo", Rewriting)
     everyone = frozenset(p.host.peer_id for p in peers)
     found = {p.host.peer_id: f for p, f in zip(peers, await form(peers, 4, expected=everyone), strict=True)}
     mine = found[victim].group

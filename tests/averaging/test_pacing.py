@@ -13,12 +13,12 @@ import time
 import pytest
 import torch
 
-from swarm.averaging import bandwidth
-from swarm.averaging.allreduce import AllReduceRound
-from swarm.averaging.bandwidth import MAX_PACED, PROBE_EVERY, LinkEstimate, busy_rate
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.messages import GroupInfo
-from swarm.averaging.partition import upload_paces
+from swarm.averaging.rounds import bandwidth
+from swarm.averaging.rounds.bandwidth import MAX_PACED, PROBE_EVERY, LinkEstimate, busy_rate
+from swarm.averaging.rounds.flat import AllReduceRound
+from swarm.averaging.rounds.partition import upload_paces
 from swarm.p2p.pacing import MIN_RATE, bytes_acked, max_pacing_rate, set_max_pacing_rate
 from tests.averaging.rounds import MakeGroup, averagers
 

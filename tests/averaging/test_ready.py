@@ -1,11 +1,10 @@
-"""The matchmaking decision (swarm/averaging/ready.py) on a table of views: pure, no I/O."""
+"""The matchmaking decision (swarm/averaging/matchmaking/ready.py) on a table of views: pure, no I/O."""
 
 from __future__ import annotations
 
 import pytest
 
-from swarm.averaging.messages import MemberInfo
-from swarm.averaging.ready import (
+from swarm.averaging.matchmaking.ready import (
     DONE,
     Decision,
     ReadyView,
@@ -18,6 +17,7 @@ from swarm.averaging.ready import (
     other_groups,
     outvoted,
 )
+from swarm.averaging.messages import MemberInfo
 from swarm.dht.id_proof import BadIdProof, solve, verify
 from swarm.dht.records import owner_subkey
 from swarm.p2p.identity import Identity
@@ -35,7 +35,7 @@ def member(i: int, state: bytes = A, client: bool = False, weight: float = 1.0) 
 def view(
     *members: MemberInfo, formed: dict[int, bytes] | None = None, done: tuple[int, ...] = (), dead: tuple[int, ...] = ()
 ) -> ReadyView:
-    """`dead`: owners that did not prove they are alive (liveness.py)."""
+    """`dead`: owners that did not prove they are alive (matchmaking/liveness.py)."""
     return ReadyView({m.peer_id: m for m in members}, {IDS[i]: s for i, s in (formed or {}).items()},
                      frozenset(IDS[i] for i in done), unverified=frozenset(IDS[i] for i in dead))  # fmt: skip
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from swarm.averaging import robust
-from swarm.averaging.allreduce import AllReduceRound
-from swarm.averaging.hierarchical import GridRound
+from swarm.averaging.rounds.flat import AllReduceRound
+from swarm.averaging.rounds.grid import GridRound
 from tests.averaging.faults import garbage_codec
 from tests.averaging.rounds import MakeGroup
 

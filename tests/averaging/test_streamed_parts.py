@@ -1,4 +1,4 @@
-"""Streamed parts (AveragingConfig.stream_parts; reduction.py, allreduce.py): an owner answers
+"""Streamed parts (AveragingConfig.stream_parts; rounds/reduction.py, rounds/flat.py): an owner answers
 each chunk of its part as soon as every sender's bytes of it are in. The same bits as a whole
 reduction; a sender that fails mid-way or a robust rule that clips replaces the streamed bytes
 with the whole part's average; an owner that garbles its streamed answer loses the part to its
@@ -14,9 +14,9 @@ import msgpack
 import pytest
 import torch
 
-from swarm.averaging import allreduce
-from swarm.averaging.allreduce import AllReduceRound
 from swarm.averaging.messages import GroupInfo
+from swarm.averaging.rounds import flat
+from swarm.averaging.rounds.flat import AllReduceRound
 from swarm.p2p.errors import P2PError
 from tests.averaging.rounds import MakeGroup, Member
 from tests.averaging.test_audit_round import deltas, run_all
@@ -74,7 +74,7 @@ async def test_a_sender_that_fails_mid_upload_is_left_out_of_streamed_parts(
 ) -> None:
     group, members = await make_group(4, weights=[1.0] * 4, aggregator="mean", **SMALL)
     vectors = deltas(4, NUMEL, seed=4)
-    write_encoded = allreduce.write_encoded
+    write_encoded = flat.write_encoded
     chunk = SMALL["chunk_elements"]
 
     async def fails_before_its_last_chunk(
@@ -85,8 +85,8 @@ async def test_a_sender_that_fails_mid_upload_is_left_out_of_streamed_parts(
         await write_encoded(stream, codec, vector, lo, hi - chunk, c)  # the owners stream what they have
         raise P2PError("member 3 went away mid-upload")
 
-    monkeypatch.setattr(allreduce, "write_encoded", fails_before_its_last_chunk)
-    with caplog.at_level(logging.INFO, logger="swarm.averaging.reduction"):
+    monkeypatch.setattr(flat, "write_encoded", fails_before_its_last_chunk)
+    with caplog.at_level(logging.INFO, logger="swarm.averaging.rounds.reduction"):
         _, report = agreed(await run_all(rounds(group, members, vectors)), [0, 1, 2])
     stopped = {r.args[0] for r in caplog.records if "the part follows whole" in r.getMessage()}
     assert stopped >= {0, 1, 2}  # each owner had begun streaming when member 3 went away

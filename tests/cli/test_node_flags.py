@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from swarm.cli.node import main
-from swarm.node_config import NodeConfig
+from swarm.node.config import NodeConfig
 
 
 def test_overlap_matchmaking_without_overlap_is_refused_in_one_line() -> None:

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from swarm import process_control
 from swarm.cli.sim_report import STEP_KEYS, EventTail, NodeRecord, loss_summary, write_metrics, write_plot
-from swarm.process_control import console_script
+from swarm.utils import process_control
+from swarm.utils.process_control import console_script
 from tests.children import child_env
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

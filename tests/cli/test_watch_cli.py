@@ -19,10 +19,10 @@ from typing import TypeVar
 import pytest
 from click.testing import CliRunner
 
-from swarm import process_control
 from swarm.cli.dht import main as dht_main
 from swarm.cli.sim import main as sim_main
-from swarm.process_control import console_script
+from swarm.utils import process_control
+from swarm.utils.process_control import console_script
 from tests.children import child_env
 
 T = TypeVar("T")

@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from swarm import process_control
 from swarm.cli.common import jsonable
 from swarm.cli.dht import main, parse_value
 from swarm.dht import DHT, owner_subkey, run_keys
 from swarm.p2p import Identity, P2PConfig
-from swarm.process_control import console_script
+from swarm.utils import process_control
+from swarm.utils.process_control import console_script
 from tests.children import child_env
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"

@@ -34,7 +34,7 @@ from swarm.dht.run_keys import nodes_key
 from swarm.dht.storage import RecordStorage
 from swarm.dht.ttl_caps import key_kind, max_ttl_for
 from swarm.p2p import Identity, P2PConfig, P2PHost, PeerID
-from swarm.process_memory import resident_bytes
+from swarm.utils.process_memory import resident_bytes
 
 CONFIG = DHTConfig(rpc_timeout=2.0, lookup_timeout=10.0, bootstrap_timeout=10.0)
 A, B, C = (Identity.from_seed(bytes([i]) * 32).peer_id for i in (1, 2, 3))

@@ -13,7 +13,7 @@ from swarm.model.run_settings import (
     settings_digest,
     training_settings,
 )
-from swarm.node_config import NodeConfig
+from swarm.node.config import NodeConfig
 
 OURS = training_settings(NodeConfig())
 COSINE = training_settings(NodeConfig(lr_schedule="cosine", total_steps=1000))
@@ -90,6 +90,34 @@ def test_well_formed_settings_decode() -> None:
     ],
 )
 def test_a_joining_node_adopts_every_setting_it_was_not_given(theirs: dict | None, given: set, adopted: dict) -> None:
-    from swarm.run_lookup import adoptable_settings
+    from swarm.node.run_lookup import adoptable_settings
 
     assert adoptable_settings(theirs, given, OURS) == adopted
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "equal"),
+    [
+        ({"outer_lr": 1}, {"outer_lr": 1.0}, True),  # swarm.join(outer_lr=1) against the CLI's 1.0
+        ({"seed": 0}, {"seed": 0.0}, True),  # msgpack may hand back 0.0 for 0
+        ({"outer_lr": 0.7}, {"outer_lr": 0.7000001}, False),
+        ({"lr": 1e-3}, {"lr": 0.001}, True),
+        ({"total_steps": None}, {"total_steps": 0}, False),
+        ({"fragments": True}, {"fragments": 1}, False),  # a bool is not the number 1
+        ({"inner_steps": 2**60 + 1}, {"inner_steps": 2**60}, False),  # ints past a float's precision
+        ({"model": "tiny"}, {"model": "tiny "}, False),
+    ],
+)
+def test_equal_settings_have_one_digest_and_the_join_check_agrees_with_it(
+    ours: dict, theirs: dict, equal: bool
+) -> None:
+    """The digest (matchmaking, the manifest) and the join check compare settings the same way:
+    two nodes the join check lets into one run must have one digest, or they never group."""
+    assert (settings_digest(ours) == settings_digest(theirs)) == equal
+    assert (disagreement(ours, [("a", theirs)], set()) is None) == equal
+
+
+def test_a_node_built_with_outer_lr_1_groups_with_one_built_with_1_0() -> None:
+    assert settings_digest(training_settings(NodeConfig(outer_lr=1))) == settings_digest(
+        training_settings(NodeConfig(outer_lr=1.0))
+    )

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from swarm import process_control
 from swarm.model.data import TokenData, load_data
-from swarm.process_control import console_script
+from swarm.utils import process_control
+from swarm.utils.process_control import console_script
 from tests.children import child_env
 from tests.node.inprocess import LocalSwarm
 

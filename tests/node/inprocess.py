@@ -13,10 +13,10 @@ from typing import Any
 from swarm.dht import DHTNode
 from swarm.model.data import TokenData
 from swarm.node import SwarmNode
-from swarm.node_config import NodeConfig
+from swarm.node.config import NodeConfig
+from swarm.node.data_loop import DataLoop, TrainLoopFactory
 from swarm.p2p import P2PConfig, P2PHost
 from swarm.p2p.identity import Identity
-from swarm.trainer import DataLoop, TrainLoopFactory
 
 LOCAL = P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))
 # tiny and quick: short windows, a few inner steps, prompt progress records

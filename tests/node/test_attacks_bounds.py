@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from swarm.averaging.allreduce import AllReduceRound
 from swarm.averaging.averager import Averager
 from swarm.averaging.messages import MemberInfo
+from swarm.averaging.rounds.flat import AllReduceRound
 from swarm.dht import DHTNode
 from swarm.dht.records import owner_subkey
 from swarm.dht.run_keys import nodes_key

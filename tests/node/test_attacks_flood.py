@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from swarm.averaging.liveness import Liveness
+from swarm.averaging.matchmaking.liveness import Liveness
+from swarm.averaging.matchmaking.ready import announcement, formed_marker
 from swarm.averaging.messages import MemberInfo
-from swarm.averaging.ready import announcement, formed_marker
 from swarm.dht import DHTConfig, Record, owner_subkey
 from swarm.dht.id_proof import solve
 from swarm.dht.run_keys import ready_key
@@ -100,7 +100,7 @@ async def test_attack_g_a_live_identitys_formed_marker_delays_the_swarm_once(
     the honest state every 0.3 s: every honest node is "late" and waits for a result that never
     comes. After max_wait (10 s here) each ignores that identity's markers and the swarm goes
     on; before, it waited forever."""
-    caplog.set_level(logging.WARNING, logger="swarm.averaging.matchmaking")
+    caplog.set_level(logging.WARNING, logger="swarm.averaging.matchmaking.matchmaker")
     await run_flood(local, data, "formed", proven=True, live=True)
     assert "ignoring the FORMED markers of" in caplog.text
 

@@ -14,8 +14,8 @@ import dataclasses
 
 import pytest
 
-from swarm.averaging.ready import ReadyView
-from swarm.averaging.ready_board import ReadyBoard
+from swarm.averaging.matchmaking.ready import ReadyView
+from swarm.averaging.matchmaking.ready_board import ReadyBoard
 from tests.node.inprocess import LocalSwarm, Running
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from swarm.node_config import NodeConfig
-from swarm.step_end import LINEAGE_STEPS, StepEnd
+from swarm.node.config import NodeConfig
+from swarm.node.step_end import LINEAGE_STEPS, StepEnd
 
 
 class Answers:

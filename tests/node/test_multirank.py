@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from swarm import process_control
 from swarm.cli.common import load_identity
-from swarm.process_control import console_script
+from swarm.utils import process_control
+from swarm.utils.process_control import console_script
 from tests.children import exited
 from tests.node.conftest import ENV, FAST, LOOPBACK, Swarm
 

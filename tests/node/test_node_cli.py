@@ -15,9 +15,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from swarm import process_control
 from swarm.cli.node import main
-from swarm.process_control import console_script
+from swarm.utils import process_control
+from swarm.utils.process_control import console_script
 from tests.node.conftest import FAST, Swarm
 
 pytestmark = pytest.mark.swarm

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from swarm import node
 from swarm.model.presets import preset
-from swarm.node_config import NodeConfig
+from swarm.node import node
+from swarm.node.config import NodeConfig
 
 
 @pytest.fixture(autouse=True)

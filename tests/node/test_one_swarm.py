@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from swarm.averaging.hierarchical import GridRound
+from swarm.averaging.rounds.grid import GridRound
 from tests.node.inprocess import LocalSwarm
 from tests.waiting import until
 

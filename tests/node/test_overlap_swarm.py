@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from swarm.averaging.allreduce import AllReduceError
 from swarm.averaging.averager import Averager
-from swarm.progress import OwnProgress, ProgressBook
-from swarm.trainer import DataLoop
-from swarm.user_steps import UserSteps
+from swarm.averaging.errors import AllReduceError
+from swarm.node.data_loop import DataLoop
+from swarm.node.permits import UserSteps
+from swarm.node.progress import OwnProgress, ProgressBook
 from tests.node.inprocess import LocalSwarm
 from tests.node.test_one_swarm import assert_one_state
 from tests.waiting import until

@@ -1,4 +1,4 @@
-"""The node's decisions (swarm/plan.py) on tables of situations: pure, no I/O."""
+"""The node's decisions (swarm/node/plan.py) on tables of situations: pure, no I/O."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import dataclasses
 
 import pytest
 
-from swarm.p2p.identity import Identity
-from swarm.plan import (
+from swarm.node.plan import (
     APPLY_OWN,
     AWAIT_RESULT,
     END,
@@ -32,7 +31,8 @@ from swarm.plan import (
     straggler_horizon,
     swarm_together,
 )  # fmt: skip
-from swarm.progress import PeerProgress
+from swarm.node.progress import PeerProgress
+from swarm.p2p.identity import Identity
 
 NOW, H = 100.0, 10
 IDS = [Identity.generate().peer_id for _ in range(4)]

@@ -1,4 +1,4 @@
-"""Progress records of peers (swarm/progress.py): strict decoding, and when a step's group should
+"""Progress records of peers (swarm/node/progress.py): strict decoding, and when a step's group should
 be ready."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import pytest
 from swarm.dht import store_retry
 from swarm.dht.records import owner_subkey
 from swarm.dht.run_keys import RUNS_KEY, nodes_key
-from swarm.p2p.identity import Identity
-from swarm.progress import (
+from swarm.node.progress import (
     EVAL_HISTORY,
     OwnProgress,
     PeerProgress,
@@ -22,6 +21,7 @@ from swarm.progress import (
     decode_progress,
     implausible,
 )
+from swarm.p2p.identity import Identity
 from tests.dht.refusing import refusing_dht
 
 PEER = Identity.from_seed(b"\x01" * 32).peer_id

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from swarm.dht.records import owner_subkey
+from swarm.node.run_lookup import RunChoiceError, RunLookup, RunSeen, listed_runs, run_to_join, unknown_run_warning
 from swarm.p2p.identity import Identity
-from swarm.run_lookup import RunChoiceError, RunLookup, RunSeen, listed_runs, run_to_join, unknown_run_warning
 
 PEERS = [Identity.generate().peer_id for _ in range(6)]
 

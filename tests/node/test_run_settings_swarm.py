@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-import swarm.node
+import swarm.node.node
 from swarm.dht.run_keys import nodes_key
 from swarm.node import NodeError
 from tests.node.inprocess import LocalSwarm
@@ -50,7 +50,7 @@ async def test_nodes_of_other_settings_that_did_not_see_each_other_never_group(
     """Nodes that start at once may not see each other's records before they train (here: the
     start-up check is switched off): their ready records carry the settings' digest, so each pair
     groups only with itself and never takes the other pair's state for the swarm's."""
-    monkeypatch.setattr(swarm.node, "disagreement", lambda *args: None)
+    monkeypatch.setattr(swarm.node.node, "disagreement", lambda *args: None)
     bootstrap = await local.start_bootstrap()
     a = [local.start((bootstrap,), max_outer_steps=2) for _ in range(2)]
     b = [local.start((bootstrap,), max_outer_steps=2, inner_steps=5) for _ in range(2)]

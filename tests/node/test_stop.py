@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from swarm.averaging.matchmaking import Matchmade
+from swarm.averaging.matchmaking.matchmaker import Matchmade
 from tests.node.inprocess import LocalSwarm
 from tests.waiting import until
 

@@ -120,8 +120,8 @@ def test_warnings_and_errors_are_counted_by_layer() -> None:
     logger = logging.getLogger("swarm")
     handler = m.count_logs(logger)
     try:
-        logging.getLogger("swarm.averaging.allreduce").warning("a round failed")
-        logging.getLogger("swarm.outer_step").error("refusing the average")
+        logging.getLogger("swarm.averaging.rounds.flat").warning("a round failed")
+        logging.getLogger("swarm.node.loop").error("refusing the average")
         logging.getLogger("swarm.dht.node").info("not counted")
     finally:
         logger.removeHandler(handler)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.p2p import CallContext, P2PConfig, P2PError, P2PHost, Stream
-from swarm.process_memory import resident_bytes
+from swarm.utils.process_memory import resident_bytes
 from tests.p2p.rawpeer import RawPeer
 
 RETRY_PAUSE_S = 0.05  # an attacker slot waits this long after its socket is closed, then retries

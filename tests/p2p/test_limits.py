@@ -348,7 +348,7 @@ def test_a_flood_logs_a_few_lines_and_says_how_many_it_held_back(caplog: pytest.
     import logging
     import time
 
-    from swarm.log_once import RateLimitedLog
+    from swarm.utils.log_once import RateLimitedLog
 
     log = RateLimitedLog(logging.getLogger("flood-test"), burst=3, period=3600)
     with caplog.at_level(logging.WARNING, logger="flood-test"):

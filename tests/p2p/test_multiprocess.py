@@ -10,12 +10,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from swarm import process_control
 from swarm.p2p import P2PConfig, P2PHost
+from swarm.utils import process_control
 
 SERVER = """
 import asyncio, hashlib, json, sys
-from swarm.eventloop import run
+from swarm.utils.eventloop import run
 from swarm.p2p import P2PConfig, P2PHost
 
 async def main():

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from swarm.model.data import load_data
 from swarm.model.llama import build_model
 from swarm.model.presets import preset
-from swarm.node_config import NodeConfig
+from swarm.node.config import NodeConfig
 from swarm.ranks.commands import Command, Op
 from swarm.ranks.follower import hello_settings
 from swarm.ranks.group import RankGroup

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm import process_control
+from swarm.utils import process_control
 
 pytestmark = pytest.mark.swarm
 

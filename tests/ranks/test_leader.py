@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from swarm.model.diloco import DiLoCo, DiLoCoConfig
+from swarm.node.errors import NodeError
+from swarm.node.permits import UserSteps
 from swarm.p2p.identity import Identity
 from swarm.ranks.commands import Command, Op
 from swarm.ranks.leader import LeaderLoop
-from swarm.trainer import NodeError
-from swarm.user_steps import UserSteps
 
 
 class RecordingGroup:

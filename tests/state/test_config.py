@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from swarm.node_config import NodeConfig
+from swarm.node.config import NodeConfig
 from swarm.state.config import FetchConfig, KeeperConfig
 
 

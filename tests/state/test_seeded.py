@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from scripts.state_seeder import SeedSpec
-from swarm.node_config import NodeConfig
+from swarm.node.config import NodeConfig
 from swarm.state.server import ServeFaults
 from tests.node.inprocess import QUICK, LocalSwarm, Running
 from tests.state.conftest import StartSeeder

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from scripts.hivemind_procs import exists, remove_files, running, socket_files
-from swarm import process_control
+from swarm.utils import process_control
 
 psutil = pytest.importorskip("psutil")  # the bench extra
 

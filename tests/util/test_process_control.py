@@ -1,4 +1,4 @@
-"""swarm.process_control on real children (small `python -c` programs, no torch): a child that
+"""swarm.utils.process_control on real children (small `python -c` programs, no torch): a child that
 ignores SIGTERM is SIGKILLed after the grace, a JSON line is read even when it shares a read with
 another, a silent child times out with a clear error, and no child is left unreaped."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm import process_control
+from swarm.utils import process_control
 from tests.children import still_running
 
 # a child that says it is ready only once its SIGTERM handler is in place
@@ -190,7 +190,7 @@ def test_the_error_names_the_command_when_no_name_is_given(children: list) -> No
 # must still unwind through `finally`, with 143
 SIGTERM_DURING_A_FORK = """
 import os, signal, time
-from swarm import process_control
+from swarm.utils import process_control
 process_control.exit_on_sigterm()
 os.register_at_fork(after_in_parent=lambda: os.kill(os.getpid(), signal.SIGTERM))
 try:
@@ -220,7 +220,7 @@ def test_the_module_imports_only_the_standard_library() -> None:
     imported |= {node.module.split(".")[0] for node in ast.walk(tree)
                  if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}  # fmt: skip
     assert imported - {"__future__"} <= set(sys.stdlib_module_names), imported
-    check = "import sys, swarm.process_control; assert 'torch' not in sys.modules"
+    check = "import sys, swarm.utils.process_control; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", check], timeout=60).returncode == 0
 
 

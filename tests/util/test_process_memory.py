@@ -1,12 +1,12 @@
-"""swarm.process_memory: the one reader of a process's memory (node metrics, benchmarks, tests)."""
+"""swarm.utils.process_memory: the one reader of a process's memory (node metrics, benchmarks, tests)."""
 
 from __future__ import annotations
 
 import os
 import sys
 
-from swarm import process_control
-from swarm.process_memory import pss_bytes, resident_bytes, status_kib
+from swarm.utils import process_control
+from swarm.utils.process_memory import pss_bytes, resident_bytes, status_kib
 
 
 def test_this_process_reads_the_same_resident_set_both_ways() -> None:

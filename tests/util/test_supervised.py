@@ -11,7 +11,7 @@ import pytest
 
 from swarm.dht import DHTNode
 from swarm.p2p import P2PConfig
-from swarm.supervised import Supervised
+from swarm.utils.supervised import Supervised
 
 
 async def test_a_task_that_fails_is_logged_started_again_and_reported_at_close(
@@ -27,7 +27,7 @@ async def test_a_task_that_fails_is_logged_started_again_and_reported_at_close(
         again.set()
         await asyncio.Event().wait()  # then it runs on
 
-    with caplog.at_level(logging.ERROR, logger="swarm.supervised"):
+    with caplog.at_level(logging.ERROR, logger="swarm.utils.supervised"):
         task = Supervised("flaky", flaky, backoff=0.01).start()
         await asyncio.wait_for(again.wait(), 5.0)
     assert task.running and task.failures == 1 and len(runs) == 2

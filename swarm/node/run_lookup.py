@@ -28,12 +28,12 @@ from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
 from swarm.dht.run_keys import RUNS_KEY, check_run_id, nodes_key, owned_map
 from swarm.model.run_settings import FIELDS, run_settings, same_value
+from swarm.node.progress import decode_progress
 from swarm.p2p import P2PConfig
 from swarm.p2p.errors import P2PError
 from swarm.p2p.identity import Identity
 from swarm.p2p.maddr import parse_maddr
 from swarm.p2p.peer_id import PeerID
-from swarm.progress import decode_progress
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Hierarchical butterfly all-reduce: a group larger than max_group_size averages over a grid.
 
-The grid (grid.py): owner (r, c) in row r, column c; passengers (client-mode members and owners
+The grid (rounds/grid_shape.py): owner (r, c) in row r, column c; passengers (client-mode members and owners
 left over) ride in a row and own nothing. Part c of the vector belongs to column c; sub-part
 (r, c), a block-aligned slice of part c, to owner (r, c). For a member x of row r:
 
@@ -56,7 +56,7 @@ Faults (DESIGN invariant 5):
   that needs it, i.e. every member that did not already receive it.
 Every wait is bounded by part_timeout (a chunk, a sender, a row), a few of them end to end.
 
-Audit (grid_audit.py, robust aggregator): once part c is final, its owners build receipts of
+Audit (audit/grid.py, robust aggregator): once part c is final, its owners build receipts of
 the sub-part they reduced and of their row partial; after the parts, every member checks them
 before the round's buffers go (and the round lingers to serve them).
 """
@@ -70,17 +70,17 @@ from typing import Any
 
 import torch
 
+from swarm.averaging.audit.grid import GridAudit
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.errors import AllReduceError
-from swarm.averaging.grid import make_grid
-from swarm.averaging.grid_audit import GridAudit
-from swarm.averaging.grid_serving import FAILURES, GridServing
 from swarm.averaging.messages import GroupInfo
-from swarm.averaging.partition import payload_layout, payload_size
-from swarm.averaging.reduction import ColReduction, RowReduction
-from swarm.averaging.registry import COL, DOWN, ROW, RoundRegistry
-from swarm.averaging.round_member import RoundMember, RoundReport, await_parts
-from swarm.averaging.round_streams import Final, read_exactly, read_header, write_encoded
+from swarm.averaging.rounds.grid_serving import FAILURES, GridServing
+from swarm.averaging.rounds.grid_shape import make_grid
+from swarm.averaging.rounds.member import RoundMember, RoundReport, await_parts
+from swarm.averaging.rounds.partition import payload_layout, payload_size
+from swarm.averaging.rounds.reduction import ColReduction, RowReduction
+from swarm.averaging.rounds.registry import COL, DOWN, ROW, RoundRegistry
+from swarm.averaging.rounds.streams import Final, read_exactly, read_header, write_encoded
 from swarm.p2p.errors import BadRequest
 from swarm.p2p.handlers import CallContext
 from swarm.p2p.host import P2PHost
@@ -88,7 +88,7 @@ from swarm.p2p.stream import Stream
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COL", "DOWN", "ROW", "GridRound"]  # the method names are registry.py's, imported from here too
+__all__ = ["COL", "DOWN", "ROW", "GridRound"]  # the method names are rounds/registry.py's, imported from here too
 
 
 def _fail(future: asyncio.Future[Any], error: BaseException) -> None:
@@ -101,7 +101,7 @@ class GridRound(GridServing, RoundMember):
     """One member's side of one hierarchical round: call `run()` once (as AllReduceRound).
 
     The member's side of each stage is here; the owner's side, which answers the other members'
-    avg.row, avg.col and avg.down streams, is GridServing's (grid_serving.py)."""
+    avg.row, avg.col and avg.down streams, is GridServing's (rounds/grid_serving.py)."""
 
     def __init__(
         self, host: P2PHost, registry: RoundRegistry, group: GroupInfo, vector: torch.Tensor, config: AveragingConfig

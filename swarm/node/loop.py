@@ -1,14 +1,14 @@
 """OuterStepLoop: a SwarmNode's (node.py) outer steps, one after another, until the last or a stop.
 
-One outer step (the decisions are swarm/plan.py's; this module only executes them):
+One outer step (the decisions are swarm/node/plan.py's; this module only executes them):
 1. plan_step: fetch the swarm's state first, train H inner steps (fewer for a node that arrived
    while its peers were training), or join the peers' forming group at once with weight 0.
 2. Inner steps run in a thread, outside the event loop, which keeps serving: swarm-node's
-   DataLoop (swarm/trainer.py) or the caller's own loop (swarm.join), each given permits
-   (swarm/user_steps.py).
+   DataLoop (swarm/node/data_loop.py) or the caller's own loop (swarm.join), each given permits
+   (swarm/node/permits.py).
    Matchmaking starts `matchmaking_time` before the slowest live peer of the step should finish
    and ends as soon as every expected peer has announced: one group of every ready node whose
-   state equals the swarm's (swarm/averaging/matchmaking.py).
+   state equals the swarm's (swarm/averaging/matchmaking/matchmaker.py).
 3. With a group: Δ = θ_outer - θ_inner averaged (int8 by default), weighted by tokens; the outer
    Nesterov step. Without one (plan_without_group): fetch the swarm's result, wait for it,
    matchmake again, or, when no live peer works on this step, apply our own Δ.
@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from swarm.averaging.averager import Averager
-from swarm.averaging.matchmaking import Matchmade
-from swarm.plan import (
+from swarm.averaging.matchmaking.matchmaker import Matchmade
+from swarm.node.plan import (
     FETCH,
     JOIN_FORMING,
     matchmaking_start,
@@ -54,12 +54,12 @@ from swarm.plan import (
     steps_for_slower,
     swarm_together,
 )
-from swarm.progress import ProgressBook
+from swarm.node.progress import ProgressBook
+from swarm.node.step_end import RESULT_POLL, StepEnd
 from swarm.state.keeper import StateKeeper
-from swarm.step_end import RESULT_POLL, StepEnd
 
 if TYPE_CHECKING:
-    from swarm.user_steps import InnerProgress
+    from swarm.node.permits import InnerProgress
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Who is ready for an outer step, and what one node does about it: pure, no I/O.
 
-Matchmaking (matchmaking.py) reads `<run>/ready/<N>` into a ReadyView and hands it to `decide`,
+Matchmaking (matchmaking/matchmaker.py) reads `<run>/ready/<N>` into a ReadyView and hands it to `decide`,
 which every node evaluates on its own view. The rules, in order:
 
 1. **Late.** Someone already formed a group from our state at this step (a FORMED marker that
@@ -35,7 +35,7 @@ find, two to check). Without it, a flood of throwaway identities announcing anot
 outvote the swarm (rule 2: every honest node would look for a state nobody serves), and fake
 members would take the leader's place or hold the majority a leader needs (may_finalize).
 
-Identities must also be alive (liveness.py): the matchmaker marks the owners that have not
+Identities must also be alive (matchmaking/liveness.py): the matchmaker marks the owners that have not
 answered it `unverified`, and those neither vote for the swarm's state (rule 2), nor lead (rule
 3), nor count as announced for a leader's majority (`may_finalize`), nor make anyone late (rule
 1). They may still join a group: a leader groups whoever actually joins it.
@@ -92,7 +92,7 @@ class ReadyView:
     refused: frozenset[PeerID] = frozenset()  # announced something we do not accept (decode_view)
     formers: dict[PeerID, MemberInfo] = field(default_factory=dict)  # where a FORMED marker's owner is
     groups: dict[PeerID, bytes] = field(default_factory=dict)  # the group id a FORMED marker names
-    # owners (ready or formed) that have not proven they are alive (liveness.py): not counted
+    # owners (ready or formed) that have not proven they are alive (matchmaking/liveness.py): not counted
     unverified: frozenset[PeerID] = frozenset()
 
     def seen(self) -> set[PeerID]:

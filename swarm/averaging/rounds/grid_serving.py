@@ -1,10 +1,10 @@
-"""GridServing: the owner's side of a grid round (hierarchical.py), the streams other members open.
+"""GridServing: the owner's side of a grid round (rounds/grid.py), the streams other members open.
 
 Owner (r, c) serves avg.row (a row member's slice of part c, into the row partial), avg.col (a
 row partial's sub-part r, from the owner of column c in another row) and avg.down (a final
 sub-part or part it holds, for a backup or a member whose row owner failed). Each checks who
 asks, reads the payload into the reduction it belongs to, and answers with the final bytes once
-they exist; the wire format is in hierarchical.py's docstring.
+they exist; the wire format is in rounds/grid.py's docstring.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from swarm.averaging.errors import AllReduceError
-from swarm.averaging.registry import COL, ROW
-from swarm.averaging.round_streams import Final
+from swarm.averaging.rounds.registry import COL, ROW
+from swarm.averaging.rounds.streams import Final
 from swarm.p2p.errors import BadRequest, NotFound, P2PError
 from swarm.p2p.handlers import CallContext
 from swarm.p2p.stream import Stream
@@ -25,10 +25,10 @@ from swarm_kernels import MalformedPayload
 
 if TYPE_CHECKING:
     from swarm.averaging.config import AveragingConfig
-    from swarm.averaging.grid import Grid
     from swarm.averaging.messages import GroupInfo
-    from swarm.averaging.reduction import ColReduction, RowReduction
-    from swarm.averaging.round_member import RoundReport
+    from swarm.averaging.rounds.grid_shape import Grid
+    from swarm.averaging.rounds.member import RoundReport
+    from swarm.averaging.rounds.reduction import ColReduction, RowReduction
     from swarm.p2p.peer_id import PeerID
 
 logger = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class GridServing:
     async def _answer(
         self, stream: Stream, finals: list[Final], whole: bool = False, rate: float | None = None
     ) -> None:
-        """Finals to a member; `rate`: the bytes/s its payload came at (bandwidth.py)."""
+        """Finals to a member; `rate`: the bytes/s its payload came at (rounds/bandwidth.py)."""
         header = msgpack.packb({"inc": [f[0] for f in finals] if whole else finals[0][0],
                                 **({"r": rate} if rate is not None else {})})  # fmt: skip
         size = len(header) + sum(len(f[1]) for f in finals)

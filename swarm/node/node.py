@@ -6,7 +6,7 @@
 
 A test may inject the data and the model (`data=`, `model=`) and run many nodes in one loop.
 
-One outer step: swarm/outer_step.py (OuterStepLoop, which SwarmNode is made of).
+One outer step: swarm/node/loop.py (OuterStepLoop, which SwarmNode is made of).
 
 Events (`on_event`, called on the event loop; the CLI writes them as JSON lines):
     {"event": "start", "peer_id", "maddrs", "run_id", "outer_step", "parameters", "client_mode", ...}
@@ -44,7 +44,6 @@ from torch import nn
 from swarm.averaging.averager import Averager
 from swarm.dht.config import DHTConfig
 from swarm.dht.node import DHTNode
-from swarm.log_once import OncePerPeer, RateLimitedLog
 from swarm.model.checkpoint import CheckpointError, RunInfo
 from swarm.model.configs import ModelConfig
 from swarm.model.data import TokenData, eval_windows, load_data
@@ -62,28 +61,29 @@ from swarm.model.run_settings import (
     settings_digest,
     training_settings,
 )
-from swarm.node_config import NodeConfig
-from swarm.node_events import EventSink
-from swarm.outer_step import OuterStepLoop
+from swarm.node.config import NodeConfig
+from swarm.node.data_loop import DataLoop, TrainLoop, TrainLoopFactory
+from swarm.node.errors import NodeError
+from swarm.node.events import Event, EventSink
+from swarm.node.loop import OuterStepLoop
+from swarm.node.permits import UserSteps
+from swarm.node.plan import borrowed_pace, nodes_to_start_with, starting_together
+from swarm.node.progress import OwnProgress, ProgressBook
+from swarm.node.run_lookup import initial_peer_ids
+from swarm.node.step_end import LINEAGE_STEPS
 from swarm.p2p.autonat import check_reachability
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.host import P2PHost
 from swarm.p2p.identity import Identity
-from swarm.plan import borrowed_pace, nodes_to_start_with, starting_together
-from swarm.progress import OwnProgress, ProgressBook
-from swarm.run_lookup import initial_peer_ids
 from swarm.state.keeper import StateKeeper
 from swarm.state.lineage_book import LineageBook
-from swarm.step_end import LINEAGE_STEPS
-from swarm.supervised import Supervised
-from swarm.trainer import DataLoop, NodeError, TrainLoop, TrainLoopFactory
-from swarm.user_steps import UserSteps
+from swarm.utils.log_once import OncePerPeer, RateLimitedLog
+from swarm.utils.supervised import Supervised
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Event", "NodeError", "SwarmNode"]
 
-Event = dict[str, Any]
 DATA_LOOP_END_WAIT = 60.0  # seconds for the training thread to finish its inner step at exit
 START_WAIT_S = 600.0  # --start-with: the longest a node waits for the others of a new run
 START_POLL_S = 0.5  # seconds between readings of the run's records while it waits

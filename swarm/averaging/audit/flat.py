@@ -1,4 +1,4 @@
-"""The owner audit of a flat round (audit.py's arithmetic, on the wire): every member checks
+"""The owner audit of a flat round (audit/arithmetic.py's arithmetic, on the wire): every member checks
 every other part's owner once the round's results are in.
 
     avg.receipt  {"g": group_id, "p": part, "s": audit seed (32 bytes)}
@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import torch
 
-from swarm.averaging.audit import (
+from swarm.averaging.audit.arithmetic import (
     BUCKETS,
     SUSPECT,
     AuditFailure,
@@ -64,8 +64,8 @@ from swarm.averaging.audit import (
     sketch_plan,
 )
 from swarm.averaging.errors import AuditError
-from swarm.averaging.partition import payload_layout
-from swarm.averaging.reduction import PartReduction
+from swarm.averaging.rounds.partition import payload_layout
+from swarm.averaging.rounds.reduction import PartReduction
 from swarm.p2p.errors import BadRequest, NotFound, P2PError, RemoteError
 from swarm.p2p.handlers import CallContext
 from swarm.p2p.peer_id import PeerID
@@ -74,8 +74,8 @@ from swarm_kernels import as_memoryview
 from swarm_kernels.sketch import SketchPlan, sketch_accumulate, sketch_payload_accumulate
 
 if TYPE_CHECKING:
-    from swarm.averaging.allreduce import AllReduceRound
-    from swarm.averaging.round_member import RoundMember
+    from swarm.averaging.rounds.flat import AllReduceRound
+    from swarm.averaging.rounds.member import RoundMember
 
 logger = logging.getLogger(__name__)
 

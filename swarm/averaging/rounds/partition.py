@@ -1,6 +1,6 @@
 """Pure arithmetic of a round: which slice of the flattened vector each member reduces (its
 part), and how a part travels in chunks. No I/O; tested on its own. (Who is in the group and
-who leads it: ready.py.)"""
+who leads it: matchmaking/ready.py.)"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """EventSink: what a training node tells its watcher (the CLI's panel, metrics file and
-Prometheus metrics), as dicts with "event", "time" and "peer_id" (the list is in swarm/node.py's
+Prometheus metrics), as dicts with "event", "time" and "peer_id" (the list is in swarm/node/node.py's
 docstring). It also keeps what the node's progress record repeats of its events: the last
 eval losses and the wire totals of the last `network` event.
 
@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from swarm.process_memory import resident_bytes
-from swarm.progress import EVAL_HISTORY
+from swarm.node.permits import InnerProgress
+from swarm.node.progress import EVAL_HISTORY
 from swarm.state.fetcher import FetchProgress, FetchReport
-from swarm.user_steps import InnerProgress
+from swarm.utils.process_memory import resident_bytes
 
 if TYPE_CHECKING:
     from swarm.state.keeper import StateKeeper

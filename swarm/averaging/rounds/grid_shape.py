@@ -1,4 +1,4 @@
-"""The grid of a hierarchical round (hierarchical.py): pure arithmetic, no I/O, tested on its own.
+"""The grid of a hierarchical round (rounds/grid.py): pure arithmetic, no I/O, tested on its own.
 
 Owners are the members that accept connections and announce a bandwidth > 0 (bandwidth 0 means
 client mode, as in the flat round), in group order. The first rows*cols owners fill the grid
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from swarm.averaging.partition import part_bounds
+from swarm.averaging.rounds.partition import part_bounds
 
 
 @dataclass(frozen=True, slots=True)

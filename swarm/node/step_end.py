@@ -14,15 +14,14 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from swarm.averaging.allreduce import AllReduceError
 from swarm.averaging.averager import Averager, GroupReport
-from swarm.averaging.matchmaking import Matchmade
+from swarm.averaging.errors import AllReduceError
+from swarm.averaging.matchmaking.matchmaker import Matchmade
 from swarm.dht.errors import DHTError
 from swarm.model.checkpoint import CheckpointError
 from swarm.model.compression import outgoing
-from swarm.p2p.errors import P2PError
-from swarm.p2p.peer_id import PeerID
-from swarm.plan import (
+from swarm.node.errors import NodeError
+from swarm.node.plan import (
     APPLY_OWN,
     AWAIT_RESULT,
     END,
@@ -35,22 +34,23 @@ from swarm.plan import (
     plan_without_group,
     servers_behind,
 )  # fmt: skip
-from swarm.process_memory import resident_bytes
-from swarm.progress import ProgressBook, implausible
+from swarm.node.progress import ProgressBook, implausible
+from swarm.p2p.errors import P2PError
+from swarm.p2p.peer_id import PeerID
 from swarm.state.fetcher import FetchError
 from swarm.state.keeper import StateKeeper
 from swarm.state.trust import step_horizon
-from swarm.trainer import NodeError
+from swarm.utils.process_memory import resident_bytes
 
 if TYPE_CHECKING:
-    from swarm.log_once import OncePerPeer, RateLimitedLog
     from swarm.model.compression_spec import CompressionSpec
     from swarm.model.diloco import DiLoCo
     from swarm.model.error_feedback import ErrorFeedback
-    from swarm.node_config import NodeConfig
-    from swarm.node_events import EventSink
+    from swarm.node.config import NodeConfig
+    from swarm.node.events import EventSink
+    from swarm.node.permits import InnerProgress, UserSteps
     from swarm.state.lineage_book import LineageBook
-    from swarm.user_steps import InnerProgress, UserSteps
+    from swarm.utils.log_once import OncePerPeer, RateLimitedLog
 
 logger = logging.getLogger(__name__)
 

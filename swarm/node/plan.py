@@ -1,6 +1,6 @@
 """What a training node does at each outer step: pure functions of the facts, no I/O.
 
-The node (swarm/node.py) gathers the facts (its own step and pace, its peers' progress records,
+The node (swarm/node/node.py) gathers the facts (its own step and pace, its peers' progress records,
 the time), asks these functions, and executes the plan. The rule they keep (README, "One
 swarm, one state"): a node never goes on with a state of its own while live peers work on its
 outer step or a later one. It either averages with every ready node of its step, or fetches the
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from swarm.node.progress import PeerProgress
 from swarm.p2p.peer_id import PeerID
-from swarm.progress import PeerProgress
 
 FETCH = "fetch"  # the swarm's state is newer than ours, or not ours: fetch it first
 TRAIN = "train"  # train `inner_steps` inner steps, then matchmake

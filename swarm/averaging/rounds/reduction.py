@@ -14,13 +14,13 @@ Aggregators (AveragingConfig.aggregator):
   `included`), far ones clipped; `fates` says what happened to whom;
 - "mean": the exact weighted mean, summed in member order, then divided by the total weight.
 
-With "robust", `order` and `gram` keep what the owner audit's receipt needs (audit_round.py):
+With "robust", `order` and `gram` keep what the owner audit's receipt needs (audit/flat.py):
 the contributions the rule ran on (dropped ones included) and their Gram matrix; the payload
 buffers stay until the round has built its receipts.
 
 Streamed (`streams`, an owner's own part in a flat round): as soon as every expected sender's
 bytes of a wire chunk are in, that chunk is reduced and encoded, and `chunks_out[c]` says so:
-the owner's answers (allreduce.py) send it at once, while later chunks are still arriving. The
+the owner's answers (rounds/flat.py) send it at once, while later chunks are still arriving. The
 chunks are those of the weighted mean over every expected sender (the robust rule's first pass,
 robust.DataPass, accumulates the Gram matrix alongside). If every chunk went out and the rule
 keeps everybody unclipped, those bytes are the result, bit-identical to the whole-part
@@ -28,7 +28,7 @@ reduction's. If a sender fails or sends garbage mid-way, or the rule drops or cl
 streaming stops and the part is reduced whole as above, from the senders that completed: that
 result follows the streamed bytes and replaces them.
 
-RowReduction and ColReduction are the two stages of the hierarchical round (hierarchical.py):
+RowReduction and ColReduction are the two stages of the hierarchical round (rounds/grid.py):
 the same arithmetic over a row's members, then over the rows' partials.
 """
 
@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from swarm.averaging.partition import payload_layout, payload_size
 from swarm.averaging.robust import Blocks, DataPass, Fate, mean_coefficients, robust_coefficients, robust_reduce
+from swarm.averaging.rounds.partition import payload_layout, payload_size
 from swarm_kernels import MalformedPayload, as_memoryview
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class Incoming:
     done: bool = False
     failed: bool = False
     started: float = 0.0  # monotonic times of the first chunk and, once done, of the last:
-    ended: float = 0.0  # the rate the sender's bytes came at (bandwidth.py)
+    ended: float = 0.0  # the rate the sender's bytes came at (rounds/bandwidth.py)
 
     def add(self, chunk: bytes | memoryview) -> None:
         end = self.received + len(chunk)
@@ -125,7 +125,7 @@ class PartReduction:
         self._layout: list[tuple[int, int, slice]] | None = None
         self.aggregator = aggregator
         self.fates: dict[int, Fate] = {}  # contribution index -> what the robust rule did with it
-        # what the owner audit's receipt needs (robust aggregator only; audit_round.py): the
+        # what the owner audit's receipt needs (robust aggregator only; audit/flat.py): the
         # contributions the rule ran on (dropped ones included) and their Gram matrix
         self.order: list[int] = []
         self.gram: list[list[float]] = []

@@ -1,4 +1,4 @@
-"""GridAudit: the owner audit of a grid round (hierarchical.py), audit_round.py's checks for both stages.
+"""GridAudit: the owner audit of a grid round (rounds/grid.py), audit/flat.py's checks for both stages.
 
 A grid round has two kinds of owners a member must not have to trust: the owner (r, c) that
 reduces its row's slices of part c into a row partial (stage 1), and the owner (s, c) that
@@ -48,7 +48,7 @@ import blake3
 import msgpack
 import torch
 
-from swarm.averaging.audit import (
+from swarm.averaging.audit.arithmetic import (
     SENT_TOL,
     AuditFailure,
     Prepared,
@@ -59,7 +59,7 @@ from swarm.averaging.audit import (
     quantization_tol,
     sketch_plan,
 )
-from swarm.averaging.audit_round import (
+from swarm.averaging.audit.flat import (
     OURS,
     RECEIPT,
     WRONG_SEED,
@@ -73,8 +73,8 @@ from swarm.averaging.audit_round import (
     unpack_receipt,
     verdict_of,
 )
-from swarm.averaging.partition import payload_layout
 from swarm.averaging.robust import robust_coefficients
+from swarm.averaging.rounds.partition import payload_layout
 from swarm.p2p.errors import BadRequest, NotFound, P2PError, RemoteError
 from swarm.p2p.handlers import CallContext
 from swarm.p2p.peer_id import PeerID
@@ -83,7 +83,7 @@ from swarm_kernels import as_memoryview
 from swarm_kernels.sketch import SketchPlan, sketch_accumulate, sketch_payload_accumulate
 
 if TYPE_CHECKING:
-    from swarm.averaging.hierarchical import GridRound
+    from swarm.averaging.rounds.grid import GridRound
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from swarm.eventloop import cancel_and_wait
+from swarm.utils.eventloop import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 

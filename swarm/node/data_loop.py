@@ -1,6 +1,6 @@
 """DataLoop: swarm-node's own training loop, a caller of the same permits as swarm.join's (DESIGN invariant 6).
 
-    steps = UserSteps(diloco)                         # swarm/user_steps.py: what the node drives
+    steps = UserSteps(diloco)                         # swarm/node/permits.py: what the node drives
     loop = DataLoop(steps, data, peer_id, batch_size=8, seq_len=256)
     loop.start()                                      # a thread: a permit, a batch, forward, backward, step
     ...
@@ -20,14 +20,11 @@ from typing import Protocol
 
 from swarm.model.data import TokenData, node_generator, sample_batch
 from swarm.model.diloco import NonFiniteLossError
+from swarm.node.errors import NodeError
+from swarm.node.permits import SessionClosed, UserSteps
 from swarm.p2p.peer_id import PeerID
-from swarm.user_steps import SessionClosed, UserSteps
 
 logger = logging.getLogger(__name__)
-
-
-class NodeError(RuntimeError):
-    """The node cannot start or go on; the message says why and what to do."""
 
 
 class TrainLoop(Protocol):

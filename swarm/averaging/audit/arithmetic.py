@@ -35,7 +35,7 @@ The checks (`check_receipt`), by every member, for every part it did not reduce 
   int8 rounding of its payload): an owner that misstates an honest member's input is caught by
   that member.
 An owner that fails is reported; the round fails (the group averages again without it) and
-the owner is excluded for the rest of the run (audit_round.py, Averager.excluded).
+the owner is excluded for the rest of the run (audit/flat.py, Averager.excluded).
 
 Cost, per member and round at n = 4, 64M elements, int8: +0.2% bytes (the receipts); one
 BLAKE3 pass over every result, one sketch pass (with its squared norm) over each result and

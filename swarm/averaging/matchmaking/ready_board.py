@@ -1,7 +1,7 @@
-"""The ready sets of one run's steps as this node may believe them (matchmaking.py reads them
+"""The ready sets of one run's steps as this node may believe them (matchmaking/matchmaker.py reads them
 here): decoded and bounded (ready.decode_view), without the owners our audits caught, without
 the FORMED markers of owners that promised a result that never came, and with the owners that
-have not proven they are alive marked unverified (liveness.py)."""
+have not proven they are alive marked unverified (matchmaking/liveness.py)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ from collections.abc import Set
 from dataclasses import replace
 
 from swarm.averaging.config import AveragingConfig
-from swarm.averaging.liveness import Liveness
-from swarm.averaging.ready import ReadyView, decode_view
+from swarm.averaging.matchmaking.liveness import Liveness
+from swarm.averaging.matchmaking.ready import ReadyView, decode_view
 from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
 from swarm.dht.run_keys import ready_key
-from swarm.log_once import OncePerPeer
 from swarm.p2p.errors import P2PError
 from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
+from swarm.utils.log_once import OncePerPeer
 
 logger = logging.getLogger(__name__)
 

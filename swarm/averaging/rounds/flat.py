@@ -2,7 +2,7 @@
 
 Member i streams part j of its vector, encoded chunk by chunk (the next chunk is encoded in a
 worker thread while this one is on the wire), to member j over one `avg.part` stream; member j
-reduces the part (reduction.py) and writes the same encoded average back to every sender on the
+reduces the part (rounds/reduction.py) and writes the same encoded average back to every sender on the
 stream that sender opened, behind a header naming the members the part includes. Every member,
 the owner included, decodes those same bytes, so all hold bit-identical results (DESIGN
 invariant 4). Client-mode members own no part (bandwidth 0) and open every stream themselves.
@@ -21,14 +21,14 @@ Faults (DESIGN invariant 5):
     avg.part   {"g": group_id, "i": sender index, "p": part}
                sender -> reducer: the encoded part (raw chunks), then end
                reducer -> sender: msgpack {"inc": [member indices]}, then the encoded average;
-               or, streamed (the owner's own part: reduction.py), {"inc": [...], "st": 1}, then
+               or, streamed (the owner's own part: rounds/reduction.py), {"inc": [...], "st": 1}, then
                {"c": c} and chunk c's bytes as each chunk is reduced, while the senders' bytes
                still arrive, then {"fin": 1} (those bytes are the average) or {"inc": [...]}
                and the whole encoded average (reduced again without a sender that failed, or
                by the robust rule clipping someone: it replaces the streamed bytes)
     avg.fetch  {"g": group_id, "p": part}
                -> msgpack {"inc": [...]} and the encoded average, or {"none": true}
-    avg.receipt  the owner audit, each part once its result is final (audit_round.py)
+    avg.receipt  the owner audit, each part once its result is final (audit/flat.py)
 """
 
 from __future__ import annotations
@@ -41,16 +41,16 @@ from typing import Any
 import msgpack
 import torch
 
-from swarm.averaging.audit_round import RoundAudit
-from swarm.averaging.bandwidth import PACE_FACTOR, busy_rate
+from swarm.averaging.audit.flat import RoundAudit
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.errors import AllReduceError
 from swarm.averaging.messages import GroupInfo
-from swarm.averaging.partition import part_bounds, payload_layout, payload_size, upload_paces
-from swarm.averaging.reduction import Incoming, PartReduction, byte_buffer
-from swarm.averaging.registry import FETCH, PART, RoundRegistry
-from swarm.averaging.round_member import RoundMember, RoundReport, await_parts
-from swarm.averaging.round_streams import Final, read_exactly, read_header, read_into, write_encoded
+from swarm.averaging.rounds.bandwidth import PACE_FACTOR, busy_rate
+from swarm.averaging.rounds.member import RoundMember, RoundReport, await_parts
+from swarm.averaging.rounds.partition import part_bounds, payload_layout, payload_size, upload_paces
+from swarm.averaging.rounds.reduction import Incoming, PartReduction, byte_buffer
+from swarm.averaging.rounds.registry import FETCH, PART, RoundRegistry
+from swarm.averaging.rounds.streams import Final, read_exactly, read_header, read_into, write_encoded
 from swarm.p2p.errors import BadRequest, P2PError
 from swarm.p2p.handlers import CallContext
 from swarm.p2p.host import P2PHost
@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 SAMPLE_S = 0.05  # how often a round that measures bandwidth notes what the group acknowledged
 
 # imported from here by callers: the round, what it reports and raises, and the registry it joins
-__all__ = ["AllReduceError", "AllReduceRound", "RoundRegistry", "RoundReport"]
+__all__ = ["AllReduceRound"]
 
 
 class AllReduceRound(RoundMember):

@@ -1,7 +1,7 @@
 """What every kind of round is made of: RoundMember (a member's view of its group and vector),
 the RoundReport it fills in, and await_parts, which waits for a round's parts.
 
-The flat round (allreduce.py) and the grid round (hierarchical.py) are RoundMembers.
+The flat round (rounds/flat.py) and the grid round (rounds/grid.py) are RoundMembers.
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swarm.averaging.bandwidth import Sample, upload_span
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.errors import AllReduceError
 from swarm.averaging.messages import GroupInfo
-from swarm.averaging.partition import capped_bandwidths
-from swarm.averaging.reduction import Incoming
 from swarm.averaging.robust import Fate
+from swarm.averaging.rounds.bandwidth import Sample, upload_span
+from swarm.averaging.rounds.partition import capped_bandwidths
+from swarm.averaging.rounds.reduction import Incoming
 from swarm.p2p.host import P2PHost
 from swarm_kernels import get_codec
 
 if TYPE_CHECKING:
-    from swarm.averaging.registry import RoundRegistry
+    from swarm.averaging.rounds.registry import RoundRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class RoundReport:
     total_s: float = 0.0
     audit_excluded: list[Any] = field(default_factory=list)  # PeerIDs that misstated our contribution
     streamed: list[int] = field(default_factory=list)  # parts whose average came chunk by chunk, kept
-    # (bytes, start, end) of the streams we sent (timed by their receivers) and received: bandwidth.py
+    # (bytes, start, end) of the streams we sent (timed by their receivers) and received: rounds/bandwidth.py
     up: list[Sample] = field(default_factory=list)
     down: list[Sample] = field(default_factory=list)
     busy: float | None = None  # bytes/s the group acknowledged of our sending (bandwidth.busy_rate); flat rounds
@@ -108,7 +108,7 @@ class RoundMember:
 
     def note_upload(self, sent: int, started: float, local_s: float, header: dict[str, Any]) -> None:
         """Our upload of `sent` bytes from `started` (monotonic), as the receiver's answer header
-        timed it (bandwidth.py)."""
+        timed it (rounds/bandwidth.py)."""
         span = upload_span(sent, started, local_s, header.get("r"))
         if span is not None:
             self.report.up.append(span)

@@ -7,7 +7,7 @@
    peer it expects at this step (the live peers of its step, from their progress records) has
    announced, or the window (`matchmaking_time`) closes: the window only bounds the wait for
    the missing ones.
-3. Decide (ready.py, pure): late (a group of our state already formed), of another state (fetch
+3. Decide (matchmaking/ready.py, pure): late (a group of our state already formed), of another state (fetch
    the swarm's first), or one group of every ready member of the swarm's state, led by its first
    member in hash order that accepts connections.
 4. Join: every member calls `avg.join` on the leader. The leader holds each call open until every
@@ -24,14 +24,14 @@
    (a node arriving later at this step is late), a node without one with DONE (not counted).
    A node whose round then fails overwrites FORMED with DONE, so that the step can be retried.
 
-Only peers that proved they are alive count (liveness.py): during the gather the node asks
+Only peers that proved they are alive count (matchmaking/liveness.py): during the gather the node asks
 each server it sees (`avg.alive`), and announcements or FORMED markers of owners that did not
 answer neither vote, nor lead, nor make anyone late, nor count for a leader's majority; the
 leader does not wait for members whose check failed.
 
 Client-mode nodes take part the same way; they only never lead. A node finds no group when it
 is alone, late, of another state, or the leader gave up: the caller decides what follows (the
-training node fetches the swarm's state; swarm/plan.py).
+training node fetches the swarm's state; swarm/node/plan.py).
 """
 
 from __future__ import annotations
@@ -44,8 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swarm.averaging.config import AveragingConfig
-from swarm.averaging.messages import MAX_MEMBERS, GroupInfo, MemberInfo
-from swarm.averaging.ready import (
+from swarm.averaging.matchmaking.ready import (
     DONE,
     ReadyView,
     announcement,
@@ -58,16 +57,17 @@ from swarm.averaging.ready import (
     other_groups,
     outvoted,
 )
-from swarm.averaging.ready_board import ReadyBoard
+from swarm.averaging.matchmaking.ready_board import ReadyBoard
+from swarm.averaging.messages import MAX_MEMBERS, GroupInfo, MemberInfo
 from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
 from swarm.dht.records import owner_subkey
 from swarm.dht.run_keys import ready_key
-from swarm.log_once import OncePerPeer
 from swarm.p2p.errors import BadRequest, P2PError
 from swarm.p2p.handlers import CallContext
 from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
+from swarm.utils.log_once import OncePerPeer
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ class Matchmaker:
         config = self.config
         ttl = config.matchmaking_time + 4 * config.request_timeout
         if marker != DONE:
-            ttl += 4 * config.part_timeout  # the longest a round waits (allreduce.py: each wait is bounded)
+            ttl += 4 * config.part_timeout  # the longest a round waits (rounds/flat.py: each wait is bounded)
 
         async def store() -> None:
             if not await self._store(step, marker, ttl):

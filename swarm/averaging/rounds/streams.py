@@ -1,6 +1,6 @@
 """The bytes a round moves on its streams: an encoded slice out, a result's header and payload in.
 
-Both kinds of round (allreduce.py, hierarchical.py) answer a stream with a msgpack header naming
+Both kinds of round (rounds/flat.py, rounds/grid.py) answer a stream with a msgpack header naming
 the members a result includes, then the encoded result; `Final` is such a result, held.
 """
 
@@ -13,8 +13,8 @@ import msgpack
 import torch
 
 from swarm.averaging.errors import AllReduceError
-from swarm.averaging.partition import chunk_bounds
-from swarm.averaging.reduction import byte_buffer
+from swarm.averaging.rounds.partition import chunk_bounds
+from swarm.averaging.rounds.reduction import byte_buffer
 from swarm.p2p.stream import Stream
 from swarm_kernels import as_memoryview
 

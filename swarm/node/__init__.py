@@ -1,0 +1,35 @@
+"""One training process of the swarm: the node and its parts.
+
+    node.py        SwarmNode: starts a run's services, trains, stops (the public face)
+    loop.py        the outer step, top to bottom: plan, matchmaking, the round, landing
+    step_end.py    what happens when a round lands or fails: apply, fetch, or step alone
+    plan.py        pure decisions of the loop (when to announce, how long to wait), clock passed in
+    progress.py    the progress records of the run's nodes in the DHT
+    run_lookup.py  which run a node joins and with whose settings
+    config.py      NodeConfig: every setting of a node, checked when built
+    events.py      the events a node emits (JSON lines for the CLI, metrics)
+    permits.py     UserSteps: the inner-step permits a training loop takes (swarm.join and swarm-node)
+    data_loop.py   swarm-node's own training thread over the built-in data
+    errors.py      NodeError
+
+`from swarm.node import SwarmNode` imports torch on first use only: the CLIs check their flags
+before paying for it, and the light modules here (config, plan) import nothing heavy.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from swarm.node.errors import NodeError
+    from swarm.node.events import Event
+    from swarm.node.node import SwarmNode
+
+__all__ = ["Event", "NodeError", "SwarmNode"]
+_HOME = {"Event": "swarm.node.events", "NodeError": "swarm.node.errors", "SwarmNode": "swarm.node.node"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        import importlib
+
+        return getattr(importlib.import_module(_HOME[name]), name)
+    raise AttributeError(f"module 'swarm.node' has no attribute {name!r}")
