@@ -11,7 +11,7 @@ group message is self-consistent, and a member that finds its own entry other th
 refuses the group (matchmaking/matchmaker.py): a leader cannot rewrite what members announced.
 Decoders raise BadRequest on anything malformed.
 
-Self-announced numbers are bounded by the run (ISSUE 12, "bounded self-announcements"): a
+Self-announced numbers are bounded by the run, so that no peer owns the average by what it says of itself: a
 weight above the run's `max_weight` (the tokens of H inner steps) makes an announcement ignored
 (matchmaking/ready.py) and a group refused; a bandwidth counts at most BANDWIDTH_CAP times the group's
 median (partition.capped_bandwidths), so nobody owns the vector by announcing 1e12 MB/s.

@@ -76,7 +76,7 @@ GRACE_S = 10.0  # between SIGTERM and SIGKILL when stopping the children
 MODELS = ("tiny", "small", "150m", "1b")
 CODECS = ("int8", "int4", "int2", "fp16", "none")
 
-# The demo (`swarm-sim` with no options), measured on a 2-core laptop CPU: see the README.
+# The demo (`swarm-sim` with no options), sized to finish in about a minute on a 2-core laptop CPU.
 DEFAULT_NODES = 3
 DEFAULT_OUTER_STEPS = 10
 DEFAULT_INNER_STEPS = 20

@@ -9,7 +9,7 @@ from p2p_config), shares one handed in with `host=` (a training node shares it w
 or runs over any Transport (the in-memory one of the simulator). client_mode: the node asks but
 never serves; peers do not add it to their routing tables (for nodes nobody can dial).
 
-S/Kademlia (issue 13): the node id carries a proof of work bound to the PeerID (id_proof.py),
+S/Kademlia: the node id carries a proof of work bound to the PeerID (id_proof.py),
 solved at start in a worker thread or read from `id_proof_path`; clients solve one too, so their
 records rank as costly identities (quotas.py, which also charges each record to its sender).
 Lookups run over disjoint paths and stores go to every path's k closest (lookup.py).

@@ -1,6 +1,6 @@
 """Storage quotas: what one peer may make a node store, and who keeps a place under a full key.
 
-Two attacks shaped these rules (issue 13): one peer storing 6,000 unowned 60 KiB records (all
+Two attacks shaped these rules: one peer storing 6,000 unowned 60 KiB records (all
 were kept: memory grew to 400 MiB), and 1,000 throwaway identities each signing a record under
 `<run>/nodes` (the key filled up, an honest node's own record was refused, readers got 1,000
 fakes). The rules, applied by RecordStorage.put:

@@ -17,7 +17,7 @@ A node with no group this step applies its own pseudo-gradient (`apply_own()`, o
 `apply_outer(deltas)`). `await diloco.average_and_apply(average)` does the last three lines with
 an async (or plain) `average(tensors, weight) -> tensors`, running the tensor work in threads.
 
-Overlapped (issue 14; Streaming DiLoCo's overlap, "eager updates"): `begin_overlap(eager)` ends the
+Overlapped (Streaming DiLoCo's overlap, "eager updates"): `begin_overlap(eager)` ends the
 inner phase of step t without an outer step: it keeps Δ_t (`round_deltas`, `round_tokens`) for a
 round that runs in the background, and the next inner steps (round t+1) start at once, from
 θ_outer(t) moved by our own Δ_t through the outer optimizer (eager) or from where round t ended
@@ -304,7 +304,7 @@ class DiLoCo:
         Δ_t and its weight are kept, and round t+1's inner steps may begin from θ_outer(t) moved
         by our own Δ_t, the proxy of the group's average (eager), or from where they are
         (delayed). (Eager updates' other proxy, our Δ at our share plus the last average for the
-        rest, lost more in scripts/overlap_sweep.py: README.)"""
+        rest, lost more in scripts/overlap_sweep.py.)"""
         if self.pending is not None:
             raise RuntimeError("a round is already in flight: land it first (apply_outer)")
         deltas, fragment = self.pseudo_gradients(), self.fragment

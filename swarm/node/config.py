@@ -32,7 +32,7 @@ class NodeConfig:
     tokenizer: str | None = None
     seed: int = 0  # the run's initial weights are a function of this alone
     # DiLoCo
-    inner_steps: int = 50  # H; 50 closed more of the gap to DDP than 100 in short runs (README, DiLoCo sweep)
+    inner_steps: int = 50  # H; 50 closed more of the gap to DDP than 100 in short runs (scripts/diloco_sweep.py)
     batch_size: int = 8
     seq_len: int = 256
     lr: float = 1e-3
@@ -54,7 +54,7 @@ class NodeConfig:
     matchmaking_time: float = 5.0
     part_timeout: float = 60.0  # longest wait for a member's slice (a member that died before sending)
     # MB/s announced for the all-reduce's split; None (the default): measured in our rounds, and
-    # our uploads paced by it (averaging/bandwidth.py; README, "Measured bandwidth")
+    # our uploads paced by it (averaging/rounds/bandwidth.py): rounds on unequal links end sooner
     bandwidth: float | None = None
     max_wait: float = 30.0  # longest a node that finished waits for slower peers of its step
     # the outer step's round while the next inner steps train (outer_step.py): "none" (blocking),
@@ -63,7 +63,8 @@ class NodeConfig:
     overlap: str = "none"
     # with overlap: the next step trains from the end of our inner steps, while the wait for
     # slower peers and the matchmaking go on (once the swarm is together: plan.swarm_together),
-    # not only from the moment our group has formed. Off by default: see the README (issue 14)
+    # not only from the moment our group has formed. Off by default: the evidence for it is six
+    # pairs of runs of one tiny model on one machine (docs, "Overlapping the wait for the group")
     overlap_matchmaking: bool = False
     # nodes (this one included) that start a new run together: at the run's first step the node
     # waits for this many live ones before it trains (at most START_WAIT_S; 1: no wait). Local
@@ -77,7 +78,7 @@ class NodeConfig:
     device: str = "auto"  # "auto": cuda when present
     offload_outer: bool = False
     # torch.compile the model (inner steps and evals): on an H200 about twice the tokens/s of
-    # eager bf16 for 150m (README, "On a GPU"), after a compile at the start. Local: not a run
+    # eager bf16 for 150m (scripts/gpu_check.py), after a compile at the start. Local: not a run
     # setting (members of one group may differ), like device
     compile: bool = False
     eval_every: int = 1  # outer steps between eval losses (and always at the last one)
@@ -176,7 +177,7 @@ class NodeConfig:
     @property
     def max_weight(self) -> float:
         """The most a member may contribute to one outer step: the tokens of H inner steps at the
-        run's batch size and sequence length (ISSUE 12: bounded self-announcements)."""
+        run's batch size and sequence length: a peer announcing more would own the average."""
         return float(self.inner_steps * self.batch_size * self.seq_len)
 
     def torch_device(self) -> torch.device:

@@ -13,7 +13,7 @@ Nodes use the timing fields to enter matchmaking together: each node aims to ann
 does the same job with sample counts).
 
 Peer records are untrusted: each field is type- and range-checked, a bad record is ignored;
-`implausible` then drops records whose numbers the run cannot produce (ISSUE 12), and
+`implausible` then drops records whose numbers the run cannot produce (a liar's pace or step), and
 plan.straggler_horizon keeps any one record from holding a step for long.
 ProgressBook is the one owner of these records: it encodes and publishes ours, reads and
 decodes the peers'.

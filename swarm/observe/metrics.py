@@ -5,8 +5,8 @@
     generate_latest(metrics.registry)             # the text a scrape gets (observe/http.py serves it)
 
 Names follow Prometheus' conventions: a `swarm_` prefix, base units (`_seconds`, `_bytes`),
-counters end in `_total`. METRICS lists every family (name as scraped, type, meaning); the README's
-"Watching a swarm" table is the same list, and a test checks both against a live scrape.
+counters end in `_total`. METRICS lists every family (name as scraped, type, meaning); the docs'
+"Watching a run" guide has the same list, and a test checks both against a live scrape.
 
 Bytes per kind: `allreduce` from the outer_step events (what our rounds sent and received),
 `state` from the fetch events (received) and the network events (served); `other` is what the

@@ -1,4 +1,4 @@
-"""One swarm node, many local ranks (issue 20): DiLoCo across the swarm, torch.distributed inside the node.
+"""One swarm node, many local ranks: DiLoCo across the swarm, torch.distributed inside the node.
 
     swarm-node --nproc-per-node 2 ...                  # starts ranks 1..N-1 itself (127.0.0.1)
     swarm-node --nproc-per-node 2 --shard ...          # FSDP2: each rank holds 1/N of the model

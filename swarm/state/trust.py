@@ -1,8 +1,8 @@
 """Which advertised state a node may adopt, and which manifests it may fetch: pure, no I/O.
 
 Anyone can advertise a correctly hashed state under `<run>/state` (holders.py), at any step.
-Before ISSUE 12 a node took the newest step it saw, so one peer advertising an all-zero θ at
-outer step 1,000,000 took the whole run. The rule (`choose_trusted`), for a node that holds the
+Were a node to take the newest step it saw, one peer advertising an all-zero θ at outer
+step 1,000,000 would take the whole run. The rule (`choose_trusted`), for a node that holds the
 state of step K (a newcomer holds its initial state of step 0, or its checkpoint's), and knew
 itself at step K0 some seconds ago (when it started, or last fetched):
 

@@ -43,7 +43,7 @@ each of our slices, and one over each contribution to our own part (AVX2, straig
 int8 codes): ~76 ms of one core when alone (was ~200 ms with SHA-256, scalar sketches and
 separate norm passes), 24 ms per audited part and 51 ms per receipt measured inside
 `scripts/bench_allreduce.py`'s 4 processes on 2 cores. There the round is CPU-bound and the
-audit still adds +35-70% round time (the README's table); on real links the round is bound by
+audit still adds +35-70% round time; on real links the round is bound by
 the network and the audit's CPU runs beside it (it starts as each part's result arrives).
 
 Sketch accuracy: <S x, S y> has the relative error above for generic vectors; a structured one

@@ -1,4 +1,4 @@
-"""Which announced peers are alive: matchmaking counts only peers that answered us (ISSUE 12).
+"""Which announced peers are alive: matchmaking counts only peers that answered us.
 
 An announcement or a FORMED marker in the DHT says nothing about whether its owner is there: an
 attacker who paid for a few costly ids (dht/id_proof.py, ~1 s each) can store announcements it

@@ -1,0 +1,87 @@
+"""The whole test suite, tier by tier, each against its time budget: what CI and the README run.
+
+    python -m scripts.test_tiers               # every tier; exit 1 on a failed test or a tier over budget
+    python -m scripts.test_tiers --tier fast   # one tier
+    python -m scripts.test_tiers -- -x         # extra arguments go to every pytest run
+
+Tiers (pytest markers; plain `pytest` is the fast tier, for development):
+    fast    unit tests and in-loop tests (many hosts or DHT nodes in one event loop)   `pytest`
+    swarm   whole nodes training: real processes, or full nodes in one event loop     `pytest -m swarm`
+
+The budgets are for a 2-core machine. A tier over its budget fails the run as a failed test
+would: the suite is the tool we develop with, and a slow one stops being run. Each tier's time
+is measured here, around its pytest process, and printed in one table at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+__all__ = ["TIERS", "Tier", "TierResult", "verdict"]
+
+
+@dataclass(frozen=True)
+class Tier:
+    name: str
+    marker: str  # the -m expression that selects it
+    budget_s: float
+
+
+TIERS = (
+    Tier("fast", "not swarm", 120.0),
+    Tier("swarm", "swarm", 360.0),
+)
+TOTAL_BUDGET_S = 480.0  # every tier together
+
+
+@dataclass(frozen=True)
+class TierResult:
+    tier: Tier
+    exit_code: int  # pytest's: 0 passed, 5 none selected
+    seconds: float
+
+
+def verdict(results: list[TierResult], total_budget_s: float) -> list[str]:
+    """Why the suite failed, one line each (empty: it passed). Pure: the times are passed in."""
+    problems = []
+    for r in results:
+        if r.exit_code not in (0, 5):
+            problems.append(f"tier {r.tier.name}: pytest exited with {r.exit_code}")
+        if r.seconds > r.tier.budget_s:
+            problems.append(f"tier {r.tier.name}: {r.seconds:.0f} s, over its budget of {r.tier.budget_s:.0f} s")
+    total = sum(r.seconds for r in results)
+    if len(results) == len(TIERS) and total > total_budget_s:
+        problems.append(f"the whole suite: {total:.0f} s, over its budget of {total_budget_s:.0f} s")
+    return problems
+
+
+def run_tier(tier: Tier, extra: list[str]) -> TierResult:
+    start = time.monotonic()
+    code = subprocess.call([sys.executable, "-m", "pytest", "-m", tier.marker, *extra])
+    return TierResult(tier, code, time.monotonic() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tier", choices=[t.name for t in TIERS], help="run this tier only")
+    parser.add_argument("pytest_args", nargs="*", help="after --: passed to every pytest run")
+    args = parser.parse_args(argv)
+    results = [run_tier(t, args.pytest_args) for t in TIERS if args.tier in (None, t.name)]
+    print(f"\n{'tier':<8}{'result':<10}{'seconds':>9}{'budget':>9}")
+    for r in results:
+        outcome = "passed" if r.exit_code in (0, 5) else f"exit {r.exit_code}"
+        print(f"{r.tier.name:<8}{outcome:<10}{r.seconds:>9.0f}{r.tier.budget_s:>9.0f}")
+    if len(results) == len(TIERS):
+        print(f"{'all':<8}{'':<10}{sum(r.seconds for r in results):>9.0f}{TOTAL_BUDGET_S:>9.0f}")
+    problems = verdict(results, TOTAL_BUDGET_S)
+    for line in problems:
+        print(f"test_tiers: {line}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""The suite's tiers and budgets (scripts/test_tiers.py): when a run fails, on a table of cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.test_tiers import TIERS, TierResult, verdict
+
+FAST, SWARM = TIERS
+
+
+@pytest.mark.parametrize(
+    ("results", "problems"),
+    [
+        ([TierResult(FAST, 0, 90.0), TierResult(SWARM, 0, 300.0)], []),
+        ([TierResult(FAST, 1, 90.0), TierResult(SWARM, 0, 300.0)], ["tier fast: pytest exited with 1"]),
+        ([TierResult(FAST, 0, 121.0), TierResult(SWARM, 0, 300.0)], ["tier fast: 121 s, over its budget of 120 s"]),
+        # each tier within its own budget, the two together over the whole suite's
+        ([TierResult(FAST, 0, 119.0), TierResult(SWARM, 0, 359.5)], []),
+        ([TierResult(FAST, 0, 119.0), TierResult(SWARM, 0, 362.0)],
+         ["tier swarm: 362 s, over its budget of 360 s", "the whole suite: 481 s, over its budget of 480 s"]),
+        ([TierResult(SWARM, 5, 1.0)], []),  # a tier run alone that selects nothing (exit 5) is no failure
+        ([TierResult(SWARM, 2, 400.0)],
+         ["tier swarm: pytest exited with 2", "tier swarm: 400 s, over its budget of 360 s"]),
+    ],
+)  # fmt: skip
+def test_a_failed_tier_or_one_over_its_budget_fails_the_suite(results: list[TierResult], problems: list[str]) -> None:
+    assert verdict(results, 480.0) == problems
