@@ -1,10 +1,14 @@
 """Who holds which state: records under `<run>/state` in the DHT (run_keys.py).
 
-    {"step": outer steps applied, "manifest": sha256 hex, "maddrs": [...], "bytes": state size}
+    {"step": outer steps applied, "manifest": sha256 hex, "maddrs": [...], "bytes": state size,
+     "proof": the nonce of the holder's costly DHT id}
 
 in a subkey owned (signed) by the holder, refreshed after every outer step and expiring soon
-after a holder stops. A fetcher takes the newest step, and at that step the manifest hash that
-the most peers advertise (ties: the smaller hash, so every fetcher picks the same one).
+after a holder stops. A record counts only with its owner's proof of a costly id (dht/id_proof.py),
+as ready records do: a key pair is free, and a crowd of free identities advertising a state
+would otherwise be a crowd of holders to every count of backers. A fetcher takes the newest
+step, and at that step the manifest hash that the most peers advertise (ties: the smaller hash,
+so every fetcher picks the same one).
 Records are untrusted input: malformed ones are skipped, and a manifest is only believed when
 its bytes hash to the advertised value.
 """
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.dht.errors import DHTError
+from swarm.dht.id_proof import BadIdProof, verify
 from swarm.dht.node import DHTNode
 from swarm.dht.records import owner_subkey
 from swarm.dht.run_keys import owned_map, state_key
@@ -29,8 +34,10 @@ from swarm.model.checkpoint import Manifest
 from swarm.p2p.errors import P2PError
 from swarm.p2p.maddr import parse_maddr
 from swarm.p2p.peer_id import PeerID
+from swarm.utils.log_once import OncePerPeer
 
 logger = logging.getLogger(__name__)
+_unproven = OncePerPeer(logger, logging.INFO)
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MAX_MADDRS = 8
@@ -50,17 +57,26 @@ async def advertise(dht: DHTNode, run_id: str, manifest: Manifest, maddrs: Seque
     """Advertise that we hold `manifest`'s state; False when no DHT node stored the record
     (store_or_warn retried it within `within` seconds and logged a warning): nobody can find
     this state until the caller advertises it again."""
-    value = {"step": manifest.step, "manifest": manifest.sha256, "maddrs": list(maddrs), "bytes": manifest.total_bytes}
+    value = {"step": manifest.step, "manifest": manifest.sha256, "maddrs": list(maddrs), "bytes": manifest.total_bytes,
+             "proof": dht.id_nonce}  # fmt: skip
     subkey = owner_subkey(dht.peer_id)
     return await store_or_warn(dht, state_key(run_id), value, expiration, subkey, kind="state holders",
                                within=within) > 0  # fmt: skip
 
 
-def decode_holder(subkey: Any, value: Any) -> Holder | None:
+def decode_holder(subkey: Any, value: Any, id_bits: int | None = None) -> Holder | None:
+    """The record's holder, or None when it is malformed or, with `id_bits`, when its owner's
+    proof of a costly id does not check out (None: not checked, for a display of the records)."""
     owned = owned_map(subkey, value)
     if owned is None:
         return None
     peer, value = owned
+    if id_bits is not None:
+        try:
+            verify(peer, value.get("proof"), id_bits)
+        except BadIdProof as e:
+            _unproven.log(peer, "unproven", "a state record without a proof of a costly id (%s): skipped", e)
+            return None
     step, sha, maddrs, nbytes = value.get("step"), value.get("manifest"), value.get("maddrs"), value.get("bytes", 0)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         return None
@@ -87,7 +103,8 @@ async def find_holders(dht: DHTNode, run_id: str) -> list[Holder]:
         return []
     if found is None or not isinstance(found.value, dict):
         return []
-    holders = [decode_holder(subkey, getattr(entry, "value", None)) for subkey, entry in found.value.items()]
+    bits = dht.config.id_bits
+    holders = [decode_holder(subkey, getattr(entry, "value", None), bits) for subkey, entry in found.value.items()]
     return [h for h in holders if h is not None]
 
 
