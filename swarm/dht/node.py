@@ -130,7 +130,6 @@ class DHTNode(DHTServing):
             self.transport.add_handler(proto.PING, self._rpc_ping)
             self.transport.add_handler(proto.FIND, self._rpc_find)
             self.transport.add_handler(proto.STORE, self._rpc_store)
-            self.transport.add_handler(proto.AGES, self._rpc_ages)
         try:
             await self.bootstrap(self.initial_peers)
         except BaseException:
@@ -160,7 +159,7 @@ class DHTNode(DHTServing):
         if self._maintenance is not None and (error := await self._maintenance.close()) is not None:
             logger.warning("DHT maintenance had failed %d time(s), last: %r", self._maintenance.failures, error)
         if not self.client_mode and self._addrs is not None:
-            for method in (proto.PING, proto.FIND, proto.STORE, proto.AGES):
+            for method in (proto.PING, proto.FIND, proto.STORE):
                 self.transport.remove_handler(method)
         if self._own_host is not None:
             await self._own_host.close()

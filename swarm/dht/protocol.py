@@ -43,8 +43,6 @@ from swarm.p2p.peer_id import PeerID
 PING = "dht.ping"
 FIND = "dht.find"
 STORE = "dht.store"
-AGES = "dht.ages"  # {"peers": [peer id bytes]} -> {"ages": [seconds known, or None]}
-MAX_AGE_QUERY = 64
 OK = "ok"
 
 
@@ -93,17 +91,6 @@ def parse_find(args: dict[str, Any], config: DHTConfig) -> tuple[int, Key | None
     if key is not None and (not isinstance(key, str | bytes) or len(key) > config.max_key_bytes):
         raise BadRequest(f"a key must be str or bytes of at most {config.max_key_bytes} bytes")
     return id_from_bytes(raw_id), key
-
-
-def parse_peer_ids(args: Any, limit: int = MAX_AGE_QUERY) -> list[PeerID]:
-    """The peers of an ages request: at most `limit` valid PeerIDs."""
-    raw = args.get("peers") if isinstance(args, dict) else None
-    if not isinstance(raw, list) or len(raw) > limit or not all(isinstance(item, bytes) for item in raw):
-        raise BadRequest(f"ages needs a list of at most {limit} peer ids (bytes)")
-    try:
-        return [PeerID(item) for item in raw]
-    except IdentityError as e:
-        raise BadRequest(f"bad peer id: {e}") from None
 
 
 def encode_contacts(contacts: list[Contact]) -> list[list[Any]]:

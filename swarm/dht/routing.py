@@ -30,7 +30,6 @@ class Contact:
     node_id: int
     nonce: bytes = b""
     last_seen: float = 0.0
-    first_seen: float = 0.0  # when this table took it in (monotonic): how long this node has known it
 
 
 @dataclass(slots=True)
@@ -67,14 +66,6 @@ class RoutingTable:
     def get(self, peer_id: PeerID) -> Contact | None:
         node_id = self._ids.get(peer_id)
         return None if node_id is None else self.bucket_for(node_id).contacts.get(peer_id)
-
-    def age(self, peer_id: PeerID, now: float | None = None) -> float | None:
-        """Seconds since this table took the contact in (None: not a contact now). A peer that
-        was dropped and came back starts again: seniority is kept only by staying reachable."""
-        contact = self.get(peer_id)
-        if contact is None:
-            return None
-        return (time.monotonic() if now is None else now) - contact.first_seen
 
     def node_id_of(self, peer_id: PeerID) -> int | None:
         """The id this table holds for peer_id (a contact or a replacement), if any."""
@@ -124,7 +115,7 @@ class RoutingTable:
                 bucket.last_updated = now
                 return None
             if len(bucket.contacts) < self.k:
-                bucket.contacts[peer_id] = Contact(peer_id, maddrs, node_id, nonce, now, now)
+                bucket.contacts[peer_id] = Contact(peer_id, maddrs, node_id, nonce, now)
                 bucket.replacements.pop(peer_id, None)
                 bucket.last_updated = now
                 self._ids[peer_id] = node_id
@@ -133,7 +124,7 @@ class RoutingTable:
                 self._split(bucket)
                 continue
             bucket.replacements.pop(peer_id, None)
-            bucket.replacements[peer_id] = Contact(peer_id, maddrs, node_id, nonce, now, now)
+            bucket.replacements[peer_id] = Contact(peer_id, maddrs, node_id, nonce, now)
             self._ids[peer_id] = node_id
             while len(bucket.replacements) > self.k:
                 dropped, _ = bucket.replacements.popitem(last=False)

@@ -26,7 +26,7 @@ logger = logging.getLogger("swarm.dht.node")
 
 
 class DHTServing:
-    """Mixin of DHTNode: dht.ping, dht.find, dht.store and dht.ages as seen by the node that answers."""
+    """Mixin of DHTNode: dht.ping, dht.find and dht.store as seen by the node that answers."""
 
     config: DHTConfig
     storage: RecordStorage
@@ -47,14 +47,6 @@ class DHTServing:
         proto.parse_addrs(args, self.config)
         self._heard_from_sender(ctx.peer_id, args)
         return self._sender
-
-    async def _rpc_ages(self, ctx: CallContext, args: Any) -> dict[str, Any]:
-        """How long this node has known each asked peer (its routing table's first sight), None
-        for a peer it does not hold: a newcomer weighs the states it is offered by it (state/
-        trust.py, "seasoned")."""
-        peers = proto.parse_peer_ids(args)
-        now = time.monotonic()
-        return {"ages": [self.table.age(peer, now) for peer in peers]}
 
     async def _rpc_find(self, ctx: CallContext, args: Any) -> dict[str, Any]:
         proto.parse_addrs(args, self.config)

@@ -33,17 +33,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from swarm.dht.ages import ages_known_by
 from swarm.dht.node import DHTNode
 from swarm.model.checkpoint import KINDS, CheckpointDir, Manifest, RunInfo, Snapshot, copy_state, make_snapshot
 from swarm.model.diloco import DiLoCo, state_sha256
-from swarm.p2p.errors import P2PError
 from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
 from swarm.state import trust
@@ -77,10 +75,6 @@ MAX_REFUSED = 64  # refused manifests remembered
 # and a node chasing it would retry a dead address meanwhile instead of taking the live peers' state
 UNDELIVERED_S = 60.0
 MAX_UNDELIVERED = 4096
-MAX_ELDERS = 3  # initial peers asked how long they have known a state's holders
-AGES_TIMEOUT_S = 5.0
-AGES_KEPT_S = 30.0  # a holder not seasoned yet is asked about again after this long
-MAX_AGES = 4096
 
 
 def tensor_sizes(diloco: DiLoCo) -> dict[str, int]:
@@ -107,7 +101,6 @@ class StateKeeper:
         config: KeeperConfig,
         on_fetch_progress: Callable[[FetchProgress], None] | None = None,
         vouching: frozenset[PeerID] = frozenset(),
-        elders: Sequence[str] = (),
         beside_trainer: InTrainer | None = None,
         lineage: LineageBook,
     ) -> None:
@@ -123,9 +116,6 @@ class StateKeeper:
         self.checkpoints = CheckpointDir(checkpoint_dir) if checkpoint_dir is not None else None
         self.on_fetch_progress = on_fetch_progress
         self.vouching = vouching  # the node's --initial-peers: their states are preferred (trust.py)
-        self.elders = tuple(elders)  # their addresses: asked how long they have known a state's holders
-        self._known_since: dict[PeerID, float] = {}  # peer -> when an elder first saw it (our monotonic clock)
-        self._asked: dict[PeerID, float] = {}  # peer -> when we last asked the elders about it
         self._refused: set[str] = set()  # manifests that did not fit the model: never chosen again
         # peers that advertised one: what they advertise next is not considered either (a new
         # bad manifest every step would otherwise pull honest nodes out of every group)
@@ -187,8 +177,8 @@ class StateKeeper:
         fails."""
         skipped = self._refused | self.adoption.unlinked()
         holders = [h for h in await self._holders() if h.manifest not in skipped]
-        seasoned = await self._seasoned([h.peer_id for h in holders if h.step > diloco.outer_step])
-        verdict = choose_trusted(holders, Known(diloco.outer_step, horizon, self.vouching, missed, seasoned))
+        earned = self.lineage.lineage.round_mates(trust.EARNED_ROUNDS) - {self.host.peer_id}
+        verdict = choose_trusted(holders, Known(diloco.outer_step, horizon, self.vouching, missed, earned))
         for peer, reason in verdict.refused:
             kind = "unreachable" if "reachable" in reason else "backing"
             self._distrusted.log(peer, kind, "not adopting the state it advertises: %s", reason)
@@ -316,37 +306,6 @@ class StateKeeper:
             logger.exception("could not keep the update of outer step %d", step)
             return
         server.publish_update(StepUpdate(step, base, body))
-
-    async def _seasoned(self, peers: Sequence[PeerID]) -> frozenset[PeerID]:
-        """The peers among `peers` one of our --initial-peers has known for SEASONED_S or more
-        (trust.py rule 3). A peer not seasoned yet is asked about again after AGES_KEPT_S; an
-        elder that cannot answer counts for nothing (logged at INFO)."""
-        now = time.monotonic()
-
-        def seasoned(peer: PeerID) -> bool:
-            return peer in self._known_since and now - self._known_since[peer] >= trust.SEASONED_S
-
-        ask = [
-            p for p in dict.fromkeys(peers) if not seasoned(p) and now - self._asked.get(p, -AGES_KEPT_S) >= AGES_KEPT_S
-        ]
-        if ask and self.elders:
-            elders = self.elders[:MAX_ELDERS]
-            answers = await asyncio.gather(*(ages_known_by(self.dht, maddr, ask, AGES_TIMEOUT_S) for maddr in elders),
-                                           return_exceptions=True)  # fmt: skip
-            if len(self._known_since) > MAX_AGES or len(self._asked) > MAX_AGES:
-                self._known_since.clear()
-                self._asked.clear()
-            for peer in ask:
-                self._asked[peer] = now
-            for maddr, answer in zip(elders, answers, strict=True):
-                if isinstance(answer, BaseException):
-                    if not isinstance(answer, P2PError | TimeoutError | asyncio.TimeoutError):  # 3.10: not the same
-                        raise answer
-                    logger.info("could not ask %s how long it has known the state's holders: %s", maddr, answer)
-                    continue
-                for peer, age in answer.items():  # the earliest sight any elder reports
-                    self._known_since[peer] = min(self._known_since.get(peer, now), now - age)
-        return frozenset(p for p in peers if seasoned(p))
 
     async def _holders(self) -> list[Holder]:
         """The run's state records, less ours, those of refused peers, and states their holder

@@ -104,6 +104,16 @@ class Lineage:
         """The links from the state at `step` on."""
         return self.links[max(0, step - self.anchor_step) :]
 
+    def round_mates(self, last: int) -> frozenset[PeerID]:
+        """The signers of the last `last` rounds of two or more members: identities that averaged
+        in this lineage (with this node, or with the peers whose lineage it took) and signed for
+        it. Seniority is this, earned by rounds, not by how long an identity has sat in the DHT."""
+        mates: set[PeerID] = set()
+        for link in self.links[len(self.links) - last :] if last > 0 else ():
+            if len(link.members) >= 2:
+                mates |= link.signers
+        return frozenset(mates)
+
     def voters(self) -> frozenset[PeerID] | None:
         """The members of our last round of two or more: whose word counts in matchmaking's vote
         on the swarm's state (None: no such round here: everyone's counts)."""

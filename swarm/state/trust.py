@@ -22,10 +22,12 @@ itself at step K0 some seconds ago (when it started, or last fetched):
    identity alone still cannot pull a late node anywhere.
 3. **Vouched.** States backed by one of the node's own --initial-peers are preferred: when one
    is among the newer candidates, only those are considered (the operator chose to trust them).
-   **Seasoned.** Otherwise, states backed by peers an initial peer has known for SEASONED_S or
-   more (its DHT routing table's first sight, `dht.ages`: dht/ages.py) are preferred, ranked by
-   how many such peers back them: a newcomer that joins through a bare DHT node (which advertises
-   no state) is not taken by a crowd of identities made a minute ago, whatever their number.
+   **Earned.** Otherwise, states backed by peers that signed the node's recent rounds of two or
+   more (`Lineage.round_mates`: identities that averaged in its lineage) are preferred, ranked by
+   how many such peers back them. Seniority is earned by rounds, never by time in the DHT: an
+   identity that sat there for an hour has averaged with nobody. A newcomer has no rounds yet
+   and earns nothing; what guards it is its initial peers (rule 3) and the lineage it must
+   check before it adopts anything (adoption.py).
 4. **Best backed.** Among the newer candidates left: the most backers, then the older step
    (a tie between a step and a later one is no reason to jump), then the smaller hash.
    With no newer candidate left, the newest step at or below K, by most backers (fetch_reason
@@ -39,8 +41,10 @@ docstring), or keeps its own.
 node's model's (the names of θ_outer and momentum) or whose shards are larger than those
 tensors plus the safetensors header (a 2 x 1 GiB manifest for a 10 MB model).
 
-What this does not stop: a quorum of peers that is itself malicious, or identities that stayed
-in the DHT long enough to be seasoned before they lie (the price is time, not only work).
+What this does not stop: a quorum of peers that is itself malicious. Against a newcomer that
+joins through a bare DHT node (which holds no state and so vouches for nothing), more proven
+identities than the honest holders win rule 4; the lineage check is then what stands between
+it and their state, and a lineage they made up from the run's start is not told apart.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from swarm.model.checkpoint import Manifest
 from swarm.p2p.peer_id import PeerID
 from swarm.state.holders import Holder
 
-SEASONED_S = 300.0  # an initial peer has known a holder this long: it backs a state more than fresh ones
+EARNED_ROUNDS = 32  # the recent rounds whose signers back a state more than others (rule 3)
 MISSED_STEP_BACKERS = 2  # what a node that missed its step's group asks of a newer state (rule 2)
 SLACK_STEPS = 2  # steps beyond what the observed pace allows (clock skew, a step under way)
 PACE_FACTOR = 4.0  # the swarm is taken to step at most this many times faster than observed
@@ -70,8 +74,8 @@ class Known:
     # it knows a group of its own state formed at its step without it (a FORMED marker): it is
     # behind by the swarm's lineage, and the peers parked at its step are no reason to stay
     missed: bool = False
-    # the holders an initial peer has known for SEASONED_S or more (rule 3)
-    seasoned: frozenset[PeerID] = frozenset()
+    # the signers of its recent rounds (Lineage.round_mates; rule 3)
+    earned: frozenset[PeerID] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,10 +113,10 @@ def choose_trusted(holders: Sequence[Holder], known: Known) -> Verdict:
             for peer in peers:
                 refused.append((peer, f"step {step} is backed by {len(peers)} peer(s), ours by {own_backing}"))
     vouched = {c: peers for c, peers in newer.items() if peers & known.vouching}
-    seasoned = {c: peers for c, peers in newer.items() if peers & known.seasoned}
-    pool = vouched or seasoned or newer
+    earned = {c: peers for c, peers in newer.items() if peers & known.earned}
+    pool = vouched or earned or newer
     if pool:
-        senior = known.seasoned if pool is seasoned else frozenset()  # rank by seasoned backers first
+        senior = known.earned if pool is earned else frozenset()  # rank by backers who earned it first
         step, sha = min(pool, key=lambda c: (-len(pool[c] & senior), -len(pool[c]), c[0], c[1]))
     else:
         older = {c: peers for c, peers in backers.items() if c[0] <= known.step}

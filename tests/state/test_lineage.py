@@ -222,6 +222,22 @@ def test_voters_are_the_members_of_the_last_round_of_two_or_more() -> None:
     assert chain(0, G, *HONEST[:2], link(2, "s2", "solo", "a")).voters() == {A, B, C}
 
 
+@pytest.mark.parametrize(
+    ("links", "last", "mates"),
+    [
+        ((), 32, set()),  # a newcomer has averaged with nobody: nothing earned
+        ((link(0, G, "s1", "a"), link(1, "s1", "s2", "a")), 32, set()),  # rounds alone earn nothing
+        (HONEST, 32, {A, B, C}),
+        ((link(0, G, "s1", "abd", signers="ab"), *HONEST[1:]), 32, {A, B, C}),  # d never signed: not earned
+        ((link(0, G, "s1", "abd"), *HONEST[1:]), 3, {A, B, C}),  # d's one round is past the window
+        ((link(0, G, "s1", "abd"), *HONEST[1:]), 4, {A, B, C, D}),
+        ((link(0, G, "s1", "abd"), *HONEST[1:]), 0, set()),
+    ],
+)
+def test_seniority_is_earned_by_signing_recent_rounds_of_two_or_more(links: tuple, last: int, mates: set) -> None:
+    assert chain(0, G, *links).round_mates(last) == mates
+
+
 # --- receipts --------------------------------------------------------------------------------
 
 
