@@ -41,6 +41,7 @@ from swarm.averaging.rounds.registry import RoundRegistry
 from swarm.dht.node import DHTNode
 from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
+from swarm.utils.tensor_layout import flatten, restore
 
 logger = logging.getLogger(__name__)
 
@@ -183,22 +184,14 @@ class Averager:
             rr.clipped,
             group,
         )
-        return _unflatten(averaged, tensors), report
+        return restore(averaged, tensors), report
 
 
 def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The round's one vector; the values of every pseudo-gradient are checked here, once."""
     if not tensors:
         raise ValueError("nothing to average")
-    vector = torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for t in tensors])
+    vector = flatten(tensors)
     if not torch.isfinite(vector).all():
         raise ValueError("refusing to average non-finite values (NaN or inf)")
     return vector
-
-
-def _unflatten(vector: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for t in like:
-        n = t.numel()
-        out.append(vector[offset : offset + n].view(t.shape).to(device=t.device, dtype=t.dtype))
-        offset += n
-    return out

@@ -22,6 +22,7 @@ import torch
 from swarm.model.compression_spec import CompressionSpec
 from swarm.model.error_feedback import Compensated, ErrorFeedback
 from swarm.model.sparse_blocks import BlockSelection, step_seed
+from swarm.utils.tensor_layout import flatten, restore
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,13 +37,7 @@ class StepPayload:
     def unpack(self, averaged: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if self.selection is None:
             return list(averaged)
-        full = self.selection.scatter(averaged[0].reshape(-1).to(device="cpu", dtype=torch.float32))
-        out, offset = [], 0
-        for t in self.like:
-            n = t.numel()
-            out.append(full[offset : offset + n].view(t.shape).to(device=t.device, dtype=t.dtype))
-            offset += n
-        return out
+        return restore(self.selection.scatter(flatten(averaged[:1])), self.like)
 
 
 def outgoing(
@@ -65,5 +60,5 @@ def outgoing(
         return StepPayload(tensors, like, selection, compensated)
     if selection is None:
         return StepPayload(like, like)
-    flat = torch.cat([d.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for d in deltas])
+    flat = flatten(deltas)
     return StepPayload([selection.gather(flat)], like, selection)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm.model.sparse_blocks import BlockSelection
+from swarm.utils.tensor_layout import flatten, restore
 from swarm_kernels.codecs import get_codec
 
 
@@ -62,7 +63,7 @@ class ErrorFeedback:
         """`deltas` plus the (decayed) residual, as the codec will carry it, and what it drops.
         With a block selection (sparse_blocks.py) only its blocks are carried: the others stay in
         the residual whole."""
-        flat = torch.cat([d.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for d in deltas])
+        flat = flatten(deltas)
         if self.residual is not None:
             if self.residual.numel() != flat.numel():
                 raise ValueError(f"a residual of {self.residual.numel()} values for {flat.numel()} parameters")
@@ -77,12 +78,7 @@ class ErrorFeedback:
             self.codec.decode_accumulate(compact, self.codec.encode(chosen), 1.0)
             carried = selection.scatter(compact)
         residual = flat.sub_(carried)  # v - q, in v's buffer
-        sent, offset = [], 0
-        for d in deltas:
-            n = d.numel()
-            sent.append(carried[offset : offset + n].view(d.shape).to(device=d.device, dtype=d.dtype))
-            offset += n
-        return Compensated(sent, residual, compact)
+        return Compensated(restore(carried, deltas), residual, compact)
 
     def commit(self, compensated: Compensated) -> None:
         """The round averaged `compensated.sent` and the average was applied: keep what it dropped."""

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from swarm.utils.tensor_layout import split
 from swarm_kernels import Codec, MalformedPayload, as_uint8, get_codec
 
 MAGIC = b"SWU1"
@@ -136,11 +137,7 @@ def decode_update(body: bytes | bytearray | memoryview, numel: int) -> torch.Ten
 
 def split_update(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
     """The flat Δ̄ cut back into tensors of `shapes` (their numels must sum to its length)."""
-    out, offset = [], 0
-    for shape in shapes:
-        n = shape.numel()
-        out.append(flat[offset : offset + n].view(shape))
-        offset += n
-    if offset != flat.numel():
-        raise UpdateError(f"{flat.numel()} elements for tensors of {offset}")
-    return out
+    try:
+        return split(flat, shapes)
+    except ValueError as e:  # a peer's update: its own typed error
+        raise UpdateError(str(e)) from None
