@@ -28,7 +28,7 @@ _div_rn = tl.div_rn if hasattr(tl, "div_rn") else tl.math.div_rn
 TILE = 2048  # elements per loop step (a power of two)
 CHECK_TILE = 8192  # codes (and scales) per program of the payload checks
 # elements per program and warps of (de)quantize+accumulate: read at each launch, so that
-# scripts/gpu_check.py --sweep can time other shapes
+# scripts/experiments/gpu_check.py --sweep can time other shapes
 DEQUANT_TILE = 2048
 DEQUANT_WARPS = 4
 # Triton kernels may read only constexpr globals.

@@ -1,26 +1,25 @@
-"""Benchmarks of swarm, most of them next to the same workload on hivemind 1.1.12 for a ratio in
-one run (`--compare hivemind`, the `bench` extra: pip install -e '.[bench]').
+"""Scripts beside the package, run as modules from the repository root so that they import each
+other as `scripts.<folder>.<name>` and the `swarm` beside them:
 
-Run each one as a module from the repository root, so that it imports its siblings as
-`scripts.<name>` and the `swarm` beside it:
+    bench/        benchmarks, each with --json and most with --compare hivemind (the `bench` extra)
+    compare/      the hivemind side of each comparison (hivemind 1.1.12)
+    experiments/  sweeps simulated in one process, and the one-command GPU check
+    tools/        parts they and the tests share: worker_process, state_seeder, attackers,
+                  hiccup (a CPU hog), test_tiers (the suite by tier, against its budgets)
 
-    python -m scripts.bench_p2p          # transport: RPC latency, stream throughput
-    python -m scripts.bench_dht          # DHT: start, store, get, memory, churn; --simulate
-    python -m scripts.bench_codec        # int8 codec throughput
-    python -m scripts.bench_allreduce    # butterfly all-reduce, one process per member
-    python -m scripts.bench_scale        # matchmaking + all-reduce, many members per process
-    python -m scripts.bench_state        # state exchange: fetch rate and memory of a newcomer
-    python -m scripts.bench_diloco       # swarm-node DiLoCo runs against data parallelism
-    python -m scripts.diloco_sweep       # DiLoCo hyperparameters, simulated in one process
-    python -m scripts.bench_robust       # training with one attacker (scripts.attacks)
-    python -m scripts.bench_robust_reducer
-    python -m scripts.overlap_sweep      # an overlapped outer step's cost in loss, simulated
-    python -m scripts.fragment_sweep     # the same, syncing the model a fragment at a time
-    python -m scripts.gpu_check          # a GPU machine checked in one command (one JSON line)
+    python -m scripts.bench.p2p          # transport: RPC latency, stream throughput
+    python -m scripts.bench.dht          # DHT: start, store, get, memory, churn; --simulate
+    python -m scripts.bench.codec        # int8 codec throughput
+    python -m scripts.bench.allreduce    # butterfly all-reduce, one process per member
+    python -m scripts.bench.scale        # matchmaking + all-reduce, many members per process
+    python -m scripts.bench.state        # state exchange: fetch rate and memory of a newcomer
+    python -m scripts.bench.diloco       # swarm-node DiLoCo runs against data parallelism
+    python -m scripts.bench.robust       # training with one attacker (scripts.tools.attacks)
+    python -m scripts.bench.lineage      # what round receipts cost: bytes and verification time
+    python -m scripts.experiments.diloco_sweep     # DiLoCo hyperparameters, simulated in one process
+    python -m scripts.experiments.overlap_sweep    # an overlapped outer step's cost in loss, simulated
+    python -m scripts.experiments.gpu_check        # a GPU machine checked in one command (one JSON line)
 
-`--help` on each says what it measures; the README has the results. The other modules are
-their parts: worker_process (a child driven by JSON lines), hivemind_* (the hivemind side of each
-comparison), hivemind_procs (finding and cleaning up hivemind's processes and socket files),
-state_seeder (a state donor that does not train, also used by the tests), attacker / attacks.
-Children are started, read and stopped through swarm.utils.process_control.
+`--help` on each says what it measures; the docs' benchmark pages have the results. Children are
+started, read and stopped through swarm.utils.process_control.
 """

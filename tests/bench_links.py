@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 
-from scripts.worker_process import ROOT
+from scripts.tools.worker_process import ROOT
 from swarm.netlab import PREFIX, LabError
 from swarm.netlab import lab as lab_module
 from tests.children import still_running

@@ -26,7 +26,7 @@ majority: a contribution that is not dropped moves the result by at most about
 keeps the smaller norms (lower weighted median) and nothing else is promised
 (tests/averaging/test_robust.py pins both sides).
 
-Measured (python -m scripts.bench_robust_reducer; 4 honest = shared direction + per-node noise
+Measured (python -m scripts.bench.robust_reducer; 4 honest = shared direction + per-node noise
 of the same norm, through the int8 codec, + 1 attacker of the same weight; relative error to the
 honest mean; "none-uneq": 5 honest, noise 0.5x..2x, weights 0.5..2; "real": 5 real DiLoCo deltas
 of the tiny model, 16 inner steps on different batches; ms per 16M-element part, 5 fp32
@@ -42,7 +42,7 @@ contributions, one thread, without / with a sign-flipping attacker):
 
 In the swarm's reduction (int8 payloads, n = 4, 16M part, one thread) the robust rule takes
 ~97 ms against the mean's ~68 ms (n = 5: 111 vs 75). Round time of `python -m
-scripts.bench_allreduce --sizes 4 --elements 64M --codecs int8 --repeats 5 --aggregators
+scripts.bench.allreduce --sizes 4 --elements 64M --codecs int8 --repeats 5 --aggregators
 mean,robust,robust,mean` on this shared machine: pooled medians 1.00 s (mean) and 0.98 s
 (robust), i.e. the difference is below the noise; the 29 ms per part bounds it at ~3-6%.
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 KiB = 1024
 MiB = 1024 * KiB
 ID_BITS_ENV = "SWARM_DHT_ID_BITS"  # overrides the default of id_bits (the tests set a small one)
-DEFAULT_ID_BITS = 20  # 2^20 tries: ~1 s of one core with hashlib on average (scripts/bench_dht.py measures it)
+DEFAULT_ID_BITS = 20  # 2^20 tries: ~1 s of one core with hashlib on average (scripts/bench/dht.py measures it)
 
 
 def _default_id_bits() -> int:

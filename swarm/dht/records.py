@@ -160,7 +160,7 @@ class Record:
 
 # Digests of (owner, signature, signed message) that verified. A lookup with `latest` reads a
 # record from every one of the k holders, and matchmaking polls: without this, one outer step
-# of 64 nodes checked ~500,000 Ed25519 signatures (scripts/bench_scale.py). Only successes are
+# of 64 nodes checked ~500,000 Ed25519 signatures (scripts/bench/scale.py). Only successes are
 # kept, so a forged record is checked (and refused) every time.
 MAX_VERIFIED = 1 << 16
 _VERIFIED: OrderedDict[bytes, None] = OrderedDict()

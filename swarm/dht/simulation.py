@@ -1,5 +1,5 @@
 """Simulated DHTs: the real DHTNode code over MemoryNetwork (no sockets), for thousands of
-nodes in one process. Used by scripts/bench_dht.py --simulate and by the tests.
+nodes in one process. Used by scripts/bench/dht.py --simulate and by the tests.
 
 Each node joins through one random earlier node, exactly as over TCP; then random nodes store
 and get random keys, and we count lookup rounds (hops) and successes; then a fraction of the

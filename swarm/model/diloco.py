@@ -304,7 +304,7 @@ class DiLoCo:
         Δ_t and its weight are kept, and round t+1's inner steps may begin from θ_outer(t) moved
         by our own Δ_t, the proxy of the group's average (eager), or from where they are
         (delayed). (Eager updates' other proxy, our Δ at our share plus the last average for the
-        rest, lost more in scripts/overlap_sweep.py.)"""
+        rest, lost more in scripts/experiments/overlap_sweep.py.)"""
         if self.pending is not None:
             raise RuntimeError("a round is already in flight: land it first (apply_outer)")
         deltas, fragment = self.pseudo_gradients(), self.fragment

@@ -4,7 +4,7 @@ With P fragments, outer step s averages and updates fragment s mod P alone: each
 synced every P outer steps (P x --inner-steps inner steps: its own H), a round carries about 1/P
 of the model, and the fragments' rounds are staggered through those inner steps. An overlapped
 round (--overlap) then lands P times sooner relative to its fragment's H, and its late landing
-moves 1/P of the model (scripts/fragment_sweep.py measures what that saves in loss).
+moves 1/P of the model (scripts/experiments/fragment_sweep.py measures what that saves in loss).
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ class NodeConfig:
     tokenizer: str | None = None
     seed: int = 0  # the run's initial weights are a function of this alone
     # DiLoCo
-    inner_steps: int = 50  # H; 50 closed more of the gap to DDP than 100 in short runs (scripts/diloco_sweep.py)
+    # H; 50 closed more of the gap to DDP than 100 in short runs (scripts/experiments/diloco_sweep.py)
+    inner_steps: int = 50
     batch_size: int = 8
     seq_len: int = 256
     lr: float = 1e-3
@@ -78,7 +79,7 @@ class NodeConfig:
     device: str = "auto"  # "auto": cuda when present
     offload_outer: bool = False
     # torch.compile the model (inner steps and evals): on an H200 about twice the tokens/s of
-    # eager bf16 for 150m (scripts/gpu_check.py), after a compile at the start. Local: not a run
+    # eager bf16 for 150m (scripts/experiments/gpu_check.py), after a compile at the start. Local: not a run
     # setting (members of one group may differ), like device
     compile: bool = False
     eval_every: int = 1  # outer steps between eval losses (and always at the last one)

@@ -5,7 +5,7 @@ our lab a tc token bucket). Several TCP streams leaving through it do not share 
 gets ahead, finishes early, and at the end the link idles while the last one trickles in. On
 4 x 100 Mbit/s links, plain TCP sending a round's traffic to three peers at once took 1.19x the
 payload's time on the wire; each stream capped at its fair share, 1.00x
-(`scripts/bench_tcp_exchange.py --modes at-once,paced`). Since Linux 4.13 TCP paces a socket
+(`scripts/bench/tcp_exchange.py --modes at-once,paced`). Since Linux 4.13 TCP paces a socket
 that has a max pacing rate by itself, with no fq qdisc needed. Elsewhere the option is missing
 and `set_max_pacing_rate` says so by returning False: the round then runs unpaced, as before.
 """

@@ -10,7 +10,7 @@ outer step, and each call holds a reference to the snapshot it started with. At 
 `max_uploads` shards are streamed at once; more callers get `busy` and try another peer.
 
 Fault injection, for tests and benchmarks only: `StateServer(..., faults=ServeFaults(...))` serves
-like a slow, lying or stalled donor would (scripts/state_seeder.py, tests/state/conftest.py), so
+like a slow, lying or stalled donor would (scripts/tools/state_seeder.py, tests/state/conftest.py), so
 that fetchers can be tested against one without overriding the server's methods. A training node
 never sets it. A lying *manifest* needs no hook: publish a snapshot made with another RunInfo.
 """

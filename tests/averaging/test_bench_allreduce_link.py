@@ -1,4 +1,4 @@
-"""scripts/bench_allreduce.py on shaped links with paced uploads: a bad rule is one error line
+"""scripts/bench/allreduce.py on shaped links with paced uploads: a bad rule is one error line
 and builds nothing; one real run (root and iproute2; skipped otherwise, with what is missing)
 paces every measured round, agrees, and leaves no namespace behind."""
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from scripts import bench_allreduce
+from scripts.bench import allreduce as bench_allreduce
 from swarm.netlab import missing
 from tests.bench_links import run_on_links
 
@@ -34,7 +34,7 @@ def test_an_unknown_rule_or_extra_is_one_error_line(
 def test_paced_rounds_on_shaped_links_pace_agree_and_leave_nothing() -> None:
     # 3 members at 20 Mbit/s, 2M elements of int8: about 1.2 s of link time a round, long enough
     # for the unmeasured first round to measure each member's upload (bandwidth.busy_rate)
-    out = run_on_links([sys.executable, "-m", "scripts.bench_allreduce", "--sizes", "3", "--elements", "2M",
+    out = run_on_links([sys.executable, "-m", "scripts.bench.allreduce", "--sizes", "3", "--elements", "2M",
                         "--codecs", "int8", "--aggregators", "mean+paced", "--repeats", "2", "--link", "20mbit",
                         "--json"], timeout=170)  # fmt: skip
     (row,) = json.loads(out)["rows"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.bench_bandwidth import optimal_overlapped_s, overlapped_round_s, phased_round_s, shares_of
+from scripts.bench.bandwidth import optimal_overlapped_s, overlapped_round_s, phased_round_s, shares_of
 
 LINKS = [12.5e6, 12.5e6, 12.5e6, 1.25e6]  # 100,100,100,10 Mbit/s in bytes/s
 E = 1.25e6  # a payload the slow link moves in 1 s

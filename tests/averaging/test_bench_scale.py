@@ -1,4 +1,4 @@
-"""scripts/bench_scale.py end to end, small: two worker processes, n = 4 and 8, both paths. Every
+"""scripts/bench/scale.py end to end, small: two worker processes, n = 4 and 8, both paths. Every
 row must hold bit-identical results of the whole swarm's group, within the int8 bound and within
 5% of the ideal bytes per member."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.bench_scale import run_bench
+from scripts.bench.scale import run_bench
 from swarm.averaging.audit.arithmetic import audit_buckets
 from swarm.averaging.audit.flat import receipt_limit
 

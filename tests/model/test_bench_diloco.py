@@ -1,5 +1,5 @@
-"""The DiLoCo sweep's simulation and baselines (scripts/diloco_sweep.py), and the pure parts of
-scripts/bench_diloco.py, on a workload small enough for a unit test."""
+"""The DiLoCo sweep's simulation and baselines (scripts/experiments/diloco_sweep.py), and the pure parts of
+scripts/bench/diloco.py, on a workload small enough for a unit test."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts import bench_diloco
-from scripts import diloco_sweep as sweep
+from scripts.bench import diloco as bench_diloco
+from scripts.experiments import diloco_sweep as sweep
 
 TINY = sweep.Workload(workers=2, steps=6, batch_size=1, seq_len=16, eval_windows=2)
 
@@ -90,7 +90,7 @@ def test_the_sweeps_json_names_its_schedule_and_its_baselines_follow_it() -> Non
     import json
     import subprocess
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "diloco_sweep.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "experiments" / "diloco_sweep.py"
     rows = {}
     for schedule in ("constant", "cosine"):
         out = subprocess.run(

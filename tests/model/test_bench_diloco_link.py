@@ -1,4 +1,4 @@
-"""scripts/bench_diloco.py --link / --links: the flags (one line, nothing built), each node's rate,
+"""scripts/bench/diloco.py --link / --links: the flags (one line, nothing built), each node's rate,
 and one real run on shaped links (root and iproute2; skipped otherwise, with what is missing):
 every node listens in its own namespace, its rounds take at least what its link allows, and no
 namespace is left."""
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from scripts import bench_diloco
+from scripts.bench import diloco as bench_diloco
 from swarm.netlab import missing, parse_rate
 from tests.bench_links import main_error, run_on_links, sigterm_on_links
 
-ROOT = Path(__file__).resolve().parents[2]  # `python -m scripts.bench_diloco` runs from there
+ROOT = Path(__file__).resolve().parents[2]  # `python -m scripts.bench.diloco` runs from there
 needs_links = pytest.mark.skipif(missing() is not None, reason=f"bench_diloco --link {missing()}")
 
 
@@ -101,7 +101,7 @@ def test_without_root_link_says_what_is_missing(
 @pytest.mark.swarm
 @pytest.mark.timeout(120)
 def test_two_nodes_on_unequal_links_average_at_the_slow_links_rate(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "scripts.bench_diloco", "--nodes", "2", "--steps", "4", "--configs", "H2_int8",
+    command = [sys.executable, "-m", "scripts.bench.diloco", "--nodes", "2", "--steps", "4", "--configs", "H2_int8",
                "--seq-len", "16", "--batch-size", "1", "--warmup-steps", "1", "--skip-baselines",
                "--links", "100mbit,20mbit", "--keep", str(tmp_path), "--json"]  # fmt: skip
     out = run_on_links(command, timeout=100)
@@ -123,7 +123,7 @@ def test_two_nodes_on_unequal_links_average_at_the_slow_links_rate(tmp_path: Pat
 @pytest.mark.swarm
 @pytest.mark.timeout(120)
 def test_sigterm_mid_run_stops_the_nodes_and_removes_the_links(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "scripts.bench_diloco", "--nodes", "2", "--steps", "400", "--configs", "H200_int8",
+    command = [sys.executable, "-m", "scripts.bench.diloco", "--nodes", "2", "--steps", "400", "--configs", "H200_int8",
                "--seq-len", "16", "--batch-size", "1", "--skip-baselines", "--link", "50mbit",
                "--keep", str(tmp_path)]  # fmt: skip
     sigterm_on_links(command, children=3)  # the bootstrap and both nodes run in their namespaces

@@ -1,13 +1,13 @@
-"""scripts/fragment_sweep.py: fragments cut and scheduled as Streaming DiLoCo does, and with one
+"""scripts/experiments/fragment_sweep.py: fragments cut and scheduled as Streaming DiLoCo does, and with one
 fragment and no delay it is blocking DiLoCo to the bit (train_diloco's loss)."""
 
 from __future__ import annotations
 
 import pytest
 
-from scripts.diloco_sweep import HSchedule, Setting, Workload, load_corpus, train_diloco
-from scripts.fragment_sweep import sync_steps, train_fragments
-from scripts.overlap_sweep import train_overlapped
+from scripts.experiments.diloco_sweep import HSchedule, Setting, Workload, load_corpus, train_diloco
+from scripts.experiments.fragment_sweep import sync_steps, train_fragments
+from scripts.experiments.overlap_sweep import train_overlapped
 
 TINY = Workload(steps=12, seq_len=32, eval_windows=2, lr_schedule="constant")
 H4 = Setting(name="H4", h=HSchedule(target=4))

@@ -1,7 +1,7 @@
-"""Fixtures of the state tests: state donors in the test's event loop (scripts/state_seeder.py's
+"""Fixtures of the state tests: state donors in the test's event loop (scripts/tools/state_seeder.py's
 Seeder: a host, a DHT node and a StateServer with ServeFaults), and in-process nodes to fetch
 from them (tests/node/inprocess.py). A donor as a separate process (`python
-scripts/state_seeder.py`) is for what needs one: scripts/bench_state.py measures a newcomer's
+scripts/tools/state_seeder.py`) is for what needs one: scripts/bench/state.py measures a newcomer's
 memory and speed against real processes."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from scripts.state_seeder import Seeder, SeedSpec
+from scripts.tools.state_seeder import Seeder, SeedSpec
 from tests.node.conftest import data, local  # noqa: F401 (the node tests' fixtures, for newcomers)
 
 StartSeeder = Callable[..., Awaitable[Seeder]]

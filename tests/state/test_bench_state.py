@@ -1,4 +1,4 @@
-"""scripts/bench_state.py end to end on the tiny preset: a bootstrap node, one state_seeder donor,
+"""scripts/bench/state.py end to end on the tiny preset: a bootstrap node, one state_seeder donor,
 one newcomer process, the loopback limit, and the JSON it prints."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]  # `python -m scripts.bench_state` runs from there
+ROOT = Path(__file__).resolve().parents[2]  # `python -m scripts.bench.state` runs from there
 
 
 @pytest.mark.swarm
 @pytest.mark.timeout(300)
 def test_tiny_state_from_one_peer_prints_the_json_keys(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "scripts.bench_state", "--model", "tiny", "--peers", "1", "--repeat", "1",
+    command = [sys.executable, "-m", "scripts.bench.state", "--model", "tiny", "--peers", "1", "--repeat", "1",
                "--json", "--dest", str(tmp_path)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]

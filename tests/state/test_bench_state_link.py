@@ -1,4 +1,4 @@
-"""scripts/bench_state.py --link: the flags (one line, nothing built), the link bound, and one real
+"""scripts/bench/state.py --link: the flags (one line, nothing built), the link bound, and one real
 run on shaped links (root and iproute2; skipped otherwise, with what is missing) that leaves no
 namespace behind."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from scripts import bench_state
+from scripts.bench import state as bench_state
 from swarm.netlab import missing, parse_rate
 from tests.bench_links import main_error, run_on_links, sigterm_on_links
 
-ROOT = Path(__file__).resolve().parents[2]  # `python -m scripts.bench_state` runs from there
+ROOT = Path(__file__).resolve().parents[2]  # `python -m scripts.bench.state` runs from there
 needs_links = pytest.mark.skipif(missing() is not None, reason=f"bench_state --link {missing()}")
 
 
@@ -85,7 +85,7 @@ def test_tiny_fetch_on_shaped_links_runs_at_their_rate_and_leaves_nothing(tmp_pa
     command = [
         sys.executable,
         "-m",
-        "scripts.bench_state",
+        "scripts.bench.state",
         "--model",
         "tiny",
         "--peers",
@@ -120,7 +120,7 @@ def test_tiny_fetch_on_shaped_links_runs_at_their_rate_and_leaves_nothing(tmp_pa
 @pytest.mark.swarm
 @pytest.mark.timeout(120)
 def test_sigterm_mid_run_stops_the_donors_and_removes_the_links(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "scripts.bench_state", "--model", "tiny", "--peers", "1,2", "--repeat", "1",
+    command = [sys.executable, "-m", "scripts.bench.state", "--model", "tiny", "--peers", "1,2", "--repeat", "1",
                "--link", "50mbit", "--dest", str(tmp_path)]  # fmt: skip
     sigterm_on_links(command, children=2)  # the bootstrap and the first donor, in their namespaces
     assert list(tmp_path.iterdir()) == []  # the run's folder is deleted

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from scripts.state_seeder import SeedSpec
+from scripts.tools.state_seeder import SeedSpec
 from swarm.node.config import NodeConfig
 from swarm.state.server import ServeFaults
 from tests.node.inprocess import QUICK, LocalSwarm, Running

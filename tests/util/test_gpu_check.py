@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py's CPU-testable parts (issue 19): the wheel folder's commands, the MFU
+"""scripts/experiments/gpu_check.py's CPU-testable parts (issue 19): the wheel folder's commands, the MFU
 arithmetic, the peak table, what counts as a failure, and a clean exit without CUDA."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts import gpu_check, gpu_wheels
+from scripts.experiments import gpu_check, gpu_wheels
 from swarm_kernels import lowbit, quantize
 
 

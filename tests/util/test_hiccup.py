@@ -1,4 +1,4 @@
-"""scripts/hiccup.py: a benchmark's node stopped for a while, on a real process."""
+"""scripts/tools/hiccup.py: a benchmark's node stopped for a while, on a real process."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.hiccup import Hiccup
+from scripts.tools.hiccup import Hiccup
 
 
 @pytest.mark.parametrize(

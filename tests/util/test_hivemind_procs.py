@@ -1,4 +1,4 @@
-"""scripts.hivemind_procs without hivemind: a stand-in process with p2pd's `-listen=` argument."""
+"""scripts.compare.procs without hivemind: a stand-in process with p2pd's `-listen=` argument."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.hivemind_procs import exists, remove_files, running, socket_files
+from scripts.compare.procs import exists, remove_files, running, socket_files
 from swarm.utils import process_control
 
 psutil = pytest.importorskip("psutil")  # the bench extra

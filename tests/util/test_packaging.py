@@ -7,7 +7,7 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
-from scripts import gpu_wheels
+from scripts.experiments import gpu_wheels
 
 ROOT = Path(__file__).resolve().parents[2]
 # source folder -> the import name it is installed as (pyproject's package-dir)

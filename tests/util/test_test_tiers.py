@@ -1,10 +1,10 @@
-"""The suite's tiers and budgets (scripts/test_tiers.py): when a run fails, on a table of cases."""
+"""The suite's tiers and budgets (scripts/tools/test_tiers.py): when a run fails, on a table of cases."""
 
 from __future__ import annotations
 
 import pytest
 
-from scripts.test_tiers import TIERS, TierResult, verdict
+from scripts.tools.test_tiers import TIERS, TierResult, verdict
 
 FAST, SWARM = TIERS
 

@@ -42,7 +42,7 @@ BLAKE3 pass over every result, one sketch pass (with its squared norm) over each
 each of our slices, and one over each contribution to our own part (AVX2, straight from the
 int8 codes): ~76 ms of one core when alone (was ~200 ms with SHA-256, scalar sketches and
 separate norm passes), 24 ms per audited part and 51 ms per receipt measured inside
-`scripts/bench_allreduce.py`'s 4 processes on 2 cores. There the round is CPU-bound and the
+`scripts/bench/allreduce.py`'s 4 processes on 2 cores. There the round is CPU-bound and the
 audit still adds +35-70% round time; on real links the round is bound by
 the network and the audit's CPU runs beside it (it starts as each part's result arrives).
 

@@ -24,10 +24,10 @@ which every node evaluates on its own view. The rules, in order:
    FORMED markers that count is the swarm's lineage (`outvoted`): a member of another checks
    its last rounds' steps before each matchmaking and fetches the swarm's state instead.
 
-Announcements are bounded, so that cheap identities cannot outvote the run: one per identity (its owner's subkey), and one whose
-weight exceeds what the run allows one step is skipped (`decode_view`), so it is neither
-counted nor waited for nor grouped. A member refuses a group that misstates its own
-announcement or lists an out-of-range weight (`group_problem`).
+Announcements are bounded, so that cheap identities cannot outvote the run: one per identity
+(its owner's subkey), and one whose weight exceeds what the run allows one step is skipped
+(`decode_view`), so it is neither counted nor waited for nor grouped. A member refuses a group
+that misstates its own announcement or lists an out-of-range weight (`group_problem`).
 
 Identities are priced: an announcement or FORMED marker counts only with its owner's proof of a
 costly DHT id (dht/id_proof.py: the nonce its DHT node proves itself with, 2^id_bits hashes to

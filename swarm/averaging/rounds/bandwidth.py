@@ -42,7 +42,7 @@ swarm-node measures by default (NodeConfig.bandwidth None; AveragingConfig.measu
 off for the library's own rounds): measured and paced, the split at 100,100,100,10 Mbit/s came
 within 1.22-1.24x of the best split's bound (1.7x for the equal one), the audited int8 round at 4
 x 100 Mbit/s within 1.11-1.12x of its link bound (1.21-1.27x unpaced), and a training run's round
-was 21% shorter (scripts/bench_bandwidth.py). The estimates are rough (a 10
+was 21% shorter (scripts/bench/bandwidth.py). The estimates are rough (a 10
 Mbit/s member announces about 1.4x its link)."""
 
 from __future__ import annotations

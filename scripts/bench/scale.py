@@ -21,7 +21,7 @@ starts run_round everywhere. Reported per row (median over `--repeats` rounds):
   identical               every member got the whole swarm as its group, and the very same bits
                           (sha256), within the int8 bound of the exact mean; otherwise "error" says why
 
-    python -m scripts.bench_scale [--sizes 4,16,64] [--json]
+    python -m scripts.bench.scale [--sizes 4,16,64] [--json]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from scripts import worker_process
+from scripts.tools import worker_process
 from swarm.utils import process_control
 
 MARK = "BENCH_SCALE "
@@ -214,7 +214,7 @@ class Workers:
 
     def spawn(self, count: int) -> None:
         for i in range(count):
-            self.procs.append(worker_process.WorkerProcess("scripts.bench_scale", ["--_worker"], MARK, f"worker {i}"))
+            self.procs.append(worker_process.WorkerProcess("scripts.bench.scale", ["--_worker"], MARK, f"worker {i}"))
 
     def ask(self, cmds: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
         """One command to each worker (in order), then every answer; a worker's error raises."""

@@ -1,6 +1,6 @@
 """Run N hivemind 1.1.12 DHT nodes inside one benchmark worker process (``HivemindDHTBackend``).
 
-The benchmark orchestrator (``scripts/bench_dht.py``) imports this module in a worker process that
+The benchmark orchestrator (``scripts/bench/dht.py``) imports this module in a worker process that
 runs an asyncio (uvloop) event loop and drives the nodes with the same operations as our own DHT.
 
 hivemind APIs used, and how:
@@ -29,7 +29,7 @@ Blocking hivemind calls (import, fork + readiness wait, ``get_visible_maddrs``, 
 threads so that the worker's event loop keeps running. p2pd is found with psutil among the DHT
 process's children; its unix socket paths come from its ``-listen=`` argument.
 
-Smoke test: ``python -m scripts.hivemind_dht --nodes 8`` (prints one JSON line).
+Smoke test: ``python -m scripts.compare.dht --nodes 8`` (prints one JSON line).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from typing import Any
 
 import psutil
 
-from scripts.hivemind_procs import exists, remove_files, running, socket_files
+from scripts.compare.procs import exists, remove_files, running, socket_files
 from swarm.utils.process_memory import pss_bytes
 
 # hivemind reads this once, when it is first imported: keep its INFO logs out of benchmark output.

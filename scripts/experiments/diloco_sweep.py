@@ -27,10 +27,10 @@ then tries together the best of each factor that beat the default by MIN_GAIN; `
 re-runs chosen settings at the issue's scale (1,000 inner steps, sequences of 256, 2 per worker).
 `--cache FILE` keeps each result (JSON lines) so an interrupted sweep resumes where it stopped.
 
-    python -m scripts.diloco_sweep --stage cheap --cache sweep.jsonl
-    python -m scripts.diloco_sweep --stage full --settings default olr1-m0.8 'H=10-50' --cache sweep.jsonl
+    python -m scripts.experiments.diloco_sweep --stage cheap --cache sweep.jsonl
+    python -m scripts.experiments.diloco_sweep --stage full --settings default olr1-m0.8 'H=10-50' --cache sweep.jsonl
 
-scripts/bench_diloco.py imports the workload, identities and the baselines from here.
+scripts/bench/diloco.py imports the workload, identities and the baselines from here.
 """
 
 from __future__ import annotations

@@ -41,8 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts import worker_process
-from scripts.worker_process import WorkerProcess
+from scripts.tools import worker_process
+from scripts.tools.worker_process import WorkerProcess
 from swarm.utils.process_control import exit_on_sigterm
 from swarm.utils.process_memory import pss_bytes
 
@@ -128,7 +128,7 @@ class SwarmDHTBackend:
 def make_backend(system: str) -> Any:
     if system == "swarm":
         return SwarmDHTBackend()
-    from scripts.hivemind_dht import HivemindDHTBackend
+    from scripts.compare.dht import HivemindDHTBackend
 
     return HivemindDHTBackend()
 
@@ -138,7 +138,7 @@ def reply(obj: dict[str, Any]) -> None:
 
 
 def start_worker(system: str, index: int) -> WorkerProcess:
-    return WorkerProcess("scripts.bench_dht", ["--_worker", system], MARK, f"{system} worker {index}")
+    return WorkerProcess("scripts.bench.dht", ["--_worker", system], MARK, f"{system} worker {index}")
 
 
 async def worker_main(system: str) -> None:

@@ -18,7 +18,7 @@ Reported: the exchange's time (median of `--repeats`; it ends when the last proc
 result) against the links' raw bound 2(n-1) x MB / rate and TCP's: the same at the rate of
 Ethernet frames' payload (1448 of 1514 bytes).
 
-    sudo .venv/bin/python -m scripts.bench_tcp_exchange --link 100mbit --mb 17.8 [--json]
+    sudo .venv/bin/python -m scripts.bench.tcp_exchange --link 100mbit --mb 17.8 [--json]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 from swarm.p2p.pacing import set_max_pacing_rate
 from swarm.utils.process_control import exit_on_sigterm
 
-MODULE = "scripts.bench_tcp_exchange"
+MODULE = "scripts.bench.tcp_exchange"
 PORT = 9100
 MODES = ("at-once", "rotation", "paced")
 NOTSENT_LOWAT = 256 * 1024

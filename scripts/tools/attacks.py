@@ -1,5 +1,5 @@
 """Attacks on training, as a malicious `swarm-node` would run them: the real node with a method or
-two changed (issue 12's threat model). `python -m scripts.attacker ATTACK -- <swarm-node options>`
+two changed (issue 12's threat model). `python -m scripts.tools.attacker ATTACK -- <swarm-node options>`
 runs one; bench_robust.py and the attack tests start it next to honest nodes.
 
 Each attack patches classes of this process only, before the node starts:

@@ -23,7 +23,7 @@ vector each member owned, and two figures from the links' rates alone, for a pay
   optimal        the overlapped bound of the best shares for these links (the issue's
                  "bandwidth-optimal split"): at least max E / rate, whatever the split
 
-    python -m scripts.bench_bandwidth --links 100mbit,100mbit,100mbit,10mbit --elements 4M [--json]
+    python -m scripts.bench.bandwidth --links 100mbit,100mbit,100mbit,10mbit --elements 4M [--json]
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from scripts.bench_allreduce import MARK, observe, parse_count
-from scripts.worker_process import WorkerProcess
+from scripts.bench.allreduce import MARK, observe, parse_count
+from scripts.tools.worker_process import WorkerProcess
 from swarm.utils.process_control import exit_on_sigterm
 
 SPLITS = ("equal", "measured", "paced", "links")
@@ -97,7 +97,7 @@ def measure(links: Sequence[str], elements: int, rounds: int, seed: int) -> list
     try:
         for i in range(n):
             endpoint = lab.endpoint(f"m{i}")
-            workers.append(WorkerProcess("scripts.bench_allreduce", ["--_worker", "--_host", endpoint.address], MARK,
+            workers.append(WorkerProcess("scripts.bench.allreduce", ["--_worker", "--_host", endpoint.address], MARK,
                                          f"member {i}", prefix=exec_prefix(endpoint)))  # fmt: skip
         hello = [w.receive(120) for w in workers]
         for split in SPLITS:

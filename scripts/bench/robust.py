@@ -1,9 +1,9 @@
-"""Training under attack: 4 honest swarm-node processes and one attacker (scripts/attacks.py), the
+"""Training under attack: 4 honest swarm-node processes and one attacker (scripts/tools/attacks.py), the
 tiny model for a few outer steps on 127.0.0.1, against the same 4 honest nodes without it.
 
 For each attack (and once without any, the clean run) it runs a swarm-sim swarm (the same
 processes, flags and metrics as `swarm-sim`) where the last node started is
-`python -m scripts.attacker ATTACK ...`. Reported per attack:
+`python -m scripts.tools.attacker ATTACK ...`. Reported per attack:
 
   honest_final_eval_loss  median over the honest nodes of their last eval loss
   clean_final_eval_loss   the same of the clean run
@@ -12,10 +12,10 @@ processes, flags and metrics as `swarm-sim`) where the last node started is
   forks                   outer steps at which the honest nodes report more than one state
   detected                the honest nodes' logs name the attack's effect (DETECTION below)
 
-    python -m scripts.bench_robust [--attacks scale,owner] [--outer-steps 8] [--json]
+    python -m scripts.bench.robust [--attacks scale,owner] [--outer-steps 8] [--json]
 
 The overhead row (robust reduction and audit vs the plain mean, n=4, 64M int8) comes from
-`python -m scripts.bench_allreduce --aggregator ...`: see the README.
+`python -m scripts.bench.allreduce --aggregator ...`: see the README.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts.worker_process import module_command
+from scripts.tools.worker_process import module_command
 
 HONEST = 4
 # what an honest node logs when a defense acted (any of them counts as detected)
@@ -38,9 +38,9 @@ DETECTION = ("clipped", "dropped", "refus", "ignor", "implausible", "audit", "ex
 
 
 def attacker_argv(attack: str) -> list[str]:
-    """`python -m scripts.attacker ATTACK`: swarm-sim starts it in our working directory, the
-    repository root, where `python -m scripts.bench_robust` runs (see scripts/__init__.py)."""
-    return module_command("scripts.attacker", attack)
+    """`python -m scripts.tools.attacker ATTACK`: swarm-sim starts it in our working directory, the
+    repository root, where `python -m scripts.bench.robust` runs (see scripts/__init__.py)."""
+    return module_command("scripts.tools.attacker", attack)
 
 
 def run_swarm(attack: str | None, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
@@ -165,7 +165,7 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    from scripts.attacks import ATTACKS
+    from scripts.tools.attacks import ATTACKS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attacks", default=",".join(ATTACKS), help=f"any of {','.join(ATTACKS)}")

@@ -1,14 +1,14 @@
 """Streaming DiLoCo's fragments, simulated: does syncing the model a fragment at a time shrink
 what an overlapped outer step costs in loss (issue 14, part 3)?
 
-scripts/overlap_sweep.py measures the whole model's average landing `delay` x H inner steps late:
+scripts/experiments/overlap_sweep.py measures the whole model's average landing `delay` x H inner steps late:
 the later it lands, the more it costs. On a link, a fragment of 1/P of the model takes about 1/P
 of the round's time, so its average lands P times sooner. Here, as in Douillard et al. 2025
 ("Streaming DiLoCo"), the model's parameters are cut into P fragments of consecutive tensors of
 about equal size (swarm/model/fragments.py, as swarm-node --fragments cuts them);
 fragment f is synced every H inner steps, at steps f*H/P + k*H (k >= 1). Its average lands
 `delay` x H / P inner steps later (at the latest when the fragment syncs again) and is applied
-the `mode` way, with the node's own rules (scripts/overlap_sweep.py, swarm-node --overlap):
+the `mode` way, with the node's own rules (scripts/experiments/overlap_sweep.py, swarm-node --overlap):
 
     blocking  the fragment's outer step at once (delay 0)
     delayed   the workers go on from where they are; on landing,
@@ -19,9 +19,9 @@ the `mode` way, with the node's own rules (scripts/overlap_sweep.py, swarm-node 
 At the run's end every fragment lands and is synced once more (blocking), so the final θ_outer
 holds all the run's steps; the eval loss is of that θ_outer. Nesterov's outer step is the node's
 (DiLoCo._outer_update itself, on worker 0's θ_outer, which all share); K workers, data windows and schedule are
-scripts/diloco_sweep.py's. P = 1 is overlap_sweep's run to the bit (with delay 0: blocking DiLoCo).
+scripts/experiments/diloco_sweep.py's. P = 1 is overlap_sweep's run to the bit (with delay 0: blocking DiLoCo).
 
-    python -m scripts.fragment_sweep --fragments 1,4 --modes blocking,eager --delays 0.3
+    python -m scripts.experiments.fragment_sweep --fragments 1,4 --modes blocking,eager --delays 0.3
 """
 
 from __future__ import annotations
@@ -35,8 +35,15 @@ from typing import Any
 
 import torch
 
-from scripts.diloco_sweep import Setting, Workload, _ScheduledDiLoCo, average_deltas, worker_batch, worker_peers
-from scripts.overlap_sweep import add_run_arguments, run_of, shape_line
+from scripts.experiments.diloco_sweep import (
+    Setting,
+    Workload,
+    _ScheduledDiLoCo,
+    average_deltas,
+    worker_batch,
+    worker_peers,
+)
+from scripts.experiments.overlap_sweep import add_run_arguments, run_of, shape_line
 from swarm.model.data import eval_windows
 from swarm.model.fragments import fragments_of
 from swarm.model.llama import build_model

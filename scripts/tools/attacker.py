@@ -1,6 +1,6 @@
-"""A malicious swarm-node: `python -m scripts.attacker ATTACK [swarm-node options...]`.
+"""A malicious swarm-node: `python -m scripts.tools.attacker ATTACK [swarm-node options...]`.
 
-The real node (swarm/cli/node.py) with the methods of one attack of scripts/attacks.py changed
+The real node (swarm/cli/node.py) with the methods of one attack of scripts/tools/attacks.py changed
 in this process only. Test and benchmark use only: it attacks the swarm it joins.
 """
 
@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import sys
 
-from scripts.attacks import ATTACKS
+from scripts.tools.attacks import ATTACKS
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ATTACKS:
-        print(f"usage: python -m scripts.attacker {{{','.join(ATTACKS)}}} [swarm-node options...]", file=sys.stderr)
+        usage = f"usage: python -m scripts.tools.attacker {{{','.join(ATTACKS)}}} [swarm-node options...]"
+        print(usage, file=sys.stderr)
         return 2
     ATTACKS[argv[0]]()
     from swarm.cli.node import main as node_main

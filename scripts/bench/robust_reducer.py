@@ -1,8 +1,8 @@
 """Robust part reduction: how far each aggregator lands from the honest mean under each attack,
 and what it costs (issue 12).
 
-    python -m scripts.bench_robust_reducer                 # table
-    python -m scripts.bench_robust_reducer --json          # one JSON object
+    python -m scripts.bench.robust_reducer                 # table
+    python -m scripts.bench.robust_reducer --json          # one JSON object
 
 Workload: 4 honest contributions + 1 attacker of the same weight (the largest a capped weight
 allows). Honest pseudo-gradients are "non-iid": a shared direction plus per-node noise of the
@@ -27,7 +27,7 @@ mean of the honest contributions), at --elements (default 1M), and ms per --time
 (default 16M) part with 5 contributions, median of --repeat runs, on --threads threads, without
 an attacker and with the sign-flipping one (cclip then makes its second pass). The swarm's own
 reduction (rounds/reduction.py) decodes int8 payloads instead of stacking fp32 inputs; its cost against
-the plain mean is in `python -m scripts.bench_allreduce --aggregators mean,robust`.
+the plain mean is in `python -m scripts.bench.allreduce --aggregators mean,robust`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Time hivemind 1.1.12's ``DecentralizedAverager.load_state_from_peers`` on a swarm state's tensors.
 
-``run_hivemind_state(model, repeat=3)`` is called by ``scripts/bench_state.py --compare hivemind``.
-It starts, each as ``python -m scripts.hivemind_state --role ...`` in its own session (so that its
+``run_hivemind_state(model, repeat=3)`` is called by ``scripts/bench/state.py --compare hivemind``.
+It starts, each as ``python -m scripts.compare.state --role ...`` in its own session (so that its
 DHT process, averager process and p2pd can be stopped together):
 
-- one donor (``--role donor``): the same state as scripts/state_seeder.py (``make_state``: θ_outer
+- one donor (``--role donor``): the same state as scripts/tools/state_seeder.py (``make_state``: θ_outer
   + outer momentum, fp32, seed 0, step 5), its tensors (parameters, then momentum, in the model's
   order) averaged by a ``DecentralizedAverager(tensors, dht, prefix=..., allow_state_sharing=True)``
   whose ``get_current_state`` (hivemind's default) hands them to a downloader uncompressed. Its
@@ -32,7 +32,7 @@ exits); after a grace period its process group is SIGKILLed while its leader is 
 removed. A child whose parent dies gets SIGTERM (PR_SET_PDEATHSIG) and shuts down the same way.
 
 Needs Linux (/proc, prctl), hivemind 1.1.12 with numpy < 2.3, psutil (the ``bench`` extra).
-Run alone: ``python -m scripts.hivemind_state --model small --repeat 1`` (prints one JSON line).
+Run alone: ``python -m scripts.compare.state --model small --repeat 1`` (prints one JSON line).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts.hivemind_procs import remove_files, socket_files
-from scripts.worker_process import ROOT, module_command
+from scripts.compare.procs import remove_files, socket_files
+from scripts.tools.worker_process import ROOT, module_command
 from swarm.utils import process_control
 from swarm.utils.process_memory import status_kib
 
@@ -127,7 +127,7 @@ def donor_main(model: str, prefix: str, timeout: float) -> None:
     from hivemind import DHT
     from hivemind.averaging import DecentralizedAverager
 
-    from scripts.state_seeder import make_state
+    from scripts.tools.state_seeder import make_state
     from swarm.model.diloco import tensors_sha256
 
     state = make_state(model, SEED, STEP)
@@ -208,7 +208,7 @@ def newcomer_main(prefix: str, initial_peers: list[str], timeout: float) -> None
 
 
 class _Child:
-    """`python -m scripts.hivemind_state ARGS` in its own session, its stderr in `<workdir>/<name>.err`."""
+    """`python -m scripts.compare.state ARGS` in its own session, its stderr in `<workdir>/<name>.err`."""
 
     def __init__(self, name: str, args: list[str], workdir: Path) -> None:
         self.name, self.workdir = name, workdir
@@ -216,7 +216,7 @@ class _Child:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HIVEMIND_LOGLEVEL": "WARNING"}
         with open(workdir / f"{name}.err", "wb") as err:
             self.proc = process_control.start(
-                module_command("scripts.hivemind_state", *args), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                module_command("scripts.compare.state", *args), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=err, env=env, cwd=ROOT,
             )  # fmt: skip
 

@@ -1,8 +1,8 @@
 """Benchmark of round receipts (swarm/state/receipts.py, lineage.py): what one round's receipt
 costs on the wire and in a verifier's thread, by group size.
 
-    python -m scripts.bench_lineage                    # a table: 2, 8, 16, 64 members
-    python -m scripts.bench_lineage --members 64 --steps 1000 --json
+    python -m scripts.bench.lineage                    # a table: 2, 8, 16, 64 members
+    python -m scripts.bench.lineage --members 64 --steps 1000 --json
 
 Per group size, for a receipt signed by every member:
 - ``receipt_bytes``: its msgpack size (what `state.lineage` carries per step, and what a

@@ -27,10 +27,10 @@ own pseudo-gradient).
 With --repeat R each swarm configuration runs R times and the medians are reported (the swarm is
 not deterministic: group timing varies); the baselines are deterministic and run once.
 
-    python -m scripts.bench_diloco                        # all four configurations, 1,000 steps
-    python -m scripts.bench_diloco --steps 100 --configs H50_int8 --json
-    python -m scripts.bench_diloco --nodes 2 --batch-size 4 --steps 100 --configs H50_int8 --nproc-per-node 2
-    sudo python -m scripts.bench_diloco --link 20mbit --configs H50_int8   # on shaped links
+    python -m scripts.bench.diloco                        # all four configurations, 1,000 steps
+    python -m scripts.bench.diloco --steps 100 --configs H50_int8 --json
+    python -m scripts.bench.diloco --nodes 2 --batch-size 4 --steps 100 --configs H50_int8 --nproc-per-node 2
+    sudo python -m scripts.bench.diloco --link 20mbit --configs H50_int8   # on shaped links
 
 `--link RATE` (as root) puts each swarm-node and the bootstrap `swarm-dht serve` in a network
 namespace of its own behind a link shaped to RATE both ways (swarm.netlab, as `swarm-sim --link`;
@@ -62,8 +62,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from scripts.diloco_sweep import Cache, Workload, gap_closed, node_identity, run_baselines
-from scripts.hiccup import Hiccup
+from scripts.experiments.diloco_sweep import Cache, Workload, gap_closed, node_identity, run_baselines
+from scripts.tools.hiccup import Hiccup
 from swarm.model.schedule import SCHEDULES
 from swarm.netlab import Lab, Rate, exec_prefix, missing, parse_rate, parse_rates
 from swarm.utils import process_control
@@ -163,7 +163,7 @@ class NodeOptions:
     outer_momentum: float | None
     matchmaking_time: float | None  # None: the node's default
     verbose: bool
-    nproc: int = 1  # --nproc-per-node: local ranks of each node (scripts/bench_ranks.py)
+    nproc: int = 1  # --nproc-per-node: local ranks of each node (scripts/bench/ranks.py)
 
 
 # --- processes ----------------------------------------------------------------------------------
@@ -251,7 +251,7 @@ def run_swarm(
     """One swarm run: a bootstrap DHT node and `workers` training nodes until they exit; the
     summary of their metrics files. With `rates` (one per node) each child runs in a namespace
     of its own behind a link of its rate, the bootstrap behind the fastest. `hiccup`: one node
-    stops for a while (scripts/hiccup.py)."""
+    stops for a while (scripts/tools/hiccup.py)."""
     workdir = Path(tempfile.mkdtemp(prefix=f"bench_diloco_{config.name}_", dir=keep))
     for index in range(workload.workers):
         node_identity(index, workload.seed).save(workdir / f"node{index}.key")
@@ -504,7 +504,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--nproc-per-node", type=int, default=1,
                         help="N > 1: compare nodes of N ranks with nodes of 1 (same node batch): tokens/s, "
-                        "utilization, bytes per node (scripts/bench_ranks.py); no baselines")  # fmt: skip
+                        "utilization, bytes per node (scripts/bench/ranks.py); no baselines")  # fmt: skip
     args = parser.parse_args()
     rates = link_options(parser, args)
 
@@ -542,7 +542,7 @@ def main() -> None:
         print(line, file=sys.stderr, flush=True)
 
     if args.nproc_per_node > 1:
-        from scripts.bench_ranks import compare_ranks, print_ranks
+        from scripts.bench.ranks import compare_ranks, print_ranks
 
         res = compare_ranks(lambda o, c: run_swarm(workload, c, o, timeout, keep, rates), options, configs,
                             args.nproc_per_node, args.repeat, log)  # fmt: skip

@@ -1,7 +1,7 @@
 """Codecs and error feedback against exact averaging: the loss each costs and the bytes it saves.
 
 For each H and each codec (none = exact fp32 averaging), with and without error feedback (swarm/
-model/error_feedback.py), K DiLoCo workers train as in scripts/diloco_sweep.py (one process, the
+model/error_feedback.py), K DiLoCo workers train as in scripts/experiments/diloco_sweep.py (one process, the
 same windows and schedule), except that each worker's pseudo-gradient and the average travel
 through the codec, as they do in a swarm round (a member's contribution, then the part owner's
 result). Reported per run: the final eval loss, its ratio to exact averaging at the same H, the
@@ -13,7 +13,7 @@ wire with the reduction against fp32 data-parallel:
 (data-parallel all-reduces 4 bytes per parameter every inner step; DiLoCo the codec's bytes once
 per H; both move 2(n-1)/n of that in a butterfly, which cancels).
 
-    python -m scripts.codec_sweep --codecs int8,int4,int2 --hs 50,100 --json
+    python -m scripts.experiments.codec_sweep --codecs int8,int4,int2 --hs 50,100 --json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from scripts.diloco_sweep import (
+from scripts.experiments.diloco_sweep import (
     CHEAP,
     CODEC_BLOCK,
     HSchedule,

@@ -1,19 +1,19 @@
 """A donor that holds one swarm state and serves it, as a training node would, without training.
 
-    python -m scripts.state_seeder --initial-peers MADDR --run-id RUN --model tiny --step 5
+    python -m scripts.tools.state_seeder --initial-peers MADDR --run-id RUN --model tiny --step 5
 
 It builds a deterministic state (the model's seed weights, moved by a seeded random step, plus a
 seeded momentum), joins the DHT, advertises the state under `<run>/state` and serves it with the
 real StateServer until SIGTERM. Its first stdout line is JSON:
 {"peer_id", "maddrs", "manifest", "state_sha256" (as DiLoCo.state_sha256 hashes it),
-"state_bytes"}. scripts/bench_state.py runs it as a separate process; tests run the same donor
+"state_bytes"}. scripts/bench/state.py runs it as a separate process; tests run the same donor
 in their own event loop (`Seeder.start`, through the `seeder` fixture of tests/state/conftest.py).
 
 A donor can be made slow, lying or stalled through StateServer's public fault hook (ServeFaults):
 `--upload-delay` sleeps after each 256 KiB, `--corrupt` flips one byte of every shard it sends.
 `--claim-run`/`--claim-model` write another run id or model into its manifest (a state of
 another run, correctly hashed), and `--node-settings` the run settings of swarm-nodes of the same
-flags (without it: none, as scripts/bench_state.py expects).
+flags (without it: none, as scripts/bench/state.py expects).
 
 It serves the state's lineage too (`state.lineage`): rounds of one, signed by itself, from the
 run's genesis (the model's seed weights) to its state. A newcomer whose anchor is genesis and

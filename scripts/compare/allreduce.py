@@ -1,7 +1,7 @@
 """Time one hivemind 1.1.12 ``DecentralizedAverager`` all-reduce of n peers on 127.0.0.1.
 
 ``run_hivemind_allreduce(n, elements, codec)`` is called by the benchmark orchestrator
-(``scripts/bench_allreduce.py``) in its own process. That process computes the exact mean of the
+(``scripts/bench/allreduce.py``) in its own process. That process computes the exact mean of the
 inputs, then forks n peer processes (``multiprocessing.get_context("fork")``); each peer calls
 ``os.setsid()`` (its process group then holds it, its DHT and averager processes and its p2pd) and
 builds, with ``OMP_NUM_THREADS=1`` / ``torch.set_num_threads(1)``:
@@ -69,7 +69,7 @@ whatever the size, plus ~3x its input in hivemind's buffers and the input itself
 shared memory (``/dev/shm``); the run refuses to start when the machine has less memory available
 than that estimate.
 
-Run: ``python -m scripts.hivemind_allreduce --n 4 --elements 16M --codec int8 --repeats 3``
+Run: ``python -m scripts.compare.allreduce --n 4 --elements 16M --codec int8 --repeats 3``
 (prints the result dict as one JSON line).
 """
 
@@ -97,7 +97,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-from scripts.hivemind_procs import P2PD_LISTEN_ARG, remove_files, running, socket_files
+from scripts.compare.procs import P2PD_LISTEN_ARG, remove_files, running, socket_files
 from swarm.utils import process_control
 
 # hivemind reads these when it is first imported: keep its INFO logs out of benchmark output.

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "swarm-train"
 # what the GPU machine has (issue 19): torch with CUDA and these; --present adds to them
 PRESENT = ("torch", "triton", "msgpack", "uvloop", "click", "rich", "safetensors")

@@ -1,11 +1,11 @@
 """State-exchange benchmark (issue 6): how fast a newcomer fetches and verifies the swarm state
 from 1, 2, 4 local peers, how much memory that takes, and how close it comes to the loopback limit.
 
-    python -m scripts.bench_state --model small --peers 1,2           # quick (25.8M params, 206 MB)
-    python -m scripts.bench_state --model 150m --repeat 3 --compare hivemind --json
+    python -m scripts.bench.state --model small --peers 1,2           # quick (25.8M params, 206 MB)
+    python -m scripts.bench.state --model 150m --repeat 3 --compare hivemind --json
 
 Workload. A `swarm-dht serve` bootstrap node, then up to max(--peers) donors started one after the
-other (scripts/state_seeder.py: the `--model` preset's deterministic state, θ_outer + outer
+other (scripts/tools/state_seeder.py: the `--model` preset's deterministic state, θ_outer + outer
 momentum in fp32, in shards of --shard-bytes, served by the real StateServer). For each n in
 --peers (ascending; the n first donors), --repeat newcomers, each a fresh child process that starts
 a P2PHost and a client-mode DHTNode bootstrapped from the bootstrap node, waits until
@@ -42,13 +42,13 @@ With --link the raw loopback limit is still measured (on 127.0.0.1, as a check o
 but the targets are against the bound. Donors share a fetch by whole shards: to see n donors'
 uplinks add up, give each several (`--shard-bytes`; the default 64 MiB cuts `small` into 4).
 
-    sudo python -m scripts.bench_state --model small --peers 1,2,4 --link 100mbit --newcomer-link 1gbit \
+    sudo python -m scripts.bench.state --model small --peers 1,2,4 --link 100mbit --newcomer-link 1gbit \
         --shard-bytes 8388608 --compare hivemind runs on 127.0.0.1 only: with --link it
 is refused with one line.
 
 --compare hivemind: hivemind 1.1.12's DecentralizedAverager.load_state_from_peers of the same
 tensors from one donor averager (it never downloads from more than one; see
-scripts/hivemind_state.py), timed and checked the same way.
+scripts/compare/state.py), timed and checked the same way.
 
 Memory: a 150m donor holds about 2.4x the state (its tensors, its serialized snapshot, torch) and
 peaks near 3x while it builds them; hivemind's donor and newcomer ~2.5x each. The run refuses to
@@ -78,8 +78,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from scripts.bench_p2p import sink_one_transfer
-from scripts.worker_process import ROOT, module_command
+from scripts.bench.p2p import sink_one_transfer
+from scripts.tools.worker_process import ROOT, module_command
 from swarm.netlab import Lab, Rate, exec_prefix, missing, parse_rate
 from swarm.utils import process_control
 from swarm.utils.process_control import console_script
@@ -298,7 +298,7 @@ class LoopbackProbe:
 
     def __init__(self, children: Children, nbytes: int, transfers: int) -> None:
         self.children, self.nbytes = children, nbytes
-        self.proc = children.start("sink", module_command("scripts.bench_state", "--_sink", str(transfers)))
+        self.proc = children.start("sink", module_command("scripts.bench.state", "--_sink", str(transfers)))
         self.port = children.first_line(self.proc, "sink", 60, prefix=MARK)["port"]
         self.block = memoryview(bytes(range(256)) * (SEND_BLOCK // 256))  # real pages, not the shared zero page
         self.rates: list[float] = []
@@ -358,7 +358,7 @@ class Children:
         execs the command, so the child's PID is the command's and close() reaches it."""
         err = open(self.workdir / f"{name}.err", "wb")  # noqa: SIM115 (closed in close())
         self._logs.append(err)
-        # cwd: `python -m scripts.bench_state` children import the scripts package from there
+        # cwd: `python -m scripts.bench.state` children import the scripts package from there
         proc = process_control.start([*(prefix or []), *command], stdout=subprocess.PIPE, stderr=err, env=ENV, cwd=ROOT,
                                      die_with_parent=True)  # fmt: skip
         self.procs.append(proc)
@@ -466,7 +466,7 @@ def run_newcomer(
     prefix, listen = places.newcomer()
     try:
         proc = children.start(name, [
-            *module_command("scripts.bench_state"), "--_newcomer", "--model", opts.model, "--bootstrap", bootstrap,
+            *module_command("scripts.bench.state"), "--_newcomer", "--model", opts.model, "--bootstrap", bootstrap,
             "--holders", ",".join(d["peer_id"] for d in donors),
             "--streams-per-peer", str(opts.streams_per_peer), "--timeout", str(opts.timeout), "--listen", listen,
             *(["--fetch-dest", str(fetch_dest)] if opts.to_disk else []),
@@ -505,7 +505,7 @@ def measure_swarm(
             require_memory(DONOR_PEAK_PER_STATE_BYTE * state_bytes + PROCESS_FIXED_BYTES, f"{name} ({opts.model})")
             prefix, listen = places.donor(len(donors))
             proc = children.start(name, [
-                *module_command("scripts.state_seeder"), "--initial-peers", bootstrap, "--run-id", RUN_ID,
+                *module_command("scripts.tools.state_seeder"), "--initial-peers", bootstrap, "--run-id", RUN_ID,
                 "--model", opts.model, "--seed", str(SEED), "--step", str(STEP), "--inner-steps", str(INNER_STEPS),
                 "--shard-bytes", str(opts.shard_bytes), "--host-maddrs", listen,
             ], prefix=prefix)  # fmt: skip
@@ -744,7 +744,7 @@ def bench(opts: Options, compare: str | None) -> dict[str, Any]:
         state_bytes = runs[opts.peers[0]][0]["bytes"]  # exact: the manifest's total
         hivemind = None
         if compare == "hivemind":
-            from scripts.hivemind_state import run_hivemind_state
+            from scripts.compare.state import run_hivemind_state
 
             require_memory((DONOR_PEAK_PER_STATE_BYTE + 2.5) * state_bytes + 3 * PROCESS_FIXED_BYTES, "hivemind")
             hivemind = run_hivemind_state(opts.model, repeat=opts.repeat, timeout=opts.timeout, workdir=work)

@@ -3,14 +3,14 @@
 every figure.
 
 On a machine with network and the project installed (once, beforehand), a folder of wheels for
-the GPU machine's Python (scripts/gpu_wheels.py says what goes in):
+the GPU machine's Python (scripts/experiments/gpu_wheels.py says what goes in):
 
-    python -m scripts.gpu_check --prepare-wheels wheels/ [--python-version 3.12] [--present a,b]
+    python -m scripts.experiments.gpu_check --prepare-wheels wheels/ [--python-version 3.12] [--present a,b]
 
 On the GPU machine (no network; Python with torch (CUDA), triton, msgpack, uvloop, click, rich,
 safetensors), from the repository root:
 
-    python -m scripts.gpu_check --wheels wheels/     # installs them into --site, then checks
+    python -m scripts.experiments.gpu_check --wheels wheels/     # installs them into --site, then checks
 
 Exit 0 when every check passed, 1 on a mismatch or a failed check, 2 when it could not run (no
 CUDA, a missing module with no wheel for it). Targets (issue 19): each codec >= 50% of the
@@ -31,9 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts import gpu_wheels
+from scripts.experiments import gpu_wheels
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # what the project imports (pyproject's dependencies) and the GPU extra, by import name
 MODULES = {
     "torch": "torch", "msgpack": "msgpack", "uvloop": "uvloop", "multiaddr": "multiaddr", "base58": "base58",

@@ -8,7 +8,7 @@ member wrote to its sockets (frame headers included; median over members) agains
 2(n-1)/n x the encoded vector, and the relative RMS error of the result against the exact fp32
 mean. Matchmaking is not timed (it is the DHT's cost, measured by bench_dht.py). In the same run:
 the raw loopback throughput (plain Python sockets, as in bench_p2p.py). With --compare hivemind
-the same configurations run on hivemind's DecentralizedAverager (scripts/hivemind_allreduce.py).
+the same configurations run on hivemind's DecentralizedAverager (scripts/compare/allreduce.py).
 `--aggregators mean,robust` measures the part owners' rules one after the other (issue 12: the
 robust reduction's cost is robust's round time against mean's); "robust+audit" adds the owner
 audit (audit/flat.py), which the other names leave off; "+whole" (e.g. "mean+whole") has each
@@ -34,8 +34,8 @@ import tempfile
 import time
 from typing import Any
 
-from scripts import worker_process
-from scripts.worker_process import WorkerProcess, sha256_hex
+from scripts.tools import worker_process
+from scripts.tools.worker_process import WorkerProcess, sha256_hex
 from swarm.averaging.config import AGGREGATORS
 from swarm.utils.process_control import exit_on_sigterm
 
@@ -154,10 +154,10 @@ def measure_swarm(
     try:
         for i in range(n):
             if lab is None:
-                workers.append(WorkerProcess("scripts.bench_allreduce", ["--_worker"], MARK, f"member {i}"))
+                workers.append(WorkerProcess("scripts.bench.allreduce", ["--_worker"], MARK, f"member {i}"))
             else:
                 endpoint = lab.endpoint(f"m{i}")
-                workers.append(WorkerProcess("scripts.bench_allreduce", ["--_worker", "--_host", endpoint.address],
+                workers.append(WorkerProcess("scripts.bench.allreduce", ["--_worker", "--_host", endpoint.address],
                                              MARK, f"member {i}", prefix=exec_prefix(endpoint)))  # fmt: skip
         hello = [w.receive(60) for w in workers]
         members = tuple(
@@ -219,7 +219,7 @@ def measure_swarm(
 
 
 def loopback_mbps() -> float:
-    from scripts.bench_p2p import measure_raw
+    from scripts.bench.p2p import measure_raw
 
     return measure_raw(rpc_calls=10, stream_bytes=256 << 20)["stream_MBps"]
 
@@ -300,7 +300,7 @@ def main() -> None:
         for aggregator in args.aggregators.split(","):
             rows += measure_swarm(n, elements, codecs, args.repeats, args.seed, aggregator, args.link)
     if args.compare:
-        from scripts.hivemind_allreduce import run_hivemind_allreduce
+        from scripts.compare.allreduce import run_hivemind_allreduce
 
         for n in sizes:
             for count in elements:

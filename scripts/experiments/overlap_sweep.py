@@ -1,7 +1,7 @@
 """An outer step that overlaps the next inner steps, simulated: what each way of applying a late
 average costs in loss (issue 14, part 3), against blocking DiLoCo at the same H.
 
-K workers as in scripts/diloco_sweep.py (one process, the same windows and schedule). In a
+K workers as in scripts/experiments/diloco_sweep.py (one process, the same windows and schedule). In a
 swarm the all-reduce of round t runs while the nodes already train round t+1; here it "lands"
 after `delay` x H inner steps of round t+1 (1.0: the round takes a whole inner phase, the worst
 case that still overlaps fully). Then every worker computes the same θ_outer(t+1) from the same
@@ -20,7 +20,7 @@ arithmetic (DiLoCo.begin_overlap, swarm-node --overlap):
 weights become A x its own (what it trained since included) + (1 - A) x θ_outer(t+1) (A = 1:
 the rules above alone; the paper uses 0.5). θ_outer, which the workers share, is unchanged by it.
 
-    python -m scripts.overlap_sweep --modes blocking,delayed,eager --delays 1,0.25 --alphas 1,0.5 --json
+    python -m scripts.experiments.overlap_sweep --modes blocking,delayed,eager --delays 1,0.25 --alphas 1,0.5 --json
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from scripts.diloco_sweep import (
+from scripts.experiments.diloco_sweep import (
     CHEAP,
     HSchedule,
     Setting,
@@ -109,7 +109,7 @@ def land(worker: DiLoCo, average: list[torch.Tensor], alpha: float) -> None:
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """The run's shape, as this script and scripts/fragment_sweep.py take it."""
+    """The run's shape, as this script and scripts/experiments/fragment_sweep.py take it."""
     parser.add_argument("--h", type=int, default=50)
     parser.add_argument("--steps", type=int, default=CHEAP.steps)
     parser.add_argument("--seq-len", type=int, default=CHEAP.seq_len)

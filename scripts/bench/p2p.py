@@ -3,9 +3,9 @@
 machine's limit (plain Python sockets between two processes) measured in the same run, and with
 ``--compare hivemind`` the same workloads on hivemind's P2P (TLS on, its default).
 
-    python -m scripts.bench_p2p                      # table, median of --repeat runs
-    python -m scripts.bench_p2p --compare hivemind   # + hivemind 1.1.12 (pip extra "bench")
-    python -m scripts.bench_p2p --json               # one JSON object
+    python -m scripts.bench.p2p                      # table, median of --repeat runs
+    python -m scripts.bench.p2p --compare hivemind   # + hivemind 1.1.12 (pip extra "bench")
+    python -m scripts.bench.p2p --json               # one JSON object
 
 Workloads (the same for every system): ``--rpc-calls`` sequential echo calls of a 24-byte
 payload after 100 warm-up calls (p50/p99 round trip), and one stream of ``--stream-mib`` MiB
@@ -32,7 +32,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from scripts.worker_process import ROOT, module_command
+from scripts.tools.worker_process import ROOT, module_command
 from swarm.utils import process_control
 
 MiB = 2**20
@@ -52,7 +52,7 @@ def child(role: str, timeout: float = 60.0) -> Iterator[dict[str, Any]]:
     child exits when its stdin closes; it is killed if it does not, and always reaped."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = process_control.start(
-        module_command("scripts.bench_p2p", "--_role", role),
+        module_command("scripts.bench.p2p", "--_role", role),
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=ROOT, new_session=False,
     )  # fmt: skip
     try:
@@ -205,7 +205,7 @@ def measure_swarm_plaintext(rpc_calls: int, stream_bytes: int) -> dict[str, floa
 
 def measure_hivemind(rpc_calls: int, stream_bytes: int) -> dict[str, float]:
     try:
-        from scripts.hivemind_p2p import measure_hivemind_p2p
+        from scripts.compare.p2p import measure_hivemind_p2p
     except ImportError as e:  # pragma: no cover - shown to the user
         raise SystemExit(f"--compare hivemind needs the bench extra: pip install -e '.[bench]' ({e})") from e
     return measure_hivemind_p2p(rpc_calls=rpc_calls, stream_bytes=stream_bytes, chunk_bytes=CHUNK)

@@ -1,8 +1,8 @@
 """The whole test suite, tier by tier, each against its time budget: what CI and the README run.
 
-    python -m scripts.test_tiers               # every tier; exit 1 on a failed test or a tier over budget
-    python -m scripts.test_tiers --tier fast   # one tier
-    python -m scripts.test_tiers -- -x         # extra arguments go to every pytest run
+    python -m scripts.tools.test_tiers               # every tier; exit 1 on a failed test or a tier over budget
+    python -m scripts.tools.test_tiers --tier fast   # one tier
+    python -m scripts.tools.test_tiers -- -x         # extra arguments go to every pytest run
 
 Tiers (pytest markers; plain `pytest` is the fast tier, for development):
     fast    unit tests and in-loop tests (many hosts or DHT nodes in one event loop)   `pytest`

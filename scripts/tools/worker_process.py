@@ -13,7 +13,7 @@ from typing import Any
 
 from swarm.utils import process_control
 
-ROOT = Path(__file__).resolve().parent.parent  # the repository: where `python -m scripts.<name>` works
+ROOT = Path(__file__).resolve().parents[2]  # the repository: where `python -m scripts.<name>` works
 
 
 def module_command(module: str, *args: str) -> list[str]:

@@ -3,10 +3,10 @@ the fused dequantize_accumulate, per implementation, next to the machine's memcp
 measured in the same run, and with ``--compare hivemind`` hivemind's Uniform8BitQuantization
 (and bitsandbytes where installed).
 
-    python -m scripts.bench_codec                      # tables, medians of --repeat runs
-    python -m scripts.bench_codec --codecs int4,int2 --impl cpu --block-size 64
-    python -m scripts.bench_codec --compare hivemind   # + hivemind 1.1.12 (pip extra "bench")
-    python -m scripts.bench_codec --json               # one JSON object
+    python -m scripts.bench.codec                      # tables, medians of --repeat runs
+    python -m scripts.bench.codec --codecs int4,int2 --impl cpu --block-size 64
+    python -m scripts.bench.codec --compare hivemind   # + hivemind 1.1.12 (pip extra "bench")
+    python -m scripts.bench.codec --json               # one JSON object
 
 Throughput is GB/s of fp32 input (4 bytes x elements / seconds; GB = 1e9 bytes), the median of
 ``--repeat`` timed runs after one warm-up, on one vector of ``--elements`` (default 64M) values.

@@ -1,7 +1,7 @@
 """Measure hivemind's P2P layer (``hivemind.p2p.P2P``, the p2pd wrapper) on 127.0.0.1.
 
 Two OS processes, each with its own P2P and p2pd (4 processes in all), started as
-``python -m scripts.hivemind_p2p --_role server|client`` so that nothing depends on how the caller
+``python -m scripts.compare.p2p --_role server|client`` so that nothing depends on how the caller
 imported this module. The calling process only orchestrates and never imports hivemind.
 
 hivemind APIs used (the ones hivemind's own components use):
@@ -32,8 +32,8 @@ import tempfile
 import time
 from typing import IO, Any
 
-from scripts.hivemind_procs import remove_files
-from scripts.worker_process import ROOT, module_command
+from scripts.compare.procs import remove_files
+from scripts.tools.worker_process import ROOT, module_command
 from swarm.utils import process_control
 
 _ECHO = "swarm_bench.hivemind_echo"
@@ -243,7 +243,7 @@ class _Child:
         env.setdefault("MKL_NUM_THREADS", "1")
         env.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
         self.proc = process_control.start(
-            module_command("scripts.hivemind_p2p", *argv),
+            module_command("scripts.compare.p2p", *argv),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=env, cwd=ROOT,
         )  # fmt: skip
         self.info: dict[str, dict[str, Any]] = {}
