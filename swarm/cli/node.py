@@ -68,6 +68,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
+IDENTITY_FILE = "node.key"  # in --checkpoint-dir when --identity is not given
 _DEFAULTS = NodeConfig()
 
 
@@ -133,7 +134,8 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
               help=f"Where to listen (repeatable). Default: {DEFAULT_HOST_MADDRS[0]}.")  # fmt: skip
 @click.option("--announce-maddrs", multiple=True, metavar="MADDR", callback=maddr_list,
               help="What peers should dial instead of the listen addresses (public IP, forwarded port).")  # fmt: skip
-@identity_option(help="Key file of this node, created if missing; keeps the PeerID across restarts.")
+@identity_option(help="Key file of this node, created if missing; keeps the PeerID across restarts. "
+                 f"Default: {IDENTITY_FILE} in --checkpoint-dir, else a new identity at each start.")
 @_opt("run-id", str, "The training run to join.")
 @_opt("model", click.Choice(list(PRESETS)), "Model preset.")
 @_opt("data", str, "Training data: 'stdlib' (built in) or 'hf:<dataset>[:<config>]' (needs --tokenizer).")
@@ -268,6 +270,9 @@ def main(
 
             torch.set_num_threads(threads)
         sys.exit(follow(launch, timeout=rank_timeout))
+    if identity is None and config.checkpoint_dir:  # a restart that resumes keeps its PeerID: its join line holds
+        identity = Path(config.checkpoint_dir) / IDENTITY_FILE
+        identity.parent.mkdir(parents=True, exist_ok=True)
     node_identity = load_identity(identity) or Identity.generate()  # one for the settings lookup and the node
     proof_path = proof_path_for(identity) if identity is not None else None  # its costly id, solved once
     import torch  # the flags are checked: now the slow imports (seconds on a busy machine)

@@ -48,10 +48,10 @@ def test_a_newcomer_fetches_from_several_peers_and_then_agrees_with_them(swarm: 
 @pytest.mark.timeout(300)
 def test_sigkill_during_a_checkpoint_write_then_restart_from_a_whole_one(swarm: Swarm, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    identity = tmp_path / "node.key"
-    # `small` (26M parameters, a 206 MB state): each write takes long enough to be caught in the middle
+    # `small` (26M parameters, a 206 MB state): each write takes long enough to be caught in the middle;
+    # no --identity: a node with a checkpoint directory keeps its key there, and its PeerID across restarts
     args = ("--run-id", "crash", "--model", "small", "--seq-len", "16", "--eval-windows", "1", "--inner-steps", "1",
-            "--matchmaking-time", "0.1", "--checkpoint-dir", str(ckpt), "--identity", str(identity))  # fmt: skip
+            "--matchmaking-time", "0.1", "--checkpoint-dir", str(ckpt))  # fmt: skip
     proc = swarm.node("first", *args)
     deadline = time.monotonic() + 200
     while not (ckpt.is_dir() and (ckpt / "LATEST").exists() and list(ckpt.glob("step-*.tmp-*"))):
@@ -68,3 +68,4 @@ def test_sigkill_during_a_checkpoint_write_then_restart_from_a_whole_one(swarm: 
     assert f"resumed from the checkpoint of outer step {resume[0]['outer_step']}" in swarm.stderr("second")
     assert swarm.events("second", "outer_step")[0]["outer_step"] == resume[0]["outer_step"]
     assert not list(ckpt.glob("step-*.tmp-*"))  # the partial write was cleaned up
+    assert (ckpt / "node.key").exists() and resume[0]["peer_id"] == swarm.events("first", "outer_step")[0]["peer_id"]
