@@ -6,6 +6,7 @@
     loss.py     lm_loss, eval_loss, autocast_for
     diloco.py   DiLoCoConfig, DiLoCo (inner AdamW; pseudo_gradients / apply_outer), tensors_sha256
     fragments.py  fragments_of: the parameters cut for Streaming DiLoCo (DiLoCoConfig.fragments)
+    export.py   export_checkpoint: a checkpoint's θ_outer as a Hugging Face LlamaForCausalLM folder
 
 The averaging is handed in by the caller: nothing here imports swarm.averaging.
 """

@@ -6,11 +6,16 @@ import pytest
 from click.testing import CliRunner
 
 from swarm.cli.dht import main as dht_main
+from swarm.cli.export import main as export_main
 from swarm.cli.node import main as node_main
 from swarm.cli.sim import main as sim_main
 
 
-@pytest.mark.parametrize("command", [node_main, dht_main, sim_main], ids=["swarm-node", "swarm-dht", "swarm-sim"])
+@pytest.mark.parametrize(
+    "command",
+    [node_main, dht_main, sim_main, export_main],
+    ids=["swarm-node", "swarm-dht", "swarm-sim", "swarm-export"],
+)
 @pytest.mark.parametrize("flag", ["-h", "--help"])
 def test_every_command_takes_h_and_help(command: object, flag: str) -> None:
     result = CliRunner().invoke(command, [flag])  # type: ignore[arg-type]
