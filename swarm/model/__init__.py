@@ -7,6 +7,8 @@
     diloco.py   DiLoCoConfig, DiLoCo (inner AdamW; pseudo_gradients / apply_outer), tensors_sha256
     fragments.py  fragments_of: the parameters cut for Streaming DiLoCo (DiLoCoConfig.fragments)
     export.py   export_checkpoint: a checkpoint's θ_outer as a Hugging Face LlamaForCausalLM folder
+    tokens.py   a prepared dataset on disk: token shards + manifest.json (read_manifest, verify, open_split)
+    prepare.py  prepare: local .txt/.jsonl/.parquet files (sources.py) -> token shards, resumable
 
 The averaging is handed in by the caller: nothing here imports swarm.averaging.
 """
