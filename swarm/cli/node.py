@@ -42,6 +42,7 @@ from swarm.cli.common import (
     setup_logging,
     verbose_option,
 )
+from swarm.cli.node_data import open_prepared, refuse_with_ranks
 from swarm.cli.node_display import MetricsFile, display_for_terminal
 from swarm.dht.id_proof import proof_path_for
 from swarm.model.presets import PRESETS
@@ -138,7 +139,8 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
                  f"Default: {IDENTITY_FILE} in --checkpoint-dir, else a new identity at each start.")
 @_opt("run-id", str, "The training run to join.")
 @_opt("model", click.Choice(list(PRESETS)), "Model preset.")
-@_opt("data", str, "Training data: 'stdlib' (built in) or 'hf:<dataset>[:<config>]' (needs --tokenizer).")
+@_opt("data", str, "Training data: 'stdlib' (built in), a folder of swarm-data prepare, or "
+      "'hf:<dataset>[:<config>]' (needs --tokenizer).")
 @_opt("tokenizer", str, "Hugging Face tokenizer for --data hf:...")
 @_opt("seed", click.IntRange(0), "The run's seed: initial weights are a function of it.")
 @_opt("inner-steps", click.IntRange(1), "H: inner steps per outer step.")
@@ -254,6 +256,7 @@ def main(
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     launch = node_ranks.plan(nproc_per_node, config)  # None: one rank, the plain node
+    refuse_with_ranks(config, launch is not None)
     if launch is not None and config.overlap != "none":  # its ranks' clocks assume one step at a time
         raise click.UsageError("--overlap is not yet supported with --nproc-per-node (several ranks per node)")
     if launch is not None and config.fragments > 1:  # not tried with several ranks yet
@@ -286,6 +289,7 @@ def main(
         p2p_config = limits.p2p(host_maddrs=host_maddrs or DEFAULT_HOST_MADDRS, announce_maddrs=announce_maddrs)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    config, prepared = open_prepared(config)  # --data DIR: the setting becomes tokens:<digest>
     if initial_peers:
         config = _adopt_run_settings(config, initial_peers, limits, node_identity, proof_path)
         if launch is not None:  # the run's batch must split over our ranks too
@@ -312,7 +316,7 @@ def main(
 
         try:
             with contextlib.ExitStack() as stack:
-                extra: dict[str, Any] = {}
+                extra: dict[str, Any] = {} if prepared is None else {"data": prepared}
                 if launch is not None:  # rank 0 of several: the ranks train together, we speak for them
                     ranks = stack.enter_context(node_ranks.NodeRanks.open(
                         launch, config, node_identity.peer_id.to_bytes(), threads=threads, verbose=verbose,

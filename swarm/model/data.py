@@ -11,10 +11,17 @@ sorted order, joined and capped in size, as byte-level tokens (one token per byt
 `split_tokens` holds out one block of 16 Ki tokens in 20 as the eval set; training windows never
 touch it. (A window may straddle the seam where a held-out block was cut out: harmless.)
 
+A prepared folder (`swarm-data prepare`, prepare.py; `prepared_corpus`) is read in place: its
+train shards as numpy memmaps (`ShardedTokens`, one stream over all shards, never copied into
+memory), its eval split as a tensor. Its name is `tokens:<the manifest's digest>`, which is the
+run setting `data` of a node that trains on it: nodes whose folders hold other tokens are refused
+by the run's settings check, whatever their folders are called.
+
 Failure modes: nodes on different Python versions read different corpora (and so different eval
 sets); compare `TokenData.fingerprint` before comparing eval losses across nodes. A Hugging Face
 dataset (`hf_corpus`) needs the `datasets` and `transformers` packages and the network;
-without them it raises DataUnavailableError with the fix.
+without them it raises DataUnavailableError with the fix. A prepared folder's shards are all
+hashed when it is opened (about a second per GB): a damaged shard is refused, never trained on.
 """
 
 from __future__ import annotations
@@ -22,12 +29,14 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from swarm.model.tokens import PREPARED_PREFIX, TokensError, is_prepared_folder, open_split, read_manifest, verify
 from swarm_kernels import as_memoryview
 
 BYTE_VOCAB = 256
@@ -41,16 +50,49 @@ class DataUnavailableError(RuntimeError):
     """The requested data or tokenizer cannot be loaded here; the message says why and the fix."""
 
 
+class ShardedTokens:
+    """One token stream over several 1-D arrays (a prepared folder's memmapped shards), read
+    without copying them: `len` and `windows` are all that sampling needs."""
+
+    def __init__(self, shards: Sequence[np.ndarray]) -> None:
+        if not shards or any(s.ndim != 1 or len(s) == 0 for s in shards):
+            raise ValueError("ShardedTokens needs one or more non-empty 1-D arrays")
+        self.shards = list(shards)
+        self.ends = np.cumsum([len(s) for s in shards])  # the stream offset where each shard ends
+
+    def __len__(self) -> int:
+        return int(self.ends[-1])
+
+    def windows(self, starts: torch.Tensor, length: int) -> torch.Tensor:
+        """int64 [len(starts), length]: the tokens at starts[i] .. starts[i] + length - 1, a
+        window that crosses from one shard into the next joined from both."""
+        out = np.empty((len(starts), length), dtype=np.int64)
+        for row, start in enumerate(starts.tolist()):
+            if not 0 <= start <= len(self) - length:
+                raise ValueError(f"window {start}..{start + length} is outside the {len(self)} tokens")
+            shard = int(np.searchsorted(self.ends, start, side="right"))
+            filled = 0
+            while filled < length:
+                begin = start + filled - (int(self.ends[shard - 1]) if shard else 0)
+                piece = self.shards[shard][begin : begin + length - filled]
+                out[row, filled : filled + len(piece)] = piece
+                filled += len(piece)
+                shard += 1
+        return torch.from_numpy(out)
+
+
 @dataclass(frozen=True, slots=True)
 class TokenData:
-    name: str  # "stdlib" or "hf:<dataset>"
-    train: torch.Tensor  # 1-D token ids (uint8 for bytes, int32 for a tokenizer), on the CPU
+    name: str  # "stdlib", "hf:<dataset>" or "tokens:<digest>" (a prepared folder)
+    train: torch.Tensor | ShardedTokens  # 1-D token ids (uint8 for bytes, int32 for a tokenizer), on the CPU
     eval: torch.Tensor  # 1-D, held out: never sampled for training
     vocab_size: int
     fingerprint: str  # sha256 over both splits: equal on two nodes => same train and eval tokens
 
     def __post_init__(self) -> None:
         for split in (self.train, self.eval):
+            if isinstance(split, ShardedTokens) and split is self.train:
+                continue
             if split.dim() != 1 or split.dtype not in (torch.uint8, torch.int32, torch.int64):
                 raise ValueError("token splits must be 1-D uint8/int32/int64 tensors")
 
@@ -132,8 +174,23 @@ def hf_corpus(
     return _token_data(f"hf:{dataset}", *split_tokens(tokens), len(tok))
 
 
+def prepared_corpus(folder: Path, *, verify_hashes: bool = True) -> TokenData:
+    """A `swarm-data prepare` folder: train as memmapped shards, eval as a tensor (module
+    docstring). Raises DataUnavailableError naming the file and what is wrong."""
+    try:
+        manifest = read_manifest(folder)
+        verify(folder, manifest, hashes=verify_hashes)
+        train = ShardedTokens(open_split(folder, manifest, "train"))
+        held = np.concatenate(open_split(folder, manifest, "eval")).astype(np.int32)
+    except TokensError as e:
+        raise DataUnavailableError(f"--data {folder}: {e}") from None
+    digest = manifest.sha256
+    return TokenData(PREPARED_PREFIX + digest, train, torch.from_numpy(held), manifest.tokenizer.vocab_size, digest)
+
+
 def load_data(spec: str, *, tokenizer: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> TokenData:
-    """`--data`: "stdlib" (the default corpus), or "hf:<dataset>[:<config>]" with a tokenizer."""
+    """`--data`: "stdlib" (the default corpus), "hf:<dataset>[:<config>]" with a tokenizer, or
+    the path of a folder that `swarm-data prepare` wrote."""
     if spec == "stdlib":
         return stdlib_corpus(max_bytes)
     if spec.startswith("hf:") and len(spec) > 3:
@@ -141,7 +198,13 @@ def load_data(spec: str, *, tokenizer: str | None = None, max_bytes: int = DEFAU
             raise DataUnavailableError(f"--data {spec} needs a tokenizer name (a Hugging Face model id)")
         dataset, _, config = spec[3:].partition(":")
         return hf_corpus(dataset, tokenizer, config=config or None)
-    raise ValueError(f"unknown data {spec!r}: use 'stdlib' or 'hf:<dataset>[:<config>]'")
+    if spec.startswith(PREPARED_PREFIX):  # a run's setting, adopted by a node that was given no --data
+        raise DataUnavailableError(f"this run trains on the prepared dataset {spec[:len(PREPARED_PREFIX) + 16]}...: "
+                                   "pass --data DIR, a folder of `swarm-data prepare` whose digest "
+                                   "(swarm-data info DIR) is that one")  # fmt: skip
+    if is_prepared_folder(spec):
+        return prepared_corpus(Path(spec))
+    raise ValueError(f"unknown data {spec!r}: use 'stdlib', 'hf:<dataset>[:<config>]' or a prepared folder")
 
 
 def node_generator(peer_id_bytes: bytes, step: int, *, extra: bool = False) -> torch.Generator:
@@ -157,7 +220,7 @@ def node_generator(peer_id_bytes: bytes, step: int, *, extra: bool = False) -> t
 
 
 def sample_batch(
-    train_tokens: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator
+    train_tokens: torch.Tensor | ShardedTokens, batch_size: int, seq_len: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`batch_size` random windows of `seq_len + 1` tokens: (inputs, targets), each int64
     [batch_size, seq_len], on the CPU; targets are the inputs shifted by one token."""
@@ -166,7 +229,10 @@ def sample_batch(
     if len(train_tokens) <= seq_len + 1:
         raise ValueError(f"{len(train_tokens)} training tokens are too few for windows of {seq_len + 1}")
     starts = torch.randint(0, len(train_tokens) - seq_len, (batch_size,), generator=generator)
-    windows = train_tokens[starts[:, None] + torch.arange(seq_len + 1)].long()
+    if isinstance(train_tokens, ShardedTokens):  # the same draw, read from the shards
+        windows = train_tokens.windows(starts, seq_len + 1)
+    else:
+        windows = train_tokens[starts[:, None] + torch.arange(seq_len + 1)].long()
     return windows[:, :-1], windows[:, 1:]
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 FORMAT = "swarm-tokens/1"
+PREPARED_PREFIX = "tokens:"  # the run setting `data` of a prepared folder: tokens:<its manifest's digest>
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_SHARDS = 100_000
@@ -163,6 +164,12 @@ def _get(body: dict[str, Any], key: str, kind: type) -> Any:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise TokensError(f"{MANIFEST}: {key!r} must be a {kind.__name__}")
     return value
+
+
+def is_prepared_folder(spec: str) -> bool:
+    """Whether `--data spec` names a folder: a prepared dataset, or a folder that read_manifest
+    says is not one (the other values of --data are names: stdlib, hf:..., tokens:...)."""
+    return spec != "stdlib" and not spec.startswith(("hf:", PREPARED_PREFIX)) and Path(spec).is_dir()
 
 
 def shard_name(split: str, index: int) -> str:

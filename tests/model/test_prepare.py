@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 from pathlib import Path
 
 import numpy as np
@@ -16,50 +15,20 @@ from click.testing import CliRunner
 from swarm.cli.data import main as data_main
 from swarm.model.prepare import LoadedTokenizer, PrepareConfig, load_tokenizer, prepare
 from swarm.model.tokens import TokensError, open_split, read_manifest, verify
+from tests.model.token_corpus import train_tokenizer, write_corpus
 
 tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install -e '.[hf]')")
 
-WORDS = ("the", "swarm", "trains", "a", "model", "while", "peers", "join", "and", "leave", "each", "outer", "step",
-         "averages", "pseudo", "gradients", "over", "slow", "links", "int8", "codes", "shard", "manifest", "tokens",
-         "resume", "kill", "digest", "eval", "window")  # fmt: skip
 SHARD = 1000
 CONFIG = PrepareConfig(shard_tokens=SHARD, eval_every=7, eval_tokens=800, batch_documents=16)
-
-
-def _text(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(words)) + rng.choice([".", "!\n", "?"])
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Path], list[str], Path]:
     """Input paths, their documents in prepare's order, and a tokenizer.json trained on them."""
     root = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(7)
-    (root / "books").mkdir()
-    texts = []
-    for name in ("b.txt", "a.txt", "c.txt"):  # a folder's files are read sorted: a, b, c
-        text = _text(rng, 2600 if name == "b.txt" else 40)  # b: one document over several shards
-        (root / "books" / name).write_text(text)
-        texts.append((name, text))
-    texts.sort()
-    docs = [t for _, t in texts]
-    lines = []
-    for i in range(300):
-        text = _text(rng, rng.randint(3, 60))
-        docs.append(text)
-        lines.append(json.dumps({"text": text, "id": i}))
-        if i % 50 == 0:
-            lines.append("   ")  # a blank line is no document
-    (root / "rows.jsonl").write_text("\n".join(lines) + "\n")
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet
-    )
-    tok.train_from_iterator(docs, trainer)
-    tok.save(str(root / "tokenizer.json"))
-    return [root / "books", root / "rows.jsonl"], docs, root / "tokenizer.json"
+    paths, docs = write_corpus(root)
+    return paths, docs, train_tokenizer(docs, root / "tokenizer.json")
 
 
 def _expected(docs: list[str], tok_path: Path, config: PrepareConfig) -> tuple[np.ndarray, np.ndarray]:
