@@ -106,9 +106,9 @@ def load_tokenizer(spec: str, eos_token: str | None = None) -> LoadedTokenizer:
         except Exception as e:  # tokenizers raises a bare Exception for a malformed file
             raise TokensError(f"{path} is not a tokenizer.json: {e}") from None
         name = path.name
-    elif path.suffix == ".json" or os.sep in spec:
+    elif path.suffix == ".json":
         raise TokensError(f"{spec}: no such tokenizer file")
-    else:
+    else:  # a Hugging Face id ("gpt2", "org/name") or a local folder that transformers reads
         tokenizer, eos_id = _hub_tokenizer(spec)
         name = spec
     vocab = tokenizer.get_vocab(with_added_tokens=True)

@@ -195,6 +195,11 @@ def test_bad_prepare_inputs_are_one_clear_error(corpus: tuple[list[Path], list[s
     line = _one_line_exit_2(["prepare", str(paths[1]), "--tokenizer", str(tmp_path / "t.json"), "--out",
                              str(tmp_path / "o")])  # fmt: skip
     assert "no such tokenizer file" in line
+    with pytest.MonkeyPatch.context() as env:  # a Hugging Face id, never a missing file; offline here
+        env.setenv("HF_HUB_OFFLINE", "1")
+        with pytest.raises(TokensError, match="tokenizer") as refused:
+            load_tokenizer("swarm-test-org/no-such-tokenizer")
+        assert "no such tokenizer file" not in str(refused.value)
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": 3}\n')
     line = _one_line_exit_2(["prepare", str(tmp_path / "bad.jsonl"), "--tokenizer", tok, "--out", str(tmp_path / "o")])
     assert "bad.jsonl:2: no string field 'text'" in line

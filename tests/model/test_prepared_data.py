@@ -19,6 +19,7 @@ from swarm.cli.common import CliError
 from swarm.cli.node_data import open_prepared
 from swarm.model.checkpoint import CheckpointDir
 from swarm.model.data import DataUnavailableError, ShardedTokens, load_data, node_generator, sample_batch
+from swarm.model.export import ExportOptions, export_checkpoint
 from swarm.model.prepare import PrepareConfig, load_tokenizer, prepare
 from swarm.model.run_settings import disagreement, training_settings
 from swarm.node.config import NodeConfig
@@ -137,3 +138,7 @@ def test_nodes_train_on_prepared_data_and_a_node_of_other_tokens_is_refused(
     assert loaded[0].run.model_config["vocab_size"] == vocab
     losses = [e["train_loss"] for e in swarm.events("a", "outer_step") if e.get("train_loss") is not None]
     assert losses and all(np.isfinite(losses))
+    # the way out: the run's model, with the dataset's end-of-text id for generate()
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "hf", ExportOptions(eos_token_id=0))
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["vocab_size"] == vocab and config["eos_token_id"] == 0
