@@ -1,8 +1,11 @@
 """One training process of the swarm: the node and its parts.
 
     node.py        SwarmNode: starts a run's services, trains, stops (the public face)
-    loop.py        the outer step, top to bottom: plan, matchmaking, the round, landing
-    step_end.py    what happens when a round lands or fails: apply, fetch, or step alone
+    context.py     RunContext (the run's services, fixed) and StepFacts (the step's mutable facts)
+    loop.py        OuterLoop: the outer step, top to bottom: plan, matchmaking, the round, landing
+    grouping.py    the step's matchmaking: whom to expect, the wait for slower peers, the fork check
+    step_end.py    StepEnd: what happens when a round lands or fails: apply, fetch, or step alone
+    view.py        SwarmView: the peers' records read as the plans' facts, and our own record
     plan.py        pure decisions of the loop (when to announce, how long to wait), clock passed in
     progress.py    the progress records of the run's nodes in the DHT
     run_lookup.py  which run a node joins and with whose settings

@@ -1,36 +1,38 @@
-"""OuterStepLoop: a SwarmNode's (node.py) outer steps, one after another, until the last or a stop.
+"""OuterLoop: a SwarmNode's (node.py) outer steps, one after another, until the last or a stop.
 
-One outer step (the decisions are swarm/node/plan.py's; this module only executes them):
-1. plan_step: fetch the swarm's state first, train H inner steps (fewer for a node that arrived
-   while its peers were training), or join the peers' forming group at once with weight 0.
-2. Inner steps run in a thread, outside the event loop, which keeps serving: swarm-node's
-   DataLoop (swarm/node/data_loop.py) or the caller's own loop (swarm.join), each given permits
-   (swarm/node/permits.py).
-   Matchmaking starts `matchmaking_time` before the slowest live peer of the step should finish
-   and ends as soon as every expected peer has announced: one group of every ready node whose
-   state equals the swarm's (swarm/averaging/matchmaking/matchmaker.py).
-3. With a group: Δ = θ_outer - θ_inner averaged (int8 by default), weighted by tokens; the outer
-   Nesterov step. Without one (plan_without_group): fetch the swarm's result, wait for it,
-   matchmake again, or, when no live peer works on this step, apply our own Δ.
-4. finish_step: eval loss, the state's hash, one `outer_step` event, publish the state.
-3 and 4 (and fetching, matchmaking, the facts the plans read) are StepEnd's (step_end.py).
+One outer step, in the order `OuterLoop.step` runs it (the decisions are plan.py's; this module
+only executes them):
+1. Plan (plan_step): fetch the swarm's state first, train H inner steps (fewer for a node that
+   arrived while its peers were training), or join the peers' forming group at once with weight 0.
+2. Inner steps and matchmaking. The inner steps run in a thread, outside the event loop, which
+   keeps serving: swarm-node's DataLoop (swarm/node/data_loop.py) or the caller's own loop
+   (swarm.join), each given permits (swarm/node/permits.py). Matchmaking starts
+   `matchmaking_time` before the slowest live peer of the step should finish and ends as soon
+   as every expected peer has announced: one group of every ready node whose state equals the
+   swarm's (grouping.py; swarm/averaging/matchmaking/matchmaker.py).
+3. The round (StepEnd.finish, step_end.py): with a group, Δ = θ_outer - θ_inner averaged (int8
+   by default), weighted by tokens, and the outer Nesterov step. Without one
+   (plan_without_group): fetch the swarm's result, wait for it, matchmake again, or, when no live
+   peer works on this step, apply our own Δ.
+4. Landing (StepEnd.stepped): eval loss, the state's hash, one `outer_step` event, publish the state.
 
---overlap eager|delayed (issue 14): once a step's group has formed, 3 and 4 run in the background
-while the next step's inner steps already train (DiLoCo.begin_overlap: from θ_outer moved by our
-own Δ, or from where the step ended). With --overlap-matchmaking, once its inner steps are done
-and the swarm is together (plan.swarm_together: our last group held every live server), the rest
-of 2 (the wait for slower peers, the matchmaking still under way) does too; until the group
-forms, our record still says the step with its inner steps done (`_unmatched`), as a blocking
-node waiting in matchmaking would, so peers plan and matchmake with us as before. The average
-(or our own Δ, when no group forms and the plan says so) lands between two inner steps
-(UserSteps.call) with the same θ_outer(t+1) as a blocking member's, and the next matchmaking
-waits for it. One step is in flight at most: a node whose next inner steps end first trains on
-past H until it lands (_train_until_landed). With --overlap-matchmaking a node faster than the
-slowest peer of its step trains on past H into the step's Δ first, while that peer should still
-be training (_train_on_for_slower): the round cannot start sooner, and a next step begun early
-would only train more inner steps from the proxy before the average lands. A step in flight that
-ends in a fetch discards the next step's inner steps (REPLAN). A late joiner's step (no inner
-steps of ours) and the last step block as before.
+--overlap eager|delayed: once a step's group has formed, 3 and 4 run in the background (Landing,
+step_end.py) while the next step's inner steps already train (DiLoCo.begin_overlap: from θ_outer
+moved by our own Δ, or from where the step ended). With --overlap-matchmaking, once its inner
+steps are done and the swarm is together (plan.swarm_together: our last group held every live
+server), the rest of 2 (the wait for slower peers, the matchmaking still under way) does too;
+until the group forms, our record still says the step with its inner steps done
+(StepFacts.unmatched), as a blocking node waiting in matchmaking would, so peers plan and
+matchmake with us as before. The average (or our own Δ, when no group forms and the plan says
+so) lands between two inner steps (UserSteps.call) with the same θ_outer(t+1) as a blocking
+member's, and the next matchmaking waits for it. One step is in flight at most: a node whose
+next inner steps end first trains on past H until it lands (_train_until_landed). With
+--overlap-matchmaking a node faster than the slowest peer of its step trains on past H into the
+step's Δ first, while that peer should still be training (_train_on_for_slower): the round
+cannot start sooner, and a next step begun early would only train more inner steps from the
+proxy before the average lands. A step in flight that ends in a fetch discards the next step's
+inner steps (REPLAN). A late joiner's step (no inner steps of ours) and the last step block as
+before.
 """
 
 from __future__ import annotations
@@ -39,12 +41,11 @@ import asyncio
 import contextlib
 import functools
 import logging
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from swarm.averaging.averager import Averager
 from swarm.averaging.matchmaking.matchmaker import Matchmade
+from swarm.node.context import RunContext, StepFacts
+from swarm.node.grouping import Grouping
 from swarm.node.plan import (
     FETCH,
     JOIN_FORMING,
@@ -54,12 +55,8 @@ from swarm.node.plan import (
     steps_for_slower,
     swarm_together,
 )
-from swarm.node.progress import ProgressBook
-from swarm.node.step_end import RESULT_POLL, StepEnd
-from swarm.state.keeper import StateKeeper
-
-if TYPE_CHECKING:
-    from swarm.node.permits import InnerProgress
+from swarm.node.step_end import RESULT_POLL, Landing, StepEnd, Unmatched
+from swarm.node.view import SwarmView
 
 logger = logging.getLogger(__name__)
 
@@ -76,124 +73,287 @@ class Replan:
 REPLAN = Replan()
 
 
-@dataclass(frozen=True, slots=True)
-class Unmatched:
-    """A step whose inner steps are done, ending in the background (--overlap) while the next
-    trains: `matchmaking` formed its group, or is still under way, or (None) has not begun (the
-    slowest peers are still training; --overlap-matchmaking)."""
+@dataclass(slots=True)
+class _Training:
+    """One step's inner steps under way (_train_and_matchmake), and what runs beside them."""
 
-    matchmaking: asyncio.Future[Matchmade] | None
-    weight: float  # the tokens the step trained: its weight in the round
-
-    @property
-    def formed(self) -> bool:
-        """The group has formed already (plain --overlap, or a quick matchmaking)."""
-        m = self.matchmaking
-        if m is None or not m.done() or m.cancelled() or m.exception() is not None:
-            return False
-        return m.result().group is not None
+    step: int
+    weight: float  # the tokens this step trains: its weight in the round
+    training: asyncio.Future[None]  # the inner steps' permits, all spent
+    stopping: asyncio.Future[bool]  # the node's stop was set
+    after: asyncio.Future[bool] | None  # the last step, landing meanwhile (--overlap); None once it landed
+    matchmaking: asyncio.Future[Matchmade] | None = None  # begun while the last inner steps run
 
 
-class OuterStepLoop(StepEnd):
-    """The outer-step loop of a SwarmNode (see the module docstring): `_train` runs the steps
-    (with --overlap, the end of each in the background while the next trains), `_linger` serves
-    our state to late peers at the end. How a step ends: StepEnd (step_end.py)."""
+class OuterLoop:
+    """The outer-step loop of a SwarmNode (the module docstring): `run` takes the steps one after
+    another (with --overlap, the end of each in the background while the next trains), then
+    serves our state to late peers a while. It owns the view of the swarm (SwarmView), the
+    matchmaking (Grouping) and the step's end (StepEnd), all made for the run's context."""
 
-    async def _train(self, averager: Averager, keeper: StateKeeper, book: ProgressBook, stop: asyncio.Event) -> str:
+    def __init__(self, ctx: RunContext, facts: StepFacts) -> None:
+        self.ctx, self.facts = ctx, facts
+        self.view = SwarmView(ctx, facts)
+        self.groups = Grouping(ctx, facts, self.view)
+        self.ends = StepEnd(ctx, facts, self.view, self.groups)
+        # --start-with: the nodes that started the run with us, our "last group" before our first
+        # step, and the fetches by then (a fetch since: the run went on without that start); run sets them
+        self._started_with = (0, 0)
+
+    async def run(self, started_with: int = 0) -> str:
+        """Train until the stop or the last step; returns why it ended ("stopped", "finished")."""
+        ctx = self.ctx
+        self._started_with = (started_with, self.facts.fetches)
+        self.facts.began = asyncio.get_running_loop().time()
         in_flight: asyncio.Future[bool] | None = None  # --overlap: the last step's end, landing meanwhile
         try:
             while True:
-                if stop.is_set():
+                if ctx.stop.is_set():
                     return "stopped"
-                if in_flight is not None:  # train the next step at once; matchmake once the last has landed
-                    step, after, in_flight = self.diloco.working_step, in_flight, None  # after: settled in there
-                    found = await self._train_and_matchmake(averager, book, step, self.config.inner_steps, stop,
-                                                            after=after)  # fmt: skip
-                else:
-                    if not self._steps_left():
-                        break
-                    step, found = await self._plan_and_train(averager, keeper, book, stop)
-                if found is None:
+                if in_flight is None and not self._steps_left():
+                    break
+                # the step takes the one in flight over: it settles that one, whatever happens
+                last, in_flight = in_flight, None
+                in_flight, going_on = await self.step(last)
+                if not going_on:
                     return "stopped"
-                if found is REPLAN:  # the round in flight ended in a fetch: the next step is planned afresh
-                    continue
-                if isinstance(found, Unmatched):
-                    progress = self.inner.snapshot()  # step's own, before round step+1's steps begin
-                    if not found.formed:  # our record says this step until its group forms
-                        self._unmatched = (step, progress.inner_done, progress.target)
-                    await self.inner.call(functools.partial(self.diloco.begin_overlap,
-                                                            eager=self.config.overlap == "eager"))  # fmt: skip
-                    in_flight = asyncio.ensure_future(self._finish_unmatched(averager, keeper, book, step, found,
-                                                                             stop, progress))  # fmt: skip
-                    continue
-                await self._finish_step(averager, keeper, book, step, found, stop)
-            await self._publish(book)  # our last record says we are done: nobody lingers for us
-            await self._linger(book, stop)
+            await self.view.publish()  # our last record says we are done: nobody lingers for us
+            await self._linger()
             return "finished"
         finally:
             if in_flight is not None:  # stopped while it lands: the group counts on our part of it
                 await self._settle(in_flight)
 
-    async def _plan_and_train(
-        self, averager: Averager, keeper: StateKeeper, book: ProgressBook, stop: asyncio.Event
-    ) -> tuple[int, Matchmade | Replan | None]:
+    async def step(self, in_flight: asyncio.Future[bool] | None) -> tuple[asyncio.Future[bool] | None, bool]:
+        """One outer step, top to bottom: (the step landing in the background, if any; False when
+        stopped). `in_flight`: the last step, still landing (--overlap): the next step trains at
+        once, and matchmakes once the last has landed."""
+        ctx = self.ctx
+        # 1. plan, and 2. inner steps with matchmaking
+        if in_flight is not None:
+            step = ctx.diloco.working_step
+            found = await self._train_and_matchmake(step, ctx.config.inner_steps, after=in_flight)
+        else:
+            step, found = await self._plan_and_train()
+        if found is None:
+            return None, False
+        if isinstance(found, Replan):  # a fetch replaced the state (or the step in flight ended in one): plan afresh
+            return None, True
+        # 3. the round and 4. landing: in the background while the next step trains (--overlap)
+        if isinstance(found, Unmatched):
+            landing = Landing(self.ends, step, found, ctx.inner.snapshot())  # its own inner steps
+            await ctx.inner.call(functools.partial(ctx.diloco.begin_overlap, eager=ctx.config.overlap == "eager"))
+            return asyncio.ensure_future(landing.land()), True
+        await self.ends.finish(step, found)
+        return None, True
+
+    # --- 1. plan ------------------------------------------------------------------------------
+
+    async def _plan_and_train(self) -> tuple[int, Matchmade | Unmatched | Replan | None]:
         """One step as plan_step says: (the step, its group; REPLAN to plan again; None: stopped)."""
-        config, diloco = self.config, self.diloco
-        if self._last_group > 0:  # after our first step here: fell behind? missed a group?
-            await self._fetch(keeper, book, alone=self._last_group == 1)
-        step = diloco.outer_step
+        ctx, facts = self.ctx, self.facts
+        if facts.last_group > 0:  # after our first step here: fell behind? missed a group?
+            await self.ends.fetch(alone=facts.last_group == 1)
+        step = ctx.diloco.outer_step
         if not self._steps_left():
             return step, REPLAN
-        await book.refresh()
-        plan = plan_step(self._facts(book))
-        self._late = False
+        await ctx.book.refresh()
+        plan = plan_step(self.view.read())
+        facts.planned_at = facts.fetches  # planned: no longer late, until the next fetch
         if plan.action == FETCH:
-            if not await self._fetch(keeper, book, alone=False):
+            if not await self.ends.fetch(alone=False):
                 with contextlib.suppress(asyncio.TimeoutError):  # look again soon, unless stopped
-                    await asyncio.wait_for(stop.wait(), RESULT_POLL)
+                    await asyncio.wait_for(ctx.stop.wait(), RESULT_POLL)
             return step, REPLAN
         if plan.action == JOIN_FORMING:
             logger.info("step %d: %s: joining with no inner steps of ours", step, plan.why)
-            self.inner.start_step(0)
-            return step, await self._matchmake(averager, book, step, weight=0.0, gather=LATE_GATHER, joining=True)
-        if plan.inner_steps < config.inner_steps:
-            logger.info("step %d: %s: %d of %d inner steps", step, plan.why, plan.inner_steps, config.inner_steps)
-        return step, await self._train_and_matchmake(averager, book, step, plan.inner_steps, stop)
+            ctx.inner.start_step(0)
+            return step, await self.groups.matchmake(step, weight=0.0, gather=LATE_GATHER, joining=True)
+        if plan.inner_steps < ctx.config.inner_steps:
+            logger.info("step %d: %s: %d of %d inner steps", step, plan.why, plan.inner_steps, ctx.config.inner_steps)
+        return step, await self._train_and_matchmake(step, plan.inner_steps)
 
     def _steps_left(self) -> bool:
-        if self._run_over:
+        if self.facts.run_over:
             return False
-        return self.config.max_outer_steps is None or self.diloco.outer_step < self.config.max_outer_steps
+        return self.ctx.config.max_outer_steps is None or self.ctx.diloco.outer_step < self.ctx.config.max_outer_steps
+
+    # --- 2. inner steps and matchmaking -------------------------------------------------------
+
+    async def _train_and_matchmake(
+        self, step: int, target: int, *, after: asyncio.Future[bool] | None = None
+    ) -> Matchmade | Unmatched | Replan | None:
+        """Train `target` inner steps; start matchmaking while the last ones run (module
+        docstring, 2). None when stopped; Unmatched with --overlap (the group may still be
+        forming). `after`: the last step in flight (--overlap): matchmaking waits for it to land;
+        REPLAN when it did not (a fetch replaced the state)."""
+        ctx = self.ctx
+        ctx.inner.start_step(target)
+        weight = float(target * ctx.config.batch_size * ctx.config.seq_len)  # tokens this step
+        t = _Training(step, weight, asyncio.ensure_future(ctx.inner.train(target)),
+                      asyncio.ensure_future(ctx.stop.wait()), after)  # fmt: skip
+        try:
+            if not await self._inner_steps(t):
+                return await self._replan(t.training)
+            if t.stopping.done() and t.matchmaking is None:
+                ctx.inner.finish()  # the node closes the steps at exit, once a round in flight has landed
+                await asyncio.gather(t.training, return_exceptions=True)
+                return None
+            t.training.result()  # raises NodeError on divergence
+            if t.after is not None:  # trained before the last round landed: train on until it does
+                await self._train_until_landed(t.after, t.stopping)
+                if not t.after.done():
+                    return None
+                if not t.after.result():
+                    return await self._replan(t.training)
+                t.after = None
+            return await self._matchmade(t)
+        except BaseException:  # the training failed (a divergence, a rank of the node lost): the node ends,
+            # and our matchmaking must end with it, before the loop closes, not run on orphaned
+            if t.matchmaking is not None and not t.matchmaking.done():
+                t.matchmaking.cancel()
+                await asyncio.wait({t.matchmaking})
+                if not t.matchmaking.cancelled() and t.matchmaking.exception() is not None:
+                    logger.debug("step %d: matchmaking ended with %r", step, t.matchmaking.exception())
+            raise
+        finally:
+            t.stopping.cancel()
+            if t.matchmaking is not None and not t.matchmaking.done() and ctx.stop.is_set():
+                t.matchmaking.cancel()
+            if t.after is not None and not t.after.done():
+                await self._settle(t.after)
+
+    async def _inner_steps(self, t: _Training) -> bool:
+        """While the inner steps run: publish our record, begin matchmaking when the slowest peer
+        is due (module docstring, 2), and notice the last step landing. Returns when they are
+        done, or at a stop before matchmaking began; False when the step in flight ended in a
+        fetch (its state replaced ours: plan again)."""
+        ctx, config = self.ctx, self.ctx.config
+        timed, last_event, last_refresh = False, 0.0, 0.0
+        # the permits first (train runs up to its first await): the record's store takes
+        # round trips on a busy link, which the trainer must not wait for
+        await asyncio.sleep(0)
+        await self.view.publish()
+        # a stop ends the step at once unless matchmaking has begun: then the group may count
+        # on us, and we finish the inner steps and the round ("finishes the round under way")
+        while not t.training.done() and not (t.stopping.done() and t.matchmaking is None):
+            waits = {t.training} if t.stopping.done() else {t.training, t.stopping}
+            if t.after is not None and not t.after.done():
+                waits.add(t.after)
+            await asyncio.wait(waits, timeout=POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+            if t.after is not None and t.after.done():
+                if not t.after.result():  # raises what the round raised
+                    return False
+                t.after = None  # landed: this is now the step we hold
+                await self.view.publish()
+            now = ctx.clock()
+            if not timed and ctx.inner.snapshot().inner_done > 0:  # peers learn our pace at once
+                timed = True
+                await self.view.publish()
+            left = ctx.inner.seconds_left()
+            if (t.matchmaking is None and t.after is None and not t.stopping.done()
+                    and left <= config.matchmaking_time + FINAL_STRETCH):  # fmt: skip
+                if now - last_refresh >= FINAL_REFRESH_SECONDS:  # a late peer's record must not be missed
+                    last_refresh = now
+                    await ctx.book.refresh()
+                start = matchmaking_start(self.view.read(), now + left, config.matchmaking_time, config.max_wait)
+                if now >= start:
+                    t.matchmaking = asyncio.ensure_future(self.groups.matchmake(t.step, t.weight))
+            if now - last_event >= 2.0:
+                last_event = now
+                ctx.events.progress(t.step, ctx.inner.snapshot(), config.inner_steps)
+        return True
+
+    async def _matchmade(self, t: _Training) -> Matchmade | Unmatched | None:
+        """The step's inner steps are done: its group, once matchmaking (begun now after the wait
+        for slower peers, unless it has) answers; with --overlap an Unmatched, whose round runs
+        while the next step trains. None when stopped while waiting."""
+        ctx = self.ctx
+        overlaps = self._overlaps(t.step)
+        if overlaps and ctx.config.overlap_matchmaking and swarm_together(self.view.read(), self._last_group()):
+            await self._train_on_for_slower(t.stopping)
+            # the matchmaking is the landing's now (not cancelled when this step ends); our
+            # record is published as the next step trains
+            handed, t.matchmaking = t.matchmaking, None
+            return Unmatched(handed, t.weight)
+        await self.view.publish()
+        if t.matchmaking is None:  # nobody told us to start yet: wait for slower peers, bounded
+            await self.groups.wait_for_peers()
+            if ctx.stop.is_set():
+                return None
+            t.matchmaking = asyncio.ensure_future(self.groups.matchmake(t.step, t.weight))
+        found = await t.matchmaking
+        if overlaps and found.group is not None:  # formed: its round runs while the next step trains
+            return Unmatched(t.matchmaking, t.weight)
+        return found
 
     def _overlaps(self, step: int) -> bool:
         """--overlap: this step may end in the background while the next one trains. Not a step we
         trained nothing of (a late joiner's), nor the last (nothing left to train). It does once
         its group has formed; with --overlap-matchmaking from the end of its inner steps, when the
         swarm is together (plan.swarm_together; while nodes straggle in, their groups form first)."""
-        return self.config.overlap != "none" and self.diloco.inner_done > 0 and not self._last_step(step)
+        ctx = self.ctx
+        return ctx.config.overlap != "none" and ctx.diloco.inner_done > 0 and not ctx.last_step(step)
 
-    async def _finish_unmatched(
-        self,
-        averager: Averager,
-        keeper: StateKeeper,
-        book: ProgressBook,
-        step: int,
-        unmatched: Unmatched,
-        stop: asyncio.Event,
-        progress: InnerProgress,
-    ) -> bool:
-        """The end of a step (Unmatched) in the background: its matchmaking's result, or (not begun)
-        the wait for slower peers and a matchmaking, then _finish_step. False when stopped first."""
-        try:
-            if unmatched.matchmaking is not None:
-                found: Matchmade | None = await unmatched.matchmaking
-            else:
-                found = await self._matchmake_after_peers(averager, book, step, unmatched.weight, stop)
-            if found is None:
-                return False
-            return await self._finish_step(averager, keeper, book, step, found, stop, progress)
-        finally:
-            self._unmatched = None
+    def _last_group(self) -> int:
+        """The size of our last group; before our first step here, the nodes that started the run
+        with us (--start-with), unless we fetched since."""
+        started_with, fetches = self._started_with
+        if self.facts.last_group or self.facts.fetches > fetches:
+            return self.facts.last_group
+        return started_with
+
+    async def _train_until_landed(self, after: asyncio.Future[bool], stopping: asyncio.Future[bool]) -> None:
+        """The step's inner steps are done before the round in flight landed: a node faster than
+        the slowest of its group (whose end the round waits for) would wait here at every step.
+        It trains on instead, one inner step at a time, until the round lands (then, or at a
+        stop, the wait ends; at most H more). The extra steps go into this step's Δ, weighted
+        as its H steps (no member may announce more: AveragingConfig.max_weight); the records
+        still say H (peers would not believe more). Each draws its own windows and keeps the
+        step's last learning rate (DiLoCo.extra_room)."""
+        diloco = self.ctx.diloco
+        while not after.done() and not stopping.done() and diloco.extra_room < self.ctx.config.inner_steps:
+            await self._extra_inner_steps(1, after, stopping)
+        await asyncio.wait({after, stopping}, return_when=asyncio.FIRST_COMPLETED)
+
+    async def _train_on_for_slower(self, stopping: asyncio.Future[bool]) -> None:
+        """--overlap-matchmaking, our H inner steps done: the inner steps that end before the
+        slowest peer of our step should finish (plan.steps_for_slower) go into this step's Δ,
+        as _train_until_landed's do (weighted as H, windows of their own, the step's last
+        learning rate), in one grant (no gap between them); then the records, read meanwhile,
+        are asked again. Starting the next step instead would only put our inner steps further
+        ahead of the average's landing."""
+        ctx = self.ctx
+        while not stopping.done():
+            more = steps_for_slower(self.view.read(), ctx.diloco.extra_room, ctx.config.max_wait)
+            if more <= 0:
+                return
+            reading = asyncio.ensure_future(ctx.book.refresh())  # the records, while the steps train
+            try:
+                await self._extra_inner_steps(more, stopping)
+            finally:
+                await reading
+
+    async def _extra_inner_steps(self, count: int, *until: asyncio.Future[bool]) -> None:
+        """`count` inner steps past H (DiLoCo.extra_room). When one of `until` ends first, the
+        permits left are taken back, between steps (where a landing goes): a caller's loop may
+        not be stepping (swarm.join)."""
+        ctx = self.ctx
+        ctx.diloco.extra_room += count  # before the permits: the trainer checks it in its step
+        steps = asyncio.ensure_future(ctx.inner.train(ctx.diloco.inner_done + count))
+        await asyncio.wait({steps, *until}, return_when=asyncio.FIRST_COMPLETED)
+        if not steps.done():
+            await ctx.inner.revoke()
+        await steps
+
+    async def _replan(self, training: asyncio.Future[None]) -> Replan | None:
+        """The round in flight ended in a fetch: the permits left are taken back and the step is
+        planned afresh from the fetched state."""
+        await self.ctx.inner.revoke()
+        await asyncio.gather(training, return_exceptions=True)
+        return None if self.ctx.stop.is_set() else REPLAN
+
+    # --- after the steps ----------------------------------------------------------------------
 
     async def _settle(self, in_flight: asyncio.Future[bool]) -> None:
         """Wait for a round in flight to end (its own timeouts bound it); a failure is logged."""
@@ -205,163 +365,16 @@ class OuterStepLoop(StepEnd):
         if not in_flight.cancelled() and in_flight.exception() is not None:
             logger.error("the round in flight failed", exc_info=in_flight.exception())
 
-    async def _linger(self, book: ProgressBook, stop: asyncio.Event) -> None:
+    async def _linger(self) -> None:
         """Done: serve our state a while longer to the live peers still on an earlier step
         (plan.peers_still_behind), at most max_wait."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.max_wait
-        while not stop.is_set() and loop.time() < deadline:
-            await book.refresh()
-            behind = peers_still_behind(self._facts(book))
+        ctx, loop = self.ctx, asyncio.get_running_loop()
+        deadline = loop.time() + ctx.config.max_wait
+        while not ctx.stop.is_set() and loop.time() < deadline:
+            await ctx.book.refresh()
+            behind = peers_still_behind(self.view.read())
             if not behind:
                 return
             logger.info("finished; serving our state to %d peer(s) still behind", len(behind))
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), RESULT_POLL)
-
-    async def _train_and_matchmake(
-        self,
-        averager: Averager,
-        book: ProgressBook,
-        step: int,
-        target: int,
-        stop: asyncio.Event,
-        *,
-        after: asyncio.Future[bool] | None = None,
-    ) -> Matchmade | Unmatched | Replan | None:
-        """Train `target` inner steps; start matchmaking while the last ones run (module
-        docstring, 2). None when stopped; Unmatched with --overlap (the group may still be
-        forming). `after`: the last step in flight (--overlap): matchmaking waits for it to land;
-        REPLAN when it did not (a fetch replaced the state)."""
-        self.inner.start_step(target)
-        weight = float(target * self.config.batch_size * self.config.seq_len)  # tokens this step
-        training = asyncio.ensure_future(self.inner.train(target))
-        stopping = asyncio.ensure_future(stop.wait())
-        matchmaking: asyncio.Future[Matchmade] | None = None
-        timed, last_event, last_refresh = False, 0.0, 0.0
-        try:
-            # the permits first (train runs up to its first await): the record's store takes
-            # round trips on a busy link, which the trainer must not wait for
-            await asyncio.sleep(0)
-            await self._publish(book)
-            # a stop ends the step at once unless matchmaking has begun: then the group may count
-            # on us, and we finish the inner steps and the round ("finishes the round under way")
-            while not training.done() and not (stopping.done() and matchmaking is None):
-                waits = {training} if stopping.done() else {training, stopping}
-                if after is not None and not after.done():
-                    waits.add(after)
-                await asyncio.wait(waits, timeout=POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
-                if after is not None and after.done():
-                    if not after.result():  # raises what the round raised
-                        return await self._replan(training, stop)
-                    after = None  # landed: this is now the step we hold
-                    await self._publish(book)
-                now = time.time()
-                if not timed and self.inner.snapshot().inner_done > 0:  # peers learn our pace at once
-                    timed = True
-                    await self._publish(book)
-                left = self.inner.seconds_left()
-                if (matchmaking is None and after is None and not stopping.done()
-                        and left <= self.config.matchmaking_time + FINAL_STRETCH):  # fmt: skip
-                    if now - last_refresh >= FINAL_REFRESH_SECONDS:  # a late peer's record must not be missed
-                        last_refresh = now
-                        await book.refresh()
-                    start = matchmaking_start(self._facts(book), now + left, self.config.matchmaking_time,
-                                              self.config.max_wait)  # fmt: skip
-                    if now >= start:
-                        matchmaking = asyncio.ensure_future(self._matchmake(averager, book, step, weight))
-                if now - last_event >= 2.0:
-                    last_event = now
-                    self.events.progress(step, self.inner.snapshot(), self.config.inner_steps)
-            if stopping.done() and matchmaking is None:
-                self.inner.finish()  # the node closes the steps at exit, once a round in flight has landed
-                await asyncio.gather(training, return_exceptions=True)
-                return None
-            training.result()  # raises NodeError on divergence
-            if after is not None:  # trained before the last round landed: train on until it does
-                await self._train_until_landed(after, stopping)
-                if not after.done():
-                    return None
-                if not after.result():
-                    return await self._replan(training, stop)
-                after = None
-            overlaps = self._overlaps(step)
-            last_group = self._last_group or self._started_with  # before our first step: who started with us
-            if overlaps and self.config.overlap_matchmaking and swarm_together(self._facts(book), last_group):
-                await self._train_on_for_slower(book, stopping)
-                # the matchmaking is the caller's now (not cancelled below); our record is
-                # published as the next step trains
-                handed, matchmaking = matchmaking, None
-                return Unmatched(handed, weight)
-            await self._publish(book)
-            if matchmaking is None:  # nobody told us to start yet: wait for slower peers, bounded
-                await self._wait_for_peers(book, stop)
-                if stop.is_set():
-                    return None
-                matchmaking = asyncio.ensure_future(self._matchmake(averager, book, step, weight))
-            found = await matchmaking
-            if overlaps and found.group is not None:  # formed: its round runs while the next step trains
-                return Unmatched(matchmaking, weight)
-            return found
-        except BaseException:  # the training failed (a divergence, a rank of the node lost): the node ends,
-            # and our matchmaking must end with it, before the loop closes, not run on orphaned
-            if matchmaking is not None and not matchmaking.done():
-                matchmaking.cancel()
-                await asyncio.wait({matchmaking})
-                if not matchmaking.cancelled() and matchmaking.exception() is not None:
-                    logger.debug("step %d: matchmaking ended with %r", step, matchmaking.exception())
-            raise
-        finally:
-            stopping.cancel()
-            if matchmaking is not None and not matchmaking.done() and stop.is_set():
-                matchmaking.cancel()
-            if after is not None and not after.done():
-                await self._settle(after)
-
-    async def _train_until_landed(self, after: asyncio.Future[bool], stopping: asyncio.Future[bool]) -> None:
-        """The step's inner steps are done before the round in flight landed: a node faster than
-        the slowest of its group (whose end the round waits for) would wait here at every step.
-        It trains on instead, one inner step at a time, until the round lands (then, or at a
-        stop, the wait ends; at most H more). The extra steps go into this step's Δ, weighted
-        as its H steps (no member may announce more: AveragingConfig.max_weight); the records
-        still say H (peers would not believe more). Each draws its own windows and keeps the
-        step's last learning rate (DiLoCo.extra_room)."""
-        diloco = self.diloco
-        while not after.done() and not stopping.done() and diloco.extra_room < self.config.inner_steps:
-            await self._extra_inner_steps(1, after, stopping)
-        await asyncio.wait({after, stopping}, return_when=asyncio.FIRST_COMPLETED)
-
-    async def _train_on_for_slower(self, book: ProgressBook, stopping: asyncio.Future[bool]) -> None:
-        """--overlap-matchmaking, our H inner steps done: the inner steps that end before the
-        slowest peer of our step should finish (plan.steps_for_slower) go into this step's Δ,
-        as _train_until_landed's do (weighted as H, windows of their own, the step's last
-        learning rate), in one grant (no gap between them); then the records, read meanwhile,
-        are asked again. Starting the next step instead would only put our inner steps further
-        ahead of the average's landing."""
-        while not stopping.done():
-            more = steps_for_slower(self._facts(book), self.diloco.extra_room, self.config.max_wait)
-            if more <= 0:
-                return
-            reading = asyncio.ensure_future(book.refresh())  # the records, while the steps train
-            try:
-                await self._extra_inner_steps(more, stopping)
-            finally:
-                await reading
-
-    async def _extra_inner_steps(self, count: int, *until: asyncio.Future[bool]) -> None:
-        """`count` inner steps past H (DiLoCo.extra_room). When one of `until` ends first, the
-        permits left are taken back, between steps (where a landing goes): a caller's loop may
-        not be stepping (swarm.join)."""
-        self.diloco.extra_room += count  # before the permits: the trainer checks it in its step
-        steps = asyncio.ensure_future(self.inner.train(self.diloco.inner_done + count))
-        await asyncio.wait({steps, *until}, return_when=asyncio.FIRST_COMPLETED)
-        if not steps.done():
-            await self.inner.revoke()
-        await steps
-
-    async def _replan(self, training: asyncio.Future[None], stop: asyncio.Event) -> Replan | None:
-        """The round in flight ended in a fetch: the permits left are taken back and the step is
-        planned afresh from the fetched state."""
-        await self.inner.revoke()
-        await asyncio.gather(training, return_exceptions=True)
-        return None if stop.is_set() else REPLAN
+                await asyncio.wait_for(ctx.stop.wait(), RESULT_POLL)

@@ -6,7 +6,10 @@
 
 A test may inject the data and the model (`data=`, `model=`) and run many nodes in one loop.
 
-One outer step: swarm/node/loop.py (OuterStepLoop, which SwarmNode is made of).
+The node is made by composition: `run` builds the run's context (context.RunContext: the host's
+services, the averager, state keeper, lineage and progress books, the stop event) and hands it,
+with the node's StepFacts (the step's mutable facts, one writer per field), to the outer-step
+loop (loop.OuterLoop), which reads one outer step top to bottom.
 
 Events (`on_event`, called on the event loop; the CLI writes them as JSON lines):
     {"event": "start", "peer_id", "maddrs", "run_id", "outer_step", "parameters", "client_mode", ...}
@@ -33,7 +36,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,22 +64,22 @@ from swarm.model.run_settings import (
     training_settings,
 )
 from swarm.node.config import NodeConfig
+from swarm.node.context import RunContext, StepFacts
 from swarm.node.data_loop import DataLoop, TrainLoop, TrainLoopFactory
 from swarm.node.errors import NodeError
 from swarm.node.events import Event, EventSink
-from swarm.node.loop import OuterStepLoop
+from swarm.node.loop import OuterLoop
 from swarm.node.permits import UserSteps
-from swarm.node.plan import borrowed_pace, nodes_to_start_with, starting_together
-from swarm.node.progress import OwnProgress, ProgressBook
+from swarm.node.plan import nodes_to_start_with, starting_together
+from swarm.node.progress import ProgressBook
 from swarm.node.run_lookup import initial_peer_ids
-from swarm.node.step_end import LINEAGE_STEPS
+from swarm.node.view import SwarmView
 from swarm.p2p.autonat import check_reachability
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.host import P2PHost
 from swarm.p2p.identity import Identity
 from swarm.state.keeper import StateKeeper
 from swarm.state.lineage_book import LineageBook
-from swarm.utils.log_once import OncePerPeer, RateLimitedLog
 from swarm.utils.supervised import Supervised
 
 logger = logging.getLogger(__name__)
@@ -89,14 +91,14 @@ START_WAIT_S = 600.0  # --start-with: the longest a node waits for the others of
 START_POLL_S = 0.5  # seconds between readings of the run's records while it waits
 
 
-class SwarmNode(OuterStepLoop):
+class SwarmNode:
     """One training process: owns its model (DiLoCo), its inner-step permits (and swarm-node's
-    training thread) and, while `run` runs, its host, DHT node, averager, state keeper and
-    progress book.
+    training thread), the step's mutable facts (StepFacts) and, while `run` runs, its host, DHT
+    node, averager, state keeper and progress book.
 
-    The orchestrator: `run` builds those, resumes or fetches the swarm's state, hands them to
-    the outer-step loop (OuterStepLoop, outer_step.py) and closes them; meanwhile it publishes
-    our progress record in the DHT."""
+    The orchestrator: `run` builds those into the run's context, resumes or fetches the swarm's
+    state, hands the context to the outer-step loop (OuterLoop, loop.py) and closes them;
+    meanwhile it publishes our progress record in the DHT."""
 
     def __init__(
         self,
@@ -150,37 +152,16 @@ class SwarmNode(OuterStepLoop):
             self._data_loop = train_loop(self.inner, data, self.peer_id, batch_size=config.batch_size,
                                          seq_len=config.seq_len)  # fmt: skip
         self._settings_digest = settings_digest(self.settings)
-        self._lineage: LineageBook | None = None  # while `run` runs: our lineage (swarm/state/lineage_book.py)
         self.run_info = RunInfo(run_id=config.run_id, model=config.model, model_config=model_config,
                                 seed=config.seed, data=data_name, inner_steps=config.inner_steps,
                                 settings=self.settings)  # fmt: skip
-        self.maddrs: list[str] = []
-        self._state_sha = b""  # of the state we hold: what we announce in matchmaking
-        self._late = bool(initial_peers)  # the first step after joining or fetching
-        self._unmatched: tuple[int, int, int] | None = None
-        self._tokens = 0
-        self._last_eval: float | None = None
-        self._eval_s = 0.0
-        self._started_with = 0  # --start-with: the nodes the run began with (0: it did not wait, or had begun)
-        self._last_group = 0  # size of our last group; 0: no outer step done here yet
-        self._rounds: deque[tuple[int, bytes]] = deque(maxlen=LINEAGE_STEPS)  # (step, group id): step_end.py
-        self._run_over = False
-        self._outvoted_since: float | None = None
-        self._started = 0.0
-        # (the swarm's step, when we knew it): the base of the plausible-step horizon, set when we
-        # fetch the swarm's state or step with a group. None until then: a node that just started
-        # does not know how far the run had come before it (a newcomer must still fetch step 500)
-        self._known_at: tuple[int, float] | None = None
-        self._bad_records = OncePerPeer(logger)
-        self._fetch_failures = RateLimitedLog(logger, burst=3, period=30.0)  # a late node looks a few times a second
-        self._pace_seen = 0.0  # the last inner-step pace seen (ours or the peers' median); 0: none yet
+        self.maddrs: list[str] = []  # where peers reach us, once `run` has started the host
+        # the step's mutable facts (context.py); a node that joined peers starts late
+        self.facts = StepFacts(planned_at=-1 if initial_peers else 0)
+        self.outer_loop: OuterLoop | None = None  # while `run` runs: its outer-step loop
         self._compression = config.compression_spec()
         self._block_size = config.averaging_config(self.client_mode).block_size
-        self._feedback = (
-            ErrorFeedback(self._compression.codec, self._block_size, config.error_feedback)
-            if config.error_feedback > 0 and self._compression.codec != "none"
-            else None
-        )
+        self._feedback = _error_feedback(config, self._compression.codec, self._block_size)
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -198,48 +179,33 @@ class SwarmNode(OuterStepLoop):
                 await asyncio.to_thread(self._data_loop.join, DATA_LOOP_END_WAIT)
 
     async def _run_with(self, host: P2PHost, stop: asyncio.Event) -> str:
-        config, diloco = self.config, self.diloco
+        config = self.config
         if self.initial_peers and not self.client_mode:
             await self._check_reachability(host)
         dht = DHTNode(host=host, initial_peers=self.initial_peers, config=self.dht_config, client_mode=self.client_mode,
                       id_proof_path=self.id_proof_path)  # fmt: skip
         await dht.start()
         averager = Averager(dht, host, config.run_id, config.averaging_config(self.client_mode, self._settings_digest))
-        lineage = self._lineage = LineageBook(host, dht, config.run_id, self._settings_digest,
-                                              serve=not self.client_mode)  # fmt: skip
+        lineage = LineageBook(host, dht, config.run_id, self._settings_digest, serve=not self.client_mode)
         keeper = StateKeeper(host, dht, self.run_info, in_trainer=self.inner.call, beside_trainer=self.inner.beside,
                              serve=not self.client_mode,
                              checkpoint_dir=Path(config.checkpoint_dir) if config.checkpoint_dir else None,
                              config=config.keeper_config(), on_fetch_progress=self.events.fetch_progress,
-                             vouching=initial_peer_ids(self.initial_peers), elders=self.initial_peers,
-                             lineage=lineage)  # fmt: skip
+                             vouching=initial_peer_ids(self.initial_peers), lineage=lineage)  # fmt: skip
         book = ProgressBook(dht, config.run_id, config.publish_interval)
+        ctx = RunContext(config=config, diloco=self.diloco, inner=self.inner, events=self.events, averager=averager,
+                         keeper=keeper, book=book, lineage=lineage, stop=stop, client=self.client_mode,
+                         maddrs=[] if self.client_mode else host.visible_maddrs, settings=self.settings,
+                         settings_digest=self._settings_digest, evaluate=self._evaluate, feedback=self._feedback,
+                         compression=self._compression, block_size=self._block_size)  # fmt: skip
+        loop = self.outer_loop = OuterLoop(ctx, self.facts)
         publisher: Supervised | None = None
         reason = "stopped"
         try:
-            if not await self._resume(keeper):  # the run's genesis: every node of the run builds this state
-                genesis = bytes.fromhex(await self.inner.call(diloco.state_sha256))
-                lineage.start(diloco.outer_step, genesis, provisional=bool(self.initial_peers))
-            if self.initial_peers:
-                await book.refresh()
-                remedy = API_REMEDY if config.model == CUSTOM_MODEL else CLI_REMEDY
-                problem = disagreement(self.settings, [(p.peer_id, p.settings) for p in book.peers],
-                                       initial_peer_ids(self.initial_peers), remedy)  # fmt: skip
-                if problem is not None:
-                    raise NodeError(problem)
-                await self._fetch(keeper, book, alone=False)
-            self._state_sha = bytes.fromhex(await self.inner.call(diloco.state_sha256))
-            self.maddrs = [] if self.client_mode else host.visible_maddrs
-            self.events.emit("start", maddrs=self.maddrs, run_id=config.run_id, outer_step=diloco.outer_step,
-                             parameters=sum(p.numel() for p in diloco.params), client_mode=self.client_mode,
-                             model=config.model, device=str(diloco.device))  # fmt: skip
-            # serve what we hold from the start, step 0 too: a client that trained alone ahead of
-            # every server follows the servers' state (swarm/state/keeper.py)
-            await keeper.publish(diloco, checkpoint=False)
-            publisher = Supervised("progress records", lambda: self._publish_forever(book, keeper)).start()
-            await self._wait_to_start(book, stop)
-            self._started = asyncio.get_running_loop().time()
-            reason = await self._train(averager, keeper, book, stop)
+            await self._start(loop)
+            publisher = Supervised("progress records", lambda: self._publish_forever(loop.view)).start()
+            started_with = await self._wait_to_start(loop.view, stop)
+            reason = await loop.run(started_with)
             return reason
         finally:
             if publisher is not None and (error := await publisher.close()) is not None:
@@ -248,7 +214,31 @@ class SwarmNode(OuterStepLoop):
             await lineage.close()
             averager.close()
             await dht.close()
-            self.events.emit("exit", outer_step=diloco.outer_step, reason=reason)
+            self.events.emit("exit", outer_step=self.diloco.outer_step, reason=reason)
+
+    async def _start(self, loop: OuterLoop) -> None:
+        """Resume from our checkpoint or begin the run's genesis; with peers, check that their
+        run settings are ours and fetch the swarm's state; then say so (`start`) and serve it."""
+        ctx, config, diloco = loop.ctx, self.config, self.diloco
+        if not await self._resume(ctx.keeper):  # the run's genesis: every node of the run builds this state
+            genesis = bytes.fromhex(await self.inner.call(diloco.state_sha256))
+            ctx.lineage.start(diloco.outer_step, genesis, provisional=bool(self.initial_peers))
+        if self.initial_peers:
+            await ctx.book.refresh()
+            remedy = API_REMEDY if config.model == CUSTOM_MODEL else CLI_REMEDY
+            problem = disagreement(self.settings, [(p.peer_id, p.settings) for p in ctx.book.peers],
+                                   initial_peer_ids(self.initial_peers), remedy)  # fmt: skip
+            if problem is not None:
+                raise NodeError(problem)
+            await loop.ends.fetch(alone=False)
+        await loop.ends.rehash()
+        self.maddrs = ctx.maddrs
+        self.events.emit("start", maddrs=self.maddrs, run_id=config.run_id, outer_step=diloco.outer_step,
+                         parameters=sum(p.numel() for p in diloco.params), client_mode=self.client_mode,
+                         model=config.model, device=str(diloco.device))  # fmt: skip
+        # serve what we hold from the start, step 0 too: a client that trained alone ahead of
+        # every server follows the servers' state (swarm/state/keeper.py)
+        await ctx.keeper.publish(diloco, checkpoint=False)
 
     async def _resume(self, keeper: StateKeeper) -> bool:
         """Resume from our last checkpoint; False when there is none."""
@@ -279,59 +269,39 @@ class SwarmNode(OuterStepLoop):
 
     # --- progress in the DHT ------------------------------------------------------------------
 
-    async def _publish_forever(self, book: ProgressBook, keeper: StateKeeper) -> None:
+    async def _publish_forever(self, view: SwarmView) -> None:
         while True:
             await asyncio.sleep(self.config.publish_interval)
-            self.events.network(keeper)
-            await self._publish(book)
-            await book.refresh()
+            self.events.network(view.ctx.keeper)
+            await view.publish()
+            await view.ctx.book.refresh()
 
-    async def _wait_to_start(self, book: ProgressBook, stop: asyncio.Event) -> None:
+    async def _wait_to_start(self, view: SwarmView, stop: asyncio.Event) -> int:
         """--start-with N: at a new run's first step, wait until N nodes (us included) are live
-        (plan.nodes_to_start_with), publishing our record meanwhile, at most START_WAIT_S."""
+        (plan.nodes_to_start_with), publishing our record meanwhile, at most START_WAIT_S.
+        Returns the nodes the run began with (plan.starting_together; 0: it did not wait, or had
+        begun): the loop's "last group" before its first step."""
         if self.config.start_with <= 1:
-            return
+            return 0
         loop = asyncio.get_running_loop()
         deadline, said = loop.time() + START_WAIT_S, None
         while not stop.is_set():
-            await self._publish(book)
-            await book.refresh()
-            facts = self._facts(book)
+            await view.publish()
+            await view.ctx.book.refresh()
+            facts = view.read()
             missing = nodes_to_start_with(facts, self.config.start_with)
             if missing == 0:
-                self._started_with = starting_together(facts)  # together from the first step (swarm_together)
-                return
+                return starting_together(facts)  # together from the first step (swarm_together)
             if loop.time() >= deadline:
                 logger.warning("--start-with %d: %d node(s) still missing after %.0f s: training without them",
                                self.config.start_with, missing, START_WAIT_S)  # fmt: skip
-                return
+                return 0
             if missing != said:
                 logger.info("--start-with %d: waiting for %d more node(s)", self.config.start_with, missing)
                 said = missing
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), START_POLL_S)
-
-    async def _publish(self, book: ProgressBook) -> None:
-        p, config = self.inner.snapshot(), self.config
-        # the model's own count: the trainer's snapshot still shows the last step's right after it
-        step, inner, target = self.diloco.working_step, self.diloco.inner_done, p.target
-        if self._unmatched is not None:  # the next step trains while this one's group forms
-            step, inner, target = self._unmatched
-        # past H (extra steps while a round lands, outer_step.py): peers believe no H above the run's
-        target = min(target, config.inner_steps)
-        inner = min(inner, target)
-        sec = p.sec_per_step
-        if sec <= 0:  # no step timed yet (a newcomer): assume the peers' pace until we know ours
-            sec = borrowed_pace(list(book.peers))
-        losses = p.losses[-10:]
-        await book.publish(OwnProgress(
-            maddrs=self.maddrs, client=self.client_mode, step=step, inner=inner, H=target, sec_per_step=sec,
-            train_loss=sum(losses) / len(losses) if losses else None,
-            eval_loss=self._last_eval, group_size=self._last_group,
-            tokens_per_s=round(config.batch_size * config.seq_len / sec, 1) if sec > 0 else None,
-            settings=self.settings, evals=self.events.evals, bytes_sent=self.events.wire_sent,
-            bytes_received=self.events.wire_received,
-        ))  # fmt: skip
+        return 0
 
 
 def _load(config: NodeConfig) -> TokenData:
@@ -355,6 +325,13 @@ def _build(config: NodeConfig, model_config: ModelConfig) -> nn.Module:
         dynamo_config.suppress_errors = True
         model.compile()  # in place: the parameters keep their names (the state, DiLoCo's groups)
     return model
+
+
+def _error_feedback(config: NodeConfig, codec: str, block_size: int) -> ErrorFeedback | None:
+    """--error-feedback: the codec's residual, kept by this node alone; None without a lossy codec."""
+    if config.error_feedback > 0 and codec != "none":
+        return ErrorFeedback(codec, block_size, config.error_feedback)
+    return None
 
 
 def _wrapped(model: Any, config: NodeConfig, inner_optimizer: Any) -> DiLoCo:

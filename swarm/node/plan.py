@@ -1,10 +1,12 @@
 """What a training node does at each outer step: pure functions of the facts, no I/O.
 
-The node (swarm/node/node.py) gathers the facts (its own step and pace, its peers' progress records,
-the time), asks these functions, and executes the plan. The rule they keep (README, "One
-swarm, one state"): a node never goes on with a state of its own while live peers work on its
-outer step or a later one. It either averages with every ready node of its step, or fetches the
-swarm's result; it applies its own pseudo-gradient only when no live peer could give it one.
+The node gathers the facts (its own step and pace, its peers' progress records, the time: view.py,
+from the run's clock), asks these functions, and executes the plan (loop.py, step_end.py). No
+function here reads a clock: the time comes in (Facts.now, `own_finish`), so a test sets it.
+The rule they keep (README, "One swarm, one state"): a node never goes on with a state of its
+own while live peers work on its outer step or a later one. It either averages with every ready
+node of its step, or fetches the swarm's result; it applies its own pseudo-gradient only when no
+live peer could give it one.
 
     plan_step(facts)            -> at the start of a step: fetch | train k | join the forming group
     plan_without_group(...)     -> matchmaking found no group: fetch | await the result | retry |
@@ -271,7 +273,7 @@ def peers_still_behind(f: Facts) -> list[PeerProgress]:
 def swarm_together(f: Facts, last_group: int) -> bool:
     """Our last group (its size: clients in it count too) held as many members as there are
     live servers we know of, us included: the swarm trains as one.
-    Only then does an overlapped node train the next step while its group forms (outer_step.py).
+    Only then does an overlapped node train the next step while its group forms (loop.py).
     While nodes straggle in (a start, a missed group) it waits for its group instead: had the
     ones in groups trained on, they would step without the stragglers, whose catching up by
     one step at a time would never reach them (seen: two pairs chasing for a whole run)."""

@@ -158,7 +158,7 @@ def test_inner_steps_stop_at_h_and_skip_non_finite_losses() -> None:
 
 
 def test_extra_inner_steps_past_h_keep_the_steps_last_rate_draw_their_own_windows_and_end_with_the_step() -> None:
-    """extra_room (a node training on while a round lands, outer_step.py): that many steps past
+    """extra_room (a node training on while a round lands, swarm/node/loop.py): that many steps past
     H, then none; each at the step's last learning rate, on windows of its own; the next step's
     inner phase (begin_overlap) allows H again."""
     config = DiLoCoConfig(inner_steps=2, lr=1.0, warmup_steps=0, lr_schedule="cosine", total_steps=8)

@@ -120,7 +120,7 @@ async def run_flood(local: LocalSwarm, data: TokenData, kind: str, *, proven: bo
 
         async def flood() -> None:
             lead = max(honest, key=lambda n: n.node.diloco.outer_step).node
-            step, state = lead.diloco.outer_step, lead._state_sha
+            step, state = lead.diloco.outer_step, lead.facts.state_sha
             targets = [bootstrap, *(m for n in honest for m in n.node.maddrs[:1])]
             for s in (step, step + 1):
                 settings = honest[0].node.config.averaging_config(False).settings

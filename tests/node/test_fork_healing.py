@@ -1,4 +1,4 @@
-"""A fork's smaller lineage takes the larger one's state (ready.outvoted, step_end._outvoted).
+"""A fork's smaller lineage takes the larger one's state (ready.outvoted, grouping.ForkWatch).
 
 Five SwarmNodes in one event loop. At step 1 the ready sets are split (each half sees only its
 own half's records while it matchmakes), so two groups form, of 3 and of 2: a fork. From step 2
@@ -40,7 +40,7 @@ def split_boards(monkeypatch: pytest.MonkeyPatch, large: list[Running], small: l
                 formed={p: s for p, s in view.formed.items() if half.get(p) == mine},
             )
         if mine == 1:  # the smaller half never sees a record of another state than its own
-            own = node._state_sha
+            own = node.facts.state_sha
             return dataclasses.replace(
                 view,
                 ready={p: m for p, m in view.ready.items() if m.state == own},

@@ -1,4 +1,4 @@
-"""How long a node waits for the larger lineage of a fork (step_end.StepEnd._outvoted): while
+"""How long a node waits for the larger lineage of a fork (grouping.ForkWatch.outvoted): while
 a larger group formed beside one of its last rounds it does not matchmake with its own state,
 for max_wait at most; then it forgets those rounds and goes on (fake FORMED markers of a larger
 group that no state ever follows must not stop it for good). The averager's answer is given:
@@ -7,10 +7,8 @@ what it reads is tested in test_fork_healing.py and tests/averaging/test_ready.p
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 
-from swarm.node.config import NodeConfig
-from swarm.node.step_end import LINEAGE_STEPS, StepEnd
+from swarm.node.grouping import ForkWatch
 
 
 class Answers:
@@ -24,31 +22,30 @@ class Answers:
         return self.outvoted_now
 
 
-def node(max_wait: float) -> StepEnd:
-    end = StepEnd.__new__(StepEnd)
-    end.config = NodeConfig(run_id="lineage", max_wait=max_wait)
-    end._rounds = deque([(3, b"\x03" * 32), (4, b"\x04" * 32)], maxlen=LINEAGE_STEPS)
-    end._outvoted_since = None
+def node(max_wait: float) -> ForkWatch:
+    end = ForkWatch(max_wait)
+    end.stepped(3, b"\x03" * 32)
+    end.stepped(4, b"\x04" * 32)
     return end
 
 
 async def test_an_outvoted_node_waits_at_most_max_wait_then_goes_on_with_its_state() -> None:
     end, averager = node(max_wait=0.3), Answers(outvoted=True)
-    assert await end._outvoted(averager, 5)  # type: ignore[arg-type]
+    assert await end.outvoted(averager, 5)  # type: ignore[arg-type]
     assert averager.asked == [(4, b"\x04" * 32)]  # the latest round first; one outvoted is enough
     await asyncio.sleep(0.35)
-    assert not await end._outvoted(averager, 5)  # type: ignore[arg-type]
-    assert not end._rounds and end._outvoted_since is None
-    assert not await end._outvoted(averager, 6)  # type: ignore[arg-type]  # those rounds are forgotten
+    assert not await end.outvoted(averager, 5)  # type: ignore[arg-type]
+    assert not end.rounds and end.outvoted_since is None
+    assert not await end.outvoted(averager, 6)  # type: ignore[arg-type]  # those rounds are forgotten
 
 
 async def test_only_rounds_before_this_step_are_checked_and_a_clean_check_resets_the_wait() -> None:
     end, averager = node(max_wait=60.0), Answers(outvoted=False)
-    assert not await end._outvoted(averager, 4)  # type: ignore[arg-type]
+    assert not await end.outvoted(averager, 4)  # type: ignore[arg-type]
     assert averager.asked == [(3, b"\x03" * 32)]  # step 4's round is this step's: not a past one
     averager.outvoted_now = True
-    assert await end._outvoted(averager, 5)  # type: ignore[arg-type]
-    since = end._outvoted_since
+    assert await end.outvoted(averager, 5)  # type: ignore[arg-type]
+    since = end.outvoted_since
     averager.outvoted_now = False
-    assert not await end._outvoted(averager, 5) and end._outvoted_since is None and since is not None  # type: ignore[arg-type]
-    assert len(end._rounds) == 2  # nothing forgotten: the larger group is gone (its owners left)
+    assert not await end.outvoted(averager, 5) and end.outvoted_since is None and since is not None  # type: ignore[arg-type]
+    assert len(end.rounds) == 2  # nothing forgotten: the larger group is gone (its owners left)

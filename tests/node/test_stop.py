@@ -24,7 +24,9 @@ async def test_a_node_stopped_after_its_group_formed_finishes_the_round(local: L
     b = local.start((bootstrap,), **settings)
     await until(lambda: 0 in a.steps() and 0 in b.steps(), 120, "a step of each", poll=0.1)  # paces known
     stopped_at: list[tuple[int, float]] = []
-    matchmake = b.node._matchmake
+    assert b.node.outer_loop is not None
+    groups = b.node.outer_loop.groups  # the matchmaking of b's steps and of their ends
+    matchmake = groups.matchmake
 
     async def matchmake_then_stop(*args: Any, **kwargs: Any) -> Matchmade:
         found = await matchmake(*args, **kwargs)
@@ -33,7 +35,7 @@ async def test_a_node_stopped_after_its_group_formed_finishes_the_round(local: L
             b.stop.set()
         return found
 
-    b.node._matchmake = matchmake_then_stop  # type: ignore[method-assign]
+    groups.matchmake = matchmake_then_stop  # type: ignore[method-assign]
     assert await asyncio.wait_for(b.task, 90) == "stopped"
     step, when = stopped_at[0]
     assert step in b.steps() and b.steps()[step]["group_size"] == 2  # b finished its round

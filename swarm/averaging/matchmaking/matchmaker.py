@@ -74,7 +74,7 @@ logger = logging.getLogger(__name__)
 JOIN = "avg.join"
 POLL = 0.15  # seconds between reads of the ready set while peers are still missing
 # seconds a DONE marker does not count as arrived: longer than a retrying node's pause between
-# rounds (outer_step.py RESULT_POLL), so that retrying nodes' windows overlap
+# rounds (swarm/node/step_end.py RESULT_POLL), so that retrying nodes' windows overlap
 DONE_GRACE = 1.5
 
 

@@ -1,0 +1,117 @@
+"""Grouping: how a node's step finds its group (the matchmaking itself is the averager's,
+swarm/averaging/matchmaking/matchmaker.py): whom to expect, how long to wait for slower peers,
+and, before it announces, whether its state is a fork's smaller lineage (ForkWatch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+
+from swarm.averaging.averager import Averager
+from swarm.averaging.matchmaking.matchmaker import Matchmade
+from swarm.dht.errors import DHTError
+from swarm.node.context import RunContext, StepFacts
+from swarm.node.plan import expected_peers, matchmaking_start
+from swarm.node.view import SwarmView
+from swarm.p2p.errors import P2PError
+
+logger = logging.getLogger(__name__)
+
+WAIT_RECHECK_S = 1.0  # seconds between readings of the peers' records while waiting for slower ones
+# our last rounds whose steps' ready sets we check for a larger group beside ours (a fork) before
+# each matchmaking: a faster smaller lineage is a step or two ahead of the larger one's markers
+LINEAGE_STEPS = 3
+
+
+class ForkWatch:
+    """Our last rounds since our state's lineage began, and whether a larger group formed beside
+    one of them: then our state is a fork's smaller lineage, and we fetch the larger one's."""
+
+    def __init__(self, max_wait: float) -> None:
+        self.max_wait = max_wait
+        self.rounds: deque[tuple[int, bytes]] = deque(maxlen=LINEAGE_STEPS)  # (step, group id)
+        # the event loop's time our lineage was first found outvoted (no fetch since); None: it is not
+        self.outvoted_since: float | None = None
+
+    def stepped(self, step: int, group_id: bytes) -> None:
+        """A round of ours made the state we hold."""
+        self.rounds.append((step, group_id))
+
+    def forget(self) -> None:
+        """We fetched another lineage's state: our rounds no longer say where it comes from."""
+        self.rounds.clear()
+        self.outvoted_since = None
+
+    async def outvoted(self, averager: Averager, step: int) -> bool:
+        """Is our state a fork's smaller lineage? A larger group formed beside one of our last
+        rounds (ready.outvoted): then we fetch the swarm's state instead of matchmaking with ours,
+        waiting for the larger lineage to reach our step when it is behind. Not for longer than
+        max_wait: live identities that renew FORMED markers of a fake larger group, and serve no
+        state, must not stop us for good (as distrust_formed bounds a fake marker of our state)."""
+        for earlier, group_id in reversed(self.rounds):
+            if earlier < step and await averager.outvoted(earlier, group_id):
+                now = asyncio.get_running_loop().time()
+                if self.outvoted_since is None:
+                    self.outvoted_since = now
+                if now - self.outvoted_since < self.max_wait:
+                    return True
+                logger.warning("step %d: the larger lineage's state did not come in %.0fs: going on with ours",
+                               step, self.max_wait)  # fmt: skip
+                self.rounds.clear()
+                break
+        self.outvoted_since = None
+        return False
+
+
+class Grouping:
+    """Matchmaking for the node's steps, with the state it holds (StepFacts.state_sha)."""
+
+    def __init__(self, ctx: RunContext, facts: StepFacts, view: SwarmView) -> None:
+        self.ctx, self.facts, self.view = ctx, facts, view
+        self.forks = ForkWatch(ctx.config.max_wait)
+
+    async def matchmake(self, step: int, weight: float, *, gather: float | None = None,
+                        joining: bool = False) -> Matchmade:  # fmt: skip
+        """One matchmaking of `step` with our state and `weight` (tokens); no group when it
+        failed or our lineage is outvoted. `joining`: a late joiner's, with no inner steps."""
+        ctx = self.ctx
+        facts = self.view.read()
+        expected = frozenset() if joining else expected_peers(facts, ctx.clock(), ctx.config.max_wait)
+        try:
+            if not joining and await self.forks.outvoted(ctx.averager, step):
+                return Matchmade(None, 0.0, outvoted=True)
+            voters = ctx.lineage.lineage.voters()
+            return await ctx.averager.form_group(weight, step, self.facts.state_sha, gather=gather, expected=expected,
+                                                 as_client=joining, voters=voters)  # fmt: skip
+        except (P2PError, DHTError, TimeoutError) as e:
+            logger.warning("matchmaking for step %d failed: %s", step, e)
+            return Matchmade(None, 0.0)
+
+    async def wait_for_peers(self) -> None:
+        """Until the slowest live peer of our step should be done (bounded by max_wait from when
+        we started waiting), or stop. The peers' records are read again every WAIT_RECHECK_S: a
+        pace first measured slow (a caller's loop that started late) predicts a finish that its
+        next record moves earlier, and peers that finished early must not form their group
+        while we sleep out the first prediction."""
+        ctx, config = self.ctx, self.ctx.config
+        started, logged = ctx.clock(), False
+        while not ctx.stop.is_set():
+            await ctx.book.refresh()
+            now = ctx.clock()
+            start = matchmaking_start(self.view.read(), now, config.matchmaking_time, config.max_wait)
+            delay = min(start, started + config.max_wait) - now
+            if delay <= 0:
+                return
+            if not logged:
+                logger.info("waiting up to %.1fs for slower peers of step %d", delay, ctx.diloco.outer_step)
+                logged = True
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(ctx.stop.wait(), min(delay, WAIT_RECHECK_S))
+
+    async def after_peers(self, step: int, weight: float) -> Matchmade | None:
+        """wait_for_peers, then matchmake; None when stopped meanwhile."""
+        await self.wait_for_peers()
+        return None if self.ctx.stop.is_set() else await self.matchmake(step, weight)
