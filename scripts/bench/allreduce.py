@@ -9,7 +9,7 @@ member wrote to its sockets (frame headers included; median over members) agains
 mean. Matchmaking is not timed (it is the DHT's cost, measured by bench_dht.py). In the same run:
 the raw loopback throughput (plain Python sockets, as in bench_p2p.py). With --compare hivemind
 the same configurations run on hivemind's DecentralizedAverager (scripts/compare/allreduce.py).
-`--aggregators mean,robust` measures the part owners' rules one after the other (issue 12: the
+`--aggregators mean,robust` measures the part owners' rules one after the other (the
 robust reduction's cost is robust's round time against mean's); "robust+audit" adds the owner
 audit (audit/flat.py), which the other names leave off; "+whole" (e.g. "mean+whole") has each
 owner answer only once its whole part is reduced, instead of chunk by chunk as the senders'

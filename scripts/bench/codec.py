@@ -30,8 +30,8 @@ of load on a shared machine hits every number alike.
   vector) and on heavy-tailed data (gaussian x lognormal: ``randn * exp(randn)``), int8's too.
 
 Each implementation's codes, scales and accumulator are checked against the reference's
-(bit for bit) in the same run. Targets: int8 (issue 4) cpu >= 50% of memcpy, >= 3x hivemind;
-int4 / int2 (issue 15) cpu >= 50% of memcpy.
+(bit for bit) in the same run. Targets: int8 cpu >= 50% of memcpy, >= 3x hivemind;
+int4 / int2 cpu >= 50% of memcpy.
 """
 
 from __future__ import annotations

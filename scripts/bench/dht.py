@@ -12,7 +12,7 @@ Workload (the same for swarm and, with --compare hivemind, for hivemind.DHT):
    p2pd), then the survivors immediately get random keys of all N nodes, the dead ones' too.
 Workers run their nodes' operations one at a time, so P operations are in flight at once.
 
-swarm's nodes run with S/Kademlia's defences (issue 13): ids with a proof of work, solved before
+swarm's nodes run with S/Kademlia's defences: ids with a proof of work, solved before
 the timed start (--id-bits; get and store latency do not depend on it: a proof is checked in
 microseconds whatever its difficulty), and lookups over --disjoint-paths disjoint paths (a
 comma-separated list runs swarm once per value: "1,3" shows what the extra paths cost). The

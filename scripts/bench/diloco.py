@@ -1,4 +1,4 @@
-"""DiLoCo benchmark (issue #5): a swarm of `swarm-node`s on 127.0.0.1 against data parallelism.
+"""DiLoCo benchmark: a swarm of `swarm-node`s on 127.0.0.1 against data parallelism.
 
 One workload for everything (`diloco_sweep.Workload`: model tiny, the built-in corpus, 2 sequences
 of 256 tokens per node and inner step, 1,000 inner steps per node by default):

@@ -1,4 +1,4 @@
-"""Nodes of N local ranks against nodes of one (issue 20), for `bench_diloco --nproc-per-node N`.
+"""Nodes of N local ranks against nodes of one, for `bench_diloco --nproc-per-node N`.
 
 The same swarm (bench_diloco's workload: --nodes nodes, the node batch --batch-size) runs twice
 per configuration: each node one rank, then each node N gloo ranks on the CPU (the batch split

@@ -15,7 +15,7 @@ processes, flags and metrics as `swarm-sim`) where the last node started is
     python -m scripts.bench.robust [--attacks scale,owner] [--outer-steps 8] [--json]
 
 The overhead row (robust reduction and audit vs the plain mean, n=4, 64M int8) comes from
-`python -m scripts.bench.allreduce --aggregator ...`: see the README.
+`python -m scripts.bench.allreduce --aggregator ...` (the docs' robustness benchmark page).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Robust part reduction: how far each aggregator lands from the honest mean under each attack,
-and what it costs (issue 12).
+and what it costs.
 
     python -m scripts.bench.robust_reducer                 # table
     python -m scripts.bench.robust_reducer --json          # one JSON object

@@ -1,4 +1,4 @@
-"""State-exchange benchmark (issue 6): how fast a newcomer fetches and verifies the swarm state
+"""State-exchange benchmark: how fast a newcomer fetches and verifies the swarm state
 from 1, 2, 4 local peers, how much memory that takes, and how close it comes to the loopback limit.
 
     python -m scripts.bench.state --model small --peers 1,2           # quick (25.8M params, 206 MB)
@@ -27,12 +27,12 @@ transfer of the state's byte count, sendall from a 64 MiB buffer, recv_into a 4 
 the start and one just before each newcomer, so that the median sees the machine's load of the
 fetches: these machines are shared and noisy), and, to show where a fetch's time goes, this
 machine's SHA-256 and file-write rates in --dest (4 MiB blocks, as the fetcher writes); in each
-newcomer, the seconds its fetcher threads spent hashing and writing chunks. Targets (issue 6):
+newcomer, the seconds its fetcher threads spent hashing and writing chunks. Targets:
 fetch >= 50% of the loopback limit; the newcomer's peak RSS <= 1.5x the state.
 
 `--link RATE` (as root) puts the bootstrap, each donor and the newcomer in a network namespace
 of its own behind a link shaped to RATE both ways (swarm.netlab, as `swarm-sim --link`), instead
-of 127.0.0.1; `--newcomer-link RATE` gives the newcomer a link of its own rate (issue 14: a
+of 127.0.0.1; `--newcomer-link RATE` gives the newcomer a link of its own rate (a
 newcomer on 1gbit fetching from donors on 100mbit). Each newcomer in turn runs in the same
 namespace (one at a time); the bootstrap gets the faster of the two rates. The table then gives
 the link bound beside each fetch: the newcomer's downlink, or the donors' uplinks together when
@@ -562,7 +562,7 @@ def summarize(
     targets = {f"fetch_{n}_of_loopback": out[f"fetch_MBps_{n}"] / out["loopback_MBps"] for n in runs}
     targets |= {f"fetch_{n}_of_link_bound": out[f"fetch_MBps_{n}"] / out[f"link_bound_MBps_{n}"]
                 for n in runs if f"link_bound_MBps_{n}" in out}  # fmt: skip
-    if 1 in runs:  # issue 14: 4 donors at 100mbit give >= 3.5x the fetch rate of one
+    if 1 in runs:  # 4 donors at 100mbit give >= 3.5x the fetch rate of one
         targets |= {f"fetch_{n}_over_1": out[f"fetch_MBps_{n}"] / out["fetch_MBps_1"] for n in runs if n > 1}
     targets |= {f"peak_rss_{n}_of_state": out[f"peak_rss_MB_{n}"] / out["state_MB"] for n in runs}
     out["targets"] = targets

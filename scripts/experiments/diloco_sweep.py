@@ -12,7 +12,7 @@ applies the average (`apply_outer`). Two baselines see the same windows:
 and the share of the gap DiLoCo closes is  gap_closed = (L_alone - L_diloco) / (L_alone - L_ddp)
 (final loss on `eval_windows(data.eval, seq_len)`). The baselines run through `DiLoCo.inner_step`
 with H = the whole run (no outer step ever), so all three use one optimizer, schedule and clipping:
-the workload's (`--lr-schedule`, default cosine to 10% at --steps, the README's protocol; the
+the workload's (`--lr-schedule`, default cosine to 10% at --steps, the protocol of the DiLoCo benchmark; the
 table's title and every JSON row say which).
 
 A "growing H" setting syncs more often early: H_k = min(target, start * factor**k) for outer
@@ -76,8 +76,8 @@ class Workload:
     seq_len: int = 256
     seed: int = 0  # model weights and worker identities
     eval_windows: int = 64
-    # the inner schedule every run of the comparison uses (DiLoCo and both baselines): the README's
-    # stated protocol is warmup then cosine to 10% at the run's end (steps)
+    # the inner schedule every run of the comparison uses (DiLoCo and both baselines): the DiLoCo
+    # benchmark's stated protocol is warmup then cosine to 10% at the run's end (steps)
     lr_schedule: str = "cosine"
     min_lr_ratio: float = 0.1
     decay_fraction: float = 0.2  # wsd only

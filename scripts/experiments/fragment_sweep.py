@@ -1,5 +1,5 @@
 """Streaming DiLoCo's fragments, simulated: does syncing the model a fragment at a time shrink
-what an overlapped outer step costs in loss (issue 14, part 3)?
+what an overlapped outer step costs in loss?
 
 scripts/experiments/overlap_sweep.py measures the whole model's average landing `delay` x H inner steps late:
 the later it lands, the more it costs. On a link, a fragment of 1/P of the model takes about 1/P

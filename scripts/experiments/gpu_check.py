@@ -1,4 +1,4 @@
-"""GPU validation in one command (issue 19): codecs bit for bit and their speed, bf16 training of
+"""GPU validation in one command: codecs bit for bit and their speed, bf16 training of
 `150m` (eager and compiled) with its MFU, and a 2-node swarm on one GPU; one JSON line with
 every figure.
 
@@ -13,7 +13,7 @@ safetensors), from the repository root:
     python -m scripts.experiments.gpu_check --wheels wheels/     # installs them into --site, then checks
 
 Exit 0 when every check passed, 1 on a mismatch or a failed check, 2 when it could not run (no
-CUDA, a missing module with no wheel for it). Targets (issue 19): each codec >= 50% of the
+CUDA, a missing module with no wheel for it). Targets: each codec >= 50% of the
 device copy's GB/s; `150m` bf16 MFU >= 35% on an H100-class GPU. MFU counts 6 x parameters +
 12 x layers x seq x dim FLOPs per token (the PaLM paper's appendix B) against the dense bf16
 peak of the GPU (PEAK_BF16_TFLOPS, by name; --peak-tflops overrides), named in the output.
@@ -295,7 +295,7 @@ def failures(figures: dict[str, Any]) -> list[str]:
 
 
 def targets(figures: dict[str, Any]) -> dict[str, bool]:
-    """Issue 19's targets, each met or not (reported, never a failure by itself)."""
+    """The targets, each met or not (reported, never a failure by itself)."""
     out = {}
     copy = figures.get("device_copy_gbs")
     for key in ("int8_quantize_gbs", "int8_dequant_acc_gbs"):

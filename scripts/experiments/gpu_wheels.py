@@ -1,4 +1,4 @@
-"""The wheels folder a GPU machine without network installs the project from (issue 19).
+"""The wheels folder a GPU machine without network installs the project from.
 
 Prepared where pip can download: every distribution the project needs (its requirements' closure,
 read from this environment's installed metadata, at the versions installed here), minus what the
@@ -27,7 +27,7 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "swarm-train"
-# what the GPU machine has (issue 19): torch with CUDA and these; --present adds to them
+# what the GPU machine has: torch with CUDA and these; --present adds to them
 PRESENT = ("torch", "triton", "msgpack", "uvloop", "click", "rich", "safetensors")
 # the GPU extra: not installed on a CPU machine, so fetched by name, without its dependencies
 # (torch, numpy, packaging: the GPU machine's own)

@@ -1,5 +1,5 @@
 """An outer step that overlaps the next inner steps, simulated: what each way of applying a late
-average costs in loss (issue 14, part 3), against blocking DiLoCo at the same H.
+average costs in loss, against blocking DiLoCo at the same H.
 
 K workers as in scripts/experiments/diloco_sweep.py (one process, the same windows and schedule). In a
 swarm the all-reduce of round t runs while the nodes already train round t+1; here it "lands"

@@ -1,6 +1,7 @@
 """Attacks on training, as a malicious `swarm-node` would run them: the real node with a method or
-two changed (issue 12's threat model). `python -m scripts.tools.attacker ATTACK -- <swarm-node options>`
-runs one; bench_robust.py and the attack tests start it next to honest nodes.
+two changed (the threat model of the docs' security page).
+`python -m scripts.tools.attacker ATTACK -- <swarm-node options>` runs one; bench_robust.py and the
+attack tests start it next to honest nodes.
 
 Each attack patches classes of this process only, before the node starts:
 

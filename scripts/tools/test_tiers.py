@@ -1,4 +1,4 @@
-"""The whole test suite, tier by tier, each against its time budget: what CI and the README run.
+"""The whole test suite, tier by tier, each against its time budget: what CI runs.
 
     python -m scripts.tools.test_tiers               # every tier; exit 1 on a failed test or a tier over budget
     python -m scripts.tools.test_tiers --tier fast   # one tier

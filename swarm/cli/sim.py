@@ -1,4 +1,4 @@
-"""swarm-sim: a training swarm of local processes on 127.0.0.1 (issue #5), or on shaped links.
+"""swarm-sim: a training swarm of local processes on 127.0.0.1, or on shaped links.
 
     swarm-sim                                     # the demo: 3 tiny nodes, the loss falls in minutes
     swarm-sim --nodes 4 --outer-steps 20 --kill-every 40 --join-every 60

@@ -1,4 +1,4 @@
-"""The examples run as the README says: 3 real processes each, one state on all, the loss falls."""
+"""The examples run as the docs say: 3 real processes each, one state on all, the loss falls."""
 
 from __future__ import annotations
 

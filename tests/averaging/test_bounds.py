@@ -1,4 +1,4 @@
-"""Bounded self-announcements (ISSUE 12): weights within what the run allows one step, bandwidth
+"""Bounded self-announcements: weights within what the run allows one step, bandwidth
 shares capped at a few times the median, a group id that binds every member's announced numbers.
 Pure rules on tables of cases, then matchmaking over real DHT nodes on 127.0.0.1."""
 

@@ -217,7 +217,7 @@ async def test_nodes_that_retry_apart_still_meet_though_each_sees_the_others_don
 async def test_a_leader_that_rewrites_a_members_weight_loses_that_member(
     make_peers: MakePeers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Attack c (ISSUE 12): the leader sends a self-consistent group in which one member's weight
+    """Attack c: the leader sends a self-consistent group in which one member's weight
     is not what it announced. That member refuses it; the others, whose entries are right, keep it."""
     peers = await make_peers(3)
     order = group_order([p.host.peer_id for p in peers], 4)

@@ -1,4 +1,4 @@
-"""-h and --help on every command (issue 16: swarm-node refused -h)."""
+"""-h and --help on every command (swarm-node once refused -h)."""
 
 from __future__ import annotations
 

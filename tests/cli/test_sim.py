@@ -140,7 +140,7 @@ def test_swarm_trains_agrees_and_reports(tmp_path: Path) -> None:
 @pytest.mark.swarm
 @pytest.mark.timeout(420)
 def test_eight_nodes_with_churn_hold_one_state_at_every_outer_step(tmp_path: Path) -> None:
-    """Issue 11's invariant through the real CLI: 8 swarm-node processes, one killed and one
+    """One swarm, one state through the real CLI: 8 swarm-node processes, one killed and one
     newcomer every 8 s (the swarm stays about 8 strong); for every outer step, every node that
     reports it reports one state."""
     run_dir = tmp_path / "run"
@@ -167,7 +167,7 @@ def test_eight_nodes_with_churn_hold_one_state_at_every_outer_step(tmp_path: Pat
     # newcomers fetch the swarm's state (one step behind: its update); those that got to average agree (above)
     assert re.search(r"fetched (the state|its step's update) of outer step", out), out
     # nodes average together (one group of the step's ready nodes; with a node killed every 8 s
-    # and newcomers fetching, not always all 8: see the README's known gaps)
+    # and newcomers fetching, not always all 8: a known gap)
     assert max(s["group_size"] for n in nodes for s in n["steps"]) >= 3
 
 

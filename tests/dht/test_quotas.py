@@ -1,4 +1,4 @@
-"""Storage quotas (swarm/dht/quotas.py, issue 13): the rules as tables of cases, then the two
+"""Storage quotas (swarm/dht/quotas.py): the rules as tables of cases, then the two
 storage attacks over real sockets on 127.0.0.0/8:
 
 - one peer stores 6,000 unowned 60 KiB records: it keeps at most its quota (4 MiB), the node's

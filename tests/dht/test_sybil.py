@@ -1,4 +1,4 @@
-"""Sybil and eclipse attacks on the DHT (issue 13), over real sockets on 127.0.0.0/8.
+"""Sybil and eclipse attacks on the DHT, over real sockets on 127.0.0.0/8.
 
 - DHT ids cost a proof of work bound to the PeerID (swarm/dht/id_proof.py): a forged id is
   never added to a routing table, and each bad proof is logged once;

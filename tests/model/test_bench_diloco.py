@@ -65,7 +65,7 @@ def test_runs_are_deterministic_and_ddp_sees_every_worker() -> None:
 
 def test_every_run_of_a_comparison_uses_the_workloads_schedule() -> None:
     """DiLoCo settings and both baselines take the workload's inner schedule (cosine to 10% at
-    the run's end by default, the README's protocol), and a decaying one ends at --steps."""
+    the run's end by default, the protocol of the DiLoCo benchmark), and a decaying one ends at --steps."""
     assert TINY.schedule() == {"lr_schedule": "cosine", "total_steps": 6, "min_lr_ratio": 0.1, "decay_fraction": 0.2}
     setting = sweep.Setting(name="s", h=sweep.HSchedule(target=3), warmup_steps=2)
     for workload in (

@@ -1,4 +1,4 @@
-"""ISSUE 12, bounded announcements and safe state choice: 3 honest SwarmNodes and one attacker
+"""Bounded announcements and safe state choice: 3 honest SwarmNodes and one attacker
 in one event loop over real sockets (tests/node/inprocess.py). The attacker is either a
 SwarmNode with one method changed (a, b) or a bare DHT peer that publishes what it likes
 (d, e, f). Each time the honest nodes never exit, agree bit for bit at every step, and end

@@ -1,4 +1,4 @@
-"""ISSUE 12, floods of throwaway identities in matchmaking: 3 honest SwarmNodes in one event loop
+"""Floods of throwaway identities in matchmaking: 3 honest SwarmNodes in one event loop
 over real sockets while a relay stores, at every step, 16 "ready" announcements of another state
 and a FORMED marker of the honest state, each signed by a fresh identity that never paid for a
 DHT id (averaging/ready.py). Before announcements carried proofs, the fakes outvoted the swarm's

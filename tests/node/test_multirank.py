@@ -1,4 +1,4 @@
-"""Nodes of several ranks (issue 20) in real processes on 127.0.0.1: `swarm-node --nproc-per-node 2`
+"""Nodes of several ranks in real processes on 127.0.0.1: `swarm-node --nproc-per-node 2`
 on the CPU with gloo. Each node starts its rank 1 itself; every process is stopped by PID at
 the end (the Swarm fixture stops the nodes; a node stops its ranks, and they die with it)."""
 

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 LAST_STEP_FLAKE = pytest.mark.xfail(
     strict=False,
-    reason="known gap (README, One swarm, one state): about 1 run in 3 forked at the last step before "
+    reason="known gap (docs, one swarm one state: known gaps): about 1 run in 3 forked at the last step before "
     "2026-12-04; since then it passes quiet and beside two busy processes, not always in the full suite, "
     "and not under about twice the suite's load (groups whose members left, a second state healed slowly)",
 )

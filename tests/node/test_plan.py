@@ -64,7 +64,7 @@ STEP_CASES = [
     ("peers behind us do not hold us", facts(peer(3, 4)), TRAIN, H),
     ("all peers clients, matchmaking: they wait for a server", facts(peer(5, H, client=True), late=True), TRAIN, H),
     ("no pace known yet: a whole step", facts(peer(5, 4, sec=0.0), late=True), TRAIN, H),
-    # ISSUE 12: one record alone cannot redirect or stop a node
+    # one record alone cannot redirect or stop a node
     ("one peer claims a later step while two train with us", facts(peer(6, 0), peer(5, 2, i=1), peer(5, 3, i=2)),
      TRAIN, H),
     ("one peer ahead, one with us: us and it outnumber the claim", facts(peer(6, 0), peer(5, 2, i=1)), TRAIN, H),

@@ -1,4 +1,4 @@
-"""A peer that sends a poisoned pseudo-gradient cannot stop or fork the swarm (issue 12): SwarmNodes
+"""A peer that sends a poisoned pseudo-gradient cannot stop or fork the swarm: SwarmNodes
 in one event loop (tests/node/inprocess.py), one of them sending its delta times 1e30; a node
 handed a non-finite average refuses it and trains on."""
 

@@ -1,4 +1,4 @@
-"""Issue 6 through the CLI: newcomers fetch the swarm's state from several peers and agree with
+"""State exchange through the CLI: newcomers fetch the swarm's state from several peers and agree with
 them, and a node killed mid-checkpoint restarts from a whole one. Dying, lying and foreign
 donors are tests/state/test_seeded.py (in one event loop)."""
 
@@ -19,7 +19,7 @@ SHARDS = ("--shard-mb", "0.5")  # the tiny model's 10 MB state in about 21 shard
 @pytest.mark.timeout(300)
 @pytest.mark.xfail(
     strict=False,
-    reason="known regression (README, known gaps): with steps of ~1 s, a newcomer can stay a step "
+    reason="known regression (docs, one swarm one state: known gaps): with steps of ~1 s, a newcomer can stay a step "
     "behind, fetching every step instead of averaging; it passes about half the time",
 )
 def test_a_newcomer_fetches_from_several_peers_and_then_agrees_with_them(swarm: Swarm) -> None:

@@ -74,7 +74,7 @@ async def test_the_metrics_endpoint_moves_while_three_nodes_train(local: LocalSw
             assert 0 < second["swarm_utilization_ratio"] <= 1 and second["swarm_eval_loss"] > 0
             assert second["swarm_peers_known"] >= 2 and second["swarm_connections"] >= 2
             assert second["swarm_dht_records"] > 0 and second["swarm_resident_memory_bytes"] > 1e7
-        # the rounds: a node may step alone now and then (README, "One swarm, one state"), not all of them
+        # the rounds: a node may step alone now and then (a known gap of one swarm, one state), not all of them
         for name in ("swarm_round_seconds_count", "swarm_sent_bytes_total{kind=allreduce}",
                      "swarm_received_bytes_total{kind=allreduce}"):  # fmt: skip
             assert sum(s[name] for s in after) > sum(s[name] for s in before), name

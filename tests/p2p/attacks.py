@@ -1,4 +1,4 @@
-"""The connection-level attacks of issue 13, run from many source addresses across 127.0.0.0/8,
+"""The connection-level attacks , run from many source addresses across 127.0.0.0/8,
 and an honest peer's calls while they run. Used by test_limits.py; run it as a script to measure
 the full-size attacks against a host with the default limits (peak RSS, honest success rate):
 

@@ -1,4 +1,4 @@
-"""Connection-level limits an attacker cannot exhaust for everyone (issue 13): the attacks run
+"""Connection-level limits an attacker cannot exhaust for everyone: the attacks run
 for real from many source addresses across 127.0.0.0/8 (tests/p2p/attacks.py) while an honest
 peer calls, plus the tables of the pure decisions (admission.py, budget.py)."""
 

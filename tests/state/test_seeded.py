@@ -1,4 +1,4 @@
-"""Issue 6 in one event loop: a newcomer (an in-process SwarmNode) fetches the swarm's state from
+"""State exchange in one event loop: a newcomer (an in-process SwarmNode) fetches the swarm's state from
 donors (the `seeder` fixture) that die, lie about their bytes, or hold a state of another run or
 model; it survives each, loads only verified bytes and never adopts a foreign state."""
 
@@ -84,7 +84,7 @@ async def test_a_state_of_another_run_or_model_is_refused_and_the_node_stays_up(
     local: LocalSwarm, seeder: StartSeeder, caplog: pytest.LogCaptureFixture, claim: dict[str, str], needle: str
 ) -> None:
     """Anyone can advertise a state under our run's key: one of another run or model is refused
-    with a line that says why, and never stops the node (issue 12: no remote kill switch)."""
+    with a line that says why, and never stops the node (no remote kill switch)."""
     caplog.set_level(logging.WARNING)
     bootstrap = await local.start_bootstrap()
     await seeder(spec(**claim), [bootstrap])

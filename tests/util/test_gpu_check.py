@@ -1,4 +1,4 @@
-"""scripts/experiments/gpu_check.py's CPU-testable parts (issue 19): the wheel folder's commands, the MFU
+"""scripts/experiments/gpu_check.py's CPU-testable parts: the wheel folder's commands, the MFU
 arithmetic, the peak table, what counts as a failure, and a clean exit without CUDA."""
 
 from __future__ import annotations
