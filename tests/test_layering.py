@@ -1,10 +1,10 @@
-"""DESIGN.md "Layers": each layer imports only the layers listed above it, and kernels/ nothing of ours.
+"""DESIGN.md "Layers": each layer imports only the layers listed above it, and swarm_kernels/ nothing of ours.
 
 Every import of every file of a layer is read with `ast` (relative imports resolved, imports under
 TYPE_CHECKING included: a type-only import upward still couples the layers), mapped to the layer
 it names, and checked against the layer's allowed set; a failure lists every offender.
 
-A layer is a folder: swarm/<package>/ is the layer of that name, kernels/ is "kernels", and
+A layer is a folder: swarm/<package>/ is the layer of that name, swarm_kernels/ is "kernels", and
 swarm/utils/ holds the helpers every layer may use and that import no layer. The only modules at
 the top of swarm/ are `api.py` and `__init__.py` (which re-exports it): the "api" layer, on the
 node. swarm/observe/ (metrics, dashboard) sits on the node too, and cli/ on everything.
@@ -59,7 +59,7 @@ ALLOWED: dict[str, set[str]] = {
 def file_layer(path: Path) -> str:
     """The layer a file of the repository belongs to."""
     parts = path.relative_to(ROOT).with_suffix("").parts
-    if parts[0] == "kernels":
+    if parts[0] == "swarm_kernels":
         return "kernels"
     assert parts[0] == "swarm", path
     if len(parts) > 2:
@@ -71,7 +71,7 @@ def file_layer(path: Path) -> str:
 def module_layer(name: str) -> str | None:
     """The layer an imported module belongs to; None for a module not ours (torch, asyncio)."""
     parts = name.split(".")
-    if parts[0] in ("swarm_kernels", "kernels"):  # installed as swarm_kernels; relative imports inside
+    if parts[0] == "swarm_kernels":
         return "kernels"
     if parts[0] in ("scripts", "tests"):
         return parts[0]  # allowed nowhere: benchmarks and tests sit above the package
@@ -96,7 +96,7 @@ def imported_modules(path: Path, package: list[str]) -> list[tuple[int, str]]:
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:  # relative: resolved against the file's package (kernels/ uses them)
+            if node.level:  # relative: resolved against the file's package (swarm_kernels/ uses them)
                 anchor = package[: len(package) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
             for alias in node.names:
@@ -107,7 +107,7 @@ def imported_modules(path: Path, package: list[str]) -> list[tuple[int, str]]:
 
 
 def layer_files() -> list[Path]:
-    return sorted([*(ROOT / "swarm").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")])
+    return sorted([*(ROOT / "swarm").rglob("*.py"), *(ROOT / "swarm_kernels").rglob("*.py")])
 
 
 def offences(path: Path, package: list[str], layer: str) -> list[str]:

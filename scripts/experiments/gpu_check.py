@@ -146,7 +146,7 @@ def check_codecs(n: int, block: int) -> dict[str, Any]:
 
 
 def check_bnb(x: Any) -> dict[str, Any]:
-    """bitsandbytes' codec (not our numbers, kernels/bnb.py): its decode equals the dynamic map's
+    """bitsandbytes' codec (not our numbers, swarm_kernels/bnb.py): its decode equals the dynamic map's
     level times the block's absmax, recomputed in torch, and every index is a nearest level."""
     import torch
 

@@ -95,7 +95,7 @@ def build_project_wheel(dest: Path) -> Path:
     with tempfile.TemporaryDirectory() as work:
         source = Path(work) / "src"
         ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
-        for folder in ("swarm", "kernels"):
+        for folder in ("swarm", "swarm_kernels"):
             shutil.copytree(ROOT / folder, source / folder, ignore=ignore)
         for name in ("pyproject.toml", "README.md"):
             shutil.copy2(ROOT / name, source / name)

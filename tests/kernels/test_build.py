@@ -109,7 +109,7 @@ def test_cache_key_follows_the_source(monkeypatch: pytest.MonkeyPatch, tmp_path:
 
 
 def test_kernels_import_nothing_of_swarm() -> None:
-    """DESIGN.md: kernels/ imports nothing of ours (and is imported as swarm_kernels)."""
+    """DESIGN.md: swarm_kernels/ imports nothing of ours."""
     for path in KERNELS.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = []

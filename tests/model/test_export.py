@@ -2,9 +2,7 @@
 transformers folder whose LlamaForCausalLM gives our model's logits.
 
 transformers runs in a separate, isolated interpreter (`python -I`, started in a temporary
-folder): that proves the folder loads with no code of ours, and keeps the repository's own
-`kernels/` folder (installed as swarm_kernels) from shadowing the `kernels` package that
-transformers 5 imports, as it would with the repository root on sys.path (pytest puts it there).
+folder): that proves the folder loads with no code of ours.
 """
 
 from __future__ import annotations

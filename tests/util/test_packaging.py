@@ -11,7 +11,7 @@ from scripts.experiments import gpu_wheels
 
 ROOT = Path(__file__).resolve().parents[2]
 # source folder -> the import name it is installed as (pyproject's package-dir)
-INSTALLED_AS = {"swarm": "swarm", "kernels": "swarm_kernels"}
+INSTALLED_AS = {"swarm": "swarm", "swarm_kernels": "swarm_kernels"}
 
 
 def source_files() -> set[str]:
