@@ -84,9 +84,10 @@ def info(folder: Path, no_verify: bool, as_json: bool) -> None:
         echo_json({"digest": manifest.sha256, **json.loads(manifest.to_json())})
         return
     tok = manifest.tokenizer
-    summary = new_table("", "", title=f"{folder} ({'sizes' if no_verify else 'sizes and SHA-256'} checked)")
+    # the digest on a line of its own, never cut by a narrow terminal: it is what a run's settings name
+    click.echo(f"{folder}: digest {manifest.sha256} ({'sizes' if no_verify else 'sizes and SHA-256'} checked)")
+    summary = new_table("", "")
     for key, value in (
-        ("digest", manifest.sha256),
         ("tokenizer", f"{tok.name} ({tok.vocab_size:,} tokens, vocabulary {tok.vocab_sha256[:16]})"),
         ("end of document", f"token {tok.eos_id}"),
         ("stored as", f"{manifest.dtype}, {manifest.shard_tokens:,} tokens a shard"),
