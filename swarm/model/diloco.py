@@ -14,8 +14,7 @@ from outside; the averaging is handed in, so this module never touches the netwo
         diloco.apply_outer(averaged)                         # Nesterov SGD on θ_outer; θ_inner ← θ_outer
 
 A node with no group this step applies its own pseudo-gradient (`apply_own()`, or
-`apply_outer(deltas)`). `await diloco.average_and_apply(average)` does the last three lines with
-an async (or plain) `average(tensors, weight) -> tensors`, running the tensor work in threads.
+`apply_outer(deltas)`). The node runs the tensor work of these lines in its training thread.
 
 Overlapped (Streaming DiLoCo's overlap, "eager updates"): `begin_overlap(eager)` ends the
 inner phase of step t without an outer step: it keeps Δ_t (`round_deltas`, `round_tokens`) for a
@@ -50,11 +49,9 @@ Not thread-safe: call inner_step, pseudo_gradients and apply_outer from one thre
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import inspect
 import math
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -75,7 +72,6 @@ __all__ = [
 
 T = TypeVar("T")
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
-Average = Callable[[list[torch.Tensor], float], "list[torch.Tensor] | Awaitable[list[torch.Tensor]]"]
 # builds the inner optimizer over the trainable parameters (swarm.join: the caller's own)
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -134,7 +130,7 @@ class DiLoCo:
         self.revision = 0
         self.pending: PendingRound | None = None  # step t's round in flight (begin_overlap)
         # inner steps allowed past H in this step: a node that would wait for a round in flight
-        # trains on (outer_step.py); reset when the step's inner phase ends
+        # trains on (node/loop.py); reset when the step's inner phase ends
         self.extra_room = 0
         self._at_outer = True  # θ_inner is θ_outer, bit for bit (no inner step since the outer one)
         # a caller's own optimizer sets its own learning rate; ours follows config's schedule
@@ -325,14 +321,6 @@ class DiLoCo:
     def apply_own(self) -> None:
         """The outer step of a node that found no group: its own pseudo-gradient."""
         self.apply_outer(self.round_deltas())
-
-    async def average_and_apply(self, average: Average) -> None:
-        """pseudo_gradients → average(Δ, tokens_since_outer) → apply_outer, with the tensor work
-        in worker threads so an event loop stays free; `average` may be sync or async."""
-        deltas = await asyncio.to_thread(self.pseudo_gradients)
-        result = average(deltas, float(self.tokens_since_outer))
-        averaged = await result if inspect.isawaitable(result) else result
-        await asyncio.to_thread(self.apply_outer, averaged)
 
     @torch.no_grad()
     def on_outer_weights(self, fn: Callable[[], T]) -> T:

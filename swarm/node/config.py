@@ -58,7 +58,7 @@ class NodeConfig:
     # our uploads paced by it (averaging/rounds/bandwidth.py): rounds on unequal links end sooner
     bandwidth: float | None = None
     max_wait: float = 30.0  # longest a node that finished waits for slower peers of its step
-    # the outer step's round while the next inner steps train (outer_step.py): "none" (blocking),
+    # the outer step's round while the next inner steps train (node/loop.py): "none" (blocking),
     # "eager" (the next steps start from our own Δ's outer step) or "delayed" (from where we
     # ended). Local: members of any mode agree bit for bit (DiLoCo.apply_outer)
     overlap: str = "none"

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import asyncio
 import math
 
 import pytest
@@ -117,23 +116,16 @@ def test_a_node_alone_applies_its_own_pseudo_gradient() -> None:
     assert alone.outer_step == 1 and alone.inner_done == 0 and alone.tokens_since_outer == 0
 
 
-def test_average_and_apply_takes_async_and_plain_averagers() -> None:
-    seen: list[float] = []
-
-    async def async_average(tensors: list[torch.Tensor], weight: float) -> list[torch.Tensor]:
-        seen.append(weight)
-        await asyncio.sleep(0)
-        return [t * 0.5 for t in tensors]
-
+def test_an_averaged_pseudo_gradient_moves_theta_outer_by_the_average() -> None:
     diloco = DiLoCo(
         Toy(), loss_fn=toy_loss, config=DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
     )
     diloco.inner_step(torch.full((1, 4), 3), torch.full((1, 4), 5))
     inner = [p.item() for p in diloco.params]
-    asyncio.run(diloco.average_and_apply(async_average))
-    assert seen == [4.0]
+    assert diloco.tokens_since_outer == 4  # the weight this Δ is averaged with
+    diloco.apply_outer([t * 0.5 for t in diloco.pseudo_gradients()])  # a peer that stayed at θ_outer
     assert outer(diloco) == pytest.approx([(1 + inner[0]) / 2, (-2 + inner[1]) / 2])
-    asyncio.run(diloco.average_and_apply(lambda tensors, weight: tensors))  # plain, with nothing trained
+    diloco.apply_outer(diloco.pseudo_gradients())  # with nothing trained
     assert diloco.outer_step == 2
 
 
