@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,3 +45,16 @@ def loop_errors_fail_the_test() -> Iterator[None]:
     yield
     errors, _loop_errors[:] = list(_loop_errors), []
     assert not errors, f"the event loop's exception handler fired: {errors}"
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[Any]:
+    """Real swarm-node processes of one test (tests/node/conftest.py's Swarm), every one stopped
+    at the end. Imported here, not at the top: most tests never start a node (nor import torch)."""
+    from tests.node.conftest import Swarm
+
+    s = Swarm(tmp_path)
+    try:
+        yield s
+    finally:
+        s.close()

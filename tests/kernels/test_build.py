@@ -72,6 +72,7 @@ def _result(proc: subprocess.Popen[str]) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.swarm  # a child interpreter importing torch: seconds of CPU
 def test_two_processes_build_at_once_over_a_stale_half_build(cpu_ext: str, tmp_path: Path) -> None:
     """A builder killed mid-build left torch's lock file and a broken library; two processes then
     start at once: one rebuilds, the other waits for it, both run the extension. Their results

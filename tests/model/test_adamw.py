@@ -83,6 +83,7 @@ def test_diloco_on_cpu_trains_with_it_weight_decay_on_matrices_only() -> None:
     assert isinstance(inner_adamw([], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, device=torch.device("cpu")), AdamW)
 
 
+@pytest.mark.swarm  # a child interpreter importing torch: seconds of CPU
 def test_a_node_s_inner_steps_do_not_import_torch_dynamo() -> None:
     """Why it exists: torch.optim imports torch._dynamo (2-3 s) on an optimizer's first use."""
     code = (

@@ -85,6 +85,7 @@ def test_every_run_of_a_comparison_uses_the_workloads_schedule() -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.swarm  # a child interpreter importing torch: seconds of CPU
 def test_the_sweeps_json_names_its_schedule_and_its_baselines_follow_it() -> None:
     """From the sweep's own JSON: the schedule is reported, and the baselines change with it."""
     import json

@@ -94,6 +94,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.
 
 
 @pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers is not installed (pip install -e '.[hf]')")
+@pytest.mark.swarm  # a child interpreter importing torch: seconds of CPU
 def test_transformers_loads_the_folder_and_its_logits_equal_ours(
     exported: dict[str, tuple[torch.nn.Module, Path]], tmp_path: Path
 ) -> None:

@@ -105,6 +105,7 @@ def _state_hash(seed: int, threads: int) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.swarm  # a child interpreter importing torch: seconds of CPU
 def test_initial_weights_are_identical_in_two_fresh_processes() -> None:
     first, second = _state_hash(seed=1234, threads=1), _state_hash(seed=1234, threads=2)
     assert len(first) == 64

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -105,15 +104,6 @@ def test_unusable_data_is_one_clear_error(folders: dict[str, Path], tmp_path: Pa
     prepare(paths, tok, tmp_path / "short-eval", dataclasses.replace(SMALL_SHARDS, eval_tokens=50))
     with pytest.raises(CliError, match="eval tokens are too few for windows of --seq-len 256"):
         open_prepared(NodeConfig(data=str(tmp_path / "short-eval"), seq_len=256))
-
-
-@pytest.fixture
-def swarm(tmp_path: Path) -> Iterator[Swarm]:
-    s = Swarm(tmp_path)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 @pytest.mark.swarm

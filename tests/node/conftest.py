@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,15 +91,6 @@ class Swarm:
 
     def close(self) -> None:
         process_control.stop_all(self.procs, 15.0)
-
-
-@pytest.fixture
-def swarm(tmp_path: Path) -> Iterator[Swarm]:
-    s = Swarm(tmp_path)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from scripts.experiments import gpu_wheels
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,6 +29,7 @@ def source_files() -> set[str]:
     return found
 
 
+@pytest.mark.swarm  # builds the wheel in a child process: seconds of CPU
 def test_the_wheel_holds_every_module_and_data_file_of_the_source_tree(tmp_path: Path) -> None:
     wheel = gpu_wheels.build_project_wheel(tmp_path)
     with zipfile.ZipFile(wheel) as archive:
