@@ -300,6 +300,9 @@ class Swarm:
         argv += ["--inner-steps", str(c.inner_steps), "--batch-size", str(c.batch_size), "--seq-len", str(c.seq_len)]
         argv += ["--compression", c.compression, "--max-outer-steps", str(c.outer_steps), "--seed", str(c.seed)]
         argv += ["--threads", str(c.threads), "--metrics-file", str(metrics), "--eval-every", "1"]
+        # the first nodes begin the run together, so that none of them starts as a straggler that
+        # misses the first steps' groups; a newcomer joins a run that has begun and does not wait
+        argv += ["--start-with", str(c.nodes)]
         if c.overlap != "none":
             argv += ["--overlap", c.overlap]
         if c.lr is not None:

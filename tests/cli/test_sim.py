@@ -116,6 +116,9 @@ def test_swarm_trains_agrees_and_reports(tmp_path: Path) -> None:
             assert math.isfinite(step["eval_loss"])
         last = node["steps"][-1]["eval_loss"]
         assert last < first, f"eval loss did not fall: {first} -> {last}"
+    # the nodes begin the run together (--start-with): no straggler misses the first step's group
+    assert [n["joined_at_step"] for n in nodes] == [0, 0], nodes
+    assert all(n["steps"][0]["group_size"] == 2 for n in nodes), [n["steps"][0] for n in nodes]
 
     # DESIGN.md invariant 4: members of one group that held the same θ_outer before the outer step
     # hold bit-identical θ_outer after it. Before the first step both hold the same state: the
