@@ -275,7 +275,10 @@ def main(
         sys.exit(follow(launch, timeout=rank_timeout))
     if identity is None and config.checkpoint_dir:  # a restart that resumes keeps its PeerID: its join line holds
         identity = Path(config.checkpoint_dir) / IDENTITY_FILE
-        identity.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            identity.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file where the folder should be, no permission: one line, not a traceback
+            raise CliError(f"cannot create --checkpoint-dir {identity.parent}: {e.strerror or e}") from None
     node_identity = load_identity(identity) or Identity.generate()  # one for the settings lookup and the node
     proof_path = proof_path_for(identity) if identity is not None else None  # its costly id, solved once
     import torch  # the flags are checked: now the slow imports (seconds on a busy machine)
