@@ -45,14 +45,17 @@ def attacker_argv(attack: str) -> list[str]:
 
 def run_swarm(attack: str | None, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     """One swarm of HONEST nodes (+ the attacker); what the honest nodes ended with."""
-    from swarm.cli import sim
+    from swarm.cli.common import CliError
+    from swarm.cli.sim_config import SimConfig
     from swarm.cli.sim_report import DONE, FAILED
+    from swarm.cli.sim_run import simulate
+    from swarm.cli.sim_swarm import Swarm, console_script, stop_on_signals
 
-    class AttackedSwarm(sim.Swarm):
+    class AttackedSwarm(Swarm):
         def node_argv(self, metrics: Path) -> list[str]:
             argv = super().node_argv(metrics)
             if attack is not None and len(self.children) == HONEST:  # the last one started
-                prefix = len(sim.console_script("swarm-node", "swarm.cli.node"))
+                prefix = len(console_script("swarm-node", "swarm.cli.node"))
                 argv = attacker_argv(attack) + argv[prefix:]
             return argv
 
@@ -60,7 +63,7 @@ def run_swarm(attack: str | None, args: argparse.Namespace, run_dir: Path) -> di
             honest = [c.record for c in self.children[:HONEST]]
             return any(self.reached_end(r) or r.status in (DONE, FAILED) for r in honest)
 
-    config = sim.SimConfig(
+    config = SimConfig(
         nodes=HONEST + (attack is not None), model="tiny", outer_steps=args.outer_steps,
         inner_steps=args.inner_steps, batch_size=args.batch_size, seq_len=args.seq_len, compression="int8",
         seed=args.seed, lr=None, warmup_steps=None, matchmaking_time=None, max_group_size=None, part_timeout=None,
@@ -71,10 +74,10 @@ def run_swarm(attack: str | None, args: argparse.Namespace, run_dir: Path) -> di
     swarm = AttackedSwarm(config, _EventsToStderr(attack or "clean"))
     began = time.monotonic()
     error = None
-    with sim.stop_on_signals() as stop:
+    with stop_on_signals() as stop:
         try:
-            sim.simulate(swarm, _HonestStop(swarm, stop))
-        except sim.CliError as e:
+            simulate(swarm, _HonestStop(swarm, stop))
+        except CliError as e:
             error = str(e)
         finally:
             swarm.close()

@@ -243,15 +243,16 @@ def test_a_node_that_fails_at_start_is_one_line_and_exit_1(tmp_path: Path) -> No
 
 def test_the_choices_match_what_swarm_node_accepts() -> None:
     from swarm.averaging.config import CODECS
-    from swarm.cli import sim
+    from swarm.cli import sim_config
     from swarm.model.presets import PRESETS
 
-    assert (tuple(PRESETS), tuple(CODECS)) == (sim.MODELS, sim.CODECS)
+    assert (tuple(PRESETS), tuple(CODECS)) == (sim_config.MODELS, sim_config.CODECS)
 
 
 def test_the_nodes_get_the_schedule_and_a_decaying_one_ends_with_the_run(tmp_path: Path) -> None:
     from swarm.cli import sim
     from swarm.cli.sim_report import PlainDisplay
+    from swarm.cli.sim_swarm import Swarm
 
     def argv(**options: Any) -> list[str]:
         config = sim.build_config(run_dir=tmp_path, metrics_out=None, plot_out=None, threads=1, **{
@@ -260,7 +261,7 @@ def test_the_nodes_get_the_schedule_and_a_decaying_one_ends_with_the_run(tmp_pat
             "max_group_size": None, "part_timeout": None, "kill_every": None, "join_every": None, "timeout": None,
             "verbose": 0, **options,
         })  # fmt: skip
-        return sim.Swarm(config, PlainDisplay()).node_argv(tmp_path / "m.jsonl")
+        return Swarm(config, PlainDisplay()).node_argv(tmp_path / "m.jsonl")
 
     cosine = argv(lr_schedule="cosine")
     assert cosine[cosine.index("--lr-schedule") + 1] == "cosine" and cosine[cosine.index("--total-steps") + 1] == "200"
