@@ -18,6 +18,7 @@ from swarm.p2p import handshake as hs
 from swarm.p2p.budget import HostStreams, InboundBudget
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.errors import (
+    CircuitClosed,
     ConnectionLost,
     HandshakeError,
     MessageTooLarge,
@@ -64,6 +65,7 @@ class Connection:
         self.chunk_bytes = config.chunk_bytes
         self.authenticated = False
         self.on_closed: Callable[[Connection], None] | None = None
+        self.lost_reason: ConnectionLost | None = None  # why it closed, once it has (what its calls raised)
         self._loop = asyncio.get_running_loop()
         self._closed_future: asyncio.Future[None] = self._loop.create_future()
         self._handshake_done: asyncio.Future[None] | None = None
@@ -347,9 +349,12 @@ class Connection:
             self._idle_handle.cancel()
         who = self.peer_id if self.authenticated else self._where()
         error = ConnectionLost(f"connection to {who} lost: {reason or 'closed'}")
+        if isinstance(reason, CircuitClosed):  # a relay ended it: callers see that it was the relay
+            error = CircuitClosed(f"relayed connection to {who} lost: {reason}")
         if not_a_node:
             error = ConnectionLost(f"{who} answered, but not as a swarm node (another kind of server? check the "
                                    f"address and port): {reason}")  # fmt: skip
+        self.lost_reason = error
         for future, _ in self._pending.values():
             if not future.done():
                 future.set_exception(error)

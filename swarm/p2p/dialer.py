@@ -14,17 +14,21 @@ again) and who answered at an address dialed without /p2p/.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from swarm.p2p import handshake as hs
+from swarm.p2p.circuit import CircuitTransport, circuit_peername
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.connection import Connection
 from swarm.p2p.errors import ConnectionLost, RPCTimeout
 from swarm.p2p.framing import FrameProtocol
-from swarm.p2p.maddr import TcpAddress, parse_maddr
+from swarm.p2p.maddr import CircuitAddress, PeerAddress, TcpAddress, parse_address
 from swarm.p2p.peer_id import PeerID
+from swarm.p2p.relay_wire import Limits
+from swarm.p2p.stream import Stream
 
-PeerRef = PeerID | TcpAddress | str  # a PeerID we know an address for, or a multiaddr
+PeerRef = PeerID | TcpAddress | CircuitAddress | str  # a PeerID we know an address for, or a multiaddr
+OpenCircuit = Callable[[CircuitAddress], Awaitable[tuple[Stream, Limits]]]
 
 
 class Dialer:
@@ -45,6 +49,7 @@ class Dialer:
         handshaking: set[Connection],
         best: Callable[[PeerID], Connection | None],
         adopt: Callable[[Connection], None],
+        open_circuit: OpenCircuit,
     ) -> None:
         self.config = config
         self._new_protocol = new_protocol
@@ -52,8 +57,9 @@ class Dialer:
         self._handshaking = handshaking
         self._best_connection = best
         self._adopt = adopt
+        self._open_circuit = open_circuit  # a relay's HOP stream to a relayed address's peer
         self._dialing: dict[str, asyncio.Future[Connection]] = {}
-        self._addresses: dict[PeerID, TcpAddress] = {}  # last address each peer was dialed at
+        self._addresses: dict[PeerID, PeerAddress] = {}  # last address each peer was dialed at
         self._peer_at: dict[str, PeerID] = {}  # who answered at a dialed address (for maddrs without /p2p/)
         self._closing = False
 
@@ -62,14 +68,14 @@ class Dialer:
         for dial in self._dialing.values():
             dial.cancel()
 
-    def address_of(self, peer: PeerID) -> TcpAddress | None:
+    def address_of(self, peer: PeerID) -> PeerAddress | None:
         return self._addresses.get(peer)
 
     async def connect(self, peer: PeerRef, *, timeout: float | None = None) -> Connection:
         """The connection to a peer: an open one if any, else a new dial (deduplicated)."""
         if self._closing:
             raise ConnectionLost("host is closed")
-        addr: TcpAddress | None
+        addr: PeerAddress | None
         if isinstance(peer, PeerID):
             if (conn := self._best_connection(peer)) is not None:
                 return conn
@@ -77,7 +83,7 @@ class Dialer:
             if addr is None:
                 raise ConnectionLost(f"no connection to {peer} and no known address for it")
         else:
-            addr = parse_maddr(peer) if isinstance(peer, str) else peer
+            addr = parse_address(peer) if isinstance(peer, str) else peer
             known = addr.peer_id or self._peer_at.get(addr.to_maddr(with_peer_id=False))
             if known is not None and (conn := self._best_connection(known)) is not None:
                 return conn
@@ -98,11 +104,11 @@ class Dialer:
         if not dial.cancelled():
             dial.exception()  # retrieved: every caller may have given up (timeout, cancelled lookup)
 
-    async def probe(self, peer: TcpAddress | str, *, timeout: float | None = None) -> PeerID:
+    async def probe(self, peer: PeerAddress | str, *, timeout: float | None = None) -> PeerID:
         """Dial `peer` on a fresh connection, authenticate, and close it: proves the address
         reaches the peer it names (the dial-back of swarm.p2p.autonat). Never reuses or keeps
         a connection. Raises like connect()."""
-        addr = parse_maddr(peer) if isinstance(peer, str) else peer
+        addr = parse_address(peer) if isinstance(peer, str) else peer
         timeout = self.config.connect_timeout + self.config.handshake_timeout if timeout is None else timeout
         try:
             conn = await asyncio.wait_for(self._open_authenticated(addr, probe=True), timeout)
@@ -111,7 +117,14 @@ class Dialer:
         conn.close()
         return conn.peer_id
 
-    async def _open_authenticated(self, addr: TcpAddress, *, probe: bool = False) -> Connection:
+    async def _open_transport(self, addr: PeerAddress) -> FrameProtocol:
+        """A protocol on a new transport to `addr`: a TCP socket, or a circuit through a relay."""
+        if isinstance(addr, CircuitAddress):
+            stream, limits = await asyncio.wait_for(self._open_circuit(addr), self.config.connect_timeout)
+            protocol = self._new_protocol()
+            peername = circuit_peername(addr.relay.peer_id)
+            CircuitTransport(stream, protocol, peername=peername, time_limit_s=limits.seconds).start()
+            return protocol
         loop = asyncio.get_running_loop()
         try:
             _, protocol = await asyncio.wait_for(
@@ -121,6 +134,10 @@ class Dialer:
             raise RPCTimeout(f"TCP connect to {addr} timed out") from None
         except OSError as e:
             raise ConnectionLost(f"cannot connect to {addr}: {e.strerror or e}") from None
+        return protocol
+
+    async def _open_authenticated(self, addr: PeerAddress, *, probe: bool = False) -> Connection:
+        protocol = await self._open_transport(addr)
         conn = self._new_connection(protocol, hs.DIALER)
         self._handshaking.add(conn)
         try:
@@ -132,7 +149,7 @@ class Dialer:
             self._handshaking.discard(conn)
         return conn
 
-    async def _dial(self, addr: TcpAddress) -> Connection:
+    async def _dial(self, addr: PeerAddress) -> Connection:
         conn = await self._open_authenticated(addr)
         if self._closing:
             conn.close()

@@ -44,6 +44,19 @@ class ConnectionClosed(ConnectionLost):
     the call may be retried on another connection."""
 
 
+class CircuitClosed(ConnectionLost):
+    """A relayed connection ended because its relay closed the circuit: the circuit reached the
+    relay's byte or time limit, or the relay or the far end went away (the message says which)."""
+
+
+class NoReservation(P2PError):
+    """The relay holds no reservation for the peer asked for, so it cannot reach that peer."""
+
+
+class RelayRefused(P2PError):
+    """A relay refused a reservation or a circuit: it is at its caps, or it serves no relay."""
+
+
 class RPCTimeout(P2PError, TimeoutError):
     """A call, a stream read or a stream write did not complete within its timeout."""
 

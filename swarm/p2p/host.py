@@ -35,9 +35,11 @@ from swarm.p2p.framing import FrameProtocol, Traffic
 from swarm.p2p.gate import Gate
 from swarm.p2p.handlers import CallContext, Handler, StreamHandler, UnaryHandler
 from swarm.p2p.identity import Identity
-from swarm.p2p.maddr import TcpAddress, parse_maddr
+from swarm.p2p.maddr import CircuitAddress, PeerAddress, TcpAddress, parse_maddr
 from swarm.p2p.pacing import bytes_acked, max_pacing_rate, set_max_pacing_rate
 from swarm.p2p.peer_id import PeerID
+from swarm.p2p.relay_client import open_circuit
+from swarm.p2p.relay_wire import Limits
 from swarm.p2p.stream import Stream
 from swarm.utils.log_once import RateLimitedLog
 
@@ -68,7 +70,9 @@ class P2PHost:
         self._flood_log = RateLimitedLog(logger)  # a flood of throwaway sources must not flood the log
         self._host_streams = HostStreams(self.config.max_host_streams)  # inbound streams, all connections
         self._dialer = Dialer(self.config, new_protocol=self._new_protocol, new_connection=self._new_connection,
-                              handshaking=self._handshaking, best=self._best_connection, adopt=self._adopt)  # fmt: skip
+                              handshaking=self._handshaking, best=self._best_connection, adopt=self._adopt,
+                              open_circuit=self._open_circuit)  # fmt: skip
+        self._relayed: tuple[CircuitAddress, ...] = ()  # where a relay reaches us (relay_client.RelayKeeper)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.traffic = Traffic()  # bytes on the wire, all connections together (benchmarks read it)
         self._started = False
@@ -164,9 +168,10 @@ class P2PHost:
 
     @property
     def visible_maddrs(self) -> list[str]:
-        """Multiaddrs peers can dial, with the real ports and our /p2p/ id."""
+        """Multiaddrs peers can dial, with the real ports and our /p2p/ id, then our relayed ones."""
+        relayed = [addr.to_maddr() for addr in self._relayed]
         if self.config.announce_maddrs:
-            return [parse_maddr(m).with_peer_id(self.peer_id).to_maddr() for m in self.config.announce_maddrs]
+            return [parse_maddr(m).with_peer_id(self.peer_id).to_maddr() for m in self.config.announce_maddrs] + relayed
         out: list[str] = []
         for addr in self._listen_addrs:
             hosts = [addr.host]
@@ -176,12 +181,16 @@ class P2PHost:
                 text = TcpAddress(addr.host_protocol, host, addr.port, self.peer_id).to_maddr()
                 if text not in out:
                     out.append(text)
-        return out
+        return out + relayed
+
+    def set_relayed_addresses(self, addrs: Iterable[CircuitAddress]) -> None:
+        """The relayed addresses we hold a reservation for (RelayKeeper sets them)."""
+        self._relayed = tuple(addrs)
 
     def connected_peers(self) -> list[PeerID]:
         return [peer for peer, conns in self._connections.items() if conns]
 
-    def address_of(self, peer: PeerID) -> TcpAddress | None:
+    def address_of(self, peer: PeerID) -> PeerAddress | None:
         return self._dialer.address_of(peer)
 
     # --- calls ------------------------------------------------------------------------------
@@ -245,7 +254,7 @@ class P2PHost:
                 found.append(sock)
         return found
 
-    async def probe(self, peer: TcpAddress | str, *, timeout: float | None = None) -> PeerID:
+    async def probe(self, peer: PeerAddress | str, *, timeout: float | None = None) -> PeerID:
         """Dial `peer` on a fresh connection, authenticate, and close it: proves the address
         reaches the peer it names (the dial-back of swarm.p2p.autonat). Never reuses or keeps
         a connection. Raises like connect()."""
@@ -277,7 +286,18 @@ class P2PHost:
         protocol.on_open = self._on_inbound_open
         return protocol
 
-    def _on_inbound_open(self, protocol: FrameProtocol) -> None:
+    def inbound_protocol(self, expected_peer: PeerID | None = None) -> FrameProtocol:
+        """A protocol for an inbound connection on a transport of our own (a relay's circuit),
+        admitted and served as one on our listening sockets. expected_peer: the only peer whose
+        handshake it accepts (the one the relay says is dialing)."""
+        protocol = self._new_protocol()
+        protocol.on_open = lambda opened: self._on_inbound_open(opened, expected_peer)
+        return protocol
+
+    async def _open_circuit(self, addr: CircuitAddress) -> tuple[Stream, Limits]:
+        return await open_circuit(self, addr, self.config.connect_timeout)
+
+    def _on_inbound_open(self, protocol: FrameProtocol, expected_peer: PeerID | None = None) -> None:
         assert protocol.transport is not None
         peer = protocol.transport.get_extra_info("peername")
         if self._closing or not self._gate.may_handshake(str(peer[0]) if peer else "?"):
@@ -295,11 +315,11 @@ class P2PHost:
         conn = self._new_connection(protocol, hs.LISTENER)
         self._handshaking.add(conn)
         self._gate.handshaking(conn)
-        self._spawn(self._inbound_handshake(conn, peer))
+        self._spawn(self._inbound_handshake(conn, peer, expected_peer))
 
-    async def _inbound_handshake(self, conn: Connection, peer: Any) -> None:
+    async def _inbound_handshake(self, conn: Connection, peer: Any, expected_peer: PeerID | None) -> None:
         try:
-            await conn.handshake()
+            await conn.handshake(expected_peer)
         except HandshakeError as e:
             self._flood_log.log("handshake failed", "%s: inbound handshake from %s failed: %s", self.peer_id, peer, e)
             return

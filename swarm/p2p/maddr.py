@@ -1,4 +1,6 @@
-"""Multiaddrs we dial and listen on: ``/ip4|ip6|dns|dns4|dns6/HOST/tcp/PORT[/p2p/PEERID]``.
+"""Multiaddrs we dial and listen on: ``/ip4|ip6|dns|dns4|dns6/HOST/tcp/PORT[/p2p/PEERID]``, and
+the relayed form of libp2p's circuit relay, ``<relay's TCP multiaddr>/p2p/RELAY/p2p-circuit/p2p/PEER``
+(parse_address; the relay must be named by its PeerID, so that whoever answers there is checked).
 
 Parsing is done by the maintained py-multiaddr package; this module only narrows it to what a
 TCP transport can use and turns every failure into one MultiaddrError line naming the problem.
@@ -66,6 +68,9 @@ def _parse_cached(text: str) -> TcpAddress:
         raise MultiaddrError(f"multiaddr {text!r} must begin with one of /{', /'.join(_HOST_PROTOCOLS)}")
     if len(names) < 2 or names[1] != "tcp":
         raise MultiaddrError(f"multiaddr {text!r} has no /tcp/PORT after the host")
+    if "p2p-circuit" in names:
+        raise MultiaddrError(f"multiaddr {text!r} is a relayed address: it names a peer to reach through a relay, "
+                             "not a TCP address to dial or listen on")  # fmt: skip
     if names[2:] not in ([], ["p2p"]):
         extra = "/".join(names[2:])
         raise MultiaddrError(f"multiaddr {text!r}: unsupported part /{extra} (only /p2p/PEERID may follow /tcp)")
@@ -94,3 +99,64 @@ def _reason(error: Exception) -> str:
     if message.startswith("Invalid MultiAddr"):
         message = message.split(": ", 1)[-1]
     return message
+
+
+CIRCUIT = "/p2p-circuit"
+
+
+@dataclass(frozen=True, slots=True)
+class CircuitAddress:
+    """A peer reached through a relay: dial `relay` (whose PeerID is checked), ask it for a circuit
+    to `peer_id`, and authenticate `peer_id` end to end through that circuit."""
+
+    relay: TcpAddress  # always with the relay's peer_id
+    peer_id: PeerID  # the peer at the far end of the circuit
+
+    def __post_init__(self) -> None:
+        if self.relay.peer_id is None:
+            raise MultiaddrError(f"relay address {self.relay} must end in /p2p/<relay's PeerID>")
+        if self.relay.peer_id == self.peer_id:
+            raise MultiaddrError(f"a circuit through {self.relay.peer_id} to itself is no circuit")
+
+    def to_maddr(self, *, with_peer_id: bool = True) -> str:
+        # the target's /p2p/ is what makes it a circuit: always written
+        return f"{self.relay.to_maddr()}{CIRCUIT}/p2p/{self.peer_id}"
+
+    def with_peer_id(self, peer_id: PeerID) -> CircuitAddress:
+        return CircuitAddress(self.relay, peer_id)
+
+    def __str__(self) -> str:
+        return self.to_maddr()
+
+
+PeerAddress = TcpAddress | CircuitAddress
+
+
+def parse_address(text: str) -> PeerAddress:
+    """A TCP multiaddr (as parse_maddr) or a relayed one, ``.../p2p/RELAY/p2p-circuit/p2p/PEER``."""
+    if not isinstance(text, str):
+        raise MultiaddrError(f"a multiaddr is a string, got {type(text).__name__}")
+    if CIRCUIT not in text:
+        return parse_maddr(text)
+    return _parse_circuit(text)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_circuit(text: str) -> CircuitAddress:
+    text = text.strip()
+    if len(text) > _MAX_MADDR_TEXT:
+        raise MultiaddrError(f"multiaddr longer than {_MAX_MADDR_TEXT} characters")
+    relay_text, _, rest = text.partition(CIRCUIT)
+    if CIRCUIT in rest:
+        raise MultiaddrError(f"multiaddr {text!r}: one /p2p-circuit at most (a circuit of circuits is not dialed)")
+    relay = parse_maddr(relay_text) if relay_text else None
+    if relay is None or relay.peer_id is None:
+        raise MultiaddrError(f"multiaddr {text!r}: before /p2p-circuit comes the relay, /ip4/HOST/tcp/PORT/p2p/ID")
+    parts = rest.split("/")
+    if len(parts) != 3 or parts[0] != "" or parts[1] != "p2p" or not parts[2]:
+        raise MultiaddrError(f"multiaddr {text!r}: /p2p-circuit must be followed by /p2p/<PeerID> and nothing else")
+    try:
+        peer_id = PeerID.from_base58(parts[2])
+    except IdentityError as e:
+        raise MultiaddrError(f"multiaddr {text!r}: bad /p2p/ peer id after /p2p-circuit: {e}") from None
+    return CircuitAddress(relay, peer_id)

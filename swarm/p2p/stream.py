@@ -179,6 +179,10 @@ class Stream:
 
     async def cancel(self) -> None:
         """Abandon the call: the other side is told (CANCEL from a caller, ERROR from a callee)."""
+        self.abandon()
+
+    def abandon(self) -> None:
+        """cancel(), from code that cannot await (a transport's callbacks)."""
         if self.finished:
             return
         if self.is_caller and not self._received_end:  # after END the callee is done already

@@ -146,6 +146,9 @@ class ErrorCode:
     TIMEOUT = "timeout"  # the callee's own deadline for the handler passed
     CANCELLED = "cancelled"  # the callee is shutting down
     INTERNAL = "internal"  # the handler failed unexpectedly (the callee logs the traceback)
+    NO_RESERVATION = "no_reservation"  # a relay asked for a circuit to a peer it holds no reservation for
+    CIRCUIT_LIMIT = "circuit_limit"  # a relay closed a circuit at its byte or time limit
+    CIRCUIT_CLOSED = "circuit_closed"  # a relay closed a circuit because its other end went away
 
 
 def encode_head(fields: dict[str, Any]) -> bytes:
