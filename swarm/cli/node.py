@@ -13,18 +13,14 @@ exit 0; a second signal stops at once (exit 130).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
 import logging
 import math
-import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
-from click.core import ParameterSource
 
 from swarm.averaging.config import CODECS
 from swarm.cli import node_ranks
@@ -43,64 +39,21 @@ from swarm.cli.common import (
     verbose_option,
 )
 from swarm.cli.node_data import open_prepared, refuse_with_ranks
-from swarm.cli.node_display import MetricsFile, display_for_terminal
+from swarm.cli.node_display import MetricsFile, display_for_terminal, join_lines
+from swarm.cli.node_run import metrics_server, run_until_signalled
+from swarm.cli.node_settings import adopt_run_settings, read_config_file
 from swarm.dht.id_proof import proof_path_for
 from swarm.model.presets import PRESETS
-from swarm.model.run_settings import FIELDS, FLAGS, join_flags, training_settings
 from swarm.model.schedule import SCHEDULES
 from swarm.node.config import CATCH_UP_MODES, OVERLAP_MODES, NodeConfig
-from swarm.node.run_lookup import (
-    RunChoiceError,
-    RunLookup,
-    adoptable_settings,
-    initial_peer_ids,
-    look_up_run,
-    run_to_join,
-)
 from swarm.p2p.identity import Identity
 
 if TYPE_CHECKING:  # torch and the node load inside main(), after the flags are checked
-    from swarm.node import Event, SwarmNode
-    from swarm.observe.serve import MetricsServer
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+    from swarm.node import Event
 
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
 IDENTITY_FILE = "node.key"  # in --checkpoint-dir when --identity is not given
 _DEFAULTS = NodeConfig()
-
-
-def _read_config(ctx: click.Context, param: click.Parameter, path: Path | None) -> Path | None:
-    """--config: load TOML into click's default_map, so that flags override it."""
-    if path is None:
-        return None
-    try:
-        with open(path, "rb") as f:
-            table = tomllib.load(f)
-    except OSError as e:
-        raise click.BadParameter(f"cannot read {path}: {e.strerror or e}", ctx, param) from None
-    except tomllib.TOMLDecodeError as e:
-        raise click.BadParameter(f"{path} is not valid TOML: {e}", ctx, param) from None
-    options = {p.name: p for p in ctx.command.params if p.name and p.name != "config" and isinstance(p, click.Option)}
-    written = {key.replace("-", "_"): key for key in table}  # reported as the file spells them
-    values = {key.replace("-", "_"): value for key, value in table.items()}
-    unknown = sorted(written[k] for k in set(values) - set(options))
-    if unknown:
-        valid = ", ".join(sorted(n.replace("_", "-") for n in options))
-        raise click.BadParameter(f"{path}: unknown option(s) {', '.join(unknown)}; valid: {valid}", ctx, param)
-    for key in ("initial_peers", "host_maddrs", "announce_maddrs"):
-        if isinstance(values.get(key), str):
-            values[key] = [values[key]]
-    for key, value in values.items():  # typed here, so that a bad value names the file, not a flag
-        try:
-            options[key].type_cast_value(ctx, value)
-        except click.BadParameter as e:
-            raise click.BadParameter(f"{path}: {written[key]} = {value!r}: {e.message}", ctx, param) from None
-    ctx.default_map = {**(ctx.default_map or {}), **values}
-    return path
 
 
 def _bandwidth(ctx: click.Context, param: click.Parameter, value: str | float) -> float | None:
@@ -125,7 +78,7 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
 @click.option(
     "--config",
     type=click.Path(dir_okay=False, path_type=Path),
-    callback=_read_config,
+    callback=read_config_file,
     is_eager=True,
     expose_value=False,
     help="A TOML file with any of these options; flags override it.",
@@ -294,11 +247,11 @@ def main(
         raise click.UsageError(str(e)) from None
     config, prepared = open_prepared(config)  # --data DIR: the setting becomes tokens:<digest>
     if initial_peers:
-        config = _adopt_run_settings(config, initial_peers, limits, node_identity, proof_path)
+        config = adopt_run_settings(config, initial_peers, limits, node_identity, proof_path)
         if launch is not None:  # the run's batch must split over our ranks too
             node_ranks.plan(nproc_per_node, config)
     sinks: list[Any] = []
-    watch = _metrics_server(metrics_port, metrics_host, config.run_id, initial_peers, limits)
+    watch = metrics_server(metrics_port, metrics_host, config.run_id, initial_peers, limits)
     if watch is not None:
         sinks.append(watch.observe)
     try:
@@ -313,7 +266,7 @@ def main(
         def on_event(event: Event) -> None:
             if event["event"] == "start":  # above the live panel, where its redraws leave it
                 watching = [f"metrics: {watch.url}metrics  dashboard: {watch.url}"] if watch is not None else []
-                display.banner(_join_lines(event, config) + watching)
+                display.banner(join_lines(event, config) + watching)
             for sink in sinks:
                 sink(event)
 
@@ -339,118 +292,13 @@ def main(
                     dht_config=limits.dht(),
                     **extra,
                 )
-                run_network(lambda: _run_until_signalled(node, watch))
+                run_network(lambda: run_until_signalled(node, watch))
         except (NodeError, DataUnavailableError) as e:
             raise CliError(str(e)) from None
     finally:
         for sink in sinks:
             if hasattr(sink, "close"):
                 sink.close()
-
-
-def _metrics_server(port: int | None, host: str, run_id: str, initial_peers: tuple[str, ...],
-                    limits: OpenNetworkLimits) -> MetricsServer | None:  # fmt: skip
-    """--metrics-port: the server (bound when the node's loop runs), counting this process's
-    WARNING and ERROR log lines by layer."""
-    if port is None:
-        return None
-    from swarm.observe.http import HttpConfig
-    from swarm.observe.serve import MetricsServer
-
-    try:
-        server = MetricsServer(run_id, HttpConfig(host=host, port=port), initial_peers=initial_peers,
-                               dht_config=limits.dht())  # fmt: skip
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
-    server.metrics.count_logs(logging.getLogger("swarm"))
-    return server
-
-
-def _adopt_run_settings(
-    config: NodeConfig, initial_peers: tuple[str, ...], limits: OpenNetworkLimits, identity: Identity,
-    proof_path: Path | None,
-) -> NodeConfig:  # fmt: skip
-    """The run to join (without --run-id: the DHT's one run) and every run setting not given on
-    the command line or in --config, from the run's records (swarm/node/run_lookup.py); each said in
-    one line. A --run-id nobody trains, where others are trained, is warned about."""
-    ctx = click.get_current_context()
-    given = {n for n in FIELDS if ctx.get_parameter_source(n) not in (ParameterSource.DEFAULT, None)}
-    dial_out = limits.p2p(host_maddrs=("/ip4/127.0.0.1/tcp/0",))  # it only dials out
-
-    def look_up(run_id: str) -> RunLookup | None:
-        return run_network(lambda: look_up_run(run_id, initial_peers, dial_out, limits.dht(),
-                                               initial_peer_ids(initial_peers), identity, proof_path))  # fmt: skip
-
-    lookup = look_up(config.run_id)
-    if lookup is None:
-        return config
-    run_given = ctx.get_parameter_source("run_id") not in (ParameterSource.DEFAULT, None)
-    try:
-        run_id, said = run_to_join(config.run_id, run_given, lookup)
-    except RunChoiceError as e:
-        raise CliError(str(e)) from None
-    if said is not None:
-        click.echo(said if run_id != config.run_id else f"warning: {said}", err=True)
-    if run_id != config.run_id:
-        config = dataclasses.replace(config, run_id=run_id)
-        lookup = look_up(run_id)
-        if lookup is None:
-            return config
-    adopted = adoptable_settings(lookup.settings, given, training_settings(config))
-    if not adopted:
-        return config
-    try:
-        config = dataclasses.replace(config, **adopted)
-    except ValueError as e:  # the run publishes settings this node cannot run: say whose
-        raise CliError(f"run {config.run_id!r} publishes settings this node cannot use: {e}") from None
-    flags = " ".join(f"{FLAGS[n]} {v}" for n, v in adopted.items())
-    click.echo(f"run {config.run_id!r}: adopting its settings {flags}", err=True)
-    return config
-
-
-async def _run_until_signalled(node: SwarmNode, watch: MetricsServer | None = None) -> str:
-    if watch is not None:
-        try:
-            await watch.start()
-        except OSError as e:
-            raise CliError(f"cannot serve --metrics-port on {watch.http.config.host}:{watch.http.config.port}: "
-                           f"{e.strerror or e}") from None  # fmt: skip
-        try:
-            return await _run_until_signalled(node)
-        finally:
-            await watch.close()
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    main_task = asyncio.current_task()
-    signals = 0
-
-    def on_signal() -> None:
-        nonlocal signals
-        signals += 1
-        if signals == 1:
-            logging.getLogger("swarm.node").warning("stopping after the current round (signal again to stop now)")
-            stop.set()
-        elif main_task is not None:
-            main_task.cancel()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, on_signal)
-    try:
-        return await node.run(stop)
-    except asyncio.CancelledError:
-        raise click.exceptions.Exit(130) from None
-
-
-def _join_lines(event: Event, config: NodeConfig) -> list[str]:
-    maddrs = event["maddrs"]
-    where = f"run {config.run_id!r}, model {config.model}, outer step {event['outer_step']}"
-    lines = [f"swarm-node {event['peer_id']} ({where})"]
-    if not maddrs:
-        return [*lines, "client mode: this node dials out only; peers cannot join through it"]
-    lines += [f"listening on {maddr}" for maddr in maddrs]
-    join = f"swarm-node --run-id {config.run_id} {join_flags(config, _DEFAULTS)}--initial-peers {maddrs[0]}"
-    return [*lines, f"join with: {join}"]
 
 
 if __name__ == "__main__":  # torchrun -m swarm.cli.node ...

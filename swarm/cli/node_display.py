@@ -11,6 +11,9 @@ from typing import IO, TYPE_CHECKING, Any
 
 import click
 
+from swarm.model.run_settings import join_flags
+from swarm.node.config import NodeConfig
+
 if TYPE_CHECKING:
     from swarm.node import Event
 
@@ -155,3 +158,15 @@ class MetricsFile:
 
 def display_for_terminal() -> PlainLines | LivePanel:
     return LivePanel() if sys.stderr.isatty() else PlainLines()
+
+
+def join_lines(event: Event, config: NodeConfig) -> list[str]:
+    """The start banner: who this node is, where it listens, and the command line that joins it."""
+    maddrs = event["maddrs"]
+    where = f"run {config.run_id!r}, model {config.model}, outer step {event['outer_step']}"
+    lines = [f"swarm-node {event['peer_id']} ({where})"]
+    if not maddrs:
+        return [*lines, "client mode: this node dials out only; peers cannot join through it"]
+    lines += [f"listening on {maddr}" for maddr in maddrs]
+    join = f"swarm-node --run-id {config.run_id} {join_flags(config, NodeConfig())}--initial-peers {maddrs[0]}"
+    return [*lines, f"join with: {join}"]
