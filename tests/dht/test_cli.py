@@ -20,7 +20,8 @@ import pytest
 from click.testing import CliRunner
 
 from swarm.cli.common import jsonable
-from swarm.cli.dht import main, parse_value
+from swarm.cli.dht import main
+from swarm.cli.dht_records import parse_value
 from swarm.dht import DHT, owner_subkey, run_keys
 from swarm.p2p import Identity, P2PConfig
 from swarm.utils import process_control
