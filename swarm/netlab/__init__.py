@@ -4,19 +4,23 @@ to the others by a veth pair and a bridge, its traffic limited by tc in both dir
 names, addresses and commands, lab.py runs them and removes them again.
 """
 
-from swarm.netlab.lab import Lab, LabError, exec_prefix, missing, remove_leftovers
+from swarm.netlab.lab import Lab, LabError, exec_prefix, missing, missing_nat, remove_leftovers
+from swarm.netlab.nat import NAT_KINDS, Home
 from swarm.netlab.plan import PREFIX, Endpoint, LabPlan, plan_lab
 from swarm.netlab.rates import Rate, parse_rate, parse_rates
 
 __all__ = [
+    "NAT_KINDS",
     "PREFIX",
     "Endpoint",
+    "Home",
     "Lab",
     "LabError",
     "LabPlan",
     "Rate",
     "exec_prefix",
     "missing",
+    "missing_nat",
     "parse_rate",
     "parse_rates",
     "plan_lab",

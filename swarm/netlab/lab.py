@@ -26,6 +26,7 @@ import subprocess
 from collections.abc import Callable, Sequence
 from types import TracebackType
 
+from swarm.netlab.nat import Home, plan_behind, plan_home
 from swarm.netlab.plan import Command, Endpoint, bridge_commands, lab_name, plan_endpoint, stale_namespaces
 from swarm.netlab.rates import Rate
 
@@ -42,6 +43,14 @@ class LabError(RuntimeError):
 def tool(name: str) -> str | None:
     """The path of an iproute2 program, on PATH or in the sbin folders."""
     return shutil.which(name, path=os.pathsep.join([os.environ.get("PATH", os.defpath), *SBIN]))
+
+
+def missing_nat() -> str | None:
+    """What this machine lacks to build a lab with NAT routers (Lab.add_home), in one line."""
+    problem = missing()
+    if problem is None and tool("nft") is None:
+        problem = f"needs nftables: nft not found on PATH or in {', '.join(SBIN)} (apt-get install nftables)"
+    return problem
 
 
 def missing() -> str | None:
@@ -62,8 +71,15 @@ def run(command: Command) -> str:
     if program is None:
         raise LabError(f"{command[0]} not found")
     try:
+        # `ip netns exec` runs sysctl and nft from PATH: the sbin folders must be on it
+        path = os.pathsep.join([os.environ.get("PATH", os.defpath), *SBIN])
         done = subprocess.run(
-            [program, *command[1:]], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False
+            [program, *command[1:]],
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_TIMEOUT_S,
+            check=False,
+            env={**os.environ, "PATH": path},
         )
     except subprocess.TimeoutExpired:
         raise LabError(f"`{' '.join(command)}` did not finish within {COMMAND_TIMEOUT_S:g}s") from None
@@ -122,7 +138,10 @@ class Lab:
 
     def __init__(self, name: str) -> None:  # use Lab.create: it builds the bridge first
         self.name = name
-        self.endpoints: list[Endpoint] = []
+        self.endpoints: list[Endpoint] = []  # on the bridge (public hosts, routers) and behind routers
+        self.homes: list[Home] = []
+        self._on_bridge = 0  # endpoints on the bridge so far: the next one's address index
+        self._behind: dict[str, int] = {}  # hosts behind each home's router so far
         self._made: list[str] = [name]  # namespaces to delete, in the order they were made
         self._closed = False
 
@@ -146,21 +165,51 @@ class Lab:
 
     def add(self, name: str, rate: Rate) -> Endpoint:
         """A new endpoint on the bridge; on failure nothing of it remains (the lab stays)."""
+        self._check_new(name)
+        endpoint, commands = plan_endpoint(self.name, self._on_bridge, name, rate)
+        self._build(endpoint.netns, commands)
+        self._on_bridge += 1
+        self.endpoints.append(endpoint)
+        return endpoint
+
+    def add_home(self, name: str, kind: str, rate: Rate) -> Home:
+        """A home network behind a NAT router of `kind` (nat.py), its uplink shaped to `rate`;
+        add its hosts with add_behind(). Needs nft (missing_nat())."""
+        self._check_new(name)
+        home, commands = plan_home(self.name, self._on_bridge, len(self.homes), name, kind, rate)
+        self._build(home.netns, commands)
+        self._on_bridge += 1
+        self.endpoints.append(home.router)
+        self.homes.append(home)
+        return home
+
+    def add_behind(self, home: Home, name: str) -> Endpoint:
+        """A host on `home`'s LAN; it reaches the bridge only through the home's router."""
+        self._check_new(name)
+        if home not in self.homes:
+            raise ValueError(f"lab {self.name} has no home {home.name!r}")
+        endpoint, commands = plan_behind(self.name, home, self._behind.get(home.name, 0), name)
+        self._build(endpoint.netns, commands)
+        self._behind[home.name] = self._behind.get(home.name, 0) + 1
+        self.endpoints.append(endpoint)
+        return endpoint
+
+    def _check_new(self, name: str) -> None:
         if self._closed:
             raise LabError(f"lab {self.name} is closed")
         if any(e.name == name for e in self.endpoints):
             raise ValueError(f"lab {self.name} already has an endpoint {name!r}")
-        endpoint, commands = plan_endpoint(self.name, len(self.endpoints), name, rate)
-        self._made.append(endpoint.netns)  # before the first command: an interruption still removes it
+
+    def _build(self, netns: str, commands: Sequence[Command]) -> None:
+        """Run the commands that make `netns` (and what lives in it); on failure nothing of it remains."""
+        self._made.append(netns)  # before the first command: an interruption still removes it
         try:
             for command in commands:
                 run(command)
         except BaseException:
-            if _undo(lambda: remove([endpoint.netns])):
-                self._made.remove(endpoint.netns)
+            if _undo(lambda: remove([netns])):
+                self._made.remove(netns)
             raise
-        self.endpoints.append(endpoint)
-        return endpoint
 
     def endpoint(self, name: str) -> Endpoint:
         for endpoint in self.endpoints:

@@ -1,0 +1,82 @@
+"""A peer for the NAT lab tests, run inside one of the lab's namespaces (`ip netns exec`):
+
+    python -m tests.netlab.natpeer relay ADDRESS              a relay on ADDRESS, port 0
+    python -m tests.netlab.natpeer target RELAY_MADDR         a NATed host with a reservation on the relay
+    python -m tests.netlab.natpeer dial RELAY_MADDR RELAYED DIRECT   call RELAYED, then try DIRECT
+
+Each prints one JSON line once it is ready (its addresses, or the results of `dial`); relay and
+target then serve until their stdin closes, so the test that started them stops them by closing
+it (and the lab kills whatever is left in its namespaces).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+from swarm.p2p import CallContext, P2PConfig, P2PError, P2PHost
+from swarm.p2p.relay import RelayConfig, RelayService
+from swarm.p2p.relay_client import RelayKeeper
+
+CALL_TIMEOUT = 10.0
+DIRECT_TIMEOUT = 3.0  # a dial through a NAT that drops unsolicited SYNs never completes: bounded
+
+
+async def echo(ctx: CallContext, args: Any) -> Any:
+    return {"echo": args, "from": str(ctx.peer_id), "via": ctx.remote_address[0]}
+
+
+def say(fields: dict[str, Any]) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+async def until_stdin_closes() -> None:
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, sys.stdin.read)
+
+
+async def relay(address: str) -> None:
+    async with P2PHost(config=P2PConfig(host_maddrs=(f"/ip4/{address}/tcp/0",))) as host:
+        service = await RelayService(host, RelayConfig()).start()
+        say({"maddr": host.visible_maddrs[0]})
+        await until_stdin_closes()
+        await service.close()
+
+
+async def target(relay_maddr: str) -> None:
+    async with P2PHost(config=P2PConfig(host_maddrs=("/ip4/0.0.0.0/tcp/0",))) as host:
+        host.add_handler("demo.echo", echo)
+        async with RelayKeeper(host, [relay_maddr]) as keeper:
+            relayed = await keeper.wait_reserved(timeout=CALL_TIMEOUT)
+            port = host.visible_maddrs[0].split("/")[4]
+            say({"relayed": relayed.to_maddr(), "peer_id": str(host.peer_id), "port": int(port)})
+            await until_stdin_closes()
+
+
+async def dial(relay_maddr: str, relayed: str, direct: str) -> None:
+    async with P2PHost(config=P2PConfig(host_maddrs=("/ip4/0.0.0.0/tcp/0",))) as host:
+        began = time.monotonic()
+        reply = await host.call(relayed, "demo.echo", {"x": 1}, timeout=CALL_TIMEOUT)
+        relayed_s = time.monotonic() - began
+        began = time.monotonic()
+        calls = [await host.call(relayed, "demo.echo", {"x": i}, timeout=CALL_TIMEOUT) for i in range(20)]
+        rtt = (time.monotonic() - began) / len(calls)
+        try:  # a fresh TCP connection (a call would reuse the relayed one: same PeerID)
+            await host.probe(direct, timeout=DIRECT_TIMEOUT)
+            direct_error = None
+        except P2PError as e:
+            direct_error = f"{type(e).__name__}: {e}"
+        say({"reply": reply, "first_call_s": relayed_s, "call_s": rtt, "direct_error": direct_error})
+
+
+def main() -> None:
+    role, *args = sys.argv[1:]
+    roles = {"relay": relay, "target": target, "dial": dial}
+    asyncio.run(roles[role](*args))
+
+
+if __name__ == "__main__":
+    main()

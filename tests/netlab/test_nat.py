@@ -1,0 +1,247 @@
+"""NAT routers in the lab (swarm/netlab/nat.py): the plan's rules and commands, then real namespaces
+where a cone NAT keeps a socket's port and a symmetric one does not, nobody outside can dial in,
+and two hosts behind two NATs reach each other through a relay on the "internet" bridge only.
+
+The lab tests need root, iproute2 and nft: skipped with one line saying what is missing, except
+under CI=true, where a missing piece fails them. Every test removes its namespaces and stops its
+processes, pass or fail."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from swarm.netlab import Lab, LabError, exec_prefix, missing_nat, parse_rate
+from swarm.netlab import lab as lab_module
+from swarm.netlab.nat import lan_of, nat_ruleset, plan_behind, plan_home
+from swarm.netlab.plan import PREFIX
+from tests.children import child_env
+
+REPO = Path(__file__).resolve().parents[2]
+RATE = parse_rate("1gbit")
+
+
+# --- the plan -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "mapping"),
+    [("cone", "ip saddr 10.78.3.0/24 masquerade;"), ("symmetric", "ip saddr 10.78.3.0/24 masquerade fully-random;")],
+)
+def test_a_router_masquerades_its_lan_and_drops_what_nobody_inside_asked_for(kind: str, mapping: str) -> None:
+    rules = nat_ruleset(kind, "10.78.3.0/24")
+    assert f'oifname "eth0" {mapping}' in rules
+    assert "type filter hook forward priority filter; policy drop;" in rules  # nothing is forwarded in unasked
+    assert 'iifname "lan0" oifname "eth0" accept; ct state established,related accept;' in rules
+    assert 'iifname "eth0" ct state established,related accept; iifname "eth0" drop;' in rules  # no RST to a SYN
+
+
+def test_a_home_plan_is_a_router_on_the_bridge_and_a_lan_behind_it() -> None:
+    lab = "swarmlab-4242-nat"
+    home, commands = plan_home(lab, 2, 1, "h1", "cone", parse_rate("20mbit"))
+    assert (home.router.address, home.lan, home.gateway, home.netns) == (
+        "10.77.0.3",
+        "10.78.1.0/24",
+        "10.78.1.1",
+        f"{lab}-h1",
+    )
+    text = [" ".join(c) for c in commands]
+    assert text[0] == f"ip netns add {lab}-h1" and f"ip -n {lab}-h1 addr add 10.77.0.3/16 dev eth0" in text
+    assert text[-5:-1] == [
+        f"ip netns exec {lab}-h1 sysctl -q -w net.ipv4.ip_forward=1",
+        f"ip -n {lab}-h1 link add name lan0 type bridge",
+        f"ip -n {lab}-h1 addr add 10.78.1.1/24 dev lan0",
+        f"ip -n {lab}-h1 link set lan0 up",
+    ]
+    assert commands[-1][:5] == ("ip", "netns", "exec", f"{lab}-h1", "nft")
+    host, commands = plan_behind(lab, home, 1, "b")
+    assert (host.address, host.netns, host.port) == ("10.78.1.3", f"{lab}-b", "h-b")
+    assert [" ".join(c) for c in commands] == [
+        f"ip netns add {lab}-b",
+        f"ip -n {lab}-b link set lo up",
+        f"ip -n {lab}-h1 link add name h-b type veth peer name eth0 netns {lab}-b",
+        f"ip -n {lab}-h1 link set h-b master lan0",
+        f"ip -n {lab}-h1 link set h-b up",
+        f"ip -n {lab}-b addr add 10.78.1.3/24 dev eth0",
+        f"ip -n {lab}-b link set eth0 up",
+        f"ip -n {lab}-b route add default via 10.78.1.1",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("call", "says"),
+    [
+        (lambda: nat_ruleset("full-cone", "10.78.0.0/24"), "NAT kind"),
+        (lambda: lan_of(256), "at most 256 homes"),
+        (lambda: plan_home("lab", 0, 0, "h", "restricted", RATE), "NAT kind"),
+        (lambda: plan_behind("lab", plan_home("lab", 0, 0, "h", "cone", RATE)[0], 0, "a" * 14), "host name"),
+        (lambda: plan_behind("lab", plan_home("lab", 0, 0, "h", "cone", RATE)[0], 0, "a/b"), "host name"),
+        (lambda: plan_behind("lab", plan_home("lab", 0, 0, "h", "cone", RATE)[0], 250, "a"), "at most 250"),
+    ],
+)
+def test_bad_homes_are_refused(call: object, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        call()  # type: ignore[operator]
+
+
+# --- real namespaces ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def nat_ready() -> None:
+    """Skip (or, under CI=true, fail) where the machine cannot build a NAT lab."""
+    problem = missing_nat()
+    if problem is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"a NAT lab {problem} (CI=true: a missing piece is a failure)")
+        pytest.skip(f"a NAT lab {problem}")
+
+
+@pytest.fixture
+def run_name(nat_ready: None) -> Iterator[str]:
+    name = f"n{secrets.token_hex(3)}"
+    yield name
+    prefix = f"{PREFIX}{os.getpid()}-{name}"
+    with contextlib.suppress(LabError):
+        lab_module.remove([ns for ns in lab_module.namespaces() if ns.startswith(prefix)][::-1])
+
+
+class Children:
+    """Processes a test started inside the lab; all are stopped at the end, pass or fail."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, lab: Lab, where: str, *argv: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [*exec_prefix(lab.endpoint(where)), *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=child_env(),
+        )
+        self.procs.append(proc)
+        return proc
+
+    def peer(self, lab: Lab, where: str, *args: str) -> subprocess.Popen[str]:
+        return self.start(lab, where, sys.executable, "-m", "tests.netlab.natpeer", *args)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.stdin is not None and not proc.stdin.closed:
+                proc.stdin.close()
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def children() -> Iterator[Children]:
+    kids = Children()
+    yield kids
+    kids.close()
+
+
+def first_line(proc: subprocess.Popen[str]) -> dict:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line, f"the child exited without a word (exit {proc.wait(10)})"
+    return json.loads(line)
+
+
+OBSERVER = """
+import json, socket, sys
+server = socket.create_server((sys.argv[1], 0))
+print(server.getsockname()[1], flush=True)
+for _ in range(int(sys.argv[2])):
+    conn, peer = server.accept()
+    conn.sendall(json.dumps(peer).encode())
+    conn.close()
+"""
+FROM_ONE_PORT = """
+import json, socket, sys
+seen = []
+for target in sys.argv[1:]:
+    host, port = target.split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("0.0.0.0", 40000))  # the same local port to each server, as a punching peer dials
+    sock.settimeout(5)
+    sock.connect((host, int(port)))
+    seen.append(json.loads(sock.recv(1000)))
+    sock.close()
+print(json.dumps(seen), flush=True)
+"""
+DIAL = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2).close()
+    print("connected")
+except OSError as e:
+    print(type(e).__name__)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("kind", "same_port"), [("cone", True), ("symmetric", False)])
+def test_a_cone_nat_keeps_a_sockets_port_for_every_peer_and_a_symmetric_one_does_not(
+    run_name: str, children: Children, kind: str, same_port: bool
+) -> None:
+    with Lab.create(run_name, [("s1", RATE), ("s2", RATE)]) as lab:
+        home = lab.add_home("h0", kind, RATE)
+        inside = lab.add_behind(home, "a")
+        targets = []
+        for server in ("s1", "s2"):
+            proc = children.start(lab, server, sys.executable, "-c", OBSERVER, lab.endpoint(server).address, "1")
+            assert proc.stdout is not None
+            targets.append(f"{lab.endpoint(server).address}:{proc.stdout.readline().strip()}")
+        out = subprocess.run([*exec_prefix(inside), sys.executable, "-c", FROM_ONE_PORT, *targets],
+                             capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+        seen = json.loads(out.stdout)
+        assert [ip for ip, _ in seen] == [home.router.address] * 2  # the servers see the router, not 10.78.x
+        assert (seen[0][1] == seen[1][1]) is same_port, seen
+        if same_port:
+            assert seen[0][1] == 40000  # plain masquerade keeps a free port
+        # nobody outside opens a connection in: the router drops the SYN (no RST): a timeout
+        listener = children.start(lab, "a", sys.executable, "-c", OBSERVER, "0.0.0.0", "1")
+        assert listener.stdout is not None
+        port = listener.stdout.readline().strip()
+        out = subprocess.run([*exec_prefix(lab.endpoint("s1")), sys.executable, "-c", DIAL, home.router.address, port],
+                             capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+        assert out.stdout.strip() in ("TimeoutError", "timeout"), out.stdout
+    assert not [ns for ns in lab_module.namespaces() if ns.startswith(lab.name)]
+
+
+@pytest.mark.timeout(90)
+def test_two_hosts_behind_two_cone_nats_meet_only_through_a_relay(run_name: str, children: Children) -> None:
+    with Lab.create(run_name, [("relay", RATE)]) as lab:
+        homes = [lab.add_home(f"h{i}", "cone", RATE) for i in range(2)]
+        lab.add_behind(homes[0], "a")
+        lab.add_behind(homes[1], "b")
+        relay = children.peer(lab, "relay", "relay", lab.endpoint("relay").address)
+        relay_maddr = first_line(relay)["maddr"]
+        target = first_line(children.peer(lab, "b", "target", relay_maddr))
+        assert target["relayed"].startswith(relay_maddr + "/p2p-circuit/p2p/")
+        # b's own port on its router's public address: what a direct dial would need to reach
+        direct = f"/ip4/{homes[1].router.address}/tcp/{target['port']}/p2p/{target['peer_id']}"
+        result = first_line(children.peer(lab, "a", "dial", relay_maddr, target["relayed"], direct))
+        print(
+            f"relayed: first call {result['first_call_s'] * 1000:.1f} ms, then {result['call_s'] * 1000:.2f} ms a call"
+        )
+        assert result["reply"]["echo"] == {"x": 1}
+        # b saw a's real identity through the circuit, and knew the call came through the relay
+        assert result["reply"]["via"].endswith("/p2p-circuit")
+        assert result["direct_error"] is not None and "RPCTimeout" in result["direct_error"], result
+    assert not [ns for ns in lab_module.namespaces() if ns.startswith(lab.name)]
