@@ -14,7 +14,8 @@ from pathlib import Path
 
 import click
 
-from swarm.cli.common import CliError, OneLineErrors, cell, echo_json, new_table, print_table
+from swarm.cli.common import CliError, OneLineErrors
+from swarm.cli.output import cell, echo_json, new_table, print_table
 from swarm.model.tokens import TokensError
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}

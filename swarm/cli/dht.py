@@ -26,30 +26,22 @@ from typing import Any
 
 import click
 
-from swarm.cli.common import (
-    ClientOptions,
-    OneLineErrors,
+from swarm.cli.common import OneLineErrors, run_network, setup_logging
+from swarm.cli.dht_client import ClientOptions, client_options, with_client
+from swarm.cli.dht_inspect import inspect
+from swarm.cli.dht_records import get, store
+from swarm.cli.options import (
     OpenNetworkLimits,
-    cell,
-    client_options,
-    duration,
-    echo_json,
     identity_option,
     initial_peers_option,
     json_option,
     load_identity,
     maddr_argument,
     maddr_list,
-    new_table,
     open_network_options,
-    print_table,
-    run_network,
-    setup_logging,
     verbose_option,
-    with_client,
 )
-from swarm.cli.dht_inspect import inspect
-from swarm.cli.dht_records import get, store
+from swarm.cli.output import cell, duration, echo_json, new_table, print_table
 from swarm.dht.id_proof import proof_path_for
 from swarm.dht.node import DHTNode
 from swarm.p2p.maddr import parse_maddr

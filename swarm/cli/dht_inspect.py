@@ -9,20 +9,10 @@ from typing import Any
 
 import click
 
-from swarm.cli.common import (
-    ClientOptions,
-    CliError,
-    cell,
-    client_options,
-    duration,
-    echo_json,
-    jsonable,
-    new_table,
-    print_table,
-    show,
-    with_client,
-)
+from swarm.cli.common import CliError
+from swarm.cli.dht_client import ClientOptions, client_options, with_client
 from swarm.cli.dht_records import subkey_entries
+from swarm.cli.output import cell, duration, echo_json, jsonable, new_table, print_table, show
 from swarm.dht import run_keys
 from swarm.dht.errors import RecordError
 from swarm.dht.node import DHTNode, user_value

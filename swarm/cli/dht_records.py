@@ -10,20 +10,10 @@ from typing import Any
 
 import click
 
-from swarm.cli.common import (
-    ClientOptions,
-    CliError,
-    cell,
-    client_options,
-    duration,
-    echo_json,
-    json_key,
-    jsonable,
-    new_table,
-    positive_seconds,
-    print_table,
-    with_client,
-)
+from swarm.cli.common import CliError
+from swarm.cli.dht_client import ClientOptions, client_options, with_client
+from swarm.cli.options import positive_seconds
+from swarm.cli.output import cell, duration, echo_json, json_key, jsonable, new_table, print_table
 from swarm.dht.config import DHTConfig
 from swarm.dht.errors import RecordError
 from swarm.dht.node import DHTNode

@@ -24,9 +24,12 @@ import click
 
 from swarm.averaging.config import CODECS
 from swarm.cli import node_ranks
-from swarm.cli.common import (
-    CliError,
-    OneLineCommand,
+from swarm.cli.common import CliError, OneLineCommand, run_network, setup_logging
+from swarm.cli.node_data import open_prepared, refuse_with_ranks
+from swarm.cli.node_display import MetricsFile, display_for_terminal, join_lines
+from swarm.cli.node_run import metrics_server, run_until_signalled
+from swarm.cli.node_settings import adopt_run_settings, read_config_file
+from swarm.cli.options import (
     OpenNetworkLimits,
     compression_option,
     identity_option,
@@ -34,14 +37,8 @@ from swarm.cli.common import (
     load_identity,
     maddr_list,
     open_network_options,
-    run_network,
-    setup_logging,
     verbose_option,
 )
-from swarm.cli.node_data import open_prepared, refuse_with_ranks
-from swarm.cli.node_display import MetricsFile, display_for_terminal, join_lines
-from swarm.cli.node_run import metrics_server, run_until_signalled
-from swarm.cli.node_settings import adopt_run_settings, read_config_file
 from swarm.dht.id_proof import proof_path_for
 from swarm.model.presets import PRESETS
 from swarm.model.schedule import SCHEDULES

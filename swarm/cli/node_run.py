@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from swarm.cli.common import CliError, OpenNetworkLimits
+from swarm.cli.common import CliError
+from swarm.cli.options import OpenNetworkLimits
 
 if TYPE_CHECKING:  # torch and the node load inside main(), after the flags are checked
     from swarm.node import SwarmNode

@@ -10,7 +10,8 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from swarm.cli.common import CliError, OpenNetworkLimits, run_network
+from swarm.cli.common import CliError, run_network
+from swarm.cli.options import OpenNetworkLimits
 from swarm.model.run_settings import FIELDS, FLAGS, training_settings
 from swarm.node.config import NodeConfig
 from swarm.node.run_lookup import (

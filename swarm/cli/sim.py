@@ -36,7 +36,8 @@ from typing import Any
 
 import click
 
-from swarm.cli.common import CliError, OneLineCommand, compression_option, positive_seconds
+from swarm.cli.common import CliError, OneLineCommand
+from swarm.cli.options import compression_option, positive_seconds
 from swarm.cli.sim_config import (
     CODECS,
     DEFAULT_BATCH_SIZE,

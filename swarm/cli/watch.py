@@ -14,7 +14,9 @@ import signal
 
 import click
 
-from swarm.cli.common import ClientOptions, CliError, echo_json, run_network
+from swarm.cli.common import CliError, run_network
+from swarm.cli.dht_client import ClientOptions
+from swarm.cli.output import echo_json
 from swarm.observe.dashboard import Dashboard, DhtReader
 from swarm.observe.http import HttpConfig, HttpServer
 

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from swarm.cli.common import jsonable
 from swarm.cli.dht import main
 from swarm.cli.dht_records import parse_value
+from swarm.cli.output import jsonable
 from swarm.dht import DHT, owner_subkey, run_keys
 from swarm.p2p import Identity, P2PConfig
 from swarm.utils import process_control
@@ -336,7 +336,7 @@ def test_open_network_options_reach_the_configs() -> None:
     import click
     from click.testing import CliRunner
 
-    from swarm.cli.common import OpenNetworkLimits, open_network_options
+    from swarm.cli.options import OpenNetworkLimits, open_network_options
 
     seen: list[OpenNetworkLimits] = []
 

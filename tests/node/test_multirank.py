@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.cli.common import load_identity
+from swarm.cli.options import load_identity
 from swarm.utils import process_control
 from swarm.utils.process_control import console_script
 from tests.children import exited
