@@ -27,6 +27,7 @@ from typing import Any
 from swarm.p2p import handshake as hs
 from swarm.p2p.autonat import DIALBACK, dialback_handler
 from swarm.p2p.budget import HostStreams
+from swarm.p2p.circuit import is_relayed
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.connection import Connection
 from swarm.p2p.dialer import Dialer, PeerRef
@@ -359,6 +360,7 @@ class P2PHost:
         if len(group) == 1:  # the common case, on every call
             return None if group[0].protocol.closed else group[0]
         group = [c for c in group if not c.protocol.closed]
+        group = [c for c in group if not is_relayed(c.remote_address)] or group  # a relay only when nothing else
         if not group:
             return None
         preferred_role = hs.DIALER if self.peer_id < peer else hs.LISTENER

@@ -6,7 +6,7 @@
 What a relay spends is bounded, whoever asks:
 - reservations: at most max_reservations in all and max_reservations_per_ip per source (an IPv4
   address or an IPv6 /64, admission.source_of); a peer renewing keeps its one slot. At the total
-  cap a newcomer takes the oldest slot of the source holding the most, unless its own source
+  cap a newcomer takes the newest slot of the source holding the most, unless its own source
   holds as many: a flood of fresh identities from a few addresses cannot lock out other sources.
   A reservation ends at its expiry or when its peer's connection to us closes.
 - circuits: at most max_circuits at once and max_circuits_per_peer touching one peer; each one
@@ -120,7 +120,7 @@ class Reservations:
         return held is not None and held.expires > now
 
     def reserve(self, peer: PeerID, source: str, now: float, ttl: float) -> bool:
-        """Grant or renew `peer`'s reservation; False at the caps. May evict another source's oldest."""
+        """Grant or renew `peer`'s reservation; False at the caps. May evict another source's newest."""
         if (held := self._held.get(peer)) is not None and held.source == source:
             held.expires = now + ttl
             return True
@@ -132,7 +132,8 @@ class Reservations:
             return False
         if verdict.drop_oldest_of is not None:
             theirs = [(h.since, p) for p, h in self._held.items() if h.source == verdict.drop_oldest_of]
-            del self._held[min(theirs, key=lambda item: item[0])[1]]
+            # the newest: a source's long-held reservations are its likeliest honest ones
+            del self._held[max(theirs, key=lambda item: item[0])[1]]
         self._held[peer] = _Held(source, now, now + ttl)
         return True
 

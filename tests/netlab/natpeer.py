@@ -2,7 +2,7 @@
 
     python -m tests.netlab.natpeer relay ADDRESS              a relay on ADDRESS, port 0
     python -m tests.netlab.natpeer target RELAY_MADDR         a NATed host with a reservation on the relay
-    python -m tests.netlab.natpeer dial RELAY_MADDR RELAYED DIRECT   call RELAYED, then try DIRECT
+    python -m tests.netlab.natpeer dial RELAY_MADDR RELAYED DIRECT N   call RELAYED, try DIRECT, stream N bytes
 
 Each prints one JSON line once it is ready (its addresses, or the results of `dial`); relay and
 target then serve until their stdin closes, so the test that started them stops them by closing
@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from typing import Any
 
-from swarm.p2p import CallContext, P2PConfig, P2PError, P2PHost
+from swarm.p2p import CallContext, P2PConfig, P2PError, P2PHost, Stream
 from swarm.p2p.relay import RelayConfig, RelayService
 from swarm.p2p.relay_client import RelayKeeper
 
@@ -27,6 +28,25 @@ DIRECT_TIMEOUT = 3.0  # a dial through a NAT that drops unsolicited SYNs never c
 
 async def echo(ctx: CallContext, args: Any) -> Any:
     return {"echo": args, "from": str(ctx.peer_id), "via": ctx.remote_address[0]}
+
+
+async def sink(ctx: CallContext, args: Any, stream: Stream) -> None:
+    received = 0
+    async for chunk in stream:
+        received += len(chunk)
+    await stream.write(received.to_bytes(8, "big"))
+
+
+async def goodput(host: P2PHost, peer: str, size: int) -> float:
+    """Stream payload bytes per second to the peer's sink, until it confirms all arrived."""
+    chunk, began = os.urandom(1 << 20), time.monotonic()
+    async with await host.open_stream(peer, "demo.sink", timeout=CALL_TIMEOUT) as stream:
+        for _ in range(size // len(chunk)):
+            await stream.write(chunk)
+        await stream.end()
+        confirmed = await stream.read(timeout=CALL_TIMEOUT)
+    assert confirmed is not None and int.from_bytes(confirmed, "big") == size
+    return size / (time.monotonic() - began)
 
 
 def say(fields: dict[str, Any]) -> None:
@@ -49,6 +69,7 @@ async def relay(address: str) -> None:
 async def target(relay_maddr: str) -> None:
     async with P2PHost(config=P2PConfig(host_maddrs=("/ip4/0.0.0.0/tcp/0",))) as host:
         host.add_handler("demo.echo", echo)
+        host.add_stream_handler("demo.sink", sink)
         async with RelayKeeper(host, [relay_maddr]) as keeper:
             relayed = await keeper.wait_reserved(timeout=CALL_TIMEOUT)
             port = host.visible_maddrs[0].split("/")[4]
@@ -56,7 +77,7 @@ async def target(relay_maddr: str) -> None:
             await until_stdin_closes()
 
 
-async def dial(relay_maddr: str, relayed: str, direct: str) -> None:
+async def dial(relay_maddr: str, relayed: str, direct: str, stream_bytes: str) -> None:
     async with P2PHost(config=P2PConfig(host_maddrs=("/ip4/0.0.0.0/tcp/0",))) as host:
         began = time.monotonic()
         reply = await host.call(relayed, "demo.echo", {"x": 1}, timeout=CALL_TIMEOUT)
@@ -69,7 +90,16 @@ async def dial(relay_maddr: str, relayed: str, direct: str) -> None:
             direct_error = None
         except P2PError as e:
             direct_error = f"{type(e).__name__}: {e}"
-        say({"reply": reply, "first_call_s": relayed_s, "call_s": rtt, "direct_error": direct_error})
+        rate = await goodput(host, relayed, int(stream_bytes))
+        say(
+            {
+                "reply": reply,
+                "first_call_s": relayed_s,
+                "call_s": rtt,
+                "direct_error": direct_error,
+                "bytes_per_s": rate,
+            }
+        )
 
 
 def main() -> None:

@@ -224,9 +224,15 @@ def test_a_cone_nat_keeps_a_sockets_port_for_every_peer_and_a_symmetric_one_does
     assert not [ns for ns in lab_module.namespaces() if ns.startswith(lab.name)]
 
 
+RELAY_RATE = parse_rate("100mbit")
+STREAM_BYTES = 32 * 1024 * 1024  # 2.7 s at the relay's rate: the start (slow start, windows opening) is small
+
+
 @pytest.mark.timeout(90)
 def test_two_hosts_behind_two_cone_nats_meet_only_through_a_relay(run_name: str, children: Children) -> None:
-    with Lab.create(run_name, [("relay", RATE)]) as lab:
+    """Also measures what the circuit carries: a relayed stream must get >= 0.8x the relay's link
+    (TCP's payload is about 95% of the frames the rate counts)."""
+    with Lab.create(run_name, [("relay", RELAY_RATE)]) as lab:
         homes = [lab.add_home(f"h{i}", "cone", RATE) for i in range(2)]
         lab.add_behind(homes[0], "a")
         lab.add_behind(homes[1], "b")
@@ -236,12 +242,15 @@ def test_two_hosts_behind_two_cone_nats_meet_only_through_a_relay(run_name: str,
         assert target["relayed"].startswith(relay_maddr + "/p2p-circuit/p2p/")
         # b's own port on its router's public address: what a direct dial would need to reach
         direct = f"/ip4/{homes[1].router.address}/tcp/{target['port']}/p2p/{target['peer_id']}"
-        result = first_line(children.peer(lab, "a", "dial", relay_maddr, target["relayed"], direct))
-        print(
-            f"relayed: first call {result['first_call_s'] * 1000:.1f} ms, then {result['call_s'] * 1000:.2f} ms a call"
-        )
+        dialer = children.peer(lab, "a", "dial", relay_maddr, target["relayed"], direct, str(STREAM_BYTES))
+        result = first_line(dialer)
+        share = result["bytes_per_s"] * 8 / RELAY_RATE.bits_per_s
+        mbit = result["bytes_per_s"] * 8 / 1e6
+        print(f"relayed: first call {result['first_call_s'] * 1000:.1f} ms, then {result['call_s'] * 1000:.2f} ms "
+              f"a call; a stream at {mbit:.1f} Mbit/s, {share:.2f}x the relay's link")  # fmt: skip
         assert result["reply"]["echo"] == {"x": 1}
         # b saw a's real identity through the circuit, and knew the call came through the relay
         assert result["reply"]["via"].endswith("/p2p-circuit")
         assert result["direct_error"] is not None and "RPCTimeout" in result["direct_error"], result
+        assert 0.8 <= share <= 1.05, result
     assert not [ns for ns in lab_module.namespaces() if ns.startswith(lab.name)]

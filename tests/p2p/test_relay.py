@@ -21,7 +21,7 @@ from swarm.p2p.errors import (
     RelayRefused,
 )
 from swarm.p2p.maddr import CircuitAddress, parse_maddr
-from swarm.p2p.relay import RelayConfig, RelayService
+from swarm.p2p.relay import RelayConfig, RelayService, Reservations
 from swarm.p2p.relay_client import RelayKeeper
 from swarm.p2p.relay_wire import RESERVE, VERSION
 from swarm.p2p.wire import Kind
@@ -105,7 +105,7 @@ async def test_a_circuit_to_a_peer_without_reservation_is_refused(trio: Callable
 @pytest.mark.timeout(60)
 async def test_a_reservation_flood_stays_within_the_caps(trio: Callable[..., Any], make_host: Factory) -> None:
     """Fresh identities from one source (127.0.0.2) get at most the per-source cap; more from two
-    other sources (127.0.1.1-2) fill the total cap and then take the biggest source's oldest slot,
+    other sources (127.0.1.1-2) fill the total cap and then take the biggest source's newest slot,
     never the honest source's only one; an honest newcomer still gets in, taking a flooder's slot.
     (An attacker with as many addresses as slots fills them all: admission.py admits the same.)"""
     t = await trio(RelayConfig(max_reservations=8, max_reservations_per_ip=3))
@@ -187,12 +187,15 @@ class _Flipping:
 
 
 @pytest.mark.timeout(30)
-async def test_a_relay_that_alters_bytes_breaks_the_session_never_the_data(trio: Callable[..., Any]) -> None:
+async def test_a_relay_that_alters_bytes_breaks_the_session_never_the_data(
+    trio: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
     t = await trio(service_class=FlippingRelay)
     with pytest.raises((ConnectionLost, HandshakeError)):
         for i in range(20):  # the first altered frame fails to open; nothing altered is delivered
             reply = await t.dialer.call(t.relayed, "demo.echo", {"i": i, "pad": "x" * 2000}, timeout=5)
             assert reply["echo"] == {"i": i, "pad": "x" * 2000}
+    assert any("frame failed authentication" in r.getMessage() for r in caplog.records)
 
 
 class LyingRelay(RelayService):
@@ -252,3 +255,48 @@ async def test_reserving_is_refused_when_the_relay_serves_none(make_host: Factor
             await keeper.wait_reserved(timeout=1.0)
     finally:
         await keeper.close()
+
+
+A, B, C = (PeerID.from_public_key(bytes([i]) * 32) for i in (1, 2, 3))
+
+
+def test_the_reservation_table_caps_per_source_and_in_all_and_renews_in_place() -> None:
+    table = Reservations(per_source=2, total=3)
+    assert table.reserve(A, "10.0.0.1", now=0, ttl=10) and table.reserve(B, "10.0.0.1", now=1, ttl=10)
+    assert not table.reserve(C, "10.0.0.1", now=2, ttl=10)  # the per-source cap
+    assert table.reserve(A, "10.0.0.1", now=5, ttl=10) and len(table) == 2  # a renewal keeps its slot
+    assert table.reserve(C, "10.0.0.2", now=6, ttl=10) and len(table) == 3
+    newcomer = PeerID.from_public_key(bytes([4]) * 32)
+    # at the total cap a newcomer from a source holding less takes the newest slot of the biggest source
+    assert table.reserve(newcomer, "10.0.0.3", now=7, ttl=10)
+    assert (
+        not table.holds(B, now=7)
+        and table.holds(A, now=7)
+        and table.by_source()
+        == {
+            "10.0.0.1": 1,
+            "10.0.0.2": 1,
+            "10.0.0.3": 1,
+        }
+    )
+    fifth = PeerID.from_public_key(bytes([5]) * 32)
+    assert not table.reserve(fifth, "10.0.0.3", now=8, ttl=10)  # its source holds as many as any: nobody yields
+    assert not table.holds(C, now=16.5)  # expired
+    table.purge(now=16.5, live={A, newcomer})
+    assert table.by_source() == {"10.0.0.3": 1}  # A expired at 15; C expired and is gone
+    exempt = Reservations(per_source=1, total=3, exempt=("127.0.0.1",))
+    assert all(exempt.reserve(p, "127.0.0.1", now=0, ttl=10) for p in (A, B, C))
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"max_reservations": 0}, "max_reservations must be positive"),
+        ({"circuit_bytes": -1}, "circuit_bytes must be positive"),
+        ({"circuit_seconds": 10**9}, "circuit limits out of range"),
+        ({"stop_timeout_s": 0}, "stop_timeout_s must be positive"),
+    ],
+)
+def test_a_bad_relay_config_is_refused(fields: dict[str, Any], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        RelayConfig(**fields)
