@@ -1,8 +1,9 @@
-"""The swarm state on disk and on the wire: safetensors shards plus a JSON manifest.
+"""The format of the swarm state, the same on disk and on the wire: safetensors shards plus a
+JSON manifest.
 
     snapshot = make_snapshot(diloco.state_dict(), RunInfo(...))   # copies θ_outer + momentum
-    CheckpointDir(path).write(snapshot)                           # atomic; keeps the last two
-    manifest, state = CheckpointDir(path).load_latest(expect=run_info)
+    manifest = parse_manifest(data)                               # every field checked
+    state = state_from_shards(manifest, verified_shards)          # views of the shards' bytes
 
 State = θ_outer + outer momentum + outer step (DESIGN "Words"). Tensors are named
 `params/<name>` and `momentum/<name>` and packed in name order into shards of about
@@ -11,24 +12,16 @@ State = θ_outer + outer momentum + outer step (DESIGN "Words"). Tensors are nam
 and its full config, seed, data name and H. Its own hash (`Manifest.sha256`) is the SHA-256 of
 its canonical JSON; that is what nodes advertise in the DHT and what a fetch is pinned to.
 
-On disk (`--checkpoint-dir`):
-    step-00000012/manifest.json, shard-00000.safetensors, ...
-    LATEST                                   the name of the newest whole step directory
-A write goes to `step-<N>.tmp-<pid>`, every file is fsynced, the directory is renamed into
-place and fsynced, then LATEST is replaced the same way; older steps beyond `keep` are removed.
-A node killed at any instant leaves LATEST naming a whole checkpoint (or nothing yet); loading
-verifies every shard's hash and falls back to the older step when the newest is damaged.
+Local checkpoints of this format (`--checkpoint-dir`) are checkpoint_dir.py's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 import os
 import re
-import shutil
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -36,25 +29,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 from swarm.model.configs import DEFAULT_SHARD_BYTES
 from swarm.model.run_settings import decode_settings, differences
-
-logger = logging.getLogger(__name__)
 
 FORMAT = "swarm-state/1"
 MAX_MANIFEST_BYTES = 4 << 20
 MAX_SHARDS = 65_536
 MAX_SHARD_BYTES = 4 << 30
 _SHARD_NAME = re.compile(r"^shard-\d{5}\.safetensors$")
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 KINDS = ("params", "momentum")
-LOCAL_FILE = "local.safetensors"  # a node's own tensors beside a checkpoint's shards (never served)
-LINEAGE_FILE = "lineage.msgpack"  # the receipts of the rounds that made the state (swarm/state/lineage_book.py)
 
 
 class CheckpointError(ValueError):
@@ -329,114 +315,6 @@ def verify_shard(info: ShardInfo, data: bytes | bytearray | memoryview) -> None:
         raise CheckpointError(f"shard {info.name}: SHA-256 does not match the manifest")
 
 
-# --- the checkpoint directory -----------------------------------------------------------------
-
-
-class CheckpointDir:
-    """Local checkpoints: written atomically, the last `keep` kept (see the module docstring).
-    Call write/load from a worker thread: they do disk I/O and hashing."""
-
-    def __init__(self, path: Path | str, keep: int = 2) -> None:
-        if keep < 1:
-            raise ValueError("keep must be >= 1")
-        self.path, self.keep = Path(path), keep
-
-    def write(self, snapshot: Snapshot, local: Mapping[str, torch.Tensor] | None = None,
-              lineage: bytes | None = None) -> Path:  # fmt: skip
-        """Write the snapshot (and `local`: this node's own tensors, never served, e.g. its
-        error-feedback residual, in LOCAL_FILE beside the shards; `lineage`: the receipts of the
-        rounds that made the state, in LINEAGE_FILE) as one step directory."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        final = self.path / f"step-{snapshot.manifest.step:08d}"
-        temp = self.path / f"{final.name}.tmp-{os.getpid()}"
-        shutil.rmtree(temp, ignore_errors=True)
-        temp.mkdir()
-        for name, data in snapshot.shards.items():
-            _write_synced(temp / name, data)
-        _write_synced(temp / "manifest.json", snapshot.manifest.to_json())
-        if lineage is not None:
-            _write_synced(temp / LINEAGE_FILE, lineage)
-        if local:
-            _write_synced(temp / LOCAL_FILE, safetensors_save({k: v.contiguous() for k, v in local.items()}))
-        _fsync_dir(temp)
-        if final.exists():  # the same step written again (after a restart): replace it whole
-            shutil.rmtree(final)
-        os.rename(temp, final)
-        _fsync_dir(self.path)
-        _write_synced(self.path / "LATEST.tmp", final.name.encode())
-        os.replace(self.path / "LATEST.tmp", self.path / "LATEST")
-        _fsync_dir(self.path)
-        self._prune(keep_also=final.name)
-        return final
-
-    def load_latest(self, expect: RunInfo | None = None) -> tuple[Manifest, dict[str, Any]] | None:
-        """The newest whole, verified checkpoint (falling back to older ones), or None when
-        there is none. Raises CheckpointError when one exists but belongs to another run/model."""
-        errors = []
-        for directory in self._candidates():
-            try:
-                manifest = parse_manifest((directory / "manifest.json").read_bytes())
-                if expect is not None:
-                    manifest.check_usable_by(expect)
-                shards = []
-                for info in manifest.shards:
-                    data = read_file(directory / info.name)
-                    verify_shard(info, data)
-                    shards.append(data)
-                state = state_from_shards(manifest, shards)
-                for skipped in errors:  # a newer checkpoint that could not be used: never silently
-                    logger.warning("skipped the checkpoint %s; resuming from %s instead", skipped, directory.name)
-                return manifest, state
-            except OSError as e:
-                errors.append(f"{directory.name}: {e.strerror or e}")
-            except IncompatibleState as e:
-                raise IncompatibleState(f"{self.path}: {e}") from None
-            except CheckpointError as e:
-                errors.append(f"{directory.name}: {e}")
-        if errors:
-            raise CheckpointError(f"no whole checkpoint in {self.path}: {'; '.join(errors)}")
-        return None
-
-    def load_lineage(self, step: int) -> bytes | None:
-        """The receipts written with the checkpoint of `step` (None: none, or unreadable)."""
-        path = self.path / f"step-{step:08d}" / LINEAGE_FILE
-        try:
-            return bytes(read_file(path)) if path.exists() else None
-        except OSError as e:
-            logger.warning("ignoring the unreadable %s: %s", path, e)
-            return None
-
-    def load_local(self, step: int) -> dict[str, torch.Tensor]:
-        """The node's own tensors written with the checkpoint of `step` ({} when there are none
-        or they cannot be read: they are an optimisation, never a reason not to resume)."""
-        path = self.path / f"step-{step:08d}" / LOCAL_FILE
-        try:
-            return safetensors_load(bytes(read_file(path))) if path.exists() else {}
-        except (OSError, SafetensorError) as e:
-            logger.warning("ignoring the unreadable %s: %s", path, e)
-            return {}
-
-    def _candidates(self) -> list[Path]:
-        """Step directories, the one LATEST names first, then the others newest first."""
-        if not self.path.is_dir():
-            return []
-        steps = sorted((p for p in self.path.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()), reverse=True)
-        try:
-            latest = (self.path / "LATEST").read_text().strip()
-        except OSError:
-            latest = ""
-        return sorted(steps, key=lambda p: p.name != latest)
-
-    def _prune(self, keep_also: str) -> None:
-        steps = sorted((p for p in self.path.iterdir() if _STEP_DIR.match(p.name)), reverse=True)
-        for old in steps[self.keep :]:
-            if old.name != keep_also:
-                shutil.rmtree(old, ignore_errors=True)
-        for temp in self.path.glob("step-*.tmp-*"):  # left by a killed writer
-            if temp.name.rsplit("-", 1)[-1] != str(os.getpid()):
-                shutil.rmtree(temp, ignore_errors=True)
-
-
 def read_file(path: Path) -> bytearray:
     """A whole file in a bytearray of its size (one copy, writable: tensors can view it)."""
     with open(path, "rb") as f:
@@ -445,18 +323,3 @@ def read_file(path: Path) -> bytearray:
         if f.readinto(data) != size:
             raise CheckpointError(f"{path} changed while it was read")
     return data
-
-
-def _write_synced(path: Path, data: bytes | bytearray | memoryview) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from swarm.model.checkpoint import CheckpointDir, CheckpointError, RunInfo
+from swarm.model.checkpoint import CheckpointError, RunInfo
+from swarm.model.checkpoint_dir import CheckpointDir
 from swarm.model.configs import ModelConfig
 from swarm.model.llama import build_model
 

@@ -1,4 +1,4 @@
-"""The state's format and the local checkpoint directory (swarm/model/checkpoint.py)."""
+"""The state's format (swarm/model/checkpoint.py) and the local checkpoint directory (checkpoint_dir.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from swarm.model.checkpoint import (
-    CheckpointDir,
     CheckpointError,
     IncompatibleState,
     RunInfo,
@@ -22,6 +21,7 @@ from swarm.model.checkpoint import (
     state_from_shards,
     verify_shard,
 )
+from swarm.model.checkpoint_dir import CheckpointDir
 from swarm.model.diloco import DiLoCo, DiLoCoConfig
 from swarm.model.llama import build_model
 from swarm.model.presets import preset
@@ -147,7 +147,7 @@ def test_checkpoint_dir_keeps_the_last_two_and_loads_the_newest(tmp_path: Path) 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="swarm.model.checkpoint")
+    caplog.set_level(logging.WARNING, logger="swarm.model.checkpoint_dir")
     ckpt = CheckpointDir(tmp_path)
     for step in (4, 5):
         ckpt.write(make_snapshot(copy_state(_diloco(step).state_dict()), RUN, shard_bytes=2 << 20))

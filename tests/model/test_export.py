@@ -21,7 +21,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from swarm.cli.export import main as export_main
-from swarm.model.checkpoint import CheckpointDir, RunInfo, copy_state, make_snapshot
+from swarm.model.checkpoint import RunInfo, copy_state, make_snapshot
+from swarm.model.checkpoint_dir import CheckpointDir
 from swarm.model.configs import ModelConfig
 from swarm.model.diloco import DiLoCo, DiLoCoConfig
 from swarm.model.export import ExportError, ExportOptions, export_checkpoint, hf_name

@@ -16,7 +16,7 @@ import torch
 
 from swarm.cli.common import CliError
 from swarm.cli.node_data import open_prepared
-from swarm.model.checkpoint import CheckpointDir
+from swarm.model.checkpoint_dir import CheckpointDir
 from swarm.model.data import DataUnavailableError, ShardedTokens, load_data, node_generator, sample_batch
 from swarm.model.export import ExportOptions, export_checkpoint
 from swarm.model.prepare import PrepareConfig, load_tokenizer, prepare

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.model.checkpoint import CheckpointDir
+from swarm.model.checkpoint_dir import CheckpointDir
 from swarm.model.data import TokenData
 from swarm.p2p.identity import Identity
 from tests.node.inprocess import LocalSwarm
