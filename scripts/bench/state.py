@@ -205,7 +205,7 @@ async def newcomer_main(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from swarm.dht.node import DHTNode
-    from swarm.model.diloco import state_sha256
+    from swarm.model.state_hash import state_sha256
     from swarm.p2p import P2PConfig, P2PHost
     from swarm.state.config import FetchConfig
     from swarm.state.fetcher import FetchProgress, fetch_state, remove_fetch_dir

@@ -19,7 +19,7 @@ DHT process, averager process and p2pd can be stopped together):
   Once the donor's record is visible, ``t0``; ``averager.load_state_from_peers(timeout=...)``;
   ``t1`` (the call includes hivemind's DHT get of the donors' records and the tensors' trip from
   the averager process to the caller). Checked outside that span: as many tensors as the state
-  holds, and θ_outer's SHA-256 (``swarm.model.diloco.tensors_sha256``) equals the donor's.
+  holds, and θ_outer's SHA-256 (``swarm.model.state_hash.tensors_sha256``) equals the donor's.
 
 Memory of the newcomer: VmHWM (peak resident set) of the calling process, of its averager process
 (where hivemind receives and deserializes the tensors) and of its p2pd, each read from
@@ -128,7 +128,7 @@ def donor_main(model: str, prefix: str, timeout: float) -> None:
     from hivemind.averaging import DecentralizedAverager
 
     from scripts.tools.state_seeder import make_state
-    from swarm.model.diloco import tensors_sha256
+    from swarm.model.state_hash import tensors_sha256
 
     state = make_state(model, SEED, STEP)
     params, momentum = list(state["params"].values()), list(state["momentum"].values())
@@ -164,7 +164,7 @@ def newcomer_main(prefix: str, initial_peers: list[str], timeout: float) -> None
     from hivemind import DHT
     from hivemind.averaging import DecentralizedAverager
 
-    from swarm.model.diloco import tensors_sha256
+    from swarm.model.state_hash import tensors_sha256
 
     objs: list[Any] = []
     sockets: list[str] = []

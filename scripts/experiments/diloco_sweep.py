@@ -52,13 +52,14 @@ from typing import Any
 import torch
 
 from swarm.model.data import TokenData, eval_windows, node_generator, sample_batch, stdlib_corpus
-from swarm.model.diloco import DiLoCo, DiLoCoConfig, tensors_sha256
+from swarm.model.diloco import DiLoCo, DiLoCoConfig
 from swarm.model.error_feedback import ErrorFeedback
 from swarm.model.llama import build_model
 from swarm.model.loss import eval_loss
 from swarm.model.presets import preset
 from swarm.model.schedule import SCHEDULES
 from swarm.model.sparse_blocks import BlockSelection, step_seed
+from swarm.model.state_hash import tensors_sha256
 from swarm.p2p.identity import Identity
 
 IDENTITY_TAG = "swarm.bench_diloco"

@@ -38,10 +38,10 @@ import torch
 
 from swarm.dht.node import DHTNode
 from swarm.model.checkpoint import RunInfo, Snapshot, make_snapshot
-from swarm.model.diloco import state_sha256
 from swarm.model.llama import build_model
 from swarm.model.presets import preset
 from swarm.model.run_settings import settings_digest, training_settings
+from swarm.model.state_hash import state_sha256
 from swarm.node.config import NodeConfig
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.host import P2PHost

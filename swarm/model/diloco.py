@@ -32,11 +32,8 @@ averages and updates fragment s mod P alone. `pseudo_gradients`, `round_deltas` 
 weight (`round_tokens`) counts the tokens since that fragment was last synced, and θ_inner
 moves onto θ_outer for that fragment only: the others keep training. P = 1 is plain DiLoCo.
 
-Agreement: the outer update is written as single IEEE-754 operations (no fused multiply-adds,
-no `alpha=` scaling), so members that hold the same θ_outer and momentum and apply the same
-averaged tensors end with bit-identical θ_outer (tests/model/test_diloco.py checks it by hash on
-the CPU). The same ops on a GPU round the same way, so a CUDA member and a member with θ_outer
-offloaded to the CPU should agree too; that cross-device claim is not yet pinned by a test.
+Agreement: members that hold the same θ_outer and momentum and apply the same averaged tensors
+end with bit-identical θ_outer, because the outer update (outer_sgd.py) is single IEEE-754 operations.
 
 Precision: θ_outer and the outer momentum are fp32, on the model's device or (offload_outer)
 in CPU memory. On CUDA the inner steps run under bf16 autocast with torch's fused AdamW; the
@@ -51,7 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -62,13 +59,11 @@ from swarm.model.adamw import AdamW, inner_adamw
 from swarm.model.configs import DiLoCoConfig
 from swarm.model.fragments import fragments_of
 from swarm.model.loss import autocast_for, lm_loss
+from swarm.model.outer_sgd import checked_tensors, outer_sgd_step
 from swarm.model.schedule import inner_lr
-from swarm_kernels import as_memoryview
+from swarm.model.state_hash import state_sha256, tensors_sha256
 
-__all__ = [
-    "DiLoCo", "DiLoCoConfig", "InnerStats", "NonFiniteLossError", "inner_lr", "model_fingerprint", "state_sha256",
-    "tensors_sha256",
-]  # fmt: skip
+__all__ = ["DiLoCo", "DiLoCoConfig", "InnerStats", "NonFiniteLossError", "inner_lr", "model_fingerprint"]
 
 T = TypeVar("T")
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -271,10 +266,10 @@ class DiLoCo:
         config = self.config
         if commit:
             return [
-                _moved(self.outer_params[i], self.outer_momentum[i], g, config)
+                outer_sgd_step(self.outer_params[i], self.outer_momentum[i], g, config)
                 for i, g in zip(indices, grads, strict=True)
             ]
-        return [_moved(self.outer_params[i].clone(), self.outer_momentum[i].clone(), g, config)
+        return [outer_sgd_step(self.outer_params[i].clone(), self.outer_momentum[i].clone(), g, config)
                 for i, g in zip(indices, grads, strict=True)]  # fmt: skip
 
     @torch.no_grad()
@@ -286,7 +281,7 @@ class DiLoCo:
         grads = self._checked(averaged, "averaged pseudo-gradient", indices)
         params, momentum = [t.clone() for t in self.outer_params], [m.clone() for m in self.outer_momentum]
         for i, g in zip(indices, grads, strict=True):
-            _moved(params[i], momentum[i], g, self.config)
+            outer_sgd_step(params[i], momentum[i], g, self.config)
         return {"outer_step": self.outer_step + 1, "params": dict(zip(self.names, params, strict=True)),
                 "momentum": dict(zip(self.names, momentum, strict=True))}  # fmt: skip
 
@@ -393,38 +388,7 @@ class DiLoCo:
         """`tensors` as fp32 on θ_outer's device, one for each parameter of `indices` (None: all);
         ValueError on a wrong count, shape or a non-finite value."""
         indices = range(len(self.outer_params)) if indices is None else indices
-        if len(tensors) != len(indices):
-            raise ValueError(f"{what}: {len(tensors)} tensors for {len(indices)} parameters")
-        out = []
-        for i, t in zip(indices, tensors, strict=True):
-            name, like = self.names[i], self.outer_params[i]
-            if not isinstance(t, torch.Tensor) or t.shape != like.shape or not t.is_floating_point():
-                raise ValueError(f"{what}: {name} must be a float tensor of shape {tuple(like.shape)}")
-            t = t.detach().to(like.device, torch.float32)
-            if not torch.isfinite(t).all():
-                raise ValueError(f"{what}: {name} has NaN or inf values")
-            out.append(t)
-        return out
-
-
-def _moved(theta: torch.Tensor, momentum: torch.Tensor, g: torch.Tensor, config: DiLoCoConfig) -> torch.Tensor:
-    """One tensor's outer step, in place: m ← μ·m + Δ, then θ ← θ - η·(Δ + μ·m) (Nesterov) or
-    θ - η·m; returns θ."""
-    lr, mu = config.outer_lr, config.outer_momentum
-    momentum.mul_(mu).add_(g)
-    update = torch.mul(momentum, mu).add_(g) if config.nesterov else momentum.clone()
-    return theta.sub_(update.mul_(lr))
-
-
-def state_sha256(state: dict[str, Any]) -> str:
-    """sha256 of an outer state as DiLoCo.state_dict() gives it: step, then θ_outer and the
-    momentum, each sorted by name (so a state loaded from shards, which lists its tensors shard
-    by shard, hashes as the model's own does)."""
-    digest = hashlib.sha256(b"swarm-state/2" + int(state["outer_step"]).to_bytes(8, "big"))
-    for kind in ("params", "momentum"):
-        for name in sorted(state[kind]):
-            digest.update(as_memoryview(state[kind][name].detach().cpu().contiguous()))
-    return digest.hexdigest()
+        return checked_tensors(tensors, what, [self.names[i] for i in indices], [self.outer_params[i] for i in indices])
 
 
 def model_fingerprint(diloco: DiLoCo) -> tuple[str, str]:
@@ -435,11 +399,3 @@ def model_fingerprint(diloco: DiLoCo) -> tuple[str, str]:
     for name, p in zip(diloco.names, diloco.params, strict=True):
         layout.update(f"{name}:{tuple(p.shape)}:{p.dtype}\n".encode())
     return layout.hexdigest()[:32], tensors_sha256(diloco.outer_params)[:32]
-
-
-def tensors_sha256(tensors: Iterable[torch.Tensor]) -> str:
-    """sha256 over the raw bytes of each tensor in turn (moved to the CPU, contiguous)."""
-    digest = hashlib.sha256()
-    for t in tensors:
-        digest.update(as_memoryview(t.detach().cpu().contiguous()))
-    return digest.hexdigest()

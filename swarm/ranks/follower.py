@@ -25,9 +25,10 @@ import torch.distributed as dist
 from torch import nn
 
 from swarm.model.data import TokenData, load_data
-from swarm.model.diloco import DiLoCo, NonFiniteLossError, tensors_sha256
+from swarm.model.diloco import DiLoCo, NonFiniteLossError
 from swarm.model.llama import build_model
 from swarm.model.presets import preset
+from swarm.model.state_hash import tensors_sha256
 from swarm.node.config import NodeConfig
 from swarm.ranks.commands import Command, Op
 from swarm.ranks.group import RankGroup, describe

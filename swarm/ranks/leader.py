@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable
 
 from swarm.model.data import TokenData
-from swarm.model.diloco import NonFiniteLossError, tensors_sha256
+from swarm.model.diloco import NonFiniteLossError
+from swarm.model.state_hash import tensors_sha256
 from swarm.node.data_loop import TrainingThread
 from swarm.node.errors import NodeError
 from swarm.node.permits import SessionClosed, UserSteps

@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from swarm.model.diloco import state_sha256
+from swarm.model.state_hash import state_sha256
 from swarm.p2p.peer_id import PeerID
 from swarm.state.fetcher import FetchError, RefusedManifest
 from swarm.state.holders import Holder

@@ -42,7 +42,8 @@ import torch
 from swarm.dht.node import DHTNode
 from swarm.model.checkpoint import KINDS, Manifest, RunInfo, Snapshot, copy_state, make_snapshot
 from swarm.model.checkpoint_dir import CheckpointDir
-from swarm.model.diloco import DiLoCo, state_sha256
+from swarm.model.diloco import DiLoCo
+from swarm.model.state_hash import state_sha256
 from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
 from swarm.state import trust

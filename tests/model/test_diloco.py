@@ -7,10 +7,11 @@ import torch
 from torch import nn
 
 from swarm.model.data import eval_windows, node_generator, sample_batch, stdlib_corpus
-from swarm.model.diloco import DiLoCo, DiLoCoConfig, NonFiniteLossError, inner_lr, tensors_sha256
+from swarm.model.diloco import DiLoCo, DiLoCoConfig, NonFiniteLossError, inner_lr
 from swarm.model.llama import ModelConfig, build_model
 from swarm.model.loss import eval_loss
 from swarm.model.presets import preset
+from swarm.model.state_hash import tensors_sha256
 
 SMALL = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from swarm.model.data import node_generator, sample_batch, stdlib_corpus
-from swarm.model.diloco import DiLoCo, DiLoCoConfig, state_sha256
+from swarm.model.diloco import DiLoCo, DiLoCoConfig
 from swarm.model.llama import ModelConfig, build_model
+from swarm.model.state_hash import state_sha256
 
 SMALL = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
 H = 3

@@ -23,7 +23,7 @@ import torch
 from swarm.dht import DHTNode
 from swarm.model.checkpoint import Snapshot, copy_state, make_snapshot
 from swarm.model.data import TokenData
-from swarm.model.diloco import state_sha256
+from swarm.model.state_hash import state_sha256
 from swarm.p2p import P2PHost
 from swarm.p2p.errors import P2PError
 from swarm.state.holders import advertise

@@ -15,8 +15,9 @@ import torch
 
 from swarm.dht.node import DHTNode
 from swarm.model.checkpoint import RunInfo, copy_state, make_snapshot, snapshot_like
-from swarm.model.diloco import DiLoCo, DiLoCoConfig, state_sha256
+from swarm.model.diloco import DiLoCo, DiLoCoConfig
 from swarm.model.llama import ModelConfig, build_model
+from swarm.model.state_hash import state_sha256
 from swarm.p2p import P2PConfig, P2PHost
 from swarm.p2p.errors import RemoteError
 from swarm.p2p.peer_id import PeerID
