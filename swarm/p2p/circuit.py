@@ -23,6 +23,7 @@ from collections import deque
 from typing import Any
 
 from swarm.p2p.errors import CircuitClosed, ConnectionLost, P2PError, RemoteError, RPCTimeout
+from swarm.p2p.maddr import TcpAddress
 from swarm.p2p.stream import Stream
 from swarm.p2p.wire import ErrorCode
 
@@ -40,9 +41,18 @@ class CircuitTransport(asyncio.Transport):
     the protocol (connection_made) and starts its two pumps; it owns them and ends them itself."""
 
     def __init__(
-        self, stream: Stream, protocol: asyncio.BufferedProtocol, *, peername: tuple[str, int], time_limit_s: float
+        self,
+        stream: Stream,
+        protocol: asyncio.BufferedProtocol,
+        *,
+        peername: tuple[str, int],
+        time_limit_s: float,
+        observed: TcpAddress | None = None,
+        peer_observed: TcpAddress | None = None,
     ) -> None:
         super().__init__()
+        # what the relay saw of each end: where hole punching (punch.py) dials, and whom it trusts
+        self._extra = {"peername": peername, "circuit": True, "observed": observed, "peer_observed": peer_observed}
         self._stream = stream
         self._protocol = protocol
         self._peername = peername
@@ -75,7 +85,7 @@ class CircuitTransport(asyncio.Transport):
     # --- what the protocol calls ------------------------------------------------------------
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"peername": self._peername, "circuit": True}.get(name, default)
+        return self._extra.get(name, default)
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         self._high = 64 * 1024 if high is None else high

@@ -32,6 +32,10 @@ class P2PConfig:
     # AES-256-GCM on every frame after the handshake (wire.py). Off only to measure what it
     # costs: a host with it off and one with it on refuse each other in the handshake.
     encryption: bool = True
+    # Dial out from the listening port (SO_REUSEPORT on both sockets): a NAT then maps our
+    # outbound connections the way it maps the listening port, which is the mapping that peers
+    # observe and that hole punching (punch.py) must reuse. Off: dials use ephemeral ports.
+    reuse_port: bool = False
     # sizes
     max_head_bytes: int = 1 * MiB  # largest msgpack head (call arguments, replies) we accept
     max_body_bytes: int = 16 * MiB  # largest raw body (one stream chunk) we accept

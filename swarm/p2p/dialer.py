@@ -14,6 +14,8 @@ again) and who answered at an address dialed without /p2p/.
 from __future__ import annotations
 
 import asyncio
+import errno
+import socket
 from collections.abc import Awaitable, Callable
 
 from swarm.p2p import handshake as hs
@@ -24,11 +26,11 @@ from swarm.p2p.errors import ConnectionLost, RPCTimeout
 from swarm.p2p.framing import FrameProtocol
 from swarm.p2p.maddr import CircuitAddress, PeerAddress, TcpAddress, parse_address
 from swarm.p2p.peer_id import PeerID
-from swarm.p2p.relay_wire import Limits
+from swarm.p2p.relay_wire import Opening
 from swarm.p2p.stream import Stream
 
 PeerRef = PeerID | TcpAddress | CircuitAddress | str  # a PeerID we know an address for, or a multiaddr
-OpenCircuit = Callable[[CircuitAddress], Awaitable[tuple[Stream, Limits]]]
+OpenCircuit = Callable[[CircuitAddress], Awaitable[tuple[Stream, Opening]]]
 
 
 class Dialer:
@@ -50,6 +52,7 @@ class Dialer:
         best: Callable[[PeerID], Connection | None],
         adopt: Callable[[Connection], None],
         open_circuit: OpenCircuit,
+        listening: Callable[[], TcpAddress | None],
     ) -> None:
         self.config = config
         self._new_protocol = new_protocol
@@ -58,6 +61,7 @@ class Dialer:
         self._best_connection = best
         self._adopt = adopt
         self._open_circuit = open_circuit  # a relay's HOP stream to a relayed address's peer
+        self._listening = listening  # where we listen: config.reuse_port dials go out from there
         self._dialing: dict[str, asyncio.Future[Connection]] = {}
         self._addresses: dict[PeerID, PeerAddress] = {}  # last address each peer was dialed at
         self._peer_at: dict[str, PeerID] = {}  # who answered at a dialed address (for maddrs without /p2p/)
@@ -120,21 +124,50 @@ class Dialer:
     async def _open_transport(self, addr: PeerAddress) -> FrameProtocol:
         """A protocol on a new transport to `addr`: a TCP socket, or a circuit through a relay."""
         if isinstance(addr, CircuitAddress):
-            stream, limits = await asyncio.wait_for(self._open_circuit(addr), self.config.connect_timeout)
+            stream, opening = await asyncio.wait_for(self._open_circuit(addr), self.config.connect_timeout)
             protocol = self._new_protocol()
-            peername = circuit_peername(addr.relay.peer_id)
-            CircuitTransport(stream, protocol, peername=peername, time_limit_s=limits.seconds).start()
+            CircuitTransport(stream, protocol, peername=circuit_peername(addr.relay.peer_id),
+                             time_limit_s=opening.limits.seconds, observed=opening.observed,
+                             peer_observed=opening.peer_observed).start()  # fmt: skip
             return protocol
         loop = asyncio.get_running_loop()
         try:
-            _, protocol = await asyncio.wait_for(
-                loop.create_connection(self._new_protocol, addr.host, addr.port), self.config.connect_timeout
+            sock = await asyncio.wait_for(self._from_listening_port(addr), self.config.connect_timeout)
+            connecting = (
+                loop.create_connection(self._new_protocol, sock=sock)
+                if sock is not None
+                else loop.create_connection(self._new_protocol, addr.host, addr.port)
             )
+            _, protocol = await asyncio.wait_for(connecting, self.config.connect_timeout)
         except asyncio.TimeoutError:
             raise RPCTimeout(f"TCP connect to {addr} timed out") from None
         except OSError as e:
             raise ConnectionLost(f"cannot connect to {addr}: {e.strerror or e}") from None
         return protocol
+
+    async def _from_listening_port(self, addr: TcpAddress) -> socket.socket | None:
+        """A socket connected to `addr` from our listening port (config.reuse_port), or None:
+        off, not listening on IPv4, not an IPv4 address, or that port already has a connection
+        to `addr` (then an ephemeral port serves)."""
+        local = self._listening() if self.config.reuse_port else None
+        if local is None or addr.host_protocol != "ip4":
+            return None
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.setblocking(False)
+            sock.bind((local.host, local.port))
+            await asyncio.get_running_loop().sock_connect(sock, (addr.host, addr.port))
+        except OSError as e:
+            sock.close()
+            if e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+                return None
+            raise
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     async def _open_authenticated(self, addr: PeerAddress, *, probe: bool = False) -> Connection:
         protocol = await self._open_transport(addr)

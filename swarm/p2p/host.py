@@ -40,7 +40,7 @@ from swarm.p2p.maddr import CircuitAddress, PeerAddress, TcpAddress, parse_maddr
 from swarm.p2p.pacing import bytes_acked, max_pacing_rate, set_max_pacing_rate
 from swarm.p2p.peer_id import PeerID
 from swarm.p2p.relay_client import open_circuit
-from swarm.p2p.relay_wire import Limits
+from swarm.p2p.relay_wire import Opening
 from swarm.p2p.stream import Stream
 from swarm.utils.log_once import RateLimitedLog
 
@@ -72,7 +72,7 @@ class P2PHost:
         self._host_streams = HostStreams(self.config.max_host_streams)  # inbound streams, all connections
         self._dialer = Dialer(self.config, new_protocol=self._new_protocol, new_connection=self._new_connection,
                               handshaking=self._handshaking, best=self._best_connection, adopt=self._adopt,
-                              open_circuit=self._open_circuit)  # fmt: skip
+                              open_circuit=self._open_circuit, listening=self._listening)  # fmt: skip
         self._relayed: tuple[CircuitAddress, ...] = ()  # where a relay reaches us (relay_client.RelayKeeper)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.traffic = Traffic()  # bytes on the wire, all connections together (benchmarks read it)
@@ -92,9 +92,9 @@ class P2PHost:
                 if addr.host_protocol not in ("ip4", "ip6"):
                     raise MultiaddrError(f"listen address {text!r} must be /ip4 or /ip6")
                 try:
-                    server = await loop.create_server(
-                        self._accept, addr.host, addr.port, backlog=self.config.listen_backlog, reuse_address=True
-                    )
+                    server = await loop.create_server(self._accept, addr.host, addr.port, reuse_address=True,
+                                                      reuse_port=self.config.reuse_port or None,
+                                                      backlog=self.config.listen_backlog)  # fmt: skip
                 except OSError as e:
                     if e.errno != errno.EADDRINUSE:
                         raise
@@ -295,7 +295,11 @@ class P2PHost:
         protocol.on_open = lambda opened: self._on_inbound_open(opened, expected_peer)
         return protocol
 
-    async def _open_circuit(self, addr: CircuitAddress) -> tuple[Stream, Limits]:
+    def _listening(self) -> TcpAddress | None:
+        """The first IPv4 listening address (what reuse_port dials bind to), once listening."""
+        return next((a for a in self._listen_addrs if a.host_protocol == "ip4"), None)
+
+    async def _open_circuit(self, addr: CircuitAddress) -> tuple[Stream, Opening]:
         return await open_circuit(self, addr, self.config.connect_timeout)
 
     def _on_inbound_open(self, protocol: FrameProtocol, expected_peer: PeerID | None = None) -> None:

@@ -33,6 +33,7 @@ from swarm.p2p.admission import admit_handshake, source_of
 from swarm.p2p.circuit import is_relayed
 from swarm.p2p.errors import BadRequest, Busy, NotFound, P2PError, RPCError, RPCTimeout
 from swarm.p2p.handlers import CallContext
+from swarm.p2p.maddr import TcpAddress
 from swarm.p2p.peer_id import PeerID
 from swarm.p2p.relay_wire import (
     ACCEPT,
@@ -42,10 +43,12 @@ from swarm.p2p.relay_wire import (
     STOP,
     VERSION,
     Limits,
+    Opening,
     Reservation,
     StopRequest,
     check_version,
     circuit_field,
+    observed_address,
     peer_field,
 )
 from swarm.p2p.stream import Stream
@@ -168,6 +171,7 @@ class RelayService:
             per_source=cfg.max_reservations_per_ip, total=cfg.max_reservations, exempt=cfg.exempt_ips
         )
         self._pending: dict[bytes, _Pending] = {}
+        self._observed: dict[PeerID, TcpAddress] = {}  # each reserving peer's address as we see it
         self._circuits_of: dict[PeerID, int] = {}
         self.circuits = 0  # open now
         self.relayed_bytes = 0  # all circuits so far, both directions
@@ -212,11 +216,15 @@ class RelayService:
             raise BadRequest("relay: a reservation must come on a direct connection")
         now = self._purge()
         ttl = self.config.reservation_ttl_s
+        self._observed = {p: a for p, a in self._observed.items() if self.reservations.holds(p, now)}
         if not self.reservations.reserve(ctx.peer_id, source_of(ctx.remote_address[0]), now, ttl):
             cfg = self.config
             raise Busy(f"relay holds {len(self.reservations)} reservations (at most "
                        f"{cfg.max_reservations_per_ip} per source, {cfg.max_reservations} in all)")  # fmt: skip
-        return Reservation(ttl, self.config.limits).encode()
+        observed = observed_address(ctx.remote_address)
+        if observed is not None:
+            self._observed[ctx.peer_id] = observed
+        return Reservation(ttl, self.config.limits, observed).encode()
 
     # --- hop: the dialer's end ----------------------------------------------------------------
 
@@ -246,8 +254,10 @@ class RelayService:
         self._count(+1, ctx.peer_id, target)
         ended: RPCError | None = None
         try:
-            their_end = await self._stop(circuit_id, ctx.peer_id, pending)
-            await stream.write(msgpack.packb({"v": VERSION, **cfg.limits.fields()}))
+            dialer_at = observed_address(ctx.remote_address)
+            their_end = await self._stop(circuit_id, ctx.peer_id, dialer_at, pending)
+            target_at = self._observed.get(target)
+            await stream.write(msgpack.packb(Opening(cfg.limits, dialer_at, target_at).encode()))
             await self._splice(stream, their_end, cfg.limits)
         except RPCError as e:
             ended = e
@@ -263,12 +273,12 @@ class RelayService:
             if not pending.accepted.done():
                 pending.accepted.cancel()
 
-    async def _stop(self, circuit_id: bytes, dialer: PeerID, pending: _Pending) -> Stream:
+    async def _stop(self, circuit_id: bytes, dialer: PeerID, dialer_at: TcpAddress | None, pending: _Pending) -> Stream:
         """Ask the target to open its end; its accept stream, or NoReservationHere."""
         cfg, target = self.config, pending.target
         if target not in self.host.connected_peers():  # never dial a target: it is behind NAT
             raise NoReservationHere(f"{target} is no longer connected to relay {self.host.peer_id}")
-        request = StopRequest(circuit_id, dialer, cfg.limits).encode()
+        request = StopRequest(circuit_id, dialer, cfg.limits, dialer_at).encode()
         try:
             await self.host.call(target, STOP, request, timeout=cfg.stop_timeout_s)
             return await asyncio.wait_for(asyncio.shield(pending.accepted), cfg.stop_timeout_s)

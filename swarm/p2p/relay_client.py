@@ -35,9 +35,9 @@ from swarm.p2p.relay_wire import (
     RESERVE,
     STOP,
     VERSION,
-    Limits,
+    Opening,
     Reservation,
-    decode_limits,
+    decode_opening,
     decode_reservation,
     decode_stop,
 )
@@ -66,8 +66,9 @@ class _ClientHost(Protocol):  # what this module needs of a P2PHost (host.py imp
     def set_relayed_addresses(self, addrs: Sequence[CircuitAddress]) -> None: ...
 
 
-async def open_circuit(host: _ClientHost, addr: CircuitAddress, timeout: float) -> tuple[Stream, Limits]:
-    """Ask addr.relay for a circuit to addr.peer_id: the open HOP stream and the circuit's limits.
+async def open_circuit(host: _ClientHost, addr: CircuitAddress, timeout: float) -> tuple[Stream, Opening]:
+    """Ask addr.relay for a circuit to addr.peer_id: the open HOP stream and the relay's opening
+    (the circuit's limits, and the two ends' addresses as the relay sees them).
     NoReservation if the relay holds none for the peer; RelayRefused if it is at its caps."""
     request = {"v": VERSION, "peer": addr.peer_id.to_bytes()}
     stream = await host.open_stream(addr.relay, HOP, request, timeout=timeout)
@@ -84,11 +85,11 @@ async def open_circuit(host: _ClientHost, addr: CircuitAddress, timeout: float) 
     try:
         if first is None or len(first) > MAX_OPENING_BYTES:
             raise ProtocolError("the relay's first chunk must be a small map")
-        limits = decode_limits(msgpack.unpackb(bytes(first), raw=False))
+        opening = decode_opening(msgpack.unpackb(bytes(first), raw=False))
     except (ProtocolError, ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
         await stream.cancel()
         raise RelayRefused(f"relay {addr.relay.peer_id} opened the circuit badly: {e}") from None
-    return stream, limits
+    return stream, opening
 
 
 class RelayKeeper:
@@ -208,7 +209,7 @@ class RelayKeeper:
             ctx.peer_id, ACCEPT, {"v": VERSION, "circuit": request.circuit}, timeout=self.call_timeout
         )
         protocol = self.host.inbound_protocol(expected_peer=request.peer)
-        CircuitTransport(
-            stream, protocol, peername=circuit_peername(ctx.peer_id), time_limit_s=request.limits.seconds
-        ).start()
+        observed = self.reservation.observed if self.reservation is not None else None
+        CircuitTransport(stream, protocol, peername=circuit_peername(ctx.peer_id), time_limit_s=request.limits.seconds,
+                         observed=observed, peer_observed=request.observed).start()  # fmt: skip
         return {"v": VERSION}

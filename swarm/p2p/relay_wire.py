@@ -10,21 +10,27 @@ reaches T as ``<R's multiaddr>/p2p/R/p2p-circuit/p2p/T``::
 
     T -> R  p2p.relay.ping     unary.  args {v}. reply {v}: what a peer times to choose the
                                relay nearest to it (the round trip of one call).
-    T -> R  p2p.relay.reserve  unary.  args {v}. reply {v, ttl, limit_bytes, limit_s}: R keeps a
-                               reservation for T until ttl seconds from now, bound to the
-                               connection the call came on; T renews it before then. Refused
-                               with ERROR busy at R's caps (per source IP, in all).
+    T -> R  p2p.relay.reserve  unary.  args {v}. reply {v, ttl, limit_bytes, limit_s, observed}:
+                               R keeps a reservation for T until ttl seconds from now, bound
+                               to the connection the call came on; T renews it before then.
+                               Refused with ERROR busy at R's caps (per source IP, in all).
     D -> R  p2p.relay.hop      stream. args {v, peer}: a circuit to `peer` (PeerID bytes). R
                                refuses with ERROR no_reservation if it holds none for the peer,
                                or busy at its circuit caps. Otherwise R asks T (stop, below)
                                and, once T accepted, sends one DATA chunk, msgpack {v,
-                               limit_bytes, limit_s}; every later chunk in either direction is
-                               the circuit's bytes, passed on unchanged.
-    R -> T  p2p.relay.stop     unary.  args {v, circuit, peer, limit_bytes, limit_s}: D (`peer`,
-                               as R claims) asks for a circuit. T answers {v} after it opened:
+                               limit_bytes, limit_s, observed, peer_observed}; every later chunk
+                               in either direction is the circuit's bytes, passed on unchanged.
+    R -> T  p2p.relay.stop     unary.  args {v, circuit, peer, limit_bytes, limit_s, observed}:
+                               D (`peer`, as R claims) asks for a circuit. T answers {v} after
+                               it opened:
     T -> R  p2p.relay.accept   stream. args {v, circuit}: T's end of the circuit `circuit` (16
                                random bytes R made for this circuit); its chunks are the
                                circuit's bytes.
+
+`observed` is the caller's own address as R sees it (the multiaddr of its connection to R: its
+NAT's public address and mapped port); in stop it is D's, and `peer_observed` in hop's first
+chunk is T's (from its reservation). Hole punching (punch.py) dials these, and refuses addresses
+outside them. Each may be absent (nil) where R does not know it.
 
 R splices the hop stream and the accept stream. At either limit (bytes in both directions
 together, or seconds since the circuit opened) R ends both calls with ERROR circuit_limit, so
@@ -38,10 +44,12 @@ against what R claimed in stop.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.p2p.errors import BadRequest, IdentityError, ProtocolError
+from swarm.p2p.errors import BadRequest, IdentityError, MultiaddrError, ProtocolError
+from swarm.p2p.maddr import TcpAddress, parse_maddr
 from swarm.p2p.peer_id import PeerID
 
 VERSION = 1
@@ -55,6 +63,7 @@ MAX_PEER_ID_BYTES = 128  # an Ed25519 PeerID is 38 bytes; anything far larger is
 MAX_LIMIT_BYTES = 1 << 50
 MAX_LIMIT_S = 7 * 24 * 3600.0
 MAX_TTL_S = 24 * 3600.0
+MAX_OBSERVED_CHARS = 128  # /ip6/<39 characters>/tcp/65535 fits many times
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,9 +87,23 @@ class Reservation:
 
     ttl: float
     limits: Limits
+    observed: TcpAddress | None = None  # the reserving peer's address as the relay sees it
 
     def encode(self) -> dict[str, Any]:
-        return {"v": VERSION, "ttl": self.ttl, **self.limits.fields()}
+        return {"v": VERSION, "ttl": self.ttl, **self.limits.fields(), "observed": _text(self.observed)}
+
+
+@dataclass(frozen=True, slots=True)
+class Opening:
+    """The relay's first chunk on HOP: the circuit is open."""
+
+    limits: Limits
+    observed: TcpAddress | None = None  # the dialer's address as the relay sees it
+    peer_observed: TcpAddress | None = None  # the target's, from its reservation
+
+    def encode(self) -> dict[str, Any]:
+        fields = {"observed": _text(self.observed), "peer_observed": _text(self.peer_observed)}
+        return {"v": VERSION, **self.limits.fields(), **fields}
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +111,40 @@ class StopRequest:
     circuit: bytes
     peer: PeerID  # the dialer, as the relay claims it
     limits: Limits
+    observed: TcpAddress | None = None  # the dialer's address as the relay sees it
 
     def encode(self) -> dict[str, Any]:
-        return {"v": VERSION, "circuit": self.circuit, "peer": self.peer.to_bytes(), **self.limits.fields()}
+        fields = {"circuit": self.circuit, "peer": self.peer.to_bytes(), "observed": _text(self.observed)}
+        return {"v": VERSION, **fields, **self.limits.fields()}
+
+
+def observed_address(remote_address: tuple[str, int]) -> TcpAddress | None:
+    """The multiaddr of a connection's far end, from its (ip, port); None where it is no IP."""
+    try:
+        ip = ipaddress.ip_address(remote_address[0])
+    except ValueError:
+        return None
+    return TcpAddress("ip4" if ip.version == 4 else "ip6", str(ip), int(remote_address[1]))
+
+
+def _text(addr: TcpAddress | None) -> str | None:
+    return None if addr is None else addr.to_maddr()
+
+
+def _observed(args: dict[str, Any], key: str) -> TcpAddress | None:
+    """An observed address field: nil, or an /ip4|/ip6 TCP multiaddr without /p2p/."""
+    text = args.get(key)
+    if text is None:
+        return None
+    if not isinstance(text, str) or len(text) > MAX_OBSERVED_CHARS:
+        raise ProtocolError(f"relay message: {key!r} must be a short multiaddr")
+    try:
+        addr = parse_maddr(text)
+    except MultiaddrError as e:
+        raise ProtocolError(f"relay message: {key!r}: {e}") from None
+    if addr.host_protocol not in ("ip4", "ip6") or addr.peer_id is not None:
+        raise ProtocolError(f"relay message: {key!r} must be /ip4 or /ip6 HOST/tcp/PORT")
+    return addr
 
 
 def _number(args: dict[str, Any], key: str, kind: type) -> Any:
@@ -145,14 +199,19 @@ def decode_reservation(reply: Any) -> Reservation:
     ttl = _number(reply, "ttl", float)
     if not 0 < ttl <= MAX_TTL_S:
         raise ProtocolError(f"relay reservation ttl {ttl} out of range")
-    return Reservation(ttl, limits)
+    return Reservation(ttl, limits, _observed(reply, "observed"))
+
+
+def decode_opening(fields: Any) -> Opening:
+    limits = decode_limits(fields)
+    return Opening(limits, _observed(fields, "observed"), _observed(fields, "peer_observed"))
 
 
 def decode_stop(args: Any) -> StopRequest:
     """A stop request as the target reads it (BadRequest when malformed)."""
     check_version(args)
     try:
-        limits = decode_limits(args)
+        limits, observed = decode_limits(args), _observed(args, "observed")
     except ProtocolError as e:
         raise BadRequest(str(e)) from None
-    return StopRequest(circuit_field(args), peer_field(args), limits)
+    return StopRequest(circuit_field(args), peer_field(args), limits, observed)
