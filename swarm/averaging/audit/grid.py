@@ -1,4 +1,6 @@
 """GridAudit: the owner audit of a grid round (rounds/grid.py), audit/flat.py's checks for both stages.
+This module prepares our side, fetches the others' receipts and serves ours; the checks of the
+receipts are grid_checks.py's.
 
 A grid round has two kinds of owners a member must not have to trust: the owner (r, c) that
 reduces its row's slices of part c into a row partial (stage 1), and the owner (s, c) that
@@ -40,8 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import blake3
@@ -49,18 +49,12 @@ import msgpack
 import torch
 
 from swarm.averaging.audit.arithmetic import (
-    SENT_TOL,
     AuditFailure,
-    Prepared,
-    Receipt,
     audit_buckets,
-    check_receipt,
     part_seed,
-    quantization_tol,
     sketch_plan,
 )
 from swarm.averaging.audit.flat import (
-    OURS,
     RECEIPT,
     WRONG_SEED,
     Verdict,
@@ -70,10 +64,16 @@ from swarm.averaging.audit.flat import (
     receipt_of,
     retrieved,
     succeeded,
-    unpack_receipt,
     verdict_of,
 )
-from swarm.averaging.robust import robust_coefficients
+from swarm.averaging.audit.grid_checks import (
+    ROW_RECEIPT,
+    ColumnSide,
+    RowEntry,
+    check_column_receipt,
+    check_row_receipt,
+    live_subparts,
+)
 from swarm.averaging.rounds.partition import payload_layout
 from swarm.p2p.errors import BadRequest, NotFound, P2PError, RemoteError
 from swarm.p2p.handlers import CallContext
@@ -87,22 +87,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ROW_RECEIPT = -1  # "k" of a row receipt
-RowEntry = tuple[list[int], torch.Tensor, float]  # a row partial in a column receipt: members, sketch, |.|^2
 NOT_FINAL = "our results are not final"  # a slow owner, not a liar
-
-
-@dataclass
-class ColumnSide:
-    """Our side of column c's checks: its seed and plan, the sketches (and squared norms) of
-    each final sub-part, and of what we sent: our row partial's sub-parts (an owner of c) or
-    our slice of part c (anyone else)."""
-
-    seed: bytes
-    plan: SketchPlan
-    observed: dict[int, tuple[torch.Tensor, float]] = field(default_factory=dict)
-    sent: dict[int, tuple[torch.Tensor, float]] = field(default_factory=dict)  # sub-part, or ROW_RECEIPT
-    receipts: dict[int, Any] = field(default_factory=dict)  # k -> the raw receipt, once fetched
 
 
 class GridAudit:
@@ -129,7 +114,7 @@ class GridAudit:
         return self.seeds[c]
 
     def _live(self, c: int) -> list[int]:
-        return [s for s, (lo, hi) in enumerate(self.round.grid.subs[c]) if hi > lo]
+        return live_subparts(self.round, c)
 
     async def _prepare(self, c: int) -> ColumnSide | None:
         r = self.round
@@ -277,7 +262,7 @@ class GridAudit:
             if s not in side.receipts:
                 continue
             try:
-                problems, entry = self._check_sub(c, s, side)
+                problems, entry = check_column_receipt(r, c, s, side)
             except AuditFailure as e:
                 problems, entry = [str(e)], None
             if entry is not None:
@@ -285,96 +270,11 @@ class GridAudit:
             verdicts.append(verdict_of(r, c, asks[s], problems, unit="column"))
         if ROW_RECEIPT in side.receipts:
             try:
-                problems = self._check_row(c, side, rows_seen)
+                problems = check_row_receipt(r, c, side, rows_seen)
             except AuditFailure as e:
                 problems = [str(e)]
             verdicts.append(verdict_of(r, c, asks[ROW_RECEIPT], problems, "row", "column"))
         return verdicts
-
-    def _check_sub(self, c: int, s: int, side: ColumnSide) -> tuple[list[str], RowEntry | None]:
-        """Column receipt (c, s); also returns the entry of the row we sit in, as the receipt
-        states it (its members, sketch, squared norm), for our row receipt's check."""
-        r, grid = self.round, self.round.grid
-        msg = unpack_receipt(side.receipts[s])
-        receipt = Receipt.decode(msg, grid.rows)
-        listed = msg.get("rm")
-        if not isinstance(listed, list) or len(listed) != len(receipt.included):
-            raise AuditFailure("receipt: one member list per row")
-        for row, members in zip(receipt.included, listed, strict=True):
-            if not isinstance(members, list) or not set(members) <= set(grid.row_members[row]) or not all(
-                isinstance(i, int) for i in members) or members != sorted(set(members)):  # fmt: skip
-                raise AuditFailure(f"receipt: a bad member list for row {row}")
-        weights = [0.0] * grid.rows
-        for row, members in zip(receipt.included, listed, strict=True):
-            weights[row] = sum(r.weights[i] for i in members)
-        final_members = set(r.final[(c, s)][0])
-        rows = dict(zip(receipt.included, listed, strict=True))
-        kept = [row for row, members in rows.items() if members and set(members) <= final_members]
-        problems = []
-        if {i for row in kept for i in rows[row]} != final_members:
-            problems.append("the result's members are not those of the rows the receipt keeps")
-        lo, hi = grid.subs[c][s]
-        observed, result_sq = side.observed[s]
-        # an owner of c whose partial went out (side.sent) checks the receipt's entry of its row
-        owner_here = c == r.col and r.row in receipt.included and s in side.sent
-        own, own_sq = side.sent.get(s, (torch.zeros_like(observed), 0.0))
-        problems += check_receipt(
-            receipt, weights=weights, result=r.result[lo:hi], seed=side.seed, part=c,
-            me=r.row if owner_here else None, mine=r.result[lo:hi] if owner_here else None, included=kept,
-            prepared=Prepared(observed, own, own_sq, result_sq, own_sent=True),
-            tolerance=quantization_tol(r.config.codec), buckets=side.plan.buckets,
-        )  # fmt: skip
-        sent_members = sorted(r.row_reduction.result.result()[0]) if owner_here and r.row_reduction else None
-        if sent_members is not None and listed[receipt.included.index(r.row)] != sent_members:
-            problems.append(f"{OURS} row's members")
-        entry = None
-        if r.row in receipt.included:
-            k = receipt.included.index(r.row)
-            entry = (listed[k], receipt.sketches[k].double(), receipt.gram[k][k])
-        return problems, entry
-
-    def _check_row(self, c: int, side: ColumnSide, rows_seen: dict[int, RowEntry]) -> list[str]:
-        """The row receipt of our row's owner of column c: what it says of our slice; that the
-        partial it says it sent ("ps", "pn") is the reduction it describes; and that the owners
-        of column c say they got that partial. One owner that disagrees cannot say who lies (it,
-        or our row's owner): logged. Two or more: our row's owner sent other bytes than it says."""
-        r, grid = self.round, self.round.grid
-        msg = unpack_receipt(side.receipts[ROW_RECEIPT])
-        receipt = Receipt.decode(msg, len(r.group.members))
-        if not set(receipt.included) <= set(grid.row_members[r.row]):
-            raise AuditFailure("receipt: members of another row")
-        width = side.plan.buckets
-        raw, norms = msg.get("ps"), msg.get("pn")
-        if not isinstance(raw, bytes) or len(raw) != grid.rows * width * 4:
-            raise AuditFailure("receipt: the partial's sketches must be rows x buckets float32")
-        if not isinstance(norms, list) or len(norms) != grid.rows or not all(isinstance(v, float | int) for v in norms):
-            raise AuditFailure("receipt: one squared norm per sub-part")
-        sent = torch.frombuffer(bytearray(raw), dtype=torch.float32).view(grid.rows, width).double()
-        # NaN compares false with every bound: a partial stated as NaN would pass every check below
-        if not torch.isfinite(sent).all() or not all(math.isfinite(v) and v >= 0 for v in norms):
-            raise AuditFailure("receipt: the partial's sketches and norms must be finite")
-        live = self._live(c)
-        own, own_sq = side.sent[ROW_RECEIPT]
-        lo, hi = grid.parts[c]
-        problems = check_receipt(
-            receipt, weights=r.weights, result=r.result[lo:hi], seed=side.seed, part=c, me=r.me, mine=r.result[lo:hi],
-            prepared=Prepared(sent[live].sum(0), own, own_sq, float(sum(norms[s] for s in live)), own_sent=True),
-            tolerance=quantization_tol(r.config.codec), buckets=width,
-        )  # fmt: skip
-        kept = sorted(i for i, fate in zip(receipt.included, robust_fates(receipt, r.weights), strict=True) if fate)
-        disagree = []
-        for s, (members, sketch, sq) in sorted(rows_seen.items()):
-            scale = max(float(sketch.norm()), float(sent[s].norm()))
-            if members != kept or abs(sq - norms[s]) > 2 * SENT_TOL * max(sq, norms[s]) + 1e-30 or float(
-                (sketch - sent[s]).norm()) > SENT_TOL * scale + 1e-30:  # fmt: skip
-                disagree.append(grid.owners[s][c])
-        if len(disagree) >= 2:
-            problems.append(f"its partial is not what it says it sent: owners {disagree} of column {c} got another")
-        elif disagree:
-            owners = (r.group.members[grid.owners[r.row][c]].peer_id, r.group.members[disagree[0]].peer_id)
-            logger.warning("round %s: audit: %s and %s disagree on the row partial of column %d: one of them lies",
-                           r._tag(), *owners, c)  # fmt: skip
-        return problems
 
     def _judge(self, verdicts: list[Verdict]) -> list[PeerID]:
         return judge(self.round, verdicts, "column")
@@ -403,12 +303,6 @@ class GridAudit:
         data = await asyncio.shield(receipt)
         await stream.write(data)
         r.report.bytes_sent += len(data)
-
-
-def robust_fates(receipt: Receipt, weights: list[float]) -> list[bool]:
-    """Which of a receipt's contributions its rule keeps."""
-    _, fates = robust_coefficients(receipt.gram, [weights[i] for i in receipt.included])
-    return [fate.dropped is None for fate in fates]
 
 
 def _digest(payloads: list[memoryview]) -> bytes:
