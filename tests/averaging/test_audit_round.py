@@ -19,6 +19,7 @@ from swarm.averaging.errors import AllReduceError, AuditError
 from swarm.averaging.messages import GroupInfo
 from swarm.averaging.rounds import reduction
 from swarm.averaging.rounds.flat import AllReduceRound
+from swarm.averaging.rounds.flat_serving import FlatServing
 from swarm.averaging.rounds.partition import payload_layout
 from swarm.dht import DHTNode
 from swarm.p2p import P2PHost
@@ -280,25 +281,26 @@ async def test_an_owner_that_sends_one_member_other_bytes_is_caught_by_that_memb
     group, members = await make_group(4, weights=[1.0] * 4, **SMALL)
     rounds = rounds_of(group, members, deltas(4, seed=2))
     liar = rounds[3]
-    reply = AllReduceRound._reply
+    reply = FlatServing._reply
 
-    async def equivocating(self: AllReduceRound, stream: Any, final: Any, index: int | None, rate: Any = None) -> None:
-        if self is liar and index == 1:
-            lo, hi = self.parts[3]
+    async def equivocating(self: FlatServing, stream: Any, final: Any, index: int | None, rate: Any = None) -> None:
+        r = self.round
+        if r is liar and index == 1:
+            lo, hi = r.parts[3]
             lie = []
-            for a, b, where in payload_layout(lo, hi, self.config.chunk_elements, self.codec.encoded_nbytes):
-                true = self.codec.decode(final[1][where], b - a)
-                lie.append(as_memoryview(self.codec.encode(-100 * true)).tobytes())
+            for a, b, where in payload_layout(lo, hi, r.config.chunk_elements, r.codec.encoded_nbytes):
+                true = r.codec.decode(final[1][where], b - a)
+                lie.append(as_memoryview(r.codec.encode(-100 * true)).tobytes())
             final = (final[0], memoryview(b"".join(lie)))
         await reply(self, stream, final, index, rate)
 
-    stream_answer = AllReduceRound._stream_answer
+    stream_answer = FlatServing._stream_answer
 
-    async def whole_answers(self: AllReduceRound, *args: Any) -> bool:
-        return False if self is liar else await stream_answer(self, *args)  # the liar answers through _reply
+    async def whole_answers(self: FlatServing, *args: Any) -> bool:
+        return False if self.round is liar else await stream_answer(self, *args)  # the liar answers through _reply
 
-    monkeypatch.setattr(AllReduceRound, "_reply", equivocating)
-    monkeypatch.setattr(AllReduceRound, "_stream_answer", whole_answers)
+    monkeypatch.setattr(FlatServing, "_reply", equivocating)
+    monkeypatch.setattr(FlatServing, "_stream_answer", whole_answers)
     outcomes = await run_all(rounds)
     assert isinstance(outcomes[1], AuditError) and outcomes[1].owners == [group.members[3].peer_id]
     for i in (0, 2):

@@ -17,6 +17,7 @@ import torch
 from swarm.averaging.messages import GroupInfo
 from swarm.averaging.rounds import flat
 from swarm.averaging.rounds.flat import AllReduceRound
+from swarm.averaging.rounds.flat_serving import FlatServing
 from swarm.p2p.errors import P2PError
 from tests.averaging.rounds import MakeGroup, Member
 from tests.averaging.test_audit_round import deltas, run_all
@@ -103,10 +104,10 @@ async def test_a_garbled_streamed_answer_loses_the_part_to_its_backup(
     vectors = deltas(4, NUMEL, seed=5)
     all_rounds = rounds(group, members, vectors)
     liar = all_rounds[1]
-    stream_answer = AllReduceRound._stream_answer
+    stream_answer = FlatServing._stream_answer
 
-    async def garbled(self: AllReduceRound, stream: Any, reduction: Any, incoming: Any, uploaded: Any) -> bool:
-        if self is not liar:
+    async def garbled(self: FlatServing, stream: Any, reduction: Any, incoming: Any, uploaded: Any) -> bool:
+        if self.round is not liar:
             return await stream_answer(self, stream, reduction, incoming, uploaded)
         await reduction.result
         layout = reduction.layout
@@ -122,7 +123,7 @@ async def test_a_garbled_streamed_answer_loses_the_part_to_its_backup(
         await stream.end()
         return True
 
-    monkeypatch.setattr(AllReduceRound, "_stream_answer", garbled)
+    monkeypatch.setattr(FlatServing, "_stream_answer", garbled)
     _, report = agreed(await run_all(all_rounds), [0, 2, 3])
     assert report.contributions[1] == [0, 2, 3]  # member 2 took the part over, without the liar's slice
     assert 1 not in report.streamed

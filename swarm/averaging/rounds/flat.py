@@ -29,6 +29,8 @@ Faults (DESIGN invariant 5):
     avg.fetch  {"g": group_id, "p": part}
                -> msgpack {"inc": [...]} and the encoded average, or {"none": true}
     avg.receipt  the owner audit, each part once its result is final (audit/flat.py)
+
+This module gets each part's average; the owner's side of these streams is flat_serving.py's.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ import logging
 import time
 from typing import Any
 
-import msgpack
 import torch
 
 from swarm.averaging.audit.flat import RoundAudit
@@ -46,12 +47,13 @@ from swarm.averaging.config import AveragingConfig
 from swarm.averaging.errors import AllReduceError
 from swarm.averaging.messages import GroupInfo
 from swarm.averaging.rounds.bandwidth import PACE_FACTOR, busy_rate
+from swarm.averaging.rounds.flat_serving import FlatServing
 from swarm.averaging.rounds.member import RoundMember, RoundReport, await_parts
 from swarm.averaging.rounds.partition import part_bounds, payload_layout, payload_size, upload_paces
-from swarm.averaging.rounds.reduction import Incoming, PartReduction, byte_buffer
+from swarm.averaging.rounds.reduction import PartReduction, byte_buffer
 from swarm.averaging.rounds.registry import FETCH, PART, RoundRegistry
 from swarm.averaging.rounds.streams import Final, read_exactly, read_header, read_into, write_encoded
-from swarm.p2p.errors import BadRequest, P2PError
+from swarm.p2p.errors import P2PError
 from swarm.p2p.handlers import CallContext
 from swarm.p2p.host import P2PHost
 from swarm.p2p.pacing import MIN_RATE
@@ -83,7 +85,7 @@ class AllReduceRound(RoundMember):
     ) -> None:
         super().__init__(host, registry, group, vector, config)
         self.parts = part_bounds(vector.numel(), self.bandwidths, config.block_size)
-        # member index -> the cap on our sending to it, while the round runs (`_pace`); never under
+        # member index -> the cap on our sending to it, while the round runs (`pace_to`); never under
         # the kernel's floor (a member announcing a tiny bandwidth owns a tiny part, so a tiny share)
         paces = upload_paces(self.parts, self.me, upload, PACE_FACTOR) if upload is not None else {}
         self.paces = {j: max(MIN_RATE, rate) for j, rate in paces.items()}
@@ -92,6 +94,7 @@ class AllReduceRound(RoundMember):
         self.reductions: dict[int, PartReduction] = {}
         self.reducer_of: dict[int, int] = {}  # part -> the member whose result we took (the audit asks it)
         self.audit = RoundAudit(self) if config.audit and config.aggregator == "robust" else None
+        self.serving = FlatServing(self)  # answers the streams other members open (flat_serving.py)
 
     async def run(self) -> tuple[torch.Tensor, RoundReport]:
         """The averaged vector (a new tensor) and the report; AllReduceError when the round
@@ -128,7 +131,7 @@ class AllReduceRound(RoundMember):
             acked.append((time.monotonic(), self.host.bytes_acked(peers)))
             await asyncio.sleep(SAMPLE_S)
 
-    def _pace(self, index: int) -> None:
+    def pace_to(self, index: int) -> None:
         """Cap our sending to member `index` at its share of our upload, once a stream to or from
         it runs (the connection exists by then); `run` lifts the caps."""
         rate = self.paces.get(index)
@@ -153,7 +156,7 @@ class AllReduceRound(RoundMember):
         for reducer in reducers:
             try:
                 if reducer == self.me:
-                    reduction = self._reduction(j)
+                    reduction = self.reduction_of(j)
                     final = await asyncio.wait_for(asyncio.shield(reduction.result), 3 * self.config.part_timeout)
                 else:
                     final = await self._exchange(reducer, j)
@@ -171,7 +174,7 @@ class AllReduceRound(RoundMember):
         if j == self.me:
             self.report.reduce_s = time.perf_counter() - self._started
 
-    def _reduction(self, j: int) -> PartReduction:
+    def reduction_of(self, j: int) -> PartReduction:
         """The reduction of part j here: our own part, or one we take over from a dead owner."""
         reduction = self.reductions.get(j)
         if reduction is None:
@@ -203,7 +206,7 @@ class AllReduceRound(RoundMember):
         args = {"g": self.group.group_id, "i": self.me, "p": j}
         member = self.group.members[reducer]
         async with await self.host.open_stream(member.address(), PART, args, timeout=timeout) as stream:
-            self._pace(reducer)
+            self.pace_to(reducer)
             started = time.monotonic()
             # read while we write: a streamed answer begins before our slice is all sent
             answer = asyncio.ensure_future(self._read_final(stream, lo, hi, 2 * timeout))
@@ -293,115 +296,13 @@ class AllReduceRound(RoundMember):
     def _encoded_size(self, lo: int, hi: int) -> int:
         return payload_size(payload_layout(lo, hi, self.config.chunk_elements, self.codec.encoded_nbytes))
 
-    # --- serving -------------------------------------------------------------------------------
+    # --- serving: the registry routes these streams to the round; FlatServing answers them -------
 
     async def serve_part(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
-        index, part = args.get("i"), args.get("p")
-        members = self.group.members
-        if not isinstance(index, int) or not 0 <= index < len(members) or members[index].peer_id != ctx.peer_id:
-            raise BadRequest("avg.part: sender index does not match the caller")
-        if not isinstance(part, int) or not 0 <= part < len(members) or members[self.me].client:
-            raise BadRequest("avg.part: no such part here")
-        if part in self.final and part not in self.reductions:  # we already hold its average
-            while await stream.read(timeout=self.config.part_timeout) is not None:
-                pass
-            await self._reply(stream, self.final[part], index)
-            return
-        if self.finished:
-            raise BadRequest("avg.part: this member's round is over")
-        self._pace(index)
-        reduction = self._reduction(part)
-        try:
-            incoming = reduction.incoming(index)
-        except ValueError as e:
-            raise BadRequest(str(e)) from None
-        uploaded = asyncio.get_running_loop().create_future()
-        answer = asyncio.ensure_future(self._stream_answer(stream, reduction, incoming, uploaded))
-        try:
-            try:
-                while (chunk := await stream.read(timeout=self.config.part_timeout)) is not None:
-                    incoming.add(chunk)
-                    self.report.bytes_received += len(chunk)
-                    reduction.changed.set()  # a chunk of the part may be complete: streaming
-                incoming.finish()
-            except (P2PError, MalformedPayload, TimeoutError) as e:
-                logger.info("round %s: sender %d left out of part %d: %s", self._tag(), index, part, e)
-                incoming.failed = True
-                return
-            finally:
-                reduction.changed.set()
-            uploaded.set_result(None)
-            self.note_download(incoming)
-            if await answer:
-                return
-            final = await asyncio.wait_for(asyncio.shield(reduction.result), 2 * self.config.part_timeout)
-            await self._reply(stream, final, index, incoming.rate())
-        finally:
-            answer.cancel()
-
-    async def _stream_answer(
-        self, stream: Stream, reduction: PartReduction, incoming: Incoming, uploaded: asyncio.Future[None]
-    ) -> bool:
-        """Answer a sender chunk by chunk as the part is reduced (the module docstring); False
-        when the reduction is not streamed (the whole result is sent once it exists)."""
-        timeout = 2 * self.config.part_timeout
-        if not reduction.streams or not await asyncio.wait_for(asyncio.shield(reduction.streaming), timeout):
-            return False
-        sent, streamed = 0, 0
-        try:
-            header = msgpack.packb({"inc": reduction.streamed_included, "st": 1})
-            await stream.write(header)
-            sent += len(header)
-            for c, (_, _, where) in enumerate(reduction.layout):
-                if not await asyncio.wait_for(asyncio.shield(reduction.chunks_out[c]), timeout):
-                    break  # streaming stopped: the whole result follows
-                mark = msgpack.packb({"c": c})
-                await stream.write(mark)
-                await stream.write(reduction.streamed_payload[where])
-                sent, streamed = sent + len(mark) + where.stop - where.start, streamed + 1
-            await asyncio.wait_for(asyncio.shield(uploaded), timeout)  # then the rate its bytes came at
-            final = await asyncio.wait_for(asyncio.shield(reduction.result), timeout)
-            rate = incoming.rate()
-            timed = {"r": rate} if rate is not None else {}
-            if streamed == len(reduction.layout) and final[1] is reduction.streamed_payload:
-                last = msgpack.packb({"fin": 1, **timed})
-                await stream.write(last)
-            else:
-                last = msgpack.packb({"inc": final[0], **timed})
-                await stream.write(last)
-                await stream.write(memoryview(final[1]))
-                sent += len(final[1])
-            await stream.end()
-        except P2PError as e:  # the caller left before its answer: its loss alone
-            logger.info("round %s: member %s left before its result: %s", self._tag(), incoming.index, e)
-            return True
-        self.report.bytes_sent += sent + len(last)
-        return True
+        await self.serving.serve_part(ctx, args, stream)
 
     async def serve_fetch(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
-        part = args.get("p")
-        if not isinstance(part, int) or not 0 <= part < len(self.group.members):
-            raise BadRequest("avg.fetch: no such part")
-        final = self.final.get(part)
-        if final is None:
-            await stream.write(msgpack.packb({"none": True}))
-            await stream.end()
-            return
-        await self._reply(stream, final, None)
+        await self.serving.serve_fetch(ctx, args, stream)
 
     async def serve_receipt(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
-        if self.audit is None:
-            raise BadRequest("avg.receipt: this round is not audited")
-        await self.audit.serve(ctx, args, stream)
-
-    async def _reply(self, stream: Stream, final: Final, index: int | None, rate: float | None = None) -> None:
-        """The result to a sender (index; None: a fetch), with the rate its slice came at."""
-        header = msgpack.packb({"inc": final[0], **({"r": rate} if rate is not None else {})})
-        try:
-            await stream.write(header)
-            await stream.write(memoryview(final[1]))
-            await stream.end()
-        except P2PError as e:  # the caller left before its answer: its loss alone
-            logger.info("round %s: member %s left before its result: %s", self._tag(), index, e)
-            return
-        self.report.bytes_sent += len(header) + len(final[1])
+        await self.serving.serve_receipt(ctx, args, stream)
