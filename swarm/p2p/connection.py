@@ -52,9 +52,13 @@ class Connection:
         config: P2PConfig,
         handlers: Mapping[str, Handler],
         host_streams: HostStreams | None = None,
+        role_for: Callable[[PeerID], str | None] | None = None,
     ) -> None:
         self.protocol = protocol
         self.role = role
+        # an accepted connection may be one end of a hole punch (punch.py), where both ends
+        # dialed: its role is then the one the punch agreed for this peer, not "listener"
+        self._role_for = role_for
         self.identity = identity
         self.config = config
         self._host_streams = host_streams or HostStreams(config.max_host_streams)  # shared by a host's connections
@@ -142,6 +146,9 @@ class Connection:
                 f"dialed {self._expected_peer} at {self._where()} but the peer there is {remote.peer_id}"
             )
         assert self._handshake is not None
+        if self._role_for is not None and (role := self._role_for(remote.peer_id)) not in (None, self.role):
+            self.role = self._handshake.role = role  # nothing was numbered or signed yet
+            self._next_call_id = 1 if role == hs.DIALER else 2
         auth, sealer = self._handshake.on_hello(remote)
         self.protocol.send(auth)
         if sealer is not None:

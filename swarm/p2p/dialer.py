@@ -65,6 +65,7 @@ class Dialer:
         self._dialing: dict[str, asyncio.Future[Connection]] = {}
         self._addresses: dict[PeerID, PeerAddress] = {}  # last address each peer was dialed at
         self._peer_at: dict[str, PeerID] = {}  # who answered at a dialed address (for maddrs without /p2p/)
+        self._punching: dict[PeerID, tuple[str, float]] = {}  # the role each punch agreed, until when
         self._closing = False
 
     def close(self) -> None:
@@ -144,6 +145,44 @@ class Dialer:
         except OSError as e:
             raise ConnectionLost(f"cannot connect to {addr}: {e.strerror or e}") from None
         return protocol
+
+    # --- hole punching (punch.py) --------------------------------------------------------------
+
+    def expect_punch(self, peer: PeerID, role: str, seconds: float) -> None:
+        """For `seconds`, a connection from `peer` that we accept is a punch's and takes `role`."""
+        now = asyncio.get_running_loop().time()
+        self._punching = {p: v for p, v in self._punching.items() if v[1] > now}
+        self._punching[peer] = (role, now + seconds)
+
+    def punch_role(self, peer: PeerID) -> str | None:
+        held = self._punching.get(peer)
+        return held[0] if held is not None and held[1] > asyncio.get_running_loop().time() else None
+
+    async def dial_punch(self, addr: TcpAddress, role: str, *, timeout: float) -> Connection:
+        """A connection to `addr` from our listening port, authenticated with the agreed `role`.
+        ConnectionLost when the port already has a connection to `addr` (the peer's own SYN got
+        there first and was accepted: that connection is the punch's)."""
+        loop = asyncio.get_running_loop()
+        try:
+            sock = await asyncio.wait_for(self._from_listening_port(addr), timeout)
+        except asyncio.TimeoutError:
+            raise RPCTimeout(f"punch to {addr}: no answer within {timeout:.3g}s") from None
+        except OSError as e:
+            raise ConnectionLost(f"punch to {addr}: {e.strerror or e}") from None
+        if sock is None:
+            raise ConnectionLost(f"punch to {addr}: no connection from the listening port (in use, or reuse_port off)")
+        _, protocol = await loop.create_connection(self._new_protocol, sock=sock)
+        conn = self._new_connection(protocol, role)
+        self._handshaking.add(conn)
+        try:
+            await asyncio.wait_for(conn.handshake(addr.peer_id), timeout)
+        except BaseException:
+            conn.close()
+            raise
+        finally:
+            self._handshaking.discard(conn)
+        self._adopt(conn)
+        return conn
 
     async def _from_listening_port(self, addr: TcpAddress) -> socket.socket | None:
         """A socket connected to `addr` from our listening port (config.reuse_port), or None:

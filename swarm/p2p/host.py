@@ -21,7 +21,7 @@ import asyncio
 import errno
 import logging
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from swarm.p2p import handshake as hs
@@ -73,6 +73,7 @@ class P2PHost:
         self._dialer = Dialer(self.config, new_protocol=self._new_protocol, new_connection=self._new_connection,
                               handshaking=self._handshaking, best=self._best_connection, adopt=self._adopt,
                               open_circuit=self._open_circuit, listening=self._listening)  # fmt: skip
+        self._watchers: list[Callable[[Connection], None]] = []  # told of each connection kept
         self._relayed: tuple[CircuitAddress, ...] = ()  # where a relay reaches us (relay_client.RelayKeeper)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.traffic = Traffic()  # bytes on the wire, all connections together (benchmarks read it)
@@ -280,6 +281,7 @@ class P2PHost:
             config=self.config,
             handlers=self._handlers,
             host_streams=self._host_streams,
+            role_for=self._dialer.punch_role if role == hs.LISTENER else None,
         )
 
     def _accept(self) -> FrameProtocol:
@@ -349,6 +351,24 @@ class P2PHost:
             return
         self._connections.setdefault(conn.peer_id, []).append(conn)
         conn.on_closed = self._forget
+        for watcher in list(self._watchers):
+            watcher(conn)
+
+    def watch_connections(self, watcher: Callable[[Connection], None] | None) -> None:
+        """Call `watcher` with every connection the host keeps from now on (None: stop)."""
+        self._watchers = [] if watcher is None else [watcher]
+
+    def connections_to(self, peer: PeerID) -> list[Connection]:
+        """The open connections to `peer`, direct and relayed."""
+        return [c for c in self._connections.get(peer, ()) if not c.protocol.closed]
+
+    def expect_punch(self, peer: PeerID, role: str, seconds: float) -> None:
+        """A hole punch with `peer` starts (punch.py): what we accept from it takes `role`."""
+        self._dialer.expect_punch(peer, role, seconds)
+
+    async def punch_dial(self, addr: TcpAddress, role: str, *, timeout: float) -> Connection:
+        """One end of a hole punch: dial from the listening port, authenticate with `role`."""
+        return await self._dialer.dial_punch(addr, role, timeout=timeout)
 
     def _forget(self, conn: Connection) -> None:
         group = self._connections.get(conn.peer_id)

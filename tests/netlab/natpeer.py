@@ -3,6 +3,9 @@
     python -m tests.netlab.natpeer relay ADDRESS              a relay on ADDRESS, port 0
     python -m tests.netlab.natpeer target RELAY_MADDR         a NATed host with a reservation on the relay
     python -m tests.netlab.natpeer dial RELAY_MADDR RELAYED DIRECT N   call RELAYED, try DIRECT, stream N bytes
+    python -m tests.netlab.natpeer punch RELAYED              call RELAYED, punch, call again
+
+target punches too when given `punch` after the relay's multiaddr.
 
 Each prints one JSON line once it is ready (its addresses, or the results of `dial`); relay and
 target then serve until their stdin closes, so the test that started them stops them by closing
@@ -19,10 +22,13 @@ import time
 from typing import Any
 
 from swarm.p2p import CallContext, P2PConfig, P2PError, P2PHost, Stream
+from swarm.p2p.maddr import parse_address
+from swarm.p2p.punch import Puncher
 from swarm.p2p.relay import RelayConfig, RelayService
 from swarm.p2p.relay_client import RelayKeeper
 
 CALL_TIMEOUT = 10.0
+PUNCH_TIMEOUT = 60.0  # three attempts of a 5 s dial and two 5 s calls each, at most
 DIRECT_TIMEOUT = 3.0  # a dial through a NAT that drops unsolicited SYNs never completes: bounded
 
 
@@ -66,8 +72,9 @@ async def relay(address: str) -> None:
         await service.close()
 
 
-async def target(relay_maddr: str) -> None:
-    async with P2PHost(config=P2PConfig(host_maddrs=("/ip4/0.0.0.0/tcp/0",))) as host:
+async def target(relay_maddr: str, punching: str = "") -> None:
+    config = P2PConfig(host_maddrs=("/ip4/0.0.0.0/tcp/0",), reuse_port=punching == "punch")
+    async with P2PHost(config=config) as host, Puncher(host):
         host.add_handler("demo.echo", echo)
         host.add_stream_handler("demo.sink", sink)
         async with RelayKeeper(host, [relay_maddr]) as keeper:
@@ -102,9 +109,20 @@ async def dial(relay_maddr: str, relayed: str, direct: str, stream_bytes: str) -
         )
 
 
+async def punch(relayed: str) -> None:
+    config = P2PConfig(host_maddrs=("/ip4/0.0.0.0/tcp/0",), reuse_port=True)
+    async with P2PHost(config=config) as host, Puncher(host) as puncher:
+        began = time.monotonic()  # the punch starts as soon as the relayed connection is up
+        first = await host.call(relayed, "demo.echo", {"x": 1}, timeout=CALL_TIMEOUT)
+        outcome = await puncher.outcome(parse_address(relayed).peer_id, timeout=PUNCH_TIMEOUT)
+        punch_s = time.monotonic() - began
+        again = await host.call(relayed, "demo.echo", {"x": 2}, timeout=CALL_TIMEOUT)
+        say({"first": first, "outcome": outcome, "punch_s": punch_s, "again": again})
+
+
 def main() -> None:
     role, *args = sys.argv[1:]
-    roles = {"relay": relay, "target": target, "dial": dial}
+    roles = {"relay": relay, "target": target, "dial": dial, "punch": punch}
     asyncio.run(roles[role](*args))
 
 

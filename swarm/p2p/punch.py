@@ -1,0 +1,270 @@
+"""Hole punching over a relayed connection, after libp2p's DCUtR (not wire-compatible).
+
+    async with Puncher(host):          # host built with P2PConfig(reuse_port=True)
+        await host.call(relayed_maddr, ...)   # a punch starts once the relayed connection is up
+
+When we dial a peer through a relay (the initiator, I) and both ends know the addresses the relay
+observed for them (relay_wire.py: `observed`, `peer_observed`), I upgrades the connection:
+
+    I -> P  p2p.dcutr.connect  unary, on the relayed connection. args {v, addrs}: I's observed
+                               addresses. P refuses (bad_request) any address outside the IP the
+                               relay observed for I, so that nobody can make P dial a third
+                               party; P answers {v, addrs} with its own observed address. I
+                               takes the call's round trip as the RTT.
+    I -> P  p2p.dcutr.sync     unary. args {v}. P dials I's addresses at once; I dials P's RTT/2
+                               after it sent sync, so that both SYNs cross at about the same
+                               moment.
+
+Both dial from their listening port (config.reuse_port), whose NAT mapping is the one the relay
+observed: behind two cone NATs each SYN opens the way for the other's (TCP simultaneous open).
+Both ends dialed, so neither is "the listener": the handshake's roles are fixed by PeerID order
+(the smaller is the dialer), on the connect()ed socket and on one our listener accepts alike
+(Dialer.expect_punch). Whichever direct connection authenticates first carries the session from
+then on (the host prefers a direct connection to a relayed one), and I closes the relayed one
+once it carries no call. A punch that fails is tried `attempts` times; then the pair stays
+relayed, as behind a symmetric NAT (a new port per destination: the observed one is useless).
+`outcomes` remembers, per peer, PUNCHED or RELAYED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from swarm.p2p import handshake as hs
+from swarm.p2p.circuit import is_relayed
+from swarm.p2p.connection import Connection
+from swarm.p2p.errors import BadRequest, MultiaddrError, P2PError
+from swarm.p2p.handlers import CallContext
+from swarm.p2p.maddr import TcpAddress, parse_maddr
+from swarm.p2p.peer_id import PeerID
+
+logger = logging.getLogger(__name__)
+
+CONNECT = "p2p.dcutr.connect"
+SYNC = "p2p.dcutr.sync"
+VERSION = 1
+MAX_ADDRS = 4
+PUNCHED, RELAYED = "punched", "relayed"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PunchConfig:
+    attempts: int = 3  # public measurements: 97.6% of the punches that succeed do so at the first
+    dial_timeout_s: float = 5.0  # covers SYN retransmits at 1 s and 3 s
+    call_timeout_s: float = 5.0  # CONNECT and SYNC, on the relayed connection
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.dial_timeout_s <= 0 or self.call_timeout_s <= 0:
+            raise ValueError("PunchConfig: attempts >= 1 and positive timeouts")
+
+
+class _PunchHost(Protocol):  # what the puncher needs of a P2PHost
+    peer_id: PeerID
+
+    def add_handler(self, method: str, fn: Any) -> None: ...
+    def remove_handler(self, method: str) -> None: ...
+    def watch_connections(self, watcher: Any) -> None: ...
+    def connections_to(self, peer: PeerID) -> list[Connection]: ...
+    def expect_punch(self, peer: PeerID, role: str, seconds: float) -> None: ...
+    async def punch_dial(self, addr: TcpAddress, role: str, *, timeout: float) -> Connection: ...
+
+
+def punch_role(ours: PeerID, theirs: PeerID) -> str:
+    """The handshake role of our end of a punched connection: both ends dialed, so PeerID order decides."""
+    return hs.DIALER if ours < theirs else hs.LISTENER
+
+
+def check_addrs(raw: Any, allowed: TcpAddress | None) -> list[TcpAddress]:
+    """The addresses a peer asks us to dial, each on the IP the relay observed for it
+    (BadRequest otherwise: a punch must never be turned on a third party)."""
+    if allowed is None:
+        raise BadRequest("punch: the relay told us no address for this peer: nothing to check against")
+    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_ADDRS:
+        raise BadRequest(f"punch: 'addrs' must list 1 to {MAX_ADDRS} multiaddrs")
+    out = []
+    for text in raw:
+        try:
+            addr = parse_maddr(text) if isinstance(text, str) else None
+        except MultiaddrError:
+            addr = None
+        if addr is None or addr.host_protocol not in ("ip4", "ip6") or addr.peer_id is not None:
+            raise BadRequest("punch: each address must be /ip4 or /ip6 HOST/tcp/PORT")
+        if addr.host != allowed.host:
+            raise BadRequest(f"punch: {addr} is outside the address the relay observed ({allowed.host})")
+        out.append(addr)
+    return out
+
+
+def _observed(conn: Connection) -> tuple[TcpAddress | None, TcpAddress | None]:
+    """(ours, theirs): the addresses the relay of a relayed connection observed for its two ends."""
+    transport = conn.protocol.transport
+    if transport is None:
+        return None, None
+    return transport.get_extra_info("observed"), transport.get_extra_info("peer_observed")
+
+
+class Puncher:
+    """Upgrades the relayed connections `host` dials to direct ones (module docstring)."""
+
+    def __init__(self, host: _PunchHost, config: PunchConfig | None = None) -> None:
+        self.host = host
+        self.config = config or PunchConfig()
+        self.outcomes: dict[PeerID, str] = {}
+        self._settled: dict[PeerID, asyncio.Event] = {}  # set when a peer's outcome is known
+        self._offered: dict[PeerID, list[TcpAddress]] = {}  # responder: what each initiator asked us to dial
+        self._tasks: dict[PeerID, asyncio.Task[None]] = {}
+        self._started = False
+
+    async def start(self) -> Puncher:
+        if not self._started:
+            self.host.add_handler(CONNECT, self._on_connect)
+            self.host.add_handler(SYNC, self._on_sync)
+            self.host.watch_connections(self._on_connection)
+            self._started = True
+        return self
+
+    async def close(self) -> None:
+        if self._started:
+            self._started = False
+            self.host.watch_connections(None)
+            for method in (CONNECT, SYNC):
+                self.host.remove_handler(method)
+            tasks = list(self._tasks.values())
+            for task in tasks:
+                task.cancel()
+            if tasks:  # a cancelled dial closes its socket at once: this wait is short
+                await asyncio.wait(tasks, timeout=self.config.dial_timeout_s)
+
+    async def __aenter__(self) -> Puncher:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+    async def outcome(self, peer: PeerID, *, timeout: float) -> str:
+        """PUNCHED or RELAYED once the punch with `peer` is over (TimeoutError after `timeout`)."""
+        if peer not in self.outcomes:
+            await asyncio.wait_for(self._settled.setdefault(peer, asyncio.Event()).wait(), timeout)
+        return self.outcomes[peer]
+
+    def _settle(self, peer: PeerID, outcome: str) -> None:
+        self.outcomes[peer] = outcome
+        self._settled.setdefault(peer, asyncio.Event()).set()
+
+    def _spawn(self, peer: PeerID, work: Any) -> None:
+        if peer in self._tasks:
+            work.close()
+            return
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks[peer] = task
+        task.add_done_callback(lambda done: self._done(peer, done))
+
+    def _done(self, peer: PeerID, task: asyncio.Task[None]) -> None:
+        if self._tasks.get(peer) is task:
+            del self._tasks[peer]
+        if not task.cancelled() and (error := task.exception()) is not None:
+            logger.error("%s: hole punch with %s failed unexpectedly", self.host.peer_id, peer, exc_info=error)
+
+    def _direct(self, peer: PeerID) -> Connection | None:
+        return next((c for c in self.host.connections_to(peer) if not is_relayed(c.remote_address)), None)
+
+    def _on_connection(self, conn: Connection) -> None:
+        """Every kept connection: a relayed one we dialed starts a punch; a direct one ends one."""
+        if not is_relayed(conn.remote_address):
+            if conn.peer_id in self._offered or self.outcomes.get(conn.peer_id) == RELAYED:
+                self._settle(conn.peer_id, PUNCHED)
+            return
+        if conn.role == hs.DIALER and self._direct(conn.peer_id) is None and all(_observed(conn)):
+            self._spawn(conn.peer_id, self._initiate(conn))
+
+    # --- the initiator ----------------------------------------------------------------------
+
+    async def _initiate(self, relayed: Connection) -> None:
+        peer, cfg = relayed.peer_id, self.config
+        ours, theirs = _observed(relayed)
+        assert ours is not None
+        for attempt in range(1, cfg.attempts + 1):
+            try:
+                if await self._attempt(relayed, ours, theirs):
+                    self._settle(peer, PUNCHED)
+                    logger.info("%s: punched a direct connection to %s (attempt %d)", self.host.peer_id, peer, attempt)
+                    if not relayed.busy:  # the relay's circuit is no longer needed
+                        relayed.close()
+                    return
+            except P2PError as e:
+                if relayed.closed:
+                    break
+                logger.info("%s: punch to %s, attempt %d: %s", self.host.peer_id, peer, attempt, e)
+        self._settle(peer, RELAYED)
+        logger.info("%s: no direct connection to %s: it stays relayed", self.host.peer_id, peer)
+
+    async def _attempt(self, relayed: Connection, ours: TcpAddress, theirs: TcpAddress | None) -> bool:
+        loop, cfg, peer = asyncio.get_running_loop(), self.config, relayed.peer_id
+        began = loop.time()
+        reply = await relayed.call(CONNECT, {"v": VERSION, "addrs": [ours.to_maddr()]}, cfg.call_timeout_s)
+        rtt = loop.time() - began
+        addrs = check_addrs(reply.get("addrs") if isinstance(reply, dict) else None, theirs)
+        role = punch_role(self.host.peer_id, peer)
+        self.host.expect_punch(peer, role, cfg.dial_timeout_s + cfg.call_timeout_s)
+        sync = loop.create_task(relayed.call(SYNC, {"v": VERSION}, cfg.call_timeout_s))
+        try:
+            await asyncio.sleep(rtt / 2)  # SYNC reaches the peer after about RTT/2: both dial now
+            return await self._dial(peer, addrs, role)
+        finally:
+            if not sync.done():
+                sync.cancel()
+            await asyncio.gather(sync, return_exceptions=True)  # its reply or failure says nothing more
+
+    async def _dial(self, peer: PeerID, addrs: list[TcpAddress], role: str) -> bool:
+        """Dial each address from our listening port; True once a direct connection to `peer`
+        exists (ours, or the one our listener accepted from the peer's own dial)."""
+        cfg = self.config
+        dials = [self.host.punch_dial(a.with_peer_id(peer), role, timeout=cfg.dial_timeout_s) for a in addrs]
+        results = await asyncio.gather(*dials, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, (P2PError, OSError)):
+                raise result
+            if isinstance(result, Exception):
+                logger.debug("%s: punch dial to %s: %s", self.host.peer_id, peer, result)
+        return self._direct(peer) is not None
+
+    # --- the responder ----------------------------------------------------------------------
+
+    def _relayed_from(self, ctx: CallContext) -> Connection:
+        if not is_relayed(ctx.remote_address):
+            raise BadRequest("punch: only over a relayed connection")
+        relayed = next((c for c in self.host.connections_to(ctx.peer_id) if is_relayed(c.remote_address)), None)
+        if relayed is None:
+            raise BadRequest("punch: the relayed connection is gone")
+        return relayed
+
+    async def _on_connect(self, ctx: CallContext, args: Any) -> dict[str, Any]:
+        if not isinstance(args, dict) or args.get("v") != VERSION:
+            raise BadRequest(f"punch: arguments must be a map with v={VERSION}")
+        ours, theirs = _observed(self._relayed_from(ctx))
+        addrs = check_addrs(args.get("addrs"), theirs)
+        if ours is None:
+            raise BadRequest("punch: the relay told us no address of ours")
+        self._offered[ctx.peer_id] = addrs
+        role = punch_role(self.host.peer_id, ctx.peer_id)
+        self.host.expect_punch(ctx.peer_id, role, self.config.dial_timeout_s + self.config.call_timeout_s)
+        return {"v": VERSION, "addrs": [ours.to_maddr()]}
+
+    async def _on_sync(self, ctx: CallContext, args: Any) -> dict[str, Any]:
+        self._relayed_from(ctx)
+        addrs = self._offered.get(ctx.peer_id)
+        if addrs is None:
+            raise BadRequest("punch: sync before connect")
+        role = punch_role(self.host.peer_id, ctx.peer_id)
+        self._spawn(ctx.peer_id, self._respond(ctx.peer_id, addrs, role))
+        return {"v": VERSION}
+
+    async def _respond(self, peer: PeerID, addrs: list[TcpAddress], role: str) -> None:
+        try:
+            if await self._dial(peer, addrs, role):
+                self._settle(peer, PUNCHED)
+        finally:
+            self._offered.pop(peer, None)
