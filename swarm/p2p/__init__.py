@@ -1,18 +1,22 @@
-"""swarm.p2p: identities, multiaddrs, and authenticated, encrypted, multiplexed msgpack RPC over TCP."""
+"""swarm.p2p: identities, multiaddrs, and authenticated, encrypted, multiplexed msgpack RPC over TCP,
+direct or through circuit relays, with hole punching between NATed peers."""
 
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.dialer import PeerRef
 from swarm.p2p.errors import (
     BadRequest,
     Busy,
+    CircuitClosed,
     ConnectionLost,
     HandshakeError,
     IdentityError,
     MessageTooLarge,
     MultiaddrError,
+    NoReservation,
     P2PError,
     PeerIDMismatch,
     ProtocolError,
+    RelayRefused,
     RemoteError,
     RPCError,
     RPCTimeout,
@@ -20,8 +24,11 @@ from swarm.p2p.errors import (
 from swarm.p2p.handlers import CallContext
 from swarm.p2p.host import P2PHost
 from swarm.p2p.identity import Identity
-from swarm.p2p.maddr import TcpAddress, parse_maddr, parse_maddrs
+from swarm.p2p.maddr import CircuitAddress, TcpAddress, parse_address, parse_maddr, parse_maddrs
 from swarm.p2p.peer_id import PeerID
+from swarm.p2p.punch import PunchConfig, Puncher
+from swarm.p2p.relay import RelayConfig, RelayService
+from swarm.p2p.relay_client import RelayKeeper
 from swarm.p2p.stream import Stream
 from swarm.p2p.wire import ErrorCode
 
@@ -29,6 +36,8 @@ __all__ = [
     "BadRequest",
     "Busy",
     "CallContext",
+    "CircuitAddress",
+    "CircuitClosed",
     "ConnectionLost",
     "ErrorCode",
     "HandshakeError",
@@ -36,6 +45,7 @@ __all__ = [
     "IdentityError",
     "MessageTooLarge",
     "MultiaddrError",
+    "NoReservation",
     "P2PConfig",
     "P2PError",
     "P2PHost",
@@ -43,11 +53,18 @@ __all__ = [
     "PeerIDMismatch",
     "PeerRef",
     "ProtocolError",
+    "PunchConfig",
+    "Puncher",
     "RPCError",
     "RPCTimeout",
+    "RelayConfig",
+    "RelayKeeper",
+    "RelayRefused",
+    "RelayService",
     "RemoteError",
     "Stream",
     "TcpAddress",
+    "parse_address",
     "parse_maddr",
     "parse_maddrs",
 ]

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from swarm.p2p import handshake as hs
 from swarm.p2p.circuit import is_relayed
+from swarm.p2p.config import P2PConfig
 from swarm.p2p.connection import Connection
 from swarm.p2p.errors import BadRequest, MultiaddrError, P2PError
 from swarm.p2p.handlers import CallContext
@@ -63,6 +64,7 @@ class PunchConfig:
 
 class _PunchHost(Protocol):  # what the puncher needs of a P2PHost
     peer_id: PeerID
+    config: P2PConfig
 
     def add_handler(self, method: str, fn: Any) -> None: ...
     def remove_handler(self, method: str) -> None: ...
@@ -110,6 +112,8 @@ class Puncher:
     """Upgrades the relayed connections `host` dials to direct ones (module docstring)."""
 
     def __init__(self, host: _PunchHost, config: PunchConfig | None = None) -> None:
+        if not host.config.reuse_port:
+            raise ValueError("hole punching dials from the listening port: use P2PConfig(reuse_port=True)")
         self.host = host
         self.config = config or PunchConfig()
         self.outcomes: dict[PeerID, str] = {}

@@ -15,6 +15,7 @@ it (and the lab kills whatever is left in its namespaces).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -74,7 +75,9 @@ async def relay(address: str) -> None:
 
 async def target(relay_maddr: str, punching: str = "") -> None:
     config = P2PConfig(host_maddrs=("/ip4/0.0.0.0/tcp/0",), reuse_port=punching == "punch")
-    async with P2PHost(config=config) as host, Puncher(host):
+    async with P2PHost(config=config) as host, contextlib.AsyncExitStack() as stack:
+        if punching == "punch":
+            await stack.enter_async_context(Puncher(host))
         host.add_handler("demo.echo", echo)
         host.add_stream_handler("demo.sink", sink)
         async with RelayKeeper(host, [relay_maddr]) as keeper:

@@ -72,6 +72,11 @@ async def test_a_punch_request_for_a_third_partys_address_is_refused(make_host: 
     await service.close()
 
 
+async def test_punching_needs_dials_from_the_listening_port(make_host: Factory) -> None:
+    with pytest.raises(ValueError, match="reuse_port=True"):
+        Puncher(await make_host())
+
+
 A, B = (PeerID.from_public_key(bytes([i]) * 32) for i in (1, 2))
 
 
