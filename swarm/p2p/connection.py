@@ -338,7 +338,9 @@ class Connection:
         self.protocol.abort(reason)
 
     async def wait_closed(self) -> None:
-        await self._closed_future
+        # shielded: a waiter that gives up (a timeout) must not cancel the future, which would
+        # make the connection look closed to everyone else
+        await asyncio.shield(self._closed_future)
         tasks = list(self._inbound.tasks.values())
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from swarm.p2p import CallContext, P2PHost, PeerID, Stream
+from swarm.p2p import CallContext, P2PHost, PeerID, RemoteError, Stream
 from swarm.p2p.errors import (
     CircuitClosed,
     ConnectionLost,
@@ -300,3 +300,44 @@ def test_the_reservation_table_caps_per_source_and_in_all_and_renews_in_place() 
 def test_a_bad_relay_config_is_refused(fields: dict[str, Any], says: str) -> None:
     with pytest.raises(ValueError, match=says):
         RelayConfig(**fields)
+
+
+@pytest.mark.timeout(30)
+async def test_a_reservation_is_renewed_before_it_expires(trio: Callable[..., Any]) -> None:
+    t = await trio(RelayConfig(reservation_ttl_s=1.0))
+    assert t.keeper.reservation is not None and t.keeper.reservation.ttl == 1.0
+    await asyncio.sleep(2.5)  # two and a half lives: only renewals keep it
+    assert t.service.reservations.holds(t.target.peer_id, asyncio.get_running_loop().time())
+    assert (await t.dialer.call(t.relayed, "demo.echo", 1, timeout=10))["echo"] == 1
+
+
+@pytest.mark.timeout(30)
+async def test_a_relay_that_dies_ends_its_circuits_at_once_with_a_typed_error(trio: Callable[..., Any]) -> None:
+    t = await trio()
+    stream = await t.dialer.open_stream(t.relayed, "demo.stream", timeout=10)
+    await stream.write(b"x")
+    assert await stream.read(timeout=5) == b"x"
+    began = asyncio.get_running_loop().time()
+    await t.relay.close()
+    with pytest.raises(ConnectionLost):  # not a timeout: the circuit's end is seen as it happens
+        await stream.read(timeout=20)
+    assert asyncio.get_running_loop().time() - began < 5
+    await until(lambda: t.keeper.current is None, 10, "the keeper to drop the dead relay's address")
+    assert not any("/p2p-circuit/" in m for m in t.target.visible_maddrs)
+
+
+@pytest.mark.timeout(30)
+async def test_circuits_to_oneself_or_over_a_circuit_are_refused(trio: Callable[..., Any]) -> None:
+    t = await trio()
+    to_itself = CircuitAddress(parse_maddr(t.relay.visible_maddrs[0]), t.target.peer_id)
+    with pytest.raises(RelayRefused, match="a circuit to oneself"):
+        await t.target.call(to_itself.to_maddr(), "demo.echo", 1, timeout=10)
+    # the target reaches the dialer's relay services only through its circuit: no relay over a relay
+    second = await RelayService(t.target).start()
+    try:
+        assert (await t.dialer.call(t.relayed, "demo.echo", 1, timeout=10))["echo"] == 1
+        (relayed,) = t.dialer.connections_to(t.target.peer_id)
+        with pytest.raises(RemoteError, match="must come on a direct connection"):
+            await relayed.call(RESERVE, {"v": VERSION}, 5)
+    finally:
+        await second.close()
