@@ -143,6 +143,9 @@ class CircuitTransport(asyncio.Transport):
         except RPCTimeout:
             self._lose(CircuitClosed(f"the relay passed no bytes for {self._read_timeout:.0f}s"))
             return
+        except asyncio.TimeoutError:  # _feed: our protocol held reading paused that long
+            self._lose(ConnectionLost(f"reading stayed paused for {self._read_timeout:.0f}s"))
+            return
         except P2PError as e:
             self._lose(ConnectionLost(f"the connection to the relay was lost: {e}"))
             return

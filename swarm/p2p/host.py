@@ -36,7 +36,7 @@ from swarm.p2p.framing import FrameProtocol, Traffic
 from swarm.p2p.gate import Gate
 from swarm.p2p.handlers import CallContext, Handler, StreamHandler, UnaryHandler
 from swarm.p2p.identity import Identity
-from swarm.p2p.maddr import CircuitAddress, PeerAddress, TcpAddress, parse_maddr
+from swarm.p2p.maddr import CircuitAddress, PeerAddress, TcpAddress, local_addresses, parse_maddr
 from swarm.p2p.pacing import bytes_acked, max_pacing_rate, set_max_pacing_rate
 from swarm.p2p.peer_id import PeerID
 from swarm.p2p.relay_client import open_circuit
@@ -178,7 +178,7 @@ class P2PHost:
         for addr in self._listen_addrs:
             hosts = [addr.host]
             if addr.host in ("0.0.0.0", "::"):
-                hosts = _local_addresses(ipv6=addr.host == "::")
+                hosts = local_addresses(ipv6=addr.host == "::")
             for host in hosts:
                 text = TcpAddress(addr.host_protocol, host, addr.port, self.peer_id).to_maddr()
                 if text not in out:
@@ -403,18 +403,3 @@ def _set_nodelay(transport: Any) -> None:
     sock = transport.get_extra_info("socket") if transport is not None else None
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def _local_addresses(*, ipv6: bool) -> list[str]:
-    """Addresses of this machine for a wildcard listener: loopback first, then the host's own."""
-    family = socket.AF_INET6 if ipv6 else socket.AF_INET
-    found = ["::1" if ipv6 else "127.0.0.1"]
-    try:
-        infos = socket.getaddrinfo(socket.gethostname(), None, family, socket.SOCK_STREAM)
-    except OSError:
-        infos = []
-    for info in infos:
-        host = str(info[4][0])
-        if host not in found and not host.startswith("127."):
-            found.append(host)
-    return found

@@ -9,6 +9,7 @@ TCP transport can use and turns every failure into one MultiaddrError line namin
 from __future__ import annotations
 
 import functools
+import socket
 from dataclasses import dataclass
 
 import multiaddr
@@ -160,3 +161,18 @@ def _parse_circuit(text: str) -> CircuitAddress:
     except IdentityError as e:
         raise MultiaddrError(f"multiaddr {text!r}: bad /p2p/ peer id after /p2p-circuit: {e}") from None
     return CircuitAddress(relay, peer_id)
+
+
+def local_addresses(*, ipv6: bool) -> list[str]:
+    """Addresses of this machine for a wildcard listener: loopback first, then the host's own."""
+    family = socket.AF_INET6 if ipv6 else socket.AF_INET
+    found = ["::1" if ipv6 else "127.0.0.1"]
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, family, socket.SOCK_STREAM)
+    except OSError:
+        infos = []
+    for info in infos:
+        host = str(info[4][0])
+        if host not in found and not host.startswith("127."):
+            found.append(host)
+    return found
