@@ -257,18 +257,28 @@ def test_two_hosts_behind_two_cone_nats_meet_only_through_a_relay(run_name: str,
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("kinds", "outcome"), [(("cone", "cone"), "punched"), (("cone", "symmetric"), "relayed")])
+@pytest.mark.parametrize(
+    ("kinds", "outcome"),
+    [
+        (("cone", "cone"), "punched"),
+        (("cone", "symmetric"), "relayed"),
+        # both behind one router: a dial to its own public address needs hairpinning, which a
+        # router does not do unless told (nor does ours), so the pair stays relayed
+        (("cone",), "relayed"),
+    ],
+)
 def test_cone_nats_punch_through_and_a_symmetric_one_stays_relayed(
-    run_name: str, children: Children, kinds: tuple[str, str], outcome: str
+    run_name: str, children: Children, kinds: tuple[str, ...], outcome: str
 ) -> None:
     with Lab.create(run_name, [("relay", RATE)]) as lab:
         homes = [lab.add_home(f"h{i}", kind, RATE) for i, kind in enumerate(kinds)]
         lab.add_behind(homes[0], "a")
-        lab.add_behind(homes[1], "b")
+        lab.add_behind(homes[-1], "b")
         relay_maddr = first_line(children.peer(lab, "relay", "relay", lab.endpoint("relay").address))["maddr"]
         target = first_line(children.peer(lab, "b", "target", relay_maddr, "punch"))
         result = first_line(children.peer(lab, "a", "punch", target["relayed"]))
-        print(f"{'-'.join(kinds)}: {result['outcome']} {result['punch_s']:.2f} s after the first dial")
+        pair = "-".join(kinds) if len(kinds) == 2 else f"both behind one {kinds[0]} NAT"
+        print(f"{pair}: {result['outcome']} {result['punch_s']:.2f} s after the first dial")
         assert result["first"]["via"].endswith("/p2p-circuit")
         assert result["outcome"] == outcome, result
         # punched: b sees a at a's router (the NAT's public address); relayed: still through the relay
