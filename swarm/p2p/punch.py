@@ -20,8 +20,8 @@ observed: behind two cone NATs each SYN opens the way for the other's (TCP simul
 Both ends dialed, so neither is "the listener": the handshake's roles are fixed by PeerID order
 (the smaller is the dialer), on the connect()ed socket and on one our listener accepts alike
 (Dialer.expect_punch). Whichever direct connection authenticates first carries the session from
-then on (the host prefers a direct connection to a relayed one), and I closes the relayed one
-once it carries no call. A punch that fails is tried `attempts` times; then the pair stays
+then on (the host prefers a direct connection to a relayed one); I closes the relayed one then
+if it carries no call, else its idle timer does. A punch that fails is tried `attempts` times; then the pair stays
 relayed, as behind a symmetric NAT (a new port per destination: the observed one is useless).
 `outcomes` remembers, per peer, PUNCHED or RELAYED.
 """

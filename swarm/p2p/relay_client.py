@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import msgpack
 
 from swarm.p2p.circuit import CircuitTransport, circuit_peername
+from swarm.p2p.config import P2PConfig
 from swarm.p2p.errors import BadRequest, NoReservation, P2PError, ProtocolError, RelayRefused, RemoteError
 from swarm.p2p.framing import FrameProtocol
 from swarm.p2p.handlers import CallContext
@@ -54,6 +55,7 @@ RETRY_S = 2.0  # wait between rounds when no candidate relay would take us
 
 class _ClientHost(Protocol):  # what this module needs of a P2PHost (host.py imports this module)
     peer_id: PeerID
+    config: P2PConfig
 
     async def call(self, peer: Any, method: str, args: Any = None, *, timeout: float | None = None) -> Any: ...
     async def open_stream(
@@ -189,9 +191,11 @@ class RelayKeeper:
                 raise RelayRefused(f"relay {relay.peer_id} refused the reservation: {e}") from None
             reservation = decode_reservation(reply)
             self._set(relay, reservation)
-            # renew at RENEW_AT of the ttl, or at once when the connection (and so the reservation) goes
+            # renew at RENEW_AT of the ttl, and well within the idle timeout (a renewal is what keeps
+            # the connection, and so the reservation, from idling out); at once if the connection goes
+            renew_in = min(reservation.ttl * RENEW_AT, self.host.config.idle_timeout / 3)
             try:
-                await asyncio.wait_for(conn.wait_closed(), reservation.ttl * RENEW_AT)
+                await asyncio.wait_for(conn.wait_closed(), renew_in)
             except asyncio.TimeoutError:
                 continue
             raise P2PError(f"the connection to relay {relay.peer_id} closed")
