@@ -92,6 +92,14 @@ def test_bad_homes_are_refused(call: object, says: str) -> None:
         call()  # type: ignore[operator]
 
 
+def test_missing_nft_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(lab_module, "tool", lambda name: None if name == "nft" else f"/usr/sbin/{name}")
+    assert missing_nat() == "needs nftables: nft not found on PATH or in /usr/sbin, /sbin (apt-get install nftables)"
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert missing_nat() == "needs root to make network namespaces and shape links (run it with sudo)"
+
+
 # --- real namespaces ----------------------------------------------------------------------------
 
 
