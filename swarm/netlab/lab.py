@@ -20,12 +20,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from types import TracebackType
 
+from swarm.netlab.delay import delay_commands
 from swarm.netlab.nat import Home, plan_behind, plan_home
 from swarm.netlab.plan import Command, Endpoint, bridge_commands, lab_name, plan_endpoint, stale_namespaces
 from swarm.netlab.rates import Rate
@@ -50,6 +53,14 @@ def missing_nat() -> str | None:
     problem = missing()
     if problem is None and tool("nft") is None:
         problem = f"needs nftables: nft not found on PATH or in {', '.join(SBIN)} (apt-get install nftables)"
+    return problem
+
+
+def missing_delay() -> str | None:
+    """What this machine lacks to delay an endpoint's sending (Lab.delay, delay.py), in one line."""
+    problem = missing()
+    if problem is None and not os.path.exists("/dev/net/tun"):
+        problem = "needs /dev/net/tun (the TUN driver) to delay what an endpoint sends"
     return problem
 
 
@@ -142,6 +153,7 @@ class Lab:
         self.homes: list[Home] = []
         self._on_bridge = 0  # endpoints on the bridge so far: the next one's address index
         self._behind: dict[str, int] = {}  # hosts behind each home's router so far
+        self._delays: list[subprocess.Popen[str]] = []  # one process per delayed endpoint (delay.py)
         self._made: list[str] = [name]  # namespaces to delete, in the order they were made
         self._closed = False
 
@@ -194,6 +206,23 @@ class Lab:
         self.endpoints.append(endpoint)
         return endpoint
 
+    def delay(self, endpoint: Endpoint, ms: int) -> None:
+        """Delay what `endpoint` sends by `ms` milliseconds (delay.py: this kernel has no netem)."""
+        if self._closed:
+            raise LabError(f"lab {self.name} is closed")
+        for command in delay_commands(endpoint.netns, ms):
+            run(command)
+        argv = [*exec_prefix(endpoint), sys.executable, "-m", "swarm.netlab.delay", "--ms", str(ms)]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._delays.append(proc)
+        ready, _, _ = select.select([proc.stdout], [], [], COMMAND_TIMEOUT_S)
+        line = proc.stdout.readline() if ready and proc.stdout is not None else ""
+        if line.strip() != "ready":
+            proc.kill()
+            _, err = proc.communicate(timeout=COMMAND_TIMEOUT_S)
+            why = (err.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+            raise LabError(f"the delay of {endpoint.name} did not start: {why}")
+
     def _check_new(self, name: str) -> None:
         if self._closed:
             raise LabError(f"lab {self.name} is closed")
@@ -222,6 +251,9 @@ class Lab:
         if self._closed:
             return
         self._closed = True
+        for proc in self._delays:  # ours to stop and reap; remove() would only SIGKILL them
+            proc.kill()
+            proc.wait(COMMAND_TIMEOUT_S)
         remove(self._made[::-1])
 
     def __enter__(self) -> Lab:

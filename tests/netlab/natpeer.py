@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import sys
 import time
@@ -120,13 +121,17 @@ async def punch(relayed: str) -> None:
     async with P2PHost(config=config) as host, Puncher(host, PUNCHING) as puncher:
         began = time.monotonic()  # the punch starts as soon as the relayed connection is up
         first = await host.call(relayed, "demo.echo", {"x": 1}, timeout=CALL_TIMEOUT)
+        first_s = time.monotonic() - began
         outcome = await puncher.outcome(parse_address(relayed).peer_id, timeout=PUNCH_TIMEOUT)
         punch_s = time.monotonic() - began
         again = await host.call(relayed, "demo.echo", {"x": 2}, timeout=CALL_TIMEOUT)
-        say({"first": first, "outcome": outcome, "punch_s": punch_s, "again": again})
+        say({"first": first, "first_s": first_s, "outcome": outcome, "punch_s": punch_s, "again": again})
 
 
 def main() -> None:
+    # the punch's attempts, on stderr (the test's output): which attempt succeeded, or why not
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("swarm.p2p.punch").setLevel(logging.INFO)
     role, *args = sys.argv[1:]
     roles = {"relay": relay, "target": target, "dial": dial, "punch": punch}
     asyncio.run(roles[role](*args))

@@ -21,6 +21,8 @@ import pytest
 
 from swarm.netlab import Lab, LabError, exec_prefix, missing_nat, parse_rate
 from swarm.netlab import lab as lab_module
+from swarm.netlab.delay import delay_commands
+from swarm.netlab.lab import missing_delay
 from swarm.netlab.nat import lan_of, nat_ruleset, plan_behind, plan_home
 from swarm.netlab.plan import PREFIX
 from tests.children import child_env
@@ -76,9 +78,25 @@ def test_a_home_plan_is_a_router_on_the_bridge_and_a_lan_behind_it() -> None:
     ]
 
 
+def test_a_delay_routes_what_the_endpoint_sends_through_its_tun_device() -> None:
+    ns = "swarmlab-4242-nat-a"
+    assert [" ".join(c) for c in delay_commands(ns, 25)] == [
+        f"ip -n {ns} tuntap add dev tun0 mode tun",
+        f"ip -n {ns} link set tun0 up",
+        f"ip netns exec {ns} sysctl -q -w net.ipv4.ip_forward=1",
+        f"ip netns exec {ns} sysctl -q -w net.ipv4.conf.all.rp_filter=0",
+        f"ip netns exec {ns} sysctl -q -w net.ipv4.conf.tun0.rp_filter=0",
+        f"ip netns exec {ns} sysctl -q -w net.ipv4.conf.tun0.accept_local=1",
+        f"ip -n {ns} route add default dev tun0 table 100",
+        f"ip -n {ns} rule add iif lo lookup 100 pref 100",  # only what it sends itself: no loop
+    ]
+
+
 @pytest.mark.parametrize(
     ("call", "says"),
     [
+        (lambda: delay_commands("ns", 0), "1 to 1000 ms"),
+        (lambda: delay_commands("ns", 1001), "1 to 1000 ms"),
         (lambda: nat_ruleset("full-cone", "10.78.0.0/24"), "NAT kind"),
         (lambda: lan_of(256), "at most 256 homes"),
         (lambda: plan_home("lab", 0, 0, "h", "restricted", RATE), "NAT kind"),
@@ -104,9 +122,10 @@ def test_missing_nft_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def nat_ready() -> None:
-    """Skip (or, under CI=true, fail) where the machine cannot build a NAT lab."""
-    problem = missing_nat()
+def nat_ready(request: pytest.FixtureRequest) -> None:
+    """Skip (or, under CI=true, fail) where the machine cannot build a NAT lab (with delays, for
+    the tests that take `delay_ms`)."""
+    problem = missing_nat() or (missing_delay() if "delay_ms" in request.fixturenames else None)
     if problem is not None:
         if os.environ.get("CI") == "true":
             pytest.fail(f"a NAT lab {problem} (CI=true: a missing piece is a failure)")
@@ -292,4 +311,24 @@ def test_cone_nats_punch_through_and_a_symmetric_one_stays_relayed(
         # punched: b sees a at a's router (the NAT's public address); relayed: still through the relay
         via = result["again"]["via"]
         assert via == homes[0].router.address if outcome == "punched" else via.endswith("/p2p-circuit"), result
+    assert not [ns for ns in lab_module.namespaces() if ns.startswith(lab.name)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("delay_ms", [10, 75])
+def test_cone_nats_punch_at_an_rtt_of_20_to_150_ms(run_name: str, children: Children, delay_ms: int) -> None:
+    """Each home host's sending is delayed (delay.py), so the two see an RTT of 2x the delay: the
+    punch's timing (SYNC, RTT/2, the SYNs crossing) is exercised at 20 and 150 ms."""
+    with Lab.create(run_name, [("relay", RATE)]) as lab:
+        homes = [lab.add_home(f"h{i}", "cone", RATE) for i in range(2)]
+        for home, name in zip(homes, ("a", "b"), strict=True):
+            lab.delay(lab.add_behind(home, name), delay_ms)
+        relay_maddr = first_line(children.peer(lab, "relay", "relay", lab.endpoint("relay").address))["maddr"]
+        target = first_line(children.peer(lab, "b", "target", relay_maddr, "punch"))
+        result = first_line(children.peer(lab, "a", "punch", target["relayed"]))
+        print(f"RTT {2 * delay_ms} ms: first relayed call {result['first_s'] * 1000:.0f} ms, "
+              f"{result['outcome']} {result['punch_s']:.2f} s after the first dial")  # fmt: skip
+        assert result["first_s"] >= 2 * delay_ms / 1000  # the delay is real: a call crosses it both ways
+        assert result["outcome"] == "punched", result
+        assert result["again"]["via"] == homes[0].router.address, result
     assert not [ns for ns in lab_module.namespaces() if ns.startswith(lab.name)]
