@@ -253,7 +253,8 @@ class Lab:
         self._closed = True
         for proc in self._delays:  # ours to stop and reap; remove() would only SIGKILL them
             proc.kill()
-            proc.wait(COMMAND_TIMEOUT_S)
+            with contextlib.suppress(subprocess.TimeoutExpired):  # the namespaces go all the same
+                proc.wait(COMMAND_TIMEOUT_S)
         remove(self._made[::-1])
 
     def __enter__(self) -> Lab:
