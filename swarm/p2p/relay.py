@@ -37,6 +37,7 @@ from swarm.p2p.maddr import TcpAddress
 from swarm.p2p.peer_id import PeerID
 from swarm.p2p.relay_wire import (
     ACCEPT,
+    CIRCUIT_ID_BYTES,
     HOP,
     PING,
     RESERVE,
@@ -247,7 +248,7 @@ class RelayService:
             raise Busy(f"relay has {self.circuits} circuits open, its limit")
         if max(self._circuits_of.get(p, 0) for p in (ctx.peer_id, target)) >= cfg.max_circuits_per_peer:
             raise Busy(f"relay has {cfg.max_circuits_per_peer} circuits open for this pair's peers, its limit")
-        circuit_id = os.urandom(16)
+        circuit_id = os.urandom(CIRCUIT_ID_BYTES)
         loop = asyncio.get_running_loop()
         pending = _Pending(target, loop.create_future(), loop.create_future())
         self._pending[circuit_id] = pending

@@ -341,3 +341,16 @@ async def test_circuits_to_oneself_or_over_a_circuit_are_refused(trio: Callable[
             await relayed.call(RESERVE, {"v": VERSION}, 5)
     finally:
         await second.close()
+
+
+@pytest.mark.timeout(30)
+async def test_circuits_past_the_relays_caps_are_refused_and_the_open_ones_carry_on(
+    trio: Callable[..., Any], make_host: Factory
+) -> None:
+    t = await trio(RelayConfig(max_circuits_per_peer=1))
+    assert (await t.dialer.call(t.relayed, "demo.echo", 1, timeout=10))["echo"] == 1
+    second = await make_host()  # one circuit to the target is open: its cap
+    with pytest.raises(RelayRefused, match="circuits open for this pair's peers"):
+        await second.call(t.relayed, "demo.echo", 2, timeout=10)
+    assert (await t.dialer.call(t.relayed, "demo.echo", 3, timeout=10))["echo"] == 3
+    assert t.service.circuits == 1
