@@ -3,7 +3,7 @@
     python -m tests.netlab.natpeer relay ADDRESS              a relay on ADDRESS, port 0
     python -m tests.netlab.natpeer target RELAY_MADDR         a NATed host with a reservation on the relay
     python -m tests.netlab.natpeer dial RELAY_MADDR RELAYED DIRECT N   call RELAYED, try DIRECT, stream N bytes
-    python -m tests.netlab.natpeer punch RELAYED              call RELAYED, punch, call again
+    python -m tests.netlab.natpeer punch RELAYED [N]          call RELAYED, punch, call again, stream N bytes
 
 target punches too when given `punch` after the relay's multiaddr.
 
@@ -116,7 +116,7 @@ async def dial(relay_maddr: str, relayed: str, direct: str, stream_bytes: str) -
         )
 
 
-async def punch(relayed: str) -> None:
+async def punch(relayed: str, stream_bytes: str = "0") -> None:
     config = P2PConfig(host_maddrs=("/ip4/0.0.0.0/tcp/0",), reuse_port=True)
     async with P2PHost(config=config) as host, Puncher(host, PUNCHING) as puncher:
         began = time.monotonic()  # the punch starts as soon as the relayed connection is up
@@ -125,7 +125,9 @@ async def punch(relayed: str) -> None:
         outcome = await puncher.outcome(parse_address(relayed).peer_id, timeout=PUNCH_TIMEOUT)
         punch_s = time.monotonic() - began
         again = await host.call(relayed, "demo.echo", {"x": 2}, timeout=CALL_TIMEOUT)
-        say({"first": first, "first_s": first_s, "outcome": outcome, "punch_s": punch_s, "again": again})
+        rate = await goodput(host, relayed, int(stream_bytes)) if int(stream_bytes) else None
+        say({"first": first, "first_s": first_s, "outcome": outcome, "punch_s": punch_s, "again": again,
+             "bytes_per_s": rate})  # fmt: skip
 
 
 def main() -> None:
