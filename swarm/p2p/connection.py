@@ -142,9 +142,10 @@ class Connection:
         if remote.peer_id == self.identity.peer_id:
             raise HandshakeError("connected to ourselves")
         if self._expected_peer is not None and remote.peer_id != self._expected_peer:
-            raise PeerIDMismatch(
-                f"dialed {self._expected_peer} at {self._where()} but the peer there is {remote.peer_id}"
-            )
+            # an accepted connection expects a peer only when a relay named who is dialing
+            what = "dialed" if self.role == hs.DIALER else "the relay announced"
+            where = f"{what} {self._expected_peer} at {self._where()}"
+            raise PeerIDMismatch(f"{where} but the peer there is {remote.peer_id}")
         assert self._handshake is not None
         if self._role_for is not None and (role := self._role_for(remote.peer_id)) not in (None, self.role):
             self.role = self._handshake.role = role  # nothing was numbered or signed yet

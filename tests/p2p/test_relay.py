@@ -222,6 +222,29 @@ async def test_a_relay_lying_about_the_far_end_fails_the_peer_id_check(
     assert not t.target.connected_peers() or t.dialer.peer_id not in t.target.connected_peers()
 
 
+class NamingRelay(RelayService):
+    """Tells every target that the circuit comes from a peer of its choice."""
+
+    claimed: PeerID | None = None
+
+    async def _stop(self, circuit_id: bytes, dialer: PeerID, dialer_at: Any, pending: Any) -> Stream:
+        assert self.claimed is not None
+        return await super()._stop(circuit_id, self.claimed, dialer_at, pending)
+
+
+@pytest.mark.timeout(30)
+async def test_a_relay_lying_to_the_target_about_the_dialer_fails_the_targets_check(
+    trio: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    t = await trio(service_class=NamingRelay)
+    assert isinstance(t.service, NamingRelay)
+    t.service.claimed = PeerID.from_public_key(bytes([7]) * 32)  # someone the target might trust more
+    with pytest.raises((HandshakeError, ConnectionLost)):
+        await t.dialer.call(t.relayed, "demo.echo", 1, timeout=10)
+    assert t.dialer.peer_id not in t.target.connected_peers()
+    assert any(f"the relay announced {t.service.claimed}" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.timeout(30)
 async def test_the_reservation_moves_to_another_relay_when_its_relay_dies(make_host: Factory) -> None:
     first, second, target, dialer = await make_host(), await make_host(), await make_host(), await make_host()
