@@ -354,9 +354,12 @@ class P2PHost:
         for watcher in list(self._watchers):
             watcher(conn)
 
-    def watch_connections(self, watcher: Callable[[Connection], None] | None) -> None:
-        """Call `watcher` with every connection the host keeps from now on (None: stop)."""
-        self._watchers = [] if watcher is None else [watcher]
+    def watch_connections(self, watcher: Callable[[Connection], None], *, stop: bool = False) -> None:
+        """Call `watcher` with every connection the host keeps from now on (stop=True: no more)."""
+        if stop:
+            self._watchers = [w for w in self._watchers if w != watcher]
+        elif watcher not in self._watchers:
+            self._watchers.append(watcher)
 
     def connections_to(self, peer: PeerID) -> list[Connection]:
         """The open connections to `peer`, direct and relayed."""
