@@ -10,20 +10,24 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from swarm.p2p import CallContext, P2PHost, PeerID, RemoteError, Stream
 from swarm.p2p.errors import (
+    BadRequest,
     CircuitClosed,
     ConnectionLost,
     HandshakeError,
     NoReservation,
     PeerIDMismatch,
+    ProtocolError,
     RelayRefused,
 )
 from swarm.p2p.maddr import CircuitAddress, parse_maddr
 from swarm.p2p.relay import RelayConfig, RelayService, Reservations
 from swarm.p2p.relay_client import RelayKeeper
-from swarm.p2p.relay_wire import RESERVE, VERSION
+from swarm.p2p.relay_wire import RESERVE, VERSION, decode_opening, decode_reservation, decode_stop
 from swarm.p2p.wire import Kind
 from tests.p2p.rawpeer import RawPeer
 from tests.waiting import until
@@ -377,3 +381,41 @@ async def test_circuits_past_the_relays_caps_are_refused_and_the_open_ones_carry
         await second.call(t.relayed, "demo.echo", 2, timeout=10)
     assert (await t.dialer.call(t.relayed, "demo.echo", 3, timeout=10))["echo"] == 3
     assert t.service.circuits == 1
+
+
+_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    st.floats(allow_nan=True),
+    st.text(max_size=40),
+    st.binary(max_size=40),
+    st.sampled_from(["/ip4/10.0.0.1/tcp/5", "/ip4/1.2.3/tcp/5", "/dns4/x/tcp/1", "/ip6/::1/tcp/70000"]),
+    st.just(bytes(16)),
+    st.just(A.to_bytes()),
+)
+_messages = st.one_of(
+    _values,
+    st.dictionaries(
+        st.sampled_from(["v", "ttl", "limit_bytes", "limit_s", "observed", "peer_observed", "circuit", "peer"]),
+        st.one_of(_values, st.just(1)),
+        max_size=8,
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_messages)
+def test_relay_messages_from_a_peer_decode_or_fail_with_a_typed_error(message: Any) -> None:
+    """What a relay or a dialer sends is checked field by field: it decodes, or it raises the
+    protocol's own errors (BadRequest on the serving side, ProtocolError on the asking side)."""
+    for decode, errors in (
+        (decode_stop, (BadRequest,)),
+        (decode_opening, (ProtocolError,)),
+        (decode_reservation, (ProtocolError,)),
+    ):
+        try:
+            decoded = decode(message)
+        except errors:
+            continue
+        assert decoded.limits.bytes > 0 and decoded.limits.seconds > 0
