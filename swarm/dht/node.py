@@ -13,12 +13,13 @@ S/Kademlia: the node id carries a proof of work bound to the PeerID (id_proof.py
 solved at start in a worker thread or read from `id_proof_path`; clients solve one too, so their
 records rank as costly identities (quotas.py, which also charges each record to its sender).
 Lookups run over disjoint paths and stores go to every path's k closest (lookup.py).
+
+The node answers in serving.py and asks in search.py (lookups, stores, every request it sends).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import random
@@ -28,18 +29,19 @@ from typing import Any
 
 from swarm.dht import protocol as proto
 from swarm.dht.config import DHTConfig
-from swarm.dht.errors import BootstrapError, RecordError
+from swarm.dht.errors import BootstrapError
 from swarm.dht.id_proof import BadIdProof
-from swarm.dht.ids import Key, id_to_bytes, key_id, random_id_between
-from swarm.dht.lookup import LookupResult, iterative_lookup, merge_into
+from swarm.dht.ids import Key, key_id, random_id_between
+from swarm.dht.lookup import LookupResult, merge_into
 from swarm.dht.peer_trust import PeerTrust
 from swarm.dht.records import Record, ValueWithExpiration, unpack_value
 from swarm.dht.routing import Contact, RoutingTable
+from swarm.dht.search import DHTSearch
 from swarm.dht.serving import DHTServing
 from swarm.dht.storage import RecordStorage
 from swarm.dht.transport import P2PTransport, Transport
 from swarm.p2p.config import P2PConfig
-from swarm.p2p.errors import BadRequest, P2PError
+from swarm.p2p.errors import P2PError
 from swarm.p2p.host import P2PHost
 from swarm.p2p.identity import Identity
 from swarm.p2p.peer_id import PeerID
@@ -95,6 +97,7 @@ class DHTNode(DHTServing):
         self._closed = False
         self._addrs: tuple[str, ...] | None = None
         self._sender: dict[str, Any] = {}  # "a" and "n" of every request (protocol.py)
+        self.search = DHTSearch(self)  # our lookups, stores and requests (search.py)
 
     @property
     def node_id(self) -> int:
@@ -186,7 +189,7 @@ class DHTNode(DHTServing):
         self._own_records[(key, subkey)] = record
         if len(self._own_records) > self.config.max_records:  # forget the record that expires first
             del self._own_records[min(self._own_records, key=lambda s: self._own_records[s].expiration)]
-        return await self._store_records(key, [record])
+        return await self.search.store_records(key, [record])
 
     async def get(self, key: Key, latest: bool = False) -> ValueWithExpiration | None:
         """The value under key, or None when no live record is found. Ends at the first node
@@ -199,10 +202,10 @@ class DHTNode(DHTServing):
         """The lookup behind get(), with its statistics (rounds, holders) for benchmarks."""
         found = self._local_records(key, time.time())
         result = await asyncio.wait_for(
-            self._lookup(key_id(key), key, stop_on_value=not latest, found=found), self.config.lookup_timeout
+            self.search.lookup(key_id(key), key, stop_on_value=not latest, found=found), self.config.lookup_timeout
         )
         if result.holders:
-            self._cache_on_path(key, result)
+            self.search.cache_on_path(key, result)
         return result
 
     def _local_records(self, key: Key, now: float) -> RecordStorage:
@@ -213,7 +216,7 @@ class DHTNode(DHTServing):
 
     async def find_node(self, target: int) -> list[Contact]:
         """The k nodes closest to target that answered (this node left out)."""
-        result = await self._lookup(target, None, stop_on_value=False)
+        result = await self.search.lookup(target, None, stop_on_value=False)
         return result.closest
 
     async def ping(self, maddr: str) -> tuple[PeerID, float]:
@@ -223,112 +226,6 @@ class DHTNode(DHTServing):
         rtt = time.perf_counter() - start
         self._heard_from_sender(peer, reply, fallback_maddr=maddr)
         return peer, rtt
-
-    # --- storing ----------------------------------------------------------------------------
-
-    async def _store_records(self, key: Key, records: list[Record]) -> int:
-        """Store on the k closest of every disjoint path (LookupResult.replicas): m nodes that
-        sit closest to the key and drop what they get hold every copy only if m >= paths * k."""
-        target = key_id(key)
-        found = await asyncio.wait_for(self._lookup(target, None, stop_on_value=False), self.config.lookup_timeout)
-        now = time.time()
-        nodes, accepted = found.replicas(), 0
-        full = len(found.closest) >= self.config.k  # else this node is among the k closest anyway
-        if not self.client_mode and (not full or (self.node_id ^ target) < (found.closest[-1].node_id ^ target)):
-            nodes = nodes[: len(nodes) - full]  # this node is a replica: the farthest one is not
-            accepted += any(self._put_local(self.storage, record, now) for record in records)
-        wire = [r.to_wire() for r in records]
-        args = {**self._sender, "records": wire}
-        replies = await asyncio.gather(*(self._call(c, proto.STORE, args) for c in nodes), return_exceptions=True)
-        reasons: dict[str, int] = {}
-        for reply in replies:
-            if isinstance(reply, BaseException):
-                continue
-            results = reply.get("results") if isinstance(reply, dict) else None
-            if isinstance(results, list) and proto.OK in results:
-                accepted += 1
-            elif isinstance(results, list):
-                for code in results:
-                    reasons[str(code)] = reasons.get(str(code), 0) + 1
-        if not accepted:
-            logger.debug("store of %r accepted by no node (%d asked; refusals %s)", key, len(nodes), reasons)
-        return accepted
-
-    def _put_local(self, storage: RecordStorage, record: Record, now: float) -> bool:
-        try:
-            storage.put(record, now)
-        except RecordError:
-            return False
-        return True
-
-    def _cache_on_path(self, key: Key, result: LookupResult) -> None:
-        """Kademlia's caching: the closest node that answered without the value gets a copy."""
-        for contact in result.closest:
-            if contact.peer_id not in result.holders:
-                records = [r.to_wire() for r in result.records(key, time.time())][: self.config.max_store_batch]
-                if records:
-                    args = {**self._sender, "records": records, "cache": True}
-                    self._spawn(self._call_quietly(contact, proto.STORE, args))
-                return
-
-    # --- lookups ----------------------------------------------------------------------------
-
-    async def _lookup(
-        self, target: int, key: Key | None, *, stop_on_value: bool, found: RecordStorage | None = None
-    ) -> LookupResult:
-        args: dict[str, Any] = {**self._sender, "id": id_to_bytes(target)}
-        if key is not None:
-            args["key"] = key
-            if stop_on_value:
-                args["peers"] = False  # a holder's records end this lookup: its peers would go unread
-
-        async def ask(contact: Contact) -> tuple[list[Contact], list[Record]]:
-            reply = await self._call(contact, proto.FIND, args)
-            try:
-                if not isinstance(reply, dict):
-                    raise BadRequest("a find reply must be a map")
-                peers, dropped = proto.decode_contacts(reply.get("peers", []), self.config)
-                records = (
-                    proto.decode_found(key, reply["records"], self.config, time.time())
-                    if key is not None and "records" in reply
-                    else []
-                )
-            except BadRequest as e:
-                logger.info("bad find reply from %s: %s", contact.peer_id, e)
-                self.table.remove(contact.peer_id)
-                raise
-            for peer, reason in dropped:
-                self.trust.bad_proof(peer, reason, via=contact.peer_id)
-            return peers, records
-
-        initial = self.table.closest(target, self.config.k)
-        return await iterative_lookup(
-            target,
-            initial,
-            ask,
-            own_id=self.peer_id,
-            k=self.config.k,
-            alpha=self.config.alpha,
-            stop_on_value=stop_on_value,
-            found=RecordStorage(1, 1) if found is None else found,
-            now=time.time,
-            paths=self.config.disjoint_paths,
-        )
-
-    async def _call(self, contact: Contact, method: str, args: Any) -> Any:
-        """A request to a contact (its id proof checked when we learned it); success refreshes
-        it in the routing table, failure removes it."""
-        try:
-            reply = await self.transport.call(contact.peer_id, contact.maddrs, method, args, self.config.rpc_timeout)
-        except P2PError:
-            self.table.remove(contact.peer_id)
-            raise
-        self._heard_from(contact)
-        return reply
-
-    async def _call_quietly(self, contact: Contact, method: str, args: Any) -> None:
-        with contextlib.suppress(P2PError):
-            await self._call(contact, method, args)
 
     # --- routing table upkeep ---------------------------------------------------------------
 
@@ -394,7 +291,7 @@ class DHTNode(DHTServing):
                 by_key.setdefault(record.key, []).append(record)
         for key, records in by_key.items():
             for start in range(0, len(records), self.config.max_store_batch):
-                await self._store_records(key, records[start : start + self.config.max_store_batch])
+                await self.search.store_records(key, records[start : start + self.config.max_store_batch])
 
     def _jittered(self, interval: float) -> float:
         return interval * (1 + random.random() * self.config.maintenance_jitter)

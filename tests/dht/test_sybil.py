@@ -206,7 +206,7 @@ async def test_values_survive_20_ids_that_sit_closest_to_the_key_and_drop_stores
         for node in [*honest, *attackers]:  # every node announces itself near its own id again
             await node.find_node(node.node_id)
         writer, reader = honest[5], honest[17]
-        found = await writer._lookup(target, None, stop_on_value=False)
+        found = await writer.search.lookup(target, None, stop_on_value=False)
         assert {c.peer_id for c in found.closest[:20]} == {a.peer_id for a in attackers}, "not eclipsed"
         subkey = owner_subkey(writer.peer_id)
         value = {"step": 3, "manifest": "ab" * 32}

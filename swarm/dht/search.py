@@ -1,0 +1,143 @@
+"""DHTSearch: how a DHTNode asks the network, the asking half of DHTNode (serving.py is the
+answering half): the iterative lookup of an id or a key over disjoint paths (lookup.py's
+algorithm, with the node's requests plugged in), storing records on every path's k closest,
+and Kademlia's caching of a found value on the path. Every request goes through `call`: a reply
+refreshes the contact in the routing table, a failure removes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from swarm.dht import protocol as proto
+from swarm.dht.errors import RecordError
+from swarm.dht.ids import Key, id_to_bytes, key_id
+from swarm.dht.lookup import LookupResult, iterative_lookup
+from swarm.dht.records import Record
+from swarm.dht.routing import Contact
+from swarm.dht.storage import RecordStorage
+from swarm.p2p.errors import BadRequest, P2PError
+
+if TYPE_CHECKING:
+    from swarm.dht.node import DHTNode
+
+logger = logging.getLogger("swarm.dht.node")  # the node's: its log lines keep one name
+
+
+class DHTSearch:
+    """A DHTNode's lookups, stores and requests (the module docstring); the node owns one and
+    asks through it."""
+
+    def __init__(self, node: DHTNode) -> None:
+        self.node = node
+
+    async def store_records(self, key: Key, records: list[Record]) -> int:
+        """Store on the k closest of every disjoint path (LookupResult.replicas): m nodes that
+        sit closest to the key and drop what they get hold every copy only if m >= paths * k."""
+        node = self.node
+        target = key_id(key)
+        found = await asyncio.wait_for(self.lookup(target, None, stop_on_value=False), node.config.lookup_timeout)
+        now = time.time()
+        nodes, accepted = found.replicas(), 0
+        full = len(found.closest) >= node.config.k  # else this node is among the k closest anyway
+        if not node.client_mode and (not full or (node.node_id ^ target) < (found.closest[-1].node_id ^ target)):
+            nodes = nodes[: len(nodes) - full]  # this node is a replica: the farthest one is not
+            accepted += any(_put_local(node.storage, record, now) for record in records)
+        wire = [r.to_wire() for r in records]
+        args = {**node._sender, "records": wire}
+        replies = await asyncio.gather(*(self.call(c, proto.STORE, args) for c in nodes), return_exceptions=True)
+        reasons: dict[str, int] = {}
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                continue
+            results = reply.get("results") if isinstance(reply, dict) else None
+            if isinstance(results, list) and proto.OK in results:
+                accepted += 1
+            elif isinstance(results, list):
+                for code in results:
+                    reasons[str(code)] = reasons.get(str(code), 0) + 1
+        if not accepted:
+            logger.debug("store of %r accepted by no node (%d asked; refusals %s)", key, len(nodes), reasons)
+        return accepted
+
+    def cache_on_path(self, key: Key, result: LookupResult) -> None:
+        """Kademlia's caching: the closest node that answered without the value gets a copy."""
+        node = self.node
+        for contact in result.closest:
+            if contact.peer_id not in result.holders:
+                records = [r.to_wire() for r in result.records(key, time.time())][: node.config.max_store_batch]
+                if records:
+                    args = {**node._sender, "records": records, "cache": True}
+                    node._spawn(self.call_quietly(contact, proto.STORE, args))
+                return
+
+    async def lookup(
+        self, target: int, key: Key | None, *, stop_on_value: bool, found: RecordStorage | None = None
+    ) -> LookupResult:
+        node = self.node
+        args: dict[str, Any] = {**node._sender, "id": id_to_bytes(target)}
+        if key is not None:
+            args["key"] = key
+            if stop_on_value:
+                args["peers"] = False  # a holder's records end this lookup: its peers would go unread
+
+        async def ask(contact: Contact) -> tuple[list[Contact], list[Record]]:
+            reply = await self.call(contact, proto.FIND, args)
+            try:
+                if not isinstance(reply, dict):
+                    raise BadRequest("a find reply must be a map")
+                peers, dropped = proto.decode_contacts(reply.get("peers", []), node.config)
+                records = (
+                    proto.decode_found(key, reply["records"], node.config, time.time())
+                    if key is not None and "records" in reply
+                    else []
+                )
+            except BadRequest as e:
+                logger.info("bad find reply from %s: %s", contact.peer_id, e)
+                node.table.remove(contact.peer_id)
+                raise
+            for peer, reason in dropped:
+                node.trust.bad_proof(peer, reason, via=contact.peer_id)
+            return peers, records
+
+        initial = node.table.closest(target, node.config.k)
+        return await iterative_lookup(
+            target,
+            initial,
+            ask,
+            own_id=node.peer_id,
+            k=node.config.k,
+            alpha=node.config.alpha,
+            stop_on_value=stop_on_value,
+            found=RecordStorage(1, 1) if found is None else found,
+            now=time.time,
+            paths=node.config.disjoint_paths,
+        )
+
+    async def call(self, contact: Contact, method: str, args: Any) -> Any:
+        """A request to a contact (its id proof checked when we learned it); success refreshes
+        it in the routing table, failure removes it."""
+        node = self.node
+        try:
+            reply = await node.transport.call(contact.peer_id, contact.maddrs, method, args, node.config.rpc_timeout)
+        except P2PError:
+            node.table.remove(contact.peer_id)
+            raise
+        node._heard_from(contact)
+        return reply
+
+    async def call_quietly(self, contact: Contact, method: str, args: Any) -> None:
+        with contextlib.suppress(P2PError):
+            await self.call(contact, method, args)
+
+
+def _put_local(storage: RecordStorage, record: Record, now: float) -> bool:
+    try:
+        storage.put(record, now)
+    except RecordError:
+        return False
+    return True
