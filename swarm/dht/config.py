@@ -57,6 +57,9 @@ class DHTConfig:
     # maintenance, seconds
     refresh_interval: float = 600.0  # buckets untouched this long are refreshed by a random lookup
     republish_interval: float = 300.0  # owners re-store their live records this often
+    # an initial peer gone from the routing table (a network split, a restarted bootstrap) is
+    # pinged again after this long, then at doubling waits up to refresh_interval (rejoin.py)
+    rejoin_interval: float = 15.0
     maintenance_jitter: float = 0.1  # fraction of an interval added at random so nodes don't sync up
     ping_timeout: float = 2.0  # a stale bucket entry that does not answer within this is replaced
 
@@ -65,7 +68,7 @@ class DHTConfig:
             "k", "alpha", "max_key_bytes", "max_subkey_bytes", "max_value_bytes", "max_records",
             "max_cache_records", "max_subkeys_per_key", "max_ttl", "max_maddrs_per_peer",
             "max_maddr_chars", "max_store_batch", "rpc_timeout", "lookup_timeout",
-            "bootstrap_timeout", "refresh_interval", "republish_interval", "ping_timeout",
+            "bootstrap_timeout", "refresh_interval", "republish_interval", "ping_timeout", "rejoin_interval",
             "disjoint_paths", "max_storage_bytes", "max_records_per_source", "max_bytes_per_source",
             "max_subkeys_per_source_per_key", "max_unproven_subkeys_per_key", "liveness_window",
         ):  # fmt: skip

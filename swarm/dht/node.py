@@ -35,6 +35,7 @@ from swarm.dht.ids import Key, key_id, random_id_between
 from swarm.dht.lookup import LookupResult, merge_into
 from swarm.dht.peer_trust import PeerTrust
 from swarm.dht.records import Record, ValueWithExpiration, unpack_value
+from swarm.dht.rejoin import RejoinSchedule
 from swarm.dht.routing import Contact, RoutingTable
 from swarm.dht.search import DHTSearch
 from swarm.dht.serving import DHTServing
@@ -98,6 +99,9 @@ class DHTNode(DHTServing):
         self._addrs: tuple[str, ...] | None = None
         self._sender: dict[str, Any] = {}  # "a" and "n" of every request (protocol.py)
         self.search = DHTSearch(self)  # our lookups, stores and requests (search.py)
+        self._initial_ids: dict[str, PeerID] = {}  # who answered at each initial peer's maddr
+        self._rejoin = RejoinSchedule(min(self.config.rejoin_interval, self.config.refresh_interval),
+                                      self.config.refresh_interval)  # fmt: skip
 
     @property
     def node_id(self) -> int:
@@ -146,6 +150,9 @@ class DHTNode(DHTServing):
         if not maddrs:
             return
         replies = await asyncio.gather(*(self.ping(m) for m in maddrs), return_exceptions=True)
+        for maddr, reply in zip(maddrs, replies, strict=True):
+            if not isinstance(reply, BaseException):
+                self._initial_ids[maddr] = reply[0]
         if all(isinstance(r, BaseException) for r in replies):
             reasons = "; ".join(f"{m}: {r}" for m, r in zip(maddrs, replies, strict=True))
             raise BootstrapError(f"none of the {len(maddrs)} initial peers answered ({reasons})")
@@ -264,21 +271,51 @@ class DHTNode(DHTServing):
             self.table.ping_succeeded(stale.peer_id, asyncio.get_running_loop().time())
 
     async def _maintain(self) -> None:
-        """Refresh stale buckets and republish our own records, forever, with jitter."""
+        """Ping lost initial peers, refresh stale buckets and republish our own records, forever,
+        with jitter."""
         config = self.config
         loop = asyncio.get_running_loop()
+        every = min(config.refresh_interval, config.republish_interval) / 2
+        next_refresh = loop.time() + self._jittered(every)
         next_republish = loop.time() + self._jittered(config.republish_interval)
         while True:
-            await asyncio.sleep(self._jittered(min(config.refresh_interval, config.republish_interval) / 2))
+            await asyncio.sleep(self._jittered(min(every, self._rejoin.base)))
             try:
-                for bucket in self.table.stale_buckets(loop.time(), config.refresh_interval):
-                    await self.find_node(random_id_between(bucket.lo, bucket.hi))
-                    bucket.last_updated = loop.time()
+                await self._rejoin_lost()
+                if loop.time() >= next_refresh:
+                    next_refresh = loop.time() + self._jittered(every)
+                    for bucket in self.table.stale_buckets(loop.time(), config.refresh_interval):
+                        await self.find_node(random_id_between(bucket.lo, bucket.hi))
+                        bucket.last_updated = loop.time()
                 if loop.time() >= next_republish:
                     next_republish = loop.time() + self._jittered(config.republish_interval)
                     await self.republish()
-            except (P2PError, TimeoutError) as e:
+            except (P2PError, TimeoutError, asyncio.TimeoutError) as e:
                 logger.info("DHT maintenance round failed: %s", e)
+
+    async def _rejoin_lost(self) -> None:
+        """Ping the initial peers our table lost (rejoin.py); through one that answers, look up
+        our own id as at start-up, so that the nodes on its side learn of us and we of them."""
+        loop = asyncio.get_running_loop()
+
+        def in_table(maddr: str) -> bool:
+            peer = self._initial_ids.get(maddr)
+            return peer is not None and peer in self.table
+
+        back = False
+        for maddr in self._rejoin.due(self.initial_peers, in_table, loop.time()):
+            try:
+                self._initial_ids[maddr] = (await self.ping(maddr))[0]
+            except P2PError as e:
+                logger.debug("initial peer %s still unreachable: %s", maddr, e)
+                self._rejoin.tried(maddr, loop.time(), answered=False, kept=False)
+                continue
+            kept = in_table(maddr)
+            self._rejoin.tried(maddr, loop.time(), answered=True, kept=kept)
+            back = back or kept
+        if back:
+            logger.info("reached an initial peer our routing table had lost: looking up our neighbours again")
+            await asyncio.wait_for(self.find_node(self.node_id), self.config.bootstrap_timeout)
 
     async def republish(self) -> None:
         """Re-store our live records on the nodes now closest to their keys."""
