@@ -137,10 +137,13 @@ class Averager:
         """Their FORMED markers made us wait max_wait for a result that never came: ignore them."""
         self.matchmaker.board.distrust_formed(peers)
 
-    async def outvoted(self, step: int, group_id: bytes) -> bool:
-        """Did a larger group than ours (`group_id`) form at `step`? Then our lineage is a fork's
-        smaller one (matchmaking/matchmaker.py, ready.outvoted)."""
-        return await self.matchmaker.outvoted(step, group_id)
+    async def outvoted(
+        self, step: int, group_id: bytes, state: bytes, voters: frozenset[PeerID] | None = None
+    ) -> bool:
+        """Did a larger group than ours (`group_id`, from `state`) form at `step`, weighed by
+        `voters`? Then our lineage is a fork's smaller one (matchmaking/matchmaker.py,
+        ready.outvoted)."""
+        return await self.matchmaker.outvoted(step, group_id, state, voters)
 
     def round_failed(self, step: int) -> None:
         """The round of `step` failed: the step may be matchmade again (see matchmaking/matchmaker.py)."""

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from typing import NamedTuple
 
 from swarm.averaging.averager import Averager
 from swarm.averaging.matchmaking.matchmaker import Matchmade
@@ -17,6 +18,7 @@ from swarm.node.context import RunContext, StepFacts
 from swarm.node.plan import expected_peers, matchmaking_start
 from swarm.node.view import SwarmView
 from swarm.p2p.errors import P2PError
+from swarm.p2p.peer_id import PeerID
 
 logger = logging.getLogger(__name__)
 
@@ -26,19 +28,29 @@ WAIT_RECHECK_S = 1.0  # seconds between readings of the peers' records while wai
 LINEAGE_STEPS = 3
 
 
+class Round(NamedTuple):
+    """One of our rounds, as ForkWatch weighs a group formed beside it (ready.outvoted)."""
+
+    step: int
+    group_id: bytes
+    parent: bytes  # the state it started from
+    voters: frozenset[PeerID] | None  # the members of the round that made `parent`
+
+
 class ForkWatch:
     """Our last rounds since our state's lineage began, and whether a larger group formed beside
     one of them: then our state is a fork's smaller lineage, and we fetch the larger one's."""
 
     def __init__(self, max_wait: float) -> None:
         self.max_wait = max_wait
-        self.rounds: deque[tuple[int, bytes]] = deque(maxlen=LINEAGE_STEPS)  # (step, group id)
+        self.rounds: deque[Round] = deque(maxlen=LINEAGE_STEPS)
         # the event loop's time our lineage was first found outvoted (no fetch since); None: it is not
         self.outvoted_since: float | None = None
 
-    def stepped(self, step: int, group_id: bytes) -> None:
-        """A round of ours made the state we hold."""
-        self.rounds.append((step, group_id))
+    def stepped(self, step: int, group_id: bytes, parent: bytes, voters: frozenset[PeerID] | None) -> None:
+        """A round of ours made the state we hold, from `parent`; `voters`: the members of the
+        round that made `parent` (None: no round of two before it)."""
+        self.rounds.append(Round(step, group_id, parent, voters))
 
     def forget(self) -> None:
         """We fetched another lineage's state: our rounds no longer say where it comes from."""
@@ -51,8 +63,8 @@ class ForkWatch:
         waiting for the larger lineage to reach our step when it is behind. Not for longer than
         max_wait: live identities that renew FORMED markers of a fake larger group, and serve no
         state, must not stop us for good (as distrust_formed bounds a fake marker of our state)."""
-        for earlier, group_id in reversed(self.rounds):
-            if earlier < step and await averager.outvoted(earlier, group_id):
+        for earlier in reversed(self.rounds):
+            if earlier.step < step and await averager.outvoted(*earlier):
                 now = asyncio.get_running_loop().time()
                 if self.outvoted_since is None:
                     self.outvoted_since = now

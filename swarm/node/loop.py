@@ -168,7 +168,14 @@ class OuterLoop:
         if plan.action == JOIN_FORMING:
             logger.info("step %d: %s: joining with no inner steps of ours", step, plan.why)
             ctx.inner.start_step(0)
-            return step, await self.groups.matchmake(step, weight=0.0, gather=LATE_GATHER, joining=True)
+            found = await self.groups.matchmake(step, weight=0.0, gather=LATE_GATHER, joining=True)
+            if found.group is not None or found.late or found.other_state:
+                return step, found
+            # nobody took us in: the records that showed our step's peers matchmaking were stale,
+            # or were a fork's other lineage at our step. A joiner has nothing to give and cannot
+            # lead; had every node of the step read the records so, none would ever train
+            logger.info("step %d: no group was forming after all: training the step", step)
+            return step, await self._train_and_matchmake(step, ctx.config.inner_steps)
         if plan.inner_steps < ctx.config.inner_steps:
             logger.info("step %d: %s: %d of %d inner steps", step, plan.why, plan.inner_steps, ctx.config.inner_steps)
         return step, await self._train_and_matchmake(step, plan.inner_steps)

@@ -225,6 +225,7 @@ class StepEnd:
         progress = progress or ctx.inner.snapshot()
         weight = progress.inner_done * config.batch_size * config.seq_len
         group = report.group  # the receipt of the round (or of our Δ alone) that made this state
+        voters = ctx.lineage.lineage.voters()  # of the round before this one: they weigh a fork of it
         if group is not None:
             members = [(m.peer_id, m.weight) for m in group.members]
             ctx.lineage.record_round(step, group.group_id, members, parent, facts.state_sha)
@@ -233,7 +234,7 @@ class StepEnd:
         facts.tokens += weight
         facts.last_group = len(report.members) if report.group_id is not None else 1
         if report.group_id is not None:  # in sync with a group: the swarm was at this step now
-            self.groups.forks.stepped(step, bytes.fromhex(report.group_id))
+            self.groups.forks.stepped(step, bytes.fromhex(report.group_id), parent, voters)
             self.in_sync()
         self._emit_step(step, report, progress, sha, evaluate=evaluate, overlapped=overlapped)
         await ctx.keeper.publish(diloco, local=ctx.feedback.state_dict if ctx.feedback is not None else None)

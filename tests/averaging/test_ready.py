@@ -136,25 +136,42 @@ def formed_groups(
 
 
 @pytest.mark.parametrize(
-    ("what", "seen", "me", "ours", "winner"),
+    ("what", "seen", "me", "ours", "winner", "voters"),
     [
-        ("one group: nothing to heal", formed_groups({0: G2, 1: G2, 2: G2}), 0, G2, None),
-        ("ours larger", formed_groups({0: G2, 1: G2, 2: G2, 3: G1, 4: G1}), 0, G2, None),
-        ("ours smaller", formed_groups({0: G2, 1: G2, 2: G2, 3: G1, 4: G1}), 3, G1, G2),
-        ("two states: the lineage of the other state", formed_groups({0: G1, 1: G2, 2: G2}, {0: B}), 0, G1, G2),
-        ("a tie: the smaller id is the swarm's", formed_groups({0: G1, 1: G1, 2: G2, 3: G2}), 2, G2, G1),
-        ("a tie seen from the smaller id", formed_groups({0: G1, 1: G1, 2: G2, 3: G2}), 0, G1, None),
+        ("one group: nothing to heal", formed_groups({0: G2, 1: G2, 2: G2}), 0, G2, None, None),
+        ("ours larger", formed_groups({0: G2, 1: G2, 2: G2, 3: G1, 4: G1}), 0, G2, None, None),
+        ("ours smaller", formed_groups({0: G2, 1: G2, 2: G2, 3: G1, 4: G1}), 3, G1, G2, None),
+        ("two states: the lineage of the other state", formed_groups({0: G1, 1: G2, 2: G2}, {0: B}), 0, G1, G2, None),
+        ("a tie: the smaller id is the swarm's", formed_groups({0: G1, 1: G1, 2: G2, 3: G2}), 2, G2, G1, None),
+        ("a tie seen from the smaller id", formed_groups({0: G1, 1: G1, 2: G2, 3: G2}), 0, G1, None, None),
         # owners that did not prove they are alive do not count: the lone survivor of a group of
         # 4 (three killed) takes the state of the 2 that computed the step again
-        ("dead members", formed_groups({0: G1, 1: G1, 2: G1, 3: G1, 4: G2, 5: G2}, dead=(1, 2, 3)), 0, G1, G2),
-        ("a larger group, dead", formed_groups({0: G1, 1: G2, 2: G2, 3: G2}, dead=(1, 2, 3)), 0, G1, None),
-        ("our marker not stored yet: we count", formed_groups({1: G1, 2: G2}), 0, G1, None),
-        ("three groups", formed_groups({0: G3, 1: G1, 2: G2, 3: G2}), 0, G3, G2),
+        ("dead members", formed_groups({0: G1, 1: G1, 2: G1, 3: G1, 4: G2, 5: G2}, dead=(1, 2, 3)), 0, G1, G2, None),
+        ("a larger group, dead", formed_groups({0: G1, 1: G2, 2: G2, 3: G2}, dead=(1, 2, 3)), 0, G1, None, None),
+        ("our marker not stored yet: we count", formed_groups({1: G1, 2: G2}), 0, G1, None, None),
+        ("three groups", formed_groups({0: G3, 1: G1, 2: G2, 3: G2}), 0, G3, G2, None),
+        # counted by the members of the round before (voters), as the lineage weighs a fork: a
+        # group of 3 that fetched the state, beside the pair whose round made it, is outvoted
+        ("voters: the pair that made the state", formed_groups({0: G1, 1: G1, 2: G2, 3: G2, 4: G2}), 2, G2, G1,
+         (0, 1)),
+        ("voters: seen from the pair", formed_groups({0: G1, 1: G1, 2: G2, 3: G2, 4: G2}), 0, G1, None, (0, 1)),
+        ("voters: a dead voter does not count", formed_groups({0: G1, 1: G2, 2: G2}, dead=(0,)), 1, G2, None, (0, 1)),
+        ("voters: none in view, everyone counts", formed_groups({2: G1, 3: G2, 4: G2}), 2, G1, G2, (0, 1)),
+        ("voters: a tie, each side asks for the other's", formed_groups({0: G1, 1: G2, 2: G1}), 1, G2, G1, (0, 1)),
+        ("voters: a tie, from the smaller id too", formed_groups({0: G1, 1: G2, 2: G2}), 0, G1, G2, (0, 1)),
+        ("voters: another state's larger group is tried, voters or not",
+         formed_groups({0: G1, 1: G1, 2: G2, 3: G2, 4: G2}, {2: B, 3: B, 4: B}), 0, G1, G2, (0, 1)),
+        ("voters: another state's smaller group is not", formed_groups({0: G1, 1: G1, 2: G2}, {2: B}), 2, G2, G1,
+         (2,)),
+        ("voters: we are one, alone against two", formed_groups({0: G1, 1: G2, 2: G2}), 0, G1, G2, (0, 1, 2)),
     ],
 )
-def test_a_fork_s_smaller_lineage_is_outvoted(what: str, seen: ReadyView, me: int, ours: bytes,
-                                               winner: bytes | None) -> None:  # fmt: skip
-    assert outvoted(seen, ours, IDS[me]) == winner, what
+def test_a_fork_s_smaller_lineage_is_outvoted(
+    what: str, seen: ReadyView, me: int, ours: bytes, winner: bytes | None, voters: tuple[int, ...] | None
+) -> None:
+    counted_by = None if voters is None else frozenset(IDS[i] for i in voters)
+    state = seen.formed.get(IDS[me], A)  # the state our group started from
+    assert outvoted(seen, ours, IDS[me], state, counted_by) == winner, what
     assert other_groups(seen, ours) is (len(set(seen.groups.values()) - {ours}) > 0)
 
 

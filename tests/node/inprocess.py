@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from swarm.dht import DHTNode
+from swarm.dht import DHTConfig, DHTNode
 from swarm.model.data import TokenData
 from swarm.node import SwarmNode
 from swarm.node.config import NodeConfig
@@ -51,7 +51,7 @@ class LocalSwarm:
 
     def start(self, initial: tuple[str, ...], *, identity: Identity | None = None,
               on_event: Callable[[dict[str, Any]], None] | None = None, train_loop: TrainLoopFactory = DataLoop,
-              **settings: Any) -> Running:  # fmt: skip
+              dht_config: DHTConfig | None = None, **settings: Any) -> Running:  # fmt: skip
         """A node; its events are recorded, and also handed to `on_event` (a metrics subscriber).
         `train_loop`: its training thread (swarm-node's DataLoop by default)."""
         config = NodeConfig(**{"run_id": "inproc", **QUICK, **settings})
@@ -64,7 +64,7 @@ class LocalSwarm:
                 on_event(event)
 
         node = SwarmNode(config, identity=identity, initial_peers=initial, p2p_config=LOCAL, on_event=record,
-                         data=self.data, train_loop=train_loop)  # fmt: skip
+                         data=self.data, train_loop=train_loop, dht_config=dht_config)  # fmt: skip
         stop = asyncio.Event()
         running = Running(node, stop, asyncio.ensure_future(node.run(stop)), events)
         self.nodes.append(running)

@@ -9,6 +9,11 @@ from __future__ import annotations
 import asyncio
 
 from swarm.node.grouping import ForkWatch
+from swarm.p2p.identity import Identity
+from swarm.p2p.peer_id import PeerID
+
+# the members of the round before step 4's: whose FORMED markers of step 4 count
+VOTERS = frozenset(Identity.from_seed(bytes([i]) * 32).peer_id for i in (1, 2))
 
 
 class Answers:
@@ -17,22 +22,22 @@ class Answers:
     def __init__(self, outvoted: bool) -> None:
         self.outvoted_now, self.asked = outvoted, []
 
-    async def outvoted(self, step: int, group_id: bytes) -> bool:
-        self.asked.append((step, group_id))
+    async def outvoted(self, step: int, group_id: bytes, state: bytes, voters: frozenset[PeerID] | None) -> bool:
+        self.asked.append((step, group_id, voters))
         return self.outvoted_now
 
 
 def node(max_wait: float) -> ForkWatch:
     end = ForkWatch(max_wait)
-    end.stepped(3, b"\x03" * 32)
-    end.stepped(4, b"\x04" * 32)
+    end.stepped(3, b"\x03" * 32, b"\x02" * 32, None)
+    end.stepped(4, b"\x04" * 32, b"\x03" * 32, VOTERS)
     return end
 
 
 async def test_an_outvoted_node_waits_at_most_max_wait_then_goes_on_with_its_state() -> None:
     end, averager = node(max_wait=0.3), Answers(outvoted=True)
     assert await end.outvoted(averager, 5)  # type: ignore[arg-type]
-    assert averager.asked == [(4, b"\x04" * 32)]  # the latest round first; one outvoted is enough
+    assert averager.asked == [(4, b"\x04" * 32, VOTERS)]  # the latest round first; one outvoted is enough
     await asyncio.sleep(0.35)
     assert not await end.outvoted(averager, 5)  # type: ignore[arg-type]
     assert not end.rounds and end.outvoted_since is None
@@ -42,7 +47,7 @@ async def test_an_outvoted_node_waits_at_most_max_wait_then_goes_on_with_its_sta
 async def test_only_rounds_before_this_step_are_checked_and_a_clean_check_resets_the_wait() -> None:
     end, averager = node(max_wait=60.0), Answers(outvoted=False)
     assert not await end.outvoted(averager, 4)  # type: ignore[arg-type]
-    assert averager.asked == [(3, b"\x03" * 32)]  # step 4's round is this step's: not a past one
+    assert averager.asked == [(3, b"\x03" * 32, None)]  # step 4's round is this step's: not a past one
     averager.outvoted_now = True
     assert await end.outvoted(averager, 5)  # type: ignore[arg-type]
     since = end.outvoted_since

@@ -165,7 +165,8 @@ class Matchmaker:
             announced = await self._store(step, announcement(me, self.dht.id_nonce, self.config.settings), ttl)
             if not announced:  # unseen by others; we may still join them
                 logger.warning("could not announce readiness for step %d", step)
-            view = await self._gather(step, None if expected is None else expected - {me.peer_id}, gather_until)
+            others = None if expected is None else expected - {me.peer_id}
+            view = await self._gather(step, others, gather_until, me.state, voters)
             view = await self.board.settled(step, view, expected or frozenset())
             dead: set[PeerID] = set()
             peers = 0  # the most other members of our state a decision of ours counted
@@ -213,17 +214,20 @@ class Matchmaker:
             )
             self._mark(step, marker)
 
-    async def outvoted(self, step: int, group_id: bytes) -> bool:
-        """Did a larger group form at `step` than ours (`group_id`), which makes ours a fork's
-        smaller lineage (ready.outvoted)? One read of the step's ready set; only when it names
-        another group are its owners' liveness checks asked and waited for (a few seconds at
-        most, ready_board.SETTLE): owners that do not answer do not count, as in every vote (a
-        check that ran out delays the healing by a step; it never makes a fork)."""
+    async def outvoted(
+        self, step: int, group_id: bytes, state: bytes, voters: frozenset[PeerID] | None = None
+    ) -> bool:
+        """Did a larger group form at `step` than ours (`group_id`, from `state`), weighed by
+        `voters` (the members of the round before it), which makes ours a fork's smaller lineage
+        (ready.outvoted)? One read of the step's ready set; only when it names another group are
+        its owners' liveness checks asked and waited for (a few seconds at most,
+        ready_board.SETTLE): owners that do not answer do not count, as in every vote (a check
+        that ran out delays the healing by a step; it never makes a fork)."""
         view = await self.board.read(step)
         if not other_groups(view, group_id):
             return False
         view = await self.board.settled(step, view, frozenset())
-        larger = outvoted(view, group_id, self.peer_id)
+        larger = outvoted(view, group_id, self.peer_id, state, voters)
         if larger is not None and (step, group_id) not in self._outvoted_told:  # asked again until it heals
             if len(self._outvoted_told) > 16:
                 self._outvoted_told.clear()
@@ -270,19 +274,25 @@ class Matchmaker:
             return False
         return accepted > 0
 
-    async def _gather(self, step: int, expected: frozenset[PeerID] | None, until: float) -> ReadyView:
-        """Read the ready set until it holds every expected peer (or a group of the step has
-        formed already), or `until` passes; returns the last view. A peer marked DONE counts as
+    async def _gather(self, step: int, expected: frozenset[PeerID] | None, until: float, state: bytes,
+                      voters: frozenset[PeerID] | None) -> ReadyView:  # fmt: skip
+        """Read the ready set until it holds every expected peer (or a group formed already that
+        decides our step: one of our `state`, which makes us late, or one whose owners' vote
+        counts, `voters`), or `until` passes; returns the last view. A peer marked DONE counts as
         in only after DONE_GRACE: it may be about to announce again (nodes that found no group
         retry, each on its own cadence; taking each other's DONE for "in" kept 3 nodes apart
-        for minutes)."""
+        for minutes). A group of another state whose owners do not vote for us (the other
+        lineage of a split that just healed) decides nothing here: stopping at its markers,
+        the three nodes of a healed half each announced, read the other two's DONE markers of a
+        moment before, and gave up alone, in turn, until those markers expired."""
         loop = asyncio.get_running_loop()
         done_counts_at = loop.time() + DONE_GRACE
         while True:
             view = await self.board.read(step)
             self.board.ask(step, view, expected or frozenset())
             arrived = view.seen() if loop.time() >= done_counts_at else view.seen() - view.done
-            if self.board.liveness.alive(view.formed) or (expected is not None and expected <= arrived):
+            deciding = {p for p, s in view.formed.items() if s == state or voters is None or p in voters}
+            if self.board.liveness.alive(deciding) or (expected is not None and expected <= arrived):
                 return view
             if loop.time() >= until:
                 return view

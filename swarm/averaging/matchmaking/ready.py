@@ -249,17 +249,52 @@ def other_groups(view: ReadyView, group_id: bytes) -> bool:
     return any(g != group_id for p, g in view.groups.items() if p in view.formed)
 
 
-def outvoted(view: ReadyView, group_id: bytes, me: PeerID) -> bytes | None:
-    """The group of this step that outvotes ours (`group_id`, which `me` was in), or None. Two
-    groups formed at one step (a fork: two leaders that each counted a majority under load, or a
-    late node that computed the step again after its group's members had left) go on as two
-    lineages, and the smaller one, when faster, decides each later step before the larger one's
-    announcements are in: it never sees that it is outvoted (rule 2). The FORMED markers of the
-    step remain: the group with the most owners that count (alive, proven: as rule 2's votes;
-    ties: the smaller id) is the swarm's lineage, and the members of any other fetch its state."""
-    sizes = group_sizes(view, group_id, me)
-    best = min(sizes, key=lambda g: (-sizes[g], g))
-    return None if best == group_id else best
+def outvoted(
+    view: ReadyView, group_id: bytes, me: PeerID, state: bytes, voters: frozenset[PeerID] | None = None
+) -> bytes | None:
+    """The group of this step that outvotes ours (`group_id`, which `me` was in, from `state`),
+    or None. Two groups formed at one step go on as two lineages, and the smaller one, when
+    faster, decides each later step before the larger one's announcements are in: it never sees
+    that it is outvoted (rule 2). The FORMED markers of the step remain; they say which state
+    each group started from:
+    - a group of **another state** is another lineage (a network split, a fork some steps back):
+      the one with more markers that count (alive, proven: as rule 2's votes; ties: the smaller
+      id) is the one to try, and the lineage (state/lineage.py) decides whether its state is
+      taken, by the members of the round where the two forked;
+    - a group of **our state** is a second group of one step (two leaders that each counted a
+      majority under load or on the views of a DHT just healed from a split, or a late node that
+      computed the step again after its group's members had left). It is weighed as the lineage
+      weighs it: by `voters`, the members of the round that made our state (a group of three
+      newcomers that fetched the state is outweighed by the pair whose round made it). On a tie
+      among voters every tied group counts as outvoted: each side asks for the other's state,
+      and the lineage's rule (the smaller hash) settles which side takes it. Without voters (no
+      round of two before ours) or none of them in view, every marker that counts counts, and a
+      tie goes to the smaller id."""
+    counted = view.counted_formed()  # owner -> the state its group started from
+    owners = {p: g for p, g in view.groups.items() if p in counted and p != me} | {me: group_id}
+    sizes = Counter(owners.values())
+    others = {g for p, g in owners.items() if p != me and counted[p] != state}
+    rival = min(others, key=lambda g: (-sizes[g], g), default=None)
+    if rival is not None and (sizes[rival], group_id) > (sizes[group_id], rival):
+        return rival
+    same = {p: g for p, g in owners.items() if p == me or counted[p] == state}
+    weighed = by_voters(same, me, voters)
+    if weighed:
+        assert voters is not None
+        same = {p: g for p, g in same.items() if p in voters}
+    votes = Counter(same.values())
+    votes[group_id] += 0
+    best = max(votes.values())
+    top = sorted(g for g, n in votes.items() if n == best)
+    if weighed and group_id in top and len(top) > 1:
+        return next(g for g in top if g != group_id)  # a tie: the lineage's rule settles it
+    return None if top[0] == group_id else top[0]
+
+
+def by_voters(owners: dict[PeerID, bytes], me: PeerID, voters: frozenset[PeerID] | None) -> bool:
+    """Are these FORMED markers' owners (of our state) counted by `voters` only (outvoted)?
+    When `me` is a voter or some other voter's marker counts."""
+    return voters is not None and any(p in voters for p in owners)
 
 
 def group_sizes(view: ReadyView, group_id: bytes, me: PeerID) -> Counter[bytes]:
