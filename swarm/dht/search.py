@@ -104,7 +104,11 @@ class DHTSearch:
                 node.trust.bad_proof(peer, reason, via=contact.peer_id)
             return peers, records
 
-        initial = node.table.closest(target, node.config.k)
+        # k contacts per path: were the paths to share our k closest, ids ground to sit nearest
+        # the key (each one priced, but 20 are within an attacker's reach) could be all of them,
+        # and every path would start inside their group and hear only of each other: the next
+        # k closest give the other paths honest nodes to start from
+        initial = node.table.closest(target, node.config.k * node.config.disjoint_paths)
         return await iterative_lookup(
             target,
             initial,
