@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Sequence, Set
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +41,7 @@ from swarm.averaging.rounds.registry import RoundRegistry
 from swarm.dht.node import DHTNode
 from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
+from swarm.p2p.reach import DIRECT, RELAYED
 from swarm.utils.tensor_layout import flatten, restore
 
 logger = logging.getLogger(__name__)
@@ -65,8 +66,11 @@ class Averager:
     handlers on the shared host) and the set of owners its audits caught. Call `step` once per
     outer step, or `form_group` then `run_round` (module docstring); `close` when done."""
 
-    def __init__(self, dht: DHTNode, host: P2PHost, run_id: str, config: AveragingConfig | None = None) -> None:
+    def __init__(self, dht: DHTNode, host: P2PHost, run_id: str, config: AveragingConfig | None = None, *,
+                 reach: Callable[[], str] = lambda: DIRECT) -> None:  # fmt: skip
         self.dht, self.host, self.run_id = dht, host, run_id
+        # how peers reach us now (p2p/reach.py): asked at every matchmaking, as punches settle
+        self.reach = reach
         self.config = config or AveragingConfig()
         self.excluded: set[PeerID] = set()  # owners our audits caught lying: never grouped with again
         self.matchmaker = Matchmaker(dht, host, run_id, self.config, excluded=self.excluded)
@@ -78,11 +82,14 @@ class Averager:
         self.registry.close()
 
     def member_info(self, weight: float, state: bytes = b"", *, as_client: bool = False) -> MemberInfo:
-        client = self.config.client_mode or as_client
+        reach = self.reach()
+        # a member the others reach only through a relay owns no part: every member would send
+        # its slice to that part over the relay
+        client = self.config.client_mode or as_client or reach == RELAYED
         maddrs = () if client else tuple(self.host.visible_maddrs)
         bandwidth = 0.0 if client else self.bandwidth()
         weight = min(float(weight), self.config.max_weight)  # above it, peers would ignore us
-        return MemberInfo(self.host.peer_id, maddrs, weight, bandwidth, client, state)
+        return MemberInfo(self.host.peer_id, maddrs, weight, bandwidth, client, state, reach)
 
     def bandwidth(self) -> float:
         """MB/s we announce: measured (config.measure_bandwidth) once a round has, else configured."""

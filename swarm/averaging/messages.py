@@ -1,12 +1,15 @@
 """The averaging protocol's messages: frozen values with explicit msgpack forms and limits.
 
-    MemberInfo  [peer_id bytes, [maddr...], weight, bandwidth, client, state]
-    GroupInfo   {"v": 3, "id": bytes32, "run": str, "step": int, "m": [MemberInfo...]}
+    MemberInfo  [peer_id bytes, [maddr...], weight, bandwidth, client, state, reach]
+    GroupInfo   {"v": 4, "id": bytes32, "run": str, "step": int, "m": [MemberInfo...]}
 
 `state` is the SHA-256 (32 bytes) of the state a member starts the step from (θ_outer, outer
 momentum, outer step): only members of equal state average together (b"": not given, only in
-tests of the all-reduce alone). The group id is SHA-256 over the run, the step and the ordered
-members' ids, states, weights, bandwidths and client flags, so every member can check that a
+tests of the all-reduce alone). `reach` says how the others reach the member (p2p/reach.py):
+"direct", "punched" (behind a NAT that hole punching gets through) or "relayed" (only through a
+circuit relay); a relayed member must be a client, so that it owns no part and no relay carries
+what every member sends an owner. The group id is SHA-256 over the run, the step and the ordered
+members' ids, states, weights, bandwidths, client flags and reaches, so every member can check that a
 group message is self-consistent, and a member that finds its own entry other than it announced
 refuses the group (matchmaking/matchmaker.py): a leader cannot rewrite what members announced.
 Decoders raise BadRequest on anything malformed.
@@ -26,10 +29,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.p2p.errors import BadRequest, IdentityError
-from swarm.p2p.maddr import TcpAddress, parse_maddr
+from swarm.p2p.maddr import PeerAddress, parse_address
 from swarm.p2p.peer_id import PeerID
+from swarm.p2p.reach import DIRECT, REACHES, RELAYED
 
-VERSION = 3
+VERSION = 4
 MAX_MEMBERS = 4096  # beyond max_group_size the hierarchical butterfly averages them
 MAX_MADDRS = 8
 MAX_MADDR_CHARS = 256
@@ -43,25 +47,33 @@ class MemberInfo:
     bandwidth: float  # MB/s it announces; its part of the vector is proportional to it
     client: bool  # accepts no inbound connections: owns no part
     state: bytes = b""  # sha256 of the state it starts the step from (see the module docstring)
+    reach: str = DIRECT  # how the others reach it (p2p/reach.py); "relayed" goes with client
+
+    def __post_init__(self) -> None:
+        if self.reach not in REACHES:
+            raise ValueError(f"a member's reach is one of {', '.join(REACHES)}, got {self.reach!r}")
+        if self.reach == RELAYED and not self.client:
+            raise ValueError("a member reached only through a relay owns no part: it must be a client")
 
     def encode(self) -> list[Any]:
-        return [self.peer_id.to_bytes(), list(self.maddrs), self.weight, self.bandwidth, self.client, self.state]
+        return [self.peer_id.to_bytes(), list(self.maddrs), self.weight, self.bandwidth, self.client, self.state,
+                self.reach]  # fmt: skip
 
-    def address(self) -> TcpAddress | PeerID:
-        """Where to reach this member: its first parsable maddr (with its PeerID), else the
-        PeerID alone (works when a connection to it is already open)."""
+    def address(self) -> PeerAddress | PeerID:
+        """Where to reach this member: its first parsable maddr, direct or relayed (with its
+        PeerID), else the PeerID alone (works when a connection to it is already open)."""
         for maddr in self.maddrs:
             try:
-                return parse_maddr(maddr).with_peer_id(self.peer_id)
+                return parse_address(maddr).with_peer_id(self.peer_id)
             except ValueError:
                 continue
         return self.peer_id
 
     @classmethod
     def decode(cls, item: Any) -> MemberInfo:
-        if not isinstance(item, list) or len(item) != 6:
-            raise BadRequest("a member is [peer_id, maddrs, weight, bandwidth, client, state]")
-        raw_id, maddrs, weight, bandwidth, client, state = item
+        if not isinstance(item, list) or len(item) != 7:
+            raise BadRequest("a member is [peer_id, maddrs, weight, bandwidth, client, state, reach]")
+        raw_id, maddrs, weight, bandwidth, client, state, reach = item
         if not isinstance(raw_id, bytes):
             raise BadRequest("member peer id must be bytes")
         try:
@@ -79,7 +91,11 @@ class MemberInfo:
             raise BadRequest("member client flag must be a bool")
         if not isinstance(state, bytes) or len(state) not in (0, 32):
             raise BadRequest("member state must be a 32-byte sha256 (or empty)")
-        return cls(peer_id, tuple(maddrs), float(weight), float(bandwidth), client, state)
+        if not isinstance(reach, str) or reach not in REACHES:
+            raise BadRequest(f"member reach must be one of {', '.join(REACHES)}")
+        if reach == RELAYED and not client:
+            raise BadRequest("a member reached only through a relay must be a client")
+        return cls(peer_id, tuple(maddrs), float(weight), float(bandwidth), client, state, reach)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,13 +107,14 @@ class GroupInfo:
 
     @staticmethod
     def make_id(run_id: str, step: int, members: tuple[MemberInfo, ...]) -> bytes:
-        digest = hashlib.sha256(f"swarm-group/3\x00{run_id}\x00{step}\x00".encode())
+        digest = hashlib.sha256(f"swarm-group/4\x00{run_id}\x00{step}\x00".encode())
         for member in members:
             raw_id = member.peer_id.to_bytes()
             digest.update(len(raw_id).to_bytes(2, "big") + raw_id)
             digest.update(len(member.state).to_bytes(1, "big") + member.state)
             # what the member announced: a leader that rewrites it changes the id
-            digest.update(struct.pack(">dd?", member.weight, member.bandwidth, member.client))
+            digest.update(struct.pack(">dd?B", member.weight, member.bandwidth, member.client,
+                                      REACHES.index(member.reach)))
         return digest.digest()
 
     @classmethod

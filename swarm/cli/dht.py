@@ -39,12 +39,15 @@ from swarm.cli.options import (
     maddr_argument,
     maddr_list,
     open_network_options,
+    relay_options,
     verbose_option,
 )
 from swarm.cli.output import cell, duration, echo_json, new_table, print_table
 from swarm.dht.id_proof import proof_path_for
 from swarm.dht.node import DHTNode
-from swarm.p2p.maddr import parse_maddr
+from swarm.p2p.host import P2PHost
+from swarm.p2p.maddr import TcpAddress, parse_address
+from swarm.p2p.relay import RelayConfig, RelayService
 
 SERVE_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/31337",)
 
@@ -81,6 +84,7 @@ main.add_command(inspect)
 @identity_option(help="Key file of this node, created if missing; keeps the PeerID across restarts.")
 @initial_peers_option(help="Multiaddr of a node to join; none: this is the first node of a new DHT.")
 @open_network_options
+@relay_options
 @json_option
 @verbose_option
 def serve(
@@ -91,8 +95,11 @@ def serve(
     as_json: bool,
     verbose: int,
     limits: OpenNetworkLimits,
+    relay: RelayConfig | None,
 ) -> None:
-    """Run a DHT-only node (e.g. a bootstrap node) until SIGINT or SIGTERM.
+    """Run a DHT-only node (e.g. a bootstrap node) until SIGINT or SIGTERM. It relays for peers
+    behind NAT (--relay on, the default), so that one public server can start a run of volunteers
+    at home.
 
     Prints its multiaddrs and the line to join it; with --json, the first line of output is
     {"peer_id": ..., "maddrs": [...]}.
@@ -103,8 +110,9 @@ def serve(
     async def run() -> None:
         p2p_config = limits.p2p(host_maddrs=host_maddrs or SERVE_HOST_MADDRS, announce_maddrs=announce_maddrs)
         proof_path = proof_path_for(identity) if identity is not None else None  # the id proof, kept with the key
-        node = DHTNode(node_identity, initial_peers, config=limits.dht(), p2p_config=p2p_config,
-                       id_proof_path=proof_path)  # fmt: skip
+        host = P2PHost(node_identity, p2p_config)
+        node = DHTNode(initial_peers=initial_peers, config=limits.dht(), host=host, id_proof_path=proof_path)
+        service = RelayService(host, relay) if relay is not None else None
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -112,6 +120,9 @@ def serve(
                 loop.add_signal_handler(sig, stop.set)
         stopping = asyncio.ensure_future(stop.wait())
         try:
+            await host.start()
+            if service is not None:
+                await service.start()
             starting = asyncio.ensure_future(node.start())
             await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if not starting.done():  # stopped while bootstrapping
@@ -127,6 +138,9 @@ def serve(
                 with contextlib.suppress(NotImplementedError):
                     loop.remove_signal_handler(sig)
             await node.close()
+            if service is not None:
+                await service.close()
+            await host.close()
 
     run_network(run)
 
@@ -136,7 +150,8 @@ def _announce(node: DHTNode, as_json: bool, *, persistent: bool) -> None:
     if as_json:
         echo_json({"peer_id": str(node.peer_id), "maddrs": maddrs})
         return
-    public = [m for m in maddrs if not parse_maddr(m).host.startswith("127.") and parse_maddr(m).host != "::1"]
+    direct = [(m, parse_address(m)) for m in maddrs]
+    public = [m for m, a in direct if isinstance(a, TcpAddress) and not a.host.startswith("127.") and a.host != "::1"]
     join = " ".join(public or maddrs)
     join = f'"{join}"' if " " in join else join
     lines = [f"DHT node {node.peer_id} listening on:", *(f"  {m}" for m in maddrs), "Join it with:"]

@@ -37,6 +37,7 @@ from swarm.cli.options import (
     load_identity,
     maddr_list,
     open_network_options,
+    relay_options,
     verbose_option,
 )
 from swarm.dht.id_proof import proof_path_for
@@ -44,6 +45,7 @@ from swarm.model.presets import PRESETS
 from swarm.model.schedule import SCHEDULES
 from swarm.node.config import CATCH_UP_MODES, OVERLAP_MODES, NodeConfig
 from swarm.p2p.identity import Identity
+from swarm.p2p.relay import RelayConfig
 
 if TYPE_CHECKING:  # torch and the node load inside main(), after the flags are checked
     from swarm.node import Event
@@ -181,6 +183,7 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
 @click.option("--metrics-host", default="127.0.0.1", show_default=True,
               help="Where --metrics-port listens (0.0.0.0: every interface; the pages are read-only).")  # fmt: skip
 @open_network_options
+@relay_options
 @verbose_option
 def main(
     initial_peers: tuple[str, ...],
@@ -197,6 +200,7 @@ def main(
     shard_mb: float,
     verbose: int,
     limits: OpenNetworkLimits,
+    relay: RelayConfig | None,
     **options: Any,
 ) -> None:
     """Train the swarm's model with DiLoCo, averaging with whoever is ready each outer step."""
@@ -287,6 +291,7 @@ def main(
                     on_event=on_event,
                     id_proof_path=proof_path,
                     dht_config=limits.dht(),
+                    relay=relay,
                     **extra,
                 )
                 run_network(lambda: run_until_signalled(node, watch))

@@ -19,11 +19,13 @@ from swarm.model.compression_spec import CompressionSpec
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.errors import P2PError
 from swarm.p2p.identity import Identity
-from swarm.p2p.maddr import parse_maddr, parse_maddrs
+from swarm.p2p.maddr import parse_address, parse_maddrs
+from swarm.p2p.relay import RelayConfig
 
 INITIAL_PEERS_ENV = "SWARM_INITIAL_PEERS"
 _DHT_DEFAULTS = DHTConfig()
 _P2P_DEFAULTS = P2PConfig()
+_RELAY_DEFAULTS = RelayConfig()
 
 
 def maddr_list(ctx: click.Context, param: click.Parameter, values: Sequence[str] | None) -> tuple[str, ...]:
@@ -33,6 +35,17 @@ def maddr_list(ctx: click.Context, param: click.Parameter, values: Sequence[str]
         parse_maddrs(texts)
     except ValueError as e:  # MultiaddrError
         raise click.BadParameter(str(e), ctx, param) from None
+    return tuple(texts)
+
+
+def peer_maddr_list(ctx: click.Context, param: click.Parameter, values: Sequence[str] | None) -> tuple[str, ...]:
+    """Like maddr_list, for peers to dial: a relayed multiaddr (.../p2p-circuit/p2p/PEER) is one too."""
+    texts = [t for value in values or () for t in value.replace(",", " ").split()]
+    for text in texts:
+        try:
+            parse_address(text)
+        except ValueError as e:  # MultiaddrError
+            raise click.BadParameter(str(e), ctx, param) from None
     return tuple(texts)
 
 
@@ -60,7 +73,7 @@ def initial_peers_option(*, help: str) -> Callable[[Any], Any]:
         multiple=True,
         metavar="MADDR",
         envvar=INITIAL_PEERS_ENV,
-        callback=maddr_list,
+        callback=peer_maddr_list,
         help=f"{help} Repeatable; a value may list several, separated by spaces or commas. "
         f"Default: ${INITIAL_PEERS_ENV}.",
     )
@@ -116,6 +129,42 @@ def open_network_options(command: Callable[..., None]) -> Callable[..., None]:
     return wrapper
 
 
+def relay_options(command: Callable[..., None]) -> Callable[..., None]:
+    """--relay on|off and the relay's limits, handed to the command as `relay` (a RelayConfig, or
+    None: off). A node relays only when peers can dial it; NATed peers reserve on it."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, relay: str, relay_reservations: int, relay_circuits: int, relay_circuit_mib: float,
+                relay_circuit_minutes: float, **kwargs: Any) -> None:  # fmt: skip
+        config = None
+        if relay == "on":
+            try:
+                config = RelayConfig(max_reservations=relay_reservations, max_circuits=relay_circuits,
+                                     circuit_bytes=max(1, int(relay_circuit_mib * 2**20)),
+                                     circuit_seconds=relay_circuit_minutes * 60)  # fmt: skip
+            except ValueError as e:
+                raise click.UsageError(str(e)) from None
+        command(*args, relay=config, **kwargs)
+
+    options = [
+        click.option("--relay", type=click.Choice(["on", "off"]), default="on", show_default=True,
+                     help="Relay for peers behind NAT when peers can dial this node (circuits carry their "
+                     "encrypted sessions; this node cannot read them)."),
+        click.option("--relay-reservations", type=click.IntRange(1), default=_RELAY_DEFAULTS.max_reservations,
+                     show_default=True, help="NATed peers this node relays for at once (at most "
+                     f"{_RELAY_DEFAULTS.max_reservations_per_ip} per IP)."),
+        click.option("--relay-circuits", type=click.IntRange(1), default=_RELAY_DEFAULTS.max_circuits,
+                     show_default=True, help="Relayed connections at once."),
+        click.option("--relay-circuit-mib", type=click.FloatRange(0.001), default=_RELAY_DEFAULTS.circuit_bytes / 2**20,
+                     show_default=True, help="MiB one relayed connection may carry (both ways) before it is closed."),
+        click.option("--relay-circuit-minutes", type=click.FloatRange(0.01), show_default=True,
+                     default=_RELAY_DEFAULTS.circuit_seconds / 60, help="Minutes one relayed connection may last."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper
+
+
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 verbose_option = click.option(
     "-v", "--verbose", count=True, help="Log at INFO (-v) or DEBUG (-vv); default: WARNING for serve, ERROR otherwise."
@@ -124,7 +173,7 @@ verbose_option = click.option(
 
 def maddr_argument(ctx: click.Context, param: click.Parameter, value: str) -> str:
     try:
-        parse_maddr(value)
+        parse_address(value)  # a peer to dial: directly or through a relay
     except ValueError as e:
         raise click.BadParameter(str(e), ctx, param) from None
     return value

@@ -25,8 +25,12 @@ Events (`on_event`, called on the event loop; the CLI writes them as JSON lines)
 Every event also has "time" (unix) and "peer_id".
 
 Reachability: before joining the DHT a node with initial peers asks one of them to dial it back
-(swarm/p2p/autonat.py). A node nobody can reach runs in client mode: it trains and contributes,
-but owns no part of an all-reduce and serves nothing, so it never stalls a group.
+(swarm/p2p/autonat.py). A node peers can reach relays for the others (unless `relay` is None). A
+node nobody can dial is behind NAT: it starts its host again dialing from its listening port,
+reserves a relayed address on one of its initial peers and punches holes to the peers that dial
+it (reachability.py); it is then a full member whose members' entry says how it is reached (a
+member reached only through the relay owns no part). Only a NATed node no relay takes runs in
+client mode: it trains and contributes, but owns no part of an all-reduce and serves nothing.
 """
 
 from __future__ import annotations
@@ -72,12 +76,14 @@ from swarm.node.loop import OuterLoop
 from swarm.node.permits import UserSteps
 from swarm.node.plan import nodes_to_start_with, starting_together
 from swarm.node.progress import ProgressBook
+from swarm.node.reachability import NodeReach
 from swarm.node.run_lookup import initial_peer_ids
 from swarm.node.view import SwarmView
 from swarm.p2p.autonat import check_reachability
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.host import P2PHost
 from swarm.p2p.identity import Identity
+from swarm.p2p.relay import RelayConfig
 from swarm.state.keeper import StateKeeper
 from swarm.state.lineage_book import LineageBook
 from swarm.utils.supervised import Supervised
@@ -115,6 +121,7 @@ class SwarmNode:
         inner_optimizer: OptimizerFactory | None = None,
         evaluate: Callable[[nn.Module], float] | None = None,
         train_loop: TrainLoopFactory = DataLoop,
+        relay: RelayConfig | None = RelayConfig(),  # noqa: B008 (frozen): relaying for others; None: off
     ) -> None:
         self.config = config
         self.id_proof_path = id_proof_path  # the DHT id's proof of work, kept next to the identity file
@@ -125,6 +132,8 @@ class SwarmNode:
         self.p2p_config = p2p_config or P2PConfig()
         self.events = EventSink(str(self.peer_id), on_event)
         self.client_mode = config.client_mode
+        self.relay = relay
+        self.reach: NodeReach | None = None  # while `run` runs: how peers reach us (reachability.py)
         self._data_loop: TrainLoop | None = None  # swarm-node's own training loop (the caller's, in swarm.join)
         if config.model == CUSTOM_MODEL:  # swarm.join: the caller's model, optimizer and loop
             if model is None:
@@ -171,21 +180,44 @@ class SwarmNode:
         if self._data_loop is not None:
             self._data_loop.start()
         try:
-            async with P2PHost(self.identity, self.p2p_config) as host:
-                return await self._run_with(host, stop)
+            host, nated = await self._open_host()
+            try:
+                async with NodeReach(host, nated=nated, relays=self.initial_peers, relay=self.relay) as reach:
+                    self.reach = reach
+                    if not await reach.reserve():
+                        logger.warning("behind NAT with no relay: running in client mode (trains, serves nothing)")
+                        self.client_mode = True
+                    return await self._run_with(host, stop, reach)
+            finally:
+                await host.close()
         finally:
             self.inner.close()
             if self._data_loop is not None:  # it ends after the inner step under way
                 await asyncio.to_thread(self._data_loop.join, DATA_LOOP_END_WAIT)
 
-    async def _run_with(self, host: P2PHost, stop: asyncio.Event) -> str:
+    async def _open_host(self) -> tuple[P2PHost, bool]:
+        """Our started host, and whether it is behind NAT. A NATed node's host is started again
+        with P2PConfig.reuse_port, so that its NAT maps every dial as it maps the listening port
+        (hole punching needs that mapping); a reachable node keeps ephemeral ports for its dials."""
+        host = await P2PHost(self.identity, self.p2p_config).start()
+        try:
+            nated = bool(self.initial_peers) and not self.client_mode and not await self._check_reachability(host)
+        except BaseException:
+            await host.close()
+            raise
+        if not nated or self.p2p_config.reuse_port:
+            return host, nated
+        await host.close()
+        return await P2PHost(self.identity, dataclasses.replace(self.p2p_config, reuse_port=True)).start(), True
+
+    async def _run_with(self, host: P2PHost, stop: asyncio.Event, reach: NodeReach) -> str:
         config = self.config
-        if self.initial_peers and not self.client_mode:
-            await self._check_reachability(host)
-        dht = DHTNode(host=host, initial_peers=self.initial_peers, config=self.dht_config, client_mode=self.client_mode,
-                      id_proof_path=self.id_proof_path)  # fmt: skip
+        # a NATed node asks the DHT but stores none of its records: they live on reachable nodes
+        dht = DHTNode(host=host, initial_peers=self.initial_peers, config=self.dht_config,
+                      client_mode=self.client_mode or reach.nated, id_proof_path=self.id_proof_path)  # fmt: skip
         await dht.start()
-        averager = Averager(dht, host, config.run_id, config.averaging_config(self.client_mode, self._settings_digest))
+        averager = Averager(dht, host, config.run_id, config.averaging_config(self.client_mode, self._settings_digest),
+                            reach=reach.reach)  # fmt: skip
         lineage = LineageBook(host, dht, config.run_id, self._settings_digest, serve=not self.client_mode)
         keeper = StateKeeper(host, dht, self.run_info, in_trainer=self.inner.call, beside_trainer=self.inner.beside,
                              serve=not self.client_mode,
@@ -235,6 +267,7 @@ class SwarmNode:
         self.maddrs = ctx.maddrs
         self.events.emit("start", maddrs=self.maddrs, run_id=config.run_id, outer_step=diloco.outer_step,
                          parameters=sum(p.numel() for p in diloco.params), client_mode=self.client_mode,
+                         reach=self.reach.reach() if self.reach is not None else None,
                          model=config.model, device=str(diloco.device))  # fmt: skip
         # serve what we hold from the start, step 0 too: a client that trained alone ahead of
         # every server follows the servers' state (swarm/state/keeper.py)
@@ -256,16 +289,17 @@ class SwarmNode:
                 logger.warning("starting without the checkpoint's error-feedback residual: %s", e)
         return True
 
-    async def _check_reachability(self, host: P2PHost) -> None:
+    async def _check_reachability(self, host: P2PHost) -> bool:
+        """False when a helper could not dial us back (None, nobody answered, counts as reachable)."""
         result = await check_reachability(host, host.visible_maddrs, self.initial_peers[:3])
         if result.reachable is False:
             logger.warning(
-                "peers cannot reach this node at %s (%s): running in client mode (trains, serves nothing). "
-                "To serve, forward the port and pass --announce-maddrs /ip4/<public ip>/tcp/<port>",
+                "peers cannot reach this node at %s (%s): behind NAT, it takes a relayed address and punches "
+                "holes. To be reached directly, forward the port and pass --announce-maddrs /ip4/<public ip>/tcp/<p>",
                 ", ".join(host.visible_maddrs),
                 result.reason,
             )
-            self.client_mode = True
+        return result.reachable is not False
 
     # --- progress in the DHT ------------------------------------------------------------------
 

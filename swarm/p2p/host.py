@@ -72,9 +72,11 @@ class P2PHost:
         self._host_streams = HostStreams(self.config.max_host_streams)  # inbound streams, all connections
         self._dialer = Dialer(self.config, new_protocol=self._new_protocol, new_connection=self._new_connection,
                               handshaking=self._handshaking, best=self._best_connection, adopt=self._adopt,
-                              open_circuit=self._open_circuit, listening=self._listening)  # fmt: skip
+                              open_circuit=self._open_circuit, listening=self.listening_address)  # fmt: skip
         self._watchers: list[Callable[[Connection], None]] = []  # told of each connection kept
         self._relayed: tuple[CircuitAddress, ...] = ()  # where a relay reaches us (relay_client.RelayKeeper)
+        # False behind a NAT: nobody can dial our own addresses, so we announce the relayed ones only
+        self.announce_listening = True
         self._tasks: set[asyncio.Task[Any]] = set()
         self.traffic = Traffic()  # bytes on the wire, all connections together (benchmarks read it)
         self._started = False
@@ -172,6 +174,8 @@ class P2PHost:
     def visible_maddrs(self) -> list[str]:
         """Multiaddrs peers can dial, with the real ports and our /p2p/ id, then our relayed ones."""
         relayed = [addr.to_maddr() for addr in self._relayed]
+        if not self.announce_listening:
+            return relayed
         if self.config.announce_maddrs:
             return [parse_maddr(m).with_peer_id(self.peer_id).to_maddr() for m in self.config.announce_maddrs] + relayed
         out: list[str] = []
@@ -297,7 +301,7 @@ class P2PHost:
         protocol.on_open = lambda opened: self._on_inbound_open(opened, expected_peer)
         return protocol
 
-    def _listening(self) -> TcpAddress | None:
+    def listening_address(self) -> TcpAddress | None:
         """The first IPv4 listening address (what reuse_port dials bind to), once listening."""
         return next((a for a in self._listen_addrs if a.host_protocol == "ip4"), None)
 

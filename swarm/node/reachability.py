@@ -1,0 +1,114 @@
+"""What a training node does about how peers reach it, for one run.
+
+    async with NodeReach(host, nated=True, relays=initial_peers, relay=RelayConfig()) as reach:
+        if not await reach.reserve(within=RESERVE_WAIT_S): ...   # no relay took us: client mode
+        averager = Averager(..., reach=reach.reach)
+
+- A node that peers can dial (its dial-back check passed, or nobody could tell) relays for the
+  others: it serves a RelayService (p2p/relay.py) unless `relay` is None (--relay off).
+- A node behind NAT keeps a reservation on one of `relays` (RelayKeeper: the initial peers that
+  name their PeerID, nearest first), announces only its relayed address, and runs a Puncher, so
+  that peers that dial that address get a direct connection where both NATs allow it. Its host
+  must dial from its listening port (P2PConfig.reuse_port). Without a reservation it can only be
+  a client (it dials out, serves nothing), as every NATed node was before relays.
+- `reach()` says, at every matchmaking, how the others reach us (p2p/reach.py): direct, punched
+  or relayed; a relayed member owns no part.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from swarm.p2p.errors import MultiaddrError, RelayRefused
+from swarm.p2p.host import P2PHost
+from swarm.p2p.maddr import parse_address
+from swarm.p2p.punch import PunchConfig, Puncher
+from swarm.p2p.reach import DIRECT, RELAYED, own_reach
+from swarm.p2p.relay import RelayConfig, RelayService
+from swarm.p2p.relay_client import RelayKeeper
+
+logger = logging.getLogger(__name__)
+
+RESERVE_WAIT_S = 20.0  # how long a NATed node waits for a relay to take its reservation at start
+
+
+def relay_candidates(peers: Sequence[str]) -> list[str]:
+    """The peers that may relay for us: those whose multiaddr is a direct one naming a PeerID
+    (a relayed address is no relay: circuits do not chain)."""
+    out = []
+    for text in peers:
+        try:
+            addr = parse_address(text)
+        except MultiaddrError:
+            continue
+        if getattr(addr, "host_protocol", None) is not None and addr.peer_id is not None:
+            out.append(text)
+    return out
+
+
+class NodeReach:
+    """A node's relay service, or its reservation and hole punching (module docstring)."""
+
+    def __init__(self, host: P2PHost, *, nated: bool, relays: Sequence[str], relay: RelayConfig | None,
+                 punch: PunchConfig | None = None) -> None:  # fmt: skip
+        self.host, self.nated = host, nated
+        self.service = RelayService(host, relay) if relay is not None and not nated else None
+        candidates = relay_candidates(relays) if nated else []
+        self.keeper = RelayKeeper(host, candidates) if candidates else None
+        self.puncher = Puncher(host, punch) if nated else None  # ValueError without reuse_port
+        self._started = False
+
+    async def start(self) -> NodeReach:
+        if not self._started:
+            self._started = True
+            if self.service is not None:
+                await self.service.start()
+            if self.puncher is not None:
+                await self.puncher.start()
+                self.host.announce_listening = False  # nobody can dial our own addresses
+            if self.keeper is not None:
+                await self.keeper.start()
+        return self
+
+    async def close(self) -> None:
+        if self._started:
+            self._started = False
+            for part in (self.keeper, self.puncher, self.service):
+                if part is not None:
+                    await part.close()
+
+    async def __aenter__(self) -> NodeReach:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+    async def reserve(self, within: float = RESERVE_WAIT_S) -> bool:
+        """Behind NAT: True once a relay holds a reservation for us (False after `within`
+        seconds, or with no relay to ask). Not behind NAT: True at once."""
+        if not self.nated:
+            return True
+        if self.keeper is None:
+            return False
+        try:
+            await self.keeper.wait_reserved(within)
+        except RelayRefused as e:
+            logger.warning("no relay took a reservation for this node: %s", e)
+            return False
+        return True
+
+    def reach(self) -> str:
+        """How the others reach us now (p2p/reach.py)."""
+        if not self.nated:
+            return DIRECT
+        if self.keeper is None or self.keeper.current is None:
+            return RELAYED  # no reservation right now: nobody reaches us at all until it is back
+        listening = self.host.listening_address()
+        reservation = self.keeper.reservation
+        observed = reservation.observed if reservation is not None else None
+        assert self.puncher is not None
+        return own_reach(reachable=False, listen_port=listening.port if listening is not None else None,
+                         observed_port=observed.port if observed is not None else None,
+                         outcomes=self.puncher.outcomes.values())  # fmt: skip
