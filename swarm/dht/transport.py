@@ -13,7 +13,7 @@ import msgpack
 from swarm.p2p.errors import ConnectionLost, RemoteError, RPCError
 from swarm.p2p.handlers import CallContext
 from swarm.p2p.host import P2PHost
-from swarm.p2p.maddr import parse_maddr
+from swarm.p2p.maddr import parse_address
 from swarm.p2p.peer_id import PeerID
 
 Handler = Callable[[CallContext, Any], Awaitable[Any]]
@@ -57,7 +57,7 @@ class P2PTransport:
         error: Exception | None = None
         for maddr in maddrs:  # the first address that works; an unparsable one is skipped
             try:
-                target = parse_maddr(maddr).with_peer_id(peer)
+                target = parse_address(maddr).with_peer_id(peer)
             except ValueError as e:
                 error = e
                 continue

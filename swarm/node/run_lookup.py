@@ -32,7 +32,7 @@ from swarm.node.progress import decode_progress
 from swarm.p2p import P2PConfig
 from swarm.p2p.errors import P2PError
 from swarm.p2p.identity import Identity
-from swarm.p2p.maddr import parse_maddr
+from swarm.p2p.maddr import parse_address
 from swarm.p2p.peer_id import PeerID
 
 logger = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ def initial_peer_ids(maddrs: tuple[str, ...]) -> frozenset[PeerID]:
     ids = set()
     for text in maddrs:
         with contextlib.suppress(ValueError):
-            peer_id = parse_maddr(text).peer_id
+            peer_id = parse_address(text).peer_id
             if peer_id is not None:
                 ids.add(peer_id)
     return frozenset(ids)

@@ -58,7 +58,7 @@ from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
 from swarm.state import protocol
 from swarm.state.config import FetchConfig
-from swarm.state.holders import Holder, choose_state
+from swarm.state.holders import Holder, choose_state, direct_donors
 from swarm.state.trust import manifest_problem
 
 logger = logging.getLogger(__name__)
@@ -141,7 +141,8 @@ async def fetch_state(
     chosen = choose_state(holders)
     if chosen is None:
         raise FetchError(f"nobody advertises a state of run {run_id!r}")
-    _, sha, peers = chosen
+    _, sha, chosen_peers = chosen
+    peers = direct_donors(chosen_peers)  # a relay carries no shard unless nobody else can
     rng.shuffle(peers)
     manifest = await fetch_manifest(host, run_id, peers, sha, expect, config.timeout)
     if expect_tensors is not None and (problem := manifest_problem(manifest, expect_tensors)) is not None:

@@ -32,7 +32,7 @@ from swarm.dht.run_keys import owned_map, state_key
 from swarm.dht.store_retry import store_or_warn
 from swarm.model.checkpoint import Manifest
 from swarm.p2p.errors import P2PError
-from swarm.p2p.maddr import parse_maddr
+from swarm.p2p.maddr import TcpAddress, parse_address
 from swarm.p2p.peer_id import PeerID
 from swarm.utils.log_once import OncePerPeer
 
@@ -87,7 +87,7 @@ def decode_holder(subkey: Any, value: Any, id_bits: int | None = None) -> Holder
     good = []
     for text in maddrs:
         try:
-            good.append(parse_maddr(text).with_peer_id(peer).to_maddr() if isinstance(text, str) else None)
+            good.append(parse_address(text).with_peer_id(peer).to_maddr() if isinstance(text, str) else None)
         except ValueError:
             continue
     good = [m for m in good if m]
@@ -117,6 +117,20 @@ def choose_state(holders: Sequence[Holder], exclude: Sequence[PeerID] = ()) -> t
     votes = Counter(h.manifest for h in usable if h.step == step)
     sha = min(votes, key=lambda s: (-votes[s], s))
     return step, sha, [h for h in usable if h.step == step and h.manifest == sha]
+
+
+def direct_donors(holders: Sequence[Holder]) -> list[Holder]:
+    """The holders a fetch takes its shards from: those with an address of their own when there
+    are any, so that no relay carries a state shard unless nothing else can."""
+    direct = [h for h in holders if any(isinstance(_address(m), TcpAddress) for m in h.maddrs)]
+    return direct or list(holders)
+
+
+def _address(text: str) -> object:
+    try:
+        return parse_address(text)
+    except ValueError:
+        return None
 
 
 SETTLE_SECONDS = 1.0  # longest wait for peers advertising an older step to advertise the chosen one
