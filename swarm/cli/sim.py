@@ -3,6 +3,7 @@
     swarm-sim                                     # the demo: 3 tiny nodes, the loss falls in minutes
     swarm-sim --nodes 4 --outer-steps 20 --kill-every 40 --join-every 60
     sudo swarm-sim --nodes 4 --links 100mbit,100mbit,100mbit,20mbit   # each node on its own link
+    sudo swarm-sim --nat cone:2,cone:2,symmetric:2      # 6 volunteers at home, one public relay
 
 It starts a bootstrap DHT node (`swarm-dht serve`) and N `swarm-node` processes with the command
 lines a user would type, each in its own session (so a Ctrl+C on the terminal reaches only the
@@ -18,7 +19,10 @@ table, the metrics JSON and the plot.
 
 With --link or --links (root and iproute2), each child runs inside a network namespace of its
 own (`ip netns exec`), listening on its address there, behind a link shaped by tc to its rate in
-both directions (swarm.netlab; the namespaces are removed with the children).
+both directions (swarm.netlab; the namespaces are removed with the children). With --nat (root,
+iproute2 and nftables), each node sits in a home network behind a NAT router (cone: hole punching
+works; symmetric: it does not), and only the bootstrap, which relays, is on the lab's internet:
+the nodes reach each other through it, then by punched connections where the NATs allow.
 
 Exit status: 0 when every node that was not killed reached --outer-steps; 1 when a node failed,
 failed to start or the --timeout passed; 2 for a bad command line; 130 when interrupted.
@@ -47,11 +51,14 @@ from swarm.cli.sim_config import (
     DEFAULT_SEQ_LEN,
     MODELS,
     SimConfig,
+    parse_nat,
 )
 from swarm.cli.sim_run import run
 from swarm.model.schedule import SCHEDULES
-from swarm.netlab import missing, parse_rate, parse_rates
+from swarm.netlab import missing, missing_nat, parse_rate, parse_rates
 from swarm.node.config import OVERLAP_MODES
+
+DEFAULT_SOURCE = click.core.ParameterSource.DEFAULT
 
 
 def default_threads(nodes: int) -> int:
@@ -116,6 +123,9 @@ def parsed(ctx: click.Context, param: click.Parameter, text: str | None, parse: 
 @click.option("--links", callback=functools.partial(parsed, parse=parse_rates),
               metavar="R1,R2,...", help="As --link, one rate per node (as many as --nodes); the bootstrap gets "
                                         "the fastest.")  # fmt: skip
+@click.option("--nat", callback=functools.partial(parsed, parse=parse_nat), metavar="KIND:N,...",
+              help="Put the nodes in home networks behind NAT routers, e.g. cone:2,cone:2,symmetric:2 (--nodes "
+                   "defaults to their sum); the bootstrap relays. Needs root, iproute2 and nftables.")  # fmt: skip
 @click.option("--dashboard", type=click.IntRange(0, 65535), is_flag=False, flag_value=0, default=None,
               metavar="[PORT]", help="Serve the swarm's live dashboard on 127.0.0.1:PORT (no PORT: any free "
                                      "one) and print its address.")  # fmt: skip
@@ -134,6 +144,8 @@ def main(**options: Any) -> None:
     With no options: the demo, 3 nodes of the tiny model for a few minutes on a laptop CPU;
     the loss falls. At the end (or on Ctrl+C) writes the metrics JSON and a loss plot.
     """
+    if options["nat"] is not None and click.get_current_context().get_parameter_source("nodes") == DEFAULT_SOURCE:
+        options["nodes"] = sum(count for _, count in options["nat"])
     run(build_config(**options))
 
 
@@ -152,6 +164,8 @@ def build_config(
     flag = "--link" if config.link else "--links" if config.links else None
     if flag is not None and (problem := missing()) is not None:
         raise CliError(f"{flag} {problem}")
+    if config.nat is not None and (problem := missing_nat()) is not None:
+        raise CliError(f"--nat {problem}")
     try:
         run_dir = Path(tempfile.mkdtemp(prefix="swarm-sim-")) if run_dir is None else run_dir
         metrics_out = metrics_out or run_dir / "metrics.json"

@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from swarm.model.schedule import DEFAULT_DECAY_FRACTION, DEFAULT_WARMUP_STEPS, schedule_problem
-from swarm.netlab import Rate
+from swarm.netlab import NAT_KINDS, Rate
 
 # swarm.model.presets.PRESETS and swarm.averaging.config.CODECS, written out: importing either pulls in
 # torch, seconds before a bad flag can be answered (tests/cli/test_sim.py checks that they match)
@@ -53,8 +53,12 @@ class SimConfig:
     links: tuple[Rate, ...] | None = None  # one rate per starting node; the bootstrap gets the fastest
     dashboard: int | None = None  # --dashboard [PORT]: serve the run's dashboard on 127.0.0.1 (0: any port)
     overlap: str = "none"  # swarm-node's --overlap: none (blocking), eager, delayed
+    # --nat cone:2,symmetric:2: home networks (NAT kind, nodes behind it), the nodes in that order;
+    # the bootstrap (which relays) is the one public endpoint. None: no NAT
+    nat: tuple[tuple[str, int], ...] | None = None
 
     def __post_init__(self) -> None:
+        self._check_nat()
         if min(self.nodes, self.outer_steps, self.inner_steps, self.batch_size, self.seq_len, self.threads) < 1:
             raise ValueError("nodes, steps, batch size, sequence length and threads must be >= 1")
         if self.link is not None and self.links is not None:
@@ -83,8 +87,44 @@ class SimConfig:
                 problem += f" (--total-steps defaults to the whole run: --outer-steps x --inner-steps = {total})"
             raise ValueError(problem)
 
+    def _check_nat(self) -> None:
+        if self.nat is None:
+            return
+        if sum(n for _, n in self.nat) != self.nodes:
+            raise ValueError(f"--nat puts {sum(n for _, n in self.nat)} node(s) in homes, --nodes says {self.nodes}")
+        others = (("--links", self.links), ("--join-every", self.join_every), ("--dashboard", self.dashboard))
+        for flag, value in others:
+            if value is not None:
+                raise ValueError(f"--nat places every node in a home network: not with {flag}")
+
+    def home_of(self, index: int) -> int:
+        """--nat: the home network (its index in `nat`) of the index-th node."""
+        assert self.nat is not None
+        end = 0
+        for home, (_, count) in enumerate(self.nat):
+            end += count
+            if index < end:
+                return home
+        raise IndexError(f"node {index} is beyond the {end} nodes of --nat")
+
     def rate(self, index: int | None) -> Rate | None:
         """The link of the index-th node (None: the bootstrap); None on 127.0.0.1."""
         if self.links is not None:
             return max(self.links) if index is None else self.links[index]
         return self.link
+
+
+def parse_nat(text: str) -> tuple[tuple[str, int], ...]:
+    """`cone:2,cone:2,symmetric:2` -> (("cone", 2), ("cone", 2), ("symmetric", 2)): one home
+    network per item, its NAT's kind and the nodes behind it. ValueError with the reason."""
+    homes = []
+    for item in text.replace(" ", "").split(","):
+        kind, _, count = item.partition(":")
+        if kind not in NAT_KINDS:
+            raise ValueError(f"--nat {item!r}: the kind is one of {', '.join(NAT_KINDS)} (e.g. cone:2)")
+        if not count.isdigit() or not 1 <= int(count) <= 64:
+            raise ValueError(f"--nat {item!r}: give 1 to 64 nodes behind each NAT, as KIND:N")
+        homes.append((kind, int(count)))
+    if not 1 <= len(homes) <= 32:
+        raise ValueError("--nat lists 1 to 32 home networks")
+    return tuple(homes)

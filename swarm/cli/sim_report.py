@@ -10,7 +10,7 @@ The metrics JSON:
 
     {"run_id", "model", "nodes_started", "outer_steps", "inner_steps", "batch_size", "seq_len",
      "compression", "wall_s", "interrupted", "bootstrap_link",
-     "nodes": [{"name", "peer_id", "joined_at_step", "status", "exit_code", "link",
+     "nodes": [{"name", "peer_id", "joined_at_step", "status", "exit_code", "link", "reach",
                 "steps": [{"outer_step", "train_loss", "eval_loss", "state_sha256",
                            "group_size", "bytes_sent", "group_id", "tokens_per_s"}]}]}
 
@@ -18,6 +18,8 @@ joined_at_step is the first outer step the node trained: the step of its "start"
 the step whose state it fetched from peers before its first outer step (a newcomer catching up).
 train_loss is null for a round whose loss the node did not report; eval_loss for a step it
 did not evaluate (see swarm-node --eval-every); group_id is null for a node that averaged alone.
+reach is how peers reached the node when it started: direct, punched (behind a NAT that hole
+punching gets through) or relayed (only through its relay: it owns no part of the averages).
 link is {"rate": "50mbit", "address": "10.77.0.2"} for a node on a shaped link (swarm-sim --link),
 null on 127.0.0.1; bootstrap_link is the bootstrap's rate, or null.
 """
@@ -76,6 +78,7 @@ class NodeRecord:
     exit_reason: str | None = None
     link: str | None = None  # "50mbit": its shaped link each way (swarm-sim --link); None on 127.0.0.1
     address: str | None = None  # its address on that link
+    reach: str | None = None  # at its start: direct, punched or relayed (swarm/p2p/reach.py)
     steps: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -89,7 +92,10 @@ class NodeRecord:
             self.peer_id = str(event.get("peer_id"))
             self.joined_at_step = _int(event.get("outer_step"))
             self.status = ALIVE
-            return f"{self.label()} started at outer step {self.joined_at_step}"
+            reach = event.get("reach")
+            self.reach = reach if isinstance(reach, str) and len(reach) <= 16 else None
+            how = f", reached {self.reach}" if self.reach not in (None, "direct") else ""
+            return f"{self.label()} started at outer step {self.joined_at_step}{how}"
         if kind == "progress":
             self.inner_step = _int(event.get("inner_step")) or 0
             self.inner_steps = _int(event.get("inner_steps")) or self.inner_steps
@@ -145,6 +151,7 @@ class NodeRecord:
             "status": self.status,
             "exit_code": self.exit_code,
             "link": None if self.link is None else {"rate": self.link, "address": self.address},
+            "reach": self.reach,
             "steps": self.steps,
         }
 

@@ -1,7 +1,9 @@
 """The processes of one swarm-sim run: the bootstrap DHT node, the training nodes and the
 dashboard, each started with the command line a user would type and in its own session, followed
 through its metrics file, churned, and stopped in order (SIGTERM, then SIGKILL after a grace
-period). With --link, each child runs in a network namespace of its own behind a shaped link.
+period). With --link, each child runs in a network namespace of its own behind a shaped link;
+with --nat, the nodes run in home networks behind NAT routers and the bootstrap (a relay) alone
+on the lab's "internet".
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from swarm.cli.sim_report import (
     EventTail,
     NodeRecord,
 )
-from swarm.netlab import Lab, LabError, Rate, exec_prefix
+from swarm.netlab import Home, Lab, LabError, Rate, exec_prefix, parse_rate
 from swarm.utils import process_control
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -42,6 +44,7 @@ POLL_S = 0.25  # how often the simulator reads the metrics files and checks its 
 START_TIMEOUT_S = 180.0  # from spawn to a node's "start" event: imports, corpus, the codec's first build
 BOOTSTRAP_TIMEOUT_S = 30.0
 GRACE_S = 10.0  # between SIGTERM and SIGKILL when stopping the children
+NAT_RATE = parse_rate("1gbit")  # --nat without --link: the homes' uplinks and the bootstrap's link
 
 
 def console_script(name: str, module: str) -> list[str]:
@@ -102,7 +105,8 @@ class Swarm:
         self.bootstrap: subprocess.Popen[bytes] | None = None
         self.initial_peers: list[str] = []
         self.rng = random.Random(config.seed)
-        self.lab: Lab | None = None  # with --link: every child's network namespace
+        self.lab: Lab | None = None  # with --link or --nat: every child's network namespace
+        self.homes: list[Home] = []  # with --nat: the home networks, in --nat's order
         self.dashboard: subprocess.Popen[bytes] | None = None  # --dashboard: `swarm-dht inspect --serve`
 
     @property
@@ -112,24 +116,34 @@ class Swarm:
     def open_links(self) -> None:
         """With --link: the bridge the children's links meet at (each child's link is added
         when it starts); killed runs' leftovers are removed first."""
-        if self.config.rate(None) is not None:
+        if self.config.rate(None) is not None or self.config.nat is not None:
             try:
                 self.lab = Lab.create(self.run_id)
+                for i, (kind, count) in enumerate(self.config.nat or ()):
+                    home = self.lab.add_home(f"h{i}", kind, self.config.rate(None) or NAT_RATE)
+                    self.homes.append(home)
+                    self.display.event(f"home h{i}: {count} node(s) behind a {kind} NAT at {home.router.address}")
             except LabError as e:
                 raise CliError(f"cannot build the links: {e}") from None
 
     def place(self, name: str, rate: Rate | None, record: NodeRecord | None = None) -> tuple[list[str], str]:
         """Where a child runs: (argv prefix, listen multiaddr). With --link, in a namespace of
-        its own behind a link of `rate` each way; otherwise on 127.0.0.1."""
+        its own behind a link of `rate` each way; with --nat, a node in its home network (the
+        bootstrap on the internet side); otherwise on 127.0.0.1."""
+        home = self.homes[self.config.home_of(len(self.children))] if self.homes and record is not None else None
+        rate = rate or (NAT_RATE if self.homes else None)
         if self.lab is None or rate is None:
             return [], LOOPBACK
         try:
-            endpoint = self.lab.add(name, rate)
+            endpoint = self.lab.add(name, rate) if home is None else self.lab.add_behind(home, name)
         except LabError as e:
             raise CliError(f"cannot put {name} on its link: {e}") from None
         if record is not None:
             record.link, record.address = str(rate), endpoint.address
-        self.display.event(f"{name} on its own link: {endpoint.address}, {rate} each way")
+        where = f"its own link: {endpoint.address}, {rate} each way"
+        if home is not None:
+            where = f"home {home.name} ({home.kind} NAT, {rate} uplink): {endpoint.address}"
+        self.display.event(f"{name} on {where}")
         return exec_prefix(endpoint), f"/ip4/{endpoint.address}/tcp/0"
 
     def start_bootstrap(self, stop: StopRequest) -> None:
