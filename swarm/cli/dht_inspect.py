@@ -73,7 +73,7 @@ def inspect(run_id: str | None, serve_port: int | None, serve_host: str, opts: C
         }
         echo_json({"run_id": run_id, "keys": keys, **out})
         return
-    shown = {"nodes": ("step", "inner", "train_loss", "eval_loss", "tokens_per_s", "group_size", "client"),
+    shown = {"nodes": ("step", "inner", "train_loss", "eval_loss", "tokens_per_s", "group_size", "client", "reach"),
              "state": ("step", "manifest")}  # fmt: skip
     for name, columns in shown.items():
         entries = sections[name]

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from swarm.p2p.reach import DIRECT
+
 if TYPE_CHECKING:
     from swarm.averaging.averager import Averager
     from swarm.model.compression_spec import CompressionSpec
@@ -51,6 +53,8 @@ class RunContext:
     block_size: int
     # unix time, read wherever the loop builds the facts it plans from (plan.py reads no clock)
     clock: Callable[[], float] = time.time
+    # how peers reach us now: direct, punched or relayed (reachability.py); our record says it
+    reach: Callable[[], str] = lambda: DIRECT
 
     def last_step(self, step: int) -> bool:
         """Is `step` the run's last (--max-outer-steps)?"""

@@ -229,7 +229,7 @@ class SwarmNode:
                          keeper=keeper, book=book, lineage=lineage, stop=stop, client=self.client_mode,
                          maddrs=[] if self.client_mode else host.visible_maddrs, settings=self.settings,
                          settings_digest=self._settings_digest, evaluate=self._evaluate, feedback=self._feedback,
-                         compression=self._compression, block_size=self._block_size)  # fmt: skip
+                         compression=self._compression, block_size=self._block_size, reach=reach.reach)  # fmt: skip
         loop = self.outer_loop = OuterLoop(ctx, self.facts)
         publisher: Supervised | None = None
         reason = "stopped"

@@ -6,7 +6,8 @@ when the peers of an outer step will finish their inner steps.
      "settings": the run settings it trains with (model/run_settings.py), ...}
 
 plus display fields (`train_loss`, `eval_loss`, `tokens_per_s`, `group_size`, `bytes_sent` and
-`bytes_received`: the node's wire totals) that `swarm-dht inspect --run-id` and its dashboard show,
+`bytes_received`: the node's wire totals, `reach`: direct, punched or relayed) that
+`swarm-dht inspect --run-id` and its dashboard show,
 and `evals`: the node's last EVAL_HISTORY (outer step, eval loss) pairs, the run's loss curve.
 Nodes use the timing fields to enter matchmaking together: each node aims to announce
 `matchmaking_time` before the slowest peer of its step finishes (hivemind's progress tracker
@@ -142,6 +143,7 @@ class OwnProgress:
     evals: tuple[tuple[int, float], ...] = ()  # (outer step, eval loss): the last EVAL_HISTORY are sent
     bytes_sent: int = 0  # on the wire since the node started, all kinds together
     bytes_received: int = 0
+    reach: str = "direct"  # how peers reach the node (p2p/reach.py): shown by inspect and the dashboard
 
     def encode(self, now: float) -> dict[str, Any]:
         value = asdict(self)

@@ -81,5 +81,5 @@ class SwarmView:
             eval_loss=facts.last_eval, group_size=facts.last_group,
             tokens_per_s=round(config.batch_size * config.seq_len / sec, 1) if sec > 0 else None,
             settings=ctx.settings, evals=ctx.events.evals, bytes_sent=ctx.events.wire_sent,
-            bytes_received=ctx.events.wire_received,
+            bytes_received=ctx.events.wire_received, reach=ctx.reach(),
         ))  # fmt: skip

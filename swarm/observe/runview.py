@@ -21,6 +21,7 @@ from typing import Any
 
 from swarm.model.run_settings import run_settings
 from swarm.node.progress import PeerProgress, decode_progress
+from swarm.p2p.reach import reach_of
 from swarm.state.holders import decode_holder
 
 MAX_NODES_SHOWN = 500  # rows of the node table (the most advanced first)
@@ -121,6 +122,7 @@ def _node_row(p: PeerProgress, value: dict[str, Any], now: float) -> dict[str, A
         "tokens_per_s": _number(value.get("tokens_per_s"), MAX_TOKENS_PER_S),
         "group_size": _count(value.get("group_size"), 1 << 20),
         "client": p.client,
+        "reach": reach_of(value.get("reach")),
         "last_seen_s": round(max(0.0, now - p.time), 1),
         "maddr": first[:200],
         "bytes_sent": _count(value.get("bytes_sent"), MAX_BYTES),

@@ -19,6 +19,11 @@ DIRECT, PUNCHED, RELAYED = "direct", "punched", "relayed"
 REACHES = (DIRECT, PUNCHED, RELAYED)
 
 
+def reach_of(value: object) -> str | None:
+    """A peer's record's reach, when it is one of REACHES (None otherwise: not said, or not one)."""
+    return value if isinstance(value, str) and value in REACHES else None
+
+
 def own_reach(*, reachable: bool, listen_port: int | None, observed_port: int | None,
               outcomes: Iterable[str]) -> str:  # fmt: skip
     """DIRECT when peers can dial us (or nobody could tell us otherwise); behind NAT, PUNCHED when
