@@ -67,10 +67,12 @@ class Averager:
     outer step, or `form_group` then `run_round` (module docstring); `close` when done."""
 
     def __init__(self, dht: DHTNode, host: P2PHost, run_id: str, config: AveragingConfig | None = None, *,
-                 reach: Callable[[], str] = lambda: DIRECT) -> None:  # fmt: skip
+                 reach: Callable[[], str] = lambda: DIRECT,
+                 relayed_may_own: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
         self.dht, self.host, self.run_id = dht, host, run_id
         # how peers reach us now (p2p/reach.py): asked at every matchmaking, as punches settle
         self.reach = reach
+        self.relayed_may_own = relayed_may_own  # relayed, and no live peer could own the parts
         self.config = config or AveragingConfig()
         self.excluded: set[PeerID] = set()  # owners our audits caught lying: never grouped with again
         self.matchmaker = Matchmaker(dht, host, run_id, self.config, excluded=self.excluded)
@@ -83,9 +85,9 @@ class Averager:
 
     def member_info(self, weight: float, state: bytes = b"", *, as_client: bool = False) -> MemberInfo:
         reach = self.reach()
-        # a member the others reach only through a relay owns no part: every member would send
-        # its slice to that part over the relay
-        client = self.config.client_mode or as_client or reach == RELAYED
+        # a member the others reach only through a relay owns no part (every member would send its
+        # slice of that part over the relay), unless nobody else could
+        client = self.config.client_mode or as_client or (reach == RELAYED and not self.relayed_may_own())
         maddrs = () if client else tuple(self.host.visible_maddrs)
         bandwidth = 0.0 if client else self.bandwidth()
         weight = min(float(weight), self.config.max_weight)  # above it, peers would ignore us

@@ -4,14 +4,15 @@
     GroupInfo   {"v": 4, "id": bytes32, "run": str, "step": int, "m": [MemberInfo...]}
 
 `state` is the SHA-256 (32 bytes) of the state a member starts the step from (θ_outer, outer
-momentum, outer step): only members of equal state average together (b"": not given, only in
-tests of the all-reduce alone). `reach` says how the others reach the member (p2p/reach.py):
-"direct", "punched" (behind a NAT that hole punching gets through) or "relayed" (only through a
-circuit relay); a relayed member must be a client, so that it owns no part and no relay carries
-what every member sends an owner. The group id is SHA-256 over the run, the step and the ordered
-members' ids, states, weights, bandwidths, client flags and reaches, so every member can check that a
-group message is self-consistent, and a member that finds its own entry other than it announced
-refuses the group (matchmaking/matchmaker.py): a leader cannot rewrite what members announced.
+momentum, outer step): only members of equal state average together (b"": not given, only in tests
+of the all-reduce alone). `reach` says how the others reach the member (p2p/reach.py): "direct",
+"punched" (behind a NAT that hole punching gets through) or "relayed" (only through a circuit
+relay). A relayed member is a client, so that no relay carries what every member sends an owner,
+unless no member could be reached otherwise (p2p/reach.py, relayed_may_own). The group id is
+SHA-256 over the run, the step and the ordered members' ids, states, weights, bandwidths, client
+flags and reaches, so every member can check that a group message is self-consistent, and a member
+that finds its own entry other than it announced refuses the group (matchmaking/matchmaker.py): a
+leader cannot rewrite what members announced.
 Decoders raise BadRequest on anything malformed.
 
 Self-announced numbers are bounded by the run, so that no peer owns the average by what it says of itself: a
@@ -31,7 +32,7 @@ from typing import Any
 from swarm.p2p.errors import BadRequest, IdentityError
 from swarm.p2p.maddr import PeerAddress, parse_address
 from swarm.p2p.peer_id import PeerID
-from swarm.p2p.reach import DIRECT, REACHES, RELAYED
+from swarm.p2p.reach import DIRECT, REACHES
 
 VERSION = 4
 MAX_MEMBERS = 4096  # beyond max_group_size the hierarchical butterfly averages them
@@ -47,13 +48,11 @@ class MemberInfo:
     bandwidth: float  # MB/s it announces; its part of the vector is proportional to it
     client: bool  # accepts no inbound connections: owns no part
     state: bytes = b""  # sha256 of the state it starts the step from (see the module docstring)
-    reach: str = DIRECT  # how the others reach it (p2p/reach.py); "relayed" goes with client
+    reach: str = DIRECT  # how the others reach it (p2p/reach.py)
 
     def __post_init__(self) -> None:
         if self.reach not in REACHES:
             raise ValueError(f"a member's reach is one of {', '.join(REACHES)}, got {self.reach!r}")
-        if self.reach == RELAYED and not self.client:
-            raise ValueError("a member reached only through a relay owns no part: it must be a client")
 
     def encode(self) -> list[Any]:
         return [self.peer_id.to_bytes(), list(self.maddrs), self.weight, self.bandwidth, self.client, self.state,
@@ -93,8 +92,6 @@ class MemberInfo:
             raise BadRequest("member state must be a 32-byte sha256 (or empty)")
         if not isinstance(reach, str) or reach not in REACHES:
             raise BadRequest(f"member reach must be one of {', '.join(REACHES)}")
-        if reach == RELAYED and not client:
-            raise BadRequest("a member reached only through a relay must be a client")
         return cls(peer_id, tuple(maddrs), float(weight), float(bandwidth), client, state, reach)
 
 

@@ -40,6 +40,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,7 @@ from swarm.p2p.autonat import check_reachability
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.host import P2PHost
 from swarm.p2p.identity import Identity
+from swarm.p2p.reach import relayed_may_own
 from swarm.p2p.relay import RelayConfig
 from swarm.state.keeper import StateKeeper
 from swarm.state.lineage_book import LineageBook
@@ -216,15 +218,15 @@ class SwarmNode:
         dht = DHTNode(host=host, initial_peers=self.initial_peers, config=self.dht_config,
                       client_mode=self.client_mode or reach.nated, id_proof_path=self.id_proof_path)  # fmt: skip
         await dht.start()
+        book = ProgressBook(dht, config.run_id, config.publish_interval)
         averager = Averager(dht, host, config.run_id, config.averaging_config(self.client_mode, self._settings_digest),
-                            reach=reach.reach)  # fmt: skip
+                            reach=reach.reach, relayed_may_own=lambda: _relayed_may_own(book))  # fmt: skip
         lineage = LineageBook(host, dht, config.run_id, self._settings_digest, serve=not self.client_mode)
         keeper = StateKeeper(host, dht, self.run_info, in_trainer=self.inner.call, beside_trainer=self.inner.beside,
                              serve=not self.client_mode,
                              checkpoint_dir=Path(config.checkpoint_dir) if config.checkpoint_dir else None,
                              config=config.keeper_config(), on_fetch_progress=self.events.fetch_progress,
                              vouching=initial_peer_ids(self.initial_peers), lineage=lineage)  # fmt: skip
-        book = ProgressBook(dht, config.run_id, config.publish_interval)
         ctx = RunContext(config=config, diloco=self.diloco, inner=self.inner, events=self.events, averager=averager,
                          keeper=keeper, book=book, lineage=lineage, stop=stop, client=self.client_mode,
                          maddrs=[] if self.client_mode else host.visible_maddrs, settings=self.settings,
@@ -336,6 +338,12 @@ class SwarmNode:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), START_POLL_S)
         return 0
+
+
+def _relayed_may_own(book: ProgressBook) -> bool:
+    """A relayed node owns parts only when no live peer of the run could (p2p/reach.py)."""
+    now = time.time()
+    return relayed_may_own((p.client, p.reach) for p in book.peers if now - p.time <= book.fresh_for)
 
 
 def _load(config: NodeConfig) -> TokenData:

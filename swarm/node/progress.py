@@ -36,6 +36,7 @@ from swarm.dht.store_retry import store_or_warn
 from swarm.model.run_settings import decode_settings, settings_digest
 from swarm.p2p.errors import P2PError
 from swarm.p2p.peer_id import PeerID
+from swarm.p2p.reach import reach_of
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class PeerProgress:
     settings: dict[str, Any] | None = None  # the run settings it trains with (run_settings.py); None: not said
     settings_digest: bytes | None = None  # settings_digest(settings), computed once when decoded
     evals: tuple[tuple[int, float], ...] = ()  # (outer step, eval loss), oldest first (decode_evals)
+    reach: str | None = None  # direct, punched or relayed (p2p/reach.py); None: not said
 
     def finish_time(self) -> float:
         """Unix time at which it should reach H inner steps (in the past when already there)."""
@@ -83,7 +85,7 @@ def decode_progress(subkey: Any, value: Any) -> PeerProgress | None:
     settings = decode_settings(value.get("settings"))
     digest = settings_digest(settings) if settings is not None else None
     return PeerProgress(peer, step, inner, h, float(sec), float(when), value.get("client") is True, settings, digest,
-                        decode_evals(value.get("evals")))  # fmt: skip
+                        decode_evals(value.get("evals")), reach_of(value.get("reach")))  # fmt: skip
 
 
 def decode_evals(value: Any) -> tuple[tuple[int, float], ...]:

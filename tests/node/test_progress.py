@@ -56,7 +56,8 @@ def test_our_own_record_decodes_as_peers_read_it() -> None:
     own = OwnProgress(maddrs=["/ip4/127.0.0.1/tcp/1"], client=False, step=4, inner=0, H=0, sec_per_step=0.25,
                       train_loss=3.14159, eval_loss=None, tokens_per_s=None, group_size=3)  # fmt: skip
     decoded = decode_progress(owner_subkey(PEER), own.encode(1000.0))
-    assert decoded == PeerProgress(PEER, 4, 0, 1, 0.25, 1000.0, False)  # H 0 (joining a forming group) reads as 1
+    # H 0 (joining a forming group) reads as 1
+    assert decoded == PeerProgress(PEER, 4, 0, 1, 0.25, 1000.0, False, reach="direct")
 
 
 NOW = 1000.0

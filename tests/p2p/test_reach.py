@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.p2p.reach import DIRECT, PUNCHED, RELAYED, own_reach
+from swarm.p2p.reach import DIRECT, PUNCHED, RELAYED, own_reach, relayed_may_own
 
 
 @pytest.mark.parametrize(
@@ -26,3 +26,20 @@ def test_a_host_behind_nat_is_punched_only_when_its_nat_lets_punches_through(
 ) -> None:
     assert own_reach(reachable=reachable, listen_port=listen_port, observed_port=observed_port,
                      outcomes=outcomes) == expected  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("peers", "may_own"),
+    [
+        ([], True),  # nobody else: the relayed node owns the parts
+        ([(False, RELAYED), (False, RELAYED)], True),  # all relayed: they average through the relays
+        ([(True, DIRECT)], True),  # a direct client owns nothing either
+        ([(False, RELAYED), (False, PUNCHED)], False),  # a punched peer owns the parts
+        ([(False, DIRECT)], False),
+        ([(False, None)], False),  # a peer that does not say counts as direct
+    ],
+)
+def test_a_relayed_node_owns_parts_only_where_no_peer_could(
+    peers: list[tuple[bool, str | None]], may_own: bool
+) -> None:
+    assert relayed_may_own(peers) is may_own
