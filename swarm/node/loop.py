@@ -168,6 +168,7 @@ class OuterLoop:
         if plan.action == JOIN_FORMING:
             logger.info("step %d: %s: joining with no inner steps of ours", step, plan.why)
             ctx.inner.start_step(0)
+            await self.view.publish()  # "done with this step's inner steps": the group expects us
             found = await self.groups.matchmake(step, weight=0.0, gather=LATE_GATHER, joining=True)
             if found.group is not None or found.late or found.other_state:
                 return step, found

@@ -281,6 +281,10 @@ class StepEnd:
         self.in_sync()
         sha = await self.rehash()
         ctx.events.fetched(diloco.outer_step, *fetched, sha)
+        # our record says our new step now, not at the next tick: peers matchmaking it count a
+        # peer one step behind as expected (plan.expected_peers) only if they see where we are;
+        # with records publish_interval old, a newcomer was late for each of its first steps
+        await self.view.publish()
         return True
 
     def in_sync(self) -> None:

@@ -31,9 +31,13 @@ from swarm.utils.log_once import OncePerPeer
 
 logger = logging.getLogger(__name__)
 
-# a state whose lineage we refused is not weighed again for this long (its tip may be collecting
-# its members' signatures: seconds), nor its holders asked again for it
+# a state whose lineage we refused is not weighed again for this long, nor its holders asked
+# again for it
 UNLINKED_S = 5.0
+# ... unless only its newest round still lacks the signatures of the round before it: they meet
+# in the DHT within a second or two of the round, and a newcomer that waited UNLINKED_S for them
+# with one-second steps came in five steps late and never caught a group
+PENDING_S = 0.5
 FORK_DEPTH = 64  # steps back from our state where a candidate's lineage may fork from ours
 Linked = tuple[Lineage, list[Receipt], bool]  # a lineage we may adopt, its receipts, and whether it is provisional
 
@@ -44,14 +48,14 @@ class Adoption:
 
     def __init__(self, book: LineageBook, *, vouching: frozenset[PeerID], client: bool) -> None:
         self.book, self.vouching, self.client = book, vouching, client
-        self._unlinked: dict[str, float] = {}  # manifest -> when its lineage was refused (monotonic)
+        self._unlinked: dict[str, float] = {}  # manifest -> until when it is not weighed (monotonic)
         self._warned_unvouched = False
         self._distrusted = OncePerPeer(logger)
 
     def unlinked(self) -> set[str]:
         """The manifests whose lineage was refused lately: not weighed again yet."""
         now = time.monotonic()
-        self._unlinked = {sha: t for sha, t in self._unlinked.items() if now - t < UNLINKED_S}
+        self._unlinked = {sha: until for sha, until in self._unlinked.items() if now < until}
         return set(self._unlinked)
 
     async def linked(self, holders: Sequence[Holder], step: int, sha: str) -> Linked | None:
@@ -77,21 +81,27 @@ class Adoption:
                 adopted = self._judged(own, chain, sha, vouched)
                 if isinstance(adopted, bool):
                     return chain, receipts, adopted
-                why = adopted
-        self._unlinked[sha] = time.monotonic()
+                why, pending = adopted
+                if pending:  # not a refusal yet: asked again in PENDING_S
+                    self._unlinked[sha] = time.monotonic() + PENDING_S
+                    logger.info("state %s (step %d): waiting for its newest round's endorsements (%s)",
+                                sha[:12], step, why)  # fmt: skip
+                    return None
+        self._unlinked[sha] = time.monotonic() + UNLINKED_S
         for holder in holders:
             self._distrusted.log(holder.peer_id, "lineage", "not adopting the state it advertises (step %d): %s",
                                  step, why)  # fmt: skip
         return None
 
-    def _judged(self, own: Lineage, chain: Lineage, sha: str, vouched: bool) -> bool | str:
-        """Whether the adopted lineage is provisional (lineage.py rule 5), or why it is refused."""
+    def _judged(self, own: Lineage, chain: Lineage, sha: str, vouched: bool) -> bool | tuple[str, bool]:
+        """Whether the adopted lineage is provisional (lineage.py rule 5), or why it is refused
+        and whether the refusal is only pending (Judgement.pending)."""
         problem = structure_problem(chain, chain.step, chain.state)
         if problem is not None:
-            return problem
+            return problem, False
         verdict = judge(own, chain, vouched=vouched, provisional=self.book.provisional, client=self.client)
         if not verdict.adopt:
-            return verdict.why
+            return verdict.why, verdict.pending
         logger.info("adopting the lineage of state %s (step %d): %s", sha[:12], chain.step, verdict.why)
         if verdict.fork_step != own.anchor_step:
             return self.book.provisional

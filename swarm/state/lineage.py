@@ -128,6 +128,9 @@ class Judgement:
     adopt: bool
     why: str
     fork_step: int | None = None
+    # refused only because its newest round, signed by a member of the round before it, has not
+    # collected the other members' signatures yet (seconds after the round): worth asking again soon
+    pending: bool = False
 
 
 def structure_problem(chain: Lineage, step: int, state: bytes) -> str | None:
@@ -176,7 +179,7 @@ def judge(own: Lineage, candidate: Lineage, *, vouched: bool = False, provisiona
     if fork is None and not own.links:  # nothing computed with anyone since our anchor (rule 3)
         problem = _unendorsed(candidate.links, None, pending_ok=False)
         if problem is not None:
-            return Judgement(False, problem)
+            return Judgement(False, problem, pending=_unendorsed(candidate.links, None, pending_ok=True) is None)
         return Judgement(True, f"an endorsed lineage (we hold no round since our state of step {own.step})")
     if fork is None:
         return Judgement(False, f"it does not descend from any state we hold (ours: step {own.step}, "
@@ -189,7 +192,7 @@ def judge(own: Lineage, candidate: Lineage, *, vouched: bool = False, provisiona
     fork_round = own.link_into(fork)  # None: the fork is at our anchor, whose round we do not know
     problem = _unendorsed(theirs, fork_round, pending_ok=bool(ours))
     if problem is not None:
-        return Judgement(False, problem, fork)
+        return Judgement(False, problem, fork, pending=_unendorsed(theirs, fork_round, pending_ok=True) is None)
     if not ours:
         return Judgement(True, f"an endorsed continuation of our state of step {fork}", fork)
     if fork_round is None:  # two forks of an anchor (rule 5): no members to weigh them by

@@ -181,6 +181,29 @@ def test_adoption_rules(situation: str, own: Lineage, candidate: Lineage, adopt:
 FORGED = chain(0, G, *(link(i, G if i == 0 else f"z{i}", f"z{i + 1}", "xyz") for i in range(5)))  # from genesis
 
 
+@pytest.mark.parametrize(
+    ("situation", "own", "candidate", "pending"),
+    [
+        ("the newest round signed by one of the three before it: its other signatures are on their way",
+         chain(0, G, *HONEST[:2]), chain(0, G, *HONEST[:3], link(3, "s3", "s4", "abc", "a")), True),
+        ("... seen from a node with no round since genesis",
+         chain(0, G), chain(0, G, *HONEST[:3], link(3, "s3", "s4", "abc", "a")), True),
+        ("a newest round that no member of the round before signed is refused outright",
+         chain(0, G, *HONEST[:2]), chain(0, G, *HONEST[:3], link(3, "s3", "zero", "xyz")), False),
+        ("an older round short of endorsements is refused outright",
+         chain(0, G, HONEST[0]), chain(0, G, HONEST[0], link(1, "s1", "s2", "abc", "a"), link(2, "s2", "s3", "a")),
+         False),
+    ],
+)
+def test_a_newest_round_still_collecting_signatures_is_pending_not_refused(
+    situation: str, own: Lineage, candidate: Lineage, pending: bool
+) -> None:
+    """Pending: refused for now, asked again within a second (adoption.PENDING_S), never adopted
+    before the round before it endorses it."""
+    verdict = judge(own, candidate)
+    assert not verdict.adopt and verdict.pending is pending, f"{situation}: {verdict.why}"
+
+
 def test_a_lineage_fabricated_from_genesis_takes_an_unvouched_newcomer_only() -> None:
     """What a lineage cannot tell a newcomer whose anchor is genesis: identities of their own
     signing from genesis on. A node that averaged with the swarm keeps its own, even against a
