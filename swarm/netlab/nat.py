@@ -74,7 +74,10 @@ def nat_ruleset(kind: str, lan: str, *, wan: str = ENDPOINT_IF, lan_if: str = LA
         f"  chain nat_out {{ type nat hook postrouting priority srcnat; policy accept;\n"
         f'    oifname "{wan}" ip saddr {lan} {mapping}; }}\n'
         f"  chain from_lan {{ type filter hook forward priority filter; policy drop;\n"
-        f'    iifname "{lan_if}" oifname "{wan}" accept; ct state established,related accept; }}\n'
+        # the LAN's own traffic is switched, as on a home router (where br_netfilter is loaded,
+        # bridged packets cross this chain too)
+        f'    iifname "{lan_if}" oifname "{wan}" accept; ct state established,related accept;\n'
+        f'    iifname "{lan_if}" oifname "{lan_if}" accept; }}\n'
         f"  chain to_router {{ type filter hook input priority filter; policy accept;\n"
         f'    iifname "{wan}" ct state established,related accept; iifname "{wan}" drop; }}\n'
         f"}}"

@@ -17,6 +17,10 @@ observed for them (relay_wire.py: `observed`, `peer_observed`), I upgrades the c
 
 Both dial from their listening port (config.reuse_port), whose NAT mapping is the one the relay
 observed: behind two cone NATs each SYN opens the way for the other's (TCP simultaneous open).
+Two peers the relay observed at one public IP sit behind one NAT, where a dial to that public
+address needs hairpinning, which most routers do not do: these two also exchange their LAN
+addresses (`lan`, private IPv4 addresses only, never sent to a peer behind another IP) and dial
+them too, so that they meet directly on their LAN.
 Both ends dialed, so neither is "the listener": the handshake's roles are fixed by PeerID order
 (the smaller is the dialer), on the connect()ed socket and on one our listener accepts alike
 (Dialer.expect_punch). Whichever direct connection authenticates first carries the session from
@@ -29,7 +33,9 @@ relayed, as behind a symmetric NAT (a new port per destination: the observed one
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import socket
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,7 +45,7 @@ from swarm.p2p.config import P2PConfig
 from swarm.p2p.connection import Connection
 from swarm.p2p.errors import BadRequest, MultiaddrError, P2PError
 from swarm.p2p.handlers import CallContext
-from swarm.p2p.maddr import TcpAddress, parse_maddr
+from swarm.p2p.maddr import TcpAddress, local_addresses, parse_maddr
 from swarm.p2p.peer_id import PeerID
 
 logger = logging.getLogger(__name__)
@@ -71,6 +77,7 @@ class _PunchHost(Protocol):  # what the puncher needs of a P2PHost
     def watch_connections(self, watcher: Any, *, stop: bool = False) -> None: ...
     def connections_to(self, peer: PeerID) -> list[Connection]: ...
     def expect_punch(self, peer: PeerID, role: str, seconds: float) -> None: ...
+    def listening_address(self) -> TcpAddress | None: ...
     async def punch_dial(self, addr: TcpAddress, role: str, *, timeout: float) -> Connection: ...
 
 
@@ -98,6 +105,49 @@ def check_addrs(raw: Any, allowed: TcpAddress | None) -> list[TcpAddress]:
             raise BadRequest(f"punch: {addr} is outside the address the relay observed ({allowed.host})")
         out.append(addr)
     return out
+
+
+def one_nat(ours: TcpAddress | None, theirs: TcpAddress | None) -> bool:
+    """Did the relay observe both ends at one public IP (behind one NAT)?"""
+    return ours is not None and theirs is not None and ours.host == theirs.host
+
+
+def _lan_ip(text: str) -> bool:
+    try:
+        ip = ipaddress.IPv4Address(text)
+    except ValueError:
+        return False
+    return ip.is_private and not ip.is_loopback and not ip.is_unspecified and not ip.is_link_local
+
+
+def check_lan(raw: Any, ours: TcpAddress | None, theirs: TcpAddress | None) -> list[TcpAddress]:
+    """The LAN addresses a peer behind our own NAT asks us to dial: none unless the relay saw both
+    ends at one public IP, and then only private IPv4 addresses (BadRequest otherwise)."""
+    if raw is None or not one_nat(ours, theirs):
+        return []
+    if not isinstance(raw, list) or len(raw) > MAX_ADDRS:
+        raise BadRequest(f"punch: 'lan' must list at most {MAX_ADDRS} multiaddrs")
+    out = []
+    for text in raw:
+        try:
+            addr = parse_maddr(text) if isinstance(text, str) else None
+        except MultiaddrError:
+            addr = None
+        if addr is None or addr.host_protocol != "ip4" or addr.peer_id is not None or not _lan_ip(addr.host):
+            raise BadRequest("punch: each LAN address must be /ip4/PRIVATE-HOST/tcp/PORT")
+        out.append(addr)
+    return out
+
+
+def _source_ip(target: str) -> str | None:
+    """The local address this machine sends from towards `target`: a route lookup (a UDP socket's
+    connect sends nothing). Where a host listens on 0.0.0.0, this is its address on the LAN."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((target, 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None
 
 
 def _observed(conn: Connection) -> tuple[TcpAddress | None, TcpAddress | None]:
@@ -172,6 +222,16 @@ class Puncher:
         if not task.cancelled() and (error := task.exception()) is not None:
             logger.error("%s: hole punch with %s failed unexpectedly", self.host.peer_id, peer, exc_info=error)
 
+    def _lan(self, public: TcpAddress) -> list[str]:
+        """Our private IPv4 listening addresses: what a peer behind our own NAT (at `public`) can dial."""
+        listening = self.host.listening_address()
+        if listening is None:
+            return []
+        hosts = [listening.host]
+        if listening.host == "0.0.0.0":  # the address we send from towards our NAT first, then the host's
+            hosts = [h for h in dict.fromkeys([_source_ip(public.host), *local_addresses(ipv6=False)]) if h]
+        return [TcpAddress("ip4", h, listening.port).to_maddr() for h in hosts if _lan_ip(h)][:MAX_ADDRS]
+
     def _direct(self, peer: PeerID) -> Connection | None:
         return next((c for c in self.host.connections_to(peer) if not is_relayed(c.remote_address)), None)
 
@@ -208,9 +268,13 @@ class Puncher:
     async def _attempt(self, relayed: Connection, ours: TcpAddress, theirs: TcpAddress | None) -> bool:
         loop, cfg, peer = asyncio.get_running_loop(), self.config, relayed.peer_id
         began = loop.time()
-        reply = await relayed.call(CONNECT, {"v": VERSION, "addrs": [ours.to_maddr()]}, cfg.call_timeout_s)
+        request: dict[str, Any] = {"v": VERSION, "addrs": [ours.to_maddr()]}
+        if one_nat(ours, theirs):  # our LAN addresses only to a peer behind our own NAT
+            request["lan"] = self._lan(ours)
+        reply = await relayed.call(CONNECT, request, cfg.call_timeout_s)
         rtt = loop.time() - began
-        addrs = check_addrs(reply.get("addrs") if isinstance(reply, dict) else None, theirs)
+        reply = reply if isinstance(reply, dict) else {}
+        addrs = check_addrs(reply.get("addrs"), theirs) + check_lan(reply.get("lan"), ours, theirs)
         role = punch_role(self.host.peer_id, peer)
         self.host.expect_punch(peer, role, cfg.dial_timeout_s + cfg.call_timeout_s)
         sync = loop.create_task(relayed.call(SYNC, {"v": VERSION}, cfg.call_timeout_s))
@@ -252,10 +316,13 @@ class Puncher:
         addrs = check_addrs(args.get("addrs"), theirs)
         if ours is None:
             raise BadRequest("punch: the relay told us no address of ours")
-        self._offered[ctx.peer_id] = addrs
+        self._offered[ctx.peer_id] = addrs + check_lan(args.get("lan"), ours, theirs)
         role = punch_role(self.host.peer_id, ctx.peer_id)
         self.host.expect_punch(ctx.peer_id, role, self.config.dial_timeout_s + self.config.call_timeout_s)
-        return {"v": VERSION, "addrs": [ours.to_maddr()]}
+        reply: dict[str, Any] = {"v": VERSION, "addrs": [ours.to_maddr()]}
+        if one_nat(ours, theirs):
+            reply["lan"] = self._lan(ours)
+        return reply
 
     async def _on_sync(self, ctx: CallContext, args: Any) -> dict[str, Any]:
         self._relayed_from(ctx)

@@ -14,7 +14,7 @@ from swarm.p2p import handshake as hs
 from swarm.p2p.circuit import is_relayed
 from swarm.p2p.errors import BadRequest
 from swarm.p2p.maddr import parse_maddr
-from swarm.p2p.punch import CONNECT, PUNCHED, VERSION, Puncher, check_addrs, punch_role
+from swarm.p2p.punch import CONNECT, PUNCHED, VERSION, Puncher, check_addrs, check_lan, punch_role
 from swarm.p2p.relay import RelayService
 from swarm.p2p.relay_client import RelayKeeper
 from tests.waiting import until
@@ -100,3 +100,42 @@ def test_punch_addresses_must_lie_on_the_observed_ip(addrs: Any, allowed: str | 
     with pytest.raises(BadRequest, match=says):
         check_addrs(addrs, None if allowed is None else parse_maddr(allowed))
     assert check_addrs(["/ip4/10.0.0.1/tcp/5", "/ip4/10.0.0.1/tcp/6"], parse_maddr("/ip4/10.0.0.1/tcp/9"))
+
+
+PUBLIC = parse_maddr("/ip4/203.0.113.7/tcp/4001")
+
+
+@pytest.mark.parametrize(
+    ("lan", "ours", "theirs", "expected"),
+    [
+        (["/ip4/192.168.1.5/tcp/4001"], PUBLIC, PUBLIC, ["/ip4/192.168.1.5/tcp/4001"]),  # one NAT: dial it
+        (["/ip4/192.168.1.5/tcp/4001"], PUBLIC, parse_maddr("/ip4/198.51.100.1/tcp/1"), []),  # two NATs: ignored
+        (["/ip4/192.168.1.5/tcp/4001"], None, PUBLIC, []),  # the relay told us nothing: nothing to compare
+        (None, PUBLIC, PUBLIC, []),  # not offered
+    ],
+)
+def test_lan_addresses_are_dialed_only_for_a_peer_behind_our_own_nat(
+    lan: Any, ours: Any, theirs: Any, expected: list[str]
+) -> None:
+    assert [a.to_maddr() for a in check_lan(lan, ours, theirs)] == expected
+
+
+@pytest.mark.parametrize(
+    ("lan", "says"),
+    [
+        (["/ip4/8.8.8.8/tcp/53"], "PRIVATE-HOST"),  # a public host: the punch must not be turned on it
+        (["/ip4/127.0.0.1/tcp/22"], "PRIVATE-HOST"),  # our own machine
+        (["/ip4/0.0.0.0/tcp/22"], "PRIVATE-HOST"),
+        (["/ip4/169.254.1.1/tcp/22"], "PRIVATE-HOST"),
+        (["/ip6/fd00::1/tcp/22"], "PRIVATE-HOST"),
+        (["/ip4/10.0.0.1/tcp/22/p2p/12D3KooWCXP43ZcpwEPXPBELmtUZeQ5cjPFTpU21W1dCwHfTYs6r"], "PRIVATE-HOST"),
+        ([5], "PRIVATE-HOST"),
+        (["garbage"], "PRIVATE-HOST"),
+        ([f"/ip4/10.0.0.{i}/tcp/1" for i in range(1, 6)], "at most 4"),
+        ("/ip4/10.0.0.1/tcp/1", "at most 4"),
+    ],
+    ids=["public", "loopback", "unspecified", "link-local", "ipv6", "peer-id", "int", "garbage", "five", "string"],
+)
+def test_bad_lan_addresses_from_a_peer_behind_our_nat_are_refused(lan: Any, says: str) -> None:
+    with pytest.raises(BadRequest, match=says):
+        check_lan(lan, PUBLIC, PUBLIC)
