@@ -15,14 +15,6 @@ from tests.waiting import until
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 
-LAST_STEP_FLAKE = pytest.mark.xfail(
-    strict=False,
-    reason="known gap (docs, one swarm one state: known gaps): about 1 run in 3 forked at the last step before "
-    "2026-12-04; since then it passes quiet and beside two busy processes, not always in the full suite, "
-    "and not under about twice the suite's load (groups whose members left, a second state healed slowly)",
-)
-
-
 def assert_one_state(local: LocalSwarm) -> dict[int, set[str]]:
     by_step = local.by_step()
     forks = {step: len(hashes) for step, hashes in by_step.items() if len(hashes) != 1}
@@ -33,7 +25,6 @@ def assert_one_state(local: LocalSwarm) -> dict[int, set[str]]:
     return by_step
 
 
-@LAST_STEP_FLAKE
 async def test_sixteen_nodes_hold_one_state_after_every_step(local: LocalSwarm) -> None:
     bootstrap = await local.start_bootstrap()
     for _ in range(16):
@@ -48,7 +39,6 @@ async def test_sixteen_nodes_hold_one_state_after_every_step(local: LocalSwarm) 
     assert len(last) >= 12 and all(e["group_size"] == len(last) for e in last), [e["group_size"] for e in last]
 
 
-@LAST_STEP_FLAKE
 async def test_past_the_cap_one_state_through_the_grid_even_when_a_member_dies_mid_round(
     local: LocalSwarm, monkeypatch: pytest.MonkeyPatch
 ) -> None:
