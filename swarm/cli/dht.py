@@ -102,7 +102,8 @@ def serve(
     at home.
 
     Prints its multiaddrs and the line to join it; with --json, the first line of output is
-    {"peer_id": ..., "maddrs": [...]}.
+    {"peer_id": ..., "maddrs": [...]}, and the last, at exit, {"relayed_bytes": N}: what its
+    relay carried, both ways, all circuits together.
     """
     setup_logging(verbose)
     node_identity = load_identity(identity)
@@ -119,6 +120,7 @@ def serve(
             with contextlib.suppress(NotImplementedError):  # no signal handlers on Windows' loop
                 loop.add_signal_handler(sig, stop.set)
         stopping = asyncio.ensure_future(stop.wait())
+        node_started = False
         try:
             await host.start()
             if service is not None:
@@ -130,6 +132,7 @@ def serve(
                 await asyncio.gather(starting, return_exceptions=True)
                 return
             starting.result()
+            node_started = True
             _announce(node, as_json, persistent=identity is not None)
             await stopping
         finally:
@@ -141,6 +144,8 @@ def serve(
             if service is not None:
                 await service.close()
             await host.close()
+            if as_json and node_started:
+                echo_json({"relayed_bytes": service.relayed_bytes if service is not None else 0})
 
     run_network(run)
 
