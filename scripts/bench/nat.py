@@ -9,8 +9,11 @@ The runs:
   hairpinning) stay relayed.
 - ``mixed``: cone:2,cone:2,symmetric:2, the issue's all-NAT run. The symmetric NAT's nodes are
   relayed clients: they send their slices and take the averages through the relay.
-- ``relayed``: symmetric:2,symmetric:2,symmetric:2. Nobody can punch: every byte goes through the
-  relay (the forced-relay case), and the relayed nodes own the parts because nobody else can.
+- ``relayed``: symmetric:2,symmetric:2,symmetric:2. Nobody can punch: every byte between homes
+  goes through the relay (the forced-relay case), and the relayed nodes own the parts because
+  nobody else can.
+- ``public``: public:2,cone:2,cone:2. Two trainers anyone can dial, four at home: a public node
+  that reaches a NATed one through the relay is dialed back directly.
 
 Per run: ``agree`` (one state per outer step), ``full_rounds`` (steps where all six nodes were
 in one group), ``loss_first``/``loss_last`` (eval loss), ``averaging_MB`` (the rounds' bytes sent,
@@ -36,7 +39,7 @@ from swarm.netlab.lab import missing_nat
 from swarm.utils.process_control import console_script
 
 RUNS = {"punched": "cone:2,cone:2,cone:2", "mixed": "cone:2,cone:2,symmetric:2",
-        "relayed": "symmetric:2,symmetric:2,symmetric:2"}  # fmt: skip
+        "relayed": "symmetric:2,symmetric:2,symmetric:2", "public": "public:2,cone:2,cone:2"}  # fmt: skip
 PUNCHED = re.compile(r"(\w+): punched a direct connection to (\w+) \(attempt (\d+)\)")
 STAYS = re.compile(r"(\w+): no direct connection to (\w+): it stays relayed")
 
@@ -54,8 +57,9 @@ def simulate(homes: str, outer_steps: int, run_dir: Path) -> dict[str, Any]:
 def punches(run_dir: Path, nodes: list[dict[str, Any]], homes: str) -> dict[str, Any]:
     """Punch outcomes from the nodes' logs (the initiators'): between two cone homes, and with a
     symmetric node. A node's home is the third byte of its LAN address (10.78.k.x: home k)."""
-    kinds = [item.split(":")[0] for item in homes.split(",")]
-    home = {n["peer_id"]: int(n["link"]["address"].split(".")[2]) for n in nodes}
+    kinds = [kind for kind in (item.split(":")[0] for item in homes.split(",")) if kind != "public"]
+    home = {n["peer_id"]: int(n["link"]["address"].split(".")[2]) for n in nodes
+            if n["link"]["address"].startswith("10.78.")}  # fmt: skip
 
     def pair(a: str, b: str) -> str | None:
         if a not in home or b not in home or home[a] == home[b]:

@@ -124,8 +124,9 @@ def parsed(ctx: click.Context, param: click.Parameter, text: str | None, parse: 
               metavar="R1,R2,...", help="As --link, one rate per node (as many as --nodes); the bootstrap gets "
                                         "the fastest.")  # fmt: skip
 @click.option("--nat", callback=functools.partial(parsed, parse=parse_nat), metavar="KIND:N,...",
-              help="Put the nodes in home networks behind NAT routers, e.g. cone:2,cone:2,symmetric:2 (--nodes "
-                   "defaults to their sum); the bootstrap relays. Needs root, iproute2 and nftables.")  # fmt: skip
+              help="Put the nodes in home networks behind NAT routers, e.g. cone:2,cone:2,symmetric:2 (public:N: N "
+                   "nodes without NAT; --nodes defaults to their sum); the bootstrap relays. Needs root, iproute2 "
+                   "and nftables.")  # fmt: skip
 @click.option("--dashboard", type=click.IntRange(0, 65535), is_flag=False, flag_value=0, default=None,
               metavar="[PORT]", help="Serve the swarm's live dashboard on 127.0.0.1:PORT (no PORT: any free "
                                      "one) and print its address.")  # fmt: skip

@@ -114,14 +114,18 @@ class SimConfig:
         return self.link
 
 
+PUBLIC = "public"  # --nat public:N: N nodes on the lab's internet, reachable by everyone
+
+
 def parse_nat(text: str) -> tuple[tuple[str, int], ...]:
     """`cone:2,cone:2,symmetric:2` -> (("cone", 2), ("cone", 2), ("symmetric", 2)): one home
-    network per item, its NAT's kind and the nodes behind it. ValueError with the reason."""
+    network per item, its NAT's kind and the nodes behind it (`public`: nodes on the internet
+    side, no NAT). ValueError with the reason."""
     homes = []
     for item in text.replace(" ", "").split(","):
         kind, _, count = item.partition(":")
-        if kind not in NAT_KINDS:
-            raise ValueError(f"--nat {item!r}: the kind is one of {', '.join(NAT_KINDS)} (e.g. cone:2)")
+        if kind not in (*NAT_KINDS, PUBLIC):
+            raise ValueError(f"--nat {item!r}: the kind is one of {', '.join((*NAT_KINDS, PUBLIC))} (e.g. cone:2)")
         if not count.isdigit() or not 1 <= int(count) <= 64:
             raise ValueError(f"--nat {item!r}: give 1 to 64 nodes behind each NAT, as KIND:N")
         homes.append((kind, int(count)))

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import FrameType
 
 from swarm.cli.common import CliError
-from swarm.cli.sim_config import SimConfig
+from swarm.cli.sim_config import PUBLIC, SimConfig
 from swarm.cli.sim_report import (
     ALIVE,
     CANCELLED,
@@ -106,7 +106,7 @@ class Swarm:
         self.initial_peers: list[str] = []
         self.rng = random.Random(config.seed)
         self.lab: Lab | None = None  # with --link or --nat: every child's network namespace
-        self.homes: list[Home] = []  # with --nat: the home networks, in --nat's order
+        self.homes: list[Home | None] = []  # with --nat: the home networks in --nat's order (None: public)
         self.dashboard: subprocess.Popen[bytes] | None = None  # --dashboard: `swarm-dht inspect --serve`
 
     @property
@@ -120,6 +120,9 @@ class Swarm:
             try:
                 self.lab = Lab.create(self.run_id)
                 for i, (kind, count) in enumerate(self.config.nat or ()):
+                    if kind == PUBLIC:
+                        self.homes.append(None)
+                        continue
                     home = self.lab.add_home(f"h{i}", kind, self.config.rate(None) or NAT_RATE)
                     self.homes.append(home)
                     self.display.event(f"home h{i}: {count} node(s) behind a {kind} NAT at {home.router.address}")

@@ -5,7 +5,9 @@
         averager = Averager(..., reach=reach.reach)
 
 - A node that peers can dial (its dial-back check passed, or nobody could tell) relays for the
-  others: it serves a RelayService (p2p/relay.py) unless `relay` is None (--relay off).
+  others: it serves a RelayService (p2p/relay.py) unless `relay` is None (--relay off). When it
+  dials a NATed peer through a relay, its Puncher (reachable=True) offers its listening address
+  and the peer dials it directly: relays carry no traffic between it and the NATed.
 - A node behind NAT keeps a reservation on one of `relays` (RelayKeeper: the initial peers that
   name their PeerID, nearest first), announces only its relayed address, and runs a Puncher, so
   that peers that dial that address get a direct connection where both NATs allow it. Its host
@@ -57,7 +59,9 @@ class NodeReach:
         self.service = RelayService(host, relay) if relay is not None and not nated else None
         candidates = relay_candidates(relays) if nated else []
         self.keeper = RelayKeeper(host, candidates) if candidates else None
-        self.puncher = Puncher(host, punch) if nated else None  # ValueError without reuse_port
+        # behind NAT we punch (ValueError without reuse_port); reachable, we let NATed peers that
+        # we dial through their relay dial us back directly
+        self.puncher = Puncher(host, punch, reachable=not nated)
         self._started = False
 
     async def start(self) -> NodeReach:
@@ -65,8 +69,8 @@ class NodeReach:
             self._started = True
             if self.service is not None:
                 await self.service.start()
-            if self.puncher is not None:
-                await self.puncher.start()
+            await self.puncher.start()
+            if self.nated:
                 self.host.announce_listening = False  # nobody can dial our own addresses
             if self.keeper is not None:
                 await self.keeper.start()
@@ -75,7 +79,7 @@ class NodeReach:
     async def close(self) -> None:
         if self._started:
             self._started = False
-            for part in (self.keeper, self.puncher, self.service):
+            for part in (self.keeper, self.service, self.puncher):
                 if part is not None:
                     await part.close()
 
@@ -108,7 +112,6 @@ class NodeReach:
         listening = self.host.listening_address()
         reservation = self.keeper.reservation
         observed = reservation.observed if reservation is not None else None
-        assert self.puncher is not None
         return own_reach(reachable=False, listen_port=listening.port if listening is not None else None,
                          observed_port=observed.port if observed is not None else None,
                          outcomes=self.puncher.outcomes.values())  # fmt: skip

@@ -15,8 +15,12 @@ observed for them (relay_wire.py: `observed`, `peer_observed`), I upgrades the c
                                after it sent sync, so that both SYNs cross at about the same
                                moment.
 
-Both dial from their listening port (config.reuse_port), whose NAT mapping is the one the relay
-observed: behind two cone NATs each SYN opens the way for the other's (TCP simultaneous open).
+A host peers can dial (`reachable=True`: the dial-back check passed) needs no punch of its own:
+as I it offers its listening address at the IP the relay observed and does not dial; P's dial
+from its listening port reaches our listener, and the connection is as direct as a punched one.
+It needs no reuse_port either. Otherwise both dial from their listening port (config.reuse_port),
+whose NAT mapping is the one the relay observed: behind two cone NATs each SYN opens the way for
+the other's (TCP simultaneous open).
 Two peers the relay observed at one public IP sit behind one NAT, where a dial to that public
 address needs hairpinning, which most routers do not do: these two also exchange their LAN
 addresses (`lan`, private IPv4 addresses only, never sent to a peer behind another IP) and dial
@@ -33,6 +37,7 @@ relayed, as behind a symmetric NAT (a new port per destination: the observed one
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import socket
@@ -161,15 +166,17 @@ def _observed(conn: Connection) -> tuple[TcpAddress | None, TcpAddress | None]:
 class Puncher:
     """Upgrades the relayed connections `host` dials to direct ones (module docstring)."""
 
-    def __init__(self, host: _PunchHost, config: PunchConfig | None = None) -> None:
-        if not host.config.reuse_port:
+    def __init__(self, host: _PunchHost, config: PunchConfig | None = None, *, reachable: bool = False) -> None:
+        if not host.config.reuse_port and not reachable:
             raise ValueError("hole punching dials from the listening port: use P2PConfig(reuse_port=True)")
         self.host = host
+        self.reachable = reachable  # peers can dial us: we offer our listening address and let them dial
         self.config = config or PunchConfig()
         self.outcomes: dict[PeerID, str] = {}
         self._settled: dict[PeerID, asyncio.Event] = {}  # set when a peer's outcome is known
         self._offered: dict[PeerID, list[TcpAddress]] = {}  # responder: what each initiator asked us to dial
         self._tasks: dict[PeerID, asyncio.Task[None]] = {}
+        self._direct_seen: dict[PeerID, asyncio.Event] = {}  # reachable initiator: set when the peer dials in
         self._started = False
 
     async def start(self) -> Puncher:
@@ -222,6 +229,18 @@ class Puncher:
         if not task.cancelled() and (error := task.exception()) is not None:
             logger.error("%s: hole punch with %s failed unexpectedly", self.host.peer_id, peer, exc_info=error)
 
+    def _offer(self, ours: TcpAddress) -> TcpAddress | None:
+        """Where the peer should dial us: the address the relay observed, which our NAT maps to our
+        listening port; a reachable host's listening port at that IP (its dials use other ports)."""
+        if not self.reachable:
+            return ours
+        for text in self.host.config.announce_maddrs:  # a forwarded port: what peers dial
+            announced = parse_maddr(text)
+            if announced.host == ours.host:
+                return TcpAddress(ours.host_protocol, ours.host, announced.port)
+        listening = self.host.listening_address()
+        return None if listening is None else TcpAddress(ours.host_protocol, ours.host, listening.port)
+
     def _lan(self, public: TcpAddress) -> list[str]:
         """Our private IPv4 listening addresses: what a peer behind our own NAT (at `public`) can dial."""
         listening = self.host.listening_address()
@@ -238,6 +257,8 @@ class Puncher:
     def _on_connection(self, conn: Connection) -> None:
         """Every kept connection: a relayed one we dialed starts a punch; a direct one ends one."""
         if not is_relayed(conn.remote_address):
+            if conn.peer_id in self._direct_seen:
+                self._direct_seen[conn.peer_id].set()
             if conn.peer_id in self._offered or self.outcomes.get(conn.peer_id) == RELAYED:
                 self._settle(conn.peer_id, PUNCHED)
             return
@@ -267,8 +288,11 @@ class Puncher:
 
     async def _attempt(self, relayed: Connection, ours: TcpAddress, theirs: TcpAddress | None) -> bool:
         loop, cfg, peer = asyncio.get_running_loop(), self.config, relayed.peer_id
+        offer = self._offer(ours)
+        if offer is None:
+            return False
         began = loop.time()
-        request: dict[str, Any] = {"v": VERSION, "addrs": [ours.to_maddr()]}
+        request: dict[str, Any] = {"v": VERSION, "addrs": [offer.to_maddr()]}
         if one_nat(ours, theirs):  # our LAN addresses only to a peer behind our own NAT
             request["lan"] = self._lan(ours)
         reply = await relayed.call(CONNECT, request, cfg.call_timeout_s)
@@ -278,10 +302,16 @@ class Puncher:
         role = punch_role(self.host.peer_id, peer)
         self.host.expect_punch(peer, role, cfg.dial_timeout_s + cfg.call_timeout_s)
         sync = loop.create_task(relayed.call(SYNC, {"v": VERSION}, cfg.call_timeout_s))
+        seen = self._direct_seen.setdefault(peer, asyncio.Event())
         try:
+            if self.reachable:  # the peer dials our listener; we wait for it
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(seen.wait(), cfg.dial_timeout_s + rtt)
+                return self._direct(peer) is not None
             await asyncio.sleep(rtt / 2)  # SYNC reaches the peer after about RTT/2: both dial now
             return await self._dial(peer, addrs, role)
         finally:
+            self._direct_seen.pop(peer, None)
             if not sync.done():
                 sync.cancel()
             await asyncio.gather(sync, return_exceptions=True)  # its reply or failure says nothing more

@@ -46,6 +46,26 @@ async def test_a_relayed_pair_punches_a_direct_connection_and_moves_to_it(make_h
     await service.close()
 
 
+@pytest.mark.timeout(60)
+async def test_a_reachable_dialer_is_dialed_back_directly_without_punching_itself(make_host: Factory) -> None:
+    """A host peers can dial needs no reuse_port: it offers its listening address, the NATed end
+    dials it from its own listening port, and the pair leaves the relay."""
+    relay = await make_host()
+    target, dialer = await make_host(reuse_port=True), await make_host()
+    target.add_handler("demo.echo", echo)
+    service = await RelayService(relay).start()
+    async with (RelayKeeper(target, [relay.visible_maddrs[0]]) as keeper, Puncher(target),
+                Puncher(dialer, reachable=True) as puncher):  # fmt: skip
+        relayed = (await keeper.wait_reserved(timeout=10)).to_maddr()
+        assert (await dialer.call(relayed, "demo.echo", 1, timeout=10))["via"].endswith("/p2p-circuit")
+        assert await puncher.outcome(target.peer_id, timeout=20) == PUNCHED
+        direct = [c for c in dialer.connections_to(target.peer_id) if not is_relayed(c.remote_address)]
+        assert direct and direct[0].role == punch_role(dialer.peer_id, target.peer_id)
+        assert (await dialer.call(relayed, "demo.echo", 2, timeout=10)) == {"echo": 2, "via": "127.0.0.1"}
+        await until(lambda: service.circuits == 0, 10, "the circuit to close")
+    await service.close()
+
+
 @pytest.mark.timeout(30)
 async def test_a_punch_request_for_a_third_partys_address_is_refused(make_host: Factory) -> None:
     relay = await make_host()
