@@ -14,6 +14,9 @@ The runs:
   nobody else can.
 - ``public``: public:2,cone:2,cone:2. Two trainers anyone can dial, four at home: a public node
   that reaches a NATed one through the relay is dialed back directly.
+- ``newcomers``: cone:2,symmetric:1 for 24 outer steps, a newcomer every 12 s, behind the homes in
+  turn: ``newcomer_lag`` lists, per newcomer, the outer steps from the state it started training
+  from (fetched from the swarm) to its first round with others (0 or 1: within one outer step).
 
 Per run: ``agree`` (one state per outer step), ``full_rounds`` (steps where all six nodes were
 in one group), ``loss_first``/``loss_last`` (eval loss), ``averaging_MB`` (the rounds' bytes sent,
@@ -39,14 +42,17 @@ from swarm.netlab.lab import missing_nat
 from swarm.utils.process_control import console_script
 
 RUNS = {"punched": "cone:2,cone:2,cone:2", "mixed": "cone:2,cone:2,symmetric:2",
-        "relayed": "symmetric:2,symmetric:2,symmetric:2", "public": "public:2,cone:2,cone:2"}  # fmt: skip
+        "relayed": "symmetric:2,symmetric:2,symmetric:2", "public": "public:2,cone:2,cone:2",
+        "newcomers": "cone:2,symmetric:1"}  # fmt: skip
+CHURN = {"newcomers": ("--join-every", "12")}  # the runs with newcomers, and their outer steps
+STEPS = {"newcomers": 24}
 PUNCHED = re.compile(r"(\w+): punched a direct connection to (\w+) \(attempt (\d+)\)")
 STAYS = re.compile(r"(\w+): no direct connection to (\w+): it stays relayed")
 
 
-def simulate(homes: str, outer_steps: int, run_dir: Path) -> dict[str, Any]:
+def simulate(homes: str, outer_steps: int, run_dir: Path, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     argv = [console_script("swarm-sim"), "--nat", homes, "--outer-steps", str(outer_steps), "--inner-steps", "10",
-            "--threads", "1", "--timeout", "600", "--run-dir", str(run_dir), "-v"]  # fmt: skip
+            "--threads", "1", "--timeout", "600", "--run-dir", str(run_dir), "-v", *extra]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
     if done.returncode != 0:
         tail = (done.stdout + done.stderr)[-3000:]
@@ -80,12 +86,15 @@ def punches(run_dir: Path, nodes: list[dict[str, Any]], homes: str) -> dict[str,
 def measure(name: str, outer_steps: int, root: Path) -> dict[str, Any]:
     run_dir = root / name
     run_dir.mkdir()
-    metrics = simulate(RUNS[name], outer_steps, run_dir)
-    nodes = metrics["nodes"]
+    outer_steps = STEPS.get(name, outer_steps)
+    metrics = simulate(RUNS[name], outer_steps, run_dir, CHURN.get(name, ()))
+    first = sum(int(item.split(":")[1]) for item in RUNS[name].split(","))
+    newcomers = metrics["nodes"][first:]
+    nodes = metrics["nodes"][:first]  # the nodes that started together: every round must hold them all
     steps = [[next((s for s in n["steps"] if s["outer_step"] == k), {}) for n in nodes] for k in range(outer_steps)]
     agree = all(len({r.get("state_sha256") for r in rows}) == 1 for rows in steps)
-    full = sum(all(r.get("group_size") == len(nodes) for r in rows) for rows in steps)
-    averaging = sum(s.get("bytes_sent") or 0 for n in nodes for s in n["steps"])
+    full = sum(all((r.get("group_size") or 0) >= len(nodes) for r in rows) for rows in steps)
+    averaging = sum(s.get("bytes_sent") or 0 for n in metrics["nodes"] for s in n["steps"])
     last = (run_dir / "bootstrap.out").read_text().strip().splitlines()[-1]
     relayed = json.loads(last).get("relayed_bytes", 0)
     losses = [r.get("eval_loss") for r in (steps[0][0], steps[-1][0])]
@@ -93,7 +102,15 @@ def measure(name: str, outer_steps: int, root: Path) -> dict[str, Any]:
             "outer_steps": outer_steps, "reach": [n.get("reach") for n in nodes], "loss_first": losses[0],
             "loss_last": losses[1], "averaging_MB": round(averaging / 1e6, 2), "relayed_MB": round(relayed / 1e6, 2),
             "relay_share": round(relayed / averaging, 4) if averaging else None,
-            "wall_s": metrics.get("wall_s"), **punches(run_dir, nodes, RUNS[name])}  # fmt: skip
+            "wall_s": metrics.get("wall_s"), "newcomer_lag": [lag(n) for n in newcomers],
+            **punches(run_dir, metrics["nodes"], RUNS[name])}  # fmt: skip
+
+
+def lag(node: dict[str, Any]) -> int | None:
+    """Outer steps from the state a newcomer started training from to its first round with others."""
+    grouped = [s["outer_step"] for s in node["steps"] if (s.get("group_size") or 0) > 1]
+    joined = node.get("joined_at_step")
+    return None if not grouped or joined is None else min(grouped) - joined
 
 
 def main() -> None:

@@ -92,20 +92,25 @@ class SimConfig:
             return
         if sum(n for _, n in self.nat) != self.nodes:
             raise ValueError(f"--nat puts {sum(n for _, n in self.nat)} node(s) in homes, --nodes says {self.nodes}")
-        others = (("--links", self.links), ("--join-every", self.join_every), ("--dashboard", self.dashboard))
+        others = (("--links", self.links), ("--dashboard", self.dashboard))
         for flag, value in others:
             if value is not None:
                 raise ValueError(f"--nat places every node in a home network: not with {flag}")
 
     def home_of(self, index: int) -> int:
-        """--nat: the home network (its index in `nat`) of the index-th node."""
+        """--nat: the home network (its index in `nat`) of the index-th node; newcomers
+        (--join-every, beyond --nodes) go to the homes in turn."""
         assert self.nat is not None
+        if index < 0:
+            raise IndexError(f"no node {index}")
+        if index >= self.nodes:
+            return (index - self.nodes) % len(self.nat)
         end = 0
         for home, (_, count) in enumerate(self.nat):
             end += count
             if index < end:
                 return home
-        raise IndexError(f"node {index} is beyond the {end} nodes of --nat")
+        raise AssertionError("the homes hold --nodes nodes (checked when built)")
 
     def rate(self, index: int | None) -> Rate | None:
         """The link of the index-th node (None: the bootstrap); None on 127.0.0.1."""
