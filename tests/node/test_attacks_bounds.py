@@ -215,9 +215,10 @@ async def test_attack_b_a_bandwidth_of_1e12_owns_a_bounded_share(
 
 
 @contextlib.asynccontextmanager
-async def outsider(bootstrap: str) -> AsyncIterator[tuple[P2PHost, DHTNode]]:
-    """A bare peer of the run: a host and a DHT node, no training."""
-    host = await P2PHost(config=LOCAL).start()
+async def outsider(bootstrap: str, identity: Identity | None = None) -> AsyncIterator[tuple[P2PHost, DHTNode]]:
+    """A bare peer of the run: a host and a DHT node, no training (under `identity`: one that
+    trained with the run before)."""
+    host = await P2PHost(identity, config=LOCAL).start()
     dht = await DHTNode(host=host, initial_peers=(bootstrap,)).start()
     try:
         yield host, dht
