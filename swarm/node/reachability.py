@@ -25,7 +25,7 @@ from typing import Any
 
 from swarm.p2p.errors import MultiaddrError, RelayRefused
 from swarm.p2p.host import P2PHost
-from swarm.p2p.maddr import parse_address
+from swarm.p2p.maddr import TcpAddress, parse_address
 from swarm.p2p.punch import PunchConfig, Puncher
 from swarm.p2p.reach import DIRECT, RELAYED, own_reach
 from swarm.p2p.relay import RelayConfig, RelayService
@@ -45,7 +45,7 @@ def relay_candidates(peers: Sequence[str]) -> list[str]:
             addr = parse_address(text)
         except MultiaddrError:
             continue
-        if getattr(addr, "host_protocol", None) is not None and addr.peer_id is not None:
+        if isinstance(addr, TcpAddress) and addr.peer_id is not None:
             out.append(text)
     return out
 
