@@ -31,13 +31,15 @@ ALLOWED: dict[str, set[str]] = {
     "dht": {"utils", "p2p", "dht"},
     "averaging": {"utils", "p2p", "dht", "kernels", "averaging"},
     "model": {"utils", "kernels", "model"},
+    # prepared data across the swarm: chunks, their claims in the DHT, a node's position
+    "data": {"utils", "p2p", "dht", "kernels", "model", "data"},
     "state": {"utils", "p2p", "dht", "kernels", "model", "state"},
-    "node": {"utils", "p2p", "dht", "kernels", "averaging", "model", "state", "node"},
+    "node": {"utils", "p2p", "dht", "kernels", "averaging", "model", "data", "state", "node"},
     # a node of several ranks (swarm/ranks/): torch.distributed under the node, beside it
     "ranks": {"utils", "p2p", "kernels", "model", "node", "ranks"},
-    "api": {"utils", "p2p", "dht", "kernels", "averaging", "model", "state", "node", "api"},
+    "api": {"utils", "p2p", "dht", "kernels", "averaging", "model", "data", "state", "node", "api"},
     # metrics and the dashboard: they read the node's events and records, and serve them to the CLI
-    "observe": {"utils", "p2p", "dht", "kernels", "averaging", "model", "state", "node", "observe"},
+    "observe": {"utils", "p2p", "dht", "kernels", "averaging", "model", "data", "state", "node", "observe"},
     "cli": {
         "utils",
         "p2p",
@@ -45,6 +47,7 @@ ALLOWED: dict[str, set[str]] = {
         "kernels",
         "averaging",
         "model",
+        "data",
         "state",
         "node",
         "api",

@@ -37,6 +37,7 @@ class DHTConfig:
     # seconds to minutes, so a flood of them cannot outlive its authors for days
     ttl_caps: tuple[tuple[str, float], ...] = (
         ("nodes", 900.0), ("state", 3600.0), ("ready", 3600.0), ("runs", 900.0), ("receipts", 3600.0),
+        ("chunks", 3600.0),
     )  # fmt: skip
     # quotas (quotas.py). Memory: storage and cache each hold at most max_storage_bytes of
     # keys, subkeys and values; one peer's stores fill at most max_*_per_source of it.

@@ -6,6 +6,9 @@
     <run>/receipts/<N> subkey [owner:<PeerID>] -> {"g": group id, "r": result state, "s": signature}:
                     a member's signature of its round of outer step N (state/lineage_book.py)
 
+    <run>/chunks    subkey [owner:<PeerID>]  -> {"epoch": ..., "live": [[chunk, at], ...], "done": ...}:
+                    the data chunks a node claims and has trained (data/claims.py)
+
     runs            subkey [owner:<PeerID>]  -> {"run": run id, "model": ..., "step": ...}: which runs
                     this DHT carries (every training node lists its own; no slash: never a run's key)
 
@@ -23,7 +26,7 @@ from swarm.dht.ttl_caps import RUNS_KEY
 from swarm.p2p.peer_id import PeerID
 
 MAX_RUN_ID_CHARS = 128
-__all__ = ["RUNS_KEY", "check_run_id", "nodes_key", "owned_map", "ready_key", "receipts_key", "state_key"]
+__all__ = ["RUNS_KEY", "check_run_id", "chunks_key", "nodes_key", "owned_map", "ready_key", "receipts_key", "state_key"]
 
 
 def owned_map(subkey: Any, value: Any) -> tuple[PeerID, dict[str, Any]] | None:
@@ -54,6 +57,10 @@ def state_key(run_id: str) -> str:
 
 def ready_key(run_id: str, step: int) -> str:
     return f"{check_run_id(run_id)}/ready/{int(step)}"
+
+
+def chunks_key(run_id: str) -> str:
+    return f"{check_run_id(run_id)}/chunks"
 
 
 def receipts_key(run_id: str, step: int) -> str:

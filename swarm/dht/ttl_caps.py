@@ -3,7 +3,7 @@
 Kinds are the run keys of run_keys.py, matched on the key's shape (a run id has no '/'):
 
     <run>/nodes -> "nodes"     <run>/state -> "state"     <run>/ready/<N> -> "ready"     runs -> "runs"
-    <run>/receipts/<N> -> "receipts"
+    <run>/receipts/<N> -> "receipts"     <run>/chunks -> "chunks"
 
 Any other key is capped by DHTConfig.max_ttl alone. A signed record cannot be shortened by the
 node that stores it (the signature covers the expiration), so one that asks for too long is
@@ -26,7 +26,7 @@ def key_kind(key: Key) -> str | None:
     run, sep, rest = key.partition("/")
     if not run or not sep:
         return None
-    if rest in ("nodes", "state"):
+    if rest in ("nodes", "state", "chunks"):
         return rest
     for kind in ("ready", "receipts"):
         if rest.startswith(f"{kind}/") and rest[len(kind) + 1 :].isdigit():

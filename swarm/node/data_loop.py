@@ -18,6 +18,9 @@ import logging
 import threading
 from typing import Protocol
 
+import torch
+
+from swarm.data.cursor import ChunkCursor, CursorClosed, DataStall
 from swarm.model.data import TokenData, node_generator, sample_batch
 from swarm.model.diloco import NonFiniteLossError
 from swarm.node.errors import NodeError
@@ -25,6 +28,9 @@ from swarm.node.permits import SessionClosed, UserSteps
 from swarm.p2p.peer_id import PeerID
 
 logger = logging.getLogger(__name__)
+# seconds an inner step waits for a data chunk: the claimer renews every 20 s, and at an epoch's
+# end the last chunks (a peer's, or a dead peer's until its claims lapse) come first
+CHUNK_WAIT_S = 600.0
 
 
 class TrainLoop(Protocol):
@@ -65,9 +71,11 @@ class DataLoop(TrainingThread):
     node allows them (UserSteps permits). A divergence (a NaN or inf loss or gradient) fails the
     node (UserSteps.fail) with what to do."""
 
-    def __init__(self, steps: UserSteps, data: TokenData, peer_id: PeerID, *, batch_size: int, seq_len: int) -> None:
+    def __init__(self, steps: UserSteps, data: TokenData, peer_id: PeerID, *, batch_size: int, seq_len: int,
+                 cursor: ChunkCursor | None = None) -> None:  # fmt: skip
         super().__init__("swarm-train")
         self.steps, self.data = steps, data
+        self.cursor = cursor  # prepared data: the chunks this node claimed, read in order
         self.peer = peer_id.to_bytes()
         self.batch_size, self.seq_len = batch_size, seq_len
 
@@ -75,15 +83,23 @@ class DataLoop(TrainingThread):
         steps, diloco = self.steps, self.steps.diloco
         try:
             while steps.wait_for_permit():
-                # a step past H (DiLoCo.extra_room) draws windows of its own
-                generator = node_generator(self.peer, diloco.global_inner_step, extra=diloco.ready_for_outer)
-                inputs, targets = sample_batch(self.data.train, self.batch_size, self.seq_len, generator)
+                inputs, targets = self._batch()
                 loss, tokens = diloco.forward_backward(inputs, targets)
                 steps.step(tokens, loss=loss)
-        except SessionClosed:
+        except (SessionClosed, CursorClosed):
             return
+        except DataStall as e:
+            steps.fail(NodeError(f"{e}: is the DHT reachable?"))
         except NonFiniteLossError as e:
             steps.fail(NodeError(f"training diverged ({e}): lower --lr or --outer-lr"))
         except BaseException as e:  # a bug, or out of memory: the node must end, not wait forever
             logger.error("the training thread failed", exc_info=True)
             steps.fail(NodeError(f"training failed: {type(e).__name__}: {e}"))
+
+    def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cursor is not None:
+            return self.cursor.next_batch(self.batch_size, CHUNK_WAIT_S)
+        diloco = self.steps.diloco
+        # a step past H (DiLoCo.extra_room) draws windows of its own
+        generator = node_generator(self.peer, diloco.global_inner_step, extra=diloco.ready_for_outer)
+        return sample_batch(self.data.train, self.batch_size, self.seq_len, generator)

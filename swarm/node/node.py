@@ -49,11 +49,14 @@ import torch
 from torch import nn
 
 from swarm.averaging.averager import Averager
+from swarm.data.chunks import ChunkPlan
+from swarm.data.claimer import ChunkClaimer, ClaimerConfig
+from swarm.data.cursor import ChunkCursor
 from swarm.dht.config import DHTConfig
 from swarm.dht.node import DHTNode
 from swarm.model.checkpoint import CheckpointError, RunInfo
 from swarm.model.configs import ModelConfig
-from swarm.model.data import TokenData, eval_windows, load_data
+from swarm.model.data import ShardedTokens, TokenData, eval_windows, load_data
 from swarm.model.diloco import DiLoCo, OptimizerFactory, model_fingerprint
 from swarm.model.error_feedback import ErrorFeedback
 from swarm.model.llama import build_model, count_parameters
@@ -137,6 +140,7 @@ class SwarmNode:
         self.relay = relay
         self.reach: NodeReach | None = None  # while `run` runs: how peers reach us (reachability.py)
         self._data_loop: TrainLoop | None = None  # swarm-node's own training loop (the caller's, in swarm.join)
+        self._cursor: ChunkCursor | None = None  # prepared data: our position in the chunks we claim
         if config.model == CUSTOM_MODEL:  # swarm.join: the caller's model, optimizer and loop
             if model is None:
                 raise NodeError("model 'custom' trains the caller's own model: hand it in (swarm.join)")
@@ -157,11 +161,15 @@ class SwarmNode:
             self.settings = training_settings(config)
             eval_set = eval_windows(data.eval, config.seq_len, config.eval_windows)
             self._evaluate = functools.partial(eval_loss, model, eval_set)
+            if isinstance(data.train, ShardedTokens):  # disjoint chunks across the swarm (swarm/data/)
+                plan = ChunkPlan.of([len(shard) for shard in data.train.shards])
+                self._cursor = ChunkCursor(plan, data.train, seq_len=config.seq_len, name=data.name)
         self.inner = UserSteps(self.diloco)  # inner steps run only while the node allows them
         if config.model != CUSTOM_MODEL:
             # DataLoop; a node of several ranks: rank 0's LeaderLoop (swarm/ranks/leader.py)
+            chunks = {"cursor": self._cursor} if self._cursor is not None else {}  # DataLoop's, for prepared data
             self._data_loop = train_loop(self.inner, data, self.peer_id, batch_size=config.batch_size,
-                                         seq_len=config.seq_len)  # fmt: skip
+                                         seq_len=config.seq_len, **chunks)  # fmt: skip
         self._settings_digest = settings_digest(self.settings)
         self.run_info = RunInfo(run_id=config.run_id, model=config.model, model_config=model_config,
                                 seed=config.seed, data=data_name, inner_steps=config.inner_steps,
@@ -194,6 +202,8 @@ class SwarmNode:
                 await host.close()
         finally:
             self.inner.close()
+            if self._cursor is not None:  # a training thread waiting for a chunk ends too
+                self._cursor.close()
             if self._data_loop is not None:  # it ends after the inner step under way
                 await asyncio.to_thread(self._data_loop.join, DATA_LOOP_END_WAIT)
 
@@ -218,6 +228,7 @@ class SwarmNode:
         dht = DHTNode(host=host, initial_peers=self.initial_peers, config=self.dht_config,
                       client_mode=self.client_mode or reach.nated, id_proof_path=self.id_proof_path)  # fmt: skip
         await dht.start()
+        claimer = await self._claim_chunks(dht)
         book = ProgressBook(dht, config.run_id, config.publish_interval)
         averager = Averager(dht, host, config.run_id, config.averaging_config(self.client_mode, self._settings_digest),
                             reach=reach.reach, relayed_may_own=lambda: _relayed_may_own(book))  # fmt: skip
@@ -247,6 +258,8 @@ class SwarmNode:
             await keeper.close()
             await lineage.close()
             averager.close()
+            if claimer is not None:  # releases our claims while the DHT is still up
+                await claimer.close()
             await dht.close()
             self.events.emit("exit", outer_step=self.diloco.outer_step, reason=reason)
 
@@ -290,6 +303,16 @@ class SwarmNode:
             except ValueError as e:  # an optimisation lost, never a reason not to resume
                 logger.warning("starting without the checkpoint's error-feedback residual: %s", e)
         return True
+
+    async def _claim_chunks(self, dht: DHTNode) -> ChunkClaimer | None:
+        """Prepared data: claim chunks in the DHT, from the position kept in --checkpoint-dir."""
+        if self._cursor is None:
+            return None
+        folder = self.config.checkpoint_dir
+        position = Path(folder) / "data-position.json" if folder else None
+        claimer = ChunkClaimer(dht, self.config.run_id, self._cursor, ClaimerConfig(position=position))
+        await claimer.start()
+        return claimer
 
     async def _check_reachability(self, host: P2PHost) -> bool:
         """False when a helper could not dial us back (None, nobody answered, counts as reachable)."""

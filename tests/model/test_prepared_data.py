@@ -126,6 +126,9 @@ def test_nodes_train_on_prepared_data_and_a_node_of_other_tokens_is_refused(
     assert loaded is not None and loaded[0].run.data == digest_a and loaded[0].run.settings["data"] == digest_a
     vocab = dataclasses.asdict(load_tokenizer(str(folders["a"].parent / "tok-a.json")).info)["vocab_size"]
     assert loaded[0].run.model_config["vocab_size"] == vocab
+    # the node read the chunks it claimed in the DHT, and its position in them is in its checkpoint folder
+    position = json.loads((tmp_path / "ckpt" / "data-position.json").read_text())
+    assert position["data"] == digest_a and (position["current"] is not None or position["last"] is not None)
     losses = [e["train_loss"] for e in swarm.events("a", "outer_step") if e.get("train_loss") is not None]
     assert losses and all(np.isfinite(losses))
     # the way out: the run's model, with the dataset's end-of-text id for generate()

@@ -1,0 +1,212 @@
+"""ChunkCursor: a node's position in the data, shared by its training thread and its claimer.
+
+    cursor = ChunkCursor(plan, train_tokens, seq_len=256)
+    inputs, targets = cursor.next_batch(batch_size=8, timeout=120)   # the training thread
+    cursor.offer(epoch, chunk, at)                                   # the claimer: a chunk won
+
+The training thread reads its chunk's rows in order (row r: tokens start + r*seq_len ..
+start + (r+1)*seq_len, seq_len + 1 of them); a batch that empties a chunk goes on in the next
+one the claimer offered. A chunk is done when its last row is handed out; the cursor then asks
+the claimer (`on_need`) for another. The position (epoch, done chunks, the chunk under way and
+the tokens read of it) is a small JSON value (`position`/`restore`) that the claimer keeps in
+the checkpoint folder, so a restarted node continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from swarm.data.chunks import ChunkPlan, pack_done, unpack_done
+
+logger = logging.getLogger(__name__)
+POSITION_FORMAT = "swarm-data-position/1"
+MAX_FINISHED = 1 << 16  # the chunks this process finished, newest last (tests and logs read them)
+
+
+class Windows(Protocol):
+    def windows(self, starts: torch.Tensor, length: int) -> torch.Tensor: ...
+
+
+class DataStall(RuntimeError):
+    """No chunk reached the training thread in time (the claimer failed or the DHT is stuck)."""
+
+
+class CursorClosed(RuntimeError):
+    """The node is closing: no more batches."""
+
+
+class ChunkCursor:
+    """The position in the data (one lock; the training thread reads, the claimer offers)."""
+
+    def __init__(self, plan: ChunkPlan, train: Windows, *, seq_len: int, name: str = "") -> None:
+        if seq_len <= 0:
+            raise ValueError("seq_len must be positive")
+        self.plan, self.train, self.seq_len, self.name = plan, train, seq_len, name
+        self._cond = threading.Condition()
+        self.epoch = 0
+        self.done = np.zeros(plan.n, dtype=bool)  # our own trained chunks of `epoch`
+        self.seen = np.zeros(plan.n, dtype=bool)  # peers' done chunks of `epoch` we read
+        self.previous: np.ndarray | None = None  # our done chunks of the epoch before
+        self.current: tuple[int, int, float] | None = None  # (chunk, next row, claimed at)
+        self.queue: list[tuple[int, float]] = []  # chunks won, not started
+        self.last: int | None = None  # the chunk we finished last in `epoch`
+        self.tokens = 0  # tokens we read in `epoch`
+        self.finished: deque[tuple[int, int]] = deque(maxlen=MAX_FINISHED)  # (epoch, chunk), as done here
+        self.on_need: Callable[[], None] = lambda: None
+        self._closed = False
+
+    def next_batch(self, batch_size: int, timeout: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), int64 [batch_size, seq_len]; DataStall after `timeout` seconds
+        without a chunk to read, CursorClosed once closed."""
+        starts, deadline = [], time.monotonic() + timeout
+        with self._cond:
+            while len(starts) < batch_size:
+                if self._closed:
+                    raise CursorClosed("the node is closing")
+                if self.current is None and not self._start_next():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise DataStall(f"no data chunk to train on within {timeout:.0f}s")
+                    self._cond.wait(left)
+                    continue
+                starts.append(self._take_row())
+        windows = self.train.windows(torch.tensor(starts, dtype=torch.int64), self.seq_len + 1)
+        return windows[:, :-1], windows[:, 1:]
+
+    def _start_next(self) -> bool:
+        while self.queue:
+            chunk, at = self.queue.pop(0)
+            if not self.done[chunk] and self.plan.rows(chunk, self.seq_len) > 0:
+                self.current = (chunk, 0, at)
+                return True
+            self._finish(chunk)  # too short for one row: done without a read
+        self.on_need()
+        return False
+
+    def _take_row(self) -> int:
+        assert self.current is not None
+        chunk, row, at = self.current
+        self.tokens += self.seq_len
+        self.current = (chunk, row + 1, at)
+        if row + 1 >= self.plan.rows(chunk, self.seq_len):
+            self._finish(chunk)
+        return self.plan.starts[chunk] + row * self.seq_len
+
+    def _finish(self, chunk: int) -> None:
+        self.done[chunk], self.last = True, chunk
+        self.finished.append((self.epoch, chunk))
+        logger.debug("data: chunk %d of epoch %d done", chunk, self.epoch)
+        if self.current is not None and self.current[0] == chunk:
+            self.current = None
+        self.on_need()
+
+    # --- the claimer's side -------------------------------------------------------------------
+
+    def held(self) -> tuple[tuple[int, float], ...]:
+        """Our live claims: the chunk under way and those queued."""
+        with self._cond:
+            now = [(self.current[0], self.current[2])] if self.current is not None else []
+            return tuple(now + self.queue)
+
+    def wants(self, room: int) -> bool:
+        with self._cond:
+            return (self.current is not None) + len(self.queue) < room
+
+    def offer(self, epoch: int, chunk: int, at: float) -> None:
+        """A chunk we won; in a later epoch only once we hold nothing of ours (claimer's rule)."""
+        with self._cond:
+            if epoch != self.epoch and not self._advance(epoch):
+                return
+            self.queue.append((chunk, at))
+            self._cond.notify_all()
+
+    def advance(self, epoch: int) -> bool:
+        """Begin `epoch` (every chunk of ours done, none held); False when that is not so."""
+        with self._cond:
+            return self._advance(epoch)
+
+    def _advance(self, epoch: int) -> bool:
+        if self.current is not None or self.queue or epoch <= self.epoch:
+            return False
+        self.previous, self.epoch, self.last, self.tokens = self.done, epoch, None, 0
+        self.done, self.seen = np.zeros_like(self.done), np.zeros_like(self.seen)
+        return True
+
+    def drop(self, chunks: frozenset[int]) -> None:
+        """Claims a peer won: never start them (the one under way stops at its next row)."""
+        with self._cond:
+            self.queue = [(c, a) for c, a in self.queue if c not in chunks]
+            if self.current is not None and self.current[0] in chunks:
+                self.current = None
+
+    def merge_seen(self, epoch: int, done: np.ndarray) -> None:
+        with self._cond:
+            if epoch == self.epoch:
+                self.seen |= done
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # --- persistence ----------------------------------------------------------------------------
+
+    def position(self) -> dict[str, Any]:
+        with self._cond:
+            current = [self.current[0], self.current[1] * self.seq_len] if self.current is not None else None
+            return {"format": POSITION_FORMAT, "data": self.name, "n": self.plan.n, "epoch": self.epoch,
+                    "current": current, "queue": [c for c, _ in self.queue], "tokens": self.tokens,
+                    "last": self.last, "done": _b64(self.done), "seen": _b64(self.seen),
+                    "previous": None if self.previous is None else _b64(self.previous)}  # fmt: skip
+
+    def restore(self, value: Any, now: float) -> bool:
+        """Continue from a saved position (claims renewed at `now`); False when it is not ours."""
+        if not isinstance(value, dict) or value.get("format") != POSITION_FORMAT:
+            return False
+        if value.get("data") != self.name or value.get("n") != self.plan.n:
+            return False
+        done, seen = _unb64(value.get("done"), self.plan.n), _unb64(value.get("seen"), self.plan.n)
+        epoch, current, queue = value.get("epoch"), value.get("current"), value.get("queue")
+        if done is None or seen is None or not isinstance(epoch, int) or not isinstance(queue, list):
+            return False
+        chunks = [c for c in queue if isinstance(c, int) and 0 <= c < self.plan.n]
+        with self._cond:
+            self.epoch, self.done, self.seen = epoch, done, seen
+            self.previous = _unb64(value.get("previous"), self.plan.n)
+            self.tokens = value.get("tokens") if isinstance(value.get("tokens"), int) else 0
+            last = value.get("last")
+            self.last = last if isinstance(last, int) and 0 <= last < self.plan.n else None
+            self.current = None
+            if isinstance(current, list) and len(current) == 2 and all(isinstance(x, int) for x in current):
+                chunk, offset = current
+                if (
+                    0 <= chunk < self.plan.n
+                    and 0 <= offset // self.seq_len < self.plan.rows(chunk, self.seq_len)
+                    and not done[chunk]
+                ):
+                    self.current = (chunk, offset // self.seq_len, now)
+            self.queue = [(c, now) for c in chunks if not done[c]]
+            self._cond.notify_all()
+        return True
+
+
+def _b64(bits: np.ndarray) -> str:
+    return base64.b64encode(pack_done(bits)).decode()
+
+
+def _unb64(text: Any, n: int) -> np.ndarray | None:
+    if not isinstance(text, str) or len(text) > n + 256:
+        return None
+    try:
+        return unpack_done(base64.b64decode(text, validate=True), n)
+    except ValueError:
+        return None
