@@ -155,6 +155,8 @@ ATTACKS = [
     pytest.param(3, 0, zero_state, id="3 ids, zero state at the honest step"),
     pytest.param(3, 1, zero_state, id="3 ids, zero state one step ahead"),
     pytest.param(4, 0, scaled_state, id="4 ids, the honest state with a tensor x1.5"),
+    pytest.param(8, 0, zero_state, id="8 ids, more than the honest nodes twice over, at the honest step"),
+    pytest.param(2, 1, zero_state, id="2 ids one step ahead (fewer than the honest nodes)"),
 ]
 
 
