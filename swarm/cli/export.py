@@ -1,6 +1,6 @@
 """swarm-export: a run's checkpoint as a Hugging Face model folder (swarm/model/export.py).
 
-    swarm-export --checkpoint-dir ckpt --out my-model [--dtype bfloat16] [--eos-id 0] [--force]
+    swarm-export --checkpoint-dir ckpt --out my-model [--dtype bfloat16] [--eos-id 0] [--tokenizer tok.json] [--force]
     python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('my-model')"
 
 Exit status: 0 when the folder is written; 2 for a bad command line or input (no checkpoint, a
@@ -32,13 +32,16 @@ class InputError(CliError):
 @click.option("--bos-id", type=click.IntRange(0), default=None, help="The data's begin-of-text token id, if any.")
 @click.option("--eos-id", type=click.IntRange(0), default=None,
               help="The data's end-of-text token id (a prepared dataset's manifest has it): generate() stops there.")
+@click.option("--tokenizer", default=None,
+              help="The run's tokenizer (the tokenizer.json or name swarm-data prepare was given), for AutoTokenizer.")
 @click.option("--force", is_flag=True, help="Write into an --out folder that is not empty.")
-def main(checkpoint_dir: Path, out: Path, dtype: str, bos_id: int | None, eos_id: int | None, force: bool) -> None:
+def main(checkpoint_dir: Path, out: Path, dtype: str, bos_id: int | None, eos_id: int | None, tokenizer: str | None,
+         force: bool) -> None:  # fmt: skip
     """Write the newest checkpoint's θ_outer as a transformers LlamaForCausalLM folder."""
     from swarm.model.export import ExportError, ExportOptions, export_checkpoint  # torch: after parsing
 
     try:
-        options = ExportOptions(dtype=dtype, force=force, bos_token_id=bos_id, eos_token_id=eos_id)
+        options = ExportOptions(dtype=dtype, force=force, bos_token_id=bos_id, eos_token_id=eos_id, tokenizer=tokenizer)
         result = export_checkpoint(checkpoint_dir, out, options)
     except ExportError as e:
         raise InputError(str(e)) from None

@@ -16,7 +16,9 @@ fp32 (we compute them in fp64, then round), and HF extends them past `max_seq_le
 model refuses a longer sequence; `max_position_embeddings` records our limit.
 
 What is written: `config.json`, `model.safetensors` (one file, metadata format "pt", as
-`save_pretrained` writes it) and, when the token ids of the data are given, `generation_config.json`.
+`save_pretrained` writes it), `README.md` (what the weights and the token ids are), when the
+token ids of the data are given `generation_config.json`, and with a tokenizer its files
+(export_tokenizer.py; AutoTokenizer loads them).
 Only θ_outer is exported: the outer momentum is training state, not the model. A node's own
 model (`swarm.join`, model "custom") has no known architecture and is refused.
 
@@ -41,13 +43,15 @@ from safetensors.torch import save_file
 from swarm.model.checkpoint import CheckpointError, RunInfo
 from swarm.model.checkpoint_dir import CheckpointDir
 from swarm.model.configs import ModelConfig
+from swarm.model.export_tokenizer import TOKENIZER_FILES, TokenizerExportError, readme, write_tokenizer
 from swarm.model.llama import build_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-WRITTEN = ("config.json", "model.safetensors", "generation_config.json")
+WRITTEN = ("config.json", "model.safetensors", "generation_config.json", "README.md", *TOKENIZER_FILES)
 # weight files another export (or `save_pretrained`) may have left: transformers would prefer or
 # mix them with ours, so an export over an existing folder (--force) removes them
-STALE = ("model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json", "generation_config.json")
+STALE = ("model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json", "generation_config.json",
+         *TOKENIZER_FILES)  # fmt: skip
 MAX_TOKEN_ID = (1 << 31) - 1
 
 # our parameter name -> Hugging Face's, per block; the model-level names are below
@@ -75,7 +79,8 @@ class ExportOptions:
     dtype: str = "float32"  # of the exported weights (θ_outer is fp32): a key of DTYPES
     force: bool = False  # write into an output folder that is not empty
     bos_token_id: int | None = None  # the data's token ids, for generate(); None: unknown
-    eos_token_id: int | None = None
+    eos_token_id: int | None = None  # None: the tokenizer's end-of-text id, when one is exported
+    tokenizer: str | None = None  # the run's tokenizer.json or Hugging Face name (export_tokenizer.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -207,6 +212,15 @@ def export_checkpoint(checkpoint_dir: Path, out: Path, options: ExportOptions) -
     out.mkdir(parents=True, exist_ok=True)
     for stale in STALE:
         (out / stale).unlink(missing_ok=True)
+    tokenizer = None
+    if options.tokenizer is not None:
+        try:
+            tokenizer = write_tokenizer(options.tokenizer, out, vocab_size=config.vocab_size)
+        except TokenizerExportError as e:
+            raise ExportError(str(e)) from None
+        if options.eos_token_id is None:
+            options = dataclasses.replace(options, eos_token_id=tokenizer.eos_id)
+    _write_atomic(out / "README.md", lambda path: path.write_text(readme(manifest.run, manifest.step, tokenizer)))
     _write_atomic(out / "model.safetensors", lambda path: save_file(tensors, path, metadata=metadata))
     _write_atomic(out / "config.json", _json(hf_config(config, options)))
     generation = generation_config(options)

@@ -184,3 +184,37 @@ def test_bad_inputs_end_with_one_line_and_exit_2(tmp_path: Path) -> None:
     data[-1] ^= 1
     shard.write_bytes(bytes(data))
     assert "SHA-256" in _one_line_exit_2(["--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "o3")])
+
+
+@pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="needs transformers (the hf extra)")
+def test_the_runs_tokenizer_is_exported_for_autotokenizer_and_a_byte_run_says_so(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from tests.model.token_corpus import train_tokenizer
+
+    docs = [f"the swarm trains model number {i} on text" for i in range(200)]
+    tok_path = train_tokenizer(docs, tmp_path / "tok.json", vocab_size=300)
+    import tokenizers
+
+    ours = tokenizers.Tokenizer.from_file(str(tok_path))
+    vocab = ours.get_vocab_size(with_added_tokens=True)
+    config = dataclasses.replace(CASES["tiny"], vocab_size=vocab)
+    _write_checkpoint(tmp_path / "ckpt", config)
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "hf", ExportOptions(tokenizer=str(tok_path)))
+    loaded = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    text = "the swarm trains model number 7"
+    assert loaded(text)["input_ids"] == ours.encode(text).ids
+    assert loaded.eos_token == "<|endoftext|>" and loaded.eos_token_id == 0
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == 0
+    assert "`AutoTokenizer.from_pretrained` loads it" in (tmp_path / "hf" / "README.md").read_text()
+    # a tokenizer of another size is not the run's: refused in one line
+    other = train_tokenizer(docs, tmp_path / "other.json", vocab_size=280)
+    with pytest.raises(ExportError, match="not the run's tokenizer"):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "hf2", ExportOptions(tokenizer=str(other)))
+    # a byte-level run: no tokenizer files, and the README says the ids are bytes
+    _write_checkpoint(tmp_path / "bytes", CASES["tiny"])
+    run = CheckpointDir(tmp_path / "bytes").load_latest()
+    assert run is not None and run[0].run.data == "stdlib"
+    export_checkpoint(tmp_path / "bytes", tmp_path / "hf-bytes", ExportOptions())
+    assert not (tmp_path / "hf-bytes" / "tokenizer.json").exists()
+    assert "token id i is the byte i (0..255)" in (tmp_path / "hf-bytes" / "README.md").read_text()
