@@ -16,6 +16,7 @@ other as `scripts.<folder>.<name>` and the `swarm` beside them:
     python -m scripts.bench.diloco       # swarm-node DiLoCo runs against data parallelism
     python -m scripts.bench.robust       # training with one attacker (scripts.tools.attacks)
     python -m scripts.bench.lineage      # what round receipts cost: bytes and verification time
+    python -m scripts.bench.data         # data: prepare and loader throughput, chunk-claim latency
     python -m scripts.experiments.diloco_sweep     # DiLoCo hyperparameters, simulated in one process
     python -m scripts.experiments.overlap_sweep    # an overlapped outer step's cost in loss, simulated
     python -m scripts.experiments.gpu_check        # a GPU machine checked in one command (one JSON line)
