@@ -2,7 +2,7 @@
 
     llama.py    ModelConfig, Llama, build_model (weights a pure function of the seed), count_parameters
     presets.py  PRESETS / preset(): tiny, small, 150m, 1b
-    data.py     stdlib_corpus / hf_corpus / prepared_corpus / load_data -> TokenData; node_generator,
+    data.py     stdlib_corpus / prepared_corpus / load_data (hf: through hf_source.py) -> TokenData; node_generator,
                 sample_batch, eval_windows
     loss.py     lm_loss, eval_loss, autocast_for
     diloco.py   DiLoCoConfig, DiLoCo (inner AdamW; pseudo_gradients / apply_outer)

@@ -17,10 +17,14 @@ memory), its eval split as a tensor. Its name is `tokens:<the manifest's digest>
 run setting `data` of a node that trains on it: nodes whose folders hold other tokens are refused
 by the run's settings check, whatever their folders are called.
 
+A Hugging Face dataset (`hf:<dataset>[:<config>]` with a tokenizer) is prepared once into a
+local cache by prepare's code (hf_source.py) and read as a prepared folder: the same shards,
+memmaps and chunk claims, never a Python list of tokens.
+
 Failure modes: nodes on different Python versions read different corpora (and so different eval
 sets); compare `TokenData.fingerprint` before comparing eval losses across nodes. A Hugging Face
-dataset (`hf_corpus`) needs the `datasets` and `transformers` packages and the network;
-without them it raises DataUnavailableError with the fix. A prepared folder's shards are all
+dataset needs the `datasets` package (and the network, or a local folder of
+`Dataset.save_to_disk`); without it DataUnavailableError says the fix. A prepared folder's shards are all
 hashed when it is opened (about a second per GB): a damaged shard is refused, never trained on.
 """
 
@@ -36,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from swarm.model.hf_source import HFSource, prepare_hf
 from swarm.model.tokens import PREPARED_PREFIX, TokensError, is_prepared_folder, open_split, read_manifest, verify
 from swarm_kernels import as_memoryview
 
@@ -142,38 +147,6 @@ def _token_data(name: str, train: torch.Tensor, eval_: torch.Tensor, vocab_size:
     return TokenData(name, train, eval_, vocab_size, digest.hexdigest())
 
 
-def hf_corpus(
-    dataset: str,
-    tokenizer: str,
-    *,
-    config: str | None = None,
-    split: str = "train",
-    text_field: str = "text",
-    max_tokens: int = 50_000_000,
-) -> TokenData:
-    """Up to `max_tokens` tokens of a Hugging Face dataset (streamed, in its own order), each
-    document followed by the tokenizer's EOS, split like the stdlib corpus (`split_tokens`)."""
-    try:
-        import datasets  # optional (a future `hf` extra), so imported only here
-        import transformers
-    except ImportError as e:
-        raise DataUnavailableError(
-            f"--data hf:{dataset} needs the Hugging Face packages: pip install datasets transformers ({e})"
-        ) from e
-    try:
-        tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
-        stream = datasets.load_dataset(dataset, config, split=split, streaming=True)
-        ids: list[int] = []
-        for row in stream:
-            ids += [*tok(row[text_field])["input_ids"], tok.eos_token_id or 0]
-            if len(ids) >= max_tokens:
-                break
-    except Exception as e:  # hub unreachable, unknown dataset, missing field: all the same to a user
-        raise DataUnavailableError(f"cannot load dataset {dataset!r} with tokenizer {tokenizer!r}: {e}") from e
-    tokens = torch.tensor(ids[:max_tokens], dtype=torch.int32)
-    return _token_data(f"hf:{dataset}", *split_tokens(tokens), len(tok))
-
-
 def prepared_corpus(folder: Path, *, verify_hashes: bool = True) -> TokenData:
     """A `swarm-data prepare` folder: train as memmapped shards, eval as a tensor (module
     docstring). Raises DataUnavailableError naming the file and what is wrong."""
@@ -189,15 +162,20 @@ def prepared_corpus(folder: Path, *, verify_hashes: bool = True) -> TokenData:
 
 
 def load_data(spec: str, *, tokenizer: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> TokenData:
-    """`--data`: "stdlib" (the default corpus), "hf:<dataset>[:<config>]" with a tokenizer, or
-    the path of a folder that `swarm-data prepare` wrote."""
+    """`--data`: "stdlib" (the default corpus), "hf:<dataset>[:<config>]" with a tokenizer (a
+    tokenizer.json or Hugging Face name; prepared into a local cache), or the path of a folder
+    that `swarm-data prepare` wrote."""
     if spec == "stdlib":
         return stdlib_corpus(max_bytes)
     if spec.startswith("hf:") and len(spec) > 3:
         if not tokenizer:
-            raise DataUnavailableError(f"--data {spec} needs a tokenizer name (a Hugging Face model id)")
+            raise DataUnavailableError(f"--data {spec} needs --tokenizer (a tokenizer.json or a Hugging Face name)")
         dataset, _, config = spec[3:].partition(":")
-        return hf_corpus(dataset, tokenizer, config=config or None)
+        try:  # prepared once into a local cache (hf_source.py), then read as a prepared folder
+            folder = prepare_hf(HFSource(dataset=dataset, config=config or None), tokenizer)
+        except TokensError as e:
+            raise DataUnavailableError(f"--data {spec}: {e}") from None
+        return prepared_corpus(folder)
     if spec.startswith(PREPARED_PREFIX):  # a run's setting, adopted by a node that was given no --data
         raise DataUnavailableError(f"this run trains on the prepared dataset {spec[:len(PREPARED_PREFIX) + 16]}...: "
                                    "pass --data DIR, a folder of `swarm-data prepare` whose digest "
