@@ -100,16 +100,22 @@ def check_addrs(raw: Any, allowed: TcpAddress | None) -> list[TcpAddress]:
         raise BadRequest(f"punch: 'addrs' must list 1 to {MAX_ADDRS} multiaddrs")
     out = []
     for text in raw:
-        try:
-            addr = parse_maddr(text) if isinstance(text, str) else None
-        except MultiaddrError:
-            addr = None
-        if addr is None or addr.host_protocol not in ("ip4", "ip6") or addr.peer_id is not None:
+        addr = _plain_address(text)
+        if addr is None or addr.host_protocol not in ("ip4", "ip6"):
             raise BadRequest("punch: each address must be /ip4 or /ip6 HOST/tcp/PORT")
         if addr.host != allowed.host:
             raise BadRequest(f"punch: {addr} is outside the address the relay observed ({allowed.host})")
         out.append(addr)
     return out
+
+
+def _plain_address(text: Any) -> TcpAddress | None:
+    """A peer's /ipX/HOST/tcp/PORT with no /p2p/ part, or None when `text` is not one."""
+    try:
+        addr = parse_maddr(text) if isinstance(text, str) else None
+    except MultiaddrError:
+        return None
+    return addr if addr is not None and addr.peer_id is None else None
 
 
 def one_nat(ours: TcpAddress | None, theirs: TcpAddress | None) -> bool:
@@ -134,11 +140,8 @@ def check_lan(raw: Any, ours: TcpAddress | None, theirs: TcpAddress | None) -> l
         raise BadRequest(f"punch: 'lan' must list at most {MAX_ADDRS} multiaddrs")
     out = []
     for text in raw:
-        try:
-            addr = parse_maddr(text) if isinstance(text, str) else None
-        except MultiaddrError:
-            addr = None
-        if addr is None or addr.host_protocol != "ip4" or addr.peer_id is not None or not _lan_ip(addr.host):
+        addr = _plain_address(text)
+        if addr is None or addr.host_protocol != "ip4" or not _lan_ip(addr.host):
             raise BadRequest("punch: each LAN address must be /ip4/PRIVATE-HOST/tcp/PORT")
         out.append(addr)
     return out
