@@ -30,7 +30,7 @@ import dataclasses
 import ipaddress
 import re
 
-from swarm.netlab.plan import ENDPOINT_IF, IFNAMSIZ, Command, Endpoint, plan_endpoint
+from swarm.netlab.plan import ENDPOINT_IF, IFNAMSIZ, Command, Endpoint, namespace_on_bridge, plan_endpoint
 from swarm.netlab.rates import Rate
 
 NAT_KINDS = ("cone", "symmetric")
@@ -116,13 +116,7 @@ def plan_behind(lab: str, home: Home, host_index: int, name: str) -> tuple[Endpo
     ns, router = f"{lab}-{name}", home.netns
     host = Endpoint(name=name, index=host_index, netns=ns, address=address, rate=home.router.rate, port=port)
     commands = (
-        ("ip", "netns", "add", ns),
-        ("ip", "-n", ns, "link", "set", "lo", "up"),
-        ("ip", "-n", router, "link", "add", "name", port, "type", "veth", "peer", "name", ENDPOINT_IF, "netns", ns),
-        ("ip", "-n", router, "link", "set", port, "master", LAN_BRIDGE),
-        ("ip", "-n", router, "link", "set", port, "up"),
-        ("ip", "-n", ns, "addr", "add", f"{address}/{lan.prefixlen}", "dev", ENDPOINT_IF),
-        ("ip", "-n", ns, "link", "set", ENDPOINT_IF, "up"),
+        *namespace_on_bridge(ns, router, LAN_BRIDGE, port, f"{address}/{lan.prefixlen}"),
         ("ip", "-n", ns, "route", "add", "default", "via", home.gateway),
     )
     return host, commands

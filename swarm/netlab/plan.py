@@ -115,17 +115,25 @@ def plan_endpoint(lab: str, index: int, name: str, rate: Rate) -> tuple[Endpoint
     )
     ns, port = endpoint.netns, endpoint.port
     commands = (
-        ("ip", "netns", "add", ns),
-        ("ip", "-n", ns, "link", "set", "lo", "up"),
-        ("ip", "-n", lab, "link", "add", "name", port, "type", "veth", "peer", "name", ENDPOINT_IF, "netns", ns),
-        ("ip", "-n", lab, "link", "set", port, "master", BRIDGE),
-        ("ip", "-n", lab, "link", "set", port, "up"),
-        ("ip", "-n", ns, "addr", "add", f"{endpoint.address}/{NETWORK.prefixlen}", "dev", ENDPOINT_IF),
-        ("ip", "-n", ns, "link", "set", ENDPOINT_IF, "up"),
+        *namespace_on_bridge(ns, lab, BRIDGE, port, f"{endpoint.address}/{NETWORK.prefixlen}"),
         shape(ns, ENDPOINT_IF, rate),  # what it sends
         shape(lab, port, rate),  # what it receives: the bridge sends it out through this port
     )
     return endpoint, commands
+
+
+def namespace_on_bridge(ns: str, bridge_ns: str, bridge: str, port: str, cidr: str) -> tuple[Command, ...]:
+    """A new namespace `ns` whose ENDPOINT_IF, at `cidr`, is the far end of a veth whose near end
+    `port` is a port of `bridge` in namespace `bridge_ns`."""
+    return (
+        ("ip", "netns", "add", ns),
+        ("ip", "-n", ns, "link", "set", "lo", "up"),
+        ("ip", "-n", bridge_ns, "link", "add", "name", port, "type", "veth", "peer", "name", ENDPOINT_IF, "netns", ns),
+        ("ip", "-n", bridge_ns, "link", "set", port, "master", bridge),
+        ("ip", "-n", bridge_ns, "link", "set", port, "up"),
+        ("ip", "-n", ns, "addr", "add", cidr, "dev", ENDPOINT_IF),
+        ("ip", "-n", ns, "link", "set", ENDPOINT_IF, "up"),
+    )
 
 
 def shape(netns: str, device: str, rate: Rate) -> Command:
