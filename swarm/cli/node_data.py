@@ -24,22 +24,27 @@ def refuse_with_ranks(config: NodeConfig, several_ranks: bool) -> None:
     """Before anything slow: the ranks of a node load their data by its setting, not a folder."""
     if not several_ranks:
         return
+    from swarm.model.remote_tokens import is_remote
     from swarm.model.tokens import is_prepared_folder  # numpy: not for a plain node's flag errors
 
-    if is_prepared_folder(config.data):
-        raise click.UsageError("--data DIR (a prepared folder) is not yet supported with --nproc-per-node")
+    if is_prepared_folder(config.data) or is_remote(config.data):
+        raise click.UsageError("--data DIR or URL (a prepared folder) is not yet supported with --nproc-per-node")
 
 
 def open_prepared(config: NodeConfig) -> tuple[NodeConfig, TokenData | None]:
-    """(config with data = tokens:<digest>, the data) for a prepared folder; (config, None) else."""
+    """(config with data = tokens:<digest>, the data) for a prepared folder, local or at an
+    http(s) URL (fetched and verified into the cache first); (config, None) else."""
     from swarm.model.data import DataUnavailableError, prepared_corpus
-    from swarm.model.tokens import is_prepared_folder
+    from swarm.model.remote_tokens import fetch_prepared, is_remote
+    from swarm.model.tokens import TokensError, is_prepared_folder
 
-    if not is_prepared_folder(config.data):
+    remote = is_remote(config.data)
+    if not remote and not is_prepared_folder(config.data):
         return config, None
-
     try:
-        data = prepared_corpus(Path(config.data))
+        data = prepared_corpus(fetch_prepared(config.data) if remote else Path(config.data))
+    except TokensError as e:
+        raise CliError(f"--data {config.data}: {e}") from None
     except DataUnavailableError as e:
         raise CliError(str(e)) from None
     if len(data.train) <= config.seq_len + 1 or len(data.eval) < config.seq_len + 1:

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from swarm.model.hf_source import HFSource, prepare_hf
+from swarm.model.remote_tokens import fetch_prepared, is_remote
 from swarm.model.tokens import PREPARED_PREFIX, TokensError, is_prepared_folder, open_split, read_manifest, verify
 from swarm_kernels import as_memoryview
 
@@ -182,6 +183,11 @@ def load_data(spec: str, *, tokenizer: str | None = None, max_bytes: int = DEFAU
                                    "(swarm-data info DIR) is that one")  # fmt: skip
     if is_prepared_folder(spec):
         return prepared_corpus(Path(spec))
+    if is_remote(spec):  # a prepared folder served over http(s): fetched and verified into the cache
+        try:
+            return prepared_corpus(fetch_prepared(spec))
+        except TokensError as e:
+            raise DataUnavailableError(f"--data {spec}: {e}") from None
     raise ValueError(f"unknown data {spec!r}: use 'stdlib', 'hf:<dataset>[:<config>]' or a prepared folder")
 
 
