@@ -52,7 +52,8 @@ def inspect(run_id: str | None, serve_port: int | None, serve_host: str, opts: C
         return serve_dashboard(run_id, opts, serve_host, serve_port)
     if run_id is None:
         return _list_runs(opts)
-    keys = {"nodes": run_keys.nodes_key(run_id), "state": run_keys.state_key(run_id)}
+    keys = {"nodes": run_keys.nodes_key(run_id), "state": run_keys.state_key(run_id),
+            "chunks": run_keys.chunks_key(run_id)}  # fmt: skip
 
     async def op(node: DHTNode) -> list[ValueWithExpiration | None]:
         results = await asyncio.gather(*(node.lookup_value(k, latest=True) for k in keys.values()))
@@ -63,7 +64,8 @@ def inspect(run_id: str | None, serve_port: int | None, serve_host: str, opts: C
         return [user_value(r.records(k, now)) for r, k in zip(results, keys.values(), strict=True)]
 
     found = dict(zip(keys, with_client(opts, op), strict=True))
-    sections = {name: run_entries(value) for name, value in found.items()}
+    sections = {name: run_entries(value) for name, value in found.items() if name != "chunks"}
+    data = _data_progress(found["chunks"])
     if not any(sections.values()):
         raise CliError(f"run {run_id!r} publishes nothing: no records under {' or '.join(keys.values())}")
     if opts.as_json:
@@ -71,7 +73,7 @@ def inspect(run_id: str | None, serve_port: int | None, serve_host: str, opts: C
             name: [{**e, "value": jsonable(e["value"]), "subkey": jsonable(e["subkey"])} for e in es]
             for name, es in sections.items()
         }
-        echo_json({"run_id": run_id, "keys": keys, **out})
+        echo_json({"run_id": run_id, "keys": keys, **out, "data": data})
         return
     shown = {"nodes": ("step", "inner", "train_loss", "eval_loss", "tokens_per_s", "group_size", "client", "reach"),
              "state": ("step", "manifest")}  # fmt: skip
@@ -92,6 +94,20 @@ def inspect(run_id: str | None, serve_port: int | None, serve_host: str, opts: C
                 cell(other if other else ""),
             )
         print_table(table)
+    if data is not None:
+        click.echo(f"data: epoch {data['epoch']}, {data['chunks_done']:,} of {data['chunks']:,} chunks done "
+                   f"({data['chunks_done'] / data['chunks']:.1%}), {data['tokens']:,} tokens this epoch; "
+                   f"{data['claiming']} of {data['nodes']} nodes claiming")  # fmt: skip
+
+
+def _data_progress(found: ValueWithExpiration | None) -> dict[str, int] | None:
+    """The swarm's way through a prepared dataset (data/claims.py), from `<run>/chunks`."""
+    from swarm.data.claims import swarm_progress  # numpy: only for a run's view
+
+    if found is None or not isinstance(found.value, dict):
+        return None
+    entries = [(subkey, getattr(entry, "value", None)) for subkey, entry in found.value.items()]
+    return swarm_progress(entries, time.time())
 
 
 MAX_RUNS_LISTED = 100  # rows of `swarm-dht inspect` without --run-id (the most listed runs)

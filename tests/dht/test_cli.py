@@ -230,7 +230,9 @@ def test_inspect_shows_the_nodes_and_state_holders_of_a_run(lone_node: dict[str,
         ["inspect", "--run-id", f"{run}-never", "--initial-peers", maddr],
     )
     seen = parsed(seen)
-    assert seen["run_id"] == run and seen["keys"] == {"nodes": f"{run}/nodes", "state": f"{run}/state"}
+    assert seen["run_id"] == run
+    assert seen["keys"] == {"nodes": f"{run}/nodes", "state": f"{run}/state", "chunks": f"{run}/chunks"}
+    assert seen["data"] is None  # no chunk claims: a run on the built-in data
     by_peer = {e["peer_id"]: e for e in seen["nodes"]}
     assert set(by_peer) == {str(alice.peer_id), str(bob.peer_id)}
     assert by_peer[str(alice.peer_id)]["value"] == record
