@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,6 +84,7 @@ class ChunkClaimer:
         self._unconfirmed: frozenset[int] = frozenset()  # restored claims, checked at the first cycle
         self._tentative: list[tuple[int, int, float]] = []  # contested claims the tie-break gave us
         self._lapses_at = math.inf  # when the live claims of our last stored record lapse
+        self._save_lock = threading.Lock()
         self._wake = asyncio.Event()
         self._task: Supervised | None = None
 
@@ -223,7 +225,12 @@ class ChunkClaimer:
 
     async def _save(self) -> None:
         if self.config.position is not None:
-            await asyncio.to_thread(_write_json, self.config.position, self.cursor.position())
+            await asyncio.to_thread(self._write_position, self.config.position, self.cursor.position())
+
+    def _write_position(self, path: Path, value: Any) -> None:
+        # one writer at a time: a cycle cancelled by close() leaves its write running in its thread
+        with self._save_lock:
+            _write_json(path, value)
 
     async def _restore(self) -> None:
         path = self.config.position
