@@ -5,6 +5,8 @@ chunk trained (the nodes' logs say so)."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,13 @@ def test_three_nodes_share_the_chunks_and_a_killed_node_resumes(swarm: Swarm, tm
     swarm.wait_for(lambda: "data: resuming at epoch" in swarm.stderr("c-again"), 60, "c to resume its position")
     over = "data: epoch 0 is over (every chunk trained"
     swarm.wait_for(lambda: any(over in swarm.stderr(n) for n in ("a", "b", "c-again")), 200, "the end of epoch 0")
+    # from the logs: every chunk of epoch 0 trained, and twice only where the killed node had
+    # trained it before its done marks reached the DHT
+    done: dict[int, list[str]] = {}
+    for name in ("a", "b", "c", "c-again"):
+        for m in re.finditer(r"data: chunk (\d+) of epoch 0 done", swarm.stderr(name)):
+            done.setdefault(int(m.group(1)), []).append(name)
+    chunks = len(json.loads((tmp_path / "data" / "manifest.json").read_text())["train"])
+    assert set(done) == set(range(chunks)), sorted(set(range(chunks)) - set(done))
+    twice = {c: who for c, who in done.items() if len(who) > 1}
+    assert all("c" in who and len(who) == 2 for who in twice.values()), twice
