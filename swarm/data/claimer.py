@@ -47,6 +47,7 @@ from swarm.utils.supervised import Supervised
 
 logger = logging.getLogger(__name__)
 MAX_POSITION_BYTES = 1 << 20
+POSITION_FILE = "data-position.json"  # in the node's --checkpoint-dir
 CONFIRM_AFTER = 1.0  # seconds before a contested claim that the tie-break gave us is read again
 
 
@@ -244,6 +245,14 @@ class ChunkClaimer:
             logger.info("data: resuming at epoch %d, %d chunks of ours done", self.cursor.epoch, self.cursor.done.sum())
         else:
             logger.warning("data: %s holds the position of other data: starting from scratch", path)
+
+
+async def start_claiming(dht: DHTNode, run_id: str, cursor: ChunkCursor, checkpoint_dir: str | None) -> ChunkClaimer:
+    """A node's claimer, started, its position kept in `checkpoint_dir` (None: not kept)."""
+    position = Path(checkpoint_dir) / POSITION_FILE if checkpoint_dir else None
+    claimer = ChunkClaimer(dht, run_id, cursor, ClaimerConfig(position=position))
+    await claimer.start()
+    return claimer
 
 
 def _read_json(path: Path) -> Any:

@@ -211,3 +211,13 @@ def _unb64(text: Any, n: int) -> np.ndarray | None:
         return unpack_done(base64.b64decode(text, validate=True), n)
     except ValueError:
         return None
+
+
+def cursor_for(train: object, *, seq_len: int, name: str) -> ChunkCursor | None:
+    """The cursor over a prepared folder's train shards (model.data.ShardedTokens), whose chunks
+    the node claims; None for other data (the built-in corpus keeps its random windows)."""
+    from swarm.model.data import ShardedTokens  # torch and the corpus code: only for a node
+
+    if not isinstance(train, ShardedTokens):
+        return None
+    return ChunkCursor(ChunkPlan.of([len(shard) for shard in train.shards]), train, seq_len=seq_len, name=name)

@@ -49,14 +49,13 @@ import torch
 from torch import nn
 
 from swarm.averaging.averager import Averager
-from swarm.data.chunks import ChunkPlan
-from swarm.data.claimer import ChunkClaimer, ClaimerConfig
-from swarm.data.cursor import ChunkCursor
+from swarm.data.claimer import ChunkClaimer, start_claiming
+from swarm.data.cursor import ChunkCursor, cursor_for
 from swarm.dht.config import DHTConfig
 from swarm.dht.node import DHTNode
 from swarm.model.checkpoint import CheckpointError, RunInfo
 from swarm.model.configs import ModelConfig
-from swarm.model.data import ShardedTokens, TokenData, eval_windows, load_data
+from swarm.model.data import TokenData, eval_windows, load_data
 from swarm.model.diloco import DiLoCo, OptimizerFactory, model_fingerprint
 from swarm.model.error_feedback import ErrorFeedback
 from swarm.model.llama import build_model, count_parameters
@@ -161,9 +160,8 @@ class SwarmNode:
             self.settings = training_settings(config)
             eval_set = eval_windows(data.eval, config.seq_len, config.eval_windows)
             self._evaluate = functools.partial(eval_loss, model, eval_set)
-            if isinstance(data.train, ShardedTokens):  # disjoint chunks across the swarm (swarm/data/)
-                plan = ChunkPlan.of([len(shard) for shard in data.train.shards])
-                self._cursor = ChunkCursor(plan, data.train, seq_len=config.seq_len, name=data.name)
+            # prepared data: disjoint chunks across the swarm (swarm/data/)
+            self._cursor = cursor_for(data.train, seq_len=config.seq_len, name=data.name)
         self.inner = UserSteps(self.diloco)  # inner steps run only while the node allows them
         if config.model != CUSTOM_MODEL:
             # DataLoop; a node of several ranks: rank 0's LeaderLoop (swarm/ranks/leader.py)
@@ -308,11 +306,7 @@ class SwarmNode:
         """Prepared data: claim chunks in the DHT, from the position kept in --checkpoint-dir."""
         if self._cursor is None:
             return None
-        folder = self.config.checkpoint_dir
-        position = Path(folder) / "data-position.json" if folder else None
-        claimer = ChunkClaimer(dht, self.config.run_id, self._cursor, ClaimerConfig(position=position))
-        await claimer.start()
-        return claimer
+        return await start_claiming(dht, self.config.run_id, self._cursor, self.config.checkpoint_dir)
 
     async def _check_reachability(self, host: P2PHost) -> bool:
         """False when a helper could not dial us back (None, nobody answered, counts as reachable)."""
