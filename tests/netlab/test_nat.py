@@ -212,6 +212,11 @@ for target in sys.argv[1:]:
     sock.close()
 print(json.dumps(seen), flush=True)
 """
+# tests that build namespaces and start processes in them: the second tier, beside the other
+# multi-process tests (together about 30 s, too much for the unit tier's 2 minutes)
+LAB_TIER = pytest.mark.swarm
+
+
 DIAL = """
 import socket, sys
 try:
@@ -222,6 +227,7 @@ except OSError as e:
 """
 
 
+@LAB_TIER
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("kind", "same_port"), [("cone", True), ("symmetric", False)])
 def test_a_cone_nat_keeps_a_sockets_port_for_every_peer_and_a_symmetric_one_does_not(
@@ -256,6 +262,7 @@ RELAY_RATE = HOME_RATE = parse_rate("100mbit")
 STREAM_BYTES = 32 * 1024 * 1024  # 2.7 s at the relay's rate: the start (slow start, windows opening) is small
 
 
+@LAB_TIER
 @pytest.mark.timeout(90)
 def test_two_hosts_behind_two_cone_nats_meet_only_through_a_relay(run_name: str, children: Children) -> None:
     """Also measures what the circuit carries: a relayed stream must get >= 0.8x the relay's link
@@ -284,6 +291,7 @@ def test_two_hosts_behind_two_cone_nats_meet_only_through_a_relay(run_name: str,
     assert not [ns for ns in lab_module.namespaces() if ns.startswith(lab.name)]
 
 
+@LAB_TIER
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("kinds", "outcome"),
@@ -325,6 +333,7 @@ def test_cone_nats_punch_through_and_a_symmetric_one_stays_relayed(
     assert not [ns for ns in lab_module.namespaces() if ns.startswith(lab.name)]
 
 
+@LAB_TIER
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("delay_ms", [10, 75])
 def test_cone_nats_punch_at_an_rtt_of_20_to_150_ms(run_name: str, children: Children, delay_ms: int) -> None:
