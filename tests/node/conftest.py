@@ -34,10 +34,11 @@ class Swarm:
         self.procs: list[subprocess.Popen[str]] = []
         self.bootstrap: str | None = None
 
-    def start_bootstrap(self) -> str:
+    def start_bootstrap(self, *args: str) -> str:
+        """`swarm-dht serve` (with `args`: e.g. --relay off); its first multiaddr."""
         err = open(self.workdir / "bootstrap.err", "w")  # noqa: SIM115 (the child holds it)
         proc = process_control.start(
-            [console_script("swarm-dht"), "serve", "--json", "--host-maddrs", LOOPBACK],
+            [console_script("swarm-dht"), "serve", "--json", "--host-maddrs", LOOPBACK, *args],
             stdout=subprocess.PIPE, stderr=err, text=True, env=ENV,
         )  # fmt: skip
         self.procs.append(proc)

@@ -265,7 +265,7 @@ def test_unreachable_initial_peers_give_one_line() -> None:
 
 @pytest.mark.timeout(180)
 def test_a_node_nobody_can_reach_runs_in_client_mode(swarm: Swarm) -> None:
-    swarm.start_bootstrap()
+    swarm.start_bootstrap("--relay", "off")  # no relay anywhere: with one, it would be reached through it
     args = ("--run-id", "nat", "--inner-steps", "4", "--max-outer-steps", "5", "--matchmaking-time", "1.5")
     server = swarm.node("server", *args)
     # announces an address where nothing listens: the dial-back fails, as behind a NAT
@@ -285,7 +285,7 @@ def test_a_node_nobody_can_reach_runs_in_client_mode(swarm: Swarm) -> None:
 def test_a_client_that_trained_alone_takes_the_state_of_a_server_that_comes_later(swarm: Swarm) -> None:
     """Nobody can fetch a client's steps: once a server is up (at an earlier step), the client
     takes the server's state and they average together from then on."""
-    swarm.start_bootstrap()
+    swarm.start_bootstrap("--relay", "off")  # no relay anywhere: the unreachable node is a client
     args = ("--run-id", "nat-first", "--inner-steps", "4", "--matchmaking-time", "1.5")
     # many steps, so that a slow server start cannot find the client already done; stopped below
     natted = swarm.node("natted", *args, "--max-outer-steps", "40", "--announce-maddrs", "/ip4/127.0.0.1/tcp/9")
