@@ -108,6 +108,9 @@ class RelayKeeper:
         self.reservation: Reservation | None = None
         self.rtts: dict[str, float] = {}  # the last round trip measured to each candidate, seconds
         self._reserved = asyncio.Event()
+        # set when a whole pass over the candidates ended without a reservation (each refused or
+        # did not answer): waiting for one longer is waiting for nothing
+        self._tried_all = asyncio.Event()
         self._task = Supervised("relay reservation", self._keep)
         self._started = False
 
@@ -132,12 +135,18 @@ class RelayKeeper:
         await self.close()
 
     async def wait_reserved(self, timeout: float) -> CircuitAddress:
-        """Our relayed address once a reservation holds (RelayRefused after `timeout` seconds)."""
+        """Our relayed address once a reservation holds (RelayRefused after `timeout` seconds, or
+        as soon as every candidate has refused or not answered once)."""
+        waits = [asyncio.ensure_future(self._reserved.wait()), asyncio.ensure_future(self._tried_all.wait())]
         try:
-            await asyncio.wait_for(self._reserved.wait(), timeout)
-        except asyncio.TimeoutError:
-            raise RelayRefused(f"no relay of {len(self.candidates)} took a reservation within {timeout:g}s") from None
-        assert self.current is not None
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+        if self.current is None:
+            how = "each refused or did not answer" if self._tried_all.is_set() else f"none within {timeout:g}s"
+            raise RelayRefused(f"no relay of {len(self.candidates)} took a reservation: {how}")
         return self.current
 
     def _set(self, relay: TcpAddress | None, reservation: Reservation | None) -> None:
@@ -160,6 +169,7 @@ class RelayKeeper:
                 except P2PError as e:
                     logger.info("%s: reservation on relay %s ended: %s", self.host.peer_id, relay.peer_id, e)
                 self._set(None, None)
+            self._tried_all.set()
             await asyncio.sleep(RETRY_S)
 
     async def _by_rtt(self) -> list[TcpAddress]:
