@@ -175,11 +175,11 @@ class ChunkTimer:
         self._lock = threading.Lock()
 
     def install(self) -> None:
-        from swarm.state import fetcher
+        from swarm.state import shard_fetch as fetcher
 
         for name in ("_sha256", "_keep"):
             if not callable(getattr(fetcher, name, None)):
-                raise RuntimeError(f"swarm.state.fetcher.{name} is gone: update bench_state.ChunkTimer")
+                raise RuntimeError(f"swarm.state.shard_fetch.{name} is gone: update bench_state.ChunkTimer")
         sha256, keep = fetcher._sha256, fetcher._keep
 
         def timed_sha256(data: bytearray) -> str:

@@ -27,9 +27,9 @@ from swarm.model.checkpoint import Snapshot, copy_state, make_snapshot
 from swarm.model.data import TokenData
 from swarm.p2p import P2PHost
 from swarm.p2p.identity import Identity
-from swarm.state import fetcher
 from swarm.state.holders import advertise
 from swarm.state.server import StateServer
+from swarm.state.shard_fetch import ShardFetch
 from tests.node.inprocess import LOCAL, QUICK, LocalSwarm, Running
 from tests.waiting import until as until_true
 
@@ -301,13 +301,13 @@ async def test_attack_e_a_manifest_too_big_for_the_model_is_refused_before_alloc
     advertises a manifest of 64 MiB shards for a model of a few MB at a later step."""
     clean = await clean_run(data, FOURTH_SEED)
     started: list[int] = []
-    shard_fetch = fetcher._ShardFetch.__init__
+    original_init = ShardFetch.__init__
 
     def recording(self: Any, host: Any, run_id: str, manifest: Any, *args: Any) -> None:
         started.append(manifest.total_bytes)
-        shard_fetch(self, host, run_id, manifest, *args)
+        original_init(self, host, run_id, manifest, *args)
 
-    monkeypatch.setattr(fetcher._ShardFetch, "__init__", recording)
+    monkeypatch.setattr(ShardFetch, "__init__", recording)
     bootstrap = await local.start_bootstrap()
     honest = start_honest(local, bootstrap)
     await until_stepped(honest)
