@@ -23,6 +23,7 @@ finishes its last inner steps, so matchmaking costs no compute time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence, Set
@@ -38,6 +39,7 @@ from swarm.averaging.rounds.bandwidth import LinkEstimate
 from swarm.averaging.rounds.flat import AllReduceRound
 from swarm.averaging.rounds.grid import GridRound
 from swarm.averaging.rounds.registry import RoundRegistry
+from swarm.averaging.rounds.timeouts import RoundClock
 from swarm.dht.node import DHTNode
 from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
@@ -59,6 +61,7 @@ class GroupReport:
     gather_s: float = 0.0  # the rest of the round: receiving the other parts' averages
     clipped: dict[int, list[int]] = field(default_factory=dict)  # our parts -> members dropped/clipped
     group: GroupInfo | None = None  # the group of the round (its members' announced weights: the round's receipt)
+    part_timeout: float = 0.0  # seconds: the round's bound on each wait (rounds/timeouts.py); 0 when alone
 
 
 class Averager:
@@ -78,6 +81,7 @@ class Averager:
         self.matchmaker = Matchmaker(dht, host, run_id, self.config, excluded=self.excluded)
         self.registry = RoundRegistry(host, self.config)
         self.link = LinkEstimate()  # what our rounds measured of our link (rounds/bandwidth.py)
+        self.clock = RoundClock()  # how long our rounds took: the next round's part timeout (rounds/timeouts.py)
 
     def close(self) -> None:
         self.matchmaker.close()
@@ -146,9 +150,7 @@ class Averager:
         """Their FORMED markers made us wait max_wait for a result that never came: ignore them."""
         self.matchmaker.board.distrust_formed(peers)
 
-    async def outvoted(
-        self, step: int, group_id: bytes, state: bytes, voters: frozenset[PeerID] | None = None
-    ) -> bool:
+    async def outvoted(self, step: int, group_id: bytes, state: bytes, voters: frozenset[PeerID] | None = None) -> bool:
         """Did a larger group than ours (`group_id`, from `state`) form at `step`, weighed by
         `voters`? Then our lineage is a fork's smaller one (matchmaking/matchmaker.py,
         ready.outvoted)."""
@@ -173,17 +175,21 @@ class Averager:
         # Beyond max_group_size the hierarchical butterfly: the same average, about 2*sqrt(n) peers each.
         flat = len(group.members) <= self.config.max_group_size
         pace = self.link.pace() if self.config.measure_bandwidth and flat else None
+        # every wait of this round is bounded by what our recent rounds took, the flag at most
+        timeout = self.clock.part_timeout(self.config.part_timeout)
+        config = dataclasses.replace(self.config, part_timeout=timeout)
         try:
             if flat:
-                round_ = AllReduceRound(self.host, self.registry, group, vector, self.config, upload=pace)
+                round_ = AllReduceRound(self.host, self.registry, group, vector, config, upload=pace)
             else:
-                round_ = GridRound(self.host, self.registry, group, vector, self.config)
+                round_ = GridRound(self.host, self.registry, group, vector, config)
             averaged, rr = await round_.run()
         except AuditError as e:
             self.exclude(e.owners, str(e))
             raise
         self.exclude(rr.audit_excluded, "it misstated our contribution to its part")
         self.link.observe(rr.up, rr.down, rr.busy, paced=pace is not None)
+        self.clock.observe(rr.total_s)
         report = GroupReport(
             group.group_id.hex(),
             rr.members,
@@ -195,6 +201,7 @@ class Averager:
             max(0.0, rr.total_s - rr.reduce_s),
             rr.clipped,
             group,
+            timeout,
         )
         return restore(averaged, tensors), report
 

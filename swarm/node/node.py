@@ -16,6 +16,7 @@ Events (`on_event`, called on the event loop; the CLI writes them as JSON lines)
     {"event": "progress", "outer_step", "inner_step", "inner_steps", "train_loss"}
     {"event": "outer_step", "outer_step" (completed, from 0), "train_loss", "eval_loss",
      "state_sha256" (θ_outer, momentum, step), "group_size", "matchmaking_s", "round_s", "bytes_sent",
+     "part_timeout_s" (the round's bound on each wait, from our measured round times; 0 alone),
      "clipped" (contributions our robust reductions dropped or clipped, logged with the peer),
      "inner_ahead" (--overlap: the next step's inner steps done when this one's average landed),
      "inner_s", "wall_s", "eval_s" (seconds in inner steps, since training began, in evals), ...}

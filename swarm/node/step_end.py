@@ -250,6 +250,7 @@ class StepEnd:
                         group_size=facts.last_group, group_id=report.group_id, bytes_sent=report.bytes_sent,
                         bytes_received=report.bytes_received, matchmaking_s=round(report.matchmaking_s, 4),
                         round_s=round(report.reduce_s + report.gather_s, 4), inner_done=progress.inner_done,
+                        part_timeout_s=round(report.part_timeout, 3),
                         clipped=sum(len(members) for members in report.clipped.values()),
                         inner_s=round(progress.inner_s, 4), wall_s=round(wall_s, 4), eval_s=round(facts.eval_s, 4),
                         tokens=facts.tokens,

@@ -1,0 +1,69 @@
+"""The all-reduce's part timeout, derived from the round times this member has measured.
+
+A round's waits (a member's slice, an owner's answer, an audit's seed) are each bounded by the
+part timeout. A fixed 60 s made a member that vanished inside a round (a machine that lost power
+sends no FIN: its peers see only silence) cost every survivor a minute or more, whatever the
+round's normal length. The rule here:
+
+    part timeout = min(ceiling, max(FLOOR_S, FACTOR x p90 of the last WINDOW completed rounds))
+
+- the ceiling is the configured `part_timeout` (swarm-node --part-timeout): the flag stays an
+  upper bound, and it is the timeout until MIN_ROUNDS rounds have been measured (a node that just
+  started, or restarted, knows nothing of the swarm's pace yet);
+- a single wait never needs longer than a whole round, so FACTOR times the recent slow rounds
+  leaves a slow but live member room; the p90 (nearest rank) ignores the few rounds that waited
+  for a member that had vanished, so one such round does not lengthen the next ones' timeouts;
+- a member that is slow for good makes rounds slow for good: once about a tenth of the window
+  waited for it, the timeout grows FACTOR-fold and it fits again;
+- FLOOR_S keeps a round of a tiny model (0.1 s) from cutting off a member whose event loop
+  stalls for a moment (a garbage collection, a busy CPU).
+
+A silent member costs a round about two part timeouts: its part's backup starts after the
+senders' wait for the owner's answer (2 x the timeout), while the other owners wait one.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Sequence
+
+FLOOR_S = 2.0  # never shorter than this
+FACTOR = 3.0  # times the recent slow rounds
+QUANTILE = 0.9
+WINDOW = 20  # completed rounds remembered
+MIN_ROUNDS = 2  # fewer measured: the ceiling
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank q-quantile of `values` (not empty): the smallest value with at least
+    q of them at or below it."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def derived_part_timeout(round_seconds: Sequence[float], ceiling: float) -> float:
+    """The part timeout for the next round, from the durations (seconds) of the recent completed
+    rounds, oldest first; `ceiling` is the configured one. Pure: the module docstring's rule."""
+    if not ceiling > 0:
+        raise ValueError(f"the ceiling must be positive, got {ceiling}")
+    recent = [s for s in round_seconds[-WINDOW:] if math.isfinite(s) and s >= 0]
+    if len(recent) < MIN_ROUNDS:
+        return ceiling
+    return min(ceiling, max(FLOOR_S, FACTOR * quantile(recent, QUANTILE)))
+
+
+class RoundClock:
+    """The durations of this member's last WINDOW completed rounds, and the timeout they give."""
+
+    def __init__(self) -> None:
+        self._seconds: collections.deque[float] = collections.deque(maxlen=WINDOW)
+
+    def observe(self, seconds: float) -> None:
+        """A round completed in `seconds` (failed rounds are not measured: they say how long the
+        timeouts were, not how long a round takes)."""
+        if math.isfinite(seconds) and seconds >= 0:
+            self._seconds.append(seconds)
+
+    def part_timeout(self, ceiling: float) -> float:
+        return derived_part_timeout(tuple(self._seconds), ceiling)

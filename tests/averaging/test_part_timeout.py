@@ -1,0 +1,114 @@
+"""The part timeout from measured round times (rounds/timeouts.py): the rule on a table of cases,
+and a round in which a member vanishes silently ending within max(5 s, 3x the median round)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from swarm.averaging.averager import Averager
+from swarm.averaging.config import AveragingConfig
+from swarm.averaging.messages import GroupInfo, MemberInfo
+from swarm.averaging.rounds.timeouts import FLOOR_S, WINDOW, RoundClock, derived_part_timeout, quantile
+from tests.averaging.rounds import averagers
+
+CEILING = 60.0
+
+
+@pytest.mark.parametrize(
+    ("rounds", "ceiling", "expected", "why"),
+    [
+        ((), CEILING, CEILING, "nothing measured: the flag"),
+        ((0.1,), CEILING, CEILING, "one round is not a pace yet"),
+        ((0.1, 0.2), CEILING, FLOOR_S, "tiny rounds: the floor"),
+        ((1.0, 2.0, 3.0), CEILING, 9.0, "3 x the slowest of a few"),
+        ((1.0,) * 19 + (40.0,), CEILING, 3.0, "one round that waited for a vanished member is ignored"),
+        ((1.0,) * 17 + (10.0,) * 3, CEILING, 30.0, "a member slow for good: the timeout grows to fit it"),
+        ((30.0, 40.0), CEILING, CEILING, "never above the flag"),
+        ((5.0, 5.0), 4.0, 4.0, "a flag below the floor still bounds it"),
+        ((40.0,) * WINDOW + (1.0,) * WINDOW, CEILING, 3.0, "only the last WINDOW rounds count"),
+        ((1.0, float("nan"), -1.0, 1.0), CEILING, 3.0, "non-finite and negative durations are ignored"),
+    ],
+)
+def test_derived_part_timeout(rounds: tuple[float, ...], ceiling: float, expected: float, why: str) -> None:
+    assert derived_part_timeout(rounds, ceiling) == pytest.approx(expected), why
+
+
+def test_quantile_is_nearest_rank() -> None:
+    assert quantile([3.0, 1.0, 2.0], 0.9) == 3.0
+    assert quantile(list(range(1, 21)), 0.9) == 18
+    assert quantile([7.0], 0.5) == 7.0
+    with pytest.raises(ValueError):
+        derived_part_timeout((1.0, 1.0), 0.0)
+
+
+def test_the_clock_remembers_completed_rounds_only() -> None:
+    clock = RoundClock()
+    assert clock.part_timeout(CEILING) == CEILING
+    for seconds in (1.0, 2.0, float("inf")):
+        clock.observe(seconds)
+    assert clock.part_timeout(CEILING) == 6.0
+
+
+@contextlib.asynccontextmanager
+async def black_hole() -> AsyncIterator[str]:
+    """A listener that accepts TCP connections and never answers: a member that vanished
+    inside a round as a machine that lost power does (no FIN, no RST), or a SIGSTOPped process
+    (its kernel still completes handshakes)."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)  # never read, never written, never closed until the test ends
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"/ip4/127.0.0.1/tcp/{port}"
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+def member(averager: Averager, weight: float, maddrs: tuple[str, ...] | None = None) -> MemberInfo:
+    info = averager.member_info(weight)
+    return MemberInfo(info.peer_id, maddrs or info.maddrs, weight, 100.0, False)
+
+
+async def timed_round(averager: Averager, group: GroupInfo, tensor: torch.Tensor) -> float:
+    began = time.monotonic()
+    await averager.run_round(group, [tensor])
+    return time.monotonic() - began
+
+
+@pytest.mark.timeout(90)
+async def test_a_member_that_vanishes_inside_a_round_costs_it_seconds_not_the_flag() -> None:
+    config = AveragingConfig(part_timeout=30.0, request_timeout=1.0, block_size=256, chunk_elements=4096)
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(50_000, generator=gen) for _ in range(4)]
+    async with averagers(4, config) as made:
+        warmup: list[float] = []
+        for step in range(4):  # the whole group, a few times: every member measures its rounds
+            group = GroupInfo.create("run", step, tuple(member(a, 1.0 + i) for i, a in enumerate(made)))
+            warmup += await asyncio.gather(*(timed_round(a, group, t) for a, t in zip(made, tensors, strict=True)))
+        median = statistics.median(warmup)
+        assert all(a.clock.part_timeout(config.part_timeout) < config.part_timeout for a in made)
+        # member 3 is in the group, but its address is a black hole: its slices never come, its
+        # part's owner never answers, and nothing tells the others it is gone
+        async with black_hole() as hole:
+            infos = [member(a, 1.0 + i) for i, a in enumerate(made[:3])] + [member(made[3], 4.0, (hole,))]
+            group = GroupInfo.create("run", 4, tuple(infos))
+            began = time.monotonic()
+            outcomes = await asyncio.gather(*(a.run_round(group, [t]) for a, t in zip(made[:3], tensors, strict=False)))
+            took = time.monotonic() - began
+    results = [averaged[0] for averaged, _ in outcomes]
+    assert all(torch.equal(r, results[0]) for r in results)
+    assert all(inc == [0, 1, 2] for _, report in outcomes for inc in report.contributions.values())
+    assert took <= max(5.0, 3 * median), (took, median, [report.part_timeout for _, report in outcomes])
