@@ -20,6 +20,8 @@ Events (`on_event`, called on the event loop; the CLI writes them as JSON lines)
      "clipped" (contributions our robust reductions dropped or clipped, logged with the peer),
      "inner_ahead" (--overlap: the next step's inner steps done when this one's average landed),
      "inner_s", "wall_s", "eval_s" (seconds in inner steps, since training began, in evals), ...}
+    {"event": "round", "outer_step", "group_size", "group_id"} (our all-reduce of that step begins; its
+     outer_step event ends it, or a warning that it failed and the step is matchmade again)
     {"event": "fetch", "outer_step", "reason", "bytes", "seconds", "peers", "state_sha256", ...}
     {"event": "network", "peers_known", "connections", "dht_records", "wire_bytes_sent", ...} (node_events.py)
     {"event": "exit", "outer_step", "reason"}

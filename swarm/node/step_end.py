@@ -192,6 +192,10 @@ class StepEnd:
         # step's chosen blocks with a density below 1 (beside: the inner steps go on meanwhile)
         payload = await ctx.inner.beside(outgoing, deltas, ctx.compression, feedback, ctx.config.run_id,
                                          diloco.outer_step, ctx.block_size)  # fmt: skip
+        # a watcher (swarm-sim's soak) sees the round begin: its outer_step event ends it
+        if found.group is not None:
+            ctx.events.emit("round", outer_step=step, group_size=len(found.group.members),
+                            group_id=found.group.group_id.hex())  # fmt: skip
         try:
             averaged, report = await ctx.averager.run_round(found.group, payload.tensors, found.seconds)
         except AllReduceError as e:
