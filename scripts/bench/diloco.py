@@ -1,6 +1,6 @@
 """DiLoCo benchmark: a swarm of `swarm-node`s on 127.0.0.1 against data parallelism.
 
-One workload for everything (`diloco_sweep.Workload`: model tiny, the built-in corpus, 2 sequences
+One workload for everything (`diloco_sim.Workload`: model tiny, the built-in corpus, 2 sequences
 of 256 tokens per node and inner step, 1,000 inner steps per node by default):
 
     swarm   4 `swarm-node` processes (fixed identities, one torch thread each) and a bootstrap
@@ -11,7 +11,7 @@ of 256 tokens per node and inner step, 1,000 inner steps per node by default):
     alone   one process, node 0's batches alone
 
 Node i samples its windows with node_generator(PeerID_i, global inner step), so the baselines
-replay the same windows (`diloco_sweep.train_data_parallel`, run in this process).
+replay the same windows (`diloco_sim.train_data_parallel`, run in this process).
 
 Reported per configuration: the final eval loss (the same 64 windows of the held-out split;
 the nodes' θ must end bit-identical, checked by their state hashes), its ratio to DDP's, the share
@@ -62,7 +62,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from scripts.experiments.diloco_sweep import Cache, Workload, gap_closed, node_identity, run_baselines
+from scripts.experiments.diloco_sim import Workload, gap_closed, node_identity
+from scripts.experiments.diloco_sweep import Cache, run_baselines
 from scripts.tools.hiccup import Hiccup
 from swarm.model.schedule import SCHEDULES
 from swarm.netlab import Lab, Rate, exec_prefix, missing, parse_rate, parse_rates

@@ -1,7 +1,7 @@
 """Codecs and error feedback against exact averaging: the loss each costs and the bytes it saves.
 
 For each H and each codec (none = exact fp32 averaging), with and without error feedback (swarm/
-model/error_feedback.py), K DiLoCo workers train as in scripts/experiments/diloco_sweep.py (one process, the
+model/error_feedback.py), K DiLoCo workers train as in scripts/experiments/diloco_sim.py (one process, the
 same windows and schedule), except that each worker's pseudo-gradient and the average travel
 through the codec, as they do in a swarm round (a member's contribution, then the part owner's
 result). Reported per run: the final eval loss, its ratio to exact averaging at the same H, the
@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 
-from scripts.experiments.diloco_sweep import (
-    CHEAP,
+from scripts.experiments.diloco_sim import (
     CODEC_BLOCK,
     HSchedule,
     Setting,
@@ -38,6 +37,7 @@ from scripts.experiments.diloco_sweep import (
     train_diloco,
     worker_peers,
 )
+from scripts.experiments.diloco_sweep import CHEAP
 from swarm_kernels.codecs import get_codec
 
 

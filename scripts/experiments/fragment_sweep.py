@@ -19,7 +19,7 @@ the `mode` way, with the node's own rules (scripts/experiments/overlap_sweep.py,
 At the run's end every fragment lands and is synced once more (blocking), so the final θ_outer
 holds all the run's steps; the eval loss is of that θ_outer. Nesterov's outer step is the node's
 (DiLoCo._outer_update itself, on worker 0's θ_outer, which all share); K workers, data windows and schedule are
-scripts/experiments/diloco_sweep.py's. P = 1 is overlap_sweep's run to the bit (with delay 0: blocking DiLoCo).
+scripts/experiments/diloco_sim.py's. P = 1 is overlap_sweep's run to the bit (with delay 0: blocking DiLoCo).
 
     python -m scripts.experiments.fragment_sweep --fragments 1,4 --modes blocking,eager --delays 0.3
 """
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from scripts.experiments.diloco_sweep import (
+from scripts.experiments.diloco_sim import (
     Setting,
     Workload,
     _ScheduledDiLoCo,

@@ -1,7 +1,7 @@
 """An outer step that overlaps the next inner steps, simulated: what each way of applying a late
 average costs in loss, against blocking DiLoCo at the same H.
 
-K workers as in scripts/experiments/diloco_sweep.py (one process, the same windows and schedule). In a
+K workers as in scripts/experiments/diloco_sim.py (one process, the same windows and schedule). In a
 swarm the all-reduce of round t runs while the nodes already train round t+1; here it "lands"
 after `delay` x H inner steps of round t+1 (1.0: the round takes a whole inner phase, the worst
 case that still overlaps fully). Then every worker computes the same θ_outer(t+1) from the same
@@ -33,8 +33,7 @@ from typing import Any
 
 import torch
 
-from scripts.experiments.diloco_sweep import (
-    CHEAP,
+from scripts.experiments.diloco_sim import (
     HSchedule,
     Setting,
     Workload,
@@ -45,6 +44,7 @@ from scripts.experiments.diloco_sweep import (
     worker_batch,
     worker_peers,
 )
+from scripts.experiments.diloco_sweep import CHEAP
 from swarm.model.data import eval_windows
 from swarm.model.diloco import DiLoCo
 from swarm.model.llama import build_model

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from scripts.bench import diloco as bench_diloco
+from scripts.experiments import diloco_sim as sim
 from scripts.experiments import diloco_sweep as sweep
 
 TINY = sweep.Workload(workers=2, steps=6, batch_size=1, seq_len=16, eval_windows=2)
@@ -26,7 +27,7 @@ def test_h_schedule_grows_to_its_target() -> None:
 
 def test_average_is_the_exact_weighted_mean() -> None:
     a, b = [torch.tensor([1.0, 2.0])], [torch.tensor([3.0, 6.0])]
-    assert sweep.average_deltas([a, b], [1.0, 3.0])[0].tolist() == [2.5, 5.0]
+    assert sim.average_deltas([a, b], [1.0, 3.0])[0].tolist() == [2.5, 5.0]
 
 
 def test_identities_are_fixed_and_distinct() -> None:
@@ -91,13 +92,14 @@ def test_the_sweeps_json_names_its_schedule_and_its_baselines_follow_it() -> Non
     import json
     import subprocess
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "experiments" / "diloco_sweep.py"
+    root = Path(__file__).resolve().parents[2]
     rows = {}
     for schedule in ("constant", "cosine"):
         out = subprocess.run(
-            [sys.executable, str(script), "--steps", "8", "--seq-len", "16", "--workers", "2", "--batch-size", "1",
+            [sys.executable, "-m", "scripts.experiments.diloco_sweep", "--steps", "8", "--seq-len", "16",
+             "--workers", "2", "--batch-size", "1",
              "--settings", "H=4,warmup_steps=2,lr=0.003", "--lr-schedule", schedule, "--json"],
-            capture_output=True, text=True, timeout=100, check=True,
+            capture_output=True, text=True, timeout=100, check=True, cwd=root,
         )  # fmt: skip
         (rows[schedule],) = json.loads(out.stdout)
     assert rows["cosine"]["schedule"]["lr_schedule"] == "cosine" and rows["cosine"]["schedule"]["total_steps"] == 8

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.experiments.diloco_sweep import HSchedule, Setting, Workload, load_corpus, train_diloco
+from scripts.experiments.diloco_sim import HSchedule, Setting, Workload, load_corpus, train_diloco
 from scripts.experiments.fragment_sweep import sync_steps, train_fragments
 from scripts.experiments.overlap_sweep import train_overlapped
 
