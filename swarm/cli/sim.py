@@ -139,15 +139,43 @@ def parsed(ctx: click.Context, param: click.Parameter, text: str | None, parse: 
 @click.option("--plot-out", type=click.Path(dir_okay=False, path_type=Path), help="Default: the metrics path, .png.")
 @click.option("--timeout", type=float, callback=positive_seconds, metavar="SECONDS", help="Give up after this long.")
 @click.option("-v", "--verbose", count=True, help="Pass -v to every node (its log is in RUN_DIR).")
+@click.option(
+    "--soak",
+    is_flag=True,
+    help="Run the soak instead (python -m scripts.soak): 12 nodes (or --nodes) "
+    "under churn and load for --minutes; exit 1 when an invariant breaks.",
+)
+@click.option("--minutes", type=click.FloatRange(0, min_open=True), default=5.0, show_default=True,
+              help="--soak: how long.")  # fmt: skip
 def main(**options: Any) -> None:
     """Run a training swarm of local swarm-node processes on 127.0.0.1 and show it in one table.
 
     With no options: the demo, 3 nodes of the tiny model for a few minutes on a laptop CPU;
     the loss falls. At the end (or on Ctrl+C) writes the metrics JSON and a loss plot.
     """
+    soak, minutes = options.pop("soak"), options.pop("minutes")
+    if soak:
+        _soak(options, minutes)
     if options["nat"] is not None and click.get_current_context().get_parameter_source("nodes") == DEFAULT_SOURCE:
         options["nodes"] = sum(count for _, count in options["nat"])
     run(build_config(**options))
+
+
+def _soak(options: dict[str, Any], minutes: float) -> None:
+    """swarm-sim --soak: the soak (swarm/cli/soak.py) with this command line's nodes, seed, H and folder."""
+    from swarm.cli.soak import soak
+    from swarm.cli.soak_run import SoakConfig
+
+    default_nodes = click.get_current_context().get_parameter_source("nodes") == DEFAULT_SOURCE
+    run_dir = options["run_dir"] or Path(tempfile.mkdtemp(prefix="swarm-soak-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        config = SoakConfig(nodes=12 if default_nodes else options["nodes"], minutes=minutes, seed=options["seed"],
+                            inner_steps=options["inner_steps"], run_dir=run_dir)  # fmt: skip
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    click.echo(f"soak: {config.nodes} nodes for {minutes:g} min; run directory {run_dir}")
+    raise SystemExit(soak(config))
 
 
 def build_config(

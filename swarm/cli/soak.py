@@ -21,6 +21,7 @@ import click
 
 from swarm.cli.common import CliError, OneLineCommand
 from swarm.cli.output import echo_json
+from swarm.cli.sim_swarm import stop_on_signals
 from swarm.cli.soak_checks import check, task_deaths
 from swarm.cli.soak_report import figures, summary, write_json, write_plot
 from swarm.cli.soak_run import Soak, SoakConfig
@@ -32,10 +33,11 @@ def soak(config: SoakConfig, *, as_json: bool = False) -> int:
     schedule = churn_schedule(config.seed, config.minutes * 60)
     runner = Soak(config, schedule)
     began = time.time()
-    try:
-        runner.run()
-    finally:
-        runner.close()
+    with stop_on_signals() as stop:  # the children are stopped whatever ends the run
+        try:
+            runner.run(stop)
+        finally:
+            runner.close()
     logs = runner.logs()
     invariants = check(runner.events, runner.churn, runner.samples, logs, inner_steps=config.inner_steps,
                        warmup_s=WARMUP_S)  # fmt: skip

@@ -25,7 +25,15 @@ from typing import Any
 
 from swarm.cli.common import CliError
 from swarm.cli.sim_report import EventTail
-from swarm.cli.sim_swarm import BOOTSTRAP_TIMEOUT_S, LOOPBACK, console_script, last_line, send, stop_processes
+from swarm.cli.sim_swarm import (
+    BOOTSTRAP_TIMEOUT_S,
+    LOOPBACK,
+    StopRequest,
+    console_script,
+    last_line,
+    send,
+    stop_processes,
+)
 from swarm.cli.soak_schedule import JOIN, KILL_FETCH, KILL_ROUND, LOAD, PAUSE, RESTARTED, TERM, Churn
 from swarm.utils import process_control
 
@@ -228,12 +236,13 @@ class Soak:
                 self.launch(slot)
                 self.note("restart", slot)
 
-    def run(self) -> None:
+    def run(self, stop: StopRequest) -> None:
+        """Until the run's minutes have passed, or SIGINT / SIGTERM (`stop`)."""
         self.start_bootstrap()
         for _ in range(self.config.nodes):
             self.new_slot(first=True)
         # the schedule counts from the swarm's start: when the first node has started
-        while not any(s.started for s in self.slots):
+        while not any(s.started for s in self.slots) and not stop.requested:
             self.poll()
             if any(s.proc is not None and s.proc.poll() is not None for s in self.slots):
                 bad = next(s for s in self.slots if s.proc is not None and s.proc.poll() is not None)
@@ -244,7 +253,7 @@ class Soak:
         waiting_since: float | None = None
         next_sample = 0.0
         run_s = self.config.minutes * 60
-        while (now := time.monotonic()) - self.began < run_s:
+        while (now := time.monotonic()) - self.began < run_s and not stop.requested:
             self.poll()
             self.fire_timers()
             if pending and now - self.began >= pending[0].at_s:
