@@ -5,7 +5,10 @@ exception nobody awaited, a callback that crashed)."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,10 @@ from swarm.utils.eventloop import loop_factory
 # DHT ids cost 2^id_bits hashes (swarm/dht/id_proof.py): ~1 s each by default, 1 ms in tests.
 # Set before any DHTConfig is built; subprocesses (swarm-node, swarm-dht) inherit it.
 os.environ.setdefault(ID_BITS_ENV, "8")
+# A node keeps its key in $XDG_CONFIG_HOME/swarm (swarm/cli/node_identity.py): the tests' nodes keep
+# theirs in a folder of this test session, never in the user's own.
+os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="swarm-tests-config-")
+atexit.register(shutil.rmtree, os.environ["XDG_CONFIG_HOME"], True)
 
 _loop_errors: list[dict[str, Any]] = []
 

@@ -30,12 +30,12 @@ from swarm.cli.common import OneLineErrors, run_network, setup_logging
 from swarm.cli.dht_client import ClientOptions, client_options, with_client
 from swarm.cli.dht_inspect import inspect
 from swarm.cli.dht_records import get, store
+from swarm.cli.node_identity import node_identity
 from swarm.cli.options import (
     OpenNetworkLimits,
     identity_option,
     initial_peers_option,
     json_option,
-    load_identity,
     maddr_argument,
     maddr_list,
     open_network_options,
@@ -81,7 +81,10 @@ main.add_command(inspect)
     callback=maddr_list,
     help="What to tell peers instead of the listen addresses (a public IP behind NAT).",
 )
-@identity_option(help="Key file of this node, created if missing; keeps the PeerID across restarts.")
+@identity_option(
+    help="Key file of this node (mode 0600), created if missing and kept: a restarted node keeps its "
+    "PeerID. Default: ~/.config/swarm/identity/dht[-tcpPORT].key; 'ephemeral': a new one at each start."
+)
 @initial_peers_option(help="Multiaddr of a node to join; none: this is the first node of a new DHT.")
 @open_network_options
 @relay_options
@@ -106,12 +109,13 @@ def serve(
     relay carried, both ways, all circuits together.
     """
     setup_logging(verbose)
-    node_identity = load_identity(identity)
+    node_key, key_file = node_identity(identity, checkpoint_dir=None, name="dht",
+                                       host_maddrs=host_maddrs or SERVE_HOST_MADDRS)  # fmt: skip
 
     async def run() -> None:
         p2p_config = limits.p2p(host_maddrs=host_maddrs or SERVE_HOST_MADDRS, announce_maddrs=announce_maddrs)
-        proof_path = proof_path_for(identity) if identity is not None else None  # the id proof, kept with the key
-        host = P2PHost(node_identity, p2p_config)
+        proof_path = proof_path_for(key_file) if key_file is not None else None  # the id proof, kept with the key
+        host = P2PHost(node_key, p2p_config)
         node = DHTNode(initial_peers=initial_peers, config=limits.dht(), host=host, id_proof_path=proof_path)
         service = RelayService(host, relay) if relay is not None else None
         loop = asyncio.get_running_loop()
@@ -133,7 +137,7 @@ def serve(
                 return
             starting.result()
             node_started = True
-            _announce(node, as_json, persistent=identity is not None)
+            _announce(node, as_json, key_file)
             await stopping
         finally:
             stopping.cancel()
@@ -150,7 +154,7 @@ def serve(
     run_network(run)
 
 
-def _announce(node: DHTNode, as_json: bool, *, persistent: bool) -> None:
+def _announce(node: DHTNode, as_json: bool, key_file: Path | None) -> None:
     maddrs = node.visible_maddrs
     if as_json:
         echo_json({"peer_id": str(node.peer_id), "maddrs": maddrs})
@@ -161,8 +165,10 @@ def _announce(node: DHTNode, as_json: bool, *, persistent: bool) -> None:
     join = f'"{join}"' if " " in join else join
     lines = [f"DHT node {node.peer_id} listening on:", *(f"  {m}" for m in maddrs), "Join it with:"]
     lines += [f"  swarm-node --initial-peers {join}", f"  swarm-dht get KEY --initial-peers {join}"]
-    if not persistent:
-        lines.append("(a new PeerID on every start: pass --identity FILE to keep one)")
+    if key_file is None:
+        lines.append("(--identity ephemeral: a new PeerID on every start, and this join line with it)")
+    else:
+        lines.append(f"(its key: {key_file}; a restart keeps this PeerID)")
     lines.append("Serving; Ctrl+C or SIGTERM stops.")
     click.echo("\n".join(lines))
     click.get_text_stream("stdout").flush()

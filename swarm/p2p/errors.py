@@ -15,6 +15,10 @@ class IdentityError(P2PError):
     """A key file is missing, unreadable or malformed, or a key has the wrong type."""
 
 
+class IdentityInUse(IdentityError):
+    """Another process holds the key file (Identity.claim): two processes would share one PeerID."""
+
+
 class MultiaddrError(P2PError, ValueError):
     """A multiaddr is malformed or names something we cannot dial or listen on."""
 

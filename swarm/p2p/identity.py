@@ -3,11 +3,18 @@
 The file holds the protobuf-serialized libp2p ``PrivateKey`` (Type = Ed25519, Data = 32-byte
 seed followed by the 32-byte public key), the bytes ``crypto.MarshalPrivateKey`` writes, so one
 identity file serves swarm, p2pd (``-id``) and hivemind (``identity_path``) alike.
+
+A key file is private: it is written with mode 0600, and one that others may read (group or
+world bits set) is refused, as ssh refuses such a private key: a copied key is a stolen PeerID.
+A node that keeps its identity `claim`s the file: an exclusive lock (flock) held for the
+process's life, so that two processes of one machine never run under one PeerID.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -15,7 +22,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from swarm.p2p.errors import IdentityError
+from swarm.p2p.errors import IdentityError, IdentityInUse
 from swarm.p2p.peer_id import (
     ED25519_KEY_BYTES,
     KEY_TYPE_ED25519,
@@ -92,11 +99,24 @@ class Identity:
         path = Path(path)
         try:
             with open(path, "rb") as f:
-                blob = f.read(_MAX_KEY_FILE_BYTES + 1)
+                return cls._read(path, f.fileno())
         except FileNotFoundError:
             raise IdentityError(f"identity file {path} does not exist") from None
         except OSError as e:
             raise IdentityError(f"identity file {path} cannot be read: {e.strerror}") from None
+
+    @classmethod
+    def _read(cls, path: Path, fd: int) -> Identity:
+        """The key in the open file fd (of path, named in errors): private, bounded, well formed."""
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        if mode & 0o077:
+            raise IdentityError(f"identity file {path} can be read by others (mode {mode:04o}): a private key must "
+                                f"be the owner's alone; run chmod 600 {path}, or make a new identity if it was "
+                                "shared")  # fmt: skip
+        os.lseek(fd, 0, os.SEEK_SET)
+        blob = b""
+        while len(blob) <= _MAX_KEY_FILE_BYTES and (chunk := os.read(fd, _MAX_KEY_FILE_BYTES + 1 - len(blob))):
+            blob += chunk
         if len(blob) > _MAX_KEY_FILE_BYTES:
             raise IdentityError(f"identity file {path} is too large to be a key")
         try:
@@ -113,6 +133,32 @@ class Identity:
             return identity
         return cls.load(path)
 
+    @classmethod
+    def claim(cls, path: str | os.PathLike[str]) -> Identity:
+        """The key at path, created if missing, locked for the rest of this process's life (until
+        `release`). Raises IdentityInUse when another process holds it, IdentityError for a file
+        that is not a private key, OSError when the folder cannot be made or written."""
+        path = Path(path).absolute()
+        if path in _CLAIMED:
+            raise IdentityInUse(f"identity file {path} is in use by this process already")
+        if not path.exists():
+            _create_if_absent(path, cls.generate())
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise IdentityError(f"identity file {path} cannot be read: {e.strerror}") from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise IdentityInUse(f"identity file {path} is in use by another process on this machine") from None
+            identity = cls._read(path, fd)  # read under the lock: what the process that made it wrote
+        except BaseException:
+            os.close(fd)
+            raise
+        _CLAIMED[path] = fd
+        return identity
+
     # --- signatures -----------------------------------------------------------------------
 
     def sign(self, message: bytes) -> bytes:
@@ -120,6 +166,30 @@ class Identity:
 
     def __repr__(self) -> str:
         return f"Identity({self.peer_id})"
+
+
+_CLAIMED: dict[Path, int] = {}  # key files this process holds locked, and their descriptors
+
+
+def release(path: str | os.PathLike[str]) -> None:
+    """Unlock a key file `Identity.claim` took (a process's exit releases it too)."""
+    fd = _CLAIMED.pop(Path(path).absolute(), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _create_if_absent(path: Path, identity: Identity) -> None:
+    """Save identity at path unless a file is there already (another process may be making the
+    same key file at this moment: the first one's key stays, the second one's is dropped)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fresh = path.with_name(f".{path.name}.{os.getpid()}.new")
+    identity.save(fresh)
+    try:
+        os.link(fresh, path)  # fails if path exists: never replaces a key
+    except FileExistsError:
+        pass
+    finally:
+        fresh.unlink(missing_ok=True)
 
 
 def verify_signature(public_key: bytes, signature: bytes, message: bytes) -> bool:
