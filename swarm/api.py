@@ -2,13 +2,22 @@
 
     import swarm
     model = MyModel()                                      # the same seed on every process
-    with swarm.join(model, lambda params: torch.optim.AdamW(params, lr=1e-3), run_id="mine",
-                    initial_peers=["/ip4/.../tcp/31400/p2p/Qm..."], inner_steps=20) as session:
+    session = swarm.join(model, lambda params: torch.optim.AdamW(params, lr=1e-3), run_id="mine",
+                         initial_peers=sys.argv[1:], inner_steps=20)   # returns once it listens
+    print(*session.maddrs)                                 # what the others pass as initial_peers
+    session.wait_for_peers(3, timeout=600)                 # optional: start with 3 processes
+    with session:
         while True:
             loss = my_loss(model, next(batches))
             loss.backward()
             if not session.step(loss):                     # inner step; the outer step when H are done
-                break                                      # the run is over (max_outer_steps) or stopped
+                break                                      # the run ended, this process left, or it stopped
+
+`join` returns as soon as the node listens on a free port (or `host_maddrs`), has joined the DHT
+and has checked that the run's settings are its own: `session.maddrs` is known at once. The
+swarm's state arrives next; the first forward pass waits for it (entering the `with` block,
+`wait_for_peers` or the first `step` do). Errors reach the caller as SwarmError, one line that
+names the Python argument to change.
 
 What runs where: the swarm's node (DHT, matchmaking, all-reduce, state serving and fetching) is
 the same SwarmNode as swarm-node's, on an event loop in a background thread; the caller's thread
@@ -27,8 +36,10 @@ differs is refused at start with a line naming both values.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
+import re
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,14 +49,17 @@ import torch
 from torch import nn
 
 from swarm.dht.config import DHTConfig
+from swarm.dht.errors import DHTError
 from swarm.dht.id_proof import proof_path_for
 from swarm.model.diloco import OptimizerFactory
-from swarm.model.run_settings import CUSTOM_MODEL
-from swarm.node import Event, SwarmNode
+from swarm.node import Event, NodeError, SwarmNode
 from swarm.node.config import NodeConfig
 from swarm.node.permits import SessionClosed
+from swarm.node.settings import CUSTOM_MODEL
 from swarm.p2p.config import P2PConfig
+from swarm.p2p.errors import P2PError
 from swarm.p2p.identity import Identity
+from swarm.p2p.maddr import parse_address, parse_maddrs
 from swarm.utils import eventloop
 
 logger = logging.getLogger(__name__)
@@ -57,23 +71,52 @@ _NOT_FOR_CALLERS = frozenset({"model", "data", "tokenizer", "seed", "batch_size"
                               "lr_schedule", "total_steps", "decay_fraction", "min_lr_ratio", "device",
                               "eval_windows"})  # fmt: skip
 END_WAIT = 30.0  # seconds to wait for an ending node's thread before reporting how it ended
+SLICE_S = 1.0  # a wait on the node is cut in slices this long, so that a dead node thread is noticed
 _NODE_OPTIONS = frozenset(f.name for f in dataclasses.fields(NodeConfig)) - _NOT_FOR_CALLERS
+_ARGUMENTS = _NODE_OPTIONS | {"run_id", "initial_peers", "inner_steps", "host_maddrs", "announce_maddrs",
+                              "identity_path"}  # fmt: skip
+# failures a caller can cause or meet (a taken port, a refused setting, unreachable peers): told in
+# one line; anything else is a bug, whose traceback is kept as the error's cause
+_EXPLAINED = (NodeError, P2PError, DHTError, OSError, ValueError, TimeoutError)
 
 
 class SwarmError(RuntimeError):
-    """The swarm session could not start or go on; the message says why."""
+    """The swarm session could not start or go on; the message says why, in one line."""
+
+
+def python_names(message: str) -> str:
+    """A node's message as a caller of `join` reads it: each swarm-node flag that is an argument
+    of `join` (`--host-maddrs`, `--inner-steps`) becomes that argument (`host_maddrs=`)."""
+
+    def named(match: re.Match[str]) -> str:
+        name = match.group(1).replace("-", "_")
+        return f"{name}=" if name in _ARGUMENTS else match.group(0)
+
+    return re.sub(r"--([a-z][a-z0-9-]*)", named, message)
+
+
+def _explained(error: BaseException) -> SwarmError:
+    """The SwarmError the caller sees for the node's failure."""
+    text = python_names(" ".join(str(error).split()) or type(error).__name__)
+    failure = SwarmError(text)
+    if not isinstance(error, _EXPLAINED):
+        failure.__cause__ = error
+    failure.__suppress_context__ = True
+    return failure
 
 
 class SwarmSession:
     """A running swarm node around the caller's model: made by `join`, ended by `close` (or
     the `with` block). Owns the node's background thread and its event loop."""
 
-    def __init__(self, node: SwarmNode) -> None:
+    def __init__(self, node: SwarmNode, listening: threading.Event) -> None:
         self._node, self._steps = node, node.inner  # the permits the caller's steps spend
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
-        self._ready = threading.Event()
-        self.reason: str | None = None  # why the node ended: "finished", "stopped"
+        self._listening = listening  # set on the node's "listening" event: its maddrs are known
+        self._start_timeout = 600.0  # join's start_timeout: the longest wait for the first inner step
+        self._holding = False  # the caller holds a permit (it waited for one; its next step spends it)
+        self.reason: str | None = None  # why the node ended: "finished", "left", "run ended", "stopped"
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._serve, name=f"swarm-node-{str(node.peer_id)[-6:]}", daemon=True)
 
@@ -104,19 +147,47 @@ class SwarmSession:
 
     # --- the loop ----------------------------------------------------------------------------
 
+    def wait_for_peers(self, nodes: int, timeout: float = 600.0) -> int:
+        """Block until `nodes` processes of the run, this one included, hold the run's state and
+        are live, and this one may train: the barrier for processes that should train together
+        from their first step. Returns how many are live. Raises SwarmError after `timeout`
+        seconds, or when the node failed."""
+        if nodes < 1:
+            raise ValueError(f"nodes must be >= 1, got {nodes}")
+        self._raise_failure()
+        if self._loop is None or self._loop.is_closed():
+            raise SwarmError(f"the swarm session has ended ({self.reason})")
+        counted = asyncio.run_coroutine_threadsafe(self._node.wait_for_peers(nodes, timeout), self._loop)
+        try:
+            live = self._in_slices(lambda: counted.result(SLICE_S), timeout + 2 * SLICE_S)
+        except (TimeoutError, concurrent.futures.TimeoutError):
+            counted.cancel()
+            live = 0
+        if live < nodes:
+            raise SwarmError(f"wait_for_peers({nodes}, timeout={timeout:g}): {live or 'no'} process(es) of run "
+                             f"{self._node.config.run_id!r} live after {timeout:g}s")  # fmt: skip
+        self._first_permit(timeout)
+        return live
+
     def step(self, loss: torch.Tensor | float | None = None) -> bool:
         """One inner step of the caller's model after its backward: gradient clipping, the inner
         optimizer's step, zero_grad. After H of them the outer step runs (blocking). True while
-        the run goes on; False once it is over (max_outer_steps, or the session closed).
+        the run goes on; False once it is over for this process (`reason` says why: "finished",
+        the run's end; "left", leave_after_steps; "run ended", it had ended before we arrived;
+        "stopped", the session closed).
         `loss` is only reported (progress records, events). Raises SwarmError when the node
         failed, NonFiniteLossError (the step skipped, nothing changed) on a NaN/inf gradient."""
         self._raise_failure()
+        if not self._holding and not self._first_permit(self._start_timeout):
+            return False
         try:
             self._steps.step(self._node.config.batch_size, loss=loss)
         except SessionClosed:
+            self._holding = False
             self._thread.join(END_WAIT)
             self._raise_failure()
             return False
+        self._holding = False
         return self._wait_for_permit()
 
     def close(self, timeout: float = 60.0) -> None:
@@ -131,6 +202,8 @@ class SwarmSession:
         self._steps.close()
 
     def __enter__(self) -> SwarmSession:
+        """The block's first forward pass runs on the run's state: wait for it here."""
+        self._first_permit(self._start_timeout)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -139,44 +212,73 @@ class SwarmSession:
     # --- inside ------------------------------------------------------------------------------
 
     def _start(self, timeout: float) -> None:
+        """Start the node's thread; return once it listens (its maddrs known), before the state."""
+        self._start_timeout = timeout
         self._thread.start()
         try:
-            # False: the run ended before our first inner step (we arrived as it finished): the
-            # caller's first `step` says so
-            self._wait_for_permit(timeout)
+            self._in_slices(self._wait_listening, timeout)
         except TimeoutError:
             self.close()
-            raise SwarmError(f"the swarm node did not start training within {timeout:g}s") from None
+            raise SwarmError(f"the swarm node did not join the DHT within {timeout:g}s (start_timeout=)") from None
+        except SwarmError:
+            self.close()
+            raise
 
-    def _wait_for_permit(self, timeout: float | None = None) -> bool:
-        """Wait, in slices so a dead node thread is noticed, for the next inner step."""
+    def _first_permit(self, timeout: float) -> bool:
+        """Wait for the first inner step (the run's state is here); False: the run ended first."""
+        if self._holding:
+            return True
+        try:
+            return self._wait_for_permit(timeout)
+        except TimeoutError:
+            raise SwarmError(f"the swarm node did not start training within {timeout:g}s "
+                             "(start_timeout=)") from None  # fmt: skip
+
+    def _in_slices(self, wait: Callable[[], Any], timeout: float) -> Any:
+        """wait() again while it raises TimeoutError (it waits one slice), until `timeout`; raises
+        the node's failure as soon as its thread has ended."""
         waited = 0.0
         while True:
             try:
-                open_ = self._steps.wait_for_permit(1.0)
-            except TimeoutError:
-                waited += 1.0
+                return wait()
+            except (TimeoutError, concurrent.futures.TimeoutError):
+                waited += SLICE_S
                 if not self._thread.is_alive():
-                    self._steps.close()
+                    self._thread.join()
                     self._raise_failure()
-                    return False
-                if timeout is not None and waited >= timeout:
+                    raise SwarmError(f"the swarm node ended ({self.reason})") from None
+                if waited >= timeout:
                     raise
-                continue
-            if not open_:  # closed: the node is ending; its failure, if any, is set as its thread ends
-                self._thread.join(END_WAIT)
-                self._raise_failure()
-            return open_
+
+    def _wait_for_permit(self, timeout: float | None = None) -> bool:
+        """Wait, in slices so a dead node thread is noticed, for the next inner step."""
+        try:
+            open_ = self._in_slices(lambda: self._steps.wait_for_permit(SLICE_S), timeout or float("inf"))
+        except SwarmError as e:  # the thread ended: a failure, or the run's end
+            self._steps.close()
+            if self.error is not None:
+                raise
+            logger.debug("%s", e)
+            return False
+        if not open_:  # closed: the node is ending; its failure, if any, is set as its thread ends
+            self._thread.join(END_WAIT)
+            self._raise_failure()
+        self._holding = open_
+        return open_
 
     def _raise_failure(self) -> None:
         if self.error is not None:
-            raise SwarmError(f"the swarm node failed: {self.error}") from self.error
+            raise _explained(self.error)
+
+    def _wait_listening(self) -> None:
+        if not self._listening.wait(SLICE_S):
+            raise TimeoutError
 
     def _serve(self) -> None:
         try:
             self.reason = eventloop.run(self._main())
         except BaseException as e:  # the caller's thread reports it (step raises SwarmError)
-            logger.error("the swarm node failed: %s", e)
+            logger.info("the swarm node failed: %s", e)
             self.error = e
         finally:
             self._steps.close()
@@ -202,8 +304,12 @@ def join(
     start_timeout: float = 600.0,
     **options: Any,
 ) -> SwarmSession:
-    """Join (or start) swarm run `run_id` with the caller's `model`; returns when the first inner
-    step may run (after fetching the swarm's state where it is ahead).
+    """Join (or start) swarm run `run_id` with the caller's `model`; returns once the node listens
+    (`session.maddrs`), has joined the DHT and found the run's settings its own. The swarm's state
+    is fetched next; entering the `with` block, `wait_for_peers` or the first `step` wait for it.
+
+    initial_peers: multiaddrs of processes of the run (a list; none: start a new run).
+    host_maddrs: where to listen; the default takes a free port on every interface.
 
     inner_optimizer: builds the inner optimizer from the list of trainable parameters (default:
         AdamW with swarm-node's schedule); a given one keeps its own learning rate.
@@ -211,23 +317,56 @@ def join(
         batch; the same on every process).
     evaluate: `evaluate(model) -> float`, run after each outer step (as "eval_loss" in events).
     options: swarm-node's other settings by name: outer_lr, outer_momentum, compression,
-        max_outer_steps, matchmaking_time, max_wait, part_timeout, checkpoint_dir, client_mode, ...
-    Raises SwarmError (could not start), ValueError (a bad setting).
+        max_outer_steps (the run's length in outer steps of the swarm, a run setting: taken from the
+        run when not given), leave_after_steps (this process's own stay: it leaves once the swarm
+        has done that many outer steps since it joined), matchmaking_time, max_wait, part_timeout,
+        checkpoint_dir, client_mode, ...
+    Raises SwarmError (could not start, one line naming the argument to change), ValueError (a
+    bad setting).
     """
     unknown = sorted(set(options) - _NODE_OPTIONS)
     if unknown:
         raise ValueError(f"unknown option(s) {', '.join(unknown)}: choose from {', '.join(sorted(_NODE_OPTIONS))}")
     config = NodeConfig(model=CUSTOM_MODEL, run_id=run_id, inner_steps=inner_steps, batch_size=tokens_per_step,
                         seq_len=1, **options)  # fmt: skip
-    p2p_config = P2PConfig(host_maddrs=tuple(host_maddrs), announce_maddrs=tuple(announce_maddrs))
+    peers = _addresses("initial_peers", initial_peers, dial=True)
+    try:
+        p2p_config = P2PConfig(host_maddrs=_addresses("host_maddrs", host_maddrs),
+                               announce_maddrs=_addresses("announce_maddrs", announce_maddrs))  # fmt: skip
+    except ValueError as e:
+        raise ValueError(python_names(str(e))) from None
     identity, proof_path = None, None
     if identity_path is not None:
         identity_path = Path(identity_path)
-        identity = Identity.load_or_create(identity_path)
+        try:
+            identity = Identity.load_or_create(identity_path)
+        except (P2PError, OSError) as e:
+            raise SwarmError(f"identity_path={str(identity_path)!r}: {e}") from None
         proof_path = proof_path_for(identity_path)
-    node = SwarmNode(config, identity=identity, initial_peers=tuple(initial_peers), p2p_config=p2p_config,
-                     on_event=on_event, model=model, inner_optimizer=inner_optimizer, evaluate=evaluate,
-                     id_proof_path=proof_path, dht_config=DHTConfig())  # fmt: skip
-    session = SwarmSession(node)
+    listening = threading.Event()
+
+    def events(event: Event) -> None:
+        if event["event"] == "listening":
+            listening.set()
+        if on_event is not None:
+            on_event(event)
+
+    node = SwarmNode(config, identity=identity, initial_peers=peers, p2p_config=p2p_config, on_event=events,
+                     model=model, inner_optimizer=inner_optimizer, evaluate=evaluate, id_proof_path=proof_path,
+                     dht_config=DHTConfig())  # fmt: skip
+    session = SwarmSession(node, listening)
     session._start(start_timeout)
     return session
+
+
+def _addresses(argument: str, values: Sequence[str], *, dial: bool = False) -> tuple[str, ...]:
+    """A list of multiaddrs, checked: ValueError naming `argument` (a bare string is one common slip)."""
+    if isinstance(values, str):
+        raise ValueError(f"{argument}= takes a list of multiaddrs, not one string: [{values!r}]")
+    texts = tuple(values)
+    for text in texts:
+        try:
+            parse_address(text) if dial else parse_maddrs([text])
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{argument}=: {e}") from None
+    return texts

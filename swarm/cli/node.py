@@ -27,14 +27,14 @@ from swarm.cli import node_ranks
 from swarm.cli.common import CliError, OneLineCommand, run_network, setup_logging
 from swarm.cli.node_data import open_prepared, refuse_with_ranks
 from swarm.cli.node_display import MetricsFile, display_for_terminal, join_lines
+from swarm.cli.node_identity import IDENTITY_FILE, node_identity
 from swarm.cli.node_run import metrics_server, run_until_signalled
-from swarm.cli.node_settings import adopt_run_settings, read_config_file
+from swarm.cli.node_settings import adopt_run_settings, read_config_file, refuse_other_settings
 from swarm.cli.options import (
     OpenNetworkLimits,
     compression_option,
     identity_option,
     initial_peers_option,
-    load_identity,
     maddr_list,
     open_network_options,
     relay_options,
@@ -44,14 +44,12 @@ from swarm.dht.id_proof import proof_path_for
 from swarm.model.presets import PRESETS
 from swarm.model.schedule import SCHEDULES
 from swarm.node.config import CATCH_UP_MODES, OVERLAP_MODES, NodeConfig
-from swarm.p2p.identity import Identity
 from swarm.p2p.relay import RelayConfig
 
 if TYPE_CHECKING:  # torch and the node load inside main(), after the flags are checked
     from swarm.node import Event
 
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
-IDENTITY_FILE = "node.key"  # in --checkpoint-dir when --identity is not given
 _DEFAULTS = NodeConfig()
 
 
@@ -87,15 +85,18 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
               help=f"Where to listen (repeatable). Default: {DEFAULT_HOST_MADDRS[0]}.")  # fmt: skip
 @click.option("--announce-maddrs", multiple=True, metavar="MADDR", callback=maddr_list,
               help="What peers should dial instead of the listen addresses (public IP, forwarded port).")  # fmt: skip
-@identity_option(help="Key file of this node, created if missing; keeps the PeerID across restarts. "
-                 f"Default: {IDENTITY_FILE} in --checkpoint-dir, else a new identity at each start.")
+@identity_option(
+    help="Key file of this node (mode 0600), created if missing and kept: a restarted node keeps its PeerID and its "
+    f"join line. Default: {IDENTITY_FILE} in --checkpoint-dir, else ~/.config/swarm/identity/RUN[-tcpPORT].key "
+    "(see docs: swarm-node); 'ephemeral': a new one at each start."
+)
 @_opt("run-id", str, "The training run to join.")
 @_opt("model", click.Choice(list(PRESETS)), "Model preset.")
 @_opt("data", str, "Training data: 'stdlib' (built in), a folder of swarm-data prepare, or "
       "'hf:<dataset>[:<config>]' (needs --tokenizer).")
 @_opt("tokenizer", str, "Hugging Face tokenizer for --data hf:...")
 @_opt("seed", click.IntRange(0), "The run's seed: initial weights are a function of it.")
-@_opt("inner-steps", click.IntRange(1), "H: inner steps per outer step.")
+@_opt("inner-steps", click.IntRange(1), "H: inner steps per outer step (the same on every node).")
 @_opt("batch-size", click.IntRange(1), "Sequences per inner step.")
 @_opt("seq-len", click.IntRange(1), "Tokens per sequence.")
 @_opt("lr", click.FloatRange(0, min_open=True), "Peak inner AdamW learning rate.")
@@ -109,7 +110,8 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
 @_opt(
     "total-steps",
     click.IntRange(1),
-    "The run's length in inner steps (outer step x H + inner): where cosine and wsd end. Required by them.",
+    "Where cosine and wsd end, in inner steps of the swarm's clock (outer steps done x H + inner), counted from "
+    "the run's start. Required by them; without --max-outer-steps the run ends there too.",
 )
 @_opt("decay-fraction", click.FloatRange(0, 1, min_open=True), "wsd: the share of --total-steps spent decaying.")
 @_opt("min-lr-ratio", click.FloatRange(0, 1), "cosine and wsd: the final rate, as a fraction of --lr.")
@@ -157,7 +159,15 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
     "Nodes (this one included) that start a new run together: at the run's first outer step, train once "
     "this many are live (at most 10 minutes, then alone). A run already under way is joined at once.",
 )
-@_opt("max-outer-steps", click.IntRange(1), "Stop after this many outer steps (default: run until stopped).")
+@_opt("max-outer-steps", click.IntRange(1), "The run's length, a run setting: the outer steps the swarm trains, "
+      "counted from the run's start (not from this node's), the same on every node; a joining node takes the run's. "
+      "Default: until stopped, or where a decaying --lr-schedule ends.")  # fmt: skip
+@_opt(
+    "leave-after-steps",
+    click.IntRange(1),
+    "This node's own stay, not a run setting: leave once the swarm has done this many outer steps since this "
+    "node joined (or resumed); the run goes on. Default: stay to the run's end.",
+)
 @_opt("device", str, "Torch device: auto (cuda when present), cpu, cuda, cuda:1, ...")
 @_opt("offload-outer/--no-offload-outer", bool, "Keep θ_outer and outer momentum in CPU memory.")
 @_opt("compile/--no-compile", bool, "torch.compile the model: faster inner steps on a GPU, after a compile at start.")
@@ -227,15 +237,17 @@ def main(
 
             torch.set_num_threads(threads)
         sys.exit(follow(launch, timeout=rank_timeout))
-    if identity is None and config.checkpoint_dir:  # a restart that resumes keeps its PeerID: its join line holds
-        identity = Path(config.checkpoint_dir) / IDENTITY_FILE
-        try:
-            identity.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:  # a file where the folder should be, no permission: one line, not a traceback
-            raise CliError(f"cannot create --checkpoint-dir {identity.parent}: {e.strerror or e}") from None
-    node_identity = load_identity(identity) or Identity.generate()  # one for the settings lookup and the node
-    proof_path = proof_path_for(identity) if identity is not None else None  # its costly id, solved once
-    import torch  # the flags are checked: now the slow imports (seconds on a busy machine)
+    # one identity for the settings lookup and the node, kept across restarts (node_identity.py)
+    node_key, key_file = node_identity(identity, checkpoint_dir=config.checkpoint_dir, name=config.run_id,
+                                       host_maddrs=host_maddrs or DEFAULT_HOST_MADDRS)  # fmt: skip
+    proof_path = proof_path_for(key_file) if key_file is not None else None  # its costly id, solved once
+    theirs = None  # the run's settings, as its records say
+    if initial_peers:  # refusals first: the run's settings, read and compared before torch, data and model load
+        config, theirs = adopt_run_settings(config, initial_peers, limits, node_key, proof_path)
+        refuse_other_settings(config, theirs)
+        if launch is not None:  # the run's batch must split over our ranks too
+            node_ranks.plan(nproc_per_node, config)
+    import torch  # the flags and the run's settings are checked: now the slow imports (seconds on a busy machine)
 
     from swarm.model.data import DataUnavailableError
     from swarm.node import NodeError, SwarmNode
@@ -247,10 +259,8 @@ def main(
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     config, prepared = open_prepared(config)  # --data DIR: the setting becomes tokens:<digest>
-    if initial_peers:
-        config = adopt_run_settings(config, initial_peers, limits, node_identity, proof_path)
-        if launch is not None:  # the run's batch must split over our ranks too
-            node_ranks.plan(nproc_per_node, config)
+    if prepared is not None:  # the folder's tokens against the run's
+        refuse_other_settings(config, theirs)
     sinks: list[Any] = []
     watch = metrics_server(metrics_port, metrics_host, config.run_id, initial_peers, limits)
     if watch is not None:
@@ -276,7 +286,7 @@ def main(
                 extra: dict[str, Any] = {} if prepared is None else {"data": prepared}
                 if launch is not None:  # rank 0 of several: the ranks train together, we speak for them
                     ranks = stack.enter_context(node_ranks.NodeRanks.open(
-                        launch, config, node_identity.peer_id.to_bytes(), threads=threads, verbose=verbose,
+                        launch, config, node_key.peer_id.to_bytes(), threads=threads, verbose=verbose,
                         timeout=rank_timeout, shard=shard))  # fmt: skip
                     config, extra = ranks.config, {"data": ranks.data, "model": ranks.model,
                                                    "train_loop": ranks.train_loop,
@@ -285,7 +295,7 @@ def main(
                                                           list(ranks.pids))  # fmt: skip
                 node = SwarmNode(
                     config,
-                    identity=node_identity,
+                    identity=node_key,
                     initial_peers=initial_peers,
                     p2p_config=p2p_config,
                     on_event=on_event,

@@ -11,8 +11,8 @@ from typing import IO, TYPE_CHECKING, Any
 
 import click
 
-from swarm.model.run_settings import join_flags
 from swarm.node.config import NodeConfig
+from swarm.node.settings import join_flags
 
 if TYPE_CHECKING:
     from swarm.node import Event

@@ -5,23 +5,24 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import click
 from click.core import ParameterSource
 
 from swarm.cli.common import CliError, run_network
 from swarm.cli.options import OpenNetworkLimits
-from swarm.model.run_settings import FIELDS, FLAGS, training_settings
 from swarm.node.config import NodeConfig
 from swarm.node.run_lookup import (
     RunChoiceError,
     RunLookup,
-    adoptable_settings,
     initial_peer_ids,
     look_up_run,
     run_to_join,
 )
+from swarm.node.settings import CLI_REMEDY, FIELDS, FLAGS, adoptable_settings, disagreement, training_settings
 from swarm.p2p.identity import Identity
 
 if sys.version_info >= (3, 11):
@@ -63,10 +64,11 @@ def read_config_file(ctx: click.Context, param: click.Parameter, path: Path | No
 def adopt_run_settings(
     config: NodeConfig, initial_peers: tuple[str, ...], limits: OpenNetworkLimits, identity: Identity,
     proof_path: Path | None,
-) -> NodeConfig:  # fmt: skip
+) -> tuple[NodeConfig, Mapping[str, Any] | None]:  # fmt: skip
     """The run to join (without --run-id: the DHT's one run) and every run setting not given on
     the command line or in --config, from the run's records (swarm/node/run_lookup.py); each said in
-    one line. A --run-id nobody trains, where others are trained, is warned about."""
+    one line. A --run-id nobody trains, where others are trained, is warned about. Returns the
+    config and the run's settings as its records say (None: none found)."""
     ctx = click.get_current_context()
     given = {n for n in FIELDS if ctx.get_parameter_source(n) not in (ParameterSource.DEFAULT, None)}
     dial_out = limits.p2p(host_maddrs=("/ip4/127.0.0.1/tcp/0",))  # it only dials out
@@ -77,7 +79,7 @@ def adopt_run_settings(
 
     lookup = look_up(config.run_id)
     if lookup is None:
-        return config
+        return config, None
     run_given = ctx.get_parameter_source("run_id") not in (ParameterSource.DEFAULT, None)
     try:
         run_id, said = run_to_join(config.run_id, run_given, lookup)
@@ -89,14 +91,33 @@ def adopt_run_settings(
         config = dataclasses.replace(config, run_id=run_id)
         lookup = look_up(run_id)
         if lookup is None:
-            return config
+            return config, None
     adopted = adoptable_settings(lookup.settings, given, training_settings(config))
     if not adopted:
-        return config
+        return config, lookup.settings
     try:
         config = dataclasses.replace(config, **adopted)
     except ValueError as e:  # the run publishes settings this node cannot run: say whose
         raise CliError(f"run {config.run_id!r} publishes settings this node cannot use: {e}") from None
     flags = " ".join(f"{FLAGS[n]} {v}" for n, v in adopted.items())
     click.echo(f"run {config.run_id!r}: adopting its settings {flags}", err=True)
-    return config
+    return config, lookup.settings
+
+
+def refuse_other_settings(config: NodeConfig, theirs: Mapping[str, Any] | None) -> None:
+    """CliError naming both values of every setting of ours that contradicts the run's: the first
+    thing a refused node prints, before torch, the data or the model load. A --data folder or URL
+    is compared once open (its setting is the digest of its tokens): call again then."""
+    if theirs is None:
+        return
+    skip = () if _settled_data(config.data) else ("data",)
+    ours = {n: v for n, v in training_settings(config).items() if n not in skip}
+    run = {n: v for n, v in theirs.items() if n not in skip}
+    problem = disagreement(ours, [(None, run)], frozenset(), CLI_REMEDY)
+    if problem is not None:
+        raise CliError(problem)
+
+
+def _settled_data(data: str) -> bool:
+    """--data in the form the run's settings carry (not a folder or URL still to open)."""
+    return data == "stdlib" or data.startswith(("hf:", "tokens:"))

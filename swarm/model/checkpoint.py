@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save as safetensors_save
 
 from swarm.model.configs import DEFAULT_SHARD_BYTES
-from swarm.model.run_settings import decode_settings, differences
+from swarm.model.setting_values import decode_settings, differences
 
 FORMAT = "swarm-state/1"
 MAX_MANIFEST_BYTES = 4 << 20
@@ -62,7 +62,7 @@ class RunInfo:
     seed: int = 0
     data: str = "stdlib"
     inner_steps: int = 0  # H when the state was made (also in settings, which are checked)
-    # the run's settings (swarm/run_settings.py): a state made under others is not usable
+    # the run's settings (swarm/node/settings.py), canonical: a state made under others is not usable
     settings: dict[str, Any] = field(default_factory=dict)
 
 
@@ -120,9 +120,10 @@ class Manifest:
             raise IncompatibleState(
                 f"the state is of model {self.run.model!r} with another shape than this node's {expect.model!r}"
             )
-        if self.run.settings != expect.settings:
-            theirs = "; ".join(differences(expect.settings, self.run.settings)) or "other settings"
-            raise IncompatibleState(f"the state was made under other run settings: {theirs}")
+        # the node's own comparison (setting_values); a setting named as the flag that sets it
+        theirs = differences(expect.settings, self.run.settings, label=lambda name: "--" + name.replace("_", "-"))
+        if theirs:
+            raise IncompatibleState(f"the state was made under other run settings: {'; '.join(theirs)}")
 
 
 def parse_manifest(data: bytes) -> Manifest:

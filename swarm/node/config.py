@@ -13,8 +13,8 @@ from swarm.dht.run_keys import check_run_id
 from swarm.model.compression_spec import CompressionSpec
 from swarm.model.configs import DEFAULT_SHARD_BYTES, DiLoCoConfig
 from swarm.model.presets import PRESETS
-from swarm.model.run_settings import CUSTOM_MODEL, settings_digest, training_settings
 from swarm.model.schedule import DEFAULT_DECAY_FRACTION, DEFAULT_WARMUP_STEPS
+from swarm.node.settings import CUSTOM_MODEL, training_settings
 from swarm.state.config import FetchConfig, KeeperConfig
 
 if TYPE_CHECKING:
@@ -75,7 +75,13 @@ class NodeConfig:
     catch_up: str = "update"
     client_mode: bool = False
     # run
+    # the run's length, a run setting: the outer steps the swarm trains (steps 0 .. N-1), the
+    # same on every node (a joiner not given it takes the run's); None: until its nodes stop, or
+    # where a decaying schedule sets total_steps, as many as it spans (run_end)
     max_outer_steps: int | None = None
+    # local: this node leaves once the swarm has done this many outer steps since it joined (or
+    # resumed); the run goes on without it. None: it stays until the run's end
+    leave_after_steps: int | None = None
     device: str = "auto"  # "auto": cuda when present
     offload_outer: bool = False
     # torch.compile the model (inner steps and evals): on an H200 about twice the tokens/s of
@@ -105,8 +111,10 @@ class NodeConfig:
         if self.model in PRESETS and self.seq_len > PRESETS[self.model].max_seq_len:
             limit = PRESETS[self.model].max_seq_len
             raise ValueError(f"seq_len {self.seq_len} exceeds the {self.model} model's {limit}")
-        if self.max_outer_steps is not None and self.max_outer_steps < 1:
-            raise ValueError(f"max_outer_steps must be >= 1, got {self.max_outer_steps}")
+        for name in ("max_outer_steps", "leave_after_steps"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 (or None), got {value!r}")
         for name in ("matchmaking_time", "publish_interval", "fetch_timeout", "part_timeout"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"{name} must be a positive number of seconds")
@@ -152,9 +160,9 @@ class NodeConfig:
 
     def averaging_config(self, client_mode: bool, settings: bytes | None = None) -> AveragingConfig:
         """`settings`: the digest of the node's run settings (default: this config's own; a
-        custom model's node hands in its own, run_settings.custom_settings)."""
+        custom model's node hands in its own, settings.custom_settings)."""
         return AveragingConfig(
-            settings=settings if settings is not None else settings_digest(training_settings(self)),
+            settings=settings if settings is not None else training_settings(self).digest,
             max_group_size=self.max_group_size,
             matchmaking_time=self.matchmaking_time,
             part_timeout=self.part_timeout,
@@ -174,6 +182,16 @@ class NodeConfig:
             fetch=FetchConfig(timeout=self.fetch_timeout),
             by_update=self.catch_up == "update",
         )
+
+    @property
+    def run_end(self) -> int | None:
+        """The outer steps the run trains: max_outer_steps, or where a decaying schedule ends
+        (total_steps inner steps, rounded up to whole outer steps); None: until its nodes stop."""
+        if self.max_outer_steps is not None:
+            return self.max_outer_steps
+        if self.lr_schedule != "constant" and self.total_steps is not None:
+            return math.ceil(self.total_steps / self.inner_steps)
+        return None
 
     @property
     def max_weight(self) -> float:

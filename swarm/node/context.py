@@ -13,7 +13,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from swarm.p2p.reach import DIRECT
 
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from swarm.node.events import EventSink
     from swarm.node.permits import UserSteps
     from swarm.node.progress import ProgressBook
+    from swarm.node.settings import RunSettings
     from swarm.state.keeper import StateKeeper
     from swarm.state.lineage_book import LineageBook
 
@@ -45,8 +46,7 @@ class RunContext:
     stop: asyncio.Event  # set by whoever runs the node: finish the round under way, then end
     client: bool  # client mode, as the reachability check left it: trains, serves nothing
     maddrs: list[str]  # where peers reach us (none in client mode): our progress record says them
-    settings: dict[str, Any]  # the run settings we train with (model/run_settings.py)
-    settings_digest: bytes
+    settings: RunSettings  # the run settings we train with (settings.py), with their digest
     evaluate: Callable[[], float] | None  # the eval loss of the model as it is; None: the caller's model
     feedback: ErrorFeedback | None  # --error-feedback: the codec's residual (model/error_feedback.py)
     compression: CompressionSpec  # --compression CODEC[:DENSITY] (model/compression.py)
@@ -55,10 +55,6 @@ class RunContext:
     clock: Callable[[], float] = time.time
     # how peers reach us now: direct, punched or relayed (reachability.py); our record says it
     reach: Callable[[], str] = lambda: DIRECT
-
-    def last_step(self, step: int) -> bool:
-        """Is `step` the run's last (--max-outer-steps)?"""
-        return self.config.max_outer_steps is not None and step + 1 >= self.config.max_outer_steps
 
 
 @dataclass(slots=True)
@@ -89,6 +85,13 @@ class StepFacts:
     # meanwhile instead of the next step's figures; None otherwise
     unmatched: tuple[int, int, int] | None = None
     began: float = 0.0  # writer: OuterLoop.run: the event loop's time when training began
+    # writer: OuterLoop.run, once: the outer steps done at which we stop (the run's end, or our own
+    # --leave-after-steps from the step we joined at: settings.stop_step); None: until stopped
+    stop_at: int | None = None
+
+    def last_step(self, step: int) -> bool:
+        """Is `step` (0-based) our last: the run's, or the last before we leave?"""
+        return self.stop_at is not None and step + 1 >= self.stop_at
 
     @property
     def late(self) -> bool:

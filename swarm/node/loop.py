@@ -55,6 +55,7 @@ from swarm.node.plan import (
     steps_for_slower,
     swarm_together,
 )
+from swarm.node.settings import run_has_ended, stop_step
 from swarm.node.step_end import RESULT_POLL, Landing, StepEnd, Unmatched
 from swarm.node.view import SwarmView
 
@@ -64,6 +65,7 @@ POLL_SECONDS = 0.2  # how often the loop looks at the trainer's progress
 FINAL_STRETCH = 3.0  # seconds before matchmaking in which peers' progress is read often
 FINAL_REFRESH_SECONDS = 0.5
 LATE_GATHER = 0.3  # seconds a node joining an already gathering group waits for it
+RUN_ENDED = "run ended"  # why a node that arrived after the run's end left at once (exit 0, not "finished")
 
 
 class Replan:
@@ -101,8 +103,17 @@ class OuterLoop:
         self._started_with = (0, 0)
 
     async def run(self, started_with: int = 0) -> str:
-        """Train until the stop or the last step; returns why it ended ("stopped", "finished")."""
-        ctx = self.ctx
+        """Train until the stop or the last step; returns why it ended: "stopped", "finished" (the
+        run's end), "left" (--leave-after-steps; the run goes on) or RUN_ENDED (it had ended before
+        we arrived: nothing to train)."""
+        ctx, config = self.ctx, self.ctx.config
+        end = config.run_end
+        if run_has_ended(end, ctx.diloco.outer_step, [p.step for p in self.view.read().peers]):
+            logger.warning("the run ended at step %d (all %d of its outer steps done) before this node joined: "
+                           "nothing left to train", end, end)  # fmt: skip
+            return RUN_ENDED
+        self.facts.stop_at = stop_step(end, config.leave_after_steps, ctx.diloco.outer_step)
+        leaving = self.facts.stop_at != end
         self._started_with = (started_with, self.facts.fetches)
         self.facts.began = asyncio.get_running_loop().time()
         in_flight: asyncio.Future[bool] | None = None  # --overlap: the last step's end, landing meanwhile
@@ -119,6 +130,10 @@ class OuterLoop:
                     return "stopped"
             await self.view.publish()  # our last record says we are done: nobody lingers for us
             await self._linger()
+            if leaving:
+                logger.info("leaving the run after outer step %d (%d outer steps done; --leave-after-steps)",
+                            ctx.diloco.outer_step - 1, ctx.diloco.outer_step)  # fmt: skip
+                return "left"
             return "finished"
         finally:
             if in_flight is not None:  # stopped while it lands: the group counts on our part of it
@@ -184,7 +199,7 @@ class OuterLoop:
     def _steps_left(self) -> bool:
         if self.facts.run_over:
             return False
-        return self.ctx.config.max_outer_steps is None or self.ctx.diloco.outer_step < self.ctx.config.max_outer_steps
+        return self.facts.stop_at is None or self.ctx.diloco.outer_step < self.facts.stop_at
 
     # --- 2. inner steps and matchmaking -------------------------------------------------------
 
@@ -301,7 +316,7 @@ class OuterLoop:
         its group has formed; with --overlap-matchmaking from the end of its inner steps, when the
         swarm is together (plan.swarm_together; while nodes straggle in, their groups form first)."""
         ctx = self.ctx
-        return ctx.config.overlap != "none" and ctx.diloco.inner_done > 0 and not ctx.last_step(step)
+        return ctx.config.overlap != "none" and ctx.diloco.inner_done > 0 and not self.facts.last_step(step)
 
     def _last_group(self) -> int:
         """The size of our last group; before our first step here, the nodes that started the run

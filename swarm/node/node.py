@@ -12,6 +12,8 @@ with the node's StepFacts (the step's mutable facts, one writer per field), to t
 loop (loop.OuterLoop), which reads one outer step top to bottom.
 
 Events (`on_event`, called on the event loop; the CLI writes them as JSON lines):
+    {"event": "listening", "maddrs", "run_id"} (the host listens, the DHT is joined and the run's
+     settings are checked: peers may join through these addresses; the state comes next)
     {"event": "start", "peer_id", "maddrs", "run_id", "outer_step", "parameters", "client_mode", ...}
     {"event": "progress", "outer_step", "inner_step", "inner_steps", "train_loss"}
     {"event": "outer_step", "outer_step" (completed, from 0), "train_loss", "eval_loss",
@@ -64,15 +66,6 @@ from swarm.model.error_feedback import ErrorFeedback
 from swarm.model.llama import build_model, count_parameters
 from swarm.model.loss import eval_loss
 from swarm.model.presets import preset
-from swarm.model.run_settings import (
-    API_REMEDY,
-    CLI_REMEDY,
-    CUSTOM_MODEL,
-    custom_settings,
-    disagreement,
-    settings_digest,
-    training_settings,
-)
 from swarm.node.config import NodeConfig
 from swarm.node.context import RunContext, StepFacts
 from swarm.node.data_loop import DataLoop, TrainLoop, TrainLoopFactory
@@ -84,6 +77,17 @@ from swarm.node.plan import nodes_to_start_with, starting_together
 from swarm.node.progress import ProgressBook
 from swarm.node.reachability import NodeReach
 from swarm.node.run_lookup import initial_peer_ids
+from swarm.node.settings import (
+    API_REMEDY,
+    CLI_REMEDY,
+    CUSTOM_MODEL,
+    RunSettings,
+    custom_settings,
+    disagreement,
+    run_end_to_adopt,
+    run_settings,
+    training_settings,
+)
 from swarm.node.view import SwarmView
 from swarm.p2p.autonat import check_reachability
 from swarm.p2p.config import P2PConfig
@@ -148,7 +152,7 @@ class SwarmNode:
                 raise NodeError("model 'custom' trains the caller's own model: hand it in (swarm.join)")
             self.diloco = _wrapped(model, config, inner_optimizer)
             architecture, initial = model_fingerprint(self.diloco)
-            self.settings = custom_settings(config, architecture=architecture, initial_state=initial)
+            self._fingerprint: tuple[str, str] | None = (architecture, initial)
             model_config: dict[str, Any] = {"architecture": architecture, "parameters": self.diloco.parameter_count}
             data_name = "caller"
             self._evaluate = None if evaluate is None else functools.partial(evaluate, model)
@@ -160,7 +164,7 @@ class SwarmNode:
                 model = _build(config, preset_config)
             # inner_optimizer: None (AdamW), or --shard's HeldOptimizer: the ranks step the shards
             self.diloco = _wrapped(model, config, inner_optimizer)
-            self.settings = training_settings(config)
+            self._fingerprint = None
             eval_set = eval_windows(data.eval, config.seq_len, config.eval_windows)
             self._evaluate = functools.partial(eval_loss, model, eval_set)
             # prepared data: disjoint chunks across the swarm (swarm/data/)
@@ -171,22 +175,34 @@ class SwarmNode:
             chunks = {"cursor": self._cursor} if self._cursor is not None else {}  # DataLoop's, for prepared data
             self._data_loop = train_loop(self.inner, data, self.peer_id, batch_size=config.batch_size,
                                          seq_len=config.seq_len, **chunks)  # fmt: skip
-        self._settings_digest = settings_digest(self.settings)
         self.run_info = RunInfo(run_id=config.run_id, model=config.model, model_config=model_config,
-                                seed=config.seed, data=data_name, inner_steps=config.inner_steps,
-                                settings=self.settings)  # fmt: skip
+                                seed=config.seed, data=data_name, inner_steps=config.inner_steps)  # fmt: skip
+        self.settings = self._settings_for(config)  # the run settings we train with; the manifest carries them
         self.maddrs: list[str] = []  # where peers reach us, once `run` has started the host
         # the step's mutable facts (context.py); a node that joined peers starts late
         self.facts = StepFacts(planned_at=-1 if initial_peers else 0)
         self.outer_loop: OuterLoop | None = None  # while `run` runs: its outer-step loop
+        self._started = asyncio.Event()  # set once the node holds the run's state and serves it
         self._compression = config.compression_spec()
         self._block_size = config.averaging_config(self.client_mode).block_size
         self._feedback = _error_feedback(config, self._compression.codec, self._block_size)
 
+    def _settings_for(self, config: NodeConfig) -> RunSettings:
+        """The run settings of `config` (with our model's fingerprint, for a caller's model), also
+        written into the manifest of the states we make."""
+        if self._fingerprint is not None:
+            architecture, initial = self._fingerprint
+            settings = custom_settings(config, architecture=architecture, initial_state=initial)
+        else:
+            settings = training_settings(config)
+        self.run_info = dataclasses.replace(self.run_info, settings=settings.wire())
+        return settings
+
     # --- lifecycle --------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> str:
-        """Train until stop is set or max_outer_steps are done; returns why it ended. Raises
+        """Train until stop is set, the run's end or our own leave_after_steps; returns why it ended
+        (OuterLoop.run: "finished", "left", "run ended", "stopped"). Raises
         NodeError (bad data, unreachable peers, divergence), DHTError or P2PError."""
         if self._data_loop is not None:
             self._data_loop.start()
@@ -224,16 +240,24 @@ class SwarmNode:
         return await P2PHost(self.identity, dataclasses.replace(self.p2p_config, reuse_port=True)).start(), True
 
     async def _run_with(self, host: P2PHost, stop: asyncio.Event, reach: NodeReach) -> str:
-        config = self.config
         # a NATed node asks the DHT but stores none of its records: they live on reachable nodes
         dht = DHTNode(host=host, initial_peers=self.initial_peers, config=self.dht_config,
                       client_mode=self.client_mode or reach.nated, id_proof_path=self.id_proof_path)  # fmt: skip
         await dht.start()
-        claimer = await self._claim_chunks(dht)
-        book = ProgressBook(dht, config.run_id, config.publish_interval)
-        averager = Averager(dht, host, config.run_id, config.averaging_config(self.client_mode, self._settings_digest),
+        book = ProgressBook(dht, self.config.run_id, self.config.publish_interval)
+        try:
+            # refusals first: a node of other settings says so before it claims data, resumes or fetches
+            await self._refuse_other_settings(book)
+            config = self.config  # with the run's end, where we adopted it
+            claimer = await self._claim_chunks(dht)
+        except BaseException:
+            await dht.close()
+            raise
+        self.maddrs = [] if self.client_mode else host.visible_maddrs
+        self.events.emit("listening", maddrs=self.maddrs, run_id=config.run_id)
+        averager = Averager(dht, host, config.run_id, config.averaging_config(self.client_mode, self.settings.digest),
                             reach=reach.reach, relayed_may_own=lambda: _relayed_may_own(book))  # fmt: skip
-        lineage = LineageBook(host, dht, config.run_id, self._settings_digest, serve=not self.client_mode)
+        lineage = LineageBook(host, dht, config.run_id, self.settings.digest, serve=not self.client_mode)
         keeper = StateKeeper(host, dht, self.run_info, in_trainer=self.inner.call, beside_trainer=self.inner.beside,
                              serve=not self.client_mode,
                              checkpoint_dir=Path(config.checkpoint_dir) if config.checkpoint_dir else None,
@@ -242,7 +266,7 @@ class SwarmNode:
         ctx = RunContext(config=config, diloco=self.diloco, inner=self.inner, events=self.events, averager=averager,
                          keeper=keeper, book=book, lineage=lineage, stop=stop, client=self.client_mode,
                          maddrs=[] if self.client_mode else host.visible_maddrs, settings=self.settings,
-                         settings_digest=self._settings_digest, evaluate=self._evaluate, feedback=self._feedback,
+                         evaluate=self._evaluate, feedback=self._feedback,
                          compression=self._compression, block_size=self._block_size, reach=reach.reach)  # fmt: skip
         loop = self.outer_loop = OuterLoop(ctx, self.facts)
         publisher: Supervised | None = None
@@ -272,12 +296,6 @@ class SwarmNode:
             genesis = bytes.fromhex(await self.inner.call(diloco.state_sha256))
             ctx.lineage.start(diloco.outer_step, genesis, provisional=bool(self.initial_peers))
         if self.initial_peers:
-            await ctx.book.refresh()
-            remedy = API_REMEDY if config.model == CUSTOM_MODEL else CLI_REMEDY
-            problem = disagreement(self.settings, [(p.peer_id, p.settings) for p in ctx.book.peers],
-                                   initial_peer_ids(self.initial_peers), remedy)  # fmt: skip
-            if problem is not None:
-                raise NodeError(problem)
             await loop.ends.fetch(alone=False)
         await loop.ends.rehash()
         self.maddrs = ctx.maddrs
@@ -288,6 +306,26 @@ class SwarmNode:
         # serve what we hold from the start, step 0 too: a client that trained alone ahead of
         # every server follows the servers' state (swarm/state/keeper.py)
         await ctx.keeper.publish(diloco, checkpoint=False)
+        self._started.set()
+
+    async def _refuse_other_settings(self, book: ProgressBook) -> None:
+        """NodeError naming both values when the run's records carry other run settings than ours
+        (settings.disagreement). Read right after the DHT is joined, before anything slow. A
+        node not given the run's end takes it from the run first (swarm-node has already, from
+        its lookup; swarm.join and a node whose lookup went unanswered do it here)."""
+        if not self.initial_peers:
+            return
+        await book.refresh()
+        vouched = initial_peer_ids(self.initial_peers)
+        end = run_end_to_adopt(self.settings, run_settings([(p.peer_id, p.settings) for p in book.peers], vouched))
+        if end is not None:
+            logger.info("run %r: adopting its end: %d outer steps (max_outer_steps)", self.config.run_id, end)
+            self.config = dataclasses.replace(self.config, max_outer_steps=end)
+            self.settings = self._settings_for(self.config)
+        remedy = API_REMEDY if self.config.model == CUSTOM_MODEL else CLI_REMEDY
+        problem = disagreement(self.settings, [(p.peer_id, p.settings) for p in book.peers], vouched, remedy)
+        if problem is not None:
+            raise NodeError(problem)
 
     async def _resume(self, keeper: StateKeeper) -> bool:
         """Resume from our last checkpoint; False when there is none."""
@@ -331,6 +369,27 @@ class SwarmNode:
             self.events.network(view.ctx.keeper)
             await view.publish()
             await view.ctx.book.refresh()
+
+    async def wait_for_peers(self, nodes: int, timeout: float) -> int:
+        """Wait until `nodes` nodes of the run, this one included, are live with our settings
+        (their progress records fresh), publishing our own record meanwhile: a barrier for
+        processes that should train together from their first step. Returns how many are live,
+        fewer than `nodes` after `timeout` seconds (0: this node did not get the run's state by then)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            await asyncio.wait_for(self._started.wait(), timeout)
+        except asyncio.TimeoutError:
+            return 0
+        assert self.outer_loop is not None  # set before _started
+        view = self.outer_loop.view
+        while True:
+            await view.publish()
+            await view.ctx.book.refresh()
+            live = 1 + len(view.read().live())
+            if live >= nodes or loop.time() >= deadline:
+                return live
+            await asyncio.sleep(START_POLL_S)
 
     async def _wait_to_start(self, view: SwarmView, stop: asyncio.Event) -> int:
         """--start-with N: at a new run's first step, wait until N nodes (us included) are live

@@ -3,7 +3,7 @@ when the peers of an outer step will finish their inner steps.
 
     {"maddrs": [...], "client": bool, "step": outer step, "inner": inner steps done, "H": inner
      steps per outer step, "sec_per_step": float, "time": unix time of the figures,
-     "settings": the run settings it trains with (model/run_settings.py), ...}
+     "settings": the run settings it trains with (node/settings.py), ...}
 
 plus display fields (`train_loss`, `eval_loss`, `tokens_per_s`, `group_size`, `bytes_sent` and
 `bytes_received`: the node's wire totals, `reach`: direct, punched or relayed) that
@@ -33,7 +33,7 @@ from swarm.dht.node import DHTNode
 from swarm.dht.records import owner_subkey
 from swarm.dht.run_keys import RUNS_KEY, nodes_key, owned_map
 from swarm.dht.store_retry import store_or_warn
-from swarm.model.run_settings import decode_settings, settings_digest
+from swarm.node.settings import RunSettings
 from swarm.p2p.errors import P2PError
 from swarm.p2p.peer_id import PeerID
 from swarm.p2p.reach import reach_of
@@ -58,8 +58,7 @@ class PeerProgress:
     sec_per_step: float
     time: float  # unix time of these figures
     client: bool
-    settings: dict[str, Any] | None = None  # the run settings it trains with (run_settings.py); None: not said
-    settings_digest: bytes | None = None  # settings_digest(settings), computed once when decoded
+    settings: RunSettings | None = None  # the run settings it trains with, digest computed once; None: not said
     evals: tuple[tuple[int, float], ...] = ()  # (outer step, eval loss), oldest first (decode_evals)
     reach: str | None = None  # direct, punched or relayed (p2p/reach.py); None: not said
 
@@ -82,9 +81,8 @@ def decode_progress(subkey: Any, value: Any) -> PeerProgress | None:
         return None
     if not 0 <= sec <= MAX_SEC_PER_STEP:
         return None
-    settings = decode_settings(value.get("settings"))
-    digest = settings_digest(settings) if settings is not None else None
-    return PeerProgress(peer, step, inner, h, float(sec), float(when), value.get("client") is True, settings, digest,
+    settings = RunSettings.decode(value.get("settings"))
+    return PeerProgress(peer, step, inner, h, float(sec), float(when), value.get("client") is True, settings,
                         decode_evals(value.get("evals")), reach_of(value.get("reach")))  # fmt: skip
 
 

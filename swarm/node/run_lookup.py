@@ -9,8 +9,8 @@ node's identity; it stores nothing) reads the run's progress records, and every 
 user did not give (model, H, batch, schedule, ...) takes the run's value, so that a volunteer
 joins with `--run-id` and `--initial-peers` alone. A setting given on the command line or in the
 config file is never overridden: when it contradicts the run, the node refuses to start, naming
-both values (SwarmNode, run_settings.disagreement). Whose settings are the run's is
-run_settings.run_settings's rule (the initial peers' first, else most records').
+both values (SwarmNode, settings.disagreement). Whose settings are the run's is
+settings.run_settings's rule (the initial peers' first, else most records').
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from swarm.dht.config import DHTConfig
 from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
 from swarm.dht.run_keys import RUNS_KEY, check_run_id, nodes_key, owned_map
-from swarm.model.run_settings import FIELDS, run_settings, same_value
 from swarm.node.progress import decode_progress
+from swarm.node.settings import RunSettings, run_settings
 from swarm.p2p import P2PConfig
 from swarm.p2p.errors import P2PError
 from swarm.p2p.identity import Identity
@@ -45,7 +45,7 @@ MAX_RUNS_SHOWN = 8  # runs named in a warning (the most listed first)
 class RunLookup:
     """What the DHT says of a run before a node joins it."""
 
-    settings: dict[str, Any] | None  # the run's settings (None: no record carries any)
+    settings: RunSettings | None  # the run's settings (None: no record carries any)
     nodes: int  # progress records of the run
     runs: dict[str, RunSeen]  # the runs this DHT lists (RUNS_KEY), by id
 
@@ -141,14 +141,6 @@ def unknown_run_warning(run_id: str, lookup: RunLookup) -> str | None:
         f"no node of this DHT trains run {run_id!r}: starting it anew. The DHT has {_named(lookup.runs)}; "
         "check --run-id if you meant to join one of them"
     )
-
-
-def adoptable_settings(theirs: Mapping[str, Any] | None, given: set[str], ours: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings to take from the run (pure): each known setting the user did not give whose
-    value differs from ours."""
-    if theirs is None:
-        return {}
-    return {n: theirs[n] for n in FIELDS if n in theirs and n not in given and not same_value(theirs[n], ours.get(n))}
 
 
 def initial_peer_ids(maddrs: tuple[str, ...]) -> frozenset[PeerID]:

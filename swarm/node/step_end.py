@@ -107,7 +107,7 @@ class StepEnd:
             plan = plan_without_group(self.view.read(), late=g.late, other_state=found.other_state,
                                       waited=loop.time() - g.since, max_wait=ctx.config.max_wait,
                                       ready_peers=found.peers, groupless_for=loop.time() - g.first,
-                                      last=ctx.last_step(step), late_confirmed=g.confirmed)  # fmt: skip
+                                      last=self.facts.last_step(step), late_confirmed=g.confirmed)  # fmt: skip
             if plan.action == END:
                 logger.warning("step %d: %s", step, plan.why)
                 self.facts.run_over = True
@@ -217,7 +217,7 @@ class StepEnd:
         """After the outer step is applied: eval (of θ_outer), hash, receipt, event, publish.
         `progress`: the step's inner steps, when the next step's already run (--overlap)."""
         ctx, diloco, config, facts = self.ctx, self.ctx.diloco, self.ctx.config, self.facts
-        last = config.max_outer_steps is not None and diloco.outer_step >= config.max_outer_steps
+        last = facts.stop_at is not None and diloco.outer_step >= facts.stop_at
         evaluate = last or diloco.outer_step % config.eval_every == 0
         if evaluate and ctx.evaluate is not None:
             began = time.perf_counter()

@@ -34,7 +34,7 @@ class SwarmView:
         peers = []
         for p in ctx.book.peers:  # records the run cannot produce are not believed (progress.implausible)
             why = implausible(p, now=now, inner_steps=ctx.config.inner_steps, max_step=horizon)
-            if why is None and p.settings_digest not in (None, ctx.settings_digest):
+            if why is None and p.settings is not None and p.settings.digest != ctx.settings.digest:
                 why = "it trains with other run settings (never grouped with: not waited for)"
             if why is None:
                 peers.append(p)
@@ -80,6 +80,6 @@ class SwarmView:
             train_loss=sum(losses) / len(losses) if losses else None,
             eval_loss=facts.last_eval, group_size=facts.last_group,
             tokens_per_s=round(config.batch_size * config.seq_len / sec, 1) if sec > 0 else None,
-            settings=ctx.settings, evals=ctx.events.evals, bytes_sent=ctx.events.wire_sent,
+            settings=ctx.settings.wire(), evals=ctx.events.evals, bytes_sent=ctx.events.wire_sent,
             bytes_received=ctx.events.wire_received, reach=ctx.reach(),
         ))  # fmt: skip

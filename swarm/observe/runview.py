@@ -19,8 +19,8 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 from typing import Any
 
-from swarm.model.run_settings import run_settings
 from swarm.node.progress import PeerProgress, decode_progress
+from swarm.node.settings import run_settings
 from swarm.p2p.reach import reach_of
 from swarm.state.holders import decode_holder
 
@@ -60,7 +60,8 @@ class RunView:
             self._remember_bytes(rows[-1]["peer_id"], sent, received)
         rows.sort(key=lambda r: (-r["step"], -r["inner"], r["peer_id"]))
         self.nodes = rows[:MAX_NODES_SHOWN]
-        self.settings = run_settings([(p.peer_id, p.settings) for p in peers], frozenset())
+        settings = run_settings([(p.peer_id, p.settings) for p in peers], frozenset())
+        self.settings = settings.wire() if settings is not None else None
         self._fold_curve(peers)
         self.throughput.append((round(now, 3), round(sum(r["tokens_per_s"] or 0.0 for r in rows), 1)))
         decoded = (decode_holder(subkey, value) for subkey, value in holders)

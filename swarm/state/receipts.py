@@ -51,7 +51,7 @@ class RoundBody:
     """What every member of one round signs (the module docstring)."""
 
     run_id: str
-    settings: bytes  # the run settings' digest (model/run_settings.py)
+    settings: bytes  # the run settings' digest (node/settings.py)
     step: int  # the outer step the round averaged
     group_id: bytes  # GroupInfo.group_id; 32 zero bytes for a round of one
     members: tuple[PeerID, ...]  # in the group's order

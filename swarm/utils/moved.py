@@ -23,6 +23,7 @@ MOVED = {  # old name -> new name: the node package and the shared helpers
     "swarm.node_events": "swarm.node.events",
     "swarm.user_steps": "swarm.node.permits",
     "swarm.trainer": "swarm.node.data_loop",
+    "swarm.model.run_settings": "swarm.node.settings",  # the run settings' one owner
     "swarm.eventloop": "swarm.utils.eventloop",
     "swarm.supervised": "swarm.utils.supervised",
     "swarm.log_once": "swarm.utils.log_once",

@@ -20,8 +20,8 @@ from swarm.model.checkpoint_dir import CheckpointDir
 from swarm.model.data import DataUnavailableError, ShardedTokens, load_data, node_generator, sample_batch
 from swarm.model.export import ExportOptions, export_checkpoint
 from swarm.model.prepare import PrepareConfig, load_tokenizer, prepare
-from swarm.model.run_settings import disagreement, training_settings
 from swarm.node.config import NodeConfig
+from swarm.node.settings import disagreement, training_settings
 from tests.model.token_corpus import train_tokenizer, write_corpus
 from tests.node.conftest import Swarm
 

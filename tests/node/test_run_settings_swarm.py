@@ -1,4 +1,4 @@
-"""Nodes of one run agree on its settings (swarm/model/run_settings.py), in one event loop over
+"""Nodes of one run agree on its settings (swarm/node/settings.py), in one event loop over
 real sockets: a node given another schedule than the run's refuses to start and says which
 flags differ; nodes of other settings that start unseen by each other never average together."""
 
@@ -32,15 +32,15 @@ async def test_a_node_with_another_schedule_refuses_to_start_naming_both_values(
     bootstrap = await local.start_bootstrap()
     first = local.start((bootstrap,), max_outer_steps=50, lr_schedule="cosine", total_steps=200)
     await asyncio.wait_for(published_settings(local), 30)
-    other = local.start((bootstrap,), max_outer_steps=2)  # swarm-node's default: constant
+    other = local.start((bootstrap,), leave_after_steps=2)  # swarm-node's default: constant
     with pytest.raises(NodeError) as caught:
         await asyncio.wait_for(other.task, 30)
     message = str(caught.value)
     assert "--lr-schedule 'cosine' (this node: 'constant')" in message
     assert "--total-steps 200 (this node: None)" in message
     assert not other.steps() and not first.task.done()
-    same = local.start((bootstrap,), max_outer_steps=2, lr_schedule="cosine", total_steps=200)
-    assert await asyncio.wait_for(same.task, 150) == "finished"  # the run's own settings are welcome
+    same = local.start((bootstrap,), leave_after_steps=2, lr_schedule="cosine", total_steps=200, max_outer_steps=50)
+    assert await asyncio.wait_for(same.task, 150) == "left"  # the run's own settings are welcome
     assert any(e.get("group_size", 0) >= 2 for e in same.steps().values())
 
 
