@@ -40,7 +40,7 @@ def soak(config: SoakConfig, *, as_json: bool = False) -> int:
             runner.close()
     logs = runner.logs()
     invariants = check(runner.events, runner.churn, runner.samples, logs, inner_steps=config.inner_steps,
-                       warmup_s=WARMUP_S)  # fmt: skip
+                       warmup_s=max(WARMUP_S, config.minutes * 60 / 3))  # fmt: skip
     report = {
         "command": " ".join(sys.argv[:1] + sys.argv[1:]),
         "run_id": runner.run_id,
