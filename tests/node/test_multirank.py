@@ -65,7 +65,7 @@ def test_a_rank_killed_mid_step_ends_its_node_cleanly_and_the_other_node_carries
     swarm.start_bootstrap()
     args = ("--run-id", "rankdeath", "--inner-steps", "30", "--matchmaking-time", "2", "--part-timeout", "10")
     victim_node = swarm.node("a", *args, "--max-outer-steps", "50", *TWO_RANKS)
-    other = swarm.node("b", *args, "--max-outer-steps", "3")
+    other = swarm.node("b", *args, "--max-outer-steps", "50", "--leave-after-steps", "3")
     swarm.wait_for(lambda: len(swarm.events("a", "progress")) >= 1, 150, "node a to train")
     pids = _rank_pids(swarm, "a")
     assert len(pids) == 1, swarm.stderr("a")[-3000:]

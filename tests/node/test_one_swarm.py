@@ -80,13 +80,14 @@ async def test_past_the_cap_one_state_through_the_grid_even_when_a_member_dies_m
 
 async def test_a_node_of_another_state_is_not_mixed_in_it_fetches_the_swarms_and_agrees(local: LocalSwarm) -> None:
     bootstrap = await local.start_bootstrap()
-    # the honest nodes train a step longer: the odd one must find their state still served
+    # the honest nodes train a step longer (the run's end): the odd one leaves before it, and
+    # must find their state still served
     honest = [local.start((bootstrap,), max_outer_steps=3) for _ in range(3)]
-    odd = local.start((bootstrap,), max_outer_steps=2)
+    odd = local.start((bootstrap,), max_outer_steps=3, leave_after_steps=2)
     with torch.no_grad():  # the same step, another θ_outer: as after a partition that applied its own Δ
         for theta in odd.node.diloco.outer_params:
             theta.add_(0.01)
-    assert await local.finish(150) == ["finished"] * 4
+    assert await local.finish(150) == ["finished"] * 3 + ["left"]
     by_step = assert_one_state(local)
     assert set(by_step) == {0, 1, 2}
     fetches = [e for e in odd.events if e["event"] == "fetch"]
