@@ -33,7 +33,8 @@ class PlainLines:
         kind = event["event"]
         if kind == "outer_step":
             line = (
-                f"outer step {event['outer_step']}: train loss {_fmt(event['train_loss'])}, "
+                f"outer step {event['outer_step']} done ({event['outer_step'] + 1} outer steps done): "
+                f"train loss {_fmt(event['train_loss'])}, "
                 f"eval loss {_fmt(event['eval_loss'])}, group of {event['group_size']}, "
                 f"sent {_mb(event['bytes_sent'])}, received {_mb(event['bytes_received'])}, "
                 f"{event['tokens_per_s']:.0f} tokens/s, state {event['state_sha256'][:12]}"
@@ -81,10 +82,9 @@ class LivePanel:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.progress = Progress(
-            TextColumn("outer step {task.fields[step]}"),
+            TextColumn("{task.fields[step]} outer steps done, inner steps of the next"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("inner steps"),
             TimeElapsedColumn(),
         )
         self.task = self.progress.add_task("inner", total=1, step=0)
@@ -163,7 +163,8 @@ def display_for_terminal() -> PlainLines | LivePanel:
 def join_lines(event: Event, config: NodeConfig) -> list[str]:
     """The start banner: who this node is, where it listens, and the command line that joins it."""
     maddrs = event["maddrs"]
-    where = f"run {config.run_id!r}, model {config.model}, outer step {event['outer_step']}"
+    end = f" of {config.run_end}" if config.run_end is not None else ""
+    where = f"run {config.run_id!r}, model {config.model}, {event['outer_step']}{end} outer steps done"
     lines = [f"swarm-node {event['peer_id']} ({where})"]
     if not maddrs:
         return [*lines, "client mode: this node dials out only; peers cannot join through it"]

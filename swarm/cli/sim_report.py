@@ -115,7 +115,7 @@ class NodeRecord:
             )
         if kind == "exit":
             self.exit_reason = str(event.get("reason"))
-            return f"{self.label()} exiting at outer step {event.get('outer_step')}: {self.exit_reason}"
+            return f"{self.label()} exiting with {event.get('outer_step')} outer steps done: {self.exit_reason}"
         return None  # an event kind this simulator does not know: newer nodes may add some
 
     def _outer_step(self, event: dict[str, Any]) -> str:
@@ -129,7 +129,7 @@ class NodeRecord:
         self.tokens_per_s = _float(event.get("tokens_per_s"))
         self.inner_step = 0
         return (
-            f"{self.label()} outer step {self.outer_step}: train {_num(self.train_loss)} "
+            f"{self.label()} outer step {self.outer_step} done ({self.steps_done} done): train {_num(self.train_loss)} "
             f"eval {_num(self.eval_loss)} group {self.group_size} tok/s {_num(self.tokens_per_s, 0)} "
             f"state {_short_hash(self.state_sha256)}"
         )
@@ -139,6 +139,14 @@ class NodeRecord:
         arrives as the run ends holds the final state without stepping."""
         stepped = self.outer_step is not None and self.outer_step >= outer_steps - 1
         return stepped or (self.fetched_step is not None and self.fetched_step >= outer_steps)
+
+    @property
+    def steps_done(self) -> int | None:
+        """Outer steps done: after its last completed step (0-based), or at the state it fetched or
+        started from, whichever is further; None before it started."""
+        known = [s for s in (None if self.outer_step is None else self.outer_step + 1, self.fetched_step,
+                             self.joined_at_step) if s is not None]  # fmt: skip
+        return max(known) if known else None
 
     def label(self) -> str:
         return f"{self.name} ({short_peer(self.peer_id)})" if self.peer_id else self.name
@@ -193,7 +201,9 @@ def _parse(line: bytes, path: Path) -> dict[str, Any] | None:
 
 # --- display --------------------------------------------------------------------------------
 
-COLUMNS = ("node", "peer", "outer step", "inner", "train loss", "eval loss", "group", "tok/s", "state", "status")
+# "steps done": outer steps completed, the number swarm-node's log, panel and exit line, inspect,
+# the dashboard and the swarm_outer_step metric show for a node (a node at "7 done" trains step 7)
+COLUMNS = ("node", "peer", "steps done", "inner", "train loss", "eval loss", "group", "tok/s", "state", "status")
 
 
 class Display(Protocol):
@@ -260,7 +270,7 @@ def table_rows(records: Sequence[NodeRecord]) -> list[tuple[str, ...]]:
         (
             r.name if r.link is None else f"{r.name} {r.link}",
             short_peer(r.peer_id),
-            "-" if r.outer_step is None else str(r.outer_step),
+            "-" if r.steps_done is None else str(r.steps_done),
             f"{r.inner_step}/{r.inner_steps}" if r.inner_steps else "-",
             _num(r.train_loss),
             _num(r.eval_loss),

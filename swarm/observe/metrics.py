@@ -40,7 +40,7 @@ ERROR_LEVELS = ("warning", "error")
 # name as scraped -> (type, meaning). Counters' names end in _total; the Info adds _info.
 METRICS: dict[str, tuple[str, str]] = {
     "swarm_node_info": ("info", "labels: peer_id, run_id, model, device, client_mode"),
-    "swarm_outer_step": ("gauge", "the outer step this node works on (outer steps the swarm completed)"),
+    "swarm_outer_step": ("gauge", "outer steps done: the swarm's steps this node's state has (it trains the next)"),
     "swarm_inner_step": ("gauge", "inner steps done in the current outer step"),
     "swarm_outer_steps_total": ("counter", "outer steps this node completed"),
     "swarm_inner_steps_total": ("counter", "inner steps this node trained"),
