@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -181,3 +182,44 @@ def test_closing_mid_step_returns_promptly_though_the_group_is_forming(sessions:
     assert time.monotonic() - began < 20 and second.reason == "stopped"
     steady.join(120)
     assert not isinstance(result.get(0), BaseException) and result[0][0] == 6  # the other trained on
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(120)
+def test_join_returns_listening_before_any_wait_and_wait_for_peers_is_the_barrier(
+    sessions: list[SwarmSession],
+) -> None:
+    """start_with=2 once blocked inside join, so the first process never printed its address."""
+    options = dict(run_id="barrier", inner_steps=5, host_maddrs=LOCAL, start_with=2, **QUICK)
+    began = time.monotonic()
+    first = swarm.join(make_model(), adam, **options)
+    sessions.append(first)
+    assert first.maddrs and first.maddrs[0].startswith("/ip4/127.0.0.1/tcp/") and time.monotonic() - began < 30
+    with pytest.raises(SwarmError, match=r"wait_for_peers\(2, timeout=1\): 1 process\(es\) of run 'barrier' live"):
+        first.wait_for_peers(2, timeout=1)
+    second = swarm.join(make_model(), adam, initial_peers=first.maddrs, **options)
+    sessions.append(second)
+    counted: dict[str, int] = {}
+    waiting = threading.Thread(target=lambda: counted.update(first=first.wait_for_peers(2, timeout=60)))
+    waiting.start()
+    assert second.wait_for_peers(2, timeout=60) == 2
+    waiting.join(70)
+    assert counted == {"first": 2}
+
+
+@pytest.mark.timeout(60)
+def test_a_taken_port_is_one_line_naming_the_python_argument(sessions: list[SwarmSession]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SwarmError) as refused:
+            swarm.join(make_model(), adam, run_id="taken", host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"], **QUICK)
+    message = str(refused.value)
+    assert f"port {port} of 127.0.0.1 is in use" in message and "host_maddrs=" in message, message
+    assert "--" not in message and "\n" not in message, message
+    assert refused.value.__cause__ is None and refused.value.__suppress_context__  # no chained traceback wall
+    with pytest.raises(ValueError, match=r"initial_peers= takes a list of multiaddrs, not one string"):
+        swarm.join(make_model(), adam, initial_peers="/ip4/127.0.0.1/tcp/1/p2p/x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^host_maddrs=: "):
+        swarm.join(make_model(), adam, host_maddrs=["/ip4/999.0.0.1/tcp/0"])
