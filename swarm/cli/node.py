@@ -2,6 +2,7 @@
 
     swarm-node --run-id demo                                   # the first node of a run
     swarm-node --run-id demo --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...
+    swarm-node check --run-id demo --initial-peers ...   # pre-flight: can this machine join? (node_check.py)
 
 A node with --initial-peers adopts the run's settings (model, H, batch, schedule, ...) that it
 was not given (swarm/node/run_lookup.py); a given one that contradicts the run is refused.
@@ -71,7 +72,20 @@ def _opt(name: str, type_: Any, help: str, **kwargs: Any) -> Any:
     return click.option(f"--{name}", type=type_, default=default, show_default=True, help=help, **kwargs)
 
 
-@click.command(cls=OneLineCommand, context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
+class NodeCommand(OneLineCommand):
+    """swarm-node, and `swarm-node check ...`: the pre-flight with the same options (node_check.py)."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, **kwargs: Any) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        if argv[:1] == ["check"]:
+            from swarm.cli.node_check import check_command
+
+            prog = prog_name or Path(sys.argv[0]).name
+            return check_command(self).main(argv[1:], prog_name=f"{prog} check", **kwargs)
+        return super().main(argv, prog_name=prog_name, **kwargs)
+
+
+@click.command(cls=NodeCommand, context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @click.option(
     "--config",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -213,7 +227,10 @@ def main(
     relay: RelayConfig | None,
     **options: Any,
 ) -> None:
-    """Train the swarm's model with DiLoCo, averaging with whoever is ready each outer step."""
+    """Train the swarm's model with DiLoCo, averaging with whoever is ready each outer step.
+
+    `swarm-node check OPTIONS` (the same options): a pre-flight that tells whether this machine
+    can join the run of --initial-peers, and what to fix."""
     setup_logging(verbose)
     try:
         config = NodeConfig(**options, shard_bytes=max(1, int(shard_mb * 2**20)))

@@ -1,0 +1,61 @@
+"""`swarm-node check`: the pre-flight against a real run (a bootstrap and a training node on
+127.0.0.1): ready against the run as it is (exit 0, its table), refused with the fix against an
+address nobody answers and against a run of other settings (exit 1)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+
+import pytest
+
+from swarm.cli.node_check import FAIL, OK, WARN, Finding, print_findings
+from swarm.utils.process_control import console_script
+from tests.node.conftest import ENV, FAST, LOOPBACK, Swarm
+
+
+def check(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([console_script("swarm-node"), "check", "--host-maddrs", LOOPBACK, *FAST, *args],
+                          capture_output=True, text=True, env=ENV | {"COLUMNS": "120"}, timeout=240)  # fmt: skip
+
+
+def row(out: str, name: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith(f"│ {name} "))
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(600)
+def test_check_says_ready_for_a_good_run_and_why_not_for_a_dead_address_or_other_settings(swarm: Swarm) -> None:
+    bootstrap = swarm.start_bootstrap()
+    swarm.node("first", "--run-id", "checked", "--inner-steps", "5")
+    swarm.wait_for(lambda: bool(swarm.events("first", "network")), 180, "the first node's progress record")
+    good = check("--run-id", "checked", "--initial-peers", bootstrap)
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "verdict: ready to join" in good.stdout
+    assert "1 node(s) in run 'checked'" in row(good.stdout, "peers") and row(good.stdout, "peers").endswith("ok │")
+    assert "the run's (model tiny, H 5)" in row(good.stdout, "settings")  # H adopted from the run
+    assert "peers dial this machine directly" in row(good.stdout, "reachability")
+    assert "MB/s down" in row(good.stdout, "bandwidth")  # a shard of the run's state, timed
+    assert "GiB for model tiny and one step" in row(good.stdout, "memory")
+    assert "the run's median" in row(good.stdout, "inner step")
+
+    other = check("--run-id", "checked", "--inner-steps", "7", "--initial-peers", bootstrap)
+    assert other.returncode == 1, other.stdout + other.stderr
+    assert "differ: --inner-steps 5 (this node: 7)" in other.stdout and row(other.stdout, "settings").endswith("FAIL │")
+    assert "verdict: cannot join: settings: Leave these flags out" in other.stdout
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = f"/ip4/127.0.0.1/tcp/{port}/p2p/{bootstrap.rsplit('/', 1)[1]}"
+    unreachable = check("--run-id", "checked", "--initial-peers", dead)
+    assert unreachable.returncode == 1, unreachable.stdout + unreachable.stderr
+    assert "none answered" in row(unreachable.stdout, "peers") and "FAIL" in row(unreachable.stdout, "peers")
+    assert "verdict: cannot join: peers: check the address" in unreachable.stdout
+
+
+def test_the_verdict_lists_each_failure_with_its_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    print_findings([Finding("peers", "1 dialed", OK), Finding("memory", "needs 9 GiB; 2 GiB free", FAIL, "more memory"),
+                    Finding("reachability", "not dialed", WARN, "forward the port")])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "verdict: cannot join: memory: more memory" in out and "note (reachability): forward the port" in out
