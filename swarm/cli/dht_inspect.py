@@ -4,20 +4,23 @@ as a table, live as a web page with --serve, or without --run-id the runs the DH
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 from typing import Any
 
 import click
 
+from swarm.cli import inspect_view
 from swarm.cli.common import CliError
 from swarm.cli.dht_client import ClientOptions, client_options, with_client
 from swarm.cli.dht_records import subkey_entries
-from swarm.cli.output import cell, duration, echo_json, jsonable, new_table, print_table, show
+from swarm.cli.output import PIPED_WIDTH, cell, duration, echo_json, jsonable, new_table, print_table, show
 from swarm.dht import run_keys
-from swarm.dht.errors import RecordError
+from swarm.dht.errors import DHTError, RecordError
 from swarm.dht.node import DHTNode, user_value
 from swarm.dht.records import ValueWithExpiration, owner_of
 from swarm.node.run_lookup import listed_runs
+from swarm.p2p.errors import P2PError
 
 
 def run_id_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -42,8 +45,10 @@ def run_id_option(ctx: click.Context, param: click.Parameter, value: str | None)
 @click.option("--serve-host", default="127.0.0.1", show_default=True, help="Where --serve listens.")
 @client_options()
 def inspect(run_id: str | None, serve_port: int | None, serve_host: str, opts: ClientOptions) -> None:
-    """What a training run publishes: its nodes (outer step, addresses) and its state holders;
-    without --run-id, the runs this DHT carries. --serve PORT: the same, live, as a web page."""
+    """What a training run publishes: its settings, then a row per node (steps done, inner i/H,
+    losses, tokens/s, group, reachability, state hash, last seen); -v every field, --json all of
+    it. Peers that no longer answer are left out. Without --run-id, the runs this DHT carries.
+    --serve PORT: the same, live, as a web page."""
     if serve_port is not None:
         if run_id is None:
             raise click.UsageError("--serve needs --run-id (swarm-dht inspect lists the runs)")
@@ -55,37 +60,119 @@ def inspect(run_id: str | None, serve_port: int | None, serve_host: str, opts: C
     keys = {"nodes": run_keys.nodes_key(run_id), "state": run_keys.state_key(run_id),
             "chunks": run_keys.chunks_key(run_id)}  # fmt: skip
 
-    async def op(node: DHTNode) -> list[ValueWithExpiration | None]:
+    async def op(node: DHTNode) -> tuple[list[ValueWithExpiration | None], dict[str, bool | None]]:
         results = await asyncio.gather(*(node.lookup_value(k, latest=True) for k in keys.values()))
         if not any(r.closest for r in results):  # not "nothing published": nobody answered in time
             asked = sum(r.asked for r in results)
             raise CliError(f"no DHT node answered the lookups for run {run_id!r} ({asked} asked); try again")
         now = time.time()
-        return [user_value(r.records(k, now)) for r, k in zip(results, keys.values(), strict=True)]
+        values = [user_value(r.records(k, now)) for r, k in zip(results, keys.values(), strict=True)]
+        entries = [e for v in values[:2] for e in run_entries(v)]
+        return values, await _answers(node, entries)
 
-    found = dict(zip(keys, with_client(opts, op), strict=True))
+    values, answered = with_client(opts, op)
+    found = dict(zip(keys, values, strict=True))
     sections = {name: run_entries(value) for name, value in found.items() if name != "chunks"}
     data = _data_progress(found["chunks"])
     if not any(sections.values()):
         raise CliError(f"run {run_id!r} publishes nothing: no records under {' or '.join(keys.values())}")
+    now = time.time()
+    gone = _gone(sections, answered, now)
+    live = {name: [e for e in es if e["peer_id"] not in gone] for name, es in sections.items()}
+    settings, others = inspect_view.run_settings(live["nodes"])
     if opts.as_json:
         out = {
             name: [{**e, "value": jsonable(e["value"]), "subkey": jsonable(e["subkey"])} for e in es]
-            for name, es in sections.items()
+            for name, es in live.items()
         }
-        echo_json({"run_id": run_id, "keys": keys, **out, "data": data})
+        echo_json({"run_id": run_id, "keys": keys, "settings": jsonable(settings), **out, "data": data,
+                   "gone": [{"peer_id": p, "reason": r} for p, r in gone.items()]})  # fmt: skip
         return
-    shown = {"nodes": ("step", "inner", "train_loss", "eval_loss", "tokens_per_s", "group_size", "client", "reach"),
-             "state": ("step", "manifest")}  # fmt: skip
+    verbose = click.get_current_context().params.get("verbose", 0) > 0
+    width = shutil.get_terminal_size((PIPED_WIDTH, 24)).columns
+    click.echo("\n".join(inspect_view.settings_lines(settings, others, width)))
+    if verbose:
+        _print_wide(keys, live, now)
+    else:
+        _print_compact(keys, live, now)
+    if gone:
+        click.echo("\n".join(inspect_view.gone_lines(gone, width, reasons=verbose)))
+    if data is not None:
+        click.echo(f"data: epoch {data['epoch']}, {data['chunks_done']:,} of {data['chunks']:,} chunks done "
+                   f"({data['chunks_done'] / data['chunks']:.1%}), {data['tokens']:,} tokens this epoch; "
+                   f"{data['claiming']} of {data['nodes']} nodes claiming")  # fmt: skip
+
+
+PING_TIMEOUT = 3.0  # seconds a record's peer has to answer inspect's ping
+
+
+async def _answers(node: DHTNode, entries: list[dict[str, Any]]) -> dict[str, bool | None]:
+    """Whether each record's peer answers a ping at its address, as itself (None: not asked, as
+    nobody can dial it). When no peer answers at all, this client is the one cut off (a firewall,
+    no route): nobody is judged by pings then, only by the age of their records."""
+    targets: dict[str, str] = {}
+    for e in entries:
+        target = inspect_view.ping_target(e["value"])
+        if e["peer_id"] and target and e["peer_id"] not in targets:
+            targets[e["peer_id"]] = target
+
+    async def ask(peer: str, maddr: str) -> bool:
+        try:
+            who, _ = await asyncio.wait_for(node.ping(maddr), PING_TIMEOUT)
+        except (OSError, TimeoutError, P2PError, DHTError, ValueError):
+            return False
+        return str(who) == peer
+
+    replies = dict(zip(targets, await asyncio.gather(*(ask(p, m) for p, m in targets.items())), strict=True))
+    if replies and not any(replies.values()):
+        return {}
+    return {peer: replies.get(peer) for peer in {e["peer_id"] for e in entries if e["peer_id"]}}
+
+
+def _gone(sections: dict[str, list[dict[str, Any]]], answered: dict[str, bool | None], now: float) -> dict[str, str]:
+    """{PeerID: why} of the peers whose records are left out: its node record says it is gone,
+    or (a state holder with no node record) it did not answer."""
+    gone: dict[str, str] = {}
+    with_record = set()
+    for e in sections["nodes"]:
+        if e["peer_id"]:
+            with_record.add(e["peer_id"])
+            reason = inspect_view.gone_reason(e["value"], answered.get(e["peer_id"]), now)
+            if reason:
+                gone[e["peer_id"]] = reason
+    for e in sections["state"]:
+        if e["peer_id"] and e["peer_id"] not in with_record and answered.get(e["peer_id"]) is False:
+            gone[e["peer_id"]] = "does not answer at its address"
+    return gone
+
+
+def _print_compact(keys: dict[str, str], live: dict[str, list[dict[str, Any]]], now: float) -> None:
+    rows = inspect_view.node_rows(live["nodes"], live["state"], now)
+    click.echo(f"{keys['nodes']}: {len(rows)} node{'s' if len(rows) != 1 else ''}")
+    if rows:
+        click.echo("\n".join(inspect_view.table_lines(rows)))
+    listed = {r.peer for r in rows}
+    for e in live["state"]:  # holders with no node record of their own
+        if e["peer_id"] not in listed:
+            value = e["value"] if isinstance(e["value"], dict) else {}
+            peer = e["peer_id"] or show(e["subkey"])
+            click.echo(f"state holder …{peer[-inspect_view.SUFFIX:]}: step {show(value.get('step', '?'))}, "
+                       f"manifest {show(value.get('manifest', '?'))[:16]}")  # fmt: skip
+
+
+def _print_wide(keys: dict[str, str], live: dict[str, list[dict[str, Any]]], now: float) -> None:
+    """-v: every field of every record, the settings left out (printed once above)."""
+    shown = {"nodes": ("step", "inner", "H", "train_loss", "eval_loss", "tokens_per_s", "group_size", "client",
+                       "reach"), "state": ("step", "manifest")}  # fmt: skip
     for name, columns in shown.items():
-        entries = sections[name]
+        entries = live[name]
         table = new_table("peer", "maddr", *columns, "expires in", "other", title=f"{keys[name]}: {len(entries)}")
-        now = time.time()
         for e in sorted(entries, key=_by_step_desc):
             value = e["value"] if isinstance(e["value"], dict) else {}
             maddrs = value.get("maddrs")
             maddr = maddrs[0] if isinstance(maddrs, list) and maddrs else ""
-            other = {k: v for k, v in value.items() if k not in ("maddrs", *columns)} if value else e["value"]
+            left = ("maddrs", "settings", *columns)
+            other = {k: v for k, v in value.items() if k not in left} if value else e["value"]
             table.add_row(
                 cell(e["peer_id"] or show(e["subkey"])),
                 cell(maddr),
@@ -94,10 +181,6 @@ def inspect(run_id: str | None, serve_port: int | None, serve_host: str, opts: C
                 cell(other if other else ""),
             )
         print_table(table)
-    if data is not None:
-        click.echo(f"data: epoch {data['epoch']}, {data['chunks_done']:,} of {data['chunks']:,} chunks done "
-                   f"({data['chunks_done'] / data['chunks']:.1%}), {data['tokens']:,} tokens this epoch; "
-                   f"{data['claiming']} of {data['nodes']} nodes claiming")  # fmt: skip
 
 
 def _data_progress(found: ValueWithExpiration | None) -> dict[str, int] | None:

@@ -226,7 +226,7 @@ def test_inspect_shows_the_nodes_and_state_holders_of_a_run(lone_node: dict[str,
 
     seen, text, nothing = dht_parallel(
         ["inspect", "--run-id", run, "--initial-peers", maddr, "--json"],
-        ["inspect", "--run-id", run, "--initial-peers", maddr],
+        ["inspect", "--run-id", run, "--initial-peers", maddr, "-v"],  # every field of every record
         ["inspect", "--run-id", f"{run}-never", "--initial-peers", maddr],
     )
     seen = parsed(seen)
