@@ -145,7 +145,12 @@ class Connection:
             # an accepted connection expects a peer only when a relay named who is dialing
             what = "dialed" if self.role == hs.DIALER else "the relay announced"
             where = f"{what} {self._expected_peer} at {self._where()}"
-            raise PeerIDMismatch(f"{where} but the peer there is {remote.peer_id}")
+            # a node that restarted without its key file, or another node on that address: only a new
+            # address line helps, and the error says so
+            raise PeerIDMismatch(f"{where} but the peer there is {remote.peer_id}: the node at that address has "
+                                 "another identity now (restarted without its key file, or replaced): ask for its "
+                                 "current address line (a node keeps its key across restarts unless --identity "
+                                 "ephemeral)")  # fmt: skip
         assert self._handshake is not None
         if self._role_for is not None and (role := self._role_for(remote.peer_id)) not in (None, self.role):
             self.role = self._handshake.role = role  # nothing was numbered or signed yet
