@@ -20,6 +20,7 @@ other as `scripts.<folder>.<name>` and the `swarm` beside them:
     python -m scripts.experiments.diloco_sweep     # DiLoCo hyperparameters, simulated in one process
     python -m scripts.experiments.overlap_sweep    # an overlapped outer step's cost in loss, simulated
     python -m scripts.experiments.gpu_check        # a GPU machine checked in one command (one JSON line)
+    python -m scripts.experiments.gpu_efficacy     # DiLoCo against data-parallel training on one GPU (--dry-run: CPU)
 
 `--help` on each says what it measures; the docs' benchmark pages have the results. Children are
 started, read and stopped through swarm.utils.process_control.
