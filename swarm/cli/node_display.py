@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -26,6 +27,10 @@ def _mb(n: int | None) -> str:
     return "-" if n is None else f"{n / 1e6:.2f} MB"
 
 
+def _peers(n: Any) -> str:
+    return f"{n} peer" if n == 1 else f"{n} peers"
+
+
 class PlainLines:
     """One line per outer step on stderr (output is not a terminal: logs, CI, swarm-sim)."""
 
@@ -40,7 +45,7 @@ class PlainLines:
                 f"{event['tokens_per_s']:.0f} tokens/s, state {event['state_sha256'][:12]}"
             )
         elif kind == "exit":
-            line = f"exit ({event['reason']}) with {event['outer_step']} outer steps done"
+            line = summary_line(event, {})
         elif kind in ("resume", "fetch", "fetch_progress"):
             line = state_line(event)
         else:
@@ -65,32 +70,36 @@ def state_line(event: Event) -> str:
         what = "the update to the swarm's state" if event.get("by_update") else "the swarm's state"
         return (
             f"fetched {what} of outer step {event['outer_step']} ({event['reason']}): "
-            f"{_mb(event['bytes'])} from {event['peers']} peers in {event['seconds']:.2f}s ({event['MBps']} MB/s)"
+            f"{_mb(event['bytes'])} from {_peers(event['peers'])} in {event['seconds']:.2f}s ({event['MBps']} MB/s)"
         )
     return (
         f"fetching the state of outer step {event['outer_step']}: {_mb(event['done_bytes'])} of "
-        f"{_mb(event['total_bytes'])} at {event['MBps']} MB/s from {event['peers']} peers"
+        f"{_mb(event['total_bytes'])} at {event['MBps']} MB/s from {_peers(event['peers'])}"
     )
 
 
 class LivePanel:
-    """A rich Live panel: outer step, the inner-step bar, losses, throughput, group, traffic."""
+    """A rich Live panel: outer step, the inner-step bar, the node's running time, losses,
+    throughput, group, traffic; at exit, one summary line that stays. `console` and `clock`
+    (seconds, monotonic) are the terminal's and time.monotonic unless a test gives its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, console: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
         from rich.console import Console
         from rich.live import Live
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
         self.progress = Progress(
             TextColumn("{task.fields[step]} outer steps done, inner steps of the next"),
             BarColumn(),
             MofNCompleteColumn(),
-            TimeElapsedColumn(),
+            _running_time(clock),
+            get_time=clock,
         )
         self.task = self.progress.add_task("inner", total=1, step=0)
         self.last: Event = {}
         self.fetch_task: Any = None
-        self.live = Live(self._render(), console=Console(stderr=True), refresh_per_second=4, transient=False)
+        console = console if console is not None else Console(stderr=True)
+        self.live = Live(self._render(), console=console, refresh_per_second=4, transient=False)
         self.live.start()
 
     def __call__(self, event: Event) -> None:
@@ -111,6 +120,8 @@ class LivePanel:
                 self.progress.remove_task(self.fetch_task)
                 self.fetch_task = None
             self.live.console.print(state_line(event))
+        elif kind == "exit":  # above the panel, so that it stays in the terminal after the panel stops
+            self.live.console.print(summary_line(event, self.last), markup=False, highlight=False)
         self.live.update(self._render())
 
     def banner(self, lines: list[str]) -> None:
@@ -139,6 +150,31 @@ class LivePanel:
 
     def close(self) -> None:
         self.live.stop()
+
+
+def _running_time(clock: Callable[[], float]) -> Any:
+    """A progress column of the time since the panel started, redrawn with the panel (4 times a
+    second): rich's elapsed column is the bar's, and stops for good the first time the bar is full."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    started = clock()
+
+    class RunningTime(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            s = int(clock() - started)
+            return Text(f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}", style="progress.elapsed")
+
+    return RunningTime()
+
+
+def summary_line(exit_event: Event, last: Event) -> str:
+    """The node's last word: why it stopped, the steps done, and its last losses and state."""
+    line = f"exit ({exit_event['reason']}) with {exit_event['outer_step']} outer steps done"
+    if last:
+        line += (f"; last step: train loss {_fmt(last.get('train_loss'))}, eval loss {_fmt(last.get('eval_loss'))}, "
+                 f"state {str(last.get('state_sha256', '-'))[:12]}")  # fmt: skip
+    return line
 
 
 class MetricsFile:

@@ -33,6 +33,7 @@ class EventSink:
         self.peer_id = peer_id
         self.on_event = on_event or (lambda event: None)
         self._last_fetch_event = 0.0
+        self._fetch_completed: tuple[int, int] | None = None  # (step, bytes) of the last 100% fetch_progress
         self._evals: collections.deque[tuple[int, float]] = collections.deque(maxlen=EVAL_HISTORY)
         self.wire_sent = 0  # host.traffic at the last `network` event
         self.wire_received = 0
@@ -85,10 +86,16 @@ class EventSink:
                   rss_bytes=resident_bytes())  # fmt: skip
 
     def fetch_progress(self, progress: FetchProgress) -> None:
+        """At most one event a second, and the 100% one once per fetch: the fetcher reports 100%
+        when the last bytes arrive and again when the last shard is verified (a log printed both)."""
         now = time.monotonic()
-        if now - self._last_fetch_event < 1.0 and progress.done_bytes < progress.total_bytes:
+        complete = progress.done_bytes >= progress.total_bytes
+        if complete and self._fetch_completed == (progress.step, progress.total_bytes):
+            return
+        if now - self._last_fetch_event < 1.0 and not complete:
             return
         self._last_fetch_event = now
+        self._fetch_completed = (progress.step, progress.total_bytes) if complete else None
         self.emit("fetch_progress", outer_step=progress.step, done_bytes=progress.done_bytes,
                   total_bytes=progress.total_bytes, MBps=round(progress.rate_MBps, 1),
                   peers=progress.peers)  # fmt: skip
