@@ -334,31 +334,42 @@ def write_metrics(path: Path, records: Sequence[NodeRecord], header: dict[str, A
 
 
 def write_plot(path: Path, records: Sequence[NodeRecord], title: str) -> None:
-    """Train (solid) and eval (dashed) loss of every node against the outer step, one colour per
-    node. matplotlib is imported here, on the Agg backend: no display needed, and the command
-    starts without it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    """Train (solid) and eval (dashed) loss of every node against the outer step (loss_figure),
+    as a PNG."""
     from matplotlib import pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    fig = loss_figure(records, title)
     try:
-        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-        for i, record in enumerate(r for r in records if r.steps):
-            color = colors[i % len(colors)]
-            _plot_series(ax, record, "train_loss", color, "-", f"{record.label()} train")
-            _plot_series(ax, record, "eval_loss", color, "--", f"{record.label()} eval")
-        ax.set_xlabel("outer step")
-        ax.set_ylabel("loss (nats/token)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize="small")
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, format="png")
     finally:
         plt.close(fig)
+
+
+def loss_figure(records: Sequence[NodeRecord], title: str) -> Any:
+    """The loss of every node against the outer step, one colour per node, ticks on whole steps
+    (matplotlib's own chose fractions of a step). matplotlib is imported here, on the Agg
+    backend: no display needed, and the command starts without it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, record in enumerate(r for r in records if r.steps):
+        color = colors[i % len(colors)]
+        _plot_series(ax, record, "train_loss", color, "-", f"{record.label()} train")
+        _plot_series(ax, record, "eval_loss", color, "--", f"{record.label()} eval")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("outer step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize="small")
+    return fig
 
 
 def _plot_series(ax: Any, record: NodeRecord, key: str, color: str, style: str, label: str) -> None:

@@ -17,7 +17,15 @@ from typing import Any
 
 import pytest
 
-from swarm.cli.sim_report import STEP_KEYS, EventTail, NodeRecord, loss_summary, write_metrics, write_plot
+from swarm.cli.sim_report import (
+    STEP_KEYS,
+    EventTail,
+    NodeRecord,
+    loss_figure,
+    loss_summary,
+    write_metrics,
+    write_plot,
+)
 from swarm.utils import process_control
 from swarm.utils.process_control import console_script
 from tests.children import child_env
@@ -319,3 +327,14 @@ def test_record_folds_events_and_writes_reports(tmp_path: Path) -> None:
     assert doc["run_id"] == "r" and [n["name"] for n in doc["nodes"]] == ["node0"]  # no PeerID: left out
     write_plot(tmp_path / "m.png", [record, never_started], "title")
     assert (tmp_path / "m.png").read_bytes().startswith(PNG_SIGNATURE)
+    figure = loss_figure([record], "title")  # 2 outer steps: matplotlib's own ticks were 0, 0.2, ..., 1
+    try:
+        figure.canvas.draw()
+        (axes,) = figure.axes
+        low, high = axes.get_xlim()
+        shown = [t for t in axes.get_xticks() if low <= t <= high]
+        assert shown == [0, 1]
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(figure)
