@@ -39,7 +39,7 @@ from swarm.averaging.rounds.bandwidth import LinkEstimate
 from swarm.averaging.rounds.flat import AllReduceRound
 from swarm.averaging.rounds.grid import GridRound
 from swarm.averaging.rounds.registry import RoundRegistry
-from swarm.averaging.rounds.timeouts import RoundClock
+from swarm.averaging.rounds.timeouts import RoundClock, group_part_timeout
 from swarm.dht.node import DHTNode
 from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
@@ -95,7 +95,8 @@ class Averager:
         maddrs = () if client else tuple(self.host.visible_maddrs)
         bandwidth = 0.0 if client else self.bandwidth()
         weight = min(float(weight), self.config.max_weight)  # above it, peers would ignore us
-        return MemberInfo(self.host.peer_id, maddrs, weight, bandwidth, client, state, reach)
+        timeout = self.clock.part_timeout(self.config.part_timeout)
+        return MemberInfo(self.host.peer_id, maddrs, weight, bandwidth, client, state, reach, timeout)
 
     def bandwidth(self) -> float:
         """MB/s we announce: measured (config.measure_bandwidth) once a round has, else configured."""
@@ -175,8 +176,9 @@ class Averager:
         # Beyond max_group_size the hierarchical butterfly: the same average, about 2*sqrt(n) peers each.
         flat = len(group.members) <= self.config.max_group_size
         pace = self.link.pace() if self.config.measure_bandwidth and flat else None
-        # every wait of this round is bounded by what our recent rounds took, the flag at most
-        timeout = self.clock.part_timeout(self.config.part_timeout)
+        # every wait of this round is bounded by what the members' recent rounds took (the same
+        # value on every member: timeouts.group_part_timeout), the flag at most
+        timeout = group_part_timeout([m.timeout for m in group.members], self.config.part_timeout)
         config = dataclasses.replace(self.config, part_timeout=timeout)
         try:
             if flat:

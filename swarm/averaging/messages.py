@@ -49,6 +49,10 @@ class MemberInfo:
     client: bool  # accepts no inbound connections: owns no part
     state: bytes = b""  # sha256 of the state it starts the step from (see the module docstring)
     reach: str = DIRECT  # how the others reach it (p2p/reach.py)
+    # the part timeout its measured rounds give (rounds/timeouts.py); 0: none announced. The round
+    # uses the group's largest (timeouts.group_part_timeout), so that every member waits as long:
+    # members giving up on a slow owner at different times would take different results of its part
+    timeout: float = 0.0
 
     def __post_init__(self) -> None:
         if self.reach not in REACHES:
@@ -56,7 +60,7 @@ class MemberInfo:
 
     def encode(self) -> list[Any]:
         return [self.peer_id.to_bytes(), list(self.maddrs), self.weight, self.bandwidth, self.client, self.state,
-                self.reach]  # fmt: skip
+                self.reach, self.timeout]  # fmt: skip
 
     def address(self) -> PeerAddress | PeerID:
         """Where to reach this member: its first parsable maddr, direct or relayed (with its
@@ -70,9 +74,10 @@ class MemberInfo:
 
     @classmethod
     def decode(cls, item: Any) -> MemberInfo:
-        if not isinstance(item, list) or len(item) != 7:
-            raise BadRequest("a member is [peer_id, maddrs, weight, bandwidth, client, state, reach]")
-        raw_id, maddrs, weight, bandwidth, client, state, reach = item
+        if not isinstance(item, list) or len(item) not in (7, 8):
+            raise BadRequest("a member is [peer_id, maddrs, weight, bandwidth, client, state, reach, timeout]")
+        raw_id, maddrs, weight, bandwidth, client, state, reach = item[:7]
+        timeout = item[7] if len(item) == 8 else 0.0  # a member that announces none
         if not isinstance(raw_id, bytes):
             raise BadRequest("member peer id must be bytes")
         try:
@@ -83,7 +88,7 @@ class MemberInfo:
             raise BadRequest(f"member maddrs must be a list of at most {MAX_MADDRS}")
         if not all(isinstance(m, str) and 0 < len(m) <= MAX_MADDR_CHARS for m in maddrs):
             raise BadRequest("member maddrs must be short strings")
-        for name, value in (("weight", weight), ("bandwidth", bandwidth)):
+        for name, value in (("weight", weight), ("bandwidth", bandwidth), ("timeout", timeout)):
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise BadRequest(f"member {name} must be a finite number >= 0")
         if not isinstance(client, bool):
@@ -92,7 +97,7 @@ class MemberInfo:
             raise BadRequest("member state must be a 32-byte sha256 (or empty)")
         if not isinstance(reach, str) or reach not in REACHES:
             raise BadRequest(f"member reach must be one of {', '.join(REACHES)}")
-        return cls(peer_id, tuple(maddrs), float(weight), float(bandwidth), client, state, reach)
+        return cls(peer_id, tuple(maddrs), float(weight), float(bandwidth), client, state, reach, float(timeout))
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +115,9 @@ class GroupInfo:
             digest.update(len(raw_id).to_bytes(2, "big") + raw_id)
             digest.update(len(member.state).to_bytes(1, "big") + member.state)
             # what the member announced: a leader that rewrites it changes the id
-            digest.update(struct.pack(">dd?B", member.weight, member.bandwidth, member.client,
-                                      REACHES.index(member.reach)))
+            digest.update(
+                struct.pack(">dd?B", member.weight, member.bandwidth, member.client, REACHES.index(member.reach))
+            )
         return digest.digest()
 
     @classmethod

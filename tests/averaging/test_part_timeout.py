@@ -15,7 +15,16 @@ import torch
 from swarm.averaging.averager import Averager
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.messages import GroupInfo, MemberInfo
-from swarm.averaging.rounds.timeouts import FLOOR_S, WINDOW, RoundClock, derived_part_timeout, quantile
+from swarm.averaging.rounds.timeouts import (
+    FLOOR_S,
+    WINDOW,
+    RoundClock,
+    derived_part_timeout,
+    group_part_timeout,
+    quantile,
+)
+from swarm.p2p import PeerID
+from swarm.p2p.errors import BadRequest
 from tests.averaging.rounds import averagers
 
 CEILING = 60.0
@@ -56,6 +65,29 @@ def test_the_clock_remembers_completed_rounds_only() -> None:
     assert clock.part_timeout(CEILING) == 6.0
 
 
+@pytest.mark.parametrize(
+    ("announced", "ceiling", "expected", "why"),
+    [
+        ((2.0, 3.0, 2.5), CEILING, 3.0, "the largest: every member waits as long"),
+        ((2.0, 0.0), CEILING, CEILING, "a member that measured nothing announces none: the flag"),
+        ((2.0, 1e9), CEILING, CEILING, "an absurd announcement is capped by our flag"),
+        ((), CEILING, CEILING, "no members: the flag"),
+        ((5.0, 4.0), 4.5, 4.5, "our flag bounds it"),
+    ],
+)
+def test_group_part_timeout(announced: tuple[float, ...], ceiling: float, expected: float, why: str) -> None:
+    assert group_part_timeout(announced, ceiling) == expected, why
+
+
+def test_a_member_announces_its_timeout_on_the_wire() -> None:
+    info = MemberInfo(PeerID.from_public_key(bytes(32)), ("/ip4/127.0.0.1/tcp/1",), 1.0, 100.0, False, timeout=4.5)
+    assert MemberInfo.decode(info.encode()) == info
+    assert MemberInfo.decode(info.encode()[:7]).timeout == 0.0  # a member of an older version: none
+    for bad in (-1.0, float("nan"), "5"):
+        with pytest.raises(BadRequest):
+            MemberInfo.decode([*info.encode()[:7], bad])
+
+
 @contextlib.asynccontextmanager
 async def black_hole() -> AsyncIterator[str]:
     """A listener that accepts TCP connections and never answers: a member that vanished
@@ -79,7 +111,7 @@ async def black_hole() -> AsyncIterator[str]:
 
 def member(averager: Averager, weight: float, maddrs: tuple[str, ...] | None = None) -> MemberInfo:
     info = averager.member_info(weight)
-    return MemberInfo(info.peer_id, maddrs or info.maddrs, weight, 100.0, False)
+    return MemberInfo(info.peer_id, maddrs or info.maddrs, weight, 100.0, False, timeout=info.timeout)
 
 
 async def timed_round(averager: Averager, group: GroupInfo, tensor: torch.Tensor) -> float:

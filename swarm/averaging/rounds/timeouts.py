@@ -18,6 +18,14 @@ round's normal length. The rule here:
 - FLOOR_S keeps a round of a tiny model (0.1 s) from cutting off a member whose event loop
   stalls for a moment (a garbage collection, a busy CPU).
 
+Every member of a round must wait as long: a member that gives up on a slow part owner takes its
+backup's result of that part, while one that waits longer takes the owner's, and the group ends
+with two states (a soak saw exactly that at a group of 11 whose members' timeouts were 25 s and
+60 s). So each member announces its derived timeout with its matchmaking entry, and the round
+uses the largest of its group's, capped by our flag (group_part_timeout): the same value on every
+member of a run whose members share the flag. A member that has not measured yet (a restart)
+announces the flag, and its group waits as long for those rounds.
+
 A silent member costs a round about two part timeouts: its part's backup starts after the
 senders' wait for the owner's answer (2 x the timeout), while the other owners wait one.
 """
@@ -67,3 +75,11 @@ class RoundClock:
 
     def part_timeout(self, ceiling: float) -> float:
         return derived_part_timeout(tuple(self._seconds), ceiling)
+
+
+def group_part_timeout(announced: Sequence[float], ceiling: float) -> float:
+    """The round's part timeout: the largest its members announced (0: none, read as the ceiling),
+    at most `ceiling` (our flag). Pure."""
+    if not ceiling > 0:
+        raise ValueError(f"the ceiling must be positive, got {ceiling}")
+    return min(ceiling, max((t if t > 0 else ceiling for t in announced), default=ceiling))
