@@ -27,6 +27,7 @@ from swarm.cli.common import CliError
 from swarm.cli.sim_report import EventTail
 from swarm.cli.sim_swarm import (
     BOOTSTRAP_TIMEOUT_S,
+    GRACE_S,
     LOOPBACK,
     StopRequest,
     console_script,
@@ -231,8 +232,12 @@ class Soak:
                 send(slot.proc, signal.SIGCONT)
                 self.note("cont", slot)
             elif kind == "restart" and slot.proc is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    slot.proc.wait(30)  # a SIGTERMed node checkpoints first
+                if slot.proc.poll() is None and now - timer[0] < GRACE_S:  # a SIGTERMed node checkpoints first
+                    self.timers.append((timer[0], kind, slot))  # the harness never blocks on it: next poll
+                    continue
+                if slot.proc.poll() is None:  # still running after the grace: stuck in its exit
+                    send(slot.proc, signal.SIGKILL)
+                    slot.proc.wait(5)
                 self.launch(slot)
                 self.note("restart", slot)
 
