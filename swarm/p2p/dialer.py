@@ -46,7 +46,7 @@ class Dialer:
         self,
         config: P2PConfig,
         *,
-        new_protocol: Callable[[], FrameProtocol],
+        new_protocol: Callable[..., FrameProtocol],  # relayed=True: a circuit's (counted apart)
         new_connection: Callable[[FrameProtocol, str], Connection],
         handshaking: set[Connection],
         best: Callable[[PeerID], Connection | None],
@@ -126,7 +126,7 @@ class Dialer:
         """A protocol on a new transport to `addr`: a TCP socket, or a circuit through a relay."""
         if isinstance(addr, CircuitAddress):
             stream, opening = await asyncio.wait_for(self._open_circuit(addr), self.config.connect_timeout)
-            protocol = self._new_protocol()
+            protocol = self._new_protocol(relayed=True)
             CircuitTransport(stream, protocol, peername=circuit_peername(addr.relay.peer_id),
                              time_limit_s=opening.limits.seconds, observed=opening.observed,
                              peer_observed=opening.peer_observed).start()  # fmt: skip

@@ -78,7 +78,10 @@ class P2PHost:
         # False behind a NAT: nobody can dial our own addresses, so we announce the relayed ones only
         self.announce_listening = True
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.traffic = Traffic()  # bytes on the wire, all connections together (benchmarks read it)
+        self.traffic = Traffic()  # bytes on our sockets, all connections together (benchmarks read it)
+        # the end-to-end bytes of our relayed connections: they reach the wire inside a relay
+        # stream's frames, which `traffic` counts, so they must not be counted there a second time
+        self.relayed_traffic = Traffic()
         self._started = False
         self._closing = False
         self.add_handler(DIALBACK, dialback_handler(self))  # every node helps others test reachability
@@ -268,12 +271,12 @@ class P2PHost:
 
     # --- inbound ----------------------------------------------------------------------------
 
-    def _new_protocol(self) -> FrameProtocol:
+    def _new_protocol(self, *, relayed: bool = False) -> FrameProtocol:
         return FrameProtocol(
             max_head=hs.PRE_AUTH_MAX_HEAD,
             max_body=0,
             write_buffer_high=self.config.write_buffer_high_bytes,
-            traffic=self.traffic,
+            traffic=self.relayed_traffic if relayed else self.traffic,
         )
 
     def _new_connection(self, protocol: FrameProtocol, role: str) -> Connection:
@@ -297,7 +300,7 @@ class P2PHost:
         """A protocol for an inbound connection on a transport of our own (a relay's circuit),
         admitted and served as one on our listening sockets. expected_peer: the only peer whose
         handshake it accepts (the one the relay says is dialing)."""
-        protocol = self._new_protocol()
+        protocol = self._new_protocol(relayed=True)
         protocol.on_open = lambda opened: self._on_inbound_open(opened, expected_peer)
         return protocol
 

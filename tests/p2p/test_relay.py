@@ -97,6 +97,27 @@ async def test_a_relayed_peer_answers_calls_and_streams_like_a_direct_one(trio: 
 
 
 @pytest.mark.timeout(30)
+async def test_a_relayed_byte_counts_once_in_its_ends_traffic(trio: Callable[..., Any]) -> None:
+    """host.traffic is what the host's sockets carried: a relayed connection's sealed frames reach
+    the socket inside the relay stream's frames, so they count there once, and apart in
+    host.relayed_traffic (a benchmark's relay share is read from these)."""
+    t = await trio()
+    payload = os.urandom(4 * 1024 * 1024)
+    await t.dialer.call(t.relayed, "demo.echo", 0, timeout=10)
+    sent, received = t.dialer.traffic.sent, t.target.traffic.received
+    async with await t.dialer.open_stream(t.relayed, "demo.stream", timeout=10) as stream:
+        await stream.write(payload)
+        await stream.end()
+        got = await stream.read_all(max_bytes=len(payload) + 1)
+    assert len(got) == len(payload)
+    for counted in (t.dialer.traffic.sent - sent, t.target.traffic.received - received):
+        assert len(payload) <= counted <= 1.1 * len(payload), counted  # twice, before: 8.4 MB
+    for inner in (t.dialer.relayed_traffic.sent, t.target.relayed_traffic.received):
+        assert len(payload) <= inner <= 1.1 * len(payload), inner
+    assert t.relay.relayed_traffic.sent == t.relay.relayed_traffic.received == 0  # it relays; none is its own
+
+
+@pytest.mark.timeout(30)
 async def test_a_circuit_to_a_peer_without_reservation_is_refused(trio: Callable[..., Any], make_host: Factory) -> None:
     t = await trio()
     stranger = await make_host()
