@@ -107,12 +107,8 @@ class Identity:
 
     @classmethod
     def _read(cls, path: Path, fd: int) -> Identity:
-        """The key in the open file fd (of path, named in errors): private, bounded, well formed."""
-        mode = stat.S_IMODE(os.fstat(fd).st_mode)
-        if mode & 0o077:
-            raise IdentityError(f"identity file {path} can be read by others (mode {mode:04o}): a private key must "
-                                f"be the owner's alone; run chmod 600 {path}, or make a new identity if it was "
-                                "shared")  # fmt: skip
+        """The key in the open file fd (of path, named in errors): bounded, well formed, private (a
+        file that is no key says so first: that is what its owner must fix)."""
         os.lseek(fd, 0, os.SEEK_SET)
         blob = b""
         while len(blob) <= _MAX_KEY_FILE_BYTES and (chunk := os.read(fd, _MAX_KEY_FILE_BYTES + 1 - len(blob))):
@@ -120,9 +116,15 @@ class Identity:
         if len(blob) > _MAX_KEY_FILE_BYTES:
             raise IdentityError(f"identity file {path} is too large to be a key")
         try:
-            return cls.from_protobuf(blob)
+            identity = cls.from_protobuf(blob)
         except IdentityError as e:
             raise IdentityError(f"identity file {path} is not a libp2p Ed25519 key: {e}") from None
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        if mode & 0o077:
+            raise IdentityError(f"identity file {path} can be read by others (mode {mode:04o}): a private key must "
+                                f"be the owner's alone; run chmod 600 {path}, or make a new identity if it was "
+                                "shared")  # fmt: skip
+        return identity
 
     @classmethod
     def load_or_create(cls, path: str | os.PathLike[str]) -> Identity:
