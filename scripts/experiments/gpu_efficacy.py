@@ -271,18 +271,31 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
 
-        from scripts.experiments import diloco_sim as sim
-        from swarm.model.data import load_data
-        from swarm.model.llama import build_model
-        from swarm.model.presets import preset
+        from scripts.experiments import diloco_sim  # noqa: F401 (all it imports, checked before any run)
     except ImportError as error:
         print(json.dumps({"error": f"{error}: prepare a wheels folder (gpu_check --prepare-wheels)"}))
         return 2
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device (--dry-run runs on the CPU)"}))
         return 2
+    threads = torch.get_num_threads()
     if args.device == "cpu":
         torch.set_num_threads(1)  # deterministic, as the CPU sweeps
+    try:
+        return compare(args)
+    finally:  # as it was: the dry run also runs inside the test suite's process
+        torch.set_num_threads(threads)
+
+
+def compare(args: argparse.Namespace) -> int:
+    """Every run of the comparison, the table and the JSON line; the exit code."""
+    import torch
+
+    from scripts.experiments import diloco_sim as sim
+    from swarm.model.data import load_data
+    from swarm.model.llama import build_model
+    from swarm.model.presets import preset
+
     started = time.perf_counter()
     hs = [int(h) for h in args.hs.split(",")]
     codecs = [c for c in args.codecs.split(",") if c]
