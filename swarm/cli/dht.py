@@ -45,9 +45,11 @@ from swarm.cli.options import (
 from swarm.cli.output import cell, duration, echo_json, new_table, print_table
 from swarm.dht.id_proof import proof_path_for
 from swarm.dht.node import DHTNode
+from swarm.node.relay_records import advertise_relay_forever
 from swarm.p2p.host import P2PHost
 from swarm.p2p.maddr import TcpAddress, parse_address
 from swarm.p2p.relay import RelayConfig, RelayService
+from swarm.utils.supervised import Supervised
 
 SERVE_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/31337",)
 
@@ -125,6 +127,8 @@ def serve(
                 loop.add_signal_handler(sig, stop.set)
         stopping = asyncio.ensure_future(stop.wait())
         node_started = False
+        # NATed nodes learn relays from the DHT's records, not only from their initial peers
+        advert = Supervised("relay record", lambda: advertise_relay_forever(node, lambda: node.visible_maddrs))
         try:
             await host.start()
             if service is not None:
@@ -137,6 +141,8 @@ def serve(
                 return
             starting.result()
             node_started = True
+            if service is not None:
+                advert.start()
             _announce(node, as_json, key_file)
             await stopping
         finally:
@@ -144,6 +150,7 @@ def serve(
             for sig in (signal.SIGINT, signal.SIGTERM):
                 with contextlib.suppress(NotImplementedError):
                     loop.remove_signal_handler(sig)
+            await advert.close()
             await node.close()
             if service is not None:
                 await service.close()

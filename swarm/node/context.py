@@ -45,7 +45,8 @@ class RunContext:
     lineage: LineageBook  # the receipts of the rounds that made our state
     stop: asyncio.Event  # set by whoever runs the node: finish the round under way, then end
     client: bool  # client mode, as the reachability check left it: trains, serves nothing
-    maddrs: list[str]  # where peers reach us (none in client mode): our progress record says them
+    # where peers reach us now (none in client mode; a NATed node's relays change): our progress record says them
+    maddrs: Callable[[], list[str]]
     settings: RunSettings  # the run settings we train with (settings.py), with their digest
     evaluate: Callable[[], float] | None  # the eval loss of the model as it is; None: the caller's model
     feedback: ErrorFeedback | None  # --error-feedback: the codec's residual (model/error_feedback.py)

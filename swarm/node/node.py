@@ -244,6 +244,7 @@ class SwarmNode:
         dht = DHTNode(host=host, initial_peers=self.initial_peers, config=self.dht_config,
                       client_mode=self.client_mode or reach.nated, id_proof_path=self.id_proof_path)  # fmt: skip
         await dht.start()
+        reach.use_dht(dht)  # a relay lists itself there; a NATed node learns more relays there
         book = ProgressBook(dht, self.config.run_id, self.config.publish_interval)
         try:
             # refusals first: a node of other settings says so before it claims data, resumes or fetches
@@ -251,6 +252,7 @@ class SwarmNode:
             config = self.config  # with the run's end, where we adopted it
             claimer = await self._claim_chunks(dht)
         except BaseException:
+            await reach.detach_dht()
             await dht.close()
             raise
         self.maddrs = [] if self.client_mode else host.visible_maddrs
@@ -265,7 +267,7 @@ class SwarmNode:
                              vouching=initial_peer_ids(self.initial_peers), lineage=lineage)  # fmt: skip
         ctx = RunContext(config=config, diloco=self.diloco, inner=self.inner, events=self.events, averager=averager,
                          keeper=keeper, book=book, lineage=lineage, stop=stop, client=self.client_mode,
-                         maddrs=[] if self.client_mode else host.visible_maddrs, settings=self.settings,
+                         maddrs=lambda: [] if self.client_mode else host.visible_maddrs, settings=self.settings,
                          evaluate=self._evaluate, feedback=self._feedback,
                          compression=self._compression, block_size=self._block_size, reach=reach.reach)  # fmt: skip
         loop = self.outer_loop = OuterLoop(ctx, self.facts)
@@ -285,6 +287,7 @@ class SwarmNode:
             averager.close()
             if claimer is not None:  # releases our claims while the DHT is still up
                 await claimer.close()
+            await reach.detach_dht()
             await dht.close()
             self.events.emit("exit", outer_step=self.diloco.outer_step, reason=reason)
 
@@ -298,7 +301,7 @@ class SwarmNode:
         if self.initial_peers:
             await loop.ends.fetch(alone=False)
         await loop.ends.rehash()
-        self.maddrs = ctx.maddrs
+        self.maddrs = ctx.maddrs()
         self.events.emit("start", maddrs=self.maddrs, run_id=config.run_id, outer_step=diloco.outer_step,
                          parameters=sum(p.numel() for p in diloco.params), client_mode=self.client_mode,
                          reach=self.reach.reach() if self.reach is not None else None,

@@ -2,14 +2,17 @@
 
     async with NodeReach(host, nated=True, relays=initial_peers, relay=RelayConfig()) as reach:
         if not await reach.reserve(within=RESERVE_WAIT_S): ...   # no relay took us: client mode
+        reach.use_dht(dht)                                       # ... await reach.detach_dht()
         averager = Averager(..., reach=reach.reach)
 
 - A node that peers can dial (its dial-back check passed, or nobody could tell) relays for the
-  others: it serves a RelayService (p2p/relay.py) unless `relay` is None (--relay off). When it
+  others: it serves a RelayService (p2p/relay.py) unless `relay` is None (--relay off), and
+  lists itself in the DHT's relay records (relay_records.py) once given the DHT. When it
   dials a NATed peer through a relay, its Puncher (reachable=True) offers its listening address
   and the peer dials it directly: relays carry no traffic between it and the NATed.
-- A node behind NAT keeps a reservation on one of `relays` (RelayKeeper: the initial peers that
-  name their PeerID, nearest first), announces only its relayed address, and runs a Puncher, so
+- A node behind NAT keeps reservations on two relays (RelayKeeper, nearest first: the initial
+  peers that name their PeerID and, once given the DHT, the relays its records name), replaces
+  one that dies, announces only its relayed addresses, and runs a Puncher, so
   that peers that dial that address get a direct connection where both NATs allow it. Its host
   must dial from its listening port (P2PConfig.reuse_port). Without a reservation it can only be
   a client (it dials out, serves nothing), as every NATed node was before relays.
@@ -23,6 +26,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from swarm.dht.node import DHTNode
+from swarm.node.relay_records import advertise_relay_forever, find_relays
 from swarm.p2p.errors import MultiaddrError, RelayRefused
 from swarm.p2p.host import P2PHost
 from swarm.p2p.maddr import TcpAddress, parse_address
@@ -30,10 +35,12 @@ from swarm.p2p.punch import PunchConfig, Puncher
 from swarm.p2p.reach import DIRECT, RELAYED, own_reach
 from swarm.p2p.relay import RelayConfig, RelayService
 from swarm.p2p.relay_client import RelayKeeper
+from swarm.utils.supervised import Supervised
 
 logger = logging.getLogger(__name__)
 
 RESERVE_WAIT_S = 20.0  # how long a NATed node waits for a relay to take its reservation at start
+RESERVATIONS = 2  # a NATed node's relays: the second keeps it reachable while one is replaced
 
 
 def relay_candidates(peers: Sequence[str]) -> list[str]:
@@ -58,7 +65,9 @@ class NodeReach:
         self.host, self.nated = host, nated
         self.service = RelayService(host, relay) if relay is not None and not nated else None
         candidates = relay_candidates(relays) if nated else []
-        self.keeper = RelayKeeper(host, candidates) if candidates else None
+        self.keeper = RelayKeeper(host, candidates, want=RESERVATIONS, discover=self._discover) if candidates else None
+        self._dht: DHTNode | None = None
+        self._advert: Supervised | None = None  # our relay record, while we relay and have the DHT
         # behind NAT we punch (ValueError without reuse_port); reachable, we let NATed peers that
         # we dial through their relay dial us back directly
         self.puncher = Puncher(host, punch, reachable=not nated)
@@ -79,6 +88,7 @@ class NodeReach:
     async def close(self) -> None:
         if self._started:
             self._started = False
+            await self.detach_dht()
             for part in (self.keeper, self.service, self.puncher):
                 if part is not None:
                     await part.close()
@@ -88,6 +98,30 @@ class NodeReach:
 
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.close()
+
+    def use_dht(self, dht: DHTNode) -> None:
+        """From now on, learn relays from `dht`'s records (behind NAT) or list ours there (relaying)."""
+        self._dht = dht
+        if self.keeper is not None:
+            self.keeper.look_again()
+        if self.service is not None and self._advert is None:
+            self._advert = Supervised(
+                "relay record", lambda: advertise_relay_forever(dht, lambda: self.host.visible_maddrs)
+            )
+            self._advert.start()
+
+    async def detach_dht(self) -> None:
+        """Stop using the DHT (before it closes)."""
+        self._dht = None
+        if self._advert is not None:
+            advert, self._advert = self._advert, None
+            await advert.close()
+
+    async def _discover(self) -> list[str]:
+        dht = self._dht
+        if dht is None or self.keeper is None:
+            return []
+        return await find_relays(dht, exclude=list(self.keeper.held))
 
     async def reserve(self, within: float = RESERVE_WAIT_S) -> bool:
         """Behind NAT: True once a relay holds a reservation for us (False after `within`

@@ -76,7 +76,7 @@ class SwarmView:
             sec = borrowed_pace(list(ctx.book.peers))
         losses = p.losses[-10:]
         await ctx.book.publish(OwnProgress(
-            maddrs=ctx.maddrs, client=ctx.client, step=step, inner=inner, H=target, sec_per_step=sec,
+            maddrs=ctx.maddrs(), client=ctx.client, step=step, inner=inner, H=target, sec_per_step=sec,
             train_loss=sum(losses) / len(losses) if losses else None,
             eval_loss=facts.last_eval, group_size=facts.last_group,
             tokens_per_s=round(config.batch_size * config.seq_len / sec, 1) if sec > 0 else None,
