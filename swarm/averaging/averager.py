@@ -95,7 +95,7 @@ class Averager:
         maddrs = () if client else tuple(self.host.visible_maddrs)
         bandwidth = 0.0 if client else self.bandwidth()
         weight = min(float(weight), self.config.max_weight)  # above it, peers would ignore us
-        timeout = self.clock.part_timeout(self.config.part_timeout)
+        timeout = self.clock.announced(self.config.part_timeout)
         return MemberInfo(self.host.peer_id, maddrs, weight, bandwidth, client, state, reach, timeout)
 
     def bandwidth(self) -> float:

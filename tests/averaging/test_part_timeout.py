@@ -60,16 +60,19 @@ def test_quantile_is_nearest_rank() -> None:
 def test_the_clock_remembers_completed_rounds_only() -> None:
     clock = RoundClock()
     assert clock.part_timeout(CEILING) == CEILING
+    assert clock.announced(CEILING) == 0.0  # nothing measured: nothing announced
     for seconds in (1.0, 2.0, float("inf")):
         clock.observe(seconds)
     assert clock.part_timeout(CEILING) == 6.0
+    assert clock.announced(CEILING) == 6.0
 
 
 @pytest.mark.parametrize(
     ("announced", "ceiling", "expected", "why"),
     [
         ((2.0, 3.0, 2.5), CEILING, 3.0, "the largest: every member waits as long"),
-        ((2.0, 0.0), CEILING, CEILING, "a member that measured nothing announces none: the flag"),
+        ((2.0, 0.0), CEILING, 2.0, "a member that measured nothing (a restart) takes the group's"),
+        ((0.0, 0.0), CEILING, CEILING, "nobody measured anything: the flag"),
         ((2.0, 1e9), CEILING, CEILING, "an absurd announcement is capped by our flag"),
         ((), CEILING, CEILING, "no members: the flag"),
         ((5.0, 4.0), 4.5, 4.5, "our flag bounds it"),

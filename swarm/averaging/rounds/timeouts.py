@@ -24,7 +24,8 @@ with two states (a soak saw exactly that at a group of 11 whose members' timeout
 60 s). So each member announces its derived timeout with its matchmaking entry, and the round
 uses the largest of its group's, capped by our flag (group_part_timeout): the same value on every
 member of a run whose members share the flag. A member that has not measured yet (a restart)
-announces the flag, and its group waits as long for those rounds.
+announces none (0) and takes its group's: under churn a group nearly always holds a member that
+just restarted, and counting its flag made every round wait 60 s for a member that died in it.
 
 A silent member costs a round about two part timeouts: its part's backup starts after the
 senders' wait for the owner's answer (2 x the timeout), while the other owners wait one.
@@ -76,10 +77,15 @@ class RoundClock:
     def part_timeout(self, ceiling: float) -> float:
         return derived_part_timeout(tuple(self._seconds), ceiling)
 
+    def announced(self, ceiling: float) -> float:
+        """What we announce to our group: our derived timeout, or 0 (none) until we have measured
+        MIN_ROUNDS rounds."""
+        return self.part_timeout(ceiling) if len(self._seconds) >= MIN_ROUNDS else 0.0
+
 
 def group_part_timeout(announced: Sequence[float], ceiling: float) -> float:
-    """The round's part timeout: the largest its members announced (0: none, read as the ceiling),
-    at most `ceiling` (our flag). Pure."""
+    """The round's part timeout: the largest its members announced (0: none), at most `ceiling`
+    (our flag); the ceiling when no member announced one. Pure."""
     if not ceiling > 0:
         raise ValueError(f"the ceiling must be positive, got {ceiling}")
-    return min(ceiling, max((t if t > 0 else ceiling for t in announced), default=ceiling))
+    return min(ceiling, max((t for t in announced if t > 0), default=ceiling))
