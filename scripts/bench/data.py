@@ -123,6 +123,7 @@ async def bench_claims(nodes: int, chunks: int) -> dict[str, Any]:
     from swarm.data.claims import MAX_LIVE
     from swarm.data.cursor import ChunkCursor
     from swarm.dht import DHTNode
+    from swarm.model.data import ShardedTokens
     from swarm.p2p import P2PConfig
 
     local = P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))
@@ -132,8 +133,8 @@ async def bench_claims(nodes: int, chunks: int) -> dict[str, Any]:
         dhts.append(await DHTNode(p2p_config=local, initial_peers=first.visible_maddrs).start())
     try:
         plan = ChunkPlan.of([1025] * chunks, chunk_tokens=1025)
-        claimers = [ChunkClaimer(d, "bench", ChunkCursor(plan, None, seq_len=64), ClaimerConfig())  # type: ignore[arg-type]
-                    for d in dhts]  # fmt: skip
+        tokens = ShardedTokens([np.zeros(1025, dtype=np.uint16)] * chunks)  # claimed, never read here
+        claimers = [ChunkClaimer(d, "bench", ChunkCursor(plan, tokens, seq_len=64), ClaimerConfig()) for d in dhts]
         seconds: list[float] = []
 
         async def timed(c: ChunkClaimer) -> None:

@@ -14,6 +14,10 @@ The runs:
   nobody else can.
 - ``public``: public:2,cone:2,cone:2. Two trainers anyone can dial, four at home: a public node
   that reaches a NATed one through the relay is dialed back directly.
+- ``links``: no training; streams on shaped links and repeated punches between two cone homes
+  (scripts/bench/nat_links.py): a punched stream against a direct one on the same 100 Mbit/s
+  link, a relayed one against the relay's 100 Mbit/s link, and how many of 10 punches succeed
+  within 2 tries.
 - ``newcomers``: cone:2,symmetric:1 for 24 outer steps, a newcomer every 12 s, behind the homes in
   turn: ``newcomer_lag`` lists, per newcomer, the outer steps from the state it started training
   from (fetched from the swarm) to its first round with others (0 or 1: within one outer step).
@@ -38,6 +42,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from scripts.bench.nat_links import measure_links
 from swarm.netlab.lab import missing_nat
 from swarm.utils.process_control import console_script
 
@@ -115,14 +120,15 @@ def lag(node: dict[str, Any]) -> int | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", default=",".join(RUNS), help=f"which of {', '.join(RUNS)}")
+    parser.add_argument("--runs", default=",".join([*RUNS, "links"]), help=f"which of {', '.join(RUNS)}, links")
     parser.add_argument("--outer-steps", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = parser.parse_args()
     if (problem := missing_nat()) is not None:
         raise SystemExit(f"scripts.bench.nat {problem}")
     with tempfile.TemporaryDirectory(prefix="bench-nat-") as root:
-        rows = [measure(name, args.outer_steps, Path(root)) for name in args.runs.split(",")]
+        rows = [measure_links() if name == "links" else measure(name, args.outer_steps, Path(root))
+                for name in args.runs.split(",")]  # fmt: skip
     if args.json:
         print(json.dumps({"bench": "nat", "rows": rows}))
         return
@@ -130,7 +136,11 @@ def main() -> None:
                "cone_pairs", "punched", "first_try", "symmetric_relayed", "wall_s")  # fmt: skip
     print("  ".join(columns))
     for row in rows:
-        print("  ".join(str(row[c]) for c in columns))
+        if row["run"] != "links":
+            print("  ".join(str(row[c]) for c in columns))
+    for row in rows:
+        if row["run"] == "links":
+            print("  ".join(f"{k} {v}" for k, v in row.items()))
     sys.stdout.flush()
 
 

@@ -1,15 +1,18 @@
-"""A peer for the NAT lab tests, run inside one of the lab's namespaces (`ip netns exec`):
+"""A peer for the NAT lab (tests/netlab/test_nat.py, scripts/bench/nat.py), run inside one of the
+lab's namespaces (`ip netns exec`):
 
-    python -m tests.netlab.natpeer relay ADDRESS              a relay on ADDRESS, port 0
-    python -m tests.netlab.natpeer target RELAY_MADDR         a NATed host with a reservation on the relay
-    python -m tests.netlab.natpeer dial RELAY_MADDR RELAYED DIRECT N   call RELAYED, try DIRECT, stream N bytes
-    python -m tests.netlab.natpeer punch RELAYED [N]          call RELAYED, punch, call again, stream N bytes
+    python -m scripts.bench.natpeer relay ADDRESS              a relay on ADDRESS, port 0
+    python -m scripts.bench.natpeer target RELAY_MADDR         a NATed host with a reservation on the relay
+    python -m scripts.bench.natpeer dial RELAY_MADDR RELAYED DIRECT N   call RELAYED, try DIRECT, stream N bytes
+    python -m scripts.bench.natpeer punch RELAYED [N]          call RELAYED, punch, call again, stream N bytes
+    python -m scripts.bench.natpeer serve ADDRESS              a plain host on ADDRESS that takes streams
+    python -m scripts.bench.natpeer send MADDR N               stream N bytes to MADDR on a direct connection
 
 target punches too when given `punch` after the relay's multiaddr.
 
-Each prints one JSON line once it is ready (its addresses, or the results of `dial`); relay and
-target then serve until their stdin closes, so the test that started them stops them by closing
-it (and the lab kills whatever is left in its namespaces).
+Each prints one JSON line once it is ready (its addresses, or the results of `dial`, `punch`,
+`send`); relay, target and serve then serve until their stdin closes, so whoever started them
+stops them by closing it (and the lab kills whatever is left in its namespaces).
 """
 
 from __future__ import annotations
@@ -130,12 +133,24 @@ async def punch(relayed: str, stream_bytes: str = "0") -> None:
              "bytes_per_s": rate})  # fmt: skip
 
 
+async def serve(address: str) -> None:
+    async with P2PHost(config=P2PConfig(host_maddrs=(f"/ip4/{address}/tcp/0",))) as host:
+        host.add_stream_handler("demo.sink", sink)
+        say({"maddr": host.visible_maddrs[0]})
+        await until_stdin_closes()
+
+
+async def send(maddr: str, stream_bytes: str) -> None:
+    async with P2PHost(config=P2PConfig(host_maddrs=("/ip4/0.0.0.0/tcp/0",))) as host:
+        say({"bytes_per_s": await goodput(host, maddr, int(stream_bytes))})
+
+
 def main() -> None:
     # the punch's attempts, on stderr (the test's output): which attempt succeeded, or why not
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("swarm.p2p.punch").setLevel(logging.INFO)
     role, *args = sys.argv[1:]
-    roles = {"relay": relay, "target": target, "dial": dial, "punch": punch}
+    roles = {"relay": relay, "target": target, "dial": dial, "punch": punch, "serve": serve, "send": send}
     asyncio.run(roles[role](*args))
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -107,7 +108,7 @@ def serve(
     at home.
 
     Prints its multiaddrs and the line to join it; with --json, the first line of output is
-    {"peer_id": ..., "maddrs": [...]}, and the last, at exit, {"relayed_bytes": N}: what its
+    {"peer_id": ..., "maddrs": [...], "pid": ...}, and the last, at exit, {"relayed_bytes": N}: what its
     relay carried, both ways, all circuits together.
     """
     setup_logging(verbose)
@@ -164,7 +165,8 @@ def serve(
 def _announce(node: DHTNode, as_json: bool, key_file: Path | None) -> None:
     maddrs = node.visible_maddrs
     if as_json:
-        echo_json({"peer_id": str(node.peer_id), "maddrs": maddrs})
+        # the pid: a harness that started us in a namespace (swarm-sim, the NAT lab's tests) can stop us
+        echo_json({"peer_id": str(node.peer_id), "maddrs": maddrs, "pid": os.getpid()})
         return
     direct = [(m, parse_address(m)) for m in maddrs]
     public = [m for m, a in direct if isinstance(a, TcpAddress) and not a.host.startswith("127.") and a.host != "::1"]

@@ -106,8 +106,13 @@ class NodeCommand(OneLineCommand):
 )
 @_opt("run-id", str, "The training run to join.")
 @_opt("model", click.Choice(list(PRESETS)), "Model preset.")
-@_opt("data", str, "Training data: 'stdlib' (built in), a folder of swarm-data prepare, or "
-      "'hf:<dataset>[:<config>]' (needs --tokenizer).")
+@_opt(
+    "data",
+    str,
+    "Training data: 'stdlib' (built in), a folder of swarm-data prepare (a path, its http(s) URL "
+    "or 'hf-prepared:ORG/NAME[/PATH][@REV]': shards fetched as claimed), or 'hf:<dataset>[:<config>]' "
+    "(needs --tokenizer).",
+)
 @_opt("tokenizer", str, "Hugging Face tokenizer for --data hf:...")
 @_opt("seed", click.IntRange(0), "The run's seed: initial weights are a function of it.")
 @_opt("inner-steps", click.IntRange(1), "H: inner steps per outer step (the same on every node).")

@@ -1,4 +1,5 @@
-"""`swarm-node --data DIR`: a prepared dataset (swarm-data prepare) opened before the node is built.
+"""`swarm-node --data DIR|URL|hf-prepared:REPO`: a prepared dataset (swarm-data prepare) opened
+before the node is built.
 
 The folder's path is this machine's business; what the run agrees on is its tokens. So the node's
 `data` setting becomes `tokens:<the manifest's digest>` (swarm/model/data.py), and the run's
@@ -28,23 +29,24 @@ def refuse_with_ranks(config: NodeConfig, several_ranks: bool) -> None:
     from swarm.model.tokens import is_prepared_folder  # numpy: not for a plain node's flag errors
 
     if is_prepared_folder(config.data) or is_remote(config.data):
-        raise click.UsageError("--data DIR or URL (a prepared folder) is not yet supported with --nproc-per-node")
+        raise click.UsageError(
+            "--data DIR, URL or hf-prepared: (a prepared folder) is not yet supported with --nproc-per-node"
+        )
 
 
 def open_prepared(config: NodeConfig) -> tuple[NodeConfig, TokenData | None]:
-    """(config with data = tokens:<digest>, the data) for a prepared folder, local or at an
-    http(s) URL (fetched and verified into the cache first); (config, None) else."""
-    from swarm.model.data import DataUnavailableError, prepared_corpus
-    from swarm.model.remote_tokens import fetch_prepared, is_remote
-    from swarm.model.tokens import TokensError, is_prepared_folder
+    """(config with data = tokens:<digest>, the data) for a prepared folder, local, at an http(s)
+    URL or in a Hugging Face repo (its manifest and eval split fetched and verified first, each
+    train shard as a chunk in it is claimed); (config, None) else."""
+    from swarm.model.data import DataUnavailableError, prepared_corpus, remote_corpus
+    from swarm.model.remote_tokens import is_remote
+    from swarm.model.tokens import is_prepared_folder
 
     remote = is_remote(config.data)
     if not remote and not is_prepared_folder(config.data):
         return config, None
     try:
-        data = prepared_corpus(fetch_prepared(config.data) if remote else Path(config.data))
-    except TokensError as e:
-        raise CliError(f"--data {config.data}: {e}") from None
+        data = remote_corpus(config.data) if remote else prepared_corpus(Path(config.data))
     except DataUnavailableError as e:
         raise CliError(str(e)) from None
     if len(data.train) <= config.seq_len + 1 or len(data.eval) < config.seq_len + 1:

@@ -35,6 +35,8 @@ MAX_FINISHED = 1 << 16  # the chunks this process finished, newest last (tests a
 class Windows(Protocol):
     def windows(self, starts: torch.Tensor, length: int) -> torch.Tensor: ...
 
+    def prefetch(self, shard: int) -> None: ...  # a chunk in this shard was won: fetch it if it is remote
+
 
 class DataStall(RuntimeError):
     """No chunk reached the training thread in time (the claimer failed or the DHT is stuck)."""
@@ -129,6 +131,8 @@ class ChunkCursor:
                 return
             self.queue.append((chunk, at))
             self._cond.notify_all()
+        # a remote dataset's shard downloads now, while the chunk before it trains
+        self.train.prefetch(self.plan.shards[chunk])
 
     def advance(self, epoch: int) -> bool:
         """Begin `epoch` (every chunk of ours done, none held); False when that is not so."""
@@ -197,6 +201,9 @@ class ChunkCursor:
                     self.current = (chunk, offset // self.seq_len, now)
             self.queue = [(c, now) for c in chunks if not done[c]]
             self._cond.notify_all()
+            held = ([self.current[0]] if self.current is not None else []) + [c for c, _ in self.queue]
+        for chunk in held:
+            self.train.prefetch(self.plan.shards[chunk])
         return True
 
 
@@ -220,4 +227,4 @@ def cursor_for(train: object, *, seq_len: int, name: str) -> ChunkCursor | None:
 
     if not isinstance(train, ShardedTokens):
         return None
-    return ChunkCursor(ChunkPlan.of([len(shard) for shard in train.shards]), train, seq_len=seq_len, name=name)
+    return ChunkCursor(ChunkPlan.of(train.lengths), train, seq_len=seq_len, name=name)

@@ -17,6 +17,11 @@ memory), its eval split as a tensor. Its name is `tokens:<the manifest's digest>
 run setting `data` of a node that trains on it: nodes whose folders hold other tokens are refused
 by the run's settings check, whatever their folders are called.
 
+A prepared folder at an http(s) URL or in a Hugging Face repo (`hf-prepared:ORG/NAME`;
+`remote_corpus`, remote_tokens.py) has its manifest and eval split fetched at once and each train
+shard when a chunk in it is claimed (`ShardedTokens.lazy`): the same name, chunks and claims as
+a local copy.
+
 A Hugging Face dataset (`hf:<dataset>[:<config>]` with a tokenizer) is prepared once into a
 local cache by prepare's code (hf_source.py) and read as a prepared folder: the same shards,
 memmaps and chunk claims, never a Python list of tokens.
@@ -36,12 +41,13 @@ import sysconfig
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from swarm.model.hf_source import HFSource, prepare_hf
-from swarm.model.remote_tokens import fetch_prepared, is_remote
+from swarm.model.remote_tokens import RemoteTokens, is_remote
 from swarm.model.tokens import PREPARED_PREFIX, TokensError, is_prepared_folder, open_split, read_manifest, verify
 from swarm_kernels import as_memoryview
 
@@ -56,18 +62,51 @@ class DataUnavailableError(RuntimeError):
     """The requested data or tokenizer cannot be loaded here; the message says why and the fix."""
 
 
+class ShardSource(Protocol):
+    """Shards that arrive later (remote_tokens.RemoteTokens): `prefetch` starts a fetch, `get`
+    waits for it and returns the shard, or raises TokensError."""
+
+    def prefetch(self, shard: int) -> None: ...
+
+    def get(self, shard: int) -> np.ndarray: ...
+
+
 class ShardedTokens:
     """One token stream over several 1-D arrays (a prepared folder's memmapped shards), read
-    without copying them: `len` and `windows` are all that sampling needs."""
+    without copying them: `len` and `windows` are all that sampling needs. Built `lazy`, a shard
+    is fetched from its source when a chunk in it is claimed (`prefetch`) or first read."""
 
     def __init__(self, shards: Sequence[np.ndarray]) -> None:
         if not shards or any(s.ndim != 1 or len(s) == 0 for s in shards):
             raise ValueError("ShardedTokens needs one or more non-empty 1-D arrays")
-        self.shards = list(shards)
-        self.ends = np.cumsum([len(s) for s in shards])  # the stream offset where each shard ends
+        self.shards: list[np.ndarray | None] = list(shards)
+        self.lengths = tuple(len(s) for s in shards)
+        self.ends = np.cumsum(self.lengths)  # the stream offset where each shard ends
+        self._source: ShardSource | None = None
+
+    @classmethod
+    def lazy(cls, lengths: Sequence[int], source: ShardSource) -> ShardedTokens:
+        if not lengths or any(n <= 0 for n in lengths):
+            raise ValueError("ShardedTokens needs one or more non-empty shards")
+        tokens = cls.__new__(cls)
+        tokens.shards, tokens.lengths = [None] * len(lengths), tuple(lengths)
+        tokens.ends, tokens._source = np.cumsum(tokens.lengths), source
+        return tokens
 
     def __len__(self) -> int:
         return int(self.ends[-1])
+
+    def prefetch(self, shard: int) -> None:
+        """Start fetching a shard that is not here yet (a chunk in it was claimed)."""
+        if self._source is not None and self.shards[shard] is None:
+            self._source.prefetch(shard)
+
+    def _shard(self, shard: int) -> np.ndarray:
+        array = self.shards[shard]
+        if array is None:
+            assert self._source is not None  # only a lazy stream has missing shards
+            array = self.shards[shard] = self._source.get(shard)
+        return array
 
     def windows(self, starts: torch.Tensor, length: int) -> torch.Tensor:
         """int64 [len(starts), length]: the tokens at starts[i] .. starts[i] + length - 1, a
@@ -80,7 +119,7 @@ class ShardedTokens:
             filled = 0
             while filled < length:
                 begin = start + filled - (int(self.ends[shard - 1]) if shard else 0)
-                piece = self.shards[shard][begin : begin + length - filled]
+                piece = self._shard(shard)[begin : begin + length - filled]
                 out[row, filled : filled + len(piece)] = piece
                 filled += len(piece)
                 shard += 1
@@ -162,6 +201,21 @@ def prepared_corpus(folder: Path, *, verify_hashes: bool = True) -> TokenData:
     return TokenData(PREPARED_PREFIX + digest, train, torch.from_numpy(held), manifest.tokenizer.vocab_size, digest)
 
 
+def remote_corpus(spec: str, cache: Path | None = None) -> TokenData:
+    """A prepared folder at an http(s) URL or in a Hugging Face repo (remote_tokens.py): the
+    manifest and eval split now, each train shard when a chunk in it is claimed. The run setting
+    is the manifest's digest, as for a local copy. Raises DataUnavailableError in one line."""
+    try:
+        remote = RemoteTokens.open(spec, cache)
+        held = np.concatenate(remote.eval_split()).astype(np.int32)
+    except TokensError as e:
+        raise DataUnavailableError(f"--data {spec}: {e}") from None
+    manifest = remote.manifest
+    train = ShardedTokens.lazy([entry.tokens for entry in manifest.train], remote)
+    digest = manifest.sha256
+    return TokenData(PREPARED_PREFIX + digest, train, torch.from_numpy(held), manifest.tokenizer.vocab_size, digest)
+
+
 def load_data(spec: str, *, tokenizer: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> TokenData:
     """`--data`: "stdlib" (the default corpus), "hf:<dataset>[:<config>]" with a tokenizer (a
     tokenizer.json or Hugging Face name; prepared into a local cache), or the path of a folder
@@ -183,12 +237,10 @@ def load_data(spec: str, *, tokenizer: str | None = None, max_bytes: int = DEFAU
                                    "(swarm-data info DIR) is that one")  # fmt: skip
     if is_prepared_folder(spec):
         return prepared_corpus(Path(spec))
-    if is_remote(spec):  # a prepared folder served over http(s): fetched and verified into the cache
-        try:
-            return prepared_corpus(fetch_prepared(spec))
-        except TokensError as e:
-            raise DataUnavailableError(f"--data {spec}: {e}") from None
-    raise ValueError(f"unknown data {spec!r}: use 'stdlib', 'hf:<dataset>[:<config>]' or a prepared folder")
+    if is_remote(spec):  # a prepared folder at a URL or in a Hugging Face repo: shards fetched as claimed
+        return remote_corpus(spec)
+    raise ValueError(f"unknown data {spec!r}: use 'stdlib', 'hf:<dataset>[:<config>]', a prepared folder, "
+                     "its http(s) URL or 'hf-prepared:ORG/NAME'")  # fmt: skip
 
 
 def node_generator(peer_id_bytes: bytes, step: int, *, extra: bool = False) -> torch.Generator:

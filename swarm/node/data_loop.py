@@ -23,6 +23,7 @@ import torch
 from swarm.data.cursor import ChunkCursor, CursorClosed, DataStall
 from swarm.model.data import TokenData, node_generator, sample_batch
 from swarm.model.diloco import NonFiniteLossError
+from swarm.model.tokens import TokensError
 from swarm.node.errors import NodeError
 from swarm.node.permits import SessionClosed, UserSteps
 from swarm.p2p.peer_id import PeerID
@@ -90,6 +91,8 @@ class DataLoop(TrainingThread):
             return
         except DataStall as e:
             steps.fail(NodeError(f"{e}: is the DHT reachable?"))
+        except TokensError as e:  # a remote shard that could not be fetched or did not verify: never trained on
+            steps.fail(NodeError(f"data: {e}"))
         except NonFiniteLossError as e:
             steps.fail(NodeError(f"training diverged ({e}): lower --lr or --outer-lr"))
         except BaseException as e:  # a bug, or out of memory: the node must end, not wait forever

@@ -39,6 +39,9 @@ class Reads:
         self.starts += starts.tolist()
         return torch.zeros((len(starts), length), dtype=torch.int64)
 
+    def prefetch(self, shard: int) -> None:
+        pass
+
 
 def test_a_claim_record_counts_only_well_formed_bounded_and_proven() -> None:
     bits, n, now = 6, 16, time.time()
@@ -176,7 +179,7 @@ async def test_a_restarted_node_resumes_at_its_position(tmp_path: Path) -> None:
     plan = ChunkPlan.of([SEQ * 1000 + 1] * 4, chunk_tokens=SEQ * 1000 + 1)  # 4 long chunks
     nodes = await _swarm(1)
     try:
-        (first, cursor, _), = await _run(nodes, plan, seconds=1.0, tmp=tmp_path)
+        ((first, cursor, _),) = await _run(nodes, plan, seconds=1.0, tmp=tmp_path)
         stopped_at = max(first.starts)
         again = Reads()
         resumed = ChunkCursor(plan, again, seq_len=SEQ, name="tokens:test")

@@ -113,10 +113,11 @@ def test_nodes_train_on_prepared_data_and_a_node_of_other_tokens_is_refused(
 ) -> None:
     swarm.start_bootstrap()
     run = ("--run-id", "tokens", "--inner-steps", "3", "--matchmaking-time", "1")
-    first = swarm.node("a", *run, "--data", str(folders["a"]), "--max-outer-steps", "200", "--checkpoint-dir",
-                       str(tmp_path / "ckpt"))  # fmt: skip (stopped below)
+    first = swarm.node(
+        "a", *run, "--data", str(folders["a"]), "--max-outer-steps", "200", "--checkpoint-dir", str(tmp_path / "ckpt")
+    )  # fmt: skip (stopped below)
     swarm.wait_for(lambda: len(swarm.events("a", "outer_step")) >= 1, 150, "the first node's first outer step")
-    other = swarm.node("b", *run, "--data", str(folders["b"]), "--max-outer-steps", "2")
+    other = swarm.node("b", *run, "--data", str(folders["b"]), "--max-outer-steps", "200", "--leave-after-steps", "2")
     assert other.wait(120) != 0
     digest_a = load_data(str(folders["a"])).name
     assert f"--data {digest_a!r} (this node: 'tokens:" in swarm.stderr("b"), swarm.stderr("b")

@@ -1,7 +1,9 @@
-"""`--data https://...` (swarm/model/remote_tokens.py): a prepared folder served by a real HTTP
-server on 127.0.0.1 is fetched into the cache and verified; a corrupted shard is refused after
-a second download and never lands in the cache; a server that dies mid-download once is
-recovered from by the second download, and one that always dies is one clear error."""
+"""`--data https://...` and `--data hf-prepared:ORG/NAME` (swarm/model/remote_tokens.py): a
+prepared folder served by a real HTTP server on 127.0.0.1 (as a plain folder, and in the layout of
+the Hugging Face hub's resolve URLs) gives the node its manifest and eval split at once and each
+train shard only when a chunk in it is claimed, verified; a corrupted shard is refused after a
+second download and never lands in the cache; a server that dies mid-download once is recovered
+from by the second download, and one that always dies is one clear error."""
 
 from __future__ import annotations
 
@@ -12,13 +14,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from swarm.cli.common import CliError
 from swarm.cli.node_data import open_prepared
-from swarm.model.data import load_data
+from swarm.data.cursor import cursor_for
+from swarm.model.data import DataUnavailableError, load_data, prepared_corpus, remote_corpus
 from swarm.model.prepare import PrepareConfig, load_tokenizer, prepare
-from swarm.model.remote_tokens import fetch_prepared
-from swarm.model.tokens import TokensError, read_manifest, verify
+from swarm.model.remote_tokens import RemoteTokens, remote_url
+from swarm.model.tokens import TokensError, read_manifest
 from swarm.node.config import NodeConfig
 from tests.model.token_corpus import train_tokenizer, write_corpus
 
@@ -35,6 +39,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class Faults:
+    def __init__(self) -> None:
+        self.asked: list[str] = []  # the paths asked for, in order
+
     corrupt: str | None = None  # a shard served with one byte flipped
     cut: str | None = None  # a shard whose connection closes halfway
     cut_times = 0  # how many times it is cut (then served whole)
@@ -50,6 +57,10 @@ def serve(root: Path, faults: Faults) -> Iterator[str]:
             pass
 
         def do_GET(self) -> None:
+            faults.asked.append(self.path)
+            if self.headers.get("Authorization") not in (None, "Bearer hf_test"):
+                self.send_error(401)
+                return None
             name = self.path.rsplit("/", 1)[-1]
             if name not in (faults.corrupt, faults.cut):
                 return super().do_GET()
@@ -79,20 +90,63 @@ def serve(root: Path, faults: Faults) -> Iterator[str]:
         thread.join(10)
 
 
+def _shards_asked(faults: Faults) -> list[str]:
+    return [p.rsplit("/", 1)[-1] for p in faults.asked if p.endswith(".bin")]
+
+
 @pytest.mark.timeout(60)
-def test_a_served_folder_is_fetched_verified_and_trained_as_the_local_one(
+def test_a_served_folder_gives_eval_now_and_each_train_shard_as_its_chunk_is_claimed(
     folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("SWARM_DATA_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr("swarm.model.remote_tokens.DEFAULT_CACHE", tmp_path / "cache")
-    with serve(folder.parent, Faults()) as url:
-        local = read_manifest(folder)
-        fetched = fetch_prepared(url, tmp_path / "cache")
-        assert read_manifest(fetched).sha256 == local.sha256
-        verify(fetched, read_manifest(fetched))
-        assert load_data(url).name == load_data(str(folder)).name  # one dataset, one run setting
-        config, data = open_prepared(NodeConfig(data=url, seq_len=32))
-        assert data is not None and config.data == f"tokens:{local.sha256}"
+    local, faults = prepared_corpus(folder), Faults()
+    with serve(folder.parent, faults) as url:
+        data = remote_corpus(url)
+        assert data.name == local.name and data.fingerprint == local.fingerprint  # one dataset, one run setting
+        assert data.eval.tolist() == local.eval.tolist()
+        assert all(name.startswith("eval-") for name in _shards_asked(faults))  # no train shard yet
+        cursor = cursor_for(data.train, seq_len=32, name=data.name)
+        assert cursor is not None and cursor.plan.n == len(read_manifest(folder).train)
+        chunk = cursor.plan.n - 1  # a chunk of the last shard: the node won its claim
+        cursor.offer(0, chunk, 0.0)
+        inputs, _ = cursor.next_batch(4, timeout=30)
+        start = cursor.plan.starts[chunk]
+        assert inputs[0].tolist() == local.train.windows(torch.tensor([start]), 32)[0].tolist()
+        train_asked = [n for n in _shards_asked(faults) if n.startswith("train-")]
+        assert train_asked == [f"train-{cursor.plan.shards[chunk]:05d}.bin"]  # that shard only, once
+        config, opened = open_prepared(NodeConfig(data=url, seq_len=32))  # swarm-node's way in
+        assert opened is not None and config.data == local.name
+        assert load_data(url).name == local.name
+
+
+@pytest.mark.timeout(60)
+def test_a_hugging_face_repo_of_prepared_shards_is_read_through_the_hubs_resolve_urls(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "hub"
+    repo = root / "datasets" / "org" / "corpus" / "resolve" / "v1" / "prepared"
+    repo.parent.mkdir(parents=True)
+    repo.symlink_to(folder, target_is_directory=True)
+    faults = Faults()
+    with serve(root, faults) as url:
+        endpoint = url.removesuffix("/data/")
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        monkeypatch.setenv("HF_TOKEN", "hf_test")  # the server refuses any other bearer token
+        assert (
+            remote_url("hf-prepared:org/corpus/prepared@v1") == f"{endpoint}/datasets/org/corpus/resolve/v1/prepared/"
+        )
+        assert remote_url("hf-prepared:org/corpus").endswith("/datasets/org/corpus/resolve/main/")
+        assert remote_url("hf-prepared:org/corpus@refs/pr/1").endswith("/resolve/refs%2Fpr%2F1/")
+        remote = RemoteTokens.open("hf-prepared:org/corpus/prepared@v1", tmp_path / "cache")
+        assert remote.manifest.sha256 == read_manifest(folder).sha256
+        shard = remote.get(1)
+        assert shard.tolist() == prepared_corpus(folder).train.shards[1].tolist()  # type: ignore[union-attr]
+        assert _shards_asked(faults)[-1] == "train-00001.bin"
+        with pytest.raises(DataUnavailableError, match=r"cannot fetch .*resolve/main/prepared/manifest.json"):
+            remote_corpus("hf-prepared:org/corpus/prepared", tmp_path / "cache")  # no such revision
+    for bad in ("hf-prepared:corpus", "hf-prepared:org/../x", "hf-prepared:/x"):
+        with pytest.raises(TokensError, match="expected hf-prepared:ORG/NAME"):
+            remote_url(bad)
 
 
 @pytest.mark.timeout(60)
@@ -100,23 +154,20 @@ def test_a_corrupted_shard_is_refused_after_a_second_download_and_never_cached(f
     faults = Faults()
     faults.corrupt = "train-00001.bin"
     with serve(folder.parent, faults) as url:
+        remote = RemoteTokens.open(url, tmp_path / "cache")
+        remote.get(0)  # a good shard
         with pytest.raises(TokensError, match=r"shard train-00001.bin .*SHA-256 does not match .*2 times\): refused"):
-            fetch_prepared(url, tmp_path / "cache")
-        with pytest.raises(CliError, match="refused"):  # swarm-node's way in: one line, exit 2
-            _open_with_cache(url, tmp_path / "cache2")
-    (cached,) = (tmp_path / "cache").glob("url-*")
-    assert not (cached / "train-00001.bin").exists() and not (cached / "manifest.json").exists()
+            remote.get(1)
+        assert _shards_asked(faults).count("train-00001.bin") == 2
+        data = remote_corpus(url, tmp_path / "cache2")
+        cursor = cursor_for(data.train, seq_len=32, name=data.name)
+        assert cursor is not None
+        cursor.offer(0, cursor.plan.shards.index(1), 0.0)  # a chunk of the bad shard: nothing trained on it
+        with pytest.raises(TokensError, match=r"train-00001.bin .*refused"):
+            cursor.next_batch(1, timeout=30)
+    cached = remote.folder
+    assert not (cached / "train-00001.bin").exists() and (cached / "train-00000.bin").exists()
     assert not list(cached.glob(".*tmp*"))  # no partial download left behind
-
-
-def _open_with_cache(url: str, cache: Path) -> None:
-    import swarm.model.remote_tokens as remote
-
-    old, remote.DEFAULT_CACHE = remote.DEFAULT_CACHE, cache
-    try:
-        open_prepared(NodeConfig(data=url, seq_len=32))
-    finally:
-        remote.DEFAULT_CACHE = old
 
 
 @pytest.mark.timeout(60)
@@ -126,11 +177,11 @@ def test_a_server_that_dies_mid_download_once_is_recovered_from_and_always_is_on
     faults = Faults()
     faults.cut, faults.cut_times = "train-00000.bin", 1
     with serve(folder.parent, faults) as url:
-        fetched = fetch_prepared(url, tmp_path / "cache")
-        verify(fetched, read_manifest(fetched))
+        remote = RemoteTokens.open(url, tmp_path / "cache")
+        assert remote.get(0).tolist() == prepared_corpus(folder).train.shards[0].tolist()  # type: ignore[union-attr]
         faults.cut_times = 99
         cut_short = r"shard train-00000.bin .*(2000 bytes, not the 4000|the download failed).*refused"
         with pytest.raises(TokensError, match=cut_short):
-            fetch_prepared(url, tmp_path / "other-cache")
-    with pytest.raises(TokensError, match="cannot fetch"):  # the server is gone
-        fetch_prepared(url, tmp_path / "third-cache", timeout=2)
+            RemoteTokens.open(url, tmp_path / "other-cache").get(0)
+    with pytest.raises(CliError, match="cannot fetch"):  # the server is gone: swarm-node's one line
+        open_prepared(NodeConfig(data=url, seq_len=32))

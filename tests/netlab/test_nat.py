@@ -161,7 +161,7 @@ class Children:
         return proc
 
     def peer(self, lab: Lab, where: str, *args: str) -> subprocess.Popen[str]:
-        return self.start(lab, where, sys.executable, "-m", "tests.netlab.natpeer", *args)
+        return self.start(lab, where, sys.executable, "-m", "scripts.bench.natpeer", *args)
 
     def close(self) -> None:
         for proc in self.procs:
