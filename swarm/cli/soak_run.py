@@ -173,7 +173,11 @@ class Soak:
             assert slot.proc is not None
             with contextlib.suppress(OSError, ValueError):  # it may exit between the check and the read
                 status = Path(f"/proc/{slot.proc.pid}/status").read_text()
-                rss = next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:"))
+                rss = next(
+                    (int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")), None
+                )
+                if rss is None:  # a process that has exited and is not reaped yet has no memory
+                    continue
                 fds = len(os.listdir(f"/proc/{slot.proc.pid}/fd"))
                 self.samples.append(
                     {"time": now, "slot": slot.name, "pid": slot.proc.pid, "rss_bytes": rss, "fds": fds}

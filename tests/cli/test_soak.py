@@ -22,11 +22,12 @@ pytestmark = pytest.mark.soak
 def test_a_churned_swarm_keeps_its_invariants(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "scripts.soak", "--nodes", str(NODES), "--minutes", str(MINUTES), "--json",
                "--run-dir", str(tmp_path)]  # fmt: skip
-    proc = process_control.start(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    proc = process_control.start(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, text=True)
     try:
         out, err = proc.communicate(timeout=400)
     finally:
         process_control.stop_all([proc], 30.0, group=True, reap_s=10.0)  # the soak stops its nodes on SIGTERM
+    assert out.strip(), f"the soak printed no report (exit {proc.returncode}): {err[-3000:]}"
     report = json.loads(out.splitlines()[-1])
     assert report["figures"]["churn"]["events"] >= 4, report["figures"]
     assert report["figures"]["steps"]["last"] >= 3, report["figures"]
