@@ -23,7 +23,8 @@ from swarm.cli.dht import main
 from swarm.cli.dht_records import parse_value
 from swarm.cli.output import jsonable
 from swarm.dht import DHT, owner_subkey, run_keys
-from swarm.p2p import Identity, P2PConfig
+from swarm.node.relay_records import RELAYS_KEY
+from swarm.p2p import Identity, P2PConfig, PeerID
 from swarm.utils import process_control
 from swarm.utils.process_control import console_script
 from tests.children import child_env
@@ -315,6 +316,22 @@ def test_unreachable_peers_are_one_line() -> None:
     assert_one_line_error(get, "none of the 1 initial peers answered", dead, exit_code=1)
     assert_one_line_error(ping, "cannot connect", exit_code=1)
     assert_one_line_error(serve, "none of the 1 initial peers answered", exit_code=1)
+
+
+def test_serve_lists_itself_as_a_relay(lone_node: dict[str, Any]) -> None:
+    """NATed nodes learn relays from the DHT's `relays` records (node/relay_records.py): the one
+    serve stores at start names its direct address and carries its id proof."""
+    maddr, peer = lone_node["maddrs"][0], lone_node["peer_id"]
+    deadline = time.monotonic() + 20
+    get = ["get", RELAYS_KEY, "--initial-peers", maddr, "--json", "--timeout", CLIENT_TIMEOUT]
+    while (result := dht(*get)).returncode:
+        assert time.monotonic() < deadline, result.stderr  # stored as serve starts: moments after its first line
+        time.sleep(0.2)
+    found = parsed(result)
+    [(subkey, entry)] = found["value"].items()
+    assert subkey == owner_subkey(PeerID.from_base58(peer))
+    assert entry["value"]["maddrs"] == lone_node["maddrs"] and entry["value"]["proof"]
+    assert lone_node["pid"] > 0  # serve --json says its pid
 
 
 def test_a_missing_key_is_one_line_and_exit_1(lone_node: dict[str, Any]) -> None:
