@@ -11,6 +11,8 @@
 
     runs            subkey [owner:<PeerID>]  -> {"run": run id, "model": ..., "step": ...}: which runs
                     this DHT carries (every training node lists its own; no slash: never a run's key)
+    relays          subkey [owner:<PeerID>]  -> {"maddrs": [...], "proof": ...}: the nodes that relay for
+                    NATed ones, for every run of this DHT (node/relay_records.py owns it)
 
 Each value is a map; later layers may add fields, and readers ignore fields they don't know.
 `swarm-dht inspect --run-id RUN` shows the first two; `swarm-dht inspect` lists the runs.
