@@ -36,7 +36,6 @@ import numpy as np
 from swarm.data.choice import ClaimsSeen, Pick, contested, known_done, pick_next, rivals_of, winner
 from swarm.data.claims import CLAIM_TTL, MAX_LIVE, RECORD_TTL, ClaimRecord, decode_claim, encode_claim
 from swarm.data.cursor import ChunkCursor
-from swarm.data.pace import Limits, Seen, held_to_pace
 from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
 from swarm.dht.records import owner_subkey
@@ -44,7 +43,6 @@ from swarm.dht.run_keys import chunks_key
 from swarm.dht.store_retry import store_or_warn
 from swarm.model.prepare import write_atomic
 from swarm.p2p.errors import P2PError
-from swarm.p2p.peer_id import PeerID
 from swarm.utils.supervised import Supervised
 
 logger = logging.getLogger(__name__)
@@ -80,10 +78,7 @@ class DataProgress:
 class ChunkClaimer:
     def __init__(self, dht: DHTNode, run_id: str, cursor: ChunkCursor, config: ClaimerConfig) -> None:
         self.dht, self.key, self.cursor, self.config = dht, chunks_key(run_id), cursor, config
-        self.records: tuple[ClaimRecord, ...] = ()  # peers' records, as read last and held to their pace
-        self.over_pace: set[tuple[PeerID, int]] = set()  # (peer, epoch) whose done marks ran ahead of its pace
-        self._first_claimed: dict[tuple[PeerID, int, int], float] = {}  # (peer, epoch, chunk): first claim time seen
-        self._first_seen: dict[tuple[PeerID, int], float] = {}  # (peer, epoch): when we first read its marks there
+        self.records: tuple[ClaimRecord, ...] = ()  # peers' records, as read last
         self.stores = 0  # DHT stores of our record so far (one per cycle)
         self.yields = 0  # new claims we gave up because a peer claimed the same chunk
         self._yielded = False  # at the last cycle: the next pick starts from a salted point
@@ -206,37 +201,11 @@ class ChunkClaimer:
         entries = list(found.value.items())[: self.dht.config.max_subkeys_per_key]  # a key holds no more
         records = [decode_claim(subkey, getattr(entry, "value", None), n=n, id_bits=bits, now=now)
                    for subkey, entry in entries]  # fmt: skip
-        self.records = self._held_to_pace([r for r in records if r is not None and r.owner != self.dht.peer_id], now)
+        self.records = tuple(r for r in records if r is not None and r.owner != self.dht.peer_id)
         for record in self.records:
             bits_ = record.done_in(self.cursor.epoch)
             if bits_ is not None:
                 self.cursor.merge_seen(self.cursor.epoch, bits_)
-
-    def _held_to_pace(self, records: list[ClaimRecord], now: float) -> tuple[ClaimRecord, ...]:
-        """The peers' records as far as their pace allows (pace.py); a peer whose done marks run
-        ahead of it is logged once per epoch."""
-        c = self.cursor
-        limits = Limits.of(records, own_rate=c.rate(), own_epoch=c.epoch, own_started=c.started)
-        claimed = {(r.owner, r.epoch, chunk): at for r in records for chunk, at in r.live_at(now)}
-        # a claimant that re-dates its claim keeps the first date we saw; memory of peers still read only
-        self._first_claimed = {key: min(at, self._first_claimed.get(key, at)) for key, at in claimed.items()}
-        present = {(r.owner, e) for r in records for e in r.done}
-        self._first_seen = {key: self._first_seen.get(key, now) for key in present}
-        judged = []
-        for record in records:
-            first_seen = {e: t for (o, e), t in self._first_seen.items() if o == record.owner}
-            mine = {ch: at for (o, e, ch), at in self._first_claimed.items() if (o, e) == (record.owner, record.epoch)}
-            seen = Seen(first_seen, mine)
-            held = held_to_pace(record, limits, c.plan, seen, self.config.claim_ttl, now)
-            over = [e for e, bits in record.done.items() if int(held.done[e].sum()) < int(bits.sum())]
-            for epoch in over:
-                if (record.owner, epoch) not in self.over_pace:
-                    self.over_pace.add((record.owner, epoch))
-                    marked = int(record.done[epoch].sum())
-                    logger.warning("data: peer %s marks %d chunks done in epoch %d, more than its pace allows: "
-                                   "the rest are trained again", record.owner, marked, epoch)  # fmt: skip
-            judged.append(held)
-        return tuple(judged)
 
     async def _store(self, *, extra: Sequence[tuple[int, int, float]] = (), release: bool = False) -> None:
         c, now = self.cursor, time.time()
@@ -248,9 +217,7 @@ class ChunkClaimer:
         done = {epoch: c.done} if epoch == c.epoch else {epoch: np.zeros_like(c.done), c.epoch: c.done}
         if epoch == c.epoch and c.previous is not None:
             done[epoch - 1] = c.previous
-        started = c.started if epoch == c.epoch else now
-        record = ClaimRecord(self.dht.peer_id, epoch, tuple(live), now + self.config.claim_ttl, done, c.tokens,
-                             c.rate(), started)  # fmt: skip
+        record = ClaimRecord(self.dht.peer_id, epoch, tuple(live), now + self.config.claim_ttl, done, c.tokens)
         value = encode_claim(record, c.plan.n, self.dht.id_nonce)
         self.stores += 1
         self._lapses_at = record.until

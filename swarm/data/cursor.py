@@ -62,9 +62,6 @@ class ChunkCursor:
         self.queue: list[tuple[int, float]] = []  # chunks won, not started
         self.last: int | None = None  # the chunk we finished last in `epoch`
         self.tokens = 0  # tokens we read in `epoch`
-        self.started = time.time()  # when we began `epoch` (our word on it in our claim record)
-        self._read = 0  # tokens handed out by this process, since `_first_read` (for `rate`)
-        self._first_read: float | None = None
         self.finished: deque[tuple[int, int]] = deque(maxlen=MAX_FINISHED)  # (epoch, chunk), as done here
         self.on_need: Callable[[], None] = lambda: None
         self._closed = False
@@ -97,19 +94,10 @@ class ChunkCursor:
         self.on_need()
         return False
 
-    def rate(self) -> float:
-        """Tokens/s this process trained at so far (0 before its first second of training)."""
-        with self._cond:
-            seconds = time.monotonic() - self._first_read if self._first_read is not None else 0.0
-            return self._read / seconds if seconds >= 1.0 else 0.0
-
     def _take_row(self) -> int:
         assert self.current is not None
         chunk, row, at = self.current
         self.tokens += self.seq_len
-        self._read += self.seq_len
-        if self._first_read is None:
-            self._first_read = time.monotonic()
         self.current = (chunk, row + 1, at)
         if row + 1 >= self.plan.rows(chunk, self.seq_len):
             self._finish(chunk)
@@ -154,7 +142,7 @@ class ChunkCursor:
     def _advance(self, epoch: int) -> bool:
         if self.current is not None or self.queue or epoch <= self.epoch:
             return False
-        self.previous, self.epoch, self.last, self.tokens, self.started = self.done, epoch, None, 0, time.time()
+        self.previous, self.epoch, self.last, self.tokens = self.done, epoch, None, 0
         self.done, self.seen = np.zeros_like(self.done), np.zeros_like(self.seen)
         return True
 
@@ -182,7 +170,7 @@ class ChunkCursor:
             current = [self.current[0], self.current[1] * self.seq_len] if self.current is not None else None
             return {"format": POSITION_FORMAT, "data": self.name, "n": self.plan.n, "epoch": self.epoch,
                     "current": current, "queue": [c for c, _ in self.queue], "tokens": self.tokens,
-                    "last": self.last, "started": self.started, "done": _b64(self.done), "seen": _b64(self.seen),
+                    "last": self.last, "done": _b64(self.done), "seen": _b64(self.seen),
                     "previous": None if self.previous is None else _b64(self.previous)}  # fmt: skip
 
     def restore(self, value: Any, now: float) -> bool:
@@ -200,9 +188,6 @@ class ChunkCursor:
             self.epoch, self.done, self.seen = epoch, done, seen
             self.previous = _unb64(value.get("previous"), self.plan.n)
             self.tokens = value.get("tokens") if isinstance(value.get("tokens"), int) else 0
-            started = value.get("started")
-            if isinstance(started, int | float) and 0 < started <= now:
-                self.started = float(started)
             last = value.get("last")
             self.last = last if isinstance(last, int) and 0 <= last < self.plan.n else None
             self.current = None
