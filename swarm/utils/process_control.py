@@ -21,6 +21,9 @@ workers (scripts/) and the multi-process tests. The rules it keeps:
   left unreaped until then), so nothing it started survives it.
 - Every wait has a timeout; a read that times out says which child and how long.
 
+A swarm-node command line is not exec'd but forked from a server that has imported torch and
+swarm once (preloaded.py): the same process to every caller, at a fraction of the CPU.
+
 Failure modes: what a child started is out of reach once the child is reaped (by the caller's
 own poll() or wait() before the stop) or if it left the group (setsid); the hivemind comparisons
 in scripts/ hunt those with psutil. Linux and macOS (process groups, select on pipes; without
@@ -44,7 +47,9 @@ import time
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
+
+from swarm.utils import preloaded
 
 REAP_S = 10.0  # how long to wait for a SIGKILLed child to be reaped
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -87,7 +92,13 @@ def start(
     die_with_parent: bool = False,
 ) -> subprocess.Popen[Any]:
     """Start a child, by default in its own session (see the module docstring). With
-    `die_with_parent` it gets SIGTERM when this process dies, even by SIGKILL (Linux only)."""
+    `die_with_parent` it gets SIGTERM when this process dies, even by SIGKILL (Linux only).
+    A swarm-node command line is forked from a server that has torch imported (preloaded.py):
+    what it returns then has the Popen methods and attributes this module and its callers use."""
+    if (entry := preloaded.preloadable(argv, env)) is not None:
+        child = preloaded.start(entry, argv, stdin=stdin, stdout=stdout, stderr=stderr, env=env, cwd=cwd, text=text,
+                                new_session=new_session, die_with_parent=die_with_parent)  # fmt: skip
+        return cast("subprocess.Popen[Any]", child)
     return subprocess.Popen(
         list(argv), stdin=stdin, stdout=stdout, stderr=stderr, env=env, cwd=cwd, text=text,
         start_new_session=new_session, preexec_fn=_die_with_parent if die_with_parent else None,
@@ -210,6 +221,8 @@ def send_signal(proc: subprocess.Popen[Any], sig: int, *, group: bool = False) -
     try:
         if group:
             os.killpg(proc.pid, sig)
+        elif isinstance(proc, preloaded.PreloadedChild):
+            proc.send_signal(sig)  # through its pidfd: its parent is the fork server, which reaps it
         else:
             os.kill(proc.pid, sig)
     except (ProcessLookupError, PermissionError):  # exited meanwhile (a zombie's group may be empty)

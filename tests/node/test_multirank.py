@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 from collections import defaultdict
 from pathlib import Path
@@ -87,14 +88,21 @@ def test_two_ranks_match_one_rank_of_the_same_batch_and_a_restart_resumes(swarm:
     """The node's batch is split over the ranks: a 2-rank node (DDP, or FSDP2 with --shard) trains
     what a 1-rank node of the same PeerID and --batch-size does, to fp tolerance. Its checkpoint
     is written once (rank 0), and a restart resumes from it with both ranks."""
-    common = ("--inner-steps", "4", "--matchmaking-time", "0.5", "--identity", str(tmp_path / "key"),
-              "--batch-size", "4")  # fmt: skip
-    load_identity(tmp_path / "key")  # one PeerID for both: the same batches
+    common = ("--inner-steps", "4", "--matchmaking-time", "0.5", "--batch-size", "4")
+    # one PeerID for all three (the same batches), each in a key file of its own: a running node
+    # holds its key file locked, so that two nodes never share one by mistake
+    load_identity(tmp_path / "key")
+    for name in ("one", "two", "sharded"):
+        shutil.copy2(tmp_path / "key", tmp_path / f"key-{name}")
     ckpt = tmp_path / "ckpt"
-    one = swarm.node("one", "--run-id", "one", "--max-outer-steps", "2", *common)
-    two = swarm.node("two", "--run-id", "two", "--max-outer-steps", "2", "--checkpoint-dir", str(ckpt), *common,
-                     *TWO_RANKS)  # fmt: skip
-    sharded = swarm.node("sharded", "--run-id", "sharded", "--max-outer-steps", "2", "--shard", *common, *TWO_RANKS)
+    one = swarm.node("one", "--run-id", "one", "--max-outer-steps", "2", "--identity", str(tmp_path / "key-one"),
+                     *common)  # fmt: skip
+    # run "two" has no end (a run setting its checkpoint keeps): its node leaves after 2 steps, and
+    # comes back for a third
+    two = swarm.node("two", "--run-id", "two", "--leave-after-steps", "2", "--checkpoint-dir", str(ckpt), "--identity",
+                     str(tmp_path / "key-two"), *common, *TWO_RANKS)  # fmt: skip
+    sharded = swarm.node("sharded", "--run-id", "sharded", "--max-outer-steps", "2", "--shard", "--identity",
+                         str(tmp_path / "key-sharded"), *common, *TWO_RANKS)  # fmt: skip
     for name, proc in (("one", one), ("two", two), ("sharded", sharded)):
         assert swarm.exit_code(name, proc, 200) == 0, swarm.stderr(name)[-3000:]
     steps = {name: swarm.events(name, "outer_step") for name in ("one", "two", "sharded")}
@@ -103,8 +111,8 @@ def test_two_ranks_match_one_rank_of_the_same_batch_and_a_restart_resumes(swarm:
         assert a["eval_loss"] == pytest.approx(b["eval_loss"], abs=2e-3) == pytest.approx(c["eval_loss"], abs=2e-3)
         assert a["train_loss"] == pytest.approx(b["train_loss"], abs=2e-3)
         assert b["train_loss"] == pytest.approx(c["train_loss"], abs=2e-3)
-    again = swarm.node("again", "--run-id", "two", "--max-outer-steps", "3", "--checkpoint-dir", str(ckpt), *common,
-                       *TWO_RANKS)  # fmt: skip
+    again = swarm.node("again", "--run-id", "two", "--leave-after-steps", "1", "--checkpoint-dir", str(ckpt),
+                       "--identity", str(tmp_path / "key-two"), *common, *TWO_RANKS)  # fmt: skip
     assert swarm.exit_code("again", again, 200) == 0, swarm.stderr("again")[-3000:]
     assert swarm.events("again", "resume")[0]["outer_step"] == 2
     assert [e["outer_step"] for e in swarm.events("again", "outer_step")] == [2]
