@@ -153,7 +153,8 @@ class Swarm:
         """Start `swarm-dht serve --json` and read its first line: {"peer_id", "maddrs"}."""
         log, out = self.config.run_dir / "bootstrap.log", self.config.run_dir / "bootstrap.out"
         prefix, listen = self.place("bootstrap", self.config.rate(None))
-        argv = [*prefix, *console_script("swarm-dht", "swarm.cli.dht"), "serve", "--json", "--host-maddrs", listen]
+        argv = [*prefix, *console_script("swarm-dht", "swarm.cli.dht"), "serve", "--json", "--host-maddrs", listen,
+                "--identity", str(self.config.run_dir / "bootstrap.key")]  # fmt: skip
         argv += ["-v"] * self.config.verbose
         self.bootstrap = spawn(argv, log, stdout=out)
         deadline = time.monotonic() + BOOTSTRAP_TIMEOUT_S
@@ -205,6 +206,9 @@ class Swarm:
         argv += ["--inner-steps", str(c.inner_steps), "--batch-size", str(c.batch_size), "--seq-len", str(c.seq_len)]
         argv += ["--compression", c.compression, "--max-outer-steps", str(c.outer_steps), "--seed", str(c.seed)]
         argv += ["--threads", str(c.threads), "--metrics-file", str(metrics), "--eval-every", "1"]
+        # a key of its own in the run's folder: a node started after a kill is a newcomer with an
+        # identity of its own, never the dead node's (a key in the user's folder would be reused)
+        argv += ["--identity", str(metrics.with_suffix(".key"))]
         # the first nodes begin the run together, so that none of them starts as a straggler that
         # misses the first steps' groups; a newcomer joins a run that has begun and does not wait
         argv += ["--start-with", str(c.nodes)]

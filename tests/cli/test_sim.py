@@ -277,6 +277,8 @@ def test_the_nodes_get_the_schedule_and_a_decaying_one_ends_with_the_run(tmp_pat
     assert wsd[wsd.index("--total-steps") + 1] == "300" and wsd[wsd.index("--decay-fraction") + 1] == "0.5"
     constant = argv(lr_schedule="constant")
     assert constant[constant.index("--lr-schedule") + 1] == "constant" and "--total-steps" not in constant
+    # each node's key in the run's folder: a newcomer after a kill gets an identity of its own
+    assert constant[constant.index("--identity") + 1] == str(tmp_path / "m.key")
 
 
 def _event(kind: str, **fields: Any) -> bytes:
