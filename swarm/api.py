@@ -54,7 +54,7 @@ from swarm.dht.id_proof import proof_path_for
 from swarm.model.diloco import OptimizerFactory
 from swarm.node import Event, NodeError, SwarmNode
 from swarm.node.config import NodeConfig
-from swarm.node.permits import SessionClosed
+from swarm.node.inner_steps import SessionClosed
 from swarm.node.settings import CUSTOM_MODEL
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.errors import P2PError

@@ -311,7 +311,7 @@ def main(
                         launch, config, node_key.peer_id.to_bytes(), threads=threads, verbose=verbose,
                         timeout=rank_timeout, shard=shard))  # fmt: skip
                     config, extra = ranks.config, {"data": ranks.data, "model": ranks.model,
-                                                   "train_loop": ranks.train_loop,
+                                                   "training_thread": ranks.training_thread,
                                                    "inner_optimizer": ranks.inner_optimizer}  # fmt: skip
                     logging.getLogger("swarm.ranks").info("rank 0 of %d: ranks 1.. run as pids %s", launch.world_size,
                                                           list(ranks.pids))  # fmt: skip

@@ -4,7 +4,7 @@
     if launch is not None and not launch.leader:
         sys.exit(follow(launch, timeout=...)) # a torchrun rank >= 1
     with NodeRanks.open(launch, config, peer, ...) as ranks:
-        SwarmNode(ranks.config, data=ranks.data, model=ranks.model, train_loop=ranks.train_loop, ...)
+        SwarmNode(ranks.config, data=ranks.data, model=ranks.model, training_thread=ranks.training_thread, ...)
 
 Errors become one line (CliError / click.UsageError), never a traceback.
 """
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from swarm.model.data import TokenData
     from swarm.model.diloco import OptimizerFactory
-    from swarm.node.data_loop import TrainLoopFactory
+    from swarm.node.training_thread import TrainingThreadFactory
     from swarm.ranks.launch import RankLaunch
 
 
@@ -58,7 +58,7 @@ class NodeRanks:
     config: NodeConfig
     data: TokenData
     model: nn.Module  # --shard: rank 0's full mirror on the CPU (swarm/ranks/shard.py)
-    train_loop: TrainLoopFactory
+    training_thread: TrainingThreadFactory
     pids: tuple[int, ...]  # the rank processes started here (none under torchrun)
     inner_optimizer: OptimizerFactory | None  # --shard: the mirror's HeldOptimizer
 
@@ -74,7 +74,7 @@ class NodeRanks:
         from swarm.ranks.follower import hello_settings
         from swarm.ranks.group import RankGroup, RankGroupError
         from swarm.ranks.launch import LaunchError
-        from swarm.ranks.leader import LeaderLoop
+        from swarm.ranks.leader import LeaderTrainingThread
         from swarm.ranks.shard import HeldOptimizer, ShardedInner, shard_model
         from swarm.ranks.spawn import SpawnedRanks
 
@@ -105,7 +105,7 @@ class NodeRanks:
                 dead = spawned.dead() if spawned is not None else None
                 raise RankGroupError(dead or f"the node's ranks could not start together: {e}") from None
             watchdog = spawned.dead if spawned is not None else (lambda: None)
-            loop = functools.partial(LeaderLoop, group=group, watchdog=watchdog, sharded=sharded)
+            loop = functools.partial(LeaderTrainingThread, group=group, watchdog=watchdog, sharded=sharded)
             yield NodeRanks(config, data, model, loop, tuple(spawned.pids if spawned else ()),
                             HeldOptimizer if shard else None)  # fmt: skip
         except (RankGroupError, LaunchError) as e:

@@ -11,8 +11,8 @@
     run_lookup.py  which run a node joins and with whose settings
     config.py      NodeConfig: every setting of a node, checked when built
     events.py      the events a node emits (JSON lines for the CLI, metrics)
-    permits.py     UserSteps: the inner-step permits a training loop takes (swarm.join and swarm-node)
-    data_loop.py   swarm-node's own training thread over the built-in data
+    inner_steps.py InnerSteps: the permits of the inner steps, spent by the training thread
+    training_thread.py  TrainingThread, and swarm-node's own on its data (DataTrainingThread)
     errors.py      NodeError
 
 `from swarm.node import SwarmNode` imports torch on first use only: the CLIs check their flags

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from swarm.model.error_feedback import ErrorFeedback
     from swarm.node.config import NodeConfig
     from swarm.node.events import EventSink
-    from swarm.node.permits import UserSteps
+    from swarm.node.inner_steps import InnerSteps
     from swarm.node.progress import ProgressBook
     from swarm.node.settings import RunSettings
     from swarm.state.keeper import StateKeeper
@@ -37,7 +37,7 @@ class RunContext:
 
     config: NodeConfig
     diloco: DiLoCo  # the model, its outer optimizer and its inner steps' bookkeeping
-    inner: UserSteps  # the inner-step permits and the model's worker thread
+    inner: InnerSteps  # the inner-step permits and the model's worker thread
     events: EventSink
     averager: Averager  # matchmaking and the all-reduce
     keeper: StateKeeper  # serves, fetches and checkpoints the state

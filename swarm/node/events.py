@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from swarm.node.permits import InnerProgress
+from swarm.node.inner_steps import InnerProgress
 from swarm.node.progress import EVAL_HISTORY
 from swarm.state.fetcher import FetchProgress, FetchReport
 from swarm.utils.process_memory import resident_bytes

@@ -64,8 +64,9 @@ class ForkWatch:
         max_wait: live identities that renew FORMED markers of a fake larger group, and serve no
         state, must not stop us for good (as distrust_formed bounds a fake marker of our state)."""
         for earlier in reversed(self.rounds):
-            if earlier.step < step and await averager.outvoted(earlier.step, earlier.group_id, earlier.parent,
-                                                                earlier.voters):
+            if earlier.step < step and await averager.outvoted(
+                earlier.step, earlier.group_id, earlier.parent, earlier.voters
+            ):
                 now = asyncio.get_running_loop().time()
                 if self.outvoted_since is None:
                     self.outvoted_since = now

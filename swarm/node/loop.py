@@ -5,8 +5,8 @@ only executes them):
 1. Plan (plan_step): fetch the swarm's state first, train H inner steps (fewer for a node that
    arrived while its peers were training), or join the peers' forming group at once with weight 0.
 2. Inner steps and matchmaking. The inner steps run in a thread, outside the event loop, which
-   keeps serving: swarm-node's DataLoop (swarm/node/data_loop.py) or the caller's own loop
-   (swarm.join), each given permits (swarm/node/permits.py). Matchmaking starts
+   keeps serving: swarm-node's DataTrainingThread (swarm/node/training_thread.py) or the caller's own loop
+   (swarm.join), each given permits (swarm/node/inner_steps.py). Matchmaking starts
    `matchmaking_time` before the slowest live peer of the step should finish and ends as soon
    as every expected peer has announced: one group of every ready node whose state equals the
    swarm's (grouping.py; swarm/averaging/matchmaking/matchmaker.py).
@@ -24,7 +24,7 @@ server), the rest of 2 (the wait for slower peers, the matchmaking still under w
 until the group forms, our record still says the step with its inner steps done
 (StepFacts.unmatched), as a blocking node waiting in matchmaking would, so peers plan and
 matchmake with us as before. The average (or our own Δ, when no group forms and the plan says
-so) lands between two inner steps (UserSteps.call) with the same θ_outer(t+1) as a blocking
+so) lands between two inner steps (InnerSteps.call) with the same θ_outer(t+1) as a blocking
 member's, and the next matchmaking waits for it. One step is in flight at most: a node whose
 next inner steps end first trains on past H until it lands (_train_until_landed). With
 --overlap-matchmaking a node faster than the slowest peer of its step trains on past H into the

@@ -68,11 +68,10 @@ from swarm.model.loss import eval_loss
 from swarm.model.presets import preset
 from swarm.node.config import NodeConfig
 from swarm.node.context import RunContext, StepFacts
-from swarm.node.data_loop import DataLoop, TrainLoop, TrainLoopFactory
 from swarm.node.errors import NodeError
 from swarm.node.events import Event, EventSink
+from swarm.node.inner_steps import InnerSteps
 from swarm.node.loop import OuterLoop
-from swarm.node.permits import UserSteps
 from swarm.node.plan import nodes_to_start_with, starting_together
 from swarm.node.progress import ProgressBook
 from swarm.node.reachability import NodeReach
@@ -88,6 +87,7 @@ from swarm.node.settings import (
     run_settings,
     training_settings,
 )
+from swarm.node.training_thread import DataTrainingThread, TrainingThread, TrainingThreadFactory
 from swarm.node.view import SwarmView
 from swarm.p2p.autonat import check_reachability
 from swarm.p2p.config import P2PConfig
@@ -103,7 +103,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Event", "NodeError", "SwarmNode"]
 
-DATA_LOOP_END_WAIT = 60.0  # seconds for the training thread to finish its inner step at exit
+TRAINING_THREAD_END_WAIT = 60.0  # seconds for the training thread to finish its inner step at exit
 START_WAIT_S = 600.0  # --start-with: the longest a node waits for the others of a new run
 START_POLL_S = 0.5  # seconds between readings of the run's records while it waits
 
@@ -131,7 +131,7 @@ class SwarmNode:
         dht_config: DHTConfig | None = None,
         inner_optimizer: OptimizerFactory | None = None,
         evaluate: Callable[[nn.Module], float] | None = None,
-        train_loop: TrainLoopFactory = DataLoop,
+        training_thread: TrainingThreadFactory = DataTrainingThread,
         relay: RelayConfig | None = RelayConfig(),  # noqa: B008 (frozen): relaying for others; None: off
     ) -> None:
         self.config = config
@@ -145,7 +145,7 @@ class SwarmNode:
         self.client_mode = config.client_mode
         self.relay = relay
         self.reach: NodeReach | None = None  # while `run` runs: how peers reach us (reachability.py)
-        self._data_loop: TrainLoop | None = None  # swarm-node's own training loop (the caller's, in swarm.join)
+        self._training_thread: TrainingThread | None = None  # swarm-node's own (the caller's thread, in swarm.join)
         self._cursor: ChunkCursor | None = None  # prepared data: our position in the chunks we claim
         if config.model == CUSTOM_MODEL:  # swarm.join: the caller's model, optimizer and loop
             if model is None:
@@ -169,12 +169,13 @@ class SwarmNode:
             self._evaluate = functools.partial(eval_loss, model, eval_set)
             # prepared data: disjoint chunks across the swarm (swarm/data/)
             self._cursor = cursor_for(data.train, seq_len=config.seq_len, name=data.name)
-        self.inner = UserSteps(self.diloco)  # inner steps run only while the node allows them
+        self.inner = InnerSteps(self.diloco)  # inner steps run only while the node allows them
         if config.model != CUSTOM_MODEL:
-            # DataLoop; a node of several ranks: rank 0's LeaderLoop (swarm/ranks/leader.py)
-            chunks = {"cursor": self._cursor} if self._cursor is not None else {}  # DataLoop's, for prepared data
-            self._data_loop = train_loop(self.inner, data, self.peer_id, batch_size=config.batch_size,
-                                         seq_len=config.seq_len, **chunks)  # fmt: skip
+            # DataTrainingThread; a node of several ranks: rank 0's LeaderTrainingThread (swarm/ranks/leader.py).
+            # With prepared data, DataTrainingThread reads the chunks this node claimed
+            chunks = {"cursor": self._cursor} if self._cursor is not None else {}
+            self._training_thread = training_thread(self.inner, data, self.peer_id, batch_size=config.batch_size,
+                                                    seq_len=config.seq_len, **chunks)  # fmt: skip
         self.run_info = RunInfo(run_id=config.run_id, model=config.model, model_config=model_config,
                                 seed=config.seed, data=data_name, inner_steps=config.inner_steps)  # fmt: skip
         self.settings = self._settings_for(config)  # the run settings we train with; the manifest carries them
@@ -204,8 +205,8 @@ class SwarmNode:
         """Train until stop is set, the run's end or our own leave_after_steps; returns why it ended
         (OuterLoop.run: "finished", "left", "run ended", "stopped"). Raises
         NodeError (bad data, unreachable peers, divergence), DHTError or P2PError."""
-        if self._data_loop is not None:
-            self._data_loop.start()
+        if self._training_thread is not None:
+            self._training_thread.start()
         try:
             host, nated = await self._open_host()
             try:
@@ -221,8 +222,8 @@ class SwarmNode:
             self.inner.close()
             if self._cursor is not None:  # a training thread waiting for a chunk ends too
                 self._cursor.close()
-            if self._data_loop is not None:  # it ends after the inner step under way
-                await asyncio.to_thread(self._data_loop.join, DATA_LOOP_END_WAIT)
+            if self._training_thread is not None:  # it ends after the inner step under way
+                await asyncio.to_thread(self._training_thread.join, TRAINING_THREAD_END_WAIT)
 
     async def _open_host(self) -> tuple[P2PHost, bool]:
         """Our started host, and whether it is behind NAT. A NATed node's host is started again

@@ -30,7 +30,7 @@ from swarm.utils.log_once import RateLimitedLog
 from swarm.utils.process_memory import resident_bytes
 
 if TYPE_CHECKING:
-    from swarm.node.permits import InnerProgress
+    from swarm.node.inner_steps import InnerProgress
 
 logger = logging.getLogger(__name__)
 

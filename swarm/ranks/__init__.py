@@ -16,7 +16,7 @@ an inner step (an outer step, a fetched state, a resumed checkpoint) it broadcas
     group.py     the process group: rendezvous with a timeout, hello, commands, broadcasts
     step.py      one inner step of one rank: its rows of the node's batch, DDP forward/backward
     shard.py     --shard: FSDP2 instead of DDP; rank 0's full mirror, gathered and scattered
-    leader.py    rank 0's training thread (the DataLoop of a multi-rank node)
+    leader.py    rank 0's training thread (the DataTrainingThread of a multi-rank node)
     follower.py  ranks 1..N-1: follow the commands until STOP
     spawn.py     the rank processes rank 0 starts, and its watchdog over them
 """

@@ -1,14 +1,14 @@
-"""LeaderLoop: rank 0's training thread, the DataLoop of a node of several ranks.
+"""LeaderTrainingThread: rank 0's training thread, the DataTrainingThread of a node of several ranks.
 
-    loop = LeaderLoop(steps, data, peer_id, batch_size=8, seq_len=256, group=group,
-                      watchdog=ranks.dead)      # functools.partial of it is SwarmNode's train_loop
-    loop.start(); ...; steps.close(); loop.join(timeout)
+    thread = LeaderTrainingThread(steps, data, peer_id, batch_size=8, seq_len=256, group=group,
+                                  watchdog=ranks.dead)  # a functools.partial of it is SwarmNode's training_thread
+    thread.start(); ...; steps.close(); thread.join(timeout)
 
-It spends the node's permits like DataLoop, but each inner step is one STEP command to the
+It spends the node's permits like DataTrainingThread, but each inner step is one STEP command to the
 other ranks and one DDP step on all of them (commands.py). Every collective rank 0 makes runs
 in this thread: the event loop never waits on a rank. Between permits (the node is in the
 swarm: matchmaking, a round, a fetch) it PINGs the ranks every `ping_s`, which also finds a dead
-rank early; a rank that died or timed out fails the node (UserSteps.fail) with one line, and the
+rank early; a rank that died or timed out fails the node (InnerSteps.fail) with one line, and the
 node leaves the swarm as any node does.
 """
 
@@ -21,9 +21,9 @@ from collections.abc import Callable
 from swarm.model.data import TokenData
 from swarm.model.diloco import NonFiniteLossError
 from swarm.model.state_hash import tensors_sha256
-from swarm.node.data_loop import TrainingThread
 from swarm.node.errors import NodeError
-from swarm.node.permits import SessionClosed, UserSteps
+from swarm.node.inner_steps import InnerSteps, SessionClosed
+from swarm.node.training_thread import TrainingThread
 from swarm.p2p.peer_id import PeerID
 from swarm.ranks.commands import Command, Op
 from swarm.ranks.group import RankGroup, describe
@@ -32,18 +32,18 @@ from swarm.ranks.step import rank_step
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LeaderLoop"]
+__all__ = ["LeaderTrainingThread"]
 
 PING_S = 5.0
 DEATH_GRACE_S = 3.0  # how long a failed collective waits for the watchdog to see which rank exited
 
 
-class LeaderLoop(TrainingThread):
+class LeaderTrainingThread(TrainingThread):
     """Owns rank 0's training thread (see the module docstring). `watchdog()` names a rank
     process that exited (spawn.py), or None; under torchrun there is none to ask."""
 
     def __init__(
-        self, steps: UserSteps, data: TokenData, peer_id: PeerID, *, batch_size: int, seq_len: int,
+        self, steps: InnerSteps, data: TokenData, peer_id: PeerID, *, batch_size: int, seq_len: int,
         group: RankGroup, watchdog: Callable[[], str | None] = lambda: None,
         ping_s: float = PING_S, sharded: ShardedInner | None = None,
     ) -> None:  # fmt: skip

@@ -21,8 +21,10 @@ MOVED = {  # old name -> new name: the node package and the shared helpers
     "swarm.run_lookup": "swarm.node.run_lookup",
     "swarm.node_config": "swarm.node.config",
     "swarm.node_events": "swarm.node.events",
-    "swarm.user_steps": "swarm.node.permits",
-    "swarm.trainer": "swarm.node.data_loop",
+    "swarm.user_steps": "swarm.node.inner_steps",
+    "swarm.trainer": "swarm.node.training_thread",
+    "swarm.node.permits": "swarm.node.inner_steps",  # one concept, one name: the inner steps' permits
+    "swarm.node.data_loop": "swarm.node.training_thread",  # and the thread that spends them
     "swarm.model.run_settings": "swarm.node.settings",  # the run settings' one owner
     "swarm.eventloop": "swarm.utils.eventloop",
     "swarm.supervised": "swarm.utils.supervised",

@@ -14,7 +14,7 @@ from swarm.dht import DHTConfig, DHTNode
 from swarm.model.data import TokenData
 from swarm.node import SwarmNode
 from swarm.node.config import NodeConfig
-from swarm.node.data_loop import DataLoop, TrainLoopFactory
+from swarm.node.training_thread import DataTrainingThread, TrainingThreadFactory
 from swarm.p2p import P2PConfig, P2PHost
 from swarm.p2p.identity import Identity
 
@@ -50,10 +50,11 @@ class LocalSwarm:
         return host.visible_maddrs[0]
 
     def start(self, initial: tuple[str, ...], *, identity: Identity | None = None,
-              on_event: Callable[[dict[str, Any]], None] | None = None, train_loop: TrainLoopFactory = DataLoop,
+              on_event: Callable[[dict[str, Any]], None] | None = None,
+              training_thread: TrainingThreadFactory = DataTrainingThread,
               dht_config: DHTConfig | None = None, **settings: Any) -> Running:  # fmt: skip
         """A node; its events are recorded, and also handed to `on_event` (a metrics subscriber).
-        `train_loop`: its training thread (swarm-node's DataLoop by default)."""
+        `training_thread`: its training thread (swarm-node's DataTrainingThread by default)."""
         config = NodeConfig(**{"run_id": "inproc", **QUICK, **settings})
         running: Running
         events: list[dict[str, Any]] = []
@@ -64,7 +65,7 @@ class LocalSwarm:
                 on_event(event)
 
         node = SwarmNode(config, identity=identity, initial_peers=initial, p2p_config=LOCAL, on_event=record,
-                         data=self.data, train_loop=train_loop, dht_config=dht_config)  # fmt: skip
+                         data=self.data, training_thread=training_thread, dht_config=dht_config)  # fmt: skip
         stop = asyncio.Event()
         running = Running(node, stop, asyncio.ensure_future(node.run(stop)), events)
         self.nodes.append(running)

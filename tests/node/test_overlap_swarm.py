@@ -13,9 +13,9 @@ import pytest
 
 from swarm.averaging.averager import Averager
 from swarm.averaging.errors import AllReduceError
-from swarm.node.data_loop import DataLoop
-from swarm.node.permits import UserSteps
+from swarm.node.inner_steps import InnerSteps
 from swarm.node.progress import OwnProgress, ProgressBook
+from swarm.node.training_thread import DataTrainingThread
 from tests.node.inprocess import LocalSwarm
 from tests.node.test_one_swarm import assert_one_state
 from tests.waiting import until
@@ -162,10 +162,10 @@ async def test_a_fast_member_trains_the_next_step_while_its_group_waits_for_a_sl
     assert waiting, published  # it trained step t + 1 while its record said t, done
 
 
-class SlowLoop(DataLoop):
+class SlowLoop(DataTrainingThread):
     """swarm-node's training thread, 0.1 s slower an inner step: the slowest member of a group."""
 
-    def __init__(self, steps: UserSteps, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, steps: InnerSteps, *args: Any, **kwargs: Any) -> None:
         super().__init__(steps, *args, **kwargs)
         slow = steps.wait_for_permit
 
@@ -185,7 +185,7 @@ async def test_members_faster_than_the_slowest_train_on_while_its_round_lands_an
     bootstrap = await local.start_bootstrap()
     settings = dict(overlap="eager", overlap_matchmaking=True, start_with=3, max_outer_steps=6)
     fast = [local.start((bootstrap,), **settings) for _ in range(2)]
-    local.start((bootstrap,), train_loop=SlowLoop, **settings)
+    local.start((bootstrap,), training_thread=SlowLoop, **settings)
     assert await local.finish(200) == ["finished"] * 3
     by_step = local.by_step()
     assert all(len(by_step[s]) == 1 for s in range(5)), by_step  # the last step: LAST_STEP_FLAKE

@@ -14,14 +14,14 @@ from torch import nn
 
 from swarm.model.diloco import DiLoCo, DiLoCoConfig
 from swarm.node.errors import NodeError
-from swarm.node.permits import UserSteps
+from swarm.node.inner_steps import InnerSteps
 from swarm.p2p.identity import Identity
 from swarm.ranks.commands import Command, Op
-from swarm.ranks.leader import LeaderLoop
+from swarm.ranks.leader import LeaderTrainingThread
 
 
 class RecordingGroup:
-    """What LeaderLoop calls of a RankGroup, recorded."""
+    """What LeaderTrainingThread calls of a RankGroup, recorded."""
 
     timeout = 10.0
     ddp = None
@@ -37,10 +37,10 @@ class RecordingGroup:
         self.broadcasts += 1
 
 
-def _loop(watchdog: Any = lambda: None) -> tuple[LeaderLoop, UserSteps, RecordingGroup]:
-    steps = UserSteps(DiLoCo(nn.Linear(2, 2), DiLoCoConfig(inner_steps=2)))
+def _loop(watchdog: Any = lambda: None) -> tuple[LeaderTrainingThread, InnerSteps, RecordingGroup]:
+    steps = InnerSteps(DiLoCo(nn.Linear(2, 2), DiLoCoConfig(inner_steps=2)))
     group = RecordingGroup()
-    loop = LeaderLoop(steps, None, Identity.generate().peer_id, batch_size=2, seq_len=4,  # type: ignore[arg-type]
+    loop = LeaderTrainingThread(steps, None, Identity.generate().peer_id, batch_size=2, seq_len=4,  # type: ignore[arg-type]
                       group=group, watchdog=watchdog, ping_s=0.05)  # type: ignore[arg-type]  # fmt: skip
     return loop, steps, group
 

@@ -1,8 +1,8 @@
-"""UserSteps: the permits between a node and the thread that runs its inner steps (swarm.join or DataLoop).
+"""InnerSteps: the permits between a node and the thread that runs its inner steps (swarm.join or DataTrainingThread).
 
 The node (on its event loop) hands out permits; the caller's thread spends them:
 
-    steps = UserSteps(diloco)
+    steps = InnerSteps(diloco)
     # node side (its event loop):  await steps.train(target); await steps.call(fn)
     # caller's thread, after its own forward and backward:
     steps.step(tokens, loss=loss)          # clip, optimizer step, count; spends one permit
@@ -24,6 +24,7 @@ import asyncio
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ class SessionClosed(RuntimeError):
     """The swarm session has ended: no inner step may run."""
 
 
-class UserSteps:
+class InnerSteps:
     """Owns the permits, the progress the node reads (InnerProgress) and one worker thread for
     the node's own work on the model (`call`)."""
 
@@ -92,7 +93,7 @@ class UserSteps:
         self._executor.shutdown(wait=True)
 
     def fail(self, error: BaseException) -> None:
-        """The caller's loop cannot go on (swarm-node's DataLoop: a divergence): the node's
+        """The caller's loop cannot go on (swarm-node's DataTrainingThread: a divergence): the node's
         `train` raises `error`, and no more permits are given."""
         with self._cond:
             self._failure = error
@@ -257,3 +258,12 @@ class UserSteps:
 def _set_done(done: asyncio.Future[None]) -> None:
     if not done.done():
         done.set_result(None)
+
+
+def __getattr__(name: str) -> object:
+    """UserSteps, this class's name until this release, with a DeprecationWarning."""
+    if name == "UserSteps":
+        warnings.warn(f"{__name__}.UserSteps is now InnerSteps; the old name goes in the next release",
+                      DeprecationWarning, stacklevel=2)  # fmt: skip
+        return InnerSteps
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

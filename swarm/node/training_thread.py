@@ -1,12 +1,13 @@
-"""DataLoop: swarm-node's own training loop, a caller of the same permits as swarm.join's (DESIGN invariant 6).
+"""The training thread: where a node's inner steps run, spending the permits InnerSteps hands out
+(DESIGN invariant 6). swarm-node's is DataTrainingThread, on its own data:
 
-    steps = UserSteps(diloco)                         # swarm/node/permits.py: what the node drives
-    loop = DataLoop(steps, data, peer_id, batch_size=8, seq_len=256)
-    loop.start()                                      # a thread: a permit, a batch, forward, backward, step
+    steps = InnerSteps(diloco)                          # swarm/node/inner_steps.py: what the node drives
+    thread = DataTrainingThread(steps, data, peer_id, batch_size=8, seq_len=256)
+    thread.start()                                      # a permit, a batch, forward, backward, step
     ...
-    steps.close(); loop.join(timeout)
+    steps.close(); thread.join(timeout)
 
-A swarm.join caller runs its own loop against UserSteps; swarm-node's loop is this one, over the
+A swarm.join caller's own thread spends the same permits; swarm-node's thread is this one, over the
 built-in data: batches come from node_generator(PeerID, global inner step), so every node trains
 on its own windows of the same corpus, and a node that repeats a step draws the same windows.
 Training runs in this thread, outside the event loop, which keeps serving meanwhile.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from typing import Protocol
 
 import torch
@@ -25,7 +27,7 @@ from swarm.model.data import TokenData, node_generator, sample_batch
 from swarm.model.diloco import NonFiniteLossError
 from swarm.model.tokens import TokensError
 from swarm.node.errors import NodeError
-from swarm.node.permits import SessionClosed, UserSteps
+from swarm.node.inner_steps import InnerSteps, SessionClosed
 from swarm.p2p.peer_id import PeerID
 
 logger = logging.getLogger(__name__)
@@ -34,21 +36,10 @@ logger = logging.getLogger(__name__)
 CHUNK_WAIT_S = 600.0
 
 
-class TrainLoop(Protocol):
-    """What a node starts and joins: its training thread (DataLoop, or rank 0's LeaderLoop)."""
-
-    def start(self) -> None: ...
-
-    def join(self, timeout: float) -> None: ...
-
-
-class TrainLoopFactory(Protocol):
-    def __call__(self, steps: UserSteps, data: TokenData, peer_id: PeerID, *, batch_size: int,
-                 seq_len: int) -> TrainLoop: ...  # fmt: skip
-
-
 class TrainingThread:
-    """A daemon thread that runs `_run` (a subclass's training loop): `start`, then `join`."""
+    """The thread that runs a node's inner steps, spending its InnerSteps permits: `start`, then
+    `join`. A subclass's `_run` is the loop: swarm-node's DataTrainingThread, or rank 0's
+    LeaderTrainingThread in a node of several ranks (in swarm.join the caller's own thread)."""
 
     def __init__(self, name: str) -> None:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -67,12 +58,17 @@ class TrainingThread:
         raise NotImplementedError
 
 
-class DataLoop(TrainingThread):
-    """Owns the training thread of a swarm-node: inner steps on the built-in data whenever the
-    node allows them (UserSteps permits). A divergence (a NaN or inf loss or gradient) fails the
-    node (UserSteps.fail) with what to do."""
+class TrainingThreadFactory(Protocol):
+    def __call__(self, steps: InnerSteps, data: TokenData, peer_id: PeerID, *, batch_size: int,
+                 seq_len: int) -> TrainingThread: ...  # fmt: skip
 
-    def __init__(self, steps: UserSteps, data: TokenData, peer_id: PeerID, *, batch_size: int, seq_len: int,
+
+class DataTrainingThread(TrainingThread):
+    """swarm-node's training thread: inner steps on its data (built-in or prepared) whenever the
+    node allows them (InnerSteps permits). A divergence (a NaN or inf loss or gradient) fails the
+    node (InnerSteps.fail) with what to do."""
+
+    def __init__(self, steps: InnerSteps, data: TokenData, peer_id: PeerID, *, batch_size: int, seq_len: int,
                  cursor: ChunkCursor | None = None) -> None:  # fmt: skip
         super().__init__("swarm-train")
         self.steps, self.data = steps, data
@@ -106,3 +102,13 @@ class DataLoop(TrainingThread):
         # a step past H (DiLoCo.extra_room) draws windows of its own
         generator = node_generator(self.peer, diloco.global_inner_step, extra=diloco.ready_for_outer)
         return sample_batch(self.data.train, self.batch_size, self.seq_len, generator)
+
+
+def __getattr__(name: str) -> object:
+    """The names this module's classes had until this release, with a DeprecationWarning."""
+    renamed = {"DataLoop": DataTrainingThread, "TrainLoopFactory": TrainingThreadFactory, "TrainLoop": TrainingThread}
+    if name in renamed:
+        warnings.warn(f"{__name__}.{name} is now {renamed[name].__name__}; the old name goes in the next release",
+                      DeprecationWarning, stacklevel=2)  # fmt: skip
+        return renamed[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""UserSteps (the permits between a node and its caller's loop) and DiLoCo with a caller's optimizer."""
+"""InnerSteps (the permits between a node and its caller's loop) and DiLoCo with a caller's optimizer."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from swarm.model.diloco import DiLoCo, DiLoCoConfig
-from swarm.node.permits import SessionClosed, UserSteps
+from swarm.node.inner_steps import InnerSteps, SessionClosed
 
 
 def wrapped(inner_steps: int = 3) -> DiLoCo:
@@ -37,7 +37,7 @@ def test_a_callers_optimizer_keeps_its_rate_and_its_steps_count_tokens() -> None
 
 async def test_the_caller_steps_only_with_a_permit_and_the_node_waits_for_its_steps() -> None:
     diloco = wrapped()
-    steps = UserSteps(diloco)
+    steps = InnerSteps(diloco)
     with pytest.raises(RuntimeError, match="no inner step is open"):
         steps.step(1)
     with pytest.raises(TimeoutError):
@@ -66,7 +66,7 @@ async def test_the_caller_steps_only_with_a_permit_and_the_node_waits_for_its_st
 
 async def test_closing_releases_the_caller_and_the_node() -> None:
     diloco = wrapped()
-    steps = UserSteps(diloco)
+    steps = InnerSteps(diloco)
     waiting = asyncio.ensure_future(steps.train(3))
     await asyncio.sleep(0.05)
     assert steps.wait_for_permit(1.0) is True
@@ -81,8 +81,8 @@ async def test_closing_releases_the_caller_and_the_node() -> None:
 
 async def test_swarm_nodes_own_loop_steps_with_permits_and_a_divergence_fails_the_node() -> None:
     from swarm.model.data import stdlib_corpus
-    from swarm.node.data_loop import DataLoop
     from swarm.node.errors import NodeError
+    from swarm.node.training_thread import DataTrainingThread
     from swarm.p2p.identity import Identity
 
     data = stdlib_corpus(100_000)
@@ -95,8 +95,8 @@ async def test_swarm_nodes_own_loop_steps_with_permits_and_a_divergence_fails_th
         return loss if nan_after["steps"] >= 0 else loss * math.nan
 
     diloco = DiLoCo(nn.Embedding(256, 4), DiLoCoConfig(inner_steps=5), loss_fn=loss_fn)
-    steps = UserSteps(diloco)
-    loop = DataLoop(steps, data, Identity.generate().peer_id, batch_size=2, seq_len=8)
+    steps = InnerSteps(diloco)
+    loop = DataTrainingThread(steps, data, Identity.generate().peer_id, batch_size=2, seq_len=8)
     loop.start()
     await asyncio.wait_for(steps.train(2), 10.0)  # two good steps, then it waits for a permit
     assert diloco.inner_done == 2 and steps.snapshot().inner_done == 2
@@ -111,7 +111,7 @@ async def test_the_nodes_work_on_the_model_waits_for_the_callers_step_and_holds_
     """call() runs between inner steps: never while the caller holds a permit, and the caller
     gets none while the node's work runs (an overlapped node lands a round so)."""
     diloco = wrapped(inner_steps=50)
-    steps = UserSteps(diloco)
+    steps = InnerSteps(diloco)
     in_step, release = threading.Event(), threading.Event()
     log: list[str] = []
 
@@ -157,7 +157,7 @@ async def test_a_caller_that_left_holding_a_permit_does_not_hang_the_node_once_t
     """A caller's loop that raised between wait_for_permit and step (its own bug) leaves a permit
     held: the node's work waits for it while the session runs, and runs once it has ended."""
     diloco = wrapped()
-    steps = UserSteps(diloco)
+    steps = InnerSteps(diloco)
     training = asyncio.ensure_future(steps.train(2))
     assert await asyncio.to_thread(steps.wait_for_permit, 5.0)  # and then never steps
     work = asyncio.ensure_future(steps.call(lambda: "ran"))
