@@ -1,6 +1,8 @@
 """One training process of the swarm: the node and its parts.
 
     node.py        SwarmNode: starts a run's services, trains, stops (the public face)
+    model_setup.py what it trains: its data, model, error feedback, DiLoCo around the model
+    starting.py    nodes that start a run together (--start-with, swarm.join's wait_for_peers)
     context.py     RunContext (the run's services, fixed) and StepFacts (the step's mutable facts)
     loop.py        OuterLoop: the outer step, top to bottom: plan, matchmaking, the round, landing
     grouping.py    the step's matchmaking: whom to expect, the wait for slower peers, the fork check
@@ -10,6 +12,9 @@
     progress.py    the progress records of the run's nodes in the DHT
     run_lookup.py  which run a node joins and with whose settings
     config.py      NodeConfig: every setting of a node, checked when built
+    settings.py    RunSettings: what every node of a run must agree on, one digest, one comparison
+    reachability.py  how peers reach this node: dial-back, relays, hole punching
+    relay_records.py the relays the run's nodes advertise in the DHT
     events.py      the events a node emits (JSON lines for the CLI, metrics)
     inner_steps.py InnerSteps: the permits of the inner steps, spent by the training thread
     training_thread.py  TrainingThread, and swarm-node's own on its data (DataTrainingThread)

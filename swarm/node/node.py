@@ -41,7 +41,6 @@ client mode: it trains and contributes, but owns no part of an all-reduce and se
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -50,7 +49,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from swarm.averaging.averager import Averager
@@ -59,20 +57,18 @@ from swarm.data.cursor import ChunkCursor, cursor_for
 from swarm.dht.config import DHTConfig
 from swarm.dht.node import DHTNode
 from swarm.model.checkpoint import CheckpointError, RunInfo
-from swarm.model.configs import ModelConfig
-from swarm.model.data import TokenData, eval_windows, load_data
-from swarm.model.diloco import DiLoCo, OptimizerFactory, model_fingerprint
-from swarm.model.error_feedback import ErrorFeedback
-from swarm.model.llama import build_model, count_parameters
+from swarm.model.data import TokenData, eval_windows
+from swarm.model.diloco import OptimizerFactory, model_fingerprint
 from swarm.model.loss import eval_loss
 from swarm.model.presets import preset
+from swarm.node import starting
 from swarm.node.config import NodeConfig
 from swarm.node.context import RunContext, StepFacts
 from swarm.node.errors import NodeError
 from swarm.node.events import Event, EventSink
 from swarm.node.inner_steps import InnerSteps
 from swarm.node.loop import OuterLoop
-from swarm.node.plan import nodes_to_start_with, starting_together
+from swarm.node.model_setup import build_node_model, load_node_data, node_diloco, node_error_feedback
 from swarm.node.progress import ProgressBook
 from swarm.node.reachability import NodeReach
 from swarm.node.run_lookup import initial_peer_ids
@@ -104,8 +100,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["Event", "NodeError", "SwarmNode"]
 
 TRAINING_THREAD_END_WAIT = 60.0  # seconds for the training thread to finish its inner step at exit
-START_WAIT_S = 600.0  # --start-with: the longest a node waits for the others of a new run
-START_POLL_S = 0.5  # seconds between readings of the run's records while it waits
 
 
 class SwarmNode:
@@ -150,20 +144,20 @@ class SwarmNode:
         if config.model == CUSTOM_MODEL:  # swarm.join: the caller's model, optimizer and loop
             if model is None:
                 raise NodeError("model 'custom' trains the caller's own model: hand it in (swarm.join)")
-            self.diloco = _wrapped(model, config, inner_optimizer)
+            self.diloco = node_diloco(model, config, inner_optimizer)
             architecture, initial = model_fingerprint(self.diloco)
             self._fingerprint: tuple[str, str] | None = (architecture, initial)
             model_config: dict[str, Any] = {"architecture": architecture, "parameters": self.diloco.parameter_count}
             data_name = "caller"
             self._evaluate = None if evaluate is None else functools.partial(evaluate, model)
         else:
-            data = data if data is not None else _load(config)
+            data = data if data is not None else load_node_data(config)
             preset_config = preset(config.model, vocab_size=data.vocab_size)
             model_config, data_name = dataclasses.asdict(preset_config), data.name
             if model is None:
-                model = _build(config, preset_config)
+                model = build_node_model(config, preset_config)
             # inner_optimizer: None (AdamW), or --shard's HeldOptimizer: the ranks step the shards
-            self.diloco = _wrapped(model, config, inner_optimizer)
+            self.diloco = node_diloco(model, config, inner_optimizer)
             self._fingerprint = None
             eval_set = eval_windows(data.eval, config.seq_len, config.eval_windows)
             self._evaluate = functools.partial(eval_loss, model, eval_set)
@@ -186,7 +180,7 @@ class SwarmNode:
         self._started = asyncio.Event()  # set once the node holds the run's state and serves it
         self._compression = config.compression_spec()
         self._block_size = config.averaging_config(self.client_mode).block_size
-        self._feedback = _error_feedback(config, self._compression.codec, self._block_size)
+        self._feedback = node_error_feedback(config, self._compression.codec, self._block_size)
 
     def _settings_for(self, config: NodeConfig) -> RunSettings:
         """The run settings of `config` (with our model's fingerprint, for a caller's model), also
@@ -277,7 +271,7 @@ class SwarmNode:
         try:
             await self._start(loop)
             publisher = Supervised("progress records", lambda: self._publish_forever(loop.view)).start()
-            started_with = await self._wait_to_start(loop.view, stop)
+            started_with = await starting.wait_to_start(loop.view, self.config.start_with, stop)
             reason = await loop.run(started_with)
             return reason
         finally:
@@ -379,90 +373,16 @@ class SwarmNode:
         (their progress records fresh), publishing our own record meanwhile: a barrier for
         processes that should train together from their first step. Returns how many are live,
         fewer than `nodes` after `timeout` seconds (0: this node did not get the run's state by then)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        deadline = asyncio.get_running_loop().time() + timeout
         try:
             await asyncio.wait_for(self._started.wait(), timeout)
         except asyncio.TimeoutError:
             return 0
         assert self.outer_loop is not None  # set before _started
-        view = self.outer_loop.view
-        while True:
-            await view.publish()
-            await view.ctx.book.refresh()
-            live = 1 + len(view.read().live())
-            if live >= nodes or loop.time() >= deadline:
-                return live
-            await asyncio.sleep(START_POLL_S)
-
-    async def _wait_to_start(self, view: SwarmView, stop: asyncio.Event) -> int:
-        """--start-with N: at a new run's first step, wait until N nodes (us included) are live
-        (plan.nodes_to_start_with), publishing our record meanwhile, at most START_WAIT_S.
-        Returns the nodes the run began with (plan.starting_together; 0: it did not wait, or had
-        begun): the loop's "last group" before its first step."""
-        if self.config.start_with <= 1:
-            return 0
-        loop = asyncio.get_running_loop()
-        deadline, said = loop.time() + START_WAIT_S, None
-        while not stop.is_set():
-            await view.publish()
-            await view.ctx.book.refresh()
-            facts = view.read()
-            missing = nodes_to_start_with(facts, self.config.start_with)
-            if missing == 0:
-                return starting_together(facts)  # together from the first step (swarm_together)
-            if loop.time() >= deadline:
-                logger.warning("--start-with %d: %d node(s) still missing after %.0f s: training without them",
-                               self.config.start_with, missing, START_WAIT_S)  # fmt: skip
-                return 0
-            if missing != said:
-                logger.info("--start-with %d: waiting for %d more node(s)", self.config.start_with, missing)
-                said = missing
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), START_POLL_S)
-        return 0
+        return await starting.wait_for_live(self.outer_loop.view, nodes, deadline)
 
 
 def _relayed_may_own(book: ProgressBook) -> bool:
     """A relayed node owns parts only when no live peer of the run could (p2p/reach.py)."""
     now = time.time()
     return relayed_may_own((p.client, p.reach) for p in book.peers if now - p.time <= book.fresh_for)
-
-
-def _load(config: NodeConfig) -> TokenData:
-    try:
-        return load_data(config.data, tokenizer=config.tokenizer)
-    except ValueError as e:
-        raise NodeError(str(e)) from None
-
-
-def _build(config: NodeConfig, model_config: ModelConfig) -> nn.Module:
-    device = config.torch_device()
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise NodeError(f"--device {config.device}: no CUDA device here")
-    logger.info("model %s: %d parameters on %s", config.model, count_parameters(model_config), device)
-    model = build_model(model_config, config.seed, device=device)
-    if config.compile:
-        from torch._dynamo import config as dynamo_config
-
-        # a compile that fails (no C compiler, an op inductor cannot lower) runs that code eager,
-        # with torch's warning, rather than ending the node mid-run
-        dynamo_config.suppress_errors = True
-        model.compile()  # in place: the parameters keep their names (the state, DiLoCo's groups)
-    return model
-
-
-def _error_feedback(config: NodeConfig, codec: str, block_size: int) -> ErrorFeedback | None:
-    """--error-feedback: the codec's residual, kept by this node alone; None without a lossy codec."""
-    if config.error_feedback > 0 and codec != "none":
-        return ErrorFeedback(codec, block_size, config.error_feedback)
-    return None
-
-
-def _wrapped(model: Any, config: NodeConfig, inner_optimizer: Any) -> DiLoCo:
-    """DiLoCo around the model; NodeError (one line, no traceback) when the config does not fit
-    it (more --fragments than the model has parameter tensors)."""
-    try:
-        return DiLoCo(model, config.diloco_config(), inner_optimizer=inner_optimizer)
-    except ValueError as e:
-        raise NodeError(str(e)) from None

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from swarm.model.presets import preset
-from swarm.node import node
+from swarm.node import model_setup
 from swarm.node.config import NodeConfig
 
 
@@ -24,8 +24,8 @@ def dynamo_config_restored() -> Iterator[None]:
 
 
 def test_compile_compiles_the_model_in_place_and_keeps_its_parameter_names() -> None:
-    eager = node._build(NodeConfig(device="cpu"), preset("tiny"))
-    compiled = node._build(NodeConfig(device="cpu", compile=True), preset("tiny"))
+    eager = model_setup.build_node_model(NodeConfig(device="cpu"), preset("tiny"))
+    compiled = model_setup.build_node_model(NodeConfig(device="cpu", compile=True), preset("tiny"))
     assert eager._compiled_call_impl is None and compiled._compiled_call_impl is not None
     assert [name for name, _ in compiled.named_parameters()] == [name for name, _ in eager.named_parameters()]
     assert list(compiled.state_dict()) == list(eager.state_dict())
@@ -38,8 +38,8 @@ def test_a_compile_that_fails_runs_the_model_eager_instead_of_ending_the_node(mo
         raise RuntimeError("no C compiler here")
 
     monkeypatch.setattr(inductor, "compile_fx", no_compiler)
-    eager = node._build(NodeConfig(device="cpu"), preset("tiny"))
-    compiled = node._build(NodeConfig(device="cpu", compile=True), preset("tiny"))
+    eager = model_setup.build_node_model(NodeConfig(device="cpu"), preset("tiny"))
+    compiled = model_setup.build_node_model(NodeConfig(device="cpu", compile=True), preset("tiny"))
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(compiled(tokens), eager(tokens))
