@@ -275,31 +275,3 @@ def _verified_on_disk(path: Path, info: ShardInfo) -> bytearray | None:
     except (OSError, CheckpointError):
         return None
     return data if _sha256(data) == info.sha256 else None
-
-
-def _add_once(items: list[str], item: str) -> None:
-    if item not in items:
-        items.append(item)
-
-
-def _sha256(data: bytearray) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _keep(path: Path, data: bytearray) -> None:
-    """Write a verified shard under a temporary name, then rename: never a partial shard file."""
-    part = path.with_name(path.name + ".part")
-    with open(part, "wb") as f:
-        f.write(data)
-    part.replace(path)
-
-
-def _verified_on_disk(path: Path, info: ShardInfo) -> bytearray | None:
-    """The shard kept by an earlier, interrupted fetch, if it is whole and verifies."""
-    try:
-        if path.stat().st_size != info.nbytes:
-            return None
-        data = read_file(path)
-    except (OSError, CheckpointError):
-        return None
-    return data if _sha256(data) == info.sha256 else None
