@@ -26,6 +26,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, field
 
@@ -47,6 +48,8 @@ from swarm.p2p.reach import DIRECT, RELAYED
 from swarm.utils.tensor_layout import flatten, restore
 
 logger = logging.getLogger(__name__)
+
+MAX_FORMED = 8  # formation times kept for groups not averaged yet
 
 
 @dataclass
@@ -82,6 +85,7 @@ class Averager:
         self.registry = RoundRegistry(host, self.config)
         self.link = LinkEstimate()  # what our rounds measured of our link (rounds/bandwidth.py)
         self.clock = RoundClock()  # how long our rounds took: the next round's part timeout (rounds/timeouts.py)
+        self._formed: dict[bytes, float] = {}  # group id -> when form_group returned it (time.monotonic)
 
     def close(self) -> None:
         self.matchmaker.close()
@@ -138,6 +142,10 @@ class Averager:
         found = await self.matchmaker.form_group(step, me, gather, expected, voters)
         if found.group is not None and len(found.group.members) < 2:
             return Matchmade(None, found.seconds, peers=found.peers)
+        if found.group is not None:  # its round tells from this whether it began late (rounds/confirm.py)
+            self._formed[found.group.group_id] = time.monotonic()
+            while len(self._formed) > MAX_FORMED:  # groups formed and never averaged: the oldest go
+                del self._formed[next(iter(self._formed))]
         return found
 
     def exclude(self, peers: Sequence[PeerID], why: str) -> None:
@@ -180,9 +188,12 @@ class Averager:
         # value on every member: timeouts.group_part_timeout), the flag at most
         timeout = group_part_timeout([m.timeout for m in group.members], self.config.part_timeout)
         config = dataclasses.replace(self.config, part_timeout=timeout)
+        formed_at = self._formed.pop(group.group_id, None)
         try:
             if flat:
-                round_ = AllReduceRound(self.host, self.registry, group, vector, config, upload=pace)
+                round_ = AllReduceRound(
+                    self.host, self.registry, group, vector, config, upload=pace, formed_at=formed_at
+                )
             else:
                 round_ = GridRound(self.host, self.registry, group, vector, config)
             averaged, rr = await round_.run()

@@ -4,7 +4,9 @@ every other part's owner once the round's results are in.
     avg.receipt  {"g": group_id, "p": part, "s": audit seed (32 bytes)}
                  -> the owner's receipt, msgpack (audit.Receipt.encode), then end
                  errors: BadRequest "wrong seed" (the caller holds other bytes of the part than
-                 the owner), NotFound (no receipt of that part here), BadRequest (bad arguments)
+                 the owner), BadRequest "superseded" (the caller holds the owner's own result of
+                 its part, which the group did not take: rounds/confirm.py), NotFound (no
+                 receipt of that part here), BadRequest (bad arguments)
 
 1. Seed. As soon as a member holds part j's result it computes the part's seed from the group id,
    j and the BLAKE3 digest of the result bytes (audit.part_seed): the same on every member holding the
@@ -31,6 +33,11 @@ every other part's owner once the round's results are in.
      the part's original owner: it equivocated (sent members different bytes): the round fails
      and it is excluded. From a backup (which may hold a copy of a slow owner's bytes): the
      round fails, nobody is excluded;
+   - "superseded" from a part's original owner: it answered us before we gave up on it, but
+     was late for the others, who took the part from its backup. When more than half of the
+     other members (the owner left out) hold another result of the part, we take that one
+     (rounds/confirm.py's vote) and the verdict is ok; otherwise the owner's claim is false:
+     as inconsistent;
    - no answer in time (request_timeout), or a backup holding only a copy: logged at INFO,
      nothing else (the owner may have crashed; its part was already averaged).
 
@@ -81,6 +88,7 @@ logger = logging.getLogger(__name__)
 
 RECEIPT = "avg.receipt"
 WRONG_SEED = "wrong seed"
+SUPERSEDED = "superseded"  # an owner's answer for the result of its own part the group did not take
 OURS = "the receipt misstates our"  # check_receipt's problems that only this member can see
 
 
@@ -160,6 +168,9 @@ class RoundAudit:
         self.receipts: dict[int, asyncio.Future[bytes]] = {}  # part -> our encoded receipt
         self.prepared: dict[int, asyncio.Future[tuple[bytes, Prepared | None] | None]] = {}
         self.verdicts: dict[int, asyncio.Future[Verdict]] = {}  # part -> its check, under way
+        # our own part -> the seed of our own result of it, which the group did not take (we were
+        # late: rounds/confirm.py); a member we answered before it gave up on us asks with it
+        self.superseded: dict[int, asyncio.Future[bytes]] = {}
 
     def result_in(self, part: int, payload: memoryview, reducer: int) -> None:
         """Part `part`'s result is final (decoded into the round's result) and came from
@@ -170,6 +181,16 @@ class RoundAudit:
             if reducer != self.round.me:
                 verdict = self.verdicts[part] = asyncio.ensure_future(self._audit(part, reducer))
                 verdict.add_done_callback(checked)  # a failed round awaits no verdict
+
+    def supersede(self, part: int, payload: memoryview) -> None:
+        """Our own result of our part (`payload`) is not the group's: a member that took it from
+        us is told so, not that we equivocated (`serve`)."""
+        group_id = self.round.group.group_id
+
+        async def seed() -> bytes:
+            return part_seed(group_id, part, await asyncio.to_thread(result_digest, payload))
+
+        self.superseded[part] = asyncio.ensure_future(seed())
 
     def cancel(self) -> None:
         """The round failed: stop the checks still under way (nobody awaits their verdicts)."""
@@ -236,6 +257,8 @@ class RoundAudit:
                 await stream.end()
                 raw = await asyncio.wait_for(stream.read_all(max_bytes=limit, timeout=timeout), timeout)
         except RemoteError as e:
+            if e.code == BadRequest.code and SUPERSEDED in e.message and k == j:
+                return await self._superseded(j, k, e.message)
             if e.code == BadRequest.code and WRONG_SEED in e.message:
                 # the original owner sent us other bytes than it holds: it equivocated
                 return Verdict(j, k, "inconsistent" if k == j else "seed", e.message)
@@ -258,6 +281,16 @@ class RoundAudit:
             return Verdict(j, k, "inconsistent", str(e))
         return verdict_of(r, j, k, problems)
 
+    async def _superseded(self, j: int, k: int, said: str) -> Verdict:
+        """Owner k of part j says the group took the part from a backup: true (more than half of
+        the other members hold another result, rounds/confirm.py), we take the group's result
+        instead; false, the owner lied about what it sent us."""
+        r = self.round
+        found = await r.take_group_result(j)
+        if found is None:
+            return Verdict(j, k, "inconsistent", f"{said}, but the group holds what it sent us")
+        return Verdict(j, k, "ok", said)
+
     async def serve(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
         r = self.round
         part, seed = args.get("p"), args.get("s")
@@ -269,6 +302,8 @@ class RoundAudit:
             ours = await asyncio.wait_for(asyncio.shield(self._seed(part)), r.config.part_timeout)
         except asyncio.TimeoutError:
             raise NotFound("avg.receipt: our results are not final") from None
+        if part in self.superseded and seed == await asyncio.shield(self.superseded[part]):
+            raise BadRequest(f"avg.receipt: {SUPERSEDED}: the group took part {part} from a backup")
         if seed != ours:
             logger.info("round %s: %s asked for a receipt of part %d with another seed", r._tag(), ctx.peer_id, part)
             raise BadRequest(f"avg.receipt: {WRONG_SEED}: we hold other results")

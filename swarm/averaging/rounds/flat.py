@@ -15,6 +15,9 @@ Faults (DESIGN invariant 5):
   the other members whether one of them already received the owner's average (`avg.fetch`); if
   so, everybody gets those very bytes. Otherwise it reduces the part itself from its own slice
   and the contributions the survivors re-send to it;
+- an owner that a sender gave up on (its slice never came whole, or it cancelled its stream
+  before our answer: a stalled owner reads those from its buffers once it runs again) uses its
+  own result only if the group holds it, else the group's (rounds/confirm.py);
 - the round fails with AllReduceError (the caller's tensors untouched) when a part ends up with
   fewer than min_group_size contributions or no member can reduce it. Every wait is bounded.
 
@@ -28,6 +31,8 @@ Faults (DESIGN invariant 5):
                by the robust rule clipping someone: it replaces the streamed bytes)
     avg.fetch  {"g": group_id, "p": part}
                -> msgpack {"inc": [...]} and the encoded average, or {"none": true}
+    avg.fetch  {"g": group_id, "p": part, "d": true}
+               -> msgpack {"d": digest, "by": reducer} or {"none": true} (rounds/confirm.py)
     avg.receipt  the owner audit, each part once its result is final (audit/flat.py)
 
 This module gets each part's average; the owner's side of these streams is flat_serving.py's.
@@ -42,11 +47,13 @@ from typing import Any
 
 import torch
 
+from swarm.averaging.audit.arithmetic import result_digest
 from swarm.averaging.audit.flat import RoundAudit
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.errors import AllReduceError
 from swarm.averaging.messages import GroupInfo
 from swarm.averaging.rounds.bandwidth import PACE_FACTOR, busy_rate
+from swarm.averaging.rounds.confirm import confirm_own_part, group_result
 from swarm.averaging.rounds.flat_serving import FlatServing
 from swarm.averaging.rounds.member import RoundMember, RoundReport, await_parts
 from swarm.averaging.rounds.partition import part_bounds, payload_layout, payload_size, upload_paces
@@ -82,8 +89,13 @@ class AllReduceRound(RoundMember):
         config: AveragingConfig,
         *,
         upload: float | None = None,
+        formed_at: float | None = None,
     ) -> None:
         super().__init__(host, registry, group, vector, config)
+        # when we learned of the group (time.monotonic; None: as the round starts). A sender waits
+        # two part timeouts for an owner's answer from its own start, which is never before that:
+        # an owner whose result comes one part timeout after it may be late (rounds/confirm.py)
+        self.formed_at = time.monotonic() if formed_at is None else formed_at
         self.parts = part_bounds(vector.numel(), self.bandwidths, config.block_size)
         # member index -> the cap on our sending to it, while the round runs (`pace_to`); never under
         # the kernel's floor (a member announcing a tiny bandwidth owns a tiny part, so a tiny share)
@@ -93,6 +105,8 @@ class AllReduceRound(RoundMember):
         self.final: dict[int, Final] = {}  # the encoded average of each part, as every member gets it
         self.reductions: dict[int, PartReduction] = {}
         self.reducer_of: dict[int, int] = {}  # part -> the member whose result we took (the audit asks it)
+        self.obtained: dict[int, asyncio.Future[None]] = {}  # part -> done once `final` holds it
+        self.digests: dict[int, asyncio.Future[bytes]] = {}  # part -> its result's digest, once asked (confirm.py)
         self.audit = RoundAudit(self) if config.audit and config.aggregator == "robust" else None
         self.serving = FlatServing(self)  # answers the streams other members open (flat_serving.py)
 
@@ -158,6 +172,11 @@ class AllReduceRound(RoundMember):
                 if reducer == self.me:
                     reduction = self.reduction_of(j)
                     final = await asyncio.wait_for(asyncio.shield(reduction.result), 3 * self.config.part_timeout)
+                    if j == self.me and self._in_doubt(reduction):  # whose result of our part holds?
+                        own = final
+                        final, reducer = await confirm_own_part(self, j, own)
+                        if reducer != self.me and self.audit is not None:
+                            self.audit.supersede(j, own[1])
                 else:
                     final = await self._exchange(reducer, j)
                 await asyncio.to_thread(self._decode_into, final[1], lo, hi)  # a garbage average: next reducer
@@ -168,11 +187,33 @@ class AllReduceRound(RoundMember):
         else:
             raise AllReduceError(f"no member could reduce part {j} ({'; '.join(errors)})")
         self.final[j], self.reducer_of[j] = final, reducer
+        self._obtained(j).set_result(None)
         if self.audit is not None:
             self.audit.result_in(j, final[1], reducer)
         self.report.contributions[j] = final[0]
         if j == self.me:
             self.report.reduce_s = time.perf_counter() - self._started
+
+    def _in_doubt(self, reduction: PartReduction) -> bool:
+        """May senders have taken our own part from a backup? (rounds/confirm.py)"""
+        late = time.monotonic() - self.formed_at > self.config.part_timeout
+        return late or bool(reduction.unanswered())
+
+    def _obtained(self, j: int) -> asyncio.Future[None]:
+        if j not in self.obtained:
+            self.obtained[j] = asyncio.get_running_loop().create_future()
+        return self.obtained[j]
+
+    async def vote_on(self, j: int) -> tuple[bytes, int] | None:
+        """(the digest of part j's result, the member that reduced it) once we hold it, within
+        request_timeout; None if we do not by then (confirm.py's vote)."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self._obtained(j)), self.config.request_timeout)
+        except TimeoutError:
+            return None
+        if j not in self.digests:
+            self.digests[j] = asyncio.ensure_future(asyncio.to_thread(result_digest, self.final[j][1]))
+        return await asyncio.shield(self.digests[j]), self.reducer_of[j]
 
     def reduction_of(self, j: int) -> PartReduction:
         """The reduction of part j here: our own part, or one we take over from a dead owner."""
@@ -265,19 +306,8 @@ class AllReduceRound(RoundMember):
 
     async def _fetch_from_others(self, j: int) -> Final | None:
         """Does a member already hold part j's average from its original owner?"""
-        lo, hi = self.parts[j]
-
-        async def ask(member_index: int) -> Final:
-            member = self.group.members[member_index]
-            args = {"g": self.group.group_id, "p": j}
-            timeout = self.config.request_timeout
-            async with await self.host.open_stream(member.address(), FETCH, args, timeout=timeout) as stream:
-                await stream.end()
-                final, _ = await self._read_final(stream, lo, hi, timeout)
-                return final
-
         others = [i for i, m in enumerate(self.group.members) if i not in (j, self.me) and not m.client]
-        asks = [asyncio.ensure_future(ask(i)) for i in others]
+        asks = [asyncio.ensure_future(self.fetch_result(i, j)) for i in others]
         try:
             for next_done in asyncio.as_completed(asks):
                 try:
@@ -288,6 +318,31 @@ class AllReduceRound(RoundMember):
             for task in asks:
                 task.cancel()
         return None
+
+    async def take_group_result(self, j: int) -> Final | None:
+        """Part j's owner says the group did not take the result it sent us: the group's
+        result in its place, when the group confirms it (rounds/confirm.py); None when not."""
+        found = await group_result(self, j, self.final[j])
+        if found is None:
+            return None
+        final, reducer = found
+        lo, hi = self.parts[j]
+        await asyncio.to_thread(self._decode_into, final[1], lo, hi)
+        self.final[j], self.reducer_of[j] = final, reducer
+        self.digests.pop(j, None)  # a vote on part j is on these bytes now
+        self.report.contributions[j] = final[0]
+        return final
+
+    async def fetch_result(self, member_index: int, j: int) -> Final:
+        """The result of part j that member `member_index` holds (avg.fetch)."""
+        lo, hi = self.parts[j]
+        member = self.group.members[member_index]
+        args = {"g": self.group.group_id, "p": j}
+        timeout = self.config.request_timeout
+        async with await self.host.open_stream(member.address(), FETCH, args, timeout=timeout) as stream:
+            await stream.end()
+            final, _ = await self._read_final(stream, lo, hi, timeout)
+            return final
 
     def _decode_into(self, payload: memoryview, lo: int, hi: int) -> None:
         for a, b, where in payload_layout(lo, hi, self.config.chunk_elements, self.codec.encoded_nbytes):

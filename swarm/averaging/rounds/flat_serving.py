@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from swarm.averaging.rounds.confirm import digest_answer
 from swarm.averaging.rounds.reduction import Incoming, PartReduction
 from swarm.averaging.rounds.streams import Final
 from swarm.p2p.errors import BadRequest, P2PError
@@ -59,26 +60,45 @@ class FlatServing:
         uploaded = asyncio.get_running_loop().create_future()
         answer = asyncio.ensure_future(self._stream_answer(stream, reduction, incoming, uploaded))
         try:
-            try:
-                while (chunk := await stream.read(timeout=r.config.part_timeout)) is not None:
-                    incoming.add(chunk)
-                    r.report.bytes_received += len(chunk)
-                    reduction.changed.set()  # a chunk of the part may be complete: streaming
-                incoming.finish()
-            except (P2PError, MalformedPayload, TimeoutError) as e:
-                logger.info("round %s: sender %d left out of part %d: %s", r._tag(), index, part, e)
+            await self._take_slice(stream, reduction, incoming, uploaded, answer)
+        except asyncio.CancelledError:  # the sender cancelled its stream: it gave up on our answer
+            incoming.gone = True
+            if not incoming.done:
                 incoming.failed = True
-                return
-            finally:
-                reduction.changed.set()
-            uploaded.set_result(None)
-            r.note_download(incoming)
-            if await answer:
-                return
-            final = await asyncio.wait_for(asyncio.shield(reduction.result), 2 * r.config.part_timeout)
-            await self._reply(stream, final, index, incoming.rate())
+            reduction.changed.set()
+            raise
         finally:
             answer.cancel()
+
+    async def _take_slice(
+        self,
+        stream: Stream,
+        reduction: PartReduction,
+        incoming: Incoming,
+        uploaded: asyncio.Future[None],
+        answer: asyncio.Future[bool],
+    ) -> None:
+        """Read a sender's slice into the part's reduction, then answer it (whole, unless
+        `answer` streamed it)."""
+        r, index, part = self.round, incoming.index, reduction.part
+        try:
+            while (chunk := await stream.read(timeout=r.config.part_timeout)) is not None:
+                incoming.add(chunk)
+                r.report.bytes_received += len(chunk)
+                reduction.changed.set()  # a chunk of the part may be complete: streaming
+            incoming.finish()
+        except (P2PError, MalformedPayload, TimeoutError) as e:
+            logger.info("round %s: sender %d left out of part %d: %s", r._tag(), index, part, e)
+            incoming.failed = True
+            return
+        finally:
+            reduction.changed.set()
+        uploaded.set_result(None)
+        r.note_download(incoming)
+        if await answer:
+            return
+        final = await asyncio.wait_for(asyncio.shield(reduction.result), 2 * r.config.part_timeout)
+        await self._reply(stream, final, index, incoming.rate())
 
     async def _stream_answer(
         self, stream: Stream, reduction: PartReduction, incoming: Incoming, uploaded: asyncio.Future[None]
@@ -125,6 +145,12 @@ class FlatServing:
         part = args.get("p")
         if not isinstance(part, int) or not 0 <= part < len(r.group.members):
             raise BadRequest("avg.fetch: no such part")
+        if args.get("d") is True:  # a vote on the part's result (rounds/confirm.py)
+            vote = await r.vote_on(part)
+            answer = digest_answer(*vote) if vote is not None else digest_answer(None, None)
+            await stream.write(answer)
+            await stream.end()
+            return
         final = r.final.get(part)
         if final is None:
             await stream.write(msgpack.packb({"none": True}))

@@ -72,6 +72,7 @@ class Incoming:
     received: int = 0
     done: bool = False
     failed: bool = False
+    gone: bool = False  # the sender cancelled its stream: it gave up on our answer (rounds/confirm.py)
     started: float = 0.0  # monotonic times of the first chunk and, once done, of the last:
     ended: float = 0.0  # the rate the sender's bytes came at (rounds/bandwidth.py)
 
@@ -160,6 +161,12 @@ class PartReduction:
 
     def settled(self) -> bool:
         return all(i in self.senders and (self.senders[i].done or self.senders[i].failed) for i in self.expected)
+
+    def unanswered(self) -> set[int]:
+        """The expected senders whose slice did not come whole or who gave up on our answer:
+        they may take the part from a backup (rounds/confirm.py)."""
+        waiting = {i for i, x in self.senders.items() if x.received == len(x.buffer) and not (x.failed or x.gone)}
+        return self.expected - waiting
 
     def settle(self, result: tuple[list[int], memoryview]) -> None:
         """Adopt a result computed elsewhere (the bytes another member already received)."""

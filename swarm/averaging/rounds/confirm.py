@@ -1,0 +1,187 @@
+"""A part owner that some of its senders gave up on checks its result with the group before using it.
+
+A sender waits two part timeouts for an owner's answer, then takes the part from the owner's
+backup, which reduces it without the owner's slice (rounds/flat.py). An owner stalled between its
+group's formation and its round (a paused process, a machine swapping) reads the senders'
+slices from its socket buffers once it runs again, reduces its part with them, and ends the round
+with a result that nobody else took: another state than its group's. What it can see of that is
+on its own streams: a sender whose slice never came whole, or who cancelled its stream before
+our answer (the caller gave up on us). An owner whose senders all waited for its answer uses its
+result at once, as before; any other asks the group.
+
+    avg.fetch  {"g": group_id, "p": part, "d": true}
+               -> msgpack {"d": BLAKE3 digest of the part's result, "by": index of the member
+                  that reduced it}, or {"none": true} when no result of the part is here within
+                  request_timeout; then end. (A peer that does not know "d" answers as to a plain
+                  avg.fetch: that answer counts as no vote.)
+
+The owner asks every other member that accepts connections (clients accept none) at once, and
+`decide` is the rule, one vote per member:
+- another result that more than half of those members hold is the group's: the owner takes its
+  bytes from one of them (checked against the digest) and uses them;
+- else, if at least one member holds our bytes, our answer reached the group: ours stands;
+- else nobody confirms our result: the round fails (AllReduceError), so the node does not apply
+  it and takes the group's result or state instead.
+A lying minority cannot reach the majority of the first rule, and a false "ours" only keeps the
+owner on its own result, as it was before this check; honest members holding our bytes always
+vote for them, so liars cannot make an owner that was not late drop a good result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgpack
+
+from swarm.averaging.audit.arithmetic import result_digest
+from swarm.averaging.errors import AllReduceError
+from swarm.averaging.rounds.registry import FETCH
+from swarm.averaging.rounds.streams import Final, read_header
+from swarm.p2p.errors import P2PError
+
+if TYPE_CHECKING:
+    from swarm.averaging.rounds.flat import AllReduceRound
+
+logger = logging.getLogger(__name__)
+
+DIGEST_BYTES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Vote:
+    digest: bytes  # of the part's result the member holds
+    by: int  # the member that reduced it, as the voter says
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    kind: str  # "ours" | "adopt" | "none" (nobody confirms ours: fail) | "open" (votes still missing)
+    digest: bytes = b""  # "adopt": the group's result
+    by: int = -1  # "adopt": its reducer, as most of its voters say
+
+
+def decide(own: bytes, votes: dict[int, Vote | None], voters: int) -> Decision:
+    """The rule of the module docstring over the votes in so far (member -> its vote, None: it
+    answered without one, or failed); `voters`: how many members were asked. "open" while the
+    votes still missing could change the outcome. Pure."""
+    counts = Counter(v.digest for v in votes.values() if v is not None)
+    majority = voters // 2 + 1
+    for digest, count in counts.items():
+        if digest != own and count >= majority:
+            bys = Counter(v.by for v in votes.values() if v is not None and v.digest == digest)
+            return Decision("adopt", digest, bys.most_common(1)[0][0])
+    pending = voters - len(votes)
+    best_other = max((c for d, c in counts.items() if d != own), default=0)
+    if best_other + pending >= majority:
+        return Decision("open")  # another result could still gather a majority
+    return Decision("ours") if counts[own] > 0 else Decision("none")
+
+
+def parse_vote(header: dict[str, object], members: int) -> Vote | None:
+    """A vote from a digest answer's header; None for one without (a peer of an older version,
+    or none here). Anything malformed: AllReduceError."""
+    if "d" not in header:
+        return None
+    digest, by = header.get("d"), header.get("by")
+    if not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES:
+        raise AllReduceError("malformed digest answer")
+    if isinstance(by, bool) or not isinstance(by, int) or not 0 <= by < members:
+        raise AllReduceError("malformed digest answer")
+    return Vote(digest, by)
+
+
+async def confirm_own_part(r: AllReduceRound, j: int, own: Final) -> tuple[Final, int]:
+    """Our own part j's result checked with the group (the module docstring): (the result to
+    use, the member that reduced it); AllReduceError when nobody confirms ours."""
+    voters = [i for i, m in enumerate(r.group.members) if i != r.me and not m.client]
+    if not voters:  # no member could have taken the part over: ours is the only result
+        return own, r.me
+    own_digest = await asyncio.to_thread(result_digest, own[1])
+    decision, votes = await _poll(r, j, own_digest, voters)
+    said = {i: v.digest.hex()[:8] if v else None for i, v in sorted(votes.items())}
+    if decision.kind == "ours":
+        logger.info("round %s: our part %d: a sender gave up on us or we were late; the group holds our result %s",
+                    r._tag(), j, said)  # fmt: skip
+        return own, r.me
+    if decision.kind == "adopt":
+        holders = [i for i, v in votes.items() if v is not None and v.digest == decision.digest]
+        final = await _fetch_result(r, j, holders, decision.digest)
+        logger.warning("round %s: our part %d: the group took it from member %d while we were late: using its "
+                       "result, not ours (%s)", r._tag(), j, decision.by, said)  # fmt: skip
+        return final, decision.by
+    raise AllReduceError(f"part {j}: senders gave up on our answer and no member holds our result ({said})")
+
+
+async def group_result(r: AllReduceRound, j: int, held: Final) -> tuple[Final, int] | None:
+    """Part j's owner says the group took the part from a backup, not from it (its audit's
+    answer, audit/flat.py), while we hold the owner's own result (`held`: it answered us before
+    we gave up on it). The group's result and its reducer when more than half of the other
+    members that accept connections, the owner left out (its word is what is checked), hold
+    another result than ours; None when they do not (the owner's claim is false)."""
+    voters = [i for i, m in enumerate(r.group.members) if i not in (r.me, j) and not m.client]
+    decision, votes = await _poll(r, j, await asyncio.to_thread(result_digest, held[1]), voters)
+    if decision.kind != "adopt":
+        return None
+    holders = [i for i, v in votes.items() if v is not None and v.digest == decision.digest]
+    try:
+        final = await _fetch_result(r, j, holders, decision.digest)
+    except AllReduceError:
+        return None
+    logger.warning("round %s: part %d: its owner answered us late; the group took it from member %d: using that",
+                   r._tag(), j, decision.by)  # fmt: skip
+    return final, decision.by
+
+
+async def _poll(r: AllReduceRound, j: int, own: bytes, voters: list[int]) -> tuple[Decision, dict[int, Vote | None]]:
+    """Ask `voters` at once what they hold of part j, until `decide` settles (or all answered)."""
+    votes: dict[int, Vote | None] = {}
+    asks = {asyncio.ensure_future(_ask(r, i, j)): i for i in voters}
+    decision = decide(own, votes, len(voters))
+    try:
+        pending = set(asks)
+        while decision.kind == "open" and pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                votes[asks[task]] = None if task.cancelled() or task.exception() is not None else task.result()
+            decision = decide(own, votes, len(voters))
+    finally:
+        for task in asks:
+            task.cancel()
+    return decision, votes
+
+
+async def _ask(r: AllReduceRound, member_index: int, j: int) -> Vote | None:
+    timeout = 2 * r.config.request_timeout  # it waits up to request_timeout for its result
+    args = {"g": r.group.group_id, "p": j, "d": True}
+    try:
+        member = r.group.members[member_index]
+        async with await r.host.open_stream(member.address(), FETCH, args, timeout=timeout) as stream:
+            await stream.end()
+            header, _ = await read_header(stream, timeout)
+            return parse_vote(header, len(r.group.members))
+    except (P2PError, AllReduceError, TimeoutError, ValueError) as e:
+        logger.info("round %s: member %d did not vote on part %d: %s", r._tag(), member_index, j, e)
+        return None
+
+
+async def _fetch_result(r: AllReduceRound, j: int, holders: list[int], digest: bytes) -> Final:
+    """The group's result of part j from one of its holders, checked against its digest."""
+    for i in holders:
+        try:
+            final = await r.fetch_result(i, j)
+        except (P2PError, AllReduceError, TimeoutError, ValueError) as e:
+            logger.info("round %s: part %d from member %d failed: %s", r._tag(), j, i, e)
+            continue
+        if await asyncio.to_thread(result_digest, final[1]) == digest:
+            return final
+        logger.warning("round %s: member %d sent other bytes of part %d than it voted for", r._tag(), i, j)
+    raise AllReduceError(f"part {j}: no holder of the group's result sent it")
+
+
+def digest_answer(digest: bytes | None, by: int | None) -> bytes:
+    """The answer to a digest request: the vote, or none."""
+    return msgpack.packb({"d": digest, "by": by} if digest is not None else {"none": True})
