@@ -20,8 +20,9 @@ The owner asks every other member that accepts connections (clients accept none)
 - another result that more than half of those members hold is the group's: the owner takes its
   bytes from one of them (checked against the digest) and uses them;
 - else, if at least one member holds our bytes, our answer reached the group: ours stands;
-- else nobody confirms our result: the round fails (AllReduceError), so the node does not apply
-  it and takes the group's result or state instead.
+- else nobody confirms our result (AllReduceError): the owner asks its backups for the part as
+  any sender would (rounds/flat.py), and its round fails when none of them holds a result any
+  more, so that its node does not apply it and takes the group's result or state instead.
 A lying minority cannot reach the majority of the first rule, and a false "ours" only keeps the
 owner on its own result, as it was before this check; honest members holding our bytes always
 vote for them, so liars cannot make an owner that was not late drop a good result.
