@@ -201,7 +201,7 @@ class Averager:
             self.exclude(e.owners, str(e))
             raise
         self.exclude(rr.audit_excluded, "it misstated our contribution to its part")
-        self.link.observe(rr.up, rr.down, rr.busy, paced=pace is not None)
+        self.link.observe(rr.up, rr.down, rr.busy, paced=pace is not None, timed_out=rr.total_s >= timeout)
         self.clock.observe(rr.total_s)
         report = GroupReport(
             group.group_id.hex(),

@@ -196,3 +196,17 @@ async def test_a_share_below_the_kernel_floor_is_capped_at_the_floor_not_an_erro
     results = await asyncio.gather(*(r.run() for r in rounds))
     assert all(torch.equal(a, results[0][0]) for a, _ in results)
     assert all(sorted(included) == [0, 1, 2, 3] for included in results[3][1].contributions.values())
+
+
+def test_a_round_that_ran_out_its_part_timeout_measures_no_link() -> None:
+    """A member (or its relay) died mid-round: the survivors' streams trickled for the whole wait.
+    Learning that as the link paced the next rounds at the floor, starving every other use of
+    those connections; a round that timed out changes no estimate, first round or not."""
+    fresh = LinkEstimate()
+    fresh.observe(up=[(MB, 0.0, 60.0)], down=[(MB, 0.0, 60.0)], busy=1e3, timed_out=True)
+    assert (fresh.up, fresh.down, fresh.busy, fresh.pace()) == (None, None, None, None)
+    known = LinkEstimate()
+    known.observe(up=[(4 * MB, 0.0, 1.0)], down=[(4 * MB, 0.0, 1.0)], busy=4 * MB)
+    before = (known.up, known.down, known.busy, known.paced_rounds)
+    known.observe(up=[(MB, 0.0, 60.0)], down=[(MB, 0.0, 60.0)], busy=1e3, paced=True, timed_out=True)
+    assert (known.up, known.down, known.busy, known.paced_rounds) == before

@@ -14,7 +14,11 @@ whatever still runs in it; the test then checks that none is left."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,17 +35,25 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
 OUTER_STEPS = 3
 RUN_TIMEOUT_S = 300  # the simulator's own --timeout; a 2-core machine runs this in about a minute
 GRACE_S = 30.0
+WATCH_S = 0.2
 
 
-def run_sim(run_dir: Path, homes: str) -> dict:
-    """Run swarm-sim --nat to its end; its metrics JSON. Stops it and removes its lab whatever happens."""
-    argv = [console_script("swarm-sim"), "--nat", homes, "--outer-steps", str(OUTER_STEPS), "--inner-steps", "10",
+def run_sim(run_dir: Path, homes: str, *, outer_steps: int = OUTER_STEPS,
+            watch: Callable[[Path], None] | None = None) -> dict:  # fmt: skip
+    """Run swarm-sim --nat to its end; its metrics JSON. Stops it and removes its lab whatever happens.
+    `watch(run_dir)` is called every WATCH_S while it runs."""
+    argv = [console_script("swarm-sim"), "--nat", homes, "--outer-steps", str(outer_steps), "--inner-steps", "10",
             "--threads", "1", "--timeout", str(RUN_TIMEOUT_S), "--run-dir", str(run_dir), "-v"]  # fmt: skip
     out = open(run_dir / "sim.out", "wb")  # noqa: SIM115 (closed below, after the child is gone)
     sim = process_control.start(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 env=child_env(OMP_NUM_THREADS="1"))  # fmt: skip
     try:
-        code = sim.wait(RUN_TIMEOUT_S + 60)
+        deadline = time.monotonic() + RUN_TIMEOUT_S + 60
+        while (code := sim.poll()) is None:
+            assert time.monotonic() < deadline, "swarm-sim ran past its own --timeout"
+            if watch is not None:
+                watch(run_dir)
+            time.sleep(WATCH_S)
     finally:
         process_control.stop_all([sim], GRACE_S, group=True)  # a simulator stopped early closes its lab
         out.close()
@@ -78,3 +90,58 @@ def test_six_trainers_behind_three_nats_average_in_every_round_through_one_publi
     first, last = (next(s for s in nodes[0]["steps"] if s["outer_step"] == k) for k in (0, OUTER_STEPS - 1))
     losses = [first["eval_loss"], last["eval_loss"]]
     assert losses[1] < losses[0], f"the eval loss did not fall: {losses}"
+
+
+KILL_STEP = 1  # the relay dies while the round of this outer step runs
+PART_TIMEOUT_S = 60.0  # swarm-node's default --part-timeout: what a member dying costs a round at most
+
+
+class RelayKiller:
+    """Kills the bootstrap, the run's first relay, once a node's round of KILL_STEP has begun
+    (its `round` event): the relay dies while the round runs over it."""
+
+    def __init__(self) -> None:
+        self.killed_at: float | None = None
+
+    def __call__(self, run_dir: Path) -> None:
+        if self.killed_at is not None or not any(_round_began(p, KILL_STEP) for p in run_dir.glob("node*.jsonl")):
+            return
+        first = (run_dir / "bootstrap.out").read_text().splitlines()[0]
+        os.kill(json.loads(first)["pid"], signal.SIGKILL)  # the swarm-dht serve swarm-sim started for us
+        self.killed_at = time.monotonic()
+
+
+def _round_began(events: Path, step: int) -> bool:
+    for line in events.read_text(errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue  # a line still being written
+        if event.get("event") == "round" and event.get("outer_step") == step:
+            return True
+    return False
+
+
+@pytest.mark.usefixtures("nat_ready")
+def test_a_relay_that_dies_mid_round_costs_that_round_at_most_its_relayed_members(tmp_path: Path) -> None:
+    """public:1,cone:2,symmetric:1: the bootstrap relays and holds the DHT with the public
+    trainer, which relays too and lists itself in the DHT's relay records; every NATed node holds
+    reservations on both. The bootstrap is SIGKILLed inside the round of outer step 1. What went
+    through it then is the symmetric node's traffic to the cone owners (a relayed client): the
+    round loses that member, as it would lose a member that died, within the part timeout, and
+    nothing more: the three owners finish it and every later round with one state."""
+    killer = RelayKiller()
+    metrics = run_sim(tmp_path, "public:1,cone:2,symmetric:1", outer_steps=4, watch=killer)
+    assert killer.killed_at is not None, "no round of outer step 1 was seen"
+    nodes = metrics["nodes"]
+    assert [n["reach"] for n in nodes] == ["direct", "punched", "punched", "relayed"]
+    owners, client = nodes[:3], nodes[3]
+    assert all(n["status"] == "done" for n in owners), [n["status"] for n in owners]
+    assert client["status"] != "failed", client["status"]  # out of the round, as a member that died
+    for step in range(4):
+        rows = [next(s for s in n["steps"] if s["outer_step"] == step) for n in owners]
+        assert len({r["state_sha256"] for r in rows}) == 1, f"outer step {step}: the owners disagree"
+        assert min(r["group_size"] for r in rows) >= len(owners), f"outer step {step}: an owner was left out"
+    events = [json.loads(line) for line in (tmp_path / "node0.jsonl").read_text().splitlines() if line.strip()]
+    [round_s] = [e["round_s"] for e in events if e.get("event") == "outer_step" and e["outer_step"] == KILL_STEP]
+    assert round_s <= PART_TIMEOUT_S + 15, f"the round the relay died in took {round_s:.0f}s"

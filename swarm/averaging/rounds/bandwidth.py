@@ -120,10 +120,23 @@ class LinkEstimate:
     paced_rounds: int = 0  # rounds since the last unpaced one
 
     def observe(
-        self, up: Sequence[Sample], down: Sequence[Sample], busy: float | None = None, *, paced: bool = False
+        self,
+        up: Sequence[Sample],
+        down: Sequence[Sample],
+        busy: float | None = None,
+        *,
+        paced: bool = False,
+        timed_out: bool = False,
     ) -> None:
         """A finished round's streams and busy rate; `paced`: we capped our sending in it (`pace`),
-        so it measured our caps, not the link, and changes nothing but the count to the next probe."""
+        so it measured our caps, not the link, and changes nothing but the count to the next probe.
+        `timed_out`: the round lasted its part timeout or longer, so some wait in it ran out (a
+        member, or the relay a member was reached through, died mid-round): its slow streams
+        measured that wait, not our link, and it changes nothing. Taking such a round as a
+        measurement paced every later round at the floor, which starved the DHT stores and relay
+        renewals that share those connections, and the run stalled."""
+        if timed_out:
+            return
         if paced:
             self.paced_rounds += 1
             return
