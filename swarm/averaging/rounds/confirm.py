@@ -6,8 +6,9 @@ group's formation and its round (a paused process, a machine swapping) reads the
 slices from its socket buffers once it runs again, reduces its part with them, and ends the round
 with a result that nobody else took: another state than its group's. What it can see of that is
 on its own streams: a sender whose slice never came whole, or who cancelled its stream before
-our answer (the caller gave up on us). An owner whose senders all waited for its answer uses its
-result at once, as before; any other asks the group.
+our answer (the caller gave up on us); and its clock, from the group's formation to its result
+(rounds/flat.py, LATE_TIMEOUTS). An owner whose senders all waited for its answer and whose
+result came in time uses it at once, as before; any other asks the group.
 
     avg.fetch  {"g": group_id, "p": part, "d": true}
                -> msgpack {"d": BLAKE3 digest of the part's result, "by": index of the member

@@ -16,8 +16,9 @@ Faults (DESIGN invariant 5):
   so, everybody gets those very bytes. Otherwise it reduces the part itself from its own slice
   and the contributions the survivors re-send to it;
 - an owner that a sender gave up on (its slice never came whole, or it cancelled its stream
-  before our answer: a stalled owner reads those from its buffers once it runs again) uses its
-  own result only if the group holds it, else the group's (rounds/confirm.py);
+  before our answer: a stalled owner reads those from its buffers once it runs again), or whose
+  result is ready more than LATE_TIMEOUTS part timeouts after its group formed, uses its own
+  result only if the group holds it, else the group's (rounds/confirm.py);
 - the round fails with AllReduceError (the caller's tensors untouched) when a part ends up with
   fewer than min_group_size contributions or no member can reduce it. Every wait is bounded.
 
@@ -69,6 +70,11 @@ from swarm_kernels import MalformedPayload
 
 logger = logging.getLogger(__name__)
 
+# A sender waits two part timeouts for an owner's answer from its own round's start, never
+# before the group formed; an answer takes under a third of a part timeout to deliver (the
+# timeout is 3x the slow rounds'). So an owner whose result is ready within 1.5 part timeouts of
+# the group's formation reaches every sender in time; one later may not (rounds/confirm.py).
+LATE_TIMEOUTS = 1.5
 SAMPLE_S = 0.05  # how often a round that measures bandwidth notes what the group acknowledged
 
 # imported from here by callers: the round, what it reports and raises, and the registry it joins
@@ -92,9 +98,8 @@ class AllReduceRound(RoundMember):
         formed_at: float | None = None,
     ) -> None:
         super().__init__(host, registry, group, vector, config)
-        # when we learned of the group (time.monotonic; None: as the round starts). A sender waits
-        # two part timeouts for an owner's answer from its own start, which is never before that:
-        # an owner whose result comes one part timeout after it may be late (rounds/confirm.py)
+        # when we learned of the group (time.monotonic; None: as the round starts): rounds/confirm.py
+        # asks whether our result of our part came late (LATE_TIMEOUTS)
         self.formed_at = time.monotonic() if formed_at is None else formed_at
         self.parts = part_bounds(vector.numel(), self.bandwidths, config.block_size)
         # member index -> the cap on our sending to it, while the round runs (`pace_to`); never under
@@ -196,7 +201,7 @@ class AllReduceRound(RoundMember):
 
     def _in_doubt(self, reduction: PartReduction) -> bool:
         """May senders have taken our own part from a backup? (rounds/confirm.py)"""
-        late = time.monotonic() - self.formed_at > self.config.part_timeout
+        late = time.monotonic() - self.formed_at > LATE_TIMEOUTS * self.config.part_timeout
         return late or bool(reduction.unanswered())
 
     def _obtained(self, j: int) -> asyncio.Future[None]:
