@@ -7,7 +7,6 @@ backup."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
 import msgpack
@@ -71,7 +70,7 @@ async def test_a_clipped_contribution_replaces_the_streamed_bytes(make_group: Ma
 
 
 async def test_a_sender_that_fails_mid_upload_is_left_out_of_streamed_parts(
-    make_group: MakeGroup, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    make_group: MakeGroup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     group, members = await make_group(4, weights=[1.0] * 4, aggregator="mean", **SMALL)
     vectors = deltas(4, NUMEL, seed=4)
@@ -87,10 +86,9 @@ async def test_a_sender_that_fails_mid_upload_is_left_out_of_streamed_parts(
         raise P2PError("member 3 went away mid-upload")
 
     monkeypatch.setattr(flat, "write_encoded", fails_before_its_last_chunk)
-    with caplog.at_level(logging.INFO, logger="swarm.averaging.rounds.reduction"):
-        _, report = agreed(await run_all(rounds(group, members, vectors)), [0, 1, 2])
-    stopped = {r.args[0] for r in caplog.records if "the part follows whole" in r.getMessage()}
-    assert stopped >= {0, 1, 2}  # each owner had begun streaming when member 3 went away
+    _, report = agreed(await run_all(rounds(group, members, vectors)), [0, 1, 2])
+    # an owner that had begun streaming when member 3 went away stops; one that read member 3's
+    # cancel before the others' first chunks were in never begins: either way the part follows whole
     for part in (0, 1, 2):
         assert report.contributions[part] == [0, 1, 2], report.contributions
     assert all(part not in report.streamed for part in (0, 1, 2))
