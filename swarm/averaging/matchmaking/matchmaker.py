@@ -40,10 +40,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Set
-from dataclasses import dataclass, field
 from typing import Any
 
 from swarm.averaging.config import AveragingConfig
+from swarm.averaging.matchmaking.joining import JOIN, join_leader
 from swarm.averaging.matchmaking.ready import (
     DONE,
     ReadyView,
@@ -51,13 +51,13 @@ from swarm.averaging.matchmaking.ready import (
     decide,
     formed_by,
     formed_marker,
-    group_problem,
     group_sizes,
     may_finalize,
     other_groups,
     outvoted,
 )
 from swarm.averaging.matchmaking.ready_board import ReadyBoard
+from swarm.averaging.matchmaking.step_state import Matchmade, StepState
 from swarm.averaging.messages import MAX_MEMBERS, GroupInfo, MemberInfo
 from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
@@ -71,47 +71,10 @@ from swarm.utils.log_once import OncePerPeer
 
 logger = logging.getLogger(__name__)
 
-JOIN = "avg.join"
 POLL = 0.15  # seconds between reads of the ready set while peers are still missing
 # seconds a DONE marker does not count as arrived: longer than a retrying node's pause between
 # rounds (swarm/node/step_end.py RESULT_POLL), so that retrying nodes' windows overlap
 DONE_GRACE = 1.5
-
-
-@dataclass(frozen=True, slots=True)
-class Matchmade:
-    """What matchmaking found for one step. group None: no group (alone, late, of another
-    state, or the leader gave up); swarm_state: the state the swarm starts this step from, when
-    it differs from ours (we must fetch it before we can contribute)."""
-
-    group: GroupInfo | None
-    seconds: float
-    late: bool = False  # a group of our state formed without us
-    swarm_state: bytes | None = None
-    late_by: frozenset[PeerID] = frozenset()  # late: the owners of the FORMED markers that said so
-    outvoted: bool = False  # a larger group formed beside ours at an earlier step: we are a fork's smaller lineage
-    # no group, but other nodes of our state were ready with us (we led or joined them): we are
-    # not alone at this step, whatever their progress records say (plan_without_group)
-    peers: int = 0
-
-    @property
-    def other_state(self) -> bool:
-        """Our state is not the swarm's: fetch it before we can contribute."""
-        return self.swarm_state is not None or self.outvoted
-
-
-@dataclass
-class _StepState:
-    me: MemberInfo
-    leading: bool = False
-    leader: MemberInfo | None = None  # whom we joined, when not leading
-    joiners: dict[PeerID, MemberInfo] = field(default_factory=dict)
-    expected: set[PeerID] = field(default_factory=set)
-    late_by: frozenset[PeerID] = frozenset()  # the leader found itself late: whose FORMED markers said so
-    result: asyncio.Future[GroupInfo | None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    role_known: asyncio.Event = field(default_factory=asyncio.Event)  # leading, or joined a leader
-    joined: asyncio.Event = field(default_factory=asyncio.Event)  # a joiner arrived (the leader waits on it)
-    voters: frozenset[PeerID] | None = None  # whose vote on the swarm's state counts (ready.decide)
 
 
 class Matchmaker:
@@ -126,7 +89,7 @@ class Matchmaker:
         self.dht, self.host, self.run_id, self.config = dht, host, run_id, config
         self.excluded = excluded  # peers the owner audit caught (the Averager's set, shared)
         self.peer_id = host.peer_id
-        self._steps: dict[int, _StepState] = {}
+        self._steps: dict[int, StepState] = {}
         self._stored: dict[int, float] = {}  # step -> expiration of our last record (later wins)
         self._markers: set[asyncio.Task[None]] = set()
         self._outvoted_told: set[tuple[int, bytes]] = set()  # (step, our group) found outvoted: logged once
@@ -146,7 +109,11 @@ class Matchmaker:
             task.cancel()
 
     async def form_group(
-        self, step: int, me: MemberInfo, gather: float | None = None, expected: frozenset[PeerID] | None = None,
+        self,
+        step: int,
+        me: MemberInfo,
+        gather: float | None = None,
+        expected: frozenset[PeerID] | None = None,
         voters: frozenset[PeerID] | None = None,
     ) -> Matchmade:
         """Announce, gather until every `expected` peer is in (at most `gather`, default
@@ -156,7 +123,7 @@ class Matchmaker:
         config = self.config
         loop = asyncio.get_running_loop()
         started = loop.time()
-        state = self._steps[step] = _StepState(me, voters=voters)
+        state = self._steps[step] = StepState(me, voters=voters)
         outcome: Matchmade | None = None
         try:
             gather_until = started + (config.matchmaking_time if gather is None else gather)
@@ -191,8 +158,9 @@ class Matchmaker:
                         return outcome
                     leader = led  # a leader we had not seen ranks before us: we joined it instead
                 assert leader is not None
-                joined = await self._join(state, leader, step, give_up_at)
-                if isinstance(joined, GroupInfo) or joined is None:
+                joined = await join_leader(self.host, self.run_id, self.config, self.excluded, self._bad_input,
+                                           state, leader, step, give_up_at)  # fmt: skip
+                if not isinstance(joined, PeerID):  # a group, or None: no group this step
                     outcome = Matchmade(joined, loop.time() - started, peers=peers)
                     return outcome
                 dead.add(joined)  # the leader failed: decide again without it
@@ -214,9 +182,7 @@ class Matchmaker:
             )
             self._mark(step, marker)
 
-    async def outvoted(
-        self, step: int, group_id: bytes, state: bytes, voters: frozenset[PeerID] | None = None
-    ) -> bool:
+    async def outvoted(self, step: int, group_id: bytes, state: bytes, voters: frozenset[PeerID] | None = None) -> bool:
         """Did a larger group form at `step` than ours (`group_id`, from `state`), weighed by
         `voters` (the members of the round before it), which makes ours a fork's smaller lineage
         (ready.outvoted)? One read of the step's ready set; only when it names another group are
@@ -299,7 +265,7 @@ class Matchmaker:
             await asyncio.sleep(min(POLL, max(0.0, until - loop.time())))
 
     async def _lead(
-        self, state: _StepState, group: list[MemberInfo], step: int, give_up_at: float
+        self, state: StepState, group: list[MemberInfo], step: int, give_up_at: float
     ) -> tuple[GroupInfo | None, bool] | MemberInfo:
         """The group we lead (None: too few joined, or we may not finalize) and whether we found
         ourselves late (a group of our state formed elsewhere, or most of it is not with us);
@@ -363,48 +329,6 @@ class Matchmaker:
         state = self._steps.get(step)
         decision = decide(self.board.marked(view), me, step, state.voters if state is not None else None)
         return decision.leader if decision.kind == "join" else None
-
-    async def _join(
-        self, state: _StepState, leader: MemberInfo, step: int, give_up_at: float
-    ) -> GroupInfo | PeerID | None:
-        """Join `leader` (following one redirect). Returns the group, None for "no group this
-        step", or the PeerID of a leader that failed."""
-        loop = asyncio.get_running_loop()
-        state.leading, state.leader = False, leader
-        state.role_known.set()
-        for _ in range(2):
-            timeout = max(0.1, give_up_at - loop.time())
-            args = {"run": self.run_id, "step": step, "member": state.me.encode()}
-            try:
-                reply = await self.host.call(leader.address(), JOIN, args, timeout=timeout)
-            except P2PError as e:
-                logger.info("matchmaking leader %s failed: %s", leader.peer_id, e)
-                return leader.peer_id
-            if not isinstance(reply, dict):
-                return leader.peer_id
-            if "group" in reply:
-                try:
-                    group = GroupInfo.decode(reply["group"])
-                except BadRequest as e:
-                    logger.warning("leader %s sent a group we cannot use: %s", leader.peer_id, e)
-                    return leader.peer_id
-                problem = group_problem(group, state.me, self.run_id, step, self.config.max_weight)
-                if problem is not None:
-                    self._bad_input.log(leader.peer_id, "group", "refusing the group it leads: %s", problem)
-                    return leader.peer_id
-                if any(m.peer_id in self.excluded for m in group.members):
-                    logger.warning("step %d: refusing a group that holds a peer our audits excluded", step)
-                    return None
-                return group
-            if "redirect" in reply:
-                try:
-                    leader = MemberInfo.decode(reply["redirect"])
-                except BadRequest:
-                    return leader.peer_id
-                state.leader = leader
-                continue
-            return None
-        return None
 
     async def _rpc_join(self, ctx: CallContext, args: Any) -> dict[str, Any]:
         if not isinstance(args, dict) or args.get("run") != self.run_id:
