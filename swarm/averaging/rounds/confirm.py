@@ -21,9 +21,11 @@ The owner asks every other member that accepts connections (clients accept none)
 - another result that more than half of those members hold is the group's: the owner takes its
   bytes from one of them (checked against the digest) and uses them;
 - else, if at least one member holds our bytes, our answer reached the group: ours stands;
-- else nobody confirms our result (AllReduceError): the owner asks its backups for the part as
-  any sender would (rounds/flat.py), and its round fails when none of them holds a result any
-  more, so that its node does not apply it and takes the group's result or state instead.
+- else nobody confirms our result: the round fails for the owner (Unconfirmed), so that its node
+  does not apply it and takes the group's result or state instead. It does not ask its backups
+  for the part as a sender would: a backup asked for a part whose result it does not hold yet
+  takes it over and reduces it again, and the members still waiting for our answer would then
+  hold another result than ours and the backup's.
 A lying minority cannot reach the majority of the first rule, and a false "ours" only keeps the
 owner on its own result, as it was before this check; honest members holding our bytes always
 vote for them, so liars cannot make an owner that was not late drop a good result.
@@ -51,6 +53,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DIGEST_BYTES = 32
+
+
+class Unconfirmed(AllReduceError):
+    """Some senders gave up on our answer for our own part, and no member holds our result."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +121,7 @@ async def confirm_own_part(r: AllReduceRound, j: int, own: Final) -> tuple[Final
         logger.warning("round %s: our part %d: the group took it from member %d while we were late: using its "
                        "result, not ours (%s)", r._tag(), j, decision.by, said)  # fmt: skip
         return final, decision.by
-    raise AllReduceError(f"part {j}: senders gave up on our answer and no member holds our result ({said})")
+    raise Unconfirmed(f"part {j}: senders may have given up on our answer, and no member holds our result ({said})")
 
 
 async def group_result(r: AllReduceRound, j: int, held: Final) -> tuple[Final, int] | None:

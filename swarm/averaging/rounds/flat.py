@@ -54,7 +54,7 @@ from swarm.averaging.config import AveragingConfig
 from swarm.averaging.errors import AllReduceError
 from swarm.averaging.messages import GroupInfo
 from swarm.averaging.rounds.bandwidth import PACE_FACTOR, busy_rate
-from swarm.averaging.rounds.confirm import confirm_own_part, group_result
+from swarm.averaging.rounds.confirm import Unconfirmed, confirm_own_part, group_result
 from swarm.averaging.rounds.flat_serving import FlatServing
 from swarm.averaging.rounds.member import RoundMember, RoundReport, await_parts
 from swarm.averaging.rounds.partition import part_bounds, payload_layout, payload_size, upload_paces
@@ -186,6 +186,8 @@ class AllReduceRound(RoundMember):
                     final = await self._exchange(reducer, j)
                 await asyncio.to_thread(self._decode_into, final[1], lo, hi)  # a garbage average: next reducer
                 break
+            except Unconfirmed:  # not the next reducer: asked for our part, a backup would reduce it again
+                raise
             except (P2PError, AllReduceError, MalformedPayload, TimeoutError, ValueError) as e:
                 errors.append(f"{reducer}: {e}")
                 logger.info("round %s: part %d via member %d failed: %s", self._tag(), j, reducer, e)
