@@ -49,8 +49,8 @@ __all__ = ["PreloadedChild", "preloadable", "start"]
 SCRIPTS = ("swarm-node",)  # the console scripts forked from the server
 # what a node imports on its way to training: swarm, torch, and what torch imports lazily on
 # first use (sympy, about 470 modules); each child would import them again otherwise
-PRELOAD = ["torch", "sympy", "uvloop", "multiaddr", "swarm.cli.node", "swarm.node.node", "swarm.model.llama",
-           "swarm.observe.serve", "swarm.ranks.launch"]  # fmt: skip
+PRELOAD = ["torch", "sympy", "uvloop", "multiaddr", "setproctitle", "swarm.cli.node", "swarm.node.node",
+           "swarm.model.llama", "swarm.observe.serve", "swarm.ranks.launch"]  # fmt: skip
 
 _lock = threading.Lock()
 _server_env: dict[str, str] | None = None  # os.environ when the server started: what it imported under
@@ -119,8 +119,6 @@ class _Script:
                 os.dup2(fd, target)
         for fd in set(stdio) - {0, 1, 2}:
             os.close(fd)
-        os.write(ready, b".")
-        os.close(ready)
         # fresh Python streams over 0, 1 and 2: the server's were made for its own, and a terminal
         # on stdout gets line buffering as it does in a fresh interpreter
         sys.stdin = open(0, closefd=False, encoding="utf-8")  # noqa: SIM115
@@ -128,6 +126,13 @@ class _Script:
         sys.stdout.reconfigure(line_buffering=os.isatty(1))
         sys.stderr = open(2, "w", closefd=False, encoding="utf-8", errors="backslashreplace")  # noqa: SIM115
         sys.stderr.reconfigure(line_buffering=True)
+        # its own command line in ps and /proc/PID/cmdline, not the server's: for an operator, and
+        # for what finds a run's processes by their arguments (a test's check that none is left).
+        # Before the environment changes: it finds the memory it rewrites from the process's
+        # original argv and environ, which clearing os.environ moves
+        import setproctitle
+
+        setproctitle.setproctitle(" ".join(self.argv))
         os.environ.clear()
         os.environ.update(self.env)
         if self.cwd is not None:
@@ -137,6 +142,8 @@ class _Script:
 
             torch.set_num_threads(int(threads))  # torch read the server's environment at import
         sys.argv = list(self.argv)
+        os.write(ready, b".")  # set up: the caller's start() returns
+        os.close(ready)
 
 
 def _exit_code(code: object) -> int:

@@ -67,12 +67,19 @@ def test_the_environment_and_working_directory_are_the_callers(tmp_path: Path) -
     assert code != 0 and "not-an-address" in err, err
 
 
-def test_a_signal_ends_it_as_it_ends_an_execd_process_and_is_never_sent_after() -> None:
-    proc = process_control.start([NODE, "--run-id", "sig", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--threads", "1"],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    assert isinstance(proc, preloaded.PreloadedChild) and proc.poll() is None
-    assert os.getsid(proc.pid) == proc.pid  # its own session, as process_control starts children
-    assert process_control.kill(proc) == -signal.SIGKILL
+def test_a_signal_ends_it_as_it_ends_an_execd_process_and_is_never_sent_after(tmp_path: Path) -> None:
+    argv = [NODE, "--run-id", "sig", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--threads", "1",
+            "--identity", "ephemeral", "--metrics-file", str(tmp_path / "sig.jsonl")]  # fmt: skip
+    proc = process_control.start(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert isinstance(proc, preloaded.PreloadedChild) and proc.poll() is None
+        assert os.getsid(proc.pid) == proc.pid  # its own session, as process_control starts children
+        # its own command line, not the server's: ps, and whatever finds a run's processes by it
+        shown = Path(f"/proc/{proc.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        assert shown.split() == argv, shown
+        assert process_control.kill(proc) == -signal.SIGKILL
+    finally:
+        process_control.stop(proc, 5.0)  # a no-op once it is gone; never leave it running
     assert process_control.send_signal(proc, signal.SIGTERM) is False
     proc.send_signal(signal.SIGTERM)  # a no-op once its code is known
     with pytest.raises(ProcessLookupError):
