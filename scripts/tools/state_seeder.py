@@ -40,9 +40,9 @@ from swarm.dht.node import DHTNode
 from swarm.model.checkpoint import RunInfo, Snapshot, make_snapshot
 from swarm.model.llama import build_model
 from swarm.model.presets import preset
-from swarm.model.run_settings import settings_digest, training_settings
 from swarm.model.state_hash import state_sha256
 from swarm.node.config import NodeConfig
+from swarm.node.settings import RunSettings, training_settings
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.host import P2PHost
 from swarm.p2p.identity import Identity
@@ -86,7 +86,7 @@ class SeedSpec:
     def like_node(cls, node: NodeConfig, **changes: Any) -> SeedSpec:
         """The state of the run that swarm-nodes of `node`'s flags train: they adopt it."""
         spec = cls(run_id=node.run_id, model=node.model, seed=node.seed, inner_steps=node.inner_steps,
-                   settings=training_settings(node))  # fmt: skip
+                   settings=training_settings(node).wire())  # fmt: skip
         return dataclasses.replace(spec, **changes)
 
     def run_info(self) -> RunInfo:
@@ -110,7 +110,7 @@ class SeedSpec:
 
     def lineage(self, identity: Identity, state_hash: str) -> list[Receipt]:
         """Rounds of one, signed by `identity`, from the genesis to the state (module docstring)."""
-        settings = settings_digest(self.settings) if self.settings else b""
+        settings = RunSettings.of(self.settings).digest if self.settings else b""
         receipts, parent = [], bytes.fromhex(self.genesis())
         for step in range(self.step):
             last = step == self.step - 1
@@ -175,10 +175,10 @@ class Seeder:
 
 async def serve(args: argparse.Namespace) -> None:
     settings = {}
-    if args.node_settings:  # the run settings of swarm-nodes given these flags (model/run_settings.py)
+    if args.node_settings:  # the run settings of swarm-nodes given these flags (node/settings.py)
         node = NodeConfig(run_id=args.run_id, model=args.model, seed=args.seed, inner_steps=args.inner_steps,
                           batch_size=args.batch_size, seq_len=args.seq_len)  # fmt: skip
-        settings = training_settings(node)
+        settings = training_settings(node).wire()
     spec = SeedSpec(run_id=args.run_id, model=args.model, seed=args.seed, step=args.step, inner_steps=args.inner_steps,
                     shard_bytes=args.shard_bytes, settings=settings, claim_run=args.claim_run,
                     claim_model=args.claim_model)  # fmt: skip
