@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm.netlab import Lab, exec_prefix, parse_rate
+from swarm.utils import process_control
 
 REPO = Path(__file__).resolve().parents[2]
 LINK = parse_rate("100mbit")
@@ -66,15 +67,10 @@ class Peers:
         return json.loads(out.splitlines()[0]), err
 
     def close(self) -> None:
+        """Each peer ends when its stdin closes; one still running after 10 s is killed."""
         for proc in self.procs:
-            if proc.stdin is not None and not proc.stdin.closed:
-                proc.stdin.close()
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            process_control.close_stdin(proc)
+        process_control.stop_all(self.procs, 10.0, term=None)
 
 
 @contextmanager

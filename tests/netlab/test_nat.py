@@ -25,6 +25,7 @@ from swarm.netlab.delay import delay_commands
 from swarm.netlab.lab import missing_delay
 from swarm.netlab.nat import lan_of, nat_ruleset, plan_behind, plan_home
 from swarm.netlab.plan import PREFIX
+from swarm.utils import process_control
 from tests.children import child_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -164,15 +165,10 @@ class Children:
         return self.start(lab, where, sys.executable, "-m", "scripts.bench.natpeer", *args)
 
     def close(self) -> None:
+        """Each peer ends when its stdin closes; one still running after 10 s is killed."""
         for proc in self.procs:
-            if proc.stdin is not None and not proc.stdin.closed:
-                proc.stdin.close()
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            process_control.close_stdin(proc)
+        process_control.stop_all(self.procs, 10.0, term=None)
 
 
 @pytest.fixture
