@@ -69,6 +69,7 @@ from swarm.node.events import Event, EventSink
 from swarm.node.inner_steps import InnerSteps
 from swarm.node.loop import OuterLoop
 from swarm.node.model_setup import build_node_model, load_node_data, node_diloco, node_error_feedback
+from swarm.node.plan import swarm_is_ahead
 from swarm.node.progress import ProgressBook
 from swarm.node.reachability import NodeReach
 from swarm.node.run_lookup import initial_peer_ids
@@ -91,6 +92,7 @@ from swarm.p2p.host import P2PHost
 from swarm.p2p.identity import Identity
 from swarm.p2p.reach import relayed_may_own
 from swarm.p2p.relay import RelayConfig
+from swarm.state.adoption import PENDING_S
 from swarm.state.keeper import StateKeeper
 from swarm.state.lineage_book import LineageBook
 from swarm.utils.supervised import Supervised
@@ -99,6 +101,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Event", "NodeError", "SwarmNode"]
 
+START_FETCH_TRIES = 4  # fetches at start while the swarm is ahead and its state's judgement pending
 TRAINING_THREAD_END_WAIT = 60.0  # seconds for the training thread to finish its inner step at exit
 
 
@@ -294,7 +297,13 @@ class SwarmNode:
             genesis = bytes.fromhex(await self.inner.call(diloco.state_sha256))
             ctx.lineage.start(diloco.outer_step, genesis, provisional=bool(self.initial_peers))
         if self.initial_peers:
-            await loop.ends.fetch(alone=False)
+            # a state whose newest round is still being endorsed is judged again PENDING_S later
+            # (state/adoption.py): a newcomer waits that out while the swarm is ahead of it, so
+            # that it starts (and says so) at the run's step, not at step 0 with a fetch to follow
+            for _ in range(START_FETCH_TRIES):
+                if await loop.ends.fetch(alone=False) or not swarm_is_ahead(loop.view.read()):
+                    break
+                await asyncio.sleep(PENDING_S)
         await loop.ends.rehash()
         self.maddrs = ctx.maddrs()
         self.events.emit("start", maddrs=self.maddrs, run_id=config.run_id, outer_step=diloco.outer_step,
