@@ -36,13 +36,12 @@ import numpy as np
 from swarm.data.choice import ClaimsSeen, Pick, contested, known_done, pick_next, rivals_of, winner
 from swarm.data.claims import CLAIM_TTL, MAX_LIVE, RECORD_TTL, ClaimRecord, decode_claim, encode_claim
 from swarm.data.cursor import ChunkCursor
-from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode
 from swarm.dht.records import owner_subkey
 from swarm.dht.run_keys import chunks_key
+from swarm.dht.run_records import record_entries
 from swarm.dht.store_retry import store_or_warn
 from swarm.model.prepare import write_atomic
-from swarm.p2p.errors import P2PError
 from swarm.utils.supervised import Supervised
 
 logger = logging.getLogger(__name__)
@@ -190,17 +189,11 @@ class ChunkClaimer:
                     pick.epoch - 1, p.chunks_done, p.chunks, p.tokens, pick.epoch)  # fmt: skip
 
     async def _read(self) -> None:
-        try:
-            found = await self.dht.get(self.key, latest=True)
-        except (P2PError, DHTError, TimeoutError) as e:
-            logger.info("could not read the run's chunk claims: %s", e)
-            return
-        if found is None or not isinstance(found.value, dict):
+        entries = await record_entries(self.dht, self.key, "the run's chunk claims")
+        if not entries:
             return
         n, bits, now = self.cursor.plan.n, self.dht.config.id_bits, time.time()
-        entries = list(found.value.items())[: self.dht.config.max_subkeys_per_key]  # a key holds no more
-        records = [decode_claim(subkey, getattr(entry, "value", None), n=n, id_bits=bits, now=now)
-                   for subkey, entry in entries]  # fmt: skip
+        records = [decode_claim(subkey, value, n=n, id_bits=bits, now=now) for subkey, value in entries]
         self.records = tuple(r for r in records if r is not None and r.owner != self.dht.peer_id)
         for record in self.records:
             bits_ = record.done_in(self.cursor.epoch)

@@ -24,8 +24,7 @@ from typing import Any
 import numpy as np
 
 from swarm.data.chunks import pack_done, unpack_done
-from swarm.dht.id_proof import BadIdProof, verify
-from swarm.dht.run_keys import owned_map
+from swarm.dht.run_keys import proven_map
 from swarm.p2p.peer_id import PeerID
 
 MAX_LIVE = 2  # the chunk a node trains and the one it will train next
@@ -61,14 +60,10 @@ def encode_claim(record: ClaimRecord, n: int, proof: bytes) -> dict[str, Any]:
 
 def decode_claim(subkey: Any, value: Any, *, n: int, id_bits: int, now: float) -> ClaimRecord | None:
     """A peer's claims, or None when malformed, of another plan or unproven (never raises)."""
-    owned = owned_map(subkey, value)
+    owned = proven_map(subkey, value, id_bits)
     if owned is None:
         return None
     owner, value = owned
-    try:
-        verify(owner, value.get("proof"), id_bits)
-    except BadIdProof:
-        return None
     epoch, until, tokens = value.get("epoch"), value.get("until"), value.get("tokens", 0)
     if value.get("n") != n or not _int_in(epoch, 0, MAX_EPOCH) or not _int_in(tokens, 0, MAX_TOKENS):
         return None

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from swarm.dht.errors import RecordError
+from swarm.dht.id_proof import BadIdProof, verify
 from swarm.dht.records import owner_of
 from swarm.dht.ttl_caps import RUNS_KEY
 from swarm.p2p.peer_id import PeerID
@@ -41,6 +42,19 @@ def owned_map(subkey: Any, value: Any) -> tuple[PeerID, dict[str, Any]] | None:
     if peer is None or not isinstance(value, dict):
         return None
     return peer, value
+
+
+def proven_map(subkey: Any, value: Any, id_bits: int) -> tuple[PeerID, dict[str, Any]] | None:
+    """owned_map of a record whose "proof" field is its owner's proof of a costly id (id_proof.py);
+    None when malformed or unproven: a record only a costly identity may write."""
+    owned = owned_map(subkey, value)
+    if owned is None:
+        return None
+    try:
+        verify(owned[0], owned[1].get("proof"), id_bits)
+    except BadIdProof:
+        return None
+    return owned
 
 
 def check_run_id(run_id: str) -> str:

@@ -29,14 +29,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from swarm.dht.errors import DHTError
-from swarm.dht.id_proof import BadIdProof, verify
 from swarm.dht.node import DHTNode
 from swarm.dht.records import owner_subkey
-from swarm.dht.run_keys import owned_map
+from swarm.dht.run_keys import proven_map
+from swarm.dht.run_records import record_entries
 from swarm.dht.store_retry import store_or_warn
 from swarm.p2p.admission import source_of
-from swarm.p2p.errors import P2PError
 from swarm.p2p.maddr import TcpAddress, parse_address
 from swarm.p2p.peer_id import PeerID
 
@@ -58,14 +56,10 @@ def relay_record(maddrs: Iterable[str], proof: bytes) -> dict[str, Any]:
 def decode_relay(subkey: Any, value: Any, id_bits: int) -> TcpAddress | None:
     """The relay a record names: its first direct address, with the owner's PeerID; None when the
     record is malformed, names no direct address or its owner's id proof fails."""
-    owned = owned_map(subkey, value)
+    owned = proven_map(subkey, value, id_bits)
     if owned is None:
         return None
     peer, fields = owned
-    try:
-        verify(peer, fields.get("proof"), id_bits)
-    except BadIdProof:
-        return None
     maddrs = fields.get("maddrs")
     if not isinstance(maddrs, list):
         return None
@@ -93,15 +87,9 @@ def choose_relays(relays: Sequence[TcpAddress], *, exclude: Iterable[PeerID] = (
 
 async def find_relays(dht: DHTNode, *, exclude: Iterable[PeerID] = (), limit: int = LEARN_LIMIT) -> list[str]:
     """Relays the DHT's records name (choose_relays), as multiaddrs; [] when none or on a failure."""
-    try:
-        found = await dht.get(RELAYS_KEY, latest=True)
-    except (P2PError, DHTError, TimeoutError) as e:
-        logger.info("could not read the DHT's relays: %s", e)
-        return []
-    if found is None or not isinstance(found.value, dict):
-        return []
     bits = dht.config.id_bits
-    relays = [decode_relay(subkey, getattr(entry, "value", None), bits) for subkey, entry in found.value.items()]
+    entries = await record_entries(dht, RELAYS_KEY, "the DHT's relays")
+    relays = [decode_relay(subkey, value, bits) for subkey, value in entries]
     chosen = choose_relays([r for r in relays if r is not None], exclude=[dht.peer_id, *exclude], limit=limit)
     return [addr.to_maddr() for addr in chosen]
 

@@ -24,14 +24,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.dht.errors import DHTError
 from swarm.dht.id_proof import BadIdProof, verify
 from swarm.dht.node import DHTNode
 from swarm.dht.records import owner_subkey
 from swarm.dht.run_keys import owned_map, state_key
+from swarm.dht.run_records import record_entries
 from swarm.dht.store_retry import store_or_warn
 from swarm.model.checkpoint import Manifest
-from swarm.p2p.errors import P2PError
 from swarm.p2p.maddr import TcpAddress, parse_address
 from swarm.p2p.peer_id import PeerID
 from swarm.utils.log_once import OncePerPeer
@@ -96,15 +95,9 @@ def decode_holder(subkey: Any, value: Any, id_bits: int | None = None) -> Holder
 
 async def find_holders(dht: DHTNode, run_id: str) -> list[Holder]:
     """The live state records of the run (an empty list when none or on a DHT failure)."""
-    try:
-        found = await dht.get(state_key(run_id), latest=True)
-    except (P2PError, DHTError, TimeoutError) as e:
-        logger.info("could not read who holds state: %s", e)
-        return []
-    if found is None or not isinstance(found.value, dict):
-        return []
     bits = dht.config.id_bits
-    holders = [decode_holder(subkey, getattr(entry, "value", None), bits) for subkey, entry in found.value.items()]
+    entries = await record_entries(dht, state_key(run_id), "who holds state")
+    holders = [decode_holder(subkey, value, bits) for subkey, value in entries]
     return [h for h in holders if h is not None]
 
 
