@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import pickle
 import select
@@ -71,7 +72,14 @@ def preloadable(argv: Sequence[str], env: Mapping[str, str] | None) -> str | Non
         return None
     if env is not None and _python_env(env) != _python_env(_server_env if _server_env is not None else os.environ):
         return None
-    found = [ep.value for ep in entry_points(group="console_scripts", name=path.name)]
+    return _entry_point(path.name)
+
+
+@functools.cache
+def _entry_point(script: str) -> str | None:
+    """The installed console script's "module:function" when it is one of ours (read once: the
+    package metadata is files on disk, and swarm-sim starts a node at every churn event)."""
+    found = [ep.value for ep in entry_points(group="console_scripts", name=script)]
     return found[0] if len(found) == 1 and found[0].startswith("swarm.") else None
 
 
