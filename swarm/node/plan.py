@@ -57,6 +57,19 @@ class Facts:
     def live(self) -> list[PeerProgress]:
         return [p for p in self.peers if self.now - p.time <= self.fresh_for]
 
+    def summary(self) -> str:
+        """The facts a decision to go on alone rests on, in one line for the log."""
+        live = self.live()
+        steps: dict[int, int] = {}
+        for p in live:
+            steps[p.step] = steps.get(p.step, 0) + 1
+        oldest = max((self.now - p.time for p in self.peers), default=0.0)
+        return (
+            f"live records by step {dict(sorted(steps.items()))}, {len(self.peers) - len(live)} stale "
+            f"(oldest {oldest:.1f}s, fresh for {self.fresh_for:.1f}s), watched {self.watched_for:.1f}s, "
+            f"records read {'ok' if self.sees_peers else 'failed'}"
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:

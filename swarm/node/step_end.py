@@ -104,10 +104,14 @@ class StepEnd:
                 return False
             g.no_group(found, loop.time())
             await ctx.book.refresh()
-            plan = plan_without_group(self.view.read(), late=g.late, other_state=found.other_state,
+            facts = self.view.read()
+            plan = plan_without_group(facts, late=g.late, other_state=found.other_state,
                                       waited=loop.time() - g.since, max_wait=ctx.config.max_wait,
                                       ready_peers=found.peers, groupless_for=loop.time() - g.first,
                                       last=self.facts.last_step(step), late_confirmed=g.confirmed)  # fmt: skip
+            if plan.action == APPLY_OWN:  # with peers in the run, a reason to look at
+                logger.log(logging.WARNING if facts.peers else logging.INFO, "step %d: %s: %s", step, plan.why,
+                           facts.summary())  # fmt: skip
             if plan.action == END:
                 logger.warning("step %d: %s", step, plan.why)
                 self.facts.run_over = True
