@@ -74,11 +74,11 @@ from swarm.averaging.audit.grid import GridAudit
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.errors import AllReduceError
 from swarm.averaging.messages import GroupInfo
+from swarm.averaging.rounds.grid_reduction import ColReduction, RowReduction
 from swarm.averaging.rounds.grid_serving import FAILURES, GridServing
 from swarm.averaging.rounds.grid_shape import make_grid
 from swarm.averaging.rounds.member import RoundMember, RoundReport, await_parts
 from swarm.averaging.rounds.partition import payload_layout, payload_size
-from swarm.averaging.rounds.reduction import ColReduction, RowReduction
 from swarm.averaging.rounds.registry import COL, DOWN, ROW, RoundRegistry
 from swarm.averaging.rounds.streams import Final, read_exactly, read_header, write_encoded
 from swarm.p2p.errors import BadRequest

@@ -26,9 +26,9 @@ from swarm_kernels import MalformedPayload
 if TYPE_CHECKING:
     from swarm.averaging.config import AveragingConfig
     from swarm.averaging.messages import GroupInfo
+    from swarm.averaging.rounds.grid_reduction import ColReduction, RowReduction
     from swarm.averaging.rounds.grid_shape import Grid
     from swarm.averaging.rounds.member import RoundReport
-    from swarm.averaging.rounds.reduction import ColReduction, RowReduction
     from swarm.p2p.peer_id import PeerID
 
 logger = logging.getLogger(__name__)

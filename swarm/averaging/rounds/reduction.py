@@ -28,8 +28,7 @@ reduction's. If a sender fails or sends garbage mid-way, or the rule drops or cl
 streaming stops and the part is reduced whole as above, from the senders that completed: that
 result follows the streamed bytes and replaces them.
 
-RowReduction and ColReduction are the two stages of the hierarchical round (rounds/grid.py):
-the same arithmetic over a row's members, then over the rows' partials.
+The hierarchical round's two stages subclass it (rounds/grid_reduction.py).
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -361,43 +359,3 @@ class PartReduction:
     def _encode_chunk(self, values: torch.Tensor) -> torch.Tensor:
         """One chunk of the result, encoded (whole or streamed alike)."""
         return self.codec.encode(values)
-
-
-class RowReduction(PartReduction):
-    """Stage 1 at (r, c): the row's reduction of part c (the configured aggregator), encoded
-    sub-part by sub-part (each sub-part's bytes go to its own owner); `average` keeps it in fp32."""
-
-    def __init__(self, subs: list[tuple[int, int]], *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.subs = subs  # relative to the part
-        self.average = torch.empty(0)
-
-    def _encode(self, average: torch.Tensor) -> memoryview:
-        self.average = average
-        pieces = []
-        for lo, hi in self.subs:
-            layout = payload_layout(lo, hi, self.chunk_elements, self.codec.encoded_nbytes)
-            out = torch.empty(payload_size(layout), dtype=torch.uint8)
-            for a, b, where in layout:
-                out[where] = self.codec.encode(average[a:b])
-            pieces.append(out)
-        return as_memoryview(torch.cat(pieces))
-
-
-class ColReduction(PartReduction):
-    """Stage 2: sub-part s from the rows' partials. Indices are rows; a row's weight is the sum of
-    the agreed weights of the members its partial includes (set as its stream arrives); the
-    result's `included` lists those members."""
-
-    def __init__(self, member_weights: list[float], *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.member_weights = member_weights
-        self.row_members: dict[int, list[int]] = {}
-
-    def set_row(self, row: int, members: list[int]) -> None:
-        self.row_members[row] = members
-        self.weights[row] = sum(self.member_weights[i] for i in members)
-
-    def _reduce(self, complete: list[int]) -> tuple[list[int], torch.Tensor]:
-        rows, acc = super()._reduce(complete)
-        return sorted(i for r in rows for i in self.row_members[r]), acc
