@@ -1,5 +1,5 @@
 """P2PHost: a node's endpoint. Listens, dials (dialer.py), authenticates and encrypts (wire.py),
-keeps one connection per peer, and serves registered handlers (serving.py).
+keeps one connection per peer (pool.py), and serves registered handlers (serving.py).
 
     async with P2PHost(identity, P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))) as host:
         host.add_handler("demo.echo", echo)
@@ -12,7 +12,7 @@ Peers we called are remembered (gate.py) and never evicted for a newcomer.
 
 Failure modes: a dial that reaches a different PeerID than its /p2p/ part fails with
 PeerIDMismatch; when both peers dial each other at once there may briefly be two connections,
-and both sides then prefer the one dialed by the smaller PeerID (the other idles out).
+and both sides then prefer the one dialed by the smaller PeerID (the other idles out; pool.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from typing import Any
 from swarm.p2p import handshake as hs
 from swarm.p2p.autonat import DIALBACK, dialback_handler
 from swarm.p2p.budget import HostStreams
-from swarm.p2p.circuit import is_relayed
 from swarm.p2p.config import P2PConfig
 from swarm.p2p.connection import Connection
 from swarm.p2p.dialer import Dialer, PeerRef
@@ -39,6 +38,7 @@ from swarm.p2p.identity import Identity
 from swarm.p2p.maddr import CircuitAddress, PeerAddress, TcpAddress, local_addresses, parse_maddr
 from swarm.p2p.pacing import bytes_acked, max_pacing_rate, set_max_pacing_rate
 from swarm.p2p.peer_id import PeerID
+from swarm.p2p.pool import ConnectionPool
 from swarm.p2p.relay_client import open_circuit
 from swarm.p2p.relay_wire import Opening
 from swarm.p2p.stream import Stream
@@ -54,8 +54,8 @@ __all__ = ["CallContext", "P2PHost", "PeerRef"]
 class P2PHost:
     """Listens on config.host_maddrs, dials peers, serves handlers. See the module docstring.
 
-    Owns the listening sockets, the handler table, the pool of authenticated connections (by
-    peer) and of those still handshaking, the admission gate of inbound ones (gate.py) and the
+    Owns the listening sockets, the handler table, the pool of authenticated connections
+    (pool.py) and those still handshaking, the admission gate of inbound ones (gate.py) and the
     dialer with its address book (dialer.py). Use it with ``async with`` or start()/close()."""
 
     def __init__(self, identity: Identity | None = None, config: P2PConfig | None = None) -> None:
@@ -65,15 +65,14 @@ class P2PHost:
         self._handlers: dict[str, Handler] = {}
         self._servers: list[asyncio.AbstractServer] = []
         self._listen_addrs: list[TcpAddress] = []
-        self._connections: dict[PeerID, list[Connection]] = {}
+        self._pool = ConnectionPool(self.peer_id)  # the authenticated connections, by peer
         self._handshaking: set[Connection] = set()
         self._gate = Gate(self.peer_id, self.config)  # which inbound connections we keep
         self._flood_log = RateLimitedLog(logger)  # a flood of throwaway sources must not flood the log
         self._host_streams = HostStreams(self.config.max_host_streams)  # inbound streams, all connections
         self._dialer = Dialer(self.config, new_protocol=self._new_protocol, new_connection=self._new_connection,
-                              handshaking=self._handshaking, best=self._best_connection, adopt=self._adopt,
+                              handshaking=self._handshaking, best=self._pool.best, adopt=self._pool.adopt,
                               open_circuit=self._open_circuit, listening=self.listening_address)  # fmt: skip
-        self._watchers: list[Callable[[Connection], None]] = []  # told of each connection kept
         self._relayed: tuple[CircuitAddress, ...] = ()  # where a relay reaches us (relay_client.RelayKeeper)
         # False behind a NAT: nobody can dial our own addresses, so we announce the relayed ones only
         self.announce_listening = True
@@ -123,7 +122,7 @@ class P2PHost:
         for server in self._servers:
             server.close()
         self._dialer.close()
-        conns = [c for group in self._connections.values() for c in group] + list(self._handshaking)
+        conns = self._pool.all() + list(self._handshaking)
         for conn in conns:
             conn.close()
         for task in list(self._tasks):
@@ -141,7 +140,7 @@ class P2PHost:
             await asyncio.gather(*waits, return_exceptions=True)
         for server in self._servers:
             await server.wait_closed()
-        self._connections.clear()
+        self._pool.clear()
 
     async def __aenter__(self) -> P2PHost:
         return await self.start()
@@ -197,7 +196,7 @@ class P2PHost:
         self._relayed = tuple(addrs)
 
     def connected_peers(self) -> list[PeerID]:
-        return [peer for peer, conns in self._connections.items() if conns]
+        return self._pool.peers()
 
     def address_of(self, peer: PeerID) -> PeerAddress | None:
         return self._dialer.address_of(peer)
@@ -243,25 +242,16 @@ class P2PHost:
     def pace(self, peer: PeerID, bytes_per_s: float | None) -> int:
         """Cap what we send to `peer` at `bytes_per_s` on each open connection to it (None: lift
         the cap; pacing.py says why a round paces). How many connections took it."""
-        return sum(set_max_pacing_rate(sock, bytes_per_s) for sock in self._sockets(peer))
+        return sum(set_max_pacing_rate(sock, bytes_per_s) for sock in self._pool.sockets(peer))
 
     def paces(self, peer: PeerID) -> list[int | None]:
         """The cap on each open connection to `peer`, bytes/s (None: uncapped)."""
-        return [max_pacing_rate(sock) for sock in self._sockets(peer)]
+        return [max_pacing_rate(sock) for sock in self._pool.sockets(peer)]
 
     def bytes_acked(self, peers: Iterable[PeerID]) -> int:
         """What these peers acknowledged of our sending, summed over our open connections to them
         (pacing.bytes_acked; 0 where the kernel does not say): rises as bytes leave the link."""
-        return sum(bytes_acked(sock) or 0 for peer in peers for sock in self._sockets(peer))
-
-    def _sockets(self, peer: PeerID) -> list[Any]:
-        found = []
-        for conn in self._connections.get(peer, ()):
-            transport = conn.protocol.transport
-            sock = transport.get_extra_info("socket") if transport is not None and not conn.protocol.closed else None
-            if sock is not None:
-                found.append(sock)
-        return found
+        return sum(bytes_acked(sock) or 0 for peer in peers for sock in self._pool.sockets(peer))
 
     async def probe(self, peer: PeerAddress | str, *, timeout: float | None = None) -> PeerID:
         """Dial `peer` on a fresh connection, authenticate, and close it: proves the address
@@ -343,34 +333,22 @@ class P2PHost:
         if conn.remote_hello_probe:  # a dial-back test: proven reachable, not kept for calls
             conn.close()
             return
-        open_conns = [c for group in self._connections.values() for c in group if not c.protocol.closed]
-        keep, victim = self._gate.admit(conn, open_conns)
+        keep, victim = self._gate.admit(conn, self._pool.open())
         if victim is not None:
-            self._forget(victim)  # now: the next admission must not count it
+            self._pool.forget(victim)  # now: the next admission must not count it
             victim.protocol.abort(ConnectionLost("closed to make room for a new peer"))  # frees it at once
         if keep:
-            self._adopt(conn)
+            self._pool.adopt(conn)
 
     # --- connection pool ----------------------------------------------------------------------
 
-    def _adopt(self, conn: Connection) -> None:
-        if conn.closed:
-            return
-        self._connections.setdefault(conn.peer_id, []).append(conn)
-        conn.on_closed = self._forget
-        for watcher in list(self._watchers):
-            watcher(conn)
-
     def watch_connections(self, watcher: Callable[[Connection], None], *, stop: bool = False) -> None:
         """Call `watcher` with every connection the host keeps from now on (stop=True: no more)."""
-        if stop:
-            self._watchers = [w for w in self._watchers if w != watcher]
-        elif watcher not in self._watchers:
-            self._watchers.append(watcher)
+        self._pool.watch(watcher, stop=stop)
 
     def connections_to(self, peer: PeerID) -> list[Connection]:
         """The open connections to `peer`, direct and relayed."""
-        return [c for c in self._connections.get(peer, ()) if not c.protocol.closed]
+        return self._pool.to(peer)
 
     def expect_punch(self, peer: PeerID, role: str, seconds: float) -> None:
         """A hole punch with `peer` starts (punch.py): what we accept from it takes `role`."""
@@ -380,33 +358,13 @@ class P2PHost:
         """One end of a hole punch: dial from the listening port, authenticate with `role`."""
         return await self._dialer.dial_punch(addr, role, timeout=timeout)
 
-    def _forget(self, conn: Connection) -> None:
-        group = self._connections.get(conn.peer_id)
-        if group and conn in group:
-            group.remove(conn)
-            if not group:
-                del self._connections[conn.peer_id]
-
-    def _best_connection(self, peer: PeerID) -> Connection | None:
-        group = self._connections.get(peer)
-        if not group:
-            return None
-        if len(group) == 1:  # the common case, on every call
-            return None if group[0].protocol.closed else group[0]
-        group = [c for c in group if not c.protocol.closed]
-        group = [c for c in group if not is_relayed(c.remote_address)] or group  # a relay only when nothing else
-        if not group:
-            return None
-        preferred_role = hs.DIALER if self.peer_id < peer else hs.LISTENER
-        return next((c for c in group if c.role == preferred_role), group[0])
-
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     def __repr__(self) -> str:
-        return f"P2PHost({self.peer_id}, {len(self._connections)} peers)"
+        return f"P2PHost({self.peer_id}, {len(self._pool)} peers)"
 
 
 def _set_nodelay(transport: Any) -> None:

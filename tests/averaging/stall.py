@@ -16,7 +16,7 @@ class Stall:
 
     def __init__(self, host: P2PHost) -> None:
         self.held: list[tuple[Callable[..., None], dict[str, Any], bytes]] = []
-        self.protocols = [c.protocol for conns in host._connections.values() for c in conns]
+        self.protocols = [c.protocol for conns in host._pool.by_peer.values() for c in conns]
         assert self.protocols, "the stalled member must have live connections (a warm-up round)"
         self.handlers = [p.on_frame for p in self.protocols]
         for protocol, handler in zip(self.protocols, self.handlers, strict=True):

@@ -57,7 +57,7 @@ class Split:
         self.on = True
         for host in self.hosts:
             mine = self.side_of_peer[host.peer_id]
-            for peer, conns in list(host._connections.items()):
+            for peer, conns in list(host._pool.by_peer.items()):
                 if self.side_of_peer.get(peer, mine) != mine:
                     for conn in list(conns):
                         conn.close()

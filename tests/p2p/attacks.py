@@ -122,7 +122,7 @@ async def echo(ctx: CallContext, args: Any) -> Any:
 
 
 def connections_of(host: P2PHost) -> list[Any]:
-    return [c for group in host._connections.values() for c in group if not c.protocol.closed]
+    return host._pool.open()
 
 
 def buffered_on(host: P2PHost) -> int:

@@ -17,7 +17,7 @@ async def test_a_reachable_host_is_confirmed_and_the_probe_is_not_kept(make_host
     assert str(asker.peer_id) in result.address
     await asyncio.sleep(0.1)
     # the asker keeps only the connection it dialed: calls never land on the closed probe
-    assert len(asker._connections.get(helper.peer_id, [])) == 1
+    assert len(asker._pool.by_peer.get(helper.peer_id, [])) == 1
     assert await helper.call(asker.peer_id, DIALBACK, {"maddrs": helper.visible_maddrs}, timeout=5) == {
         "ok": helper.visible_maddrs[0]
     }

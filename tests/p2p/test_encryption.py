@@ -312,15 +312,15 @@ async def test_the_record_counter_never_wraps(make_host) -> None:
     server, client = await make_host(), await make_host()
     server.add_handler("t.echo", echo)
     assert await client.call(server.visible_maddrs[0], "t.echo", 1) == 1
-    first = client._connections[server.peer_id][0]
-    (server_side,) = server._connections[client.peer_id]
+    first = client._pool.by_peer[server.peer_id][0]
+    (server_side,) = server._pool.by_peer[client.peer_id]
     sealer, opener = first.protocol._outbox._sealer, server_side.protocol._opener  # type: ignore[union-attr]
     assert opener is not None and sealer.counter == opener.counter
     sealer.counter = opener.counter = secure.LAST_COUNTER
     assert await client.call(server.peer_id, "t.echo", 2) == 2  # sealed under the last counter
     assert await client.call(server.peer_id, "t.echo", 3) == 3  # no nonce left: a new connection
     await asyncio.wait_for(first.wait_closed(), 5)
-    assert client._connections[server.peer_id][0] is not first
+    assert client._pool.by_peer[server.peer_id][0] is not first
 
 
 async def test_keys_roll_over_in_lockstep_on_a_live_connection(make_host, monkeypatch) -> None:
@@ -346,7 +346,7 @@ async def test_a_graceful_close_still_sends_what_waits_behind_a_body_being_seale
     server.add_stream_handler("t.sink", sink)
     data = os.urandom(4 * MiB)
     stream = await client.open_stream(server.visible_maddrs[0], "t.sink")
-    (conn,) = client._connections[server.peer_id]
+    (conn,) = client._pool.by_peer[server.peer_id]
     await stream.write(data)  # sealed in a worker thread; nothing here yields to the loop
     await stream.end()  # so this END waits in the backlog behind it
     conn.close()  # before either is written

@@ -84,7 +84,7 @@ async def test_throwaway_identities_do_not_lock_out_honest_peers_nor_evict_usefu
     known.add_handler("t.echo", echo)
     assert await known.call(maddr, "t.echo", 0, timeout=5) == 0
     assert await server.call(known.peer_id, "t.echo", 1, timeout=5) == 1
-    known_conn = server._best_connection(known.peer_id)
+    known_conn = server._pool.best(known.peer_id)
 
     def per_source() -> int:
         return max(Counter(c.remote_address[0] for c in connections_of(server)).values())
@@ -98,7 +98,7 @@ async def test_throwaway_identities_do_not_lock_out_honest_peers_nor_evict_usefu
         async with Sampler(lambda: len(connections_of(server))) as open_conns, Sampler(per_source) as biggest:
             answered = await honest_pings(maddr, PINGS, before_each=full)
     assert answered >= MIN_ANSWERED, f"{answered}/{PINGS} honest calls answered during the attack"
-    assert not known_conn.closed and server._best_connection(known.peer_id) is known_conn
+    assert not known_conn.closed and server._pool.best(known.peer_id) is known_conn
     assert open_conns.peak <= 48 and biggest.peak <= 16
     assert flood.stats.connected > 48  # the flood kept coming back, and kept being let in
 

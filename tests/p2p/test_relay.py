@@ -175,7 +175,7 @@ async def test_a_circuit_at_its_limit_is_closed_at_both_ends(trio: Callable[...,
     config = RelayConfig(circuit_bytes=256 * 1024) if limit == "bytes" else RelayConfig(circuit_seconds=1.5)
     t = await trio(config)
     assert (await t.dialer.call(t.relayed, "demo.echo", 1, timeout=10))["echo"] == 1
-    target_side = await until(lambda: t.target._best_connection(t.dialer.peer_id), 5, "the target's end")
+    target_side = await until(lambda: t.target._pool.best(t.dialer.peer_id), 5, "the target's end")
     stream = await t.dialer.open_stream(t.relayed, "demo.stream", timeout=10)
     with pytest.raises(CircuitClosed, match="limit of 262144 bytes" if limit == "bytes" else "time limit of 1.5s"):
         while True:  # the echo keeps both directions busy until the relay cuts the circuit

@@ -44,7 +44,7 @@ async def test_calls_both_ways_share_one_connection(make_host) -> None:
     b.add_handler("t.echo", echo)
     await asyncio.gather(*(a.call(b.visible_maddrs[0], "t.echo", i) for i in range(50)))
     await asyncio.gather(*(b.call(a.peer_id, "t.echo", i) for i in range(50)))
-    assert len(a._connections[b.peer_id]) == 1 and len(b._connections[a.peer_id]) == 1
+    assert len(a._pool.by_peer[b.peer_id]) == 1 and len(b._pool.by_peer[a.peer_id]) == 1
 
 
 async def test_slow_call_does_not_block_fast_ones(make_host) -> None:
@@ -240,7 +240,7 @@ async def test_simultaneous_dials_settle_on_one_preferred_connection(make_host) 
     a.add_handler("t.echo", echo)
     b.add_handler("t.echo", echo)
     await asyncio.gather(a.call(b.visible_maddrs[0], "t.echo", 1), b.call(a.visible_maddrs[0], "t.echo", 2))
-    conn_a, conn_b = a._best_connection(b.peer_id), b._best_connection(a.peer_id)
+    conn_a, conn_b = a._pool.best(b.peer_id), b._pool.best(a.peer_id)
     assert conn_a is not None and conn_b is not None
     # both sides pick the same TCP connection: the one dialed by the smaller PeerID
     assert conn_a.protocol.transport.get_extra_info("sockname") == conn_b.protocol.transport.get_extra_info("peername")
@@ -261,4 +261,4 @@ async def test_dns_maddr_and_maddr_without_peer_id_reuse_one_connection(make_hos
         assert (await a.call(f"/dns4/localhost/tcp/{port}", "t.echo", 1))["args"] == 1
         assert (await a.call(f"/ip4/127.0.0.1/tcp/{port}", "t.echo", 2))["args"] == 2
     assert a.connected_peers() == [b.peer_id]
-    assert len(a._connections[b.peer_id]) == 1  # the second address found the peer already connected
+    assert len(a._pool.by_peer[b.peer_id]) == 1  # the second address found the peer already connected
