@@ -9,6 +9,7 @@ on a state that neither half computed, and every step after the merge holds one 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -128,11 +129,14 @@ async def test_nodes_that_all_read_their_step_as_forming_still_train_it(
     from swarm.node.plan import JOIN_FORMING, StepPlan
 
     planned = loop.plan_step
-    misread: set[int] = set()
+    # each node plans in its own task: held here, so no task's identity is reused by another's
+    misread: set[asyncio.Task[Any]] = set()
 
     def forming_once(facts: Any) -> StepPlan:
-        if facts.step == 1 and id(facts) not in misread and len(misread) < 3:
-            misread.add(id(facts))
+        node = asyncio.current_task()
+        assert node is not None
+        if facts.step == 1 and node not in misread:
+            misread.add(node)
             return StepPlan(JOIN_FORMING, "the peers of our step are matchmaking")
         return planned(facts)
 
@@ -142,6 +146,9 @@ async def test_nodes_that_all_read_their_step_as_forming_still_train_it(
         local.start((bootstrap,), max_outer_steps=3)
     reasons = await local.finish(90)
     assert reasons == ["finished"] * 3
-    assert len(misread) == 3, "the test misled no node"
+    # every node that planned step 1 read it as forming once (the first time). A node that came
+    # to step 1 after the others had taken it fetched its result and never planned it (under
+    # load, one did): at least two planned it, so they were all misled and trained it anyway
+    assert len(misread) >= 2, f"the test misled {len(misread)} node(s)"
     by_step = local.by_step()
     assert all(len(states) == 1 for states in by_step.values()), by_step
