@@ -46,7 +46,6 @@ Not thread-safe: call inner_step, pseudo_gradients and apply_outer from one thre
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -59,11 +58,11 @@ from swarm.model.adamw import AdamW, inner_adamw
 from swarm.model.configs import DiLoCoConfig
 from swarm.model.fragments import fragments_of
 from swarm.model.loss import autocast_for, lm_loss
-from swarm.model.outer_sgd import checked_tensors, outer_sgd_step
+from swarm.model.outer_sgd import checked_state, checked_tensors, outer_sgd_step
 from swarm.model.schedule import inner_lr
 from swarm.model.state_hash import state_sha256, tensors_sha256
 
-__all__ = ["DiLoCo", "DiLoCoConfig", "InnerStats", "NonFiniteLossError", "inner_lr", "model_fingerprint"]
+__all__ = ["DiLoCo", "DiLoCoConfig", "InnerStats", "NonFiniteLossError", "inner_lr"]
 
 T = TypeVar("T")
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -346,16 +345,8 @@ class DiLoCo:
         """Adopt an outer state (from a checkpoint or a peer) and start a fresh round from it:
         θ_inner ← θ_outer. Checks names, shapes and finiteness first; on error nothing changes.
         The local inner AdamW state is kept."""
-        step = state.get("outer_step")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"outer_step must be an int >= 0, got {step!r}")
-        loaded = []
-        for key in ("params", "momentum"):
-            tensors = state.get(key)
-            if not isinstance(tensors, dict) or set(tensors) != set(self.names):
-                raise ValueError(f"state[{key!r}] must map exactly this model's parameter names to tensors")
-            loaded.append(self._checked([tensors[name] for name in self.names], f"state[{key!r}]"))
-        for dst, src in zip(self.outer_params + self.outer_momentum, loaded[0] + loaded[1], strict=True):
+        step, params, momentum = checked_state(state, self.names, self.outer_params)
+        for dst, src in zip(self.outer_params + self.outer_momentum, params + momentum, strict=True):
             dst.copy_(src)
         self.outer_step = step
         self._finish_outer_step(advance=False)
@@ -389,13 +380,3 @@ class DiLoCo:
         ValueError on a wrong count, shape or a non-finite value."""
         indices = range(len(self.outer_params)) if indices is None else indices
         return checked_tensors(tensors, what, [self.names[i] for i in indices], [self.outer_params[i] for i in indices])
-
-
-def model_fingerprint(diloco: DiLoCo) -> tuple[str, str]:
-    """(architecture, initial state) of a wrapped model as short hex digests: its trainable
-    parameters' names, shapes and dtypes, and θ_outer's bytes. Equal on two processes that
-    build the same model from the same seed."""
-    layout = hashlib.sha256(b"swarm-architecture/1")
-    for name, p in zip(diloco.names, diloco.params, strict=True):
-        layout.update(f"{name}:{tuple(p.shape)}:{p.dtype}\n".encode())
-    return layout.hexdigest()[:32], tensors_sha256(diloco.outer_params)[:32]

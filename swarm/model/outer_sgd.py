@@ -1,5 +1,6 @@
 """The outer optimizer's arithmetic: Nesterov SGD on θ_outer, one tensor at a time, and the check
-every tensor handed to it passes first (the right shape, floats, no NaN or inf).
+every tensor handed to it passes first (the right shape, floats, no NaN or inf), as does every
+outer state loaded from a checkpoint or a peer.
 
 Agreement: the outer update is written as single IEEE-754 operations (no fused multiply-adds,
 no `alpha=` scaling), so members that hold the same θ_outer and momentum and apply the same
@@ -11,6 +12,7 @@ offloaded to the CPU should agree too; that cross-device claim is not yet pinned
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -42,3 +44,21 @@ def checked_tensors(
             raise ValueError(f"{what}: {name} has NaN or inf values")
         out.append(t)
     return out
+
+
+def checked_state(
+    state: dict[str, Any], names: Sequence[str], like: Sequence[torch.Tensor]
+) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
+    """An outer state as DiLoCo.state_dict() gives it, checked: (outer step, θ_outer, momentum),
+    the tensors in `names` order as checked_tensors gives them; ValueError on a bad step, a
+    missing or extra name, a wrong shape or a non-finite value."""
+    step = state.get("outer_step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"outer_step must be an int >= 0, got {step!r}")
+    loaded = []
+    for key in ("params", "momentum"):
+        tensors = state.get(key)
+        if not isinstance(tensors, dict) or set(tensors) != set(names):
+            raise ValueError(f"state[{key!r}] must map exactly this model's parameter names to tensors")
+        loaded.append(checked_tensors([tensors[name] for name in names], f"state[{key!r}]", names, like))
+    return step, loaded[0], loaded[1]

@@ -1,14 +1,18 @@
-"""Digests of the swarm state: two nodes hold the same state iff these are equal."""
+"""Digests of the swarm state (two nodes hold the same state iff these are equal) and of a
+wrapped model's architecture and initial state (peers of one run build the same model)."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from swarm_kernels import as_memoryview
+
+if TYPE_CHECKING:
+    from swarm.model.diloco import DiLoCo
 
 
 def state_sha256(state: dict[str, Any]) -> str:
@@ -28,3 +32,13 @@ def tensors_sha256(tensors: Iterable[torch.Tensor]) -> str:
     for t in tensors:
         digest.update(as_memoryview(t.detach().cpu().contiguous()))
     return digest.hexdigest()
+
+
+def model_fingerprint(diloco: DiLoCo) -> tuple[str, str]:
+    """(architecture, initial state) of a wrapped model as short hex digests: its trainable
+    parameters' names, shapes and dtypes, and θ_outer's bytes. Equal on two processes that
+    build the same model from the same seed."""
+    layout = hashlib.sha256(b"swarm-architecture/1")
+    for name, p in zip(diloco.names, diloco.params, strict=True):
+        layout.update(f"{name}:{tuple(p.shape)}:{p.dtype}\n".encode())
+    return layout.hexdigest()[:32], tensors_sha256(diloco.outer_params)[:32]

@@ -58,9 +58,10 @@ from swarm.dht.config import DHTConfig
 from swarm.dht.node import DHTNode
 from swarm.model.checkpoint import CheckpointError, RunInfo
 from swarm.model.data import TokenData, eval_windows
-from swarm.model.diloco import OptimizerFactory, model_fingerprint
+from swarm.model.diloco import OptimizerFactory
 from swarm.model.loss import eval_loss
 from swarm.model.presets import preset
+from swarm.model.state_hash import model_fingerprint
 from swarm.node import starting
 from swarm.node.config import NodeConfig
 from swarm.node.context import RunContext, StepFacts
