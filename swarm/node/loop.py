@@ -26,13 +26,11 @@ until the group forms, our record still says the step with its inner steps done
 matchmake with us as before. The average (or our own Δ, when no group forms and the plan says
 so) lands between two inner steps (InnerSteps.call) with the same θ_outer(t+1) as a blocking
 member's, and the next matchmaking waits for it. One step is in flight at most: a node whose
-next inner steps end first trains on past H until it lands (_train_until_landed). With
+next inner steps end first trains on past H until it lands (extra_steps.py). With
 --overlap-matchmaking a node faster than the slowest peer of its step trains on past H into the
-step's Δ first, while that peer should still be training (_train_on_for_slower): the round
-cannot start sooner, and a next step begun early would only train more inner steps from the
-proxy before the average lands. A step in flight that ends in a fetch discards the next step's
-inner steps (REPLAN). A late joiner's step (no inner steps of ours) and the last step block as
-before.
+step's Δ first, while that peer should still be training (extra_steps.py). A step in flight
+that ends in a fetch discards the next step's inner steps (REPLAN). A late joiner's step (no
+inner steps of ours) and the last step block as before.
 """
 
 from __future__ import annotations
@@ -45,6 +43,7 @@ from dataclasses import dataclass
 
 from swarm.averaging.matchmaking.matchmaker import Matchmade
 from swarm.node.context import RunContext, StepFacts
+from swarm.node.extra_steps import train_on_for_slower, train_until_landed
 from swarm.node.grouping import Grouping
 from swarm.node.plan import (
     FETCH,
@@ -52,7 +51,6 @@ from swarm.node.plan import (
     matchmaking_start,
     peers_still_behind,
     plan_step,
-    steps_for_slower,
     swarm_together,
 )
 from swarm.node.settings import run_has_ended, stop_step
@@ -224,7 +222,7 @@ class OuterLoop:
                 return None
             t.training.result()  # raises NodeError on divergence
             if t.after is not None:  # trained before the last round landed: train on until it does
-                await self._train_until_landed(t.after, t.stopping)
+                await train_until_landed(self.ctx, t.after, t.stopping)
                 if not t.after.done():
                     return None
                 if not t.after.result():
@@ -294,7 +292,7 @@ class OuterLoop:
         ctx = self.ctx
         overlaps = self._overlaps(t.step)
         if overlaps and ctx.config.overlap_matchmaking and swarm_together(self.view.read(), self._last_group()):
-            await self._train_on_for_slower(t.stopping)
+            await train_on_for_slower(ctx, self.view, t.stopping)
             # the matchmaking is the landing's now (not cancelled when this step ends); our
             # record is published as the next step trains
             handed, t.matchmaking = t.matchmaking, None
@@ -325,49 +323,6 @@ class OuterLoop:
         if self.facts.last_group or self.facts.fetches > fetches:
             return self.facts.last_group
         return started_with
-
-    async def _train_until_landed(self, after: asyncio.Future[bool], stopping: asyncio.Future[bool]) -> None:
-        """The step's inner steps are done before the round in flight landed: a node faster than
-        the slowest of its group (whose end the round waits for) would wait here at every step.
-        It trains on instead, one inner step at a time, until the round lands (then, or at a
-        stop, the wait ends; at most H more). The extra steps go into this step's Δ, weighted
-        as its H steps (no member may announce more: AveragingConfig.max_weight); the records
-        still say H (peers would not believe more). Each draws its own windows and keeps the
-        step's last learning rate (DiLoCo.extra_room)."""
-        diloco = self.ctx.diloco
-        while not after.done() and not stopping.done() and diloco.extra_room < self.ctx.config.inner_steps:
-            await self._extra_inner_steps(1, after, stopping)
-        await asyncio.wait({after, stopping}, return_when=asyncio.FIRST_COMPLETED)
-
-    async def _train_on_for_slower(self, stopping: asyncio.Future[bool]) -> None:
-        """--overlap-matchmaking, our H inner steps done: the inner steps that end before the
-        slowest peer of our step should finish (plan.steps_for_slower) go into this step's Δ,
-        as _train_until_landed's do (weighted as H, windows of their own, the step's last
-        learning rate), in one grant (no gap between them); then the records, read meanwhile,
-        are asked again. Starting the next step instead would only put our inner steps further
-        ahead of the average's landing."""
-        ctx = self.ctx
-        while not stopping.done():
-            more = steps_for_slower(self.view.read(), ctx.diloco.extra_room, ctx.config.max_wait)
-            if more <= 0:
-                return
-            reading = asyncio.ensure_future(ctx.book.refresh())  # the records, while the steps train
-            try:
-                await self._extra_inner_steps(more, stopping)
-            finally:
-                await reading
-
-    async def _extra_inner_steps(self, count: int, *until: asyncio.Future[bool]) -> None:
-        """`count` inner steps past H (DiLoCo.extra_room). When one of `until` ends first, the
-        permits left are taken back, between steps (where a landing goes): a caller's loop may
-        not be stepping (swarm.join)."""
-        ctx = self.ctx
-        ctx.diloco.extra_room += count  # before the permits: the trainer checks it in its step
-        steps = asyncio.ensure_future(ctx.inner.train(ctx.diloco.inner_done + count))
-        await asyncio.wait({steps, *until}, return_when=asyncio.FIRST_COMPLETED)
-        if not steps.done():
-            await ctx.inner.revoke()
-        await steps
 
     async def _replan(self, training: asyncio.Future[None]) -> Replan | None:
         """The round in flight ended in a fetch: the permits left are taken back and the step is
