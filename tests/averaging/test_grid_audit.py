@@ -14,7 +14,7 @@ import torch
 
 from swarm.averaging.errors import AuditError
 from swarm.averaging.messages import GroupInfo
-from swarm.averaging.rounds import reduction
+from swarm.averaging.rounds import grid_reduction, reduction
 from swarm.averaging.rounds.grid import GridRound
 from swarm_kernels import as_memoryview
 from tests.averaging.rounds import MakeGroup, Member
@@ -42,7 +42,7 @@ def lying(monkeypatch: pytest.MonkeyPatch, liar: int, stage: str, how: str) -> N
     row partial negated (keeping the true one for itself); "substitute" negates the input of
     one sender (row: member 4r + (c+1) % 4 of its row; column: the row after its own) before
     reducing, its receipt then describing the substituted input."""
-    kind = reduction.RowReduction if stage == "row" else reduction.ColReduction
+    kind = grid_reduction.RowReduction if stage == "row" else grid_reduction.ColReduction
     encode, robust = kind._encode, reduction.PartReduction._robust
 
     def mine(self: reduction.PartReduction) -> bool:
@@ -78,7 +78,7 @@ def lying(monkeypatch: pytest.MonkeyPatch, liar: int, stage: str, how: str) -> N
         if self.me == liar and self.row_reduction is not None:
             self.row_reduction.liar = liar  # type: ignore[attr-defined]
 
-    def col_made(self: GridRound, s: int) -> reduction.ColReduction:
+    def col_made(self: GridRound, s: int) -> grid_reduction.ColReduction:
         made = make_col(self, s)
         if self.me == liar:
             made.liar = liar  # type: ignore[attr-defined]
