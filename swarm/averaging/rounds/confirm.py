@@ -1,20 +1,23 @@
 """A part owner that some of its senders gave up on checks its result with the group before using it.
 
-A sender waits two part timeouts for an owner's answer, then takes the part from the owner's
-backup, which reduces it without the owner's slice (rounds/flat.py). An owner stalled between its
-group's formation and its round (a paused process, a machine swapping) reads the senders'
-slices from its socket buffers once it runs again, reduces its part with them, and ends the round
-with a result that nobody else took: another state than its group's. What it can see of that is
-on its own streams: a sender whose slice never came whole, or who cancelled its stream before
-our answer (the caller gave up on us); and its clock, from the group's formation to its result
-(rounds/flat.py, LATE_TIMEOUTS). An owner whose senders all waited for its answer and whose
-result came in time uses it at once, as before; any other asks the group.
+Both rounds use it: the flat round for its own part, the grid round (rounds/grid.py) for the
+sub-part an owner reduces at its column stage ("part" below: the sub-part's key, column x rows +
+row). A sender waits a few part timeouts for an owner's answer, then takes the part from the
+owner's backup, which reduces it without the owner's contribution. An owner stalled between its
+group's formation and its round (a paused process, a machine swapping) reads the senders' bytes
+from its socket buffers once it runs again, reduces its part with them, and ends the round with a
+result that nobody else took: another state than its group's. What it can see of that is on its
+own streams: a sender whose bytes never came whole, or who cancelled its stream before our answer
+(the caller gave up on us); and its clock, from the group's formation to its result
+(LATE_TIMEOUTS). An owner whose senders all waited for its answer and whose result came in time
+uses it at once, as before; any other asks the group.
 
     avg.fetch  {"g": group_id, "p": part, "d": true}
                -> msgpack {"d": BLAKE3 digest of the part's result, "by": index of the member
-                  that reduced it}, or {"none": true} when no result of the part is here within
-                  request_timeout; then end. (A peer that does not know "d" answers as to a plain
-                  avg.fetch: that answer counts as no vote.)
+                  that reduced it (in the grid, a member that took the whole part from an owner
+                  of its column names that owner)}, or {"none": true} when no result of the part
+                  is here within request_timeout; then end. (A peer that does not know "d"
+                  answers as to a plain avg.fetch: that answer counts as no vote.)
 
 The owner asks every other member that accepts connections (clients accept none) at once, and
 `decide` is the rule, one vote per member:
@@ -29,15 +32,24 @@ The owner asks every other member that accepts connections (clients accept none)
 A lying minority cannot reach the majority of the first rule, and a false "ours" only keeps the
 owner on its own result, as it was before this check; honest members holding our bytes always
 vote for them, so liars cannot make an owner that was not late drop a good result.
+
+A backup taking over a dead owner's part checks the copies of the owner's result it is offered
+the same way (`vouched_copy`): it asks every other member that accepts connections for the
+copy it holds (a plain avg.fetch, answered at once) and takes one only when VOUCHES members hold
+the same bytes and members list (`vouched`: one, when it can ask only one); else it reduces the
+part again. So one lying member cannot put a part of its choosing in the round. The price: a
+copy that only one honest member received (the owner died while answering) is not believed,
+and that member keeps the owner's result while the group takes the backup's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import msgpack
 
@@ -48,11 +60,75 @@ from swarm.averaging.rounds.streams import Final, read_header
 from swarm.p2p.errors import P2PError
 
 if TYPE_CHECKING:
-    from swarm.averaging.rounds.flat import AllReduceRound
+    from swarm.averaging.config import AveragingConfig
+    from swarm.averaging.messages import GroupInfo
+    from swarm.averaging.rounds.reduction import PartReduction
+    from swarm.p2p.host import P2PHost
 
 logger = logging.getLogger(__name__)
 
 DIGEST_BYTES = 32
+VOUCHES = 2  # members that must hold one copy of a dead owner's result for a backup to take it
+# A flat round's sender waits two part timeouts for an owner's answer from its own round's start,
+# never before the group formed (a grid round's sender waits longer: three, after its own row
+# stage); an answer takes under a third of a part timeout to deliver (the timeout is 3x the slow
+# rounds'). So an owner whose result is ready within 1.5 part timeouts of the group's formation
+# reaches every sender in time; one later may not.
+LATE_TIMEOUTS = 1.5
+
+
+class Confirming(Protocol):
+    """What a round offers the checks here (rounds/flat.py's and rounds/grid.py's rounds)."""
+
+    group: GroupInfo
+    me: int
+    config: AveragingConfig
+    host: P2PHost
+
+    def _tag(self) -> str: ...
+
+    async def fetch_result(self, member_index: int, j: int) -> Final: ...
+
+
+def in_doubt(formed_at: float, part_timeout: float, reduction: PartReduction) -> bool:
+    """May senders have taken our own part from a backup? Our result came late, or a sender's
+    bytes did not come whole, or it gave up on our answer."""
+    late = time.monotonic() - formed_at > LATE_TIMEOUTS * part_timeout
+    return late or bool(reduction.unanswered())
+
+
+class Votes:
+    """What this member holds of each part's result, for the digest requests of the other
+    members' checks: the round calls `hold` as it takes a part's result (again when it replaces
+    it); `answer` is the reply to a digest request."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout  # how long a request waits for a result we do not hold yet
+        self._held: dict[int, asyncio.Future[tuple[memoryview, int]]] = {}
+        self._digests: dict[int, asyncio.Future[bytes]] = {}  # part -> its result's digest, once asked
+
+    def _future(self, j: int) -> asyncio.Future[tuple[memoryview, int]]:
+        if j not in self._held:
+            self._held[j] = asyncio.get_running_loop().create_future()
+        return self._held[j]
+
+    def hold(self, j: int, payload: memoryview, by: int) -> None:
+        """We hold `payload` as part j's result, reduced by member `by`."""
+        future = self._future(j)
+        if future.done():  # a result replaced: a vote is on the new bytes
+            future = self._held[j] = asyncio.get_running_loop().create_future()
+            self._digests.pop(j, None)
+        future.set_result((payload, by))
+
+    async def answer(self, j: int) -> bytes:
+        """Our vote on part j once we hold its result, within `timeout`; else none."""
+        try:
+            payload, by = await asyncio.wait_for(asyncio.shield(self._future(j)), self.timeout)
+        except TimeoutError:
+            return digest_answer(None, None)
+        if j not in self._digests:
+            self._digests[j] = asyncio.ensure_future(asyncio.to_thread(result_digest, payload))
+        return digest_answer(await asyncio.shield(self._digests[j]), by)
 
 
 class Unconfirmed(AllReduceError):
@@ -89,6 +165,19 @@ def decide(own: bytes, votes: dict[int, Vote | None], voters: int) -> Decision:
     return Decision("ours") if counts[own] > 0 else Decision("none")
 
 
+def vouched(counts: dict[object, int], pending: int, asked: int) -> Decision:
+    """A backup's rule over the copies of a dead owner's result in so far (copy -> how many
+    members sent it), `pending` members still to answer, of `asked`: "adopt" the first copy that
+    min(VOUCHES, asked) members hold ("digest" left empty: the caller knows the copy), "none" once
+    no copy can get there, else "open". Pure."""
+    need = min(VOUCHES, asked)
+    if need == 0:
+        return Decision("none")
+    if any(count >= need for count in counts.values()):
+        return Decision("adopt")
+    return Decision("none") if max(counts.values(), default=0) + pending < need else Decision("open")
+
+
 def parse_vote(header: dict[str, object], members: int) -> Vote | None:
     """A vote from a digest answer's header; None for one without (a peer of an older version,
     or none here). Anything malformed: AllReduceError."""
@@ -102,7 +191,7 @@ def parse_vote(header: dict[str, object], members: int) -> Vote | None:
     return Vote(digest, by)
 
 
-async def confirm_own_part(r: AllReduceRound, j: int, own: Final) -> tuple[Final, int]:
+async def confirm_own_part(r: Confirming, j: int, own: Final) -> tuple[Final, int]:
     """Our own part j's result checked with the group (the module docstring): (the result to
     use, the member that reduced it); AllReduceError when nobody confirms ours."""
     voters = [i for i, m in enumerate(r.group.members) if i != r.me and not m.client]
@@ -124,7 +213,7 @@ async def confirm_own_part(r: AllReduceRound, j: int, own: Final) -> tuple[Final
     raise Unconfirmed(f"part {j}: senders may have given up on our answer, and no member holds our result ({said})")
 
 
-async def group_result(r: AllReduceRound, j: int, held: Final) -> tuple[Final, int] | None:
+async def group_result(r: Confirming, j: int, held: Final) -> tuple[Final, int] | None:
     """Part j's owner says the group took the part from a backup, not from it (its audit's
     answer, audit/flat.py), while we hold the owner's own result (`held`: it answered us before
     we gave up on it). The group's result and its reducer when more than half of the other
@@ -144,7 +233,38 @@ async def group_result(r: AllReduceRound, j: int, held: Final) -> tuple[Final, i
     return final, decision.by
 
 
-async def _poll(r: AllReduceRound, j: int, own: bytes, voters: list[int]) -> tuple[Decision, dict[int, Vote | None]]:
+async def vouched_copy(r: Confirming, j: int, others: list[int]) -> Final | None:
+    """A copy of the dead owner's part j's result that enough of `others` hold (the module
+    docstring), or None: the backup reduces the part itself."""
+    asks = {asyncio.ensure_future(r.fetch_result(i, j)): i for i in others}
+    counts: Counter[tuple[bytes, tuple[int, ...]]] = Counter()
+    copies: dict[tuple[bytes, tuple[int, ...]], Final] = {}
+    decision = vouched(counts, len(asks), len(asks))
+    try:
+        pending = set(asks)
+        while decision.kind == "open" and pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.cancelled() or task.exception() is not None:
+                    continue  # holds none, or gone
+                final = task.result()
+                key = (await asyncio.to_thread(result_digest, final[1]), tuple(final[0]))
+                counts[key] += 1
+                copies.setdefault(key, final)
+                if vouched(counts, len(pending), len(asks)).kind == "adopt":  # this copy got there
+                    return copies[key]
+            decision = vouched(counts, len(pending), len(asks))
+    finally:
+        for task in asks:
+            task.cancel()
+    if counts:
+        said = {k[0].hex()[:8]: n for k, n in counts.items()}
+        logger.warning("round %s: part %d: copies of its dead owner's result that too few members hold (%s): "
+                       "reducing it again", r._tag(), j, said)  # fmt: skip
+    return None
+
+
+async def _poll(r: Confirming, j: int, own: bytes, voters: list[int]) -> tuple[Decision, dict[int, Vote | None]]:
     """Ask `voters` at once what they hold of part j, until `decide` settles (or all answered)."""
     votes: dict[int, Vote | None] = {}
     asks = {asyncio.ensure_future(_ask(r, i, j)): i for i in voters}
@@ -162,7 +282,7 @@ async def _poll(r: AllReduceRound, j: int, own: bytes, voters: list[int]) -> tup
     return decision, votes
 
 
-async def _ask(r: AllReduceRound, member_index: int, j: int) -> Vote | None:
+async def _ask(r: Confirming, member_index: int, j: int) -> Vote | None:
     timeout = 2 * r.config.request_timeout  # it waits up to request_timeout for its result
     args = {"g": r.group.group_id, "p": j, "d": True}
     try:
@@ -176,7 +296,7 @@ async def _ask(r: AllReduceRound, member_index: int, j: int) -> Vote | None:
         return None
 
 
-async def _fetch_result(r: AllReduceRound, j: int, holders: list[int], digest: bytes) -> Final:
+async def _fetch_result(r: Confirming, j: int, holders: list[int], digest: bytes) -> Final:
     """The group's result of part j from one of its holders, checked against its digest."""
     for i in holders:
         try:

@@ -12,9 +12,9 @@ Faults (DESIGN invariant 5):
   renormalise over the members included;
 - a part whose owner dies is taken over by a backup: the next member after the owner in group
   order that accepts connections (then the next, if that one is dead too). The backup first asks
-  the other members whether one of them already received the owner's average (`avg.fetch`); if
-  so, everybody gets those very bytes. Otherwise it reduces the part itself from its own slice
-  and the contributions the survivors re-send to it;
+  the other members whether they already received the owner's average (`avg.fetch`); if two of
+  them hold the same bytes (rounds/confirm.py), everybody gets those very bytes. Otherwise it
+  reduces the part itself from its own slice and the contributions the survivors re-send to it;
 - an owner that a sender gave up on (its slice never came whole, or it cancelled its stream
   before our answer: a stalled owner reads those from its buffers once it runs again), or whose
   result is ready more than LATE_TIMEOUTS part timeouts after its group formed, uses its own
@@ -48,13 +48,12 @@ from typing import Any
 
 import torch
 
-from swarm.averaging.audit.arithmetic import result_digest
 from swarm.averaging.audit.flat import RoundAudit
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.errors import AllReduceError
 from swarm.averaging.messages import GroupInfo
 from swarm.averaging.rounds.bandwidth import PACE_FACTOR, busy_rate
-from swarm.averaging.rounds.confirm import Unconfirmed, confirm_own_part, group_result
+from swarm.averaging.rounds.confirm import Unconfirmed, Votes, confirm_own_part, group_result, in_doubt, vouched_copy
 from swarm.averaging.rounds.flat_serving import FlatServing
 from swarm.averaging.rounds.member import RoundMember, RoundReport, await_parts
 from swarm.averaging.rounds.partition import part_bounds, payload_layout, payload_size, upload_paces
@@ -70,11 +69,6 @@ from swarm_kernels import MalformedPayload
 
 logger = logging.getLogger(__name__)
 
-# A sender waits two part timeouts for an owner's answer from its own round's start, never
-# before the group formed; an answer takes under a third of a part timeout to deliver (the
-# timeout is 3x the slow rounds'). So an owner whose result is ready within 1.5 part timeouts of
-# the group's formation reaches every sender in time; one later may not (rounds/confirm.py).
-LATE_TIMEOUTS = 1.5
 SAMPLE_S = 0.05  # how often a round that measures bandwidth notes what the group acknowledged
 
 # imported from here by callers: the round, what it reports and raises, and the registry it joins
@@ -99,7 +93,7 @@ class AllReduceRound(RoundMember):
     ) -> None:
         super().__init__(host, registry, group, vector, config)
         # when we learned of the group (time.monotonic; None: as the round starts): rounds/confirm.py
-        # asks whether our result of our part came late (LATE_TIMEOUTS)
+        # asks whether our result of our part came late (confirm.LATE_TIMEOUTS)
         self.formed_at = time.monotonic() if formed_at is None else formed_at
         self.parts = part_bounds(vector.numel(), self.bandwidths, config.block_size)
         # member index -> the cap on our sending to it, while the round runs (`pace_to`); never under
@@ -110,8 +104,7 @@ class AllReduceRound(RoundMember):
         self.final: dict[int, Final] = {}  # the encoded average of each part, as every member gets it
         self.reductions: dict[int, PartReduction] = {}
         self.reducer_of: dict[int, int] = {}  # part -> the member whose result we took (the audit asks it)
-        self.obtained: dict[int, asyncio.Future[None]] = {}  # part -> done once `final` holds it
-        self.digests: dict[int, asyncio.Future[bytes]] = {}  # part -> its result's digest, once asked (confirm.py)
+        self.votes = Votes(config.request_timeout)  # what we hold, for the other members' checks (confirm.py)
         self.audit = RoundAudit(self) if config.audit and config.aggregator == "robust" else None
         self.serving = FlatServing(self)  # answers the streams other members open (flat_serving.py)
 
@@ -177,7 +170,8 @@ class AllReduceRound(RoundMember):
                 if reducer == self.me:
                     reduction = self.reduction_of(j)
                     final = await asyncio.wait_for(asyncio.shield(reduction.result), 3 * self.config.part_timeout)
-                    if j == self.me and self._in_doubt(reduction):  # whose result of our part holds?
+                    # whose result of our part holds?
+                    if j == self.me and in_doubt(self.formed_at, self.config.part_timeout, reduction):
                         own = final
                         final, reducer = await confirm_own_part(self, j, own)
                         if reducer != self.me and self.audit is not None:
@@ -194,33 +188,12 @@ class AllReduceRound(RoundMember):
         else:
             raise AllReduceError(f"no member could reduce part {j} ({'; '.join(errors)})")
         self.final[j], self.reducer_of[j] = final, reducer
-        self._obtained(j).set_result(None)
+        self.votes.hold(j, final[1], reducer)
         if self.audit is not None:
             self.audit.result_in(j, final[1], reducer)
         self.report.contributions[j] = final[0]
         if j == self.me:
             self.report.reduce_s = time.perf_counter() - self._started
-
-    def _in_doubt(self, reduction: PartReduction) -> bool:
-        """May senders have taken our own part from a backup? (rounds/confirm.py)"""
-        late = time.monotonic() - self.formed_at > LATE_TIMEOUTS * self.config.part_timeout
-        return late or bool(reduction.unanswered())
-
-    def _obtained(self, j: int) -> asyncio.Future[None]:
-        if j not in self.obtained:
-            self.obtained[j] = asyncio.get_running_loop().create_future()
-        return self.obtained[j]
-
-    async def vote_on(self, j: int) -> tuple[bytes, int] | None:
-        """(the digest of part j's result, the member that reduced it) once we hold it, within
-        request_timeout; None if we do not by then (confirm.py's vote)."""
-        try:
-            await asyncio.wait_for(asyncio.shield(self._obtained(j)), self.config.request_timeout)
-        except TimeoutError:
-            return None
-        if j not in self.digests:
-            self.digests[j] = asyncio.ensure_future(asyncio.to_thread(result_digest, self.final[j][1]))
-        return await asyncio.shield(self.digests[j]), self.reducer_of[j]
 
     def reduction_of(self, j: int) -> PartReduction:
         """The reduction of part j here: our own part, or one we take over from a dead owner."""
@@ -237,8 +210,11 @@ class AllReduceRound(RoundMember):
         return reduction
 
     async def _run_reduction(self, reduction: PartReduction, takeover: bool) -> None:
+        j = reduction.part
         if takeover:
-            copy = await self._fetch_from_others(reduction.part)
+            # a copy of the dead owner's result that other members hold (checked: rounds/confirm.py)
+            others = [i for i, m in enumerate(self.group.members) if i not in (j, self.me) and not m.client]
+            copy = await vouched_copy(self, j, others)
             if copy is not None:
                 reduction.settle(copy)
                 return
@@ -311,21 +287,6 @@ class AllReduceRound(RoundMember):
             raise AllReduceError("malformed result header")
         return included
 
-    async def _fetch_from_others(self, j: int) -> Final | None:
-        """Does a member already hold part j's average from its original owner?"""
-        others = [i for i, m in enumerate(self.group.members) if i not in (j, self.me) and not m.client]
-        asks = [asyncio.ensure_future(self.fetch_result(i, j)) for i in others]
-        try:
-            for next_done in asyncio.as_completed(asks):
-                try:
-                    return await next_done
-                except (P2PError, AllReduceError, TimeoutError, ValueError):
-                    continue
-        finally:
-            for task in asks:
-                task.cancel()
-        return None
-
     async def take_group_result(self, j: int) -> Final | None:
         """Part j's owner says the group did not take the result it sent us: the group's
         result in its place, when the group confirms it (rounds/confirm.py); None when not."""
@@ -336,7 +297,7 @@ class AllReduceRound(RoundMember):
         lo, hi = self.parts[j]
         await asyncio.to_thread(self._decode_into, final[1], lo, hi)
         self.final[j], self.reducer_of[j] = final, reducer
-        self.digests.pop(j, None)  # a vote on part j is on these bytes now
+        self.votes.hold(j, final[1], reducer)  # a vote on part j is on these bytes now
         self.report.contributions[j] = final[0]
         return final
 

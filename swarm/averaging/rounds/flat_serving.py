@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from swarm.averaging.rounds.confirm import digest_answer
 from swarm.averaging.rounds.reduction import Incoming, PartReduction
 from swarm.averaging.rounds.streams import Final
 from swarm.p2p.errors import BadRequest, P2PError
@@ -146,9 +145,7 @@ class FlatServing:
         if not isinstance(part, int) or not 0 <= part < len(r.group.members):
             raise BadRequest("avg.fetch: no such part")
         if args.get("d") is True:  # a vote on the part's result (rounds/confirm.py)
-            vote = await r.vote_on(part)
-            answer = digest_answer(*vote) if vote is not None else digest_answer(None, None)
-            await stream.write(answer)
+            await stream.write(await r.votes.answer(part))
             await stream.end()
             return
         final = r.final.get(part)

@@ -40,17 +40,23 @@ peers instead of n.
     avg.down  {"g", "p": column, "s": sub-part row, or -1 for the whole part}
               -> {"inc": [...]} and the final sub-part s if held now, else {"none": true};
               s = -1: waits (bounded) for the whole final part p, answered as on avg.row
+    avg.fetch {"g", "p": sub-part key (column x rows + row)}, any member: as avg.down's s >= 0;
+              with "d": true, the member's vote on that sub-part's final (rounds/confirm.py)
 
 Faults (DESIGN invariant 5):
 - a row member that dies, stalls or sends garbage is left out of its row's partial; a row
   partial that does not arrive whole or does not decode leaves its row out of that sub-part
   (weights renormalise; the header names the members included);
 - owner (r, c) dying: sub-part (r, c) is taken over by (r+1, c), then (r+2, c)..., as in the
-  flat round: the backup first asks column c (avg.down) whether an owner already holds (r, c)'s
-  final sub-part, and if so everyone gets those bytes; otherwise it reduces it from the row
-  partials the column re-sends to it (row r's partial died with its owner). The members of row r
-  whose avg.row stream fails fetch final part c from (r+1, c), (r+2, c)... (avg.down, s = -1):
-  their part-c slices are lost, and the part's headers say so. Survivors stay bit-identical;
+  flat round: the backup first asks the members (avg.fetch) whether they already hold (r, c)'s
+  final sub-part, and if two hold the same bytes (rounds/confirm.py) everyone gets those;
+  otherwise it reduces it from the row partials the column re-sends to it (row r's partial died
+  with its owner). The members of row r whose avg.row stream fails fetch final part c from
+  (r+1, c), (r+2, c)... (avg.down, s = -1): their part-c slices are lost, and the part's headers
+  say so. Survivors stay bit-identical;
+- an owner that a sender of its column gave up on, or whose own sub-part's final is ready late
+  (a stalled process: it reads the others' bytes from its buffers once it runs again), uses it
+  only if the group holds it, else the group's: rounds/confirm.py, as the flat round's owner;
 - a sub-part with fewer than min_group_size members, or that no owner of its column could
   reduce, fails the round with AllReduceError (the caller's tensors untouched) for every member
   that needs it, i.e. every member that did not already receive it.
@@ -74,12 +80,13 @@ from swarm.averaging.audit.grid import GridAudit
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.errors import AllReduceError
 from swarm.averaging.messages import GroupInfo
+from swarm.averaging.rounds.confirm import Unconfirmed, Votes, confirm_own_part, in_doubt, vouched_copy
 from swarm.averaging.rounds.grid_reduction import ColReduction, RowReduction
 from swarm.averaging.rounds.grid_serving import FAILURES, GridServing
 from swarm.averaging.rounds.grid_shape import make_grid
 from swarm.averaging.rounds.member import RoundMember, RoundReport, await_parts
 from swarm.averaging.rounds.partition import payload_layout, payload_size
-from swarm.averaging.rounds.registry import COL, DOWN, ROW, RoundRegistry
+from swarm.averaging.rounds.registry import COL, DOWN, FETCH, ROW, RoundRegistry
 from swarm.averaging.rounds.streams import Final, read_exactly, read_header, write_encoded
 from swarm.p2p.errors import BadRequest
 from swarm.p2p.handlers import CallContext
@@ -104,9 +111,18 @@ class GridRound(GridServing, RoundMember):
     avg.row, avg.col and avg.down streams, is GridServing's (rounds/grid_serving.py)."""
 
     def __init__(
-        self, host: P2PHost, registry: RoundRegistry, group: GroupInfo, vector: torch.Tensor, config: AveragingConfig
+        self,
+        host: P2PHost,
+        registry: RoundRegistry,
+        group: GroupInfo,
+        vector: torch.Tensor,
+        config: AveragingConfig,
+        *,
+        formed_at: float | None = None,
     ) -> None:
         super().__init__(host, registry, group, vector, config)
+        # asks whether our result of our own sub-part came late (rounds/confirm.py)
+        self.formed_at = time.monotonic() if formed_at is None else formed_at
         self.grid = make_grid(self.bandwidths, vector.numel(), config.max_group_size, config.block_size)
         self.row, self.col = self.grid.row_of[self.me], self.grid.col_of[self.me]
         self.peers = {m.peer_id for m in group.members}
@@ -122,6 +138,7 @@ class GridRound(GridServing, RoundMember):
                                               aggregator=config.aggregator)  # fmt: skip
         self.col_reductions: dict[int, ColReduction] = {}
         self._answering: set[asyncio.Task[Any]] = set()  # answers being written
+        self.votes = Votes(config.request_timeout)  # what we hold, for the other members' checks (confirm.py)
         self.audit = GridAudit(self) if config.audit and config.aggregator == "robust" else None
 
     async def run(self) -> tuple[torch.Tensor, RoundReport]:
@@ -190,19 +207,25 @@ class GridRound(GridServing, RoundMember):
         errors = []
         for reducer in reducers:
             try:
+                by = self.grid.owners[reducer][self.col]
                 if reducer == self.row:
                     reduction = self._col_reduction(s)
                     final = await asyncio.wait_for(asyncio.shield(reduction.result), 4 * self.config.part_timeout)
+                    # whose result of our sub-part holds? (as the flat round's owner asks of its part)
+                    if s == self.row and in_doubt(self.formed_at, self.config.part_timeout, reduction):
+                        final, by = await confirm_own_part(self, self.col * rows + s, final)
                 else:
                     final = await self._exchange_col(reducer, s)
                 await asyncio.to_thread(self._decode, self.col, s, final[1])  # garbage: the next reducer
                 break
+            except Unconfirmed:  # not the next reducer: asked for our sub-part, a backup would reduce it again
+                raise
             except FAILURES as e:
                 errors.append(f"{reducer}: {e}")
                 logger.info("round %s: sub-part %d/%d via row %d failed: %s", self._tag(), self.col, s, reducer, e)
         else:
             raise AllReduceError(f"no owner could reduce sub-part {s} of part {self.col} ({'; '.join(errors)})")
-        self._store(self.col, s, final)
+        self._store(self.col, s, final, by)
         if s == self.row:
             self.report.reduce_s = time.perf_counter() - self._started
 
@@ -221,9 +244,12 @@ class GridRound(GridServing, RoundMember):
 
     async def _reduce_col(self, reduction: ColReduction, takeover: bool) -> None:
         try:
-            if takeover and (copy := await self._fetch_sub_from_column(reduction.part)) is not None:
-                reduction.settle(copy)
-                return
+            if takeover:  # a copy of the dead owner's final that other members hold (checked: rounds/confirm.py)
+                dead = self.grid.owners[reduction.part][self.col]
+                others = [i for i, m in enumerate(self.group.members) if i not in (dead, self.me) and not m.client]
+                if (copy := await vouched_copy(self, self.col * self.grid.rows + reduction.part, others)) is not None:
+                    reduction.settle(copy)
+                    return
             inc, _, average = await self._row_partial()
             part_lo = self.grid.parts[self.col][0]
             reduction.own_slice = average[reduction.lo - part_lo : reduction.hi - part_lo]
@@ -252,21 +278,6 @@ class GridRound(GridServing, RoundMember):
             self.note_upload(offsets[s + 1] - offsets[s], started, time.monotonic() - started, header)
             return self._checked_members(header.get("inc")), await self._read_payload(stream, self.col, [s], size)
 
-    async def _fetch_sub_from_column(self, s: int) -> Final | None:
-        """Does an owner of our column already hold sub-part s's final, from its original owner?"""
-        others = [r for r in range(self.grid.rows) if r not in (s, self.row)]
-        asks = [asyncio.ensure_future(self._ask_down(r, self.col, s)) for r in others]
-        try:
-            for next_done in asyncio.as_completed(asks):
-                try:
-                    return (await next_done)[0]
-                except FAILURES:
-                    continue
-        finally:
-            for task in asks:
-                task.cancel()
-        return None
-
     # --- another column's part: through our row's owner of it, else another row's ---------------
 
     async def _via_row(self, c: int) -> None:
@@ -282,7 +293,7 @@ class GridRound(GridServing, RoundMember):
                 await stream.end()
                 finals = await self._read_part(stream, c, 4 * timeout, (sent, started, time.monotonic() - started))
             self._forwarded(c, self.row)
-            await self._decode_part(c, finals)
+            await self._decode_part(c, finals, self.row)
             return
         except FAILURES as e:
             errors = [f"{self.row}: {e}"]
@@ -292,11 +303,23 @@ class GridRound(GridServing, RoundMember):
             try:
                 finals = await self._ask_down(row, c, -1)
                 self._forwarded(c, row)
-                await self._decode_part(c, finals)
+                await self._decode_part(c, finals, row)
                 return
             except FAILURES as e:
                 errors.append(f"{row}: {e}")
         raise AllReduceError(f"no owner of column {c} gave its final part ({'; '.join(errors)})")
+
+    async def fetch_result(self, member_index: int, key: int) -> Final:
+        """The final of sub-part `key` (column x rows + row) that member `member_index` holds
+        (avg.fetch; rounds/confirm.py takes the group's result so)."""
+        c, s = divmod(key, self.grid.rows)
+        member = self.group.members[member_index]
+        args = {"g": self.group.group_id, "p": key}
+        timeout = self.config.request_timeout
+        async with await self.host.open_stream(member.address(), FETCH, args, timeout=timeout) as stream:
+            await stream.end()
+            header, size = await read_header(stream, timeout)
+            return self._checked_members(header.get("inc")), await self._read_payload(stream, c, [s], size)
 
     async def _ask_down(self, row: int, c: int, s: int) -> list[Final]:
         owner = self.group.members[self.grid.owners[row][c]]
@@ -309,13 +332,14 @@ class GridRound(GridServing, RoundMember):
                 return [(self._checked_members(header.get("inc")), await self._read_payload(stream, c, [s], size))]
             return await self._read_part(stream, c, 4 * timeout)
 
-    async def _decode_part(self, c: int, finals: list[Final]) -> None:
+    async def _decode_part(self, c: int, finals: list[Final], row: int) -> None:
+        """Part c as row `row`'s owner of it forwarded it (that owner is whom our votes name)."""
         for s, final in enumerate(finals):
             if final[1]:
                 await asyncio.to_thread(self._decode, c, s, final[1])
         for s, final in enumerate(finals):
             if final[1]:
-                self._store(c, s, final)
+                self._store(c, s, final, self.grid.owners[row][c])
 
     # --- reading and checking what peers send ------------------------------------------------
 
@@ -354,9 +378,11 @@ class GridRound(GridServing, RoundMember):
         for a, b, where in payload_layout(lo, hi, self.config.chunk_elements, self.codec.encoded_nbytes):
             self.codec.decode(payload[where], b - a, out=self.result[a:b])
 
-    def _store(self, c: int, s: int, final: Final) -> None:
+    def _store(self, c: int, s: int, final: Final, by: int) -> None:
+        """Sub-part (c, s)'s final, reduced by member `by` (as far as we can tell: _decode_part)."""
         self.final[(c, s)] = final
         self.report.contributions[c * self.grid.rows + s] = final[0]
+        self.votes.hold(c * self.grid.rows + s, final[1], by)
         if self.audit is not None:
             self.audit.part_in(c)
 

@@ -2,7 +2,8 @@
 
 Owner (r, c) serves avg.row (a row member's slice of part c, into the row partial), avg.col (a
 row partial's sub-part r, from the owner of column c in another row) and avg.down (a final
-sub-part or part it holds, for a backup or a member whose row owner failed). Each checks who
+sub-part or part it holds, for a backup or a member whose row owner failed); every member serves
+avg.fetch (a final sub-part it holds, or its vote on it: rounds/confirm.py). Each checks who
 asks, reads the payload into the reduction it belongs to, and answers with the final bytes once
 they exist; the wire format is in rounds/grid.py's docstring.
 """
@@ -26,6 +27,7 @@ from swarm_kernels import MalformedPayload
 if TYPE_CHECKING:
     from swarm.averaging.config import AveragingConfig
     from swarm.averaging.messages import GroupInfo
+    from swarm.averaging.rounds.confirm import Votes
     from swarm.averaging.rounds.grid_reduction import ColReduction, RowReduction
     from swarm.averaging.rounds.grid_shape import Grid
     from swarm.averaging.rounds.member import RoundReport
@@ -55,6 +57,7 @@ class GridServing:
     part_done: asyncio.Future[None]
     row_reduction: RowReduction | None
     col_reductions: dict[int, ColReduction]
+    votes: Votes
     finished: bool
     _answering: set[asyncio.Task[Any]]
 
@@ -125,15 +128,22 @@ class GridServing:
             raise BadRequest(str(e)) from None
         reduction.set_row(row, members)
         try:
-            if not await self._drain(stream, incoming):
-                return
-        finally:
+            try:
+                if not await self._drain(stream, incoming):
+                    return
+            finally:
+                reduction.changed.set()
+            try:
+                final = await asyncio.wait_for(asyncio.shield(reduction.result), 4 * self.config.part_timeout)
+            except FAILURES as e:  # the sender tries the next reducer
+                raise NotFound(f"avg.col: sub-part {s} could not be reduced here: {e}") from None
+            await self._answer(stream, [final], rate=incoming.rate())
+        except asyncio.CancelledError:  # the sender cancelled its stream: it gave up on our answer
+            incoming.gone = True
+            if not incoming.done:
+                incoming.failed = True
             reduction.changed.set()
-        try:
-            final = await asyncio.wait_for(asyncio.shield(reduction.result), 4 * self.config.part_timeout)
-        except FAILURES as e:  # the sender tries the next reducer
-            raise NotFound(f"avg.col: sub-part {s} could not be reduced here: {e}") from None
-        await self._answer(stream, [final], rate=incoming.rate())
+            raise
 
     async def serve_down(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
         part, s = args.get("p"), args.get("s")
@@ -151,6 +161,24 @@ class GridServing:
             await self._answer(stream, [final])
             return
         await self._answer_part(stream)
+
+    async def serve_fetch(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
+        """A final sub-part we hold, or our vote on it (rounds/confirm.py), for any member."""
+        key = args.get("p")
+        if ctx.peer_id not in self.peers:
+            raise BadRequest("avg.fetch: only members of the group")
+        if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < self.grid.rows * self.grid.cols:
+            raise BadRequest("avg.fetch: no such sub-part")
+        if args.get("d") is True:
+            await stream.write(await self.votes.answer(key))
+            await stream.end()
+            return
+        final = self.final.get(divmod(key, self.grid.rows))
+        if final is None:
+            await stream.write(msgpack.packb({"none": True}))
+            await stream.end()
+            return
+        await self._answer(stream, [final])
 
     async def _answer_part(self, stream: Stream, rate: float | None = None) -> None:
         try:

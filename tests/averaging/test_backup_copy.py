@@ -1,0 +1,108 @@
+"""A backup taking over a dead owner's part takes a copy of the owner's result only when two
+members hold it (rounds/confirm.py, `vouched`): one lying member cannot put a part of its
+choosing in the round by offering the backup a copy nobody else holds."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+
+from swarm.averaging.rounds.confirm import Decision, vouched
+from swarm.averaging.rounds.flat import AllReduceRound
+from swarm.averaging.rounds.grid import GridRound
+from swarm.averaging.rounds.partition import payload_layout
+from swarm.p2p.handlers import CallContext
+from swarm.p2p.stream import Stream
+from tests.averaging.rounds import EXACT, MakeGroup, exact_mean, int8_bound
+from tests.averaging.test_hierarchical import two_stage_int8_bound
+
+A, B = ("a", (0, 1)), ("b", (0, 1))
+
+
+@pytest.mark.parametrize(
+    ("counts", "pending", "asked", "kind", "why"),
+    [
+        ({}, 4, 4, "open", "nobody answered yet"),
+        ({A: 1}, 3, 4, "open", "one copy: a second member may still hold it"),
+        ({A: 1}, 0, 4, "none", "one copy and nobody left to vouch for it: one liar is enough to send it"),
+        ({A: 1, B: 1}, 0, 4, "none", "two members disagree: neither is believed"),
+        ({A: 2}, 2, 4, "adopt", "two members hold the same copy"),
+        ({A: 2, B: 1}, 0, 4, "adopt", "a liar beside two honest holders"),
+        ({}, 0, 4, "none", "nobody holds one: reduce it again"),
+        ({A: 1}, 0, 1, "adopt", "the only member it can ask (a group of three)"),
+        ({}, 0, 0, "none", "nobody to ask"),
+    ],
+)
+def test_vouched(counts: dict[object, int], pending: int, asked: int, kind: str, why: str) -> None:
+    assert vouched(counts, pending, asked) == Decision(kind), why
+
+
+def lie(round_: Any, method: str, dead: int, asked: dict[str, int], lo: int, hi: int) -> None:
+    """Answer a plain request of `method` whose args include `asked` with a copy of the dead
+    owner's result that nobody received: a part of the liar's choosing (all 100s), said to
+    include every live member."""
+    honest = getattr(round_, method)
+    codec, chunk = round_.codec, round_.config.chunk_elements
+    fake = torch.full((hi - lo,), 100.0)
+    layout = payload_layout(0, hi - lo, chunk, codec.encoded_nbytes)
+    payload = torch.cat([torch.as_tensor(codec.encode(fake[a:b])).view(-1) for a, b, _ in layout])
+    included = [i for i in range(len(round_.group.members)) if i != dead]
+
+    async def serve(ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
+        if any(args.get(k) != v for k, v in asked.items()) or args.get("d"):
+            await honest(ctx, args, stream)
+            return
+        await stream.write(msgpack.packb({"inc": included}))
+        await stream.write(memoryview(payload.numpy()))
+        await stream.end()
+
+    setattr(round_, method, serve)
+
+
+@pytest.mark.timeout(60)
+async def test_a_lying_member_cannot_hand_the_backup_a_dead_owners_part(make_group: MakeGroup) -> None:
+    n, dead, liar = 5, 2, 4  # member 3 is the dead owner's backup
+    group, members = await make_group(n, block_size=1024, chunk_elements=4096, part_timeout=3.0, **EXACT)
+    gen = torch.Generator().manual_seed(7)
+    vectors = [torch.randn(20_000, generator=gen) for _ in range(n)]
+    rounds = [AllReduceRound(m.host, m.registry, group, v, m.config) for m, v in zip(members, vectors, strict=True)]
+    lo, hi = rounds[0].parts[dead]
+    lie(rounds[liar], "serve_fetch", dead, {"p": dead}, lo, hi)
+    await members[dead].host.close()
+    outcomes = await asyncio.gather(*(r.run() for i, r in enumerate(rounds) if i != dead))
+    results = [o[0] for o in outcomes]
+    assert all(torch.equal(r, results[0]) for r in results), "the members disagree"
+    live = [i for i in range(n) if i != dead]
+    mean = exact_mean([v[lo:hi] for v in vectors], group, live)
+    error = (results[0][lo:hi].double() - mean).abs().max().item()
+    assert error <= int8_bound([v[lo:hi] for v in vectors], mean), "the round took the liar's copy of the part"
+
+
+@pytest.mark.timeout(60)
+async def test_a_lying_member_cannot_hand_a_grid_backup_a_dead_owners_sub_part(make_group: MakeGroup) -> None:
+    n, dead, liar = 12, 5, 1  # (1, 1) dies; (2, 1) takes its sub-part over; (0, 1) lies
+    group, members = await make_group(n, max_group_size=4, block_size=1024, chunk_elements=4096, part_timeout=2.0,
+                                      bandwidths=[100.0] * n, **EXACT)  # fmt: skip
+    gen = torch.Generator().manual_seed(7)
+    vectors = [torch.randn(50_003, generator=gen) for _ in range(n)]
+    rounds = [GridRound(m.host, m.registry, group, v, m.config) for m, v in zip(members, vectors, strict=True)]
+    grid = rounds[0].grid
+    assert grid.owners[1][1] == dead
+    lo, hi = grid.subs[1][1]
+    key = 1 * grid.rows + 1
+    lie(rounds[liar], "serve_fetch", dead, {"p": key}, lo, hi)
+    lie(rounds[liar], "serve_down", dead, {"p": 1, "s": 1}, lo, hi)  # as an owner of the column
+    await members[dead].host.close()
+    outcomes = await asyncio.gather(*(r.run() for i, r in enumerate(rounds) if i != dead))
+    results = [o[0] for o in outcomes]
+    assert all(torch.equal(r, results[0]) for r in results), "the members disagree"
+    included = outcomes[0][1].contributions[key]
+    assert dead not in included
+    mean = exact_mean([v[lo:hi] for v in vectors], group, included)
+    error = (results[0][lo:hi].double() - mean).abs().max().item()
+    bound = two_stage_int8_bound([vectors[i][lo:hi] for i in included], mean)
+    assert error <= bound, "the round took the liar's copy of the sub-part"
