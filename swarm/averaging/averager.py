@@ -195,7 +195,7 @@ class Averager:
                     self.host, self.registry, group, vector, config, upload=pace, formed_at=formed_at
                 )
             else:
-                round_ = GridRound(self.host, self.registry, group, vector, config)
+                round_ = GridRound(self.host, self.registry, group, vector, config, formed_at=formed_at)
             averaged, rr = await round_.run()
         except AuditError as e:
             self.exclude(e.owners, str(e))
