@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -21,6 +21,9 @@ from swarm.dht.node import DHTNode, user_value
 from swarm.dht.records import ValueWithExpiration, owner_of
 from swarm.node.run_lookup import listed_runs
 from swarm.p2p.errors import P2PError
+
+if TYPE_CHECKING:
+    from swarm.data.progress import EpochProgress
 
 
 def run_id_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -73,7 +76,7 @@ def inspect(run_id: str | None, serve_port: int | None, serve_host: str, opts: C
     values, answered = with_client(opts, op)
     found = dict(zip(keys, values, strict=True))
     sections = {name: run_entries(value) for name, value in found.items() if name != "chunks"}
-    data = _data_progress(found["chunks"])
+    data = _data_progress(found["chunks"], opts)
     if not any(sections.values()):
         raise CliError(f"run {run_id!r} publishes nothing: no records under {' or '.join(keys.values())}")
     now = time.time()
@@ -85,7 +88,8 @@ def inspect(run_id: str | None, serve_port: int | None, serve_host: str, opts: C
             name: [{**e, "value": jsonable(e["value"]), "subkey": jsonable(e["subkey"])} for e in es]
             for name, es in live.items()
         }
-        echo_json({"run_id": run_id, "keys": keys, "settings": jsonable(settings), **out, "data": data,
+        echo_json({"run_id": run_id, "keys": keys, "settings": jsonable(settings), **out,
+                   "data": data.wire() if data is not None else None,
                    "gone": [{"peer_id": p, "reason": r} for p, r in gone.items()]})  # fmt: skip
         return
     verbose = click.get_current_context().params.get("verbose", 0) > 0
@@ -98,9 +102,9 @@ def inspect(run_id: str | None, serve_port: int | None, serve_host: str, opts: C
     if gone:
         click.echo("\n".join(inspect_view.gone_lines(gone, width, reasons=verbose)))
     if data is not None:
-        click.echo(f"data: epoch {data['epoch']}, {data['chunks_done']:,} of {data['chunks']:,} chunks done "
-                   f"({data['chunks_done'] / data['chunks']:.1%}), {data['tokens']:,} tokens this epoch; "
-                   f"{data['claiming']} of {data['nodes']} nodes claiming")  # fmt: skip
+        click.echo(f"data: epoch {data.epoch}, {data.chunks_done:,} of {data.chunks:,} chunks done "
+                   f"({data.share:.1%}), {data.tokens:,} tokens this epoch; "
+                   f"{data.claiming} of {data.nodes} nodes claiming")  # fmt: skip
 
 
 PING_TIMEOUT = 3.0  # seconds a record's peer has to answer inspect's ping
@@ -183,14 +187,16 @@ def _print_wide(keys: dict[str, str], live: dict[str, list[dict[str, Any]]], now
         print_table(table)
 
 
-def _data_progress(found: ValueWithExpiration | None) -> dict[str, int] | None:
-    """The swarm's way through a prepared dataset (data/claims.py), from `<run>/chunks`."""
-    from swarm.data.claims import swarm_progress  # numpy: only for a run's view
+def _data_progress(found: ValueWithExpiration | None, opts: ClientOptions) -> EpochProgress | None:
+    """The swarm's way through a prepared dataset (data/progress.py), from `<run>/chunks`, its
+    records held to what a node's claim reader holds them to."""
+    from swarm.data.progress import read_progress  # numpy: only for a run's view
 
     if found is None or not isinstance(found.value, dict):
         return None
     entries = [(subkey, getattr(entry, "value", None)) for subkey, entry in found.value.items()]
-    return swarm_progress(entries, time.time())
+    config = opts.dht_config()
+    return read_progress(entries, id_bits=config.id_bits, max_records=config.max_subkeys_per_key, now=time.time())
 
 
 MAX_RUNS_LISTED = 100  # rows of `swarm-dht inspect` without --run-id (the most listed runs)

@@ -29,7 +29,7 @@ from swarm.cli.common import CliError, OneLineCommand, run_network, setup_loggin
 from swarm.cli.node_data import open_prepared, refuse_with_ranks
 from swarm.cli.node_display import MetricsFile, display_for_terminal, join_lines
 from swarm.cli.node_identity import IDENTITY_FILE, node_identity
-from swarm.cli.node_run import metrics_server, run_until_signalled
+from swarm.cli.node_run import check_wandb, metrics_server, run_until_signalled, wandb_logger
 from swarm.cli.node_settings import adopt_run_settings, read_config_file, refuse_other_settings
 from swarm.cli.options import (
     OpenNetworkLimits,
@@ -211,6 +211,9 @@ class NodeCommand(OneLineCommand):
               help="Serve Prometheus metrics at /metrics and the run's dashboard at / (0: any port).")  # fmt: skip
 @click.option("--metrics-host", default="127.0.0.1", show_default=True,
               help="Where --metrics-port listens (0.0.0.0: every interface; the pages are read-only).")  # fmt: skip
+@click.option("--wandb", "wandb", default=None, metavar="PROJECT",
+              help="Log the metrics to Weights & Biases at each outer step: one run per node in PROJECT, "
+              "grouped by --run-id (the extra: pip install -e '.[wandb]'; WANDB_MODE=offline works).")  # fmt: skip
 @open_network_options
 @relay_options
 @verbose_option
@@ -226,6 +229,7 @@ def main(
     metrics_file: Path | None,
     metrics_port: int | None,
     metrics_host: str,
+    wandb: str | None,
     shard_mb: float,
     verbose: int,
     limits: OpenNetworkLimits,
@@ -241,6 +245,8 @@ def main(
         config = NodeConfig(**options, shard_bytes=max(1, int(shard_mb * 2**20)))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    if wandb is not None:  # the optional extra, checked before anything slow
+        check_wandb(wandb)
     launch = node_ranks.plan(nproc_per_node, config)  # None: one rank, the plain node
     refuse_with_ranks(config, launch is not None)
     if launch is not None and config.overlap != "none":  # its ranks' clocks assume one step at a time
@@ -287,6 +293,8 @@ def main(
     watch = metrics_server(metrics_port, metrics_host, config.run_id, initial_peers, limits)
     if watch is not None:
         sinks.append(watch.observe)
+    if wandb is not None:  # after the metrics server's subscriber: it logs the figures that one just took in
+        sinks.append(wandb_logger(wandb, watch))
     try:
         if metrics_file is not None:
             try:

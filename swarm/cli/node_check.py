@@ -84,7 +84,7 @@ def run_checks(
     if not initial_peers:
         raise click.UsageError("check needs --initial-peers: the run to check this machine against")
     node_only = ("identity", "threads", "nproc_per_node", "shard", "rank_timeout", "metrics_file", "metrics_port",
-                 "metrics_host", "relay")  # fmt: skip
+                 "metrics_host", "wandb", "relay")  # fmt: skip
     try:
         config = NodeConfig(**{k: v for k, v in options.items() if k not in node_only},
                             shard_bytes=max(1, int(shard_mb * 2**20)))  # fmt: skip

@@ -1,6 +1,6 @@
 """How swarm-node runs a built node in this process: on the network's event loop until a signal
 (the first finishes the round under way, a second stops at once), with the --metrics-port server
-beside it."""
+beside it, and the --wandb logger."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from swarm.cli.options import OpenNetworkLimits
 if TYPE_CHECKING:  # torch and the node load inside main(), after the flags are checked
     from swarm.node import SwarmNode
     from swarm.observe.serve import MetricsServer
+    from swarm.observe.wandb_log import WandbLogger
 
 
 def metrics_server(port: int | None, host: str, run_id: str, initial_peers: tuple[str, ...],
@@ -36,6 +37,29 @@ def metrics_server(port: int | None, host: str, run_id: str, initial_peers: tupl
         raise click.UsageError(str(e)) from None
     server.metrics.count_logs(logging.getLogger("swarm"))
     return server
+
+
+def check_wandb(project: str) -> None:
+    """--wandb: a UsageError of one line when the optional extra is not installed or the name is bad."""
+    from swarm.observe.wandb_log import WandbMissing, import_wandb
+
+    if not project or "/" in project:
+        raise click.BadParameter("a wandb project is a non-empty name without '/'", param_hint="--wandb")
+    try:
+        import_wandb()
+    except WandbMissing as e:
+        raise click.UsageError(str(e)) from None
+
+
+def wandb_logger(project: str, watch: MetricsServer | None) -> WandbLogger:
+    """--wandb: the metrics --metrics-port serves (or, without it, the same figures counted for
+    wandb alone) logged at each outer step, from a worker thread."""
+    from swarm.observe.wandb_log import WandbLogger
+
+    wandb = WandbLogger(project, watch.metrics if watch is not None else None)
+    if watch is None:
+        wandb.metrics.count_logs(logging.getLogger("swarm"))
+    return wandb
 
 
 async def run_until_signalled(node: SwarmNode, watch: MetricsServer | None = None) -> str:

@@ -94,6 +94,9 @@ def parsed(ctx: click.Context, param: click.Parameter, text: str | None, parse: 
     help=f"{'|'.join(CODECS)}, optionally :DENSITY (the share of blocks each outer step sends)",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Model init seed; also seeds the churn.")
+@click.option("--data", default="stdlib", show_default=True, metavar="DIR|URL|stdlib",
+              help="Every node's --data: a folder that swarm-data prepare wrote (its URL, hf-prepared:ORG/NAME), "
+              "whose chunks the nodes share, or the built-in corpus.")  # fmt: skip
 @click.option("--lr", type=click.FloatRange(0, min_open=True), help="Peak inner learning rate. Default: swarm-node's.")
 @click.option("--warmup-steps", type=click.IntRange(min=0), help="Inner warmup steps. Default: swarm-node's.")
 @click.option("--lr-schedule", type=click.Choice(SCHEDULES), default="constant", show_default=True,

@@ -53,6 +53,7 @@ class SimConfig:
     links: tuple[Rate, ...] | None = None  # one rate per starting node; the bootstrap gets the fastest
     dashboard: int | None = None  # --dashboard [PORT]: serve the run's dashboard on 127.0.0.1 (0: any port)
     overlap: str = "none"  # swarm-node's --overlap: none (blocking), eager, delayed
+    data: str = "stdlib"  # swarm-node's --data: the built-in corpus, or a prepared folder (its URL)
     # --nat cone:2,symmetric:2: home networks (NAT kind, nodes behind it), the nodes in that order;
     # the bootstrap (which relays) is the one public endpoint. None: no NAT
     nat: tuple[tuple[str, int], ...] | None = None

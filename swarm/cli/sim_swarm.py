@@ -214,6 +214,8 @@ class Swarm:
         argv += ["--start-with", str(c.nodes)]
         if c.overlap != "none":
             argv += ["--overlap", c.overlap]
+        if c.data != "stdlib":
+            argv += ["--data", c.data]
         if c.lr is not None:
             argv += ["--lr", f"{c.lr:g}"]
         if c.warmup_steps is not None:

@@ -34,7 +34,7 @@ def serve_dashboard(run_id: str, opts: ClientOptions, host: str, port: int) -> N
                            p2p_config=opts.p2p_config())  # fmt: skip
         try:
             await asyncio.wait_for(reader.start(), opts.timeout)
-            dashboard = Dashboard(run_id, reader, timeout=opts.timeout).start()
+            dashboard = Dashboard(run_id, reader, timeout=opts.timeout, dht_config=reader.dht_config).start()
             try:
                 await _serve(dashboard, http_config, run_id, opts.as_json)
             finally:

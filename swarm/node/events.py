@@ -38,6 +38,7 @@ class EventSink:
         self.wire_sent = 0  # host.traffic at the last `network` event
         self.wire_received = 0
         self._keeper: StateKeeper | None = None  # the node's, from its first `network` call
+        self._data: dict[str, Any] | None = None  # the last `data` event's fields
 
     @property
     def evals(self) -> tuple[tuple[int, float], ...]:
@@ -84,6 +85,13 @@ class EventSink:
                   dht_records=len(dht.storage), wire_bytes_sent=self.wire_sent, wire_bytes_received=self.wire_received,
                   state_bytes_served=keeper.server.bytes_sent if keeper.server is not None else 0,
                   rss_bytes=resident_bytes())  # fmt: skip
+
+    def data(self, progress: dict[str, Any]) -> None:
+        """The swarm's way through its prepared data (data/progress.py's EpochProgress.wire: epoch,
+        chunks_done, chunks, share, tokens, nodes, claiming), as a `data` event when it changed."""
+        if progress != self._data:
+            self._data = progress
+            self.emit("data", **progress)
 
     def fetch_progress(self, progress: FetchProgress) -> None:
         """At most one event a second, and the 100% one once per fetch: the fetcher reports 100%

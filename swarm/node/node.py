@@ -26,6 +26,7 @@ Events (`on_event`, called on the event loop; the CLI writes them as JSON lines)
      outer_step event ends it, or a warning that it failed and the step is matchmade again)
     {"event": "fetch", "outer_step", "reason", "bytes", "seconds", "peers", "state_sha256", ...}
     {"event": "network", "peers_known", "connections", "dht_records", "wire_bytes_sent", ...} (node_events.py)
+    {"event": "data", "epoch", "chunks_done", "chunks", "share", "tokens", ...} (prepared data: events.py)
     {"event": "exit", "outer_step", "reason"}
 Every event also has "time" (unix) and "peer_id".
 
@@ -54,6 +55,7 @@ from torch import nn
 from swarm.averaging.averager import Averager
 from swarm.data.claimer import ChunkClaimer, start_claiming
 from swarm.data.cursor import ChunkCursor, cursor_for
+from swarm.data.progress import node_progress
 from swarm.dht.config import DHTConfig
 from swarm.dht.node import DHTNode
 from swarm.model.checkpoint import CheckpointError, RunInfo
@@ -274,7 +276,7 @@ class SwarmNode:
         reason = "stopped"
         try:
             await self._start(loop)
-            publisher = Supervised("progress records", lambda: self._publish_forever(loop.view)).start()
+            publisher = Supervised("progress records", lambda: self._publish_forever(loop.view, claimer)).start()
             started_with = await starting.wait_to_start(loop.view, self.config.start_with, stop)
             reason = await loop.run(started_with)
             return reason
@@ -371,10 +373,12 @@ class SwarmNode:
 
     # --- progress in the DHT ------------------------------------------------------------------
 
-    async def _publish_forever(self, view: SwarmView) -> None:
+    async def _publish_forever(self, view: SwarmView, claimer: ChunkClaimer | None) -> None:
         while True:
             await asyncio.sleep(self.config.publish_interval)
             self.events.network(view.ctx.keeper)
+            if claimer is not None:
+                self.events.data(node_progress(claimer).wire())
             await view.publish()
             await view.ctx.book.refresh()
 

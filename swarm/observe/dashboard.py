@@ -29,7 +29,7 @@ from typing import Any
 from swarm.dht.config import DHTConfig
 from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode, user_value
-from swarm.dht.run_keys import nodes_key, state_key
+from swarm.dht.run_keys import chunks_key, nodes_key, state_key
 from swarm.observe.http import Response, Route
 from swarm.observe.runview import RunView
 from swarm.p2p.config import P2PConfig
@@ -40,7 +40,7 @@ from swarm.utils.supervised import Supervised
 logger = logging.getLogger(__name__)
 
 Entries = list[tuple[Any, Any]]  # (subkey, value) of a key's records
-Reader = Callable[[], Awaitable[tuple[Entries, Entries]]]  # -> the run's nodes and state records
+Reader = Callable[[], Awaitable[tuple[Entries, Entries, Entries]]]  # -> the run's nodes, state and chunk records
 JSON_TYPE = "application/json"
 HTML_TYPE = "text/html; charset=utf-8"
 PAGE_MARK = "/*INITIAL*/null"  # where the page takes the snapshot embedded in it
@@ -54,10 +54,10 @@ class Dashboard:
     """Owns a run's RunView and the task that keeps it fresh."""
 
     def __init__(self, run_id: str, read: Reader, *, interval: float = 2.0, timeout: float = 15.0,
-                 lazy: bool = False) -> None:  # fmt: skip
+                 lazy: bool = False, dht_config: DHTConfig | None = None) -> None:  # fmt: skip
         if interval <= 0 or timeout <= 0:
             raise ValueError("interval and timeout must be > 0")
-        self.view = RunView(run_id)
+        self.view = RunView(run_id, dht_config)
         self.read, self.interval, self.timeout, self.lazy = read, interval, timeout, lazy
         self._poller = Supervised(f"dashboard of run {run_id!r}", self._poll_forever)
         self._page = page_template()
@@ -80,11 +80,11 @@ class Dashboard:
 
     async def poll_once(self) -> None:
         try:
-            nodes, holders = await asyncio.wait_for(self.read(), self.timeout)
+            nodes, holders, chunks = await asyncio.wait_for(self.read(), self.timeout)
         except (P2PError, DHTError, OSError, ValueError, asyncio.TimeoutError, TimeoutError) as e:
             self.view.failed(f"could not read the DHT: {e or type(e).__name__}")
         else:
-            self.view.update(nodes, holders, time.time())
+            self.view.update(nodes, holders, time.time(), chunks)
         self._render()
 
     async def _poll_forever(self) -> None:
@@ -118,7 +118,7 @@ class DhtReader:
 
     def __init__(self, run_id: str, initial_peers: Callable[[], Sequence[str]], *, identity: Identity | None = None,
                  dht_config: DHTConfig | None = None, p2p_config: P2PConfig | None = None) -> None:  # fmt: skip
-        self.keys = (nodes_key(run_id), state_key(run_id))
+        self.keys = (nodes_key(run_id), state_key(run_id), chunks_key(run_id))
         self.initial_peers = initial_peers
         self.identity, self.dht_config = identity, dht_config or DHTConfig()
         self.p2p_config = p2p_config or P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))
@@ -140,7 +140,7 @@ class DhtReader:
         if node is not None:
             await node.close()
 
-    async def __call__(self) -> tuple[Entries, Entries]:
+    async def __call__(self) -> tuple[Entries, Entries, Entries]:
         await self.start()
         assert self.node is not None
         results = await asyncio.gather(*(self.node.lookup_value(key, latest=True) for key in self.keys))
@@ -149,7 +149,7 @@ class DhtReader:
             raise DHTError("no DHT node answered; bootstrapped again")
         now = time.time()
         found = [user_value(r.records(key, now)) for r, key in zip(results, self.keys, strict=True)]
-        return _entries(found[0]), _entries(found[1])
+        return _entries(found[0]), _entries(found[1]), _entries(found[2])
 
 
 def _entries(found: Any) -> Entries:

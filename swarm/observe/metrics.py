@@ -17,6 +17,9 @@ them as `other`. Only consistent totals count: those the node takes right after 
 fetch event (`settled`), and those taken while it trained, which a later progress event of the
 same outer step proves (no round was under way then); the others are dropped.
 
+The data gauges follow the `data` event: the swarm's way through its prepared data, as the
+node's chunk claimer reads it from the run's claim records (data/progress.py).
+
 Errors by kind count the WARNING and ERROR lines the node logs, by the layer that logged them
 (`count_logs`; one node per process: swarm-node).
 """
@@ -36,6 +39,10 @@ TIME_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 30
 BYTE_KINDS = ("allreduce", "state", "other")
 ERROR_KINDS = ("p2p", "dht", "averaging", "model", "state", "node", "other")  # the logging layer
 ERROR_LEVELS = ("warning", "error")
+# the `data` event's fields (data/progress.py's EpochProgress) -> their gauges
+DATA_GAUGES = {"epoch": "swarm_data_epoch", "share": "swarm_data_epoch_done_ratio",
+               "chunks_done": "swarm_data_epoch_chunks_done", "chunks": "swarm_data_chunks",
+               "tokens": "swarm_data_epoch_tokens"}  # fmt: skip
 
 # name as scraped -> (type, meaning). Counters' names end in _total; the Info adds _info.
 METRICS: dict[str, tuple[str, str]] = {
@@ -64,6 +71,11 @@ METRICS: dict[str, tuple[str, str]] = {
     "swarm_contributions_clipped_total": ("counter", "contributions our robust reductions dropped or clipped"),
     "swarm_errors_total": ("counter", "WARNING and ERROR log lines, by kind (the layer) and level"),
     "swarm_resident_memory_bytes": ("gauge", "resident memory of the node's process"),
+    "swarm_data_epoch": ("gauge", "prepared data: the epoch the swarm trains, from the chunk claims (from 0)"),
+    "swarm_data_epoch_done_ratio": ("gauge", "prepared data: the share of the epoch's chunks trained, 0..1"),
+    "swarm_data_epoch_chunks_done": ("gauge", "prepared data: the epoch's chunks trained"),
+    "swarm_data_chunks": ("gauge", "prepared data: the chunks of one epoch (0: the built-in corpus, no chunks)"),
+    "swarm_data_epoch_tokens": ("gauge", "prepared data: the tokens the swarm trained in the epoch"),
 }
 
 
@@ -108,6 +120,7 @@ class NodeMetrics:
         self.clipped = Counter("swarm_contributions_clipped", _help("swarm_contributions_clipped_total"), registry=r)
         self.errors = Counter("swarm_errors", _help("swarm_errors_total"), ["kind", "level"], registry=r)
         self.rss = Gauge("swarm_resident_memory_bytes", _help("swarm_resident_memory_bytes"), registry=r)
+        self.data = {key: Gauge(name, _help(name), registry=r) for key, name in DATA_GAUGES.items()}
         for kind in BYTE_KINDS:  # every series exists from the start: rate() sees its first increase
             self.sent.labels(kind)
             self.received.labels(kind)
@@ -120,7 +133,7 @@ class NodeMetrics:
         # wire totals taken during the outer step at `position`: (position, sent, received, state served by then)
         self._unsettled: deque[tuple[tuple[int, int], float, float, float]] = deque(maxlen=64)
         self._handlers = {"start": self._start, "progress": self._progress, "outer_step": self._outer_step,
-                          "fetch": self._fetch, "network": self._network}  # fmt: skip
+                          "fetch": self._fetch, "network": self._network, "data": self._data}  # fmt: skip
 
     def __call__(self, event: dict[str, Any]) -> None:
         handler = self._handlers.get(str(event.get("event")))
@@ -205,6 +218,10 @@ class NodeMetrics:
             self._count_other(sent, received, served)
         elif self._position is not None:  # counted once a later progress event shows it trained meanwhile
             self._unsettled.append((self._position, sent, received, served))
+
+    def _data(self, e: dict[str, Any]) -> None:
+        for key, gauge in self.data.items():
+            _set(gauge, e.get(key))
 
     def _settle(self, now: tuple[int, int]) -> None:
         """Count the wire totals taken earlier in the outer step `now` is in, at fewer inner steps."""

@@ -37,7 +37,7 @@ class MetricsServer:
         self._initial_peers = tuple(initial_peers)
         self._own: tuple[str, ...] = ()  # the node's addresses, from its start event
         self.reader = DhtReader(run_id, self._bootstrap_peers, dht_config=dht_config)
-        self.dashboard = Dashboard(run_id, self.reader, lazy=True)
+        self.dashboard = Dashboard(run_id, self.reader, lazy=True, dht_config=self.reader.dht_config)
         self.http = HttpServer({**self.dashboard.routes(), "/metrics": self._scrape}, config)
 
     def observe(self, event: dict[str, Any]) -> None:

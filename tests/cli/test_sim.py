@@ -279,6 +279,9 @@ def test_the_nodes_get_the_schedule_and_a_decaying_one_ends_with_the_run(tmp_pat
     assert constant[constant.index("--lr-schedule") + 1] == "constant" and "--total-steps" not in constant
     # each node's key in the run's folder: a newcomer after a kill gets an identity of its own
     assert constant[constant.index("--identity") + 1] == str(tmp_path / "m.key")
+    # --data: every node trains on the prepared folder (the built-in corpus is swarm-node's default)
+    prepared = argv(data=str(tmp_path / "tokens"))
+    assert prepared[prepared.index("--data") + 1] == str(tmp_path / "tokens") and "--data" not in constant
 
 
 def _event(kind: str, **fields: Any) -> bytes:

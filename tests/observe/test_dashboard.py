@@ -19,8 +19,8 @@ RECORD = {"maddrs": [], "client": False, "step": 2, "inner": 1, "H": 4, "sec_per
           "settings": {"model": HOSTILE}, "evals": [[0, 5.0], [1, 4.0]]}  # fmt: skip
 
 
-async def records() -> tuple[Entries, Entries]:
-    return [(owner_subkey(PEER), RECORD)], []
+async def records() -> tuple[Entries, Entries, Entries]:
+    return [(owner_subkey(PEER), RECORD)], [], []
 
 
 async def test_the_routes_serve_the_last_read_and_the_page_embeds_it_safely() -> None:
@@ -40,7 +40,7 @@ async def test_the_routes_serve_the_last_read_and_the_page_embeds_it_safely() ->
 async def test_a_read_that_fails_or_hangs_keeps_the_view_and_says_why() -> None:
     calls = 0
 
-    async def flaky() -> tuple[Entries, Entries]:
+    async def flaky() -> tuple[Entries, Entries, Entries]:
         nonlocal calls
         calls += 1
         if calls == 2:
@@ -64,7 +64,7 @@ async def test_a_read_that_fails_or_hangs_keeps_the_view_and_says_why() -> None:
 async def test_a_lazy_dashboard_reads_nothing_until_asked() -> None:
     reads = 0
 
-    async def counted() -> tuple[Entries, Entries]:
+    async def counted() -> tuple[Entries, Entries, Entries]:
         nonlocal reads
         reads += 1
         return await records()

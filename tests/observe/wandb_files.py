@@ -1,0 +1,67 @@
+"""What an offline wandb run wrote (WANDB_MODE=offline): its run record and its logged history,
+read from the run's `.wandb` file (a LevelDB-style log of protobuf records, wandb's own format)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BLOCK = 32 * 1024  # the log's block size: a record's header never straddles one
+HEADER = 7  # ":W&B", a 2-byte magic and a version byte
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+@dataclass
+class OfflineRun:
+    project: str = ""
+    group: str = ""
+    name: str = ""
+    run_id: str = ""
+    config: dict[str, Any] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)  # one dict per log, with "_step"
+
+
+def offline_runs(wandb_dir: Path) -> list[OfflineRun]:
+    """Every offline run under WANDB_DIR, in the order of their folders' names."""
+    return [read_run(path) for path in sorted(wandb_dir.glob("wandb/offline-run-*/run-*.wandb"))]
+
+
+def read_run(path: Path) -> OfflineRun:
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    run = OfflineRun()
+    for data in _records(path.read_bytes()):
+        record = pb.Record()
+        record.ParseFromString(data)
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            r = record.run
+            run.project, run.group, run.name, run.run_id = r.project, r.run_group, r.display_name, r.run_id
+            run.config.update({item.key: json.loads(item.value_json) for item in r.config.update})
+        elif kind == "history":
+            run.history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                for item in record.history.item})  # fmt: skip
+    return run
+
+
+def _records(raw: bytes) -> list[bytes]:
+    assert raw[:4] == b":W&B", "not a wandb run file"
+    out, pos, pending = [], HEADER, b""
+    while pos + 7 <= len(raw):
+        if BLOCK - pos % BLOCK < 7:  # the block's tail is padding
+            pos += BLOCK - pos % BLOCK
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        data, pos = raw[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind == FULL:
+            out.append(data)
+        elif kind == FIRST:
+            pending = data
+        elif kind == MIDDLE:
+            pending += data
+        elif kind == LAST:
+            out.append(pending + data)
+    return out
