@@ -30,9 +30,7 @@ import contextlib
 import json
 import logging
 import math
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +38,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import click
+
+from swarm.utils.atomic import write_atomic
 
 if TYPE_CHECKING:  # rich is imported only for a terminal
     from rich.table import Table
@@ -321,16 +321,7 @@ def write_metrics(path: Path, records: Sequence[NodeRecord], header: dict[str, A
     """The metrics JSON, written whole or not at all (temp file, then rename). Nodes that were
     stopped before they reported their start have no PeerID and are left out."""
     doc = {**header, "nodes": [r.to_json() for r in records if r.started]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, (json.dumps(doc, indent=1) + "\n").encode())
 
 
 def write_plot(path: Path, records: Sequence[NodeRecord], title: str) -> None:

@@ -41,7 +41,7 @@ from swarm.dht.records import owner_subkey
 from swarm.dht.run_keys import chunks_key
 from swarm.dht.run_records import record_entries
 from swarm.dht.store_retry import store_or_warn
-from swarm.model.prepare import write_atomic
+from swarm.utils.atomic import write_atomic
 from swarm.utils.supervised import Supervised
 
 logger = logging.getLogger(__name__)
@@ -260,5 +260,4 @@ def _read_json(path: Path) -> Any:
 
 
 def _write_json(path: Path, value: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(value).encode())

@@ -24,12 +24,12 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import threading
 from pathlib import Path
 
 from swarm.dht.ids import ID_BYTES
 from swarm.p2p.peer_id import PeerID
+from swarm.utils.atomic import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -110,19 +110,5 @@ def load_or_solve(path: Path, peer_id: PeerID, bits: int, stop: threading.Event 
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # unreadable, or too weak now
         logger.warning("id proof file %s is not usable (%s): solving a new one", path, e)
     nonce = solve(peer_id, bits, stop)
-    _write_atomically(path, json.dumps({"peer_id": str(peer_id), "nonce": nonce.hex(), "bits": bits}).encode())
+    write_atomic(path, json.dumps({"peer_id": str(peer_id), "nonce": nonce.hex(), "bits": bits}).encode())
     return nonce
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -42,6 +42,7 @@ from swarm.model.checkpoint import (
     state_from_shards,
     verify_shard,
 )
+from swarm.utils.atomic import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +82,7 @@ class CheckpointDir:
             shutil.rmtree(final)
         os.rename(temp, final)
         _fsync_dir(self.path)
-        _write_synced(self.path / "LATEST.tmp", final.name.encode())
-        os.replace(self.path / "LATEST.tmp", self.path / "LATEST")
+        write_atomic(self.path / "LATEST", final.name.encode())
         _fsync_dir(self.path)
         self._prune(keep_also=final.name)
         return final

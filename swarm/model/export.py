@@ -30,9 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ from swarm.model.checkpoint_dir import CheckpointDir
 from swarm.model.configs import ModelConfig
 from swarm.model.export_tokenizer import TOKENIZER_FILES, TokenizerExportError, readme, write_tokenizer
 from swarm.model.llama import build_model
+from swarm.utils.atomic import atomic_path, write_atomic
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WRITTEN = ("config.json", "model.safetensors", "generation_config.json", "README.md", *TOKENIZER_FILES)
@@ -106,8 +106,9 @@ def model_config_of(run: RunInfo) -> ModelConfig:
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     if not set(run.model_config) <= fields:
         unknown = ", ".join(sorted(set(run.model_config) - fields))[:120]
-        raise ExportError(f"the checkpoint's model {run.model!r} is not one of our Llama presets (its config has "
-                          f"{unknown}): it has no Hugging Face mapping; export it from the code that defines it")
+        raise ExportError(f"the checkpoint's model {run.model!r} is not one of our Llama presets (its config "
+                          f"has {unknown}): it has no Hugging Face mapping; export it from the code that "
+                          "defines it")  # fmt: skip
     try:
         return ModelConfig(**run.model_config)
     except (TypeError, ValueError) as e:
@@ -220,12 +221,14 @@ def export_checkpoint(checkpoint_dir: Path, out: Path, options: ExportOptions) -
             raise ExportError(str(e)) from None
         if options.eos_token_id is None:
             options = dataclasses.replace(options, eos_token_id=tokenizer.eos_id)
-    _write_atomic(out / "README.md", lambda path: path.write_text(readme(manifest.run, manifest.step, tokenizer)))
-    _write_atomic(out / "model.safetensors", lambda path: save_file(tensors, path, metadata=metadata))
-    _write_atomic(out / "config.json", _json(hf_config(config, options)))
+    # each file whole or not at all: a killed export never leaves half a file under the name transformers loads
+    write_atomic(out / "README.md", readme(manifest.run, manifest.step, tokenizer).encode())
+    with atomic_path(out / "model.safetensors") as temp:
+        save_file(tensors, temp, metadata=metadata)
+    write_atomic(out / "config.json", _json(hf_config(config, options)))
     generation = generation_config(options)
     if generation is not None:
-        _write_atomic(out / "generation_config.json", _json(generation))
+        write_atomic(out / "generation_config.json", _json(generation))
     parameters = sum(t.numel() for t in tensors.values())
     nbytes = (out / "model.safetensors").stat().st_size
     return ExportResult(out, manifest.run.run_id, manifest.step, manifest.run.model, parameters, nbytes)
@@ -238,19 +241,5 @@ def _check_output(out: Path, force: bool) -> None:
         raise ExportError(f"--out {out} exists and is not empty (pass --force to write into it)")
 
 
-def _json(body: Mapping[str, Any]) -> Callable[[Path], None]:
-    data = (json.dumps(body, indent=2, sort_keys=True) + "\n").encode()
-    return lambda path: path.write_bytes(data)
-
-
-def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """`write` to a temporary name, fsync, rename: a killed export never leaves half a file under
-    the name transformers loads."""
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(temp)
-        with open(temp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
+def _json(body: Mapping[str, Any]) -> bytes:
+    return (json.dumps(body, indent=2, sort_keys=True) + "\n").encode()

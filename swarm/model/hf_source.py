@@ -23,6 +23,7 @@ from pathlib import Path
 
 from swarm.model.prepare import PrepareConfig, load_tokenizer, prepare
 from swarm.model.tokens import MANIFEST, TokensError
+from swarm.utils.atomic import atomic_path
 
 DEFAULT_CACHE = Path(os.environ.get("SWARM_DATA_CACHE", Path.home() / ".cache" / "swarm" / "data"))
 MAX_DOCUMENTS = 10_000_000  # rows exported at most (a streamed dataset may be endless)
@@ -62,24 +63,16 @@ def prepare_hf(source: HFSource, tokenizer: str, cache: Path | None = None) -> P
 
 def _export(source: HFSource, out: Path) -> None:
     rows = _rows(source)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    temp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        with open(temp, "w", encoding="utf-8") as f:
-            for n, row in enumerate(rows):
-                if n >= source.max_documents:
-                    break
-                value = row.get(source.text_field) if isinstance(row, dict) else None
-                if not isinstance(value, str):
-                    raise HFDataError(f"hf:{source.dataset}: row {n} has no text field {source.text_field!r}")
-                if len(value) > MAX_ROW_BYTES:
-                    raise HFDataError(f"hf:{source.dataset}: row {n} is over {MAX_ROW_BYTES} characters")
-                f.write(json.dumps({"text": value}, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, out)
-    finally:
-        temp.unlink(missing_ok=True)
+    with atomic_path(out) as temp, open(temp, "w", encoding="utf-8") as f:
+        for n, row in enumerate(rows):
+            if n >= source.max_documents:
+                break
+            value = row.get(source.text_field) if isinstance(row, dict) else None
+            if not isinstance(value, str):
+                raise HFDataError(f"hf:{source.dataset}: row {n} has no text field {source.text_field!r}")
+            if len(value) > MAX_ROW_BYTES:
+                raise HFDataError(f"hf:{source.dataset}: row {n} is over {MAX_ROW_BYTES} characters")
+            f.write(json.dumps({"text": value}, ensure_ascii=False) + "\n")
 
 
 def _rows(source: HFSource) -> object:

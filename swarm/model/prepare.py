@@ -25,7 +25,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from swarm.model.tokens import (
     file_sha256,
     shard_name,
 )
+from swarm.utils.atomic import write_atomic
 
 PROGRESS = "progress.json"
 PROGRESS_FORMAT = "swarm-tokens-progress/1"
@@ -66,8 +66,9 @@ class PrepareConfig:
 
     def __post_init__(self) -> None:
         bounds = {"shard_tokens": (1, 1 << 31), "eval_every": (1, 1 << 30), "eval_tokens": (1, 1 << 31),
-                  "max_document_bytes": (1, 1 << 31), "batch_documents": (1, 1 << 20), "batch_bytes": (1, 1 << 31)}
-        for name, (low, high) in bounds.items():  # fmt: skip
+                  "max_document_bytes": (1, 1 << 31), "batch_documents": (1, 1 << 20),
+                  "batch_bytes": (1, 1 << 31)}  # fmt: skip
+        for name, (low, high) in bounds.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise TokensError(f"{name} must be an integer in {low}..{high}, got {value!r}")
@@ -375,16 +376,3 @@ def _whole(path: Path, nbytes: int, sha256: str) -> bool:
     with contextlib.suppress(OSError):
         return path.stat().st_size == nbytes and file_sha256(path) == sha256
     return False
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """To a temporary name, fsynced, then renamed: the name only ever holds a whole file."""
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(temp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)

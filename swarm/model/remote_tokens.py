@@ -55,6 +55,7 @@ from swarm.model.tokens import (
     file_sha256,
     parse_manifest,
 )
+from swarm.utils.atomic import atomic_path, write_atomic
 
 DEFAULT_CACHE = Path(os.environ.get("SWARM_DATA_CACHE", Path.home() / ".cache" / "swarm" / "data"))
 HF_PREFIX = "hf-prepared:"
@@ -114,9 +115,7 @@ class RemoteTokens:
         folder = (cache if cache is not None else DEFAULT_CACHE) / f"url-{name}-{manifest.sha256[:16]}"
         folder.mkdir(parents=True, exist_ok=True)
         if not (folder / MANIFEST).is_file():  # what the cache folder holds shards of (its name has the digest)
-            temp = folder / f".{MANIFEST}.tmp-{os.getpid()}"
-            temp.write_bytes(raw)
-            os.replace(temp, folder / MANIFEST)
+            write_atomic(folder / MANIFEST, raw)
         remote = cls(base, folder, manifest, timeout)
         for entry in manifest.eval:
             remote._fetch(entry)
@@ -180,30 +179,31 @@ class RemoteTokens:
 
 def _download(url: str, path: Path, sha256: str, nbytes: int, timeout: float, deadline: float) -> str:
     """Stream url to path, checking size and hash on the way; '' when whole, else what went wrong."""
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     digest, size, ends = hashlib.sha256(), 0, time.monotonic() + deadline
     try:
-        with _OPENER.open(_request(url), timeout=timeout) as reply, open(temp, "wb") as f:
-            while chunk := reply.read(READ_BYTES):
-                size += len(chunk)
-                if size > nbytes:
-                    return f"more than the {nbytes} bytes its token count says"
-                if time.monotonic() > ends:
-                    return f"slower than {MIN_BYTES_PER_S >> 10} KiB/s"
-                digest.update(chunk)
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        if size != nbytes:
-            return f"{size} bytes, not the {nbytes} its token count says"
-        if digest.hexdigest() != sha256:
-            return "its SHA-256 does not match the manifest"
-        os.replace(temp, path)
+        with atomic_path(path) as temp:  # renamed onto `path` only when nothing below raised
+            with _OPENER.open(_request(url), timeout=timeout) as reply, open(temp, "wb") as f:
+                while chunk := reply.read(READ_BYTES):
+                    size += len(chunk)
+                    if size > nbytes:
+                        raise _NotTheFile(f"more than the {nbytes} bytes its token count says")
+                    if time.monotonic() > ends:
+                        raise _NotTheFile(f"slower than {MIN_BYTES_PER_S >> 10} KiB/s")
+                    digest.update(chunk)
+                    f.write(chunk)
+            if size != nbytes:
+                raise _NotTheFile(f"{size} bytes, not the {nbytes} its token count says")
+            if digest.hexdigest() != sha256:
+                raise _NotTheFile("its SHA-256 does not match the manifest")
         return ""
+    except _NotTheFile as e:
+        return str(e)
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:  # refused, reset, cut short
         return f"the download failed: {getattr(e, 'reason', None) or e}"
-    finally:
-        temp.unlink(missing_ok=True)
+
+
+class _NotTheFile(Exception):
+    """A download that is not the file the manifest names (why, in the message): it is dropped."""
 
 
 class _TokenStaysOnItsHost(urllib.request.HTTPRedirectHandler):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
-import tempfile
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
@@ -30,6 +29,7 @@ from swarm.p2p.peer_id import (
     decode_key_protobuf,
     encode_key_protobuf,
 )
+from swarm.utils.atomic import write_atomic
 
 _MAX_KEY_FILE_BYTES = 4096
 _RAW = serialization.Encoding.Raw
@@ -80,19 +80,7 @@ class Identity:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the key atomically with mode 0600 (temp file, fsync, rename)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            os.fchmod(fd, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(self.to_protobuf())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(Path(path), self.to_protobuf(), mode=0o600)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Identity:
