@@ -20,6 +20,8 @@ Rules, the same on every node:
   untrained in that epoch. Nor does a node start epoch e + 1 while a live peer (its claims not
   lapsed) is still in epoch e - 1: a record carries the done chunks of two epochs, and that
   peer needs ours of e - 1.
+- A chunk we gave up (our claim outlasted the hold our pace gives it, pace.py) is not ours to
+  pick while our readers may still count that claim: a peer takes it, or we do again later.
 - Two nodes that claim one chunk at once (each stored its claim before it read the other's): a
   node stores a new claim and reads the claims again. No peer claims the chunk: it is ours. A
   peer does (contested): the tie-break (`winner`: the earlier claim, equal times the smaller
@@ -52,6 +54,7 @@ class ClaimsSeen:
     now: float
     after: int | None = None  # the chunk we trained last in `epoch` (None: none yet, or we just yielded)
     salt: int = 0  # chunks we yielded so far: moves our start point
+    avoid: frozenset[int] = frozenset()  # chunks of `epoch` we gave up a moment ago: not ours to pick now
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +100,7 @@ def pick_next(seen: ClaimsSeen, n: int) -> Pick:
     if not ended:
         for chunk, _ in seen.held:
             taken[chunk] = True
+        taken[list(seen.avoid)] = True
     free = np.flatnonzero(~taken)
     if not len(free):
         return Pick(epoch, None, ended)

@@ -10,12 +10,19 @@ one the claimer offered. A chunk is done when its last row is handed out; the cu
 the claimer (`on_need`) for another. The position (epoch, done chunks, the chunk under way and
 the tokens read of it) is a small JSON value (`position`/`restore`) that the claimer keeps in
 the checkpoint folder, so a restarted node continues where it stopped.
+
+Rows are read only under a live claim: the claimer tells the cursor when its last stored claims
+lapse (`renewed`), and a training thread that finds them lapsed (an event loop that stalled
+longer than a claim's lifetime) waits for the claimer to renew or drop them, so it never trains
+a chunk a peer may have claimed meanwhile. Times are the cursor's `clock` (unix seconds; tests
+inject one), which the claimer shares.
 """
 
 from __future__ import annotations
 
 import base64
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -29,6 +36,7 @@ from swarm.data.chunks import ChunkPlan, pack_done, unpack_done
 
 logger = logging.getLogger(__name__)
 POSITION_FORMAT = "swarm-data-position/1"
+MAX_HELD = 16  # dated claims a saved position may hold (a node holds MAX_LIVE)
 MAX_FINISHED = 1 << 16  # the chunks this process finished, newest last (tests and logs read them)
 
 
@@ -49,10 +57,11 @@ class CursorClosed(RuntimeError):
 class ChunkCursor:
     """The position in the data (one lock; the training thread reads, the claimer offers)."""
 
-    def __init__(self, plan: ChunkPlan, train: Windows, *, seq_len: int, name: str = "") -> None:
+    def __init__(self, plan: ChunkPlan, train: Windows, *, seq_len: int, name: str = "",
+                 clock: Callable[[], float] = time.time) -> None:  # fmt: skip
         if seq_len <= 0:
             raise ValueError("seq_len must be positive")
-        self.plan, self.train, self.seq_len, self.name = plan, train, seq_len, name
+        self.plan, self.train, self.seq_len, self.name, self.clock = plan, train, seq_len, name, clock
         self._cond = threading.Condition()
         self.epoch = 0
         self.done = np.zeros(plan.n, dtype=bool)  # our own trained chunks of `epoch`
@@ -62,6 +71,9 @@ class ChunkCursor:
         self.queue: list[tuple[int, float]] = []  # chunks won, not started
         self.last: int | None = None  # the chunk we finished last in `epoch`
         self.tokens = 0  # tokens we read in `epoch`
+        self.started = clock()  # when we began `epoch`, at its first row (our word on it in our claim record)
+        self._last_row = self.started  # when we read our last row (the end of our pace's measure)
+        self.until: float | None = None  # when our stored claims lapse (None: no claimer has stored any)
         self.finished: deque[tuple[int, int]] = deque(maxlen=MAX_FINISHED)  # (epoch, chunk), as done here
         self.on_need: Callable[[], None] = lambda: None
         self._closed = False
@@ -74,7 +86,7 @@ class ChunkCursor:
             while len(starts) < batch_size:
                 if self._closed:
                     raise CursorClosed("the node is closing")
-                if self.current is None and not self._start_next():
+                if (self.current is None and not self._start_next()) or not self._live():
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise DataStall(f"no data chunk to train on within {timeout:.0f}s")
@@ -83,6 +95,12 @@ class ChunkCursor:
                 starts.append(self._take_row())
         windows = self.train.windows(torch.tensor(starts, dtype=torch.int64), self.seq_len + 1)
         return windows[:, :-1], windows[:, 1:]
+
+    def _live(self) -> bool:
+        if self.until is None or self.clock() < self.until:
+            return True
+        self.on_need()  # our claims lapsed: the claimer renews them (or drops what a peer took)
+        return False
 
     def _start_next(self) -> bool:
         while self.queue:
@@ -97,6 +115,9 @@ class ChunkCursor:
     def _take_row(self) -> int:
         assert self.current is not None
         chunk, row, at = self.current
+        self._last_row = self.clock()
+        if self.tokens == 0:  # the epoch's first row: our pace is measured from here
+            self.started = self._last_row
         self.tokens += self.seq_len
         self.current = (chunk, row + 1, at)
         if row + 1 >= self.plan.rows(chunk, self.seq_len):
@@ -114,11 +135,28 @@ class ChunkCursor:
 
     # --- the claimer's side -------------------------------------------------------------------
 
-    def held(self) -> tuple[tuple[int, float], ...]:
-        """Our live claims: the chunk under way and those queued."""
+    def rate(self) -> float:
+        """Tokens/s we trained at in `epoch`: its tokens over the seconds from its first row to our
+        last (a restart keeps the first and counts its pause; a wait for a chunk at the epoch's end
+        does not slow it down); 0 in its first second."""
         with self._cond:
-            now = [(self.current[0], self.current[2])] if self.current is not None else []
-            return tuple(now + self.queue)
+            seconds = self._last_row - self.started
+            return self.tokens / seconds if seconds >= 1.0 else 0.0
+
+    def renewed(self, until: float) -> None:
+        """Our claims were stored again; they lapse at `until`."""
+        with self._cond:
+            self.until = until
+            self._cond.notify_all()
+
+    def held(self) -> tuple[tuple[int, float], ...]:
+        """Our live claims (chunk, claimed at): the chunk under way and those queued."""
+        with self._cond:
+            return self._held()
+
+    def _held(self) -> tuple[tuple[int, float], ...]:
+        now = [(self.current[0], self.current[2])] if self.current is not None else []
+        return tuple(now + self.queue)
 
     def wants(self, room: int) -> bool:
         with self._cond:
@@ -143,6 +181,7 @@ class ChunkCursor:
         if self.current is not None or self.queue or epoch <= self.epoch:
             return False
         self.previous, self.epoch, self.last, self.tokens = self.done, epoch, None, 0
+        self.started = self._last_row = self.clock()
         self.done, self.seen = np.zeros_like(self.done), np.zeros_like(self.seen)
         return True
 
@@ -170,11 +209,13 @@ class ChunkCursor:
             current = [self.current[0], self.current[1] * self.seq_len] if self.current is not None else None
             return {"format": POSITION_FORMAT, "data": self.name, "n": self.plan.n, "epoch": self.epoch,
                     "current": current, "queue": [c for c, _ in self.queue], "tokens": self.tokens,
-                    "last": self.last, "done": _b64(self.done), "seen": _b64(self.seen),
+                    "last": self.last, "started": self.started, "claimed": [list(c) for c in self._held()],
+                    "done": _b64(self.done), "seen": _b64(self.seen),
                     "previous": None if self.previous is None else _b64(self.previous)}  # fmt: skip
 
     def restore(self, value: Any, now: float) -> bool:
-        """Continue from a saved position (claims renewed at `now`); False when it is not ours."""
+        """Continue from a saved position, its claims with their saved dates (`now` for one not
+        dated) and not live until the claimer stores them again; False when it is not ours."""
         if not isinstance(value, dict) or value.get("format") != POSITION_FORMAT:
             return False
         if value.get("data") != self.name or value.get("n") != self.plan.n:
@@ -184,10 +225,16 @@ class ChunkCursor:
         if done is None or seen is None or not isinstance(epoch, int) or not isinstance(queue, list):
             return False
         chunks = [c for c in queue if isinstance(c, int) and 0 <= c < self.plan.n]
+        dated = _dates(value.get("claimed"), now)
         with self._cond:
             self.epoch, self.done, self.seen = epoch, done, seen
             self.previous = _unb64(value.get("previous"), self.plan.n)
             self.tokens = value.get("tokens") if isinstance(value.get("tokens"), int) else 0
+            started = value.get("started")
+            if isinstance(started, int | float) and 0 < started <= now:
+                self.started = float(started)
+            self._last_row = now
+            self.until = -math.inf  # the saved claims count again once the claimer has checked them
             last = value.get("last")
             self.last = last if isinstance(last, int) and 0 <= last < self.plan.n else None
             self.current = None
@@ -198,13 +245,22 @@ class ChunkCursor:
                     and 0 <= offset // self.seq_len < self.plan.rows(chunk, self.seq_len)
                     and not done[chunk]
                 ):
-                    self.current = (chunk, offset // self.seq_len, now)
-            self.queue = [(c, now) for c in chunks if not done[c]]
+                    self.current = (chunk, offset // self.seq_len, dated.get(chunk, now))
+            self.queue = [(c, dated.get(c, now)) for c in chunks if not done[c]]
             self._cond.notify_all()
             held = ([self.current[0]] if self.current is not None else []) + [c for c, _ in self.queue]
         for chunk in held:
             self.train.prefetch(self.plan.shards[chunk])
         return True
+
+
+def _dates(raw: Any, now: float) -> dict[int, float]:
+    """The saved dates of our claims (chunk -> claimed at); a malformed or future one is left out."""
+    if not isinstance(raw, list):
+        return {}
+    items = [x for x in raw[:MAX_HELD] if isinstance(x, list) and len(x) == 2]
+    return {c: float(at) for c, at in items
+            if isinstance(c, int) and isinstance(at, int | float) and 0 < at <= now}  # fmt: skip
 
 
 def _b64(bits: np.ndarray) -> str:

@@ -33,6 +33,7 @@ class Case:
     done: tuple[int, ...] = ()
     held: tuple[tuple[int, float], ...] = ()
     after: int | None = None
+    avoid: tuple[int, ...] = ()
     want: Pick | None = None  # None: check only that the chunk is the first free from the start point
 
 
@@ -50,6 +51,9 @@ CASES = [
     Case("done marks of another epoch count not", records=(rec(A, epoch=1, done={1: bits(4)}),), after=3,
          want=Pick(0, 4)),
     Case("our held chunks are not picked twice", held=((4, NOW),), after=3, want=Pick(0, 5)),
+    Case("a chunk we just gave up is left to peers", avoid=(4,), after=3, want=Pick(0, 5)),
+    Case("the last chunk, just given up: wait for a peer to take it", done=tuple(range(7)), avoid=(7,),
+         want=Pick(0, None)),
     Case("all done: the next epoch, from its start point", done=tuple(range(N))),
     Case("the rest held by peers: wait (a dead claimant's chunks lapse to us)", done=tuple(range(6)),
          records=(rec(A, live=[(6, NOW - 10)]), rec(B, live=[(7, NOW - 10)])), want=Pick(0, None)),
@@ -60,12 +64,12 @@ CASES = [
     Case("in the next epoch, peers' claims there count", done=tuple(range(N)),
          records=(rec(A, epoch=1, live=[(c, NOW) for c in (0, 1)], done={0: bits(), 1: bits(*range(2, 8))}),),
          want=Pick(1, None, True)),
-]
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_pick_next(case: Case) -> None:
-    seen = ClaimsSeen(ME, 0, bits(*case.done), case.held, case.records, NOW, case.after)
+    seen = ClaimsSeen(ME, 0, bits(*case.done), case.held, case.records, NOW, case.after, avoid=frozenset(case.avoid))
     pick = pick_next(seen, N)
     if case.want is not None:
         assert pick == case.want
