@@ -12,6 +12,10 @@ chunk in that second read (choice.contested); a contested one is yielded, or, wh
 tie-break names us, held one more read (CONFIRM_AFTER seconds later) and taken if the rival's
 claim is gone. A race is settled before the chunk is trained. Claims restored from a saved
 position are checked at the first cycle.
+The peers' records count as far as their pace allows (pace.py); we hold ourselves to the same
+rule: a chunk of ours whose claim nears the end of its hold (training stalled that long) is given
+up before any reader counts it free, and not picked again until they have read us without it.
+Times are the cursor's clock (tests inject one).
 The position goes to the checkpoint folder after every cycle. A failed
 read decides from the records read last; a failed store is logged and tried at the next cycle.
 When the epoch ends for us the node says so in one log line and continues in the next one.
@@ -21,11 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,11 +40,13 @@ import numpy as np
 from swarm.data.choice import ClaimsSeen, Pick, contested, known_done, pick_next, rivals_of, winner
 from swarm.data.claims import CLAIM_TTL, MAX_LIVE, RECORD_TTL, ClaimRecord, decode_claim, encode_claim
 from swarm.data.cursor import ChunkCursor
+from swarm.data.pace import Limits, Seen, held_to_pace, hold_rate, overdue
 from swarm.dht.node import DHTNode
 from swarm.dht.records import owner_subkey
 from swarm.dht.run_keys import chunks_key
 from swarm.dht.run_records import record_entries
 from swarm.dht.store_retry import store_or_warn
+from swarm.p2p.peer_id import PeerID
 from swarm.utils.atomic import write_atomic
 from swarm.utils.supervised import Supervised
 
@@ -77,7 +83,13 @@ class DataProgress:
 class ChunkClaimer:
     def __init__(self, dht: DHTNode, run_id: str, cursor: ChunkCursor, config: ClaimerConfig) -> None:
         self.dht, self.key, self.cursor, self.config = dht, chunks_key(run_id), cursor, config
-        self.records: tuple[ClaimRecord, ...] = ()  # peers' records, as read last
+        self.records: tuple[ClaimRecord, ...] = ()  # peers' records, as read last and held to their pace
+        self.limits = Limits.of((), own_rate=0.0, own_epoch=cursor.epoch, own_started=cursor.started)
+        self.over_pace: set[tuple[PeerID, int]] = set()  # (peer, epoch) whose done marks ran ahead of its pace
+        self.given_up: dict[tuple[int, int], float] = {}  # (epoch, chunk) of ours past its hold -> when
+        self._first_claimed: dict[tuple[PeerID, int, int], float] = {}  # (peer, epoch, chunk): first claim date seen
+        self._first_seen: dict[tuple[PeerID, int], float] = {}  # (peer, epoch): when we first read its marks there
+        self.clock = cursor.clock
         self.stores = 0  # DHT stores of our record so far (one per cycle)
         self.yields = 0  # new claims we gave up because a peer claimed the same chunk
         self._yielded = False  # at the last cycle: the next pick starts from a salted point
@@ -112,15 +124,17 @@ class ChunkClaimer:
 
     async def cycle(self) -> None:
         await self._read()
-        if time.time() >= self._lapses_at:  # renewed too late (a stalled loop, a sleeping laptop):
+        if self.clock() >= self._lapses_at:  # renewed too late (a stalled loop, a sleeping laptop):
             # our claims lapsed meanwhile and a peer may have taken a chunk; it keeps it
             self._unconfirmed = frozenset(chunk for chunk, _ in self.cursor.held())
         if self._unconfirmed:
             self.cursor.drop(contested(self._seen(), self.cursor.epoch, self._unconfirmed))
             self._unconfirmed = frozenset()
+        self._drop_done_by_peers()
+        self._give_up_overdue()
         # a tentative claim is read again only CONFIRM_AFTER after it was made: its rivals need
         # that long to store their records without it (a cursor asking sooner wakes us sooner)
-        now = time.time()
+        now = self.clock()
         due = [claim for claim in self._tentative if claim[2] + CONFIRM_AFTER <= now]
         self._tentative = [claim for claim in self._tentative if claim[2] + CONFIRM_AFTER > now]
         self._settle(due, second=True)
@@ -130,6 +144,29 @@ class ChunkClaimer:
             await self._read()
             self._settle(pending, second=False)
         await self._save()
+
+    def _drop_done_by_peers(self) -> None:
+        """A chunk of ours that a peer's record marks done (it took the chunk while our claim had
+        lapsed, or once our readers stopped counting it) is never trained by us as well."""
+        seen = self._seen()
+        theirs = known_done(dataclasses.replace(seen, done=np.zeros_like(seen.done)), seen.epoch)
+        taken = frozenset(chunk for chunk, _ in self.cursor.held() if theirs[chunk])
+        if taken:
+            self.cursor.drop(taken)
+            logger.info("data: chunks %s of epoch %d, ours, were trained by a peer: dropped", sorted(taken), seen.epoch)
+
+    def _give_up_overdue(self) -> None:
+        """Drop our chunks whose claims near the end of their hold (pace.overdue): our training
+        stalled that long, and a reader will soon count the chunk free and claim it."""
+        c, now = self.cursor, self.clock()
+        late = overdue(c.held(), hold_rate(c.rate(), self.limits), c.plan, self.config.claim_ttl, now)
+        if not late:
+            return
+        c.drop(late)
+        for chunk in sorted(late):
+            self.given_up[(c.epoch, chunk)] = now
+            logger.warning("data: giving up chunk %d of epoch %d: its claim outlasted the time our pace allows "
+                           "(training stalled); a peer trains it", chunk, c.epoch)  # fmt: skip
 
     def _settle(self, claims: list[tuple[int, int, float]], *, second: bool) -> None:
         """Our new claims after a read: uncontested ones go to the cursor; contested ones are
@@ -160,8 +197,12 @@ class ChunkClaimer:
         c = self.cursor
         held = c.held() + tuple((chunk, at) for epoch, chunk, at in [*self._tentative, *extra] if epoch == c.epoch)
         after = None if self._yielded else c.last
-        return ClaimsSeen(self.dht.peer_id, c.epoch, c.done | c.seen, held, self.records, time.time(), after,
-                          self.yields)  # fmt: skip
+        now = self.clock()
+        # a chunk we gave up stays free for peers until each has read our record without it
+        avoid = frozenset(chunk for (e, chunk), at in self.given_up.items()
+                          if e == c.epoch and now < at + self.config.claim_ttl)  # fmt: skip
+        return ClaimsSeen(self.dht.peer_id, c.epoch, c.done | c.seen, held, self.records, now, after, self.yields,
+                          avoid)  # fmt: skip
 
     def _pick(self) -> list[tuple[int, int, float]]:
         """New claims (epoch, chunk, at) until the cursor would hold MAX_LIVE chunks."""
@@ -178,7 +219,7 @@ class ChunkClaimer:
             if pick.ended:
                 self._say_ended(pick)
             # the time as the record carries it: both sides of a race must compare the same numbers
-            pending.append((pick.epoch, pick.chunk, round(time.time(), 3)))
+            pending.append((pick.epoch, pick.chunk, round(self.clock(), 3)))
             if pick.epoch != self.cursor.epoch:
                 break
         return pending
@@ -192,16 +233,39 @@ class ChunkClaimer:
         entries = await record_entries(self.dht, self.key, "the run's chunk claims")
         if not entries:
             return
-        n, bits, now = self.cursor.plan.n, self.dht.config.id_bits, time.time()
+        n, bits, now = self.cursor.plan.n, self.dht.config.id_bits, self.clock()
         records = [decode_claim(subkey, value, n=n, id_bits=bits, now=now) for subkey, value in entries]
-        self.records = tuple(r for r in records if r is not None and r.owner != self.dht.peer_id)
+        self.records = self._held_to_pace([r for r in records if r is not None and r.owner != self.dht.peer_id], now)
         for record in self.records:
             bits_ = record.done_in(self.cursor.epoch)
             if bits_ is not None:
                 self.cursor.merge_seen(self.cursor.epoch, bits_)
 
+    def _held_to_pace(self, records: list[ClaimRecord], now: float) -> tuple[ClaimRecord, ...]:
+        """The peers' records as far as their pace allows (pace.py); a peer whose done marks run
+        ahead of it is logged once per epoch."""
+        c = self.cursor
+        self.limits = limits = Limits.of(records, own_rate=c.rate(), own_epoch=c.epoch, own_started=c.started)
+        claimed = {(r.owner, r.epoch, chunk): at for r in records for chunk, at in r.live_at(now)}
+        # a claimant that re-dates its claim keeps the first date we saw; memory of claims still read only
+        self._first_claimed = {key: min(at, self._first_claimed.get(key, at)) for key, at in claimed.items()}
+        present = {(r.owner, e) for r in records for e in r.done}
+        self._first_seen = {key: self._first_seen.get(key, now) for key in present}
+        judged = []
+        for record in records:
+            first_seen = {e: t for (o, e), t in self._first_seen.items() if o == record.owner}
+            mine = {ch: at for (o, e, ch), at in self._first_claimed.items() if (o, e) == (record.owner, record.epoch)}
+            held = held_to_pace(record, limits, c.plan, Seen(first_seen, mine), self.config.claim_ttl, now)
+            for epoch, bits in record.done.items():
+                if int(held.done[epoch].sum()) < int(bits.sum()) and (record.owner, epoch) not in self.over_pace:
+                    self.over_pace.add((record.owner, epoch))
+                    logger.warning("data: peer %s marks %d chunks done in epoch %d, more than its pace allows: "
+                                   "the rest are trained again", record.owner, int(bits.sum()), epoch)  # fmt: skip
+            judged.append(held)
+        return tuple(judged)
+
     async def _store(self, *, extra: Sequence[tuple[int, int, float]] = (), release: bool = False) -> None:
-        c, now = self.cursor, time.time()
+        c, now = self.cursor, self.clock()
         claims = [*self._tentative, *extra]
         live = () if release else c.held() + tuple((chunk, at) for epoch, chunk, at in claims if epoch == c.epoch)
         epoch = c.epoch
@@ -210,10 +274,14 @@ class ChunkClaimer:
         done = {epoch: c.done} if epoch == c.epoch else {epoch: np.zeros_like(c.done), c.epoch: c.done}
         if epoch == c.epoch and c.previous is not None:
             done[epoch - 1] = c.previous
-        record = ClaimRecord(self.dht.peer_id, epoch, tuple(live), now + self.config.claim_ttl, done, c.tokens)
+        started = c.started if epoch == c.epoch else now
+        record = ClaimRecord(self.dht.peer_id, epoch, tuple(live), now + self.config.claim_ttl, done, c.tokens,
+                             c.rate() if epoch == c.epoch else 0.0, started)  # fmt: skip
         value = encode_claim(record, c.plan.n, self.dht.id_nonce)
         self.stores += 1
         self._lapses_at = record.until
+        if not release:
+            c.renewed(record.until)
         await store_or_warn(self.dht, self.key, value, now + RECORD_TTL, owner_subkey(self.dht.peer_id),
                             kind="chunk claims", within=self.config.renew)  # fmt: skip
 
@@ -233,7 +301,7 @@ class ChunkClaimer:
         value = await asyncio.to_thread(_read_json, path)
         if value is None:
             return
-        if self.cursor.restore(value, round(time.time(), 3)):
+        if self.cursor.restore(value, round(self.clock(), 3)):
             self._unconfirmed = frozenset(chunk for chunk, _ in self.cursor.held())
             logger.info("data: resuming at epoch %d, %d chunks of ours done", self.cursor.epoch, self.cursor.done.sum())
         else:
