@@ -4,15 +4,12 @@ wrapped model's architecture and initial state (peers of one run build the same 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from swarm_kernels import as_memoryview
-
-if TYPE_CHECKING:
-    from swarm.model.diloco import DiLoCo
 
 
 def state_sha256(state: dict[str, Any]) -> str:
@@ -34,7 +31,18 @@ def tensors_sha256(tensors: Iterable[torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def model_fingerprint(diloco: DiLoCo) -> tuple[str, str]:
+class Wrapped(Protocol):
+    """What model_fingerprint reads of a DiLoCo (named so, not imported: diloco.py uses these digests)."""
+
+    @property
+    def names(self) -> Sequence[str]: ...
+    @property
+    def params(self) -> Sequence[torch.Tensor]: ...
+    @property
+    def outer_params(self) -> Sequence[torch.Tensor]: ...
+
+
+def model_fingerprint(diloco: Wrapped) -> tuple[str, str]:
     """(architecture, initial state) of a wrapped model as short hex digests: its trainable
     parameters' names, shapes and dtypes, and θ_outer's bytes. Equal on two processes that
     build the same model from the same seed."""

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from swarm.utils.tensor_layout import split
+from swarm.utils.tensor_layout import flatten, split
 from swarm_kernels import Codec, MalformedPayload, as_uint8, get_codec
 
 MAGIC = b"SWU1"
@@ -52,7 +52,7 @@ def encode_update(tensors: Sequence[torch.Tensor], codec: str, block_size: int) 
     if codec not in CODECS:
         codec = "none"
     block = block_size if codec in ("int8", "int4", "int2") else RAW_BLOCK
-    flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
+    flat = flatten(tensors)
     n = flat.numel()
     coder = _codec_of(codec, block)
     payload = coder.encode(flat)
