@@ -377,8 +377,8 @@ class SwarmNode:
         while True:
             await asyncio.sleep(self.config.publish_interval)
             self.events.network(view.ctx.keeper)
-            if claimer is not None:
-                self.events.data(node_progress(claimer).wire())
+            if claimer is not None:  # up to 1,000 peers' done bitmaps folded: off the event loop
+                self.events.data((await asyncio.to_thread(node_progress, claimer)).wire())
             await view.publish()
             await view.ctx.book.refresh()
 

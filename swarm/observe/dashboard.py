@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from importlib import resources
 from typing import Any
 
+from swarm.data.progress import read_progress
 from swarm.dht.config import DHTConfig
 from swarm.dht.errors import DHTError
 from swarm.dht.node import DHTNode, user_value
@@ -57,7 +58,8 @@ class Dashboard:
                  lazy: bool = False, dht_config: DHTConfig | None = None) -> None:  # fmt: skip
         if interval <= 0 or timeout <= 0:
             raise ValueError("interval and timeout must be > 0")
-        self.view = RunView(run_id, dht_config)
+        self.view = RunView(run_id)
+        self.dht_config = dht_config or DHTConfig()  # the proof a claim record needs, and how many are read
         self.read, self.interval, self.timeout, self.lazy = read, interval, timeout, lazy
         self._poller = Supervised(f"dashboard of run {run_id!r}", self._poll_forever)
         self._page = page_template()
@@ -84,7 +86,11 @@ class Dashboard:
         except (P2PError, DHTError, OSError, ValueError, asyncio.TimeoutError, TimeoutError) as e:
             self.view.failed(f"could not read the DHT: {e or type(e).__name__}")
         else:
-            self.view.update(nodes, holders, time.time(), chunks)
+            now, config = time.time(), self.dht_config
+            # up to 1,000 claim records of up to 16 KiB of bitmap each: decoded off the event loop
+            data = await asyncio.to_thread(read_progress, chunks, id_bits=config.id_bits,
+                                           max_records=config.max_subkeys_per_key, now=now)  # fmt: skip
+            self.view.update(nodes, holders, now, data)
         self._render()
 
     async def _poll_forever(self) -> None:

@@ -1,15 +1,16 @@
 """RunView: what the dashboard shows of a run, folded from the run's DHT records (pure, no I/O).
 
-    view = RunView("demo", DHTConfig())
+    view = RunView("demo")
     view.update(nodes=[(subkey, value), ...], holders=[(subkey, value), ...], now=time.time(),
-                chunks=[(subkey, value), ...])
+                data=read_progress(chunk_entries, ...))   # data/progress.py; None: no prepared data
     view.snapshot()   # the JSON the page draws: settings, nodes, loss curve, throughput, holders,
-                      # bytes, and the swarm's way through its data (None: no prepared data)
+                      # bytes, and the swarm's way through its data
 
 The records are peers' input: the core fields go through progress.decode_progress and
 holders.decode_holder (a malformed record is skipped), the chunk claims through
-data/progress.read_progress (held to what a node's claim reader holds them to), display fields
-are shown only when they are numbers in range, and every list the view keeps is bounded. What
+data/progress.read_progress before they get here (the dashboard decodes them in a thread),
+display fields are shown only when they are numbers in range, and every list the view keeps is
+bounded. What
 the records cannot say, the view remembers across updates: the loss curve past each record's
 last EVAL_HISTORY points, the swarm's throughput over time, and the bytes moved by nodes that
 have since left.
@@ -20,11 +21,10 @@ from __future__ import annotations
 import math
 import statistics
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
-from swarm.data.progress import EpochProgress, read_progress
-from swarm.dht.config import DHTConfig
+from swarm.data.progress import EpochProgress
 from swarm.node.progress import PeerProgress, decode_progress
 from swarm.node.settings import run_settings
 from swarm.p2p.reach import reach_of
@@ -41,9 +41,8 @@ MAX_TOKENS_PER_S = 1e12
 class RunView:
     """The dashboard's state of one run: `update` with each read of the DHT, `snapshot` to draw."""
 
-    def __init__(self, run_id: str, dht_config: DHTConfig | None = None) -> None:
+    def __init__(self, run_id: str) -> None:
         self.run_id = run_id
-        self.dht_config = dht_config or DHTConfig()  # the proof a claim record needs, and how many are read
         self.nodes: list[dict[str, Any]] = []
         self.settings: dict[str, Any] | None = None
         self.holders: list[dict[str, Any]] = []
@@ -55,8 +54,9 @@ class RunView:
         self.data: EpochProgress | None = None  # the swarm's way through its prepared data
 
     def update(self, nodes: Iterable[tuple[Any, Any]], holders: Iterable[tuple[Any, Any]], now: float,
-               chunks: Sequence[tuple[Any, Any]] = ()) -> None:  # fmt: skip
-        """Fold in one read of `<run>/nodes`, `<run>/state` and `<run>/chunks` (subkey, value) entries."""
+               data: EpochProgress | None = None) -> None:  # fmt: skip
+        """Fold in one read of `<run>/nodes` and `<run>/state` (subkey, value) entries, and the
+        progress read from `<run>/chunks`."""
         rows: list[dict[str, Any]] = []
         peers: list[PeerProgress] = []
         for subkey, value in nodes:
@@ -78,8 +78,7 @@ class RunView:
             ({"peer_id": str(h.peer_id), "step": h.step, "manifest": h.manifest[:12], "bytes": max(0, h.nbytes)}
              for h in decoded if h is not None), key=lambda h: (-h["step"], h["peer_id"]),
         )[:MAX_NODES_SHOWN]  # fmt: skip
-        config = self.dht_config
-        self.data = read_progress(chunks, id_bits=config.id_bits, max_records=config.max_subkeys_per_key, now=now)
+        self.data = data
         self.updated, self.error = now, None
 
     def failed(self, reason: str) -> None:

@@ -80,3 +80,44 @@ async def test_a_lazy_dashboard_reads_nothing_until_asked() -> None:
     dashboard.routes()["/"]("")  # closed: asking again starts nothing
     await asyncio.sleep(0.2)
     assert reads == after
+
+
+async def test_the_swarms_way_through_its_data_from_the_chunk_claims() -> None:
+    """`data`: the run's chunk claims, read off the event loop as a node's claim reader reads them."""
+    import time
+
+    import numpy as np
+
+    from swarm.data.chunks import CHUNK_TOKENS
+    from swarm.data.claims import ClaimRecord, encode_claim
+    from swarm.dht.config import DHTConfig
+    from swarm.dht.id_proof import solve
+
+    n, now, bits = 8, time.time(), 4
+    peers = [Identity.from_seed(bytes([i]) * 32).peer_id for i in (1, 2, 3)]
+
+    def claim(i: int, done: list[int], tokens: int, proof_bits: int = bits) -> tuple[object, object]:
+        marks = np.zeros(n, dtype=bool)
+        marks[done] = True
+        rec = ClaimRecord(peers[i], 0, ((7 - i, now - 1),), now + 30, {0: marks}, tokens)
+        return owner_subkey(peers[i]), encode_claim(rec, n, solve(peers[i], proof_bits))
+
+    chunks: Entries = []
+
+    async def read() -> tuple[Entries, Entries, Entries]:
+        return [(owner_subkey(PEER), RECORD)], [], chunks
+
+    dashboard = Dashboard("demo", read, dht_config=DHTConfig(id_bits=bits))
+    await dashboard.poll_once()
+    assert json.loads(dashboard.routes()["/api/run"]("").body)["data"] is None  # the built-in corpus: no section
+    chunks += [claim(0, [0, 1], 300), claim(1, [2], 1 << 40), claim(2, [3, 4, 5], 100, proof_bits=0)]
+    await dashboard.poll_once()
+    # the third record has no proof of a costly id: it counts for nothing; the second's tokens are
+    # capped at a whole chunk for each chunk it trained or holds
+    assert json.loads(dashboard.routes()["/api/run"]("").body)["data"] == {
+        "epoch": 0, "chunks_done": 3, "chunks": n, "share": 0.375, "tokens": 300 + 2 * CHUNK_TOKENS, "nodes": 2,
+        "claiming": 2}  # fmt: skip
+    chunks.clear()  # the claims gone from the DHT: the section goes
+    await dashboard.poll_once()
+    assert json.loads(dashboard.routes()["/api/run"]("").body)["data"] is None
+    await dashboard.close()

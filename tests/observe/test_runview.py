@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-from swarm.data.chunks import CHUNK_TOKENS
 from swarm.dht.records import owner_subkey
 from swarm.observe import runview
 from swarm.observe.runview import RunView
@@ -69,33 +68,3 @@ def test_what_the_view_remembers_is_bounded(monkeypatch) -> None:
         view.update([(owner_subkey(PEERS[i]), record(i, evals=evals))], [], now=1000.0 + i)
     assert [s for s, _ in view.snapshot()["curve"]] == list(range(50, 60))
     assert len(view.moved) == 2
-
-
-def test_the_swarms_way_through_its_data_from_the_chunk_claims() -> None:
-    import numpy as np
-
-    from swarm.data.claims import ClaimRecord, encode_claim
-    from swarm.dht.config import DHTConfig
-    from swarm.dht.id_proof import solve
-
-    n, now, bits = 8, 1000.0, 4
-    view = RunView("demo", DHTConfig(id_bits=bits))
-    view.update([(owner_subkey(PEERS[0]), record(1))], [], now=now)
-    assert view.snapshot()["data"] is None  # the built-in corpus: no claims, no data section
-
-    def claim(i: int, done: list[int], tokens: int, proof_bits: int = bits) -> tuple[object, object]:
-        marks = np.zeros(n, dtype=bool)
-        marks[done] = True
-        rec = ClaimRecord(PEERS[i], 0, ((7 - i, now - 1),), now + 30, {0: marks}, tokens)
-        return owner_subkey(PEERS[i]), encode_claim(rec, n, solve(PEERS[i], proof_bits))
-
-    chunks = [claim(0, [0, 1], 300), claim(1, [2], 1 << 40), claim(2, [3, 4, 5], 100, proof_bits=0)]
-    view.update([(owner_subkey(PEERS[0]), record(1))], [], now=now, chunks=chunks)
-    snap = view.snapshot()
-    json.dumps(snap, allow_nan=False)
-    # the third record has no proof of a costly id: it counts for nothing; the second's tokens are
-    # capped at a whole chunk for each chunk it trained or holds
-    assert snap["data"] == {"epoch": 0, "chunks_done": 3, "chunks": n, "share": 0.375,
-                            "tokens": 300 + 2 * CHUNK_TOKENS, "nodes": 2, "claiming": 2}  # fmt: skip
-    view.update([], [], now=now + 120)  # claims gone from the DHT: the section goes
-    assert view.snapshot()["data"] is None
