@@ -168,6 +168,7 @@ class ProgressBook:
         self.read_ok = False  # the last read found records (ours at least, once published)
         self.run_id = run_id
         self._listed_at = -math.inf  # when we last listed our run under RUNS_KEY
+        self.stored_at = -math.inf  # the time in our last record that a DHT peer accepted
 
     @property
     def fresh_for(self) -> float:
@@ -182,6 +183,8 @@ class ProgressBook:
         subkey = owner_subkey(self.dht.peer_id)
         accepted = await store_or_warn(self.dht, self.key, own.encode(now), expiration, subkey, kind="progress",
                                        within=self.publish_interval)  # fmt: skip
+        if accepted > 0:
+            self.stored_at = now
         if now - self._listed_at >= RUN_LISTING_INTERVAL:  # after the progress: peers wait on that one
             self._listed_at = now
             await self._list_run(own, now)

@@ -43,7 +43,7 @@ class SwarmView:
         return Facts(step=ctx.diloco.outer_step, inner_steps=ctx.config.inner_steps, own_sec=pace,
                      client=ctx.client, peers=tuple(peers), now=now, fresh_for=ctx.book.fresh_for,
                      late=self.facts.late, watched_for=now - ctx.book.first_read,
-                     sees_peers=ctx.book.read_ok)  # fmt: skip
+                     sees_peers=ctx.book.read_ok, own_record_age=now - ctx.book.stored_at)  # fmt: skip
 
     def horizon(self) -> int | None:
         """The highest outer step the run can have reached by now (trust.step_horizon), from the
