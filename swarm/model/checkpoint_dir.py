@@ -42,7 +42,7 @@ from swarm.model.checkpoint import (
     state_from_shards,
     verify_shard,
 )
-from swarm.utils.atomic import write_atomic
+from swarm.utils.atomic import fsync_path, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -77,13 +77,13 @@ class CheckpointDir:
             _write_synced(temp / LINEAGE_FILE, lineage)
         if local:
             _write_synced(temp / LOCAL_FILE, safetensors_save({k: v.contiguous() for k, v in local.items()}))
-        _fsync_dir(temp)
+        fsync_path(temp)
         if final.exists():  # the same step written again (after a restart): replace it whole
             shutil.rmtree(final)
         os.rename(temp, final)
-        _fsync_dir(self.path)
+        fsync_path(self.path)
         write_atomic(self.path / "LATEST", final.name.encode())
-        _fsync_dir(self.path)
+        fsync_path(self.path)
         self._prune(keep_also=final.name)
         return final
 
@@ -160,11 +160,3 @@ def _write_synced(path: Path, data: bytes | bytearray | memoryview) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -6,7 +6,7 @@ name, never half of one. The temporary name, `.<name>.tmp-<pid>-<thread>`, is on
 own (two threads or processes writing the same file never share it) and starts with a dot, so
 listings skip it and a cleaner can tell a killed writer's leftovers (model/prepare.py removes
 them). The directory entry itself is not fsynced here: a caller that needs the rename to
-survive a power cut fsyncs the directory (model/checkpoint_dir.py does).
+survive a power cut fsyncs the directory with fsync_path (model/checkpoint_dir.py does).
 """
 
 from __future__ import annotations
@@ -32,11 +32,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
     temp = temp_path(path)
     try:
         yield temp
-        fd = os.open(temp, os.O_RDWR)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(temp)
         os.replace(temp, path)
     finally:
         temp.unlink(missing_ok=True)
@@ -51,3 +47,12 @@ def write_atomic(path: Path, data: bytes | bytearray | memoryview, *, mode: int 
             if mode is not None:
                 os.fchmod(f.fileno(), mode)  # exactly `mode`, whatever the umask
             f.write(data)
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file, or a folder (its entries: a rename into it), by name."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
