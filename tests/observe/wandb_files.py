@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,11 +23,19 @@ class OfflineRun:
     run_id: str = ""
     config: dict[str, Any] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)  # one dict per log, with "_step"
+    finished: bool = False  # its exit record is written
 
 
-def offline_runs(wandb_dir: Path) -> list[OfflineRun]:
-    """Every offline run under WANDB_DIR, in the order of their folders' names."""
-    return [read_run(path) for path in sorted(wandb_dir.glob("wandb/offline-run-*/run-*.wandb"))]
+def offline_runs(wandb_dir: Path, wait: float = 30.0) -> list[OfflineRun]:
+    """Every offline run under WANDB_DIR, in the order of their folders' names, once each holds
+    its exit record: wandb's service process writes the file, and under load it may still be
+    flushing it when the run's finish() has returned (at most `wait` seconds)."""
+    deadline = time.monotonic() + wait
+    while True:
+        runs = [read_run(path) for path in sorted(wandb_dir.glob("wandb/offline-run-*/run-*.wandb"))]
+        if all(run.finished for run in runs) or time.monotonic() > deadline:
+            return runs
+        time.sleep(0.2)
 
 
 def read_run(path: Path) -> OfflineRun:
@@ -41,6 +50,8 @@ def read_run(path: Path) -> OfflineRun:
             r = record.run
             run.project, run.group, run.name, run.run_id = r.project, r.run_group, r.display_name, r.run_id
             run.config.update({item.key: json.loads(item.value_json) for item in r.config.update})
+        elif kind == "exit":
+            run.finished = True
         elif kind == "history":
             run.history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                                 for item in record.history.item})  # fmt: skip
