@@ -31,6 +31,7 @@ not deterministic: group timing varies); the baselines are deterministic and run
     python -m scripts.bench.diloco --steps 100 --configs H50_int8 --json
     python -m scripts.bench.diloco --nodes 2 --batch-size 4 --steps 100 --configs H50_int8 --nproc-per-node 2
     sudo python -m scripts.bench.diloco --link 20mbit --configs H50_int8   # on shaped links
+    python -m scripts.bench.diloco --steps 300 --configs H50_int8 --busy 8  # quiet, then beside 8 busy processes
 
 `--link RATE` (as root) puts each swarm-node and the bootstrap `swarm-dht serve` in a network
 namespace of its own behind a link shaped to RATE both ways (swarm.netlab, as `swarm-sim --link`;
@@ -62,6 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from scripts.bench.busy_machine import busy_lines, busy_results, group_misses
 from scripts.experiments.diloco_sim import Workload, gap_closed, node_identity
 from scripts.experiments.diloco_sweep import Cache, run_baselines
 from scripts.tools.hiccup import Hiccup
@@ -352,6 +354,7 @@ def summarize(config: SwarmConfig, per_node: list[list[dict[str, Any]]]) -> dict
         "eval_losses": losses,
         "states_agree": len({sha for _, sha, _ in ends}) == 1,
         "full_group_share": statistics.fmean(sum(s == n for s in sizes) / len(sizes) for sizes in group_sizes),
+        "misses": group_misses(per_node, n),  # each node-step outside a full group, and why
         "fetches": [count for count, _, _ in fetched],  # states taken from peers (a missed group, a newcomer)
         "fetches_by_update": [by_update for _, by_update, _ in fetched],  # of them: by the step's update
         "fetched_bytes": [nbytes for _, _, nbytes in fetched],
@@ -502,6 +505,9 @@ def main() -> None:
     parser.add_argument("--links", metavar="R1,R2,...", help="as --link, one rate per node (as many as --nodes)")
     parser.add_argument("--hiccup", metavar="NODE:AT:FOR", type=Hiccup.parse,
                         help="node NODE stops (SIGSTOP) AT seconds after the nodes start, for FOR seconds")  # fmt: skip
+    parser.add_argument("--busy", type=int, default=0, metavar="N",
+                        help="run each configuration again beside N processes that spin a core each, and compare "
+                        "with the quiet run (scripts/bench/busy_machine.py)")  # fmt: skip
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--nproc-per-node", type=int, default=1,
                         help="N > 1: compare nodes of N ranks with nodes of 1 (same node batch): tokens/s, "
@@ -550,25 +556,34 @@ def main() -> None:
         print(json.dumps(res) if args.json else print_ranks(res))
         return
     runs: dict[str, list[dict[str, Any]]] = {}
-    for config in configs:
-        for attempt in range(args.repeat):
-            log(f"swarm {config.name} run {attempt + 1}/{args.repeat} ...")
+    busy_runs: dict[str, list[dict[str, Any]]] = {}
+    for config, attempt, busy in [
+        (c, a, b) for c in configs for b in sorted({0, args.busy}) for a in range(args.repeat)
+    ]:
+        log(
+            f"swarm {config.name} run {attempt + 1}/{args.repeat}{f' beside {busy} busy processes' if busy else ''} ..."
+        )
+        with process_control.busy(busy):
             summary = run_swarm(workload, config, options, timeout, keep, rates, args.hiccup)
-            runs.setdefault(config.name, []).append(summary)
-            log(f"  eval {summary['eval_loss']:.4f}, sent {statistics.fmean(summary['bytes_sent']) / 1e6:.2f} MB/node, "
-                f"utilization {statistics.fmean(summary['utilization']):.1%}, "
-                f"full groups {summary['full_group_share']:.0%}, fetches {sum(summary['fetches'])} "
-                f"({sum(summary['fetches_by_update'])} by update, {sum(summary['fetched_bytes']) / 1e6:.1f} MB), "
-                f"all-reduce {statistics.fmean(summary['round_s']):.2f}s/step, {summary['run_s']:.0f}s")  # fmt: skip
+        (busy_runs if busy else runs).setdefault(config.name, []).append(summary)
+        log(f"  eval {summary['eval_loss']:.4f}, sent {statistics.fmean(summary['bytes_sent']) / 1e6:.2f} MB/node, "
+            f"utilization {statistics.fmean(summary['utilization']):.1%}, "
+            f"full groups {summary['full_group_share']:.0%}, fetches {sum(summary['fetches'])} "
+            f"({sum(summary['fetches_by_update'])} by update, {sum(summary['fetched_bytes']) / 1e6:.1f} MB), "
+            f"all-reduce {statistics.fmean(summary['round_s']):.2f}s/step, {summary['run_s']:.0f}s")  # fmt: skip
     if args.skip_baselines:
         baselines = {"ddp": float("nan"), "alone": float("nan")}
     else:
         baselines = run_baselines(Cache(args.cache), workload, options.lr, options.warmup_steps, log)
     res = results(workload, baselines, runs, rates)
+    if args.busy:
+        res["busy"] = busy_results(runs, busy_runs, args.busy)
     if args.json:
         print(json.dumps(res))
     else:
         print_table(res)
+        if args.busy:
+            print("\n".join(busy_lines(res["busy"])))
 
 
 def link_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Rate] | None:

@@ -18,7 +18,6 @@ import random
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -188,8 +187,7 @@ class Soak:
         up = self.up()
         keep = max(3, self.config.nodes // 2)
         if churn.kind == LOAD:
-            self.busy = [self._spawn([sys.executable, "-c", "while True: pass"], self.config.run_dir / "busy.log")
-                         for _ in range(os.cpu_count() or 1)]  # fmt: skip
+            self.busy = process_control.start_busy(os.cpu_count() or 1)
             self.timers.append((time.monotonic() + churn.seconds, "unload", self.slots[0]))
             self.note(LOAD, None, seconds=churn.seconds, processes=len(self.busy))
             return True

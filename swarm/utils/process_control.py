@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -323,3 +323,22 @@ def stop(
 def kill(proc: subprocess.Popen[Any], *, group: bool = False, reap_s: float | None = REAP_S) -> int | None:
     """SIGKILL the child if it still runs (no goodbye) and reap it; its exit code."""
     return stop(proc, 0.0, term=None, group=group, reap_s=reap_s)
+
+
+BUSY_LOOP = "while True: pass"  # one core's worth of load, until stopped
+
+
+def start_busy(count: int, *, stdout: Stdio = subprocess.DEVNULL) -> list[subprocess.Popen[Any]]:
+    """`count` processes that each spin a core until stopped: the load of a busy machine beside
+    a swarm (the benchmarks' --busy, the soak's load bursts, tests of timing under load)."""
+    return [start([sys.executable, "-c", BUSY_LOOP], stdout=stdout, stderr=stdout) for _ in range(count)]
+
+
+@contextlib.contextmanager
+def busy(count: int) -> Iterator[list[subprocess.Popen[Any]]]:
+    """start_busy for the length of a block; they are stopped by PID when it ends, however it ends."""
+    procs = start_busy(count)
+    try:
+        yield procs
+    finally:
+        stop_all(procs, 5.0)

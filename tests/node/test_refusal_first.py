@@ -4,11 +4,8 @@ line and comes in seconds even beside a training swarm on a machine under CPU lo
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -17,17 +14,6 @@ from swarm.utils.process_control import console_script
 from tests.node.conftest import ENV, FAST, LOOPBACK, Swarm
 
 REFUSAL_S = 3.0
-BUSY = "while True: pass"  # one core's worth of load until stopped
-
-
-@contextlib.contextmanager
-def busy_loops() -> Iterator[None]:
-    """Two processes that spin a core each, started and stopped by the test."""
-    procs = [process_control.start([sys.executable, "-c", BUSY], env=ENV) for _ in range(2)]
-    try:
-        yield
-    finally:
-        process_control.stop_all(procs, 5.0)
 
 
 @pytest.mark.swarm
@@ -37,7 +23,7 @@ def test_a_node_of_other_settings_is_refused_first_and_in_seconds_beside_a_busy_
     swarm.node("first", "--run-id", "busy", "--inner-steps", "5")
     # its progress record is in the DHT once it has published one (a network event goes with each)
     swarm.wait_for(lambda: bool(swarm.events("first", "network")), 180, "the first node's progress record")
-    with busy_loops():
+    with process_control.busy(2):
         began = time.monotonic()
         refused = subprocess.run(
             [console_script("swarm-node"), "--run-id", "busy", "--inner-steps", "7", "--initial-peers", bootstrap,

@@ -236,3 +236,20 @@ def test_console_script_finds_the_installed_commands() -> None:
         assert os.access(process_control.console_script(name), os.X_OK)
     with pytest.raises(FileNotFoundError, match="no-such-command is not installed"):
         process_control.console_script("no-such-command")
+
+
+def test_busy_processes_spin_while_the_block_runs_and_are_stopped_when_it_fails() -> None:
+    with pytest.raises(RuntimeError), process_control.busy(2) as procs:
+        pids = [p.pid for p in procs]
+
+        def user_ticks(pid: int) -> int:  # user CPU time in clock ticks (proc(5): field 14)
+            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11])
+
+        deadline = time.monotonic() + 30  # a busy machine gives them a tick late, never none
+        while not all(user_ticks(pid) > 0 for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(user_ticks(pid) > 0 for pid in pids)  # they spin
+        assert all(p.poll() is None for p in procs)  # and still run
+        raise RuntimeError("the block failed")
+    assert all(p.returncode is not None for p in procs)  # stopped and reaped
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
