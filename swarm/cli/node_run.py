@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,9 @@ def check_wandb(project: str) -> None:
 
     if not project or "/" in project:
         raise click.BadParameter("a wandb project is a non-empty name without '/'", param_hint="--wandb")
+    # wandb would prompt for a missing API key from the logger's worker thread, and print over
+    # the live panel: silent, it says what fails in an exception, which the logger logs in one line
+    os.environ.setdefault("WANDB_SILENT", "true")
     try:
         import_wandb()
     except WandbMissing as e:

@@ -12,6 +12,10 @@ labels (peer, run, model, device) are the wandb run's config. One wandb run per 
 by the swarm run's id (`group=`) and named by the node's PeerID; its id is derived from both, so
 that a node that restarts with its identity goes on in its own wandb run.
 
+wandb must be logged in beforehand (`wandb login`, or WANDB_API_KEY), or run offline
+(WANDB_MODE=offline, then `wandb sync`): swarm-node sets WANDB_SILENT, so that wandb never
+prompts for a key from its worker thread (that fails instead) nor prints over the node's panel.
+
 Training never waits on wandb: its calls (`init` starts a service process, `log` may block on
 it) run in one worker thread, fed through a bounded queue, and the event loop only enqueues (a
 full queue drops the newest figures, logged once). A wandb failure is a warning line, never an
@@ -62,7 +66,8 @@ class WandbLogger:
         self._wandb = import_wandb()
         self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue(MAX_PENDING)
         self._worker = threading.Thread(target=self._work, name="wandb", daemon=True)
-        self._started = False
+        self._started = False  # the start event came: the worker runs (until close)
+        self._closed = False
         self._dropped = 0
         self.logged = 0  # logs wandb accepted (the worker's count)
         self.failed: str | None = None  # why the wandb run stopped logging (None: it did not)
@@ -71,7 +76,7 @@ class WandbLogger:
         if self._feed:
             self.metrics(event)
         kind = event.get("event")
-        if kind == "start" and not self._started:
+        if kind == "start" and not self._started and not self._closed:
             self._started = True
             self._worker.start()
             self._put(("init", _init_args(self.project, event)))
@@ -81,6 +86,7 @@ class WandbLogger:
     def close(self, timeout: float = FINISH_WAIT) -> None:
         """Finish the wandb run: the worker logs what is queued, then calls finish (at most
         `timeout` seconds; a worker still stuck in wandb is left behind, a daemon thread)."""
+        self._closed = True
         if not self._started:
             return
         self._started = False
@@ -109,7 +115,10 @@ class WandbLogger:
                 continue
             try:
                 if kind == "init":
-                    run = self._wandb.init(**value)
+                    # console="off": wandb leaves the node's stdout and stderr (its live panel) alone
+                    run = self._wandb.init(**value, settings=self._wandb.Settings(console="off"))
+                    logger.info("wandb: logging to run %s of project %r at %s", run.id, self.project,
+                                run.url or run.dir)  # fmt: skip
                 elif run is not None:
                     figures, step = value
                     run.log(figures, step=step)
