@@ -183,6 +183,16 @@ class OuterLoop:
             ctx.inner.start_step(0)
             await self.view.publish()  # "done with this step's inner steps": the group expects us
             found = await self.groups.matchmake(step, weight=0.0, gather=LATE_GATHER, joining=True)
+            if found.group is None and not (found.late or found.other_state):
+                # the group may have been made final a moment before our join (its FORMED markers
+                # are stored after it): look once more before training a whole step behind it
+                # (16 nodes under load: 7 trained each step while the other 9 averaged it, and
+                # fetched its result, one step behind for the whole run)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(ctx.stop.wait(), RESULT_POLL)
+                if ctx.stop.is_set():
+                    return step, None
+                found = await self.groups.matchmake(step, weight=0.0, gather=LATE_GATHER, joining=True)
             if found.group is not None or found.late or found.other_state:
                 return step, found
             # nobody took us in: the records that showed our step's peers matchmaking were stale,
