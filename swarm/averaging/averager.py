@@ -40,7 +40,7 @@ from swarm.averaging.rounds.bandwidth import LinkEstimate
 from swarm.averaging.rounds.flat import AllReduceRound
 from swarm.averaging.rounds.grid import GridRound
 from swarm.averaging.rounds.registry import RoundRegistry
-from swarm.averaging.rounds.timeouts import RoundClock, group_part_timeout
+from swarm.averaging.rounds.timeouts import RoundClock, group_part_timeout, measures_link
 from swarm.dht.node import DHTNode
 from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
@@ -201,7 +201,9 @@ class Averager:
             self.exclude(e.owners, str(e))
             raise
         self.exclude(rr.audit_excluded, "it misstated our contribution to its part")
-        self.link.observe(rr.up, rr.down, rr.busy, paced=pace is not None, timed_out=rr.total_s >= timeout)
+        # lasted: since the group formed, when the other members' waits began too (timeouts.measures_link)
+        lasted = rr.total_s if formed_at is None else max(rr.total_s, time.monotonic() - formed_at)
+        self.link.observe(rr.up, rr.down, rr.busy, paced=pace is not None, timed_out=not measures_link(lasted, timeout))
         self.clock.observe(rr.total_s)
         report = GroupReport(
             group.group_id.hex(),

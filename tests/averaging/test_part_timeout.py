@@ -8,6 +8,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import torch
@@ -21,10 +22,12 @@ from swarm.averaging.rounds.timeouts import (
     RoundClock,
     derived_part_timeout,
     group_part_timeout,
+    measures_link,
     quantile,
 )
 from swarm.p2p import PeerID
 from swarm.p2p.errors import BadRequest
+from swarm.p2p.identity import Identity
 from tests.averaging.rounds import averagers
 
 CEILING = 60.0
@@ -80,6 +83,24 @@ def test_the_clock_remembers_completed_rounds_only() -> None:
 )
 def test_group_part_timeout(announced: tuple[float, ...], ceiling: float, expected: float, why: str) -> None:
     assert group_part_timeout(announced, ceiling) == expected, why
+
+
+@pytest.mark.parametrize(
+    ("seconds", "timeout", "expected", "why"),
+    [
+        (1.0, 30.0, True, "a round of a live group: well within its timeout"),
+        (14.9, 30.0, True, "just under half of it"),
+        (15.0, 30.0, False, "half of it: a wait may have run out at another member"),
+        (59.97, 60.0, False, "the wait of a member that learned of the group before us ran out"),
+        (61.0, 60.0, False, "our own wait ran out"),
+        (float("nan"), 60.0, False, "no duration: nothing measured"),
+        (-1.0, 60.0, False, "a negative duration: nothing measured"),
+    ],
+)
+def test_a_round_measures_the_link_only_well_within_its_part_timeout(
+    seconds: float, timeout: float, expected: bool, why: str
+) -> None:
+    assert measures_link(seconds, timeout) is expected, why
 
 
 def test_a_member_announces_its_timeout_on_the_wire() -> None:
@@ -147,3 +168,38 @@ async def test_a_member_that_vanishes_inside_a_round_costs_it_seconds_not_the_fl
     assert all(torch.equal(r, results[0]) for r in results)
     assert all(inc == [0, 1, 2] for _, report in outcomes for inc in report.contributions.values())
     assert took <= max(5.0, 3 * median), (took, median, [report.part_timeout for _, report in outcomes])
+
+
+@pytest.mark.timeout(60)
+async def test_a_round_whose_wait_ran_out_at_other_members_measures_no_link_here() -> None:
+    """Member 2 (a client) learns of the group with the others but starts its round
+    LATE x the part timeout later; member 3 (a client) never sends. The owners wait the part
+    timeout for member 3 and answer member 2 then: member 2's round lasts well under the timeout
+    on its own clock, yet it measured a wait, not its link. Taken as a measurement, such a round
+    paced a node's next round at 1 KB/s in the NAT lab (rounds/timeouts.py's docstring)."""
+    timeout, late = 10.0, 0.7
+    config = AveragingConfig(part_timeout=timeout, request_timeout=1.0, measure_bandwidth=True, aggregator="mean")
+    tensors = [torch.randn(1_000_000, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    async with averagers(3, config) as made:
+        owners = [member(a, 1.0) for a in made[:2]]
+        client = MemberInfo(made[2].host.peer_id, (), 1.0, 0.0, True)
+        gone = MemberInfo(Identity.generate().peer_id, (), 1.0, 0.0, True)
+        group = GroupInfo.create("run", 0, (*owners, client, gone))
+        formed = time.monotonic()
+        made[2]._formed[group.group_id] = formed  # as form_group notes it for the rounds it returns
+
+        async def late_client() -> tuple[list[torch.Tensor], Any]:
+            await asyncio.sleep(late * timeout)
+            return await made[2].run_round(group, [tensors[2]])
+
+        outcomes = await asyncio.gather(*(a.run_round(group, [t]) for a, t in zip(made[:2], tensors, strict=False)),
+                                        late_client())  # fmt: skip
+        lasted = time.monotonic() - formed
+    results = [averaged[0] for averaged, _ in outcomes]
+    assert all(torch.equal(r, results[0]) for r in results)
+    assert all(sorted(inc) == [0, 1, 2] for _, report in outcomes for inc in report.contributions.values())
+    # member 2's round on its own clock stayed under the part timeout: a rule of our own clock alone
+    # would have taken it as a measurement
+    own_s = lasted - late * timeout
+    assert own_s < timeout, (own_s, lasted)
+    assert (made[2].link.up, made[2].link.down, made[2].link.busy) == (None, None, None)

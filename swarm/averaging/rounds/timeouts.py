@@ -29,6 +29,15 @@ just restarted, and counting its flag made every round wait 60 s for a member th
 
 A silent member costs a round about two part timeouts: its part's backup starts after the
 senders' wait for the owner's answer (2 x the timeout), while the other owners wait one.
+
+Such a round measures that wait, not our link (bandwidth.LinkEstimate.observe skips it), and it
+need not have lasted a whole part timeout on our own clock: the wait that ran out may have been
+another member's, begun when it learned of the group, before our round started (the public
+trainer of the NAT lab's relay-death test saw 59.97 s of a 60 s timeout, took the round as a
+measurement and paced its next round at 1 KB/s, which starved the DHT and relay renewals that
+its NATed peers had only through it). So a round that lasted more than MEASURED_SHARE of its
+part timeout since its group formed measures nothing: a live group's round lasts a third of it
+(FACTOR) or less, and an estimate left unchanged paces as before, or not at all.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ FACTOR = 3.0  # times the recent slow rounds
 QUANTILE = 0.9
 WINDOW = 20  # completed rounds remembered
 MIN_ROUNDS = 2  # fewer measured: the ceiling
+MEASURED_SHARE = 0.5  # a round longer than this share of its part timeout measures no link
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -60,6 +70,13 @@ def derived_part_timeout(round_seconds: Sequence[float], ceiling: float) -> floa
     if len(recent) < MIN_ROUNDS:
         return ceiling
     return min(ceiling, max(FLOOR_S, FACTOR * quantile(recent, QUANTILE)))
+
+
+def measures_link(seconds: float, part_timeout: float) -> bool:
+    """Does a round that lasted `seconds` since its group formed (on our clock) measure our link,
+    with `part_timeout` its part timeout? False when a wait in it may have run out, here or at
+    another member (the module docstring). Pure."""
+    return math.isfinite(seconds) and 0 <= seconds < MEASURED_SHARE * part_timeout
 
 
 class RoundClock:
