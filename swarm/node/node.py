@@ -212,9 +212,6 @@ class SwarmNode:
             try:
                 async with NodeReach(host, nated=nated, relays=self.initial_peers, relay=self.relay) as reach:
                     self.reach = reach
-                    if not await reach.reserve():
-                        logger.warning("behind NAT with no relay: running in client mode (trains, serves nothing)")
-                        self.client_mode = True
                     return await self._run_with(host, stop, reach)
             finally:
                 await host.close()
@@ -248,6 +245,11 @@ class SwarmNode:
         reach.use_dht(dht)  # a relay lists itself there; a NATed node learns more relays there
         book = ProgressBook(dht, self.config.run_id, self.config.publish_interval)
         try:
+            # behind NAT, the relays asked are the initial peers and those the DHT's records name:
+            # initial peers that do not relay leave us a client only if the DHT names none either
+            if not await reach.reserve():
+                logger.warning("behind NAT with no relay: running in client mode (trains, serves nothing)")
+                self.client_mode = True
             # refusals first: a node of other settings says so before it claims data, resumes or fetches
             await self._refuse_other_settings(book)
             config = self.config  # with the run's end, where we adopted it

@@ -1,8 +1,8 @@
 """What a training node does about how peers reach it, for one run.
 
     async with NodeReach(host, nated=True, relays=initial_peers, relay=RelayConfig()) as reach:
-        if not await reach.reserve(within=RESERVE_WAIT_S): ...   # no relay took us: client mode
         reach.use_dht(dht)                                       # ... await reach.detach_dht()
+        if not await reach.reserve(within=RESERVE_WAIT_S): ...   # no relay took us: client mode
         averager = Averager(..., reach=reach.reach)
 
 - A node that peers can dial (its dial-back check passed, or nobody could tell) relays for the
@@ -64,8 +64,11 @@ class NodeReach:
                  punch: PunchConfig | None = None) -> None:  # fmt: skip
         self.host, self.nated = host, nated
         self.service = RelayService(host, relay) if relay is not None and not nated else None
-        candidates = relay_candidates(relays) if nated else []
-        self.keeper = RelayKeeper(host, candidates, want=RESERVATIONS, discover=self._discover) if candidates else None
+        # behind NAT we keep reservations even when no initial peer can relay: the DHT's relay
+        # records may name relays once use_dht() gives us the DHT
+        self.keeper = (
+            RelayKeeper(host, relay_candidates(relays), want=RESERVATIONS, discover=self._discover) if nated else None
+        )
         self._dht: DHTNode | None = None
         self._advert: Supervised | None = None  # our relay record, while we relay and have the DHT
         # behind NAT we punch (ValueError without reuse_port); reachable, we let NATed peers that
@@ -124,8 +127,10 @@ class NodeReach:
         return await find_relays(dht, exclude=list(self.keeper.held))
 
     async def reserve(self, within: float = RESERVE_WAIT_S) -> bool:
-        """Behind NAT: True once a relay holds a reservation for us (False after `within`
-        seconds, or with no relay to ask). Not behind NAT: True at once."""
+        """Behind NAT: True once a relay holds a reservation for us; False after `within` seconds,
+        or once every relay we know of has refused or not answered, those the DHT names included
+        when use_dht() came first (so call it after use_dht(): an initial peer that does not relay
+        is no reason to give up on the relays the DHT knows). Not behind NAT: True at once."""
         if not self.nated:
             return True
         if self.keeper is None:

@@ -146,9 +146,11 @@ class RelayKeeper:
         # flood of fake records is drawn from afresh each time, never the same dead ones
         self._failed: dict[str, float] = {}
         self._reserved = asyncio.Event()
-        # set when a whole pass over the candidates ended without a reservation (each refused or
-        # did not answer): waiting for one longer is waiting for nothing
+        # set when a whole pass over the candidates, begun since the last look_again(), ended
+        # without a reservation (each refused or did not answer): waiting longer is waiting for
+        # nothing. A pass begun before look_again() did not ask the relays it now knows of
         self._tried_all = asyncio.Event()
+        self._asked = 0  # look_again() calls so far: a pass counts for _tried_all if none came during it
         self._changed = asyncio.Event()  # a reservation ended: look for another at once
         self._task = Supervised("relay reservation", self._keep)
         self._started = False
@@ -207,7 +209,10 @@ class RelayKeeper:
         return current
 
     def look_again(self) -> None:
-        """Look for relays now (more may be known: the owner has just reached the DHT)."""
+        """Look for relays now (more may be known: the owner has just reached the DHT); until that
+        pass ends, wait_reserved() waits for it, even if every relay known before refused."""
+        self._asked += 1
+        self._tried_all.clear()
         self._changed.set()
 
     def _publish(self) -> None:
@@ -225,15 +230,17 @@ class RelayKeeper:
         wait = RETRY_S
         try:
             while True:
-                short = len(self.held) < self.want
+                # cleared before the pass: a reservation that ends or a look_again() during it
+                # starts the next pass at once
+                self._changed.clear()
+                short, asked = len(self.held) < self.want, self._asked
                 if short:
                     await self._fill()
-                if not self.held:
+                if not self.held and asked == self._asked:
                     self._tried_all.set()
                 # none held: try again every RETRY_S; short of `want`: again after twice as long
                 # each time, up to LOOK_AGAIN_S; at once when a reservation ends or look_again()
                 wait = RETRY_S if not self.held or not short else min(2 * wait, LOOK_AGAIN_S)
-                self._changed.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), wait)
         finally:  # stopped (or a bug, and Supervised starts us again): end the renewers with us

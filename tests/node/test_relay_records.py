@@ -192,3 +192,32 @@ async def test_a_natted_node_learns_a_relay_among_fakes_and_stays_reachable_when
         reply = await dialer.call(relayed, "demo.echo", 7, timeout=10)
     assert reply == {"echo": 7, "via": f"{other.host.peer_id}/p2p-circuit"}
     assert parse_address(relayed).peer_id == host.peer_id
+
+
+@pytest.mark.timeout(60)
+async def test_a_natted_node_whose_initial_peer_does_not_relay_reserves_on_a_relay_the_dht_names(
+    closers: list[Any],
+) -> None:
+    """The bootstrap is a plain DHT node (swarm-dht serve --relay off): it refuses reservations.
+    Once the NATed node has the DHT, its reservation waits for the relays the records name
+    instead of giving up on the bootstrap's refusal (and the node running in client mode)."""
+    host = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))).start()
+    bootstrap = await DHTNode(host=host).start()
+    closers.extend([host, bootstrap])
+    entry = host.visible_maddrs[0]
+    relay = await Relaying.start("127.0.0.2", [entry])
+    closers.append(relay)
+    await until(lambda: find_relays(bootstrap), 30, "the relay's record in the DHT", poll=0.2)
+
+    nated_host = await P2PHost(config=P2PConfig(host_maddrs=("/ip4/127.0.0.3/tcp/0",), reuse_port=True)).start()
+    closers.append(nated_host)
+    reach = await NodeReach(nated_host, nated=True, relays=[entry], relay=RelayConfig()).start()
+    closers.append(reach)
+    assert not await reach.reserve(within=10)  # its only initial peer refused, and it has no DHT yet
+    dht = await DHTNode(host=nated_host, initial_peers=[entry], client_mode=True).start()
+    closers.insert(closers.index(reach), dht)  # closed after the NodeReach that uses it
+    reach.use_dht(dht)
+    assert await reach.reserve(within=10)
+    assert reach.keeper is not None and list(reach.keeper.held) == [relay.host.peer_id]
+    [relayed] = nated_host.visible_maddrs
+    assert relayed.startswith(relay.host.visible_maddrs[0] + "/p2p-circuit/")
