@@ -188,6 +188,10 @@ class AllReduceRound(RoundMember):
         else:
             raise AllReduceError(f"no member could reduce part {j} ({'; '.join(errors)})")
         self.final[j], self.reducer_of[j] = final, reducer
+        if (taken := self.reductions.get(j)) is not None:
+            # a sender that could not reach part j's owner took us for its backup and waits on our
+            # takeover: it gets the result we hold, now, not after our round dropped the takeover
+            taken.settle(final)
         self.votes.hold(j, final[1], reducer)
         if self.audit is not None:
             self.audit.result_in(j, final[1], reducer)
