@@ -294,3 +294,38 @@ async def test_checks_that_ran_out_across_two_halves_never_make_two_groups(
         found = await form(peers, 0)
         groups = check_agreement([f.group for f in found], peers)
     assert [len(g.members) for g in groups] == [6]
+
+
+async def test_a_member_whose_join_the_leader_did_not_answer_is_late_for_its_group(
+    make_peers: MakePeers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three nodes; the leader takes one member's join, but the answer does not reach it in time
+    (a loaded machine: 13 s). The leader's group holds that member, so a group of its own at the
+    step would fork the model: the member is late for the leader's group, never in another one."""
+    from swarm.averaging.matchmaking import joining
+    from swarm.p2p.errors import RPCTimeout
+
+    peers = await make_peers(3)
+    step = 11
+    ranked = group_order([p.host.peer_id for p in peers], step)
+    leader, stalled = ranked[0], ranked[1]
+    delivered: list[asyncio.Future[Any]] = []
+    call = P2PHost.call
+
+    async def join_unanswered(self: P2PHost, peer: Any, method: str, args: Any = None, *,
+                              timeout: float | None = None) -> Any:  # fmt: skip
+        if method != joining.JOIN or self.peer_id != stalled:
+            return await call(self, peer, method, args, timeout=timeout)
+        # the join reaches the leader, which makes us a member of its group; its answer is lost
+        delivered.append(asyncio.ensure_future(call(self, peer, method, args, timeout=30.0)))
+        await asyncio.wait_for(asyncio.shield(delivered[-1]), 30.0)
+        raise RPCTimeout(f"{method} timed out")
+
+    monkeypatch.setattr(P2PHost, "call", join_unanswered)
+    found = dict(zip([p.host.peer_id for p in peers], await form(peers, step), strict=True))
+    groups = {f.group.group_id: f.group for f in found.values() if f.group is not None}
+    assert len(groups) == 1, f"{len(groups)} groups of one state at one step"
+    [group] = groups.values()
+    assert stalled in {m.peer_id for m in group.members}  # the leader went on with it as a member
+    assert found[stalled].group is None and found[stalled].late and found[stalled].late_by == {leader}
+    assert delivered, "the stalled member never called the leader"

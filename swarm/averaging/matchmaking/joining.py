@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Set
+from typing import NamedTuple
 
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.matchmaking.ready import group_problem
 from swarm.averaging.matchmaking.step_state import StepState
 from swarm.averaging.messages import GroupInfo, MemberInfo
-from swarm.p2p.errors import BadRequest, P2PError
+from swarm.p2p.errors import BadRequest, P2PError, RPCTimeout
 from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
 from swarm.utils.log_once import OncePerPeer
@@ -22,7 +23,14 @@ logger = logging.getLogger(__name__)
 
 JOIN = "avg.join"
 
-__all__ = ["JOIN", "join_leader"]
+__all__ = ["JOIN", "JoinTimedOut", "join_leader"]
+
+
+class JoinTimedOut(NamedTuple):
+    """The leader took our join and did not answer in time: it may still make us a member of its
+    group. Unlike a leader we could not reach, this one is not known to have failed."""
+
+    leader: PeerID
 
 
 async def join_leader(
@@ -35,9 +43,9 @@ async def join_leader(
     leader: MemberInfo,
     step: int,
     give_up_at: float,
-) -> GroupInfo | PeerID | None:
+) -> GroupInfo | PeerID | JoinTimedOut | None:
     """Join `leader` (following one redirect). Returns the group, None for "no group this
-    step", or the PeerID of a leader that failed."""
+    step", the PeerID of a leader that failed, or JoinTimedOut when it may have made us a member."""
     loop = asyncio.get_running_loop()
     state.leading, state.leader = False, leader
     state.role_known.set()
@@ -46,6 +54,9 @@ async def join_leader(
         args = {"run": run_id, "step": step, "member": state.me.encode()}
         try:
             reply = await host.call(leader.address(), JOIN, args, timeout=timeout)
+        except RPCTimeout as e:
+            logger.info("matchmaking leader %s did not answer our join in time: %s", leader.peer_id, e)
+            return JoinTimedOut(leader.peer_id)
         except P2PError as e:
             logger.info("matchmaking leader %s failed: %s", leader.peer_id, e)
             return leader.peer_id

@@ -15,8 +15,9 @@
    answers all of them with the same GroupInfo, unless a group of its state formed meanwhile or
    it gathered fewer than half of that state's announced members (then it is the late one:
    nobody gets a group). A node whose view differs is redirected to the leader its callee
-   joined; a dead or silent leader is left out and the decision is taken again without it, and
-   so is a leader whose group misstates our announcement (ready.group_problem). A leader
+   joined; a leader we cannot reach is left out and the decision is taken again without it, and
+   so is a leader whose group misstates our announcement (ready.group_problem). A leader that took
+   our join and did not answer in time may still hold us as a member: we are late for its group. A leader
    refuses a join whose weight exceeds the run's max_weight. A leader still missing members
    reads the ready set again every POLL: when a member that announced after it decided ranks
    first, it steps down, sends its joiners there and joins that leader too.
@@ -43,7 +44,7 @@ from collections.abc import Set
 from typing import Any
 
 from swarm.averaging.config import AveragingConfig
-from swarm.averaging.matchmaking.joining import JOIN, join_leader
+from swarm.averaging.matchmaking.joining import JOIN, JoinTimedOut, join_leader
 from swarm.averaging.matchmaking.ready import (
     DONE,
     ReadyView,
@@ -160,6 +161,15 @@ class Matchmaker:
                 assert leader is not None
                 joined = await join_leader(self.host, self.run_id, self.config, self.excluded, self._bad_input,
                                            state, leader, step, give_up_at)  # fmt: skip
+                if isinstance(joined, JoinTimedOut):
+                    # the leader may have made us a member of a group that goes on without our
+                    # part; a second group of our state with us in it would fork the model (a
+                    # member under load gave up its join after 13 s and formed a group of 3
+                    # beside the leader's 14, who held it as a member): we are late for that
+                    # group, and take its result (or, when none comes, matchmake again)
+                    outcome = Matchmade(None, loop.time() - started, late=True, late_by=frozenset({joined.leader}),
+                                        peers=peers)  # fmt: skip
+                    return outcome
                 if not isinstance(joined, PeerID):  # a group, or None: no group this step
                     outcome = Matchmade(joined, loop.time() - started, peers=peers)
                     return outcome
