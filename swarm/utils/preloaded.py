@@ -56,6 +56,10 @@ PRELOAD = ["torch", "sympy", "uvloop", "multiaddr", "setproctitle", "swarm.cli.n
 _lock = threading.Lock()
 _server_env: dict[str, str] | None = None  # os.environ when the server started: what it imported under
 SETUP_TIMEOUT_S = 30.0  # the longest start() waits for a child to be in its session with its streams
+# the longest start() waits for the server to fork: a server started by this call imports torch
+# first (3 s on a quiet 2-core machine, past 30 s at load 40); a server that died closes the pipe
+# at once, so only a hung one costs the whole wait
+FORK_TIMEOUT_S = 300.0
 _STATUS = struct.Struct("q")  # the server's pipe: the child's PID, then its exit code (a signal's as -N)
 
 
@@ -169,7 +173,7 @@ class PreloadedChild:
     def __init__(self, argv: list[str], status: int, streams: list[IO[Any] | None], text: bool) -> None:
         self.args, self._text = argv, text
         self._status = status  # the server's pipe for this child: its exit code comes there
-        self.pid = _read_signed(status, SETUP_TIMEOUT_S)  # the server writes it as it forks
+        self.pid = _read_signed(status, FORK_TIMEOUT_S)  # the server writes it as it forks
         self._pidfd: int | None = None
         with contextlib.suppress(ProcessLookupError):  # gone already: its code is on the way
             self._pidfd = os.pidfd_open(self.pid)
