@@ -26,8 +26,10 @@ from tests.averaging.rounds import MakeGroup, Member
 from tests.averaging.stall import Stall
 
 N, NUMEL, STALLED = 12, 50_003, 1
-TIMEOUT = 1.0  # the rounds' part timeout: the others give up on the stalled owner's answers after a few
-LINGER = 5.0  # how long a finished round still serves its results (the registry's part timeout)
+# the stalled round's part timeout: the others give up on the stalled owner's answers after a few;
+# two seconds, so that the members that are not stalled still reach each other on a busy machine
+TIMEOUT = 2.0
+LINGER = 10.0  # how long a finished round still serves its results (the registry's part timeout)
 GRID = {"max_group_size": 4, "block_size": 1024, "chunk_elements": 4096}
 
 
@@ -50,10 +52,11 @@ async def stalled_grid_round(
     group, members = await make_group(
         N, part_timeout=LINGER, request_timeout=TIMEOUT, bandwidths=[100.0] * N, **GRID, **settings
     )
-    configs = [dataclasses.replace(m.config, part_timeout=TIMEOUT) for m in members]
-    rounds = [start(m, group, v, c) for m, v, c in zip(members, vectors(0), configs, strict=True)]
+    # a first round, with the members' own timeouts: every pair of members is connected now
+    rounds = [start(m, group, v, m.config) for m, v in zip(members, vectors(0), strict=True)]
     warm = await asyncio.gather(*(r.run() for r in rounds))
-    assert all(torch.equal(r, warm[0][0]) for r, _ in warm)  # every pair of members is connected now
+    assert all(torch.equal(r, warm[0][0]) for r, _ in warm)
+    configs = [dataclasses.replace(m.config, part_timeout=TIMEOUT) for m in members]
 
     group = GroupInfo.create("run", 1, group.members)
     formed_at = time.monotonic()  # every member learns of the group now; the stalled one is paused then
