@@ -19,8 +19,10 @@ uses it at once, as before; any other asks the group.
                   is here within request_timeout; then end. (A peer that does not know "d"
                   answers as to a plain avg.fetch: that answer counts as no vote.)
 
-The owner asks every other member that accepts connections (clients accept none) at once, and
-`decide` is the rule, one vote per member:
+The owner asks every other member that accepts connections (clients accept none) at once (in
+the grid, the other owners of its column: they take the sub-part from its owner or a backup, the
+others what their row's owner forwards, once its whole part is final), and `decide` is the rule,
+one vote per member:
 - another result that more than half of those members hold is the group's: the owner takes its
   bytes from one of them (checked against the digest) and uses them;
 - else, if at least one member holds our bytes, our answer reached the group: ours stands;
@@ -191,10 +193,12 @@ def parse_vote(header: dict[str, object], members: int) -> Vote | None:
     return Vote(digest, by)
 
 
-async def confirm_own_part(r: Confirming, j: int, own: Final) -> tuple[Final, int]:
+async def confirm_own_part(r: Confirming, j: int, own: Final, voters: list[int] | None = None) -> tuple[Final, int]:
     """Our own part j's result checked with the group (the module docstring): (the result to
-    use, the member that reduced it); AllReduceError when nobody confirms ours."""
-    voters = [i for i, m in enumerate(r.group.members) if i != r.me and not m.client]
+    use, the member that reduced it); AllReduceError when nobody confirms ours. `voters`: the
+    members to ask, when not every other one that accepts connections."""
+    if voters is None:
+        voters = [i for i, m in enumerate(r.group.members) if i != r.me and not m.client]
     if not voters:  # no member could have taken the part over: ours is the only result
         return own, r.me
     own_digest = await asyncio.to_thread(result_digest, own[1])

@@ -211,9 +211,10 @@ class GridRound(GridServing, RoundMember):
                 if reducer == self.row:
                     reduction = self._col_reduction(s)
                     final = await asyncio.wait_for(asyncio.shield(reduction.result), 4 * self.config.part_timeout)
-                    # whose result of our sub-part holds? (as the flat round's owner asks of its part)
+                    # whose result of our sub-part holds? the column's owners say (rounds/confirm.py)
                     if s == self.row and in_doubt(self.formed_at, self.config.part_timeout, reduction):
-                        final, by = await confirm_own_part(self, self.col * rows + s, final)
+                        column = [self.grid.owners[r][self.col] for r in range(rows) if r != s]
+                        final, by = await confirm_own_part(self, self.col * rows + s, final, column)
                 else:
                     final = await self._exchange_col(reducer, s)
                 await asyncio.to_thread(self._decode, self.col, s, final[1])  # garbage: the next reducer
@@ -379,7 +380,6 @@ class GridRound(GridServing, RoundMember):
             self.codec.decode(payload[where], b - a, out=self.result[a:b])
 
     def _store(self, c: int, s: int, final: Final, by: int) -> None:
-        """Sub-part (c, s)'s final, reduced by member `by` (as far as we can tell: _decode_part)."""
         self.final[(c, s)] = final
         self.report.contributions[c * self.grid.rows + s] = final[0]
         self.votes.hold(c * self.grid.rows + s, final[1], by)
