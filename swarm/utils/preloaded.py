@@ -173,12 +173,12 @@ class PreloadedChild:
     def __init__(self, argv: list[str], status: int, streams: list[IO[Any] | None], text: bool) -> None:
         self.args, self._text = argv, text
         self._status = status  # the server's pipe for this child: its exit code comes there
-        self.pid = _read_signed(status, FORK_TIMEOUT_S)  # the server writes it as it forks
         self._pidfd: int | None = None
+        self.returncode: int | None = None  # set before anything can fail: __del__ reads it
+        self.pid = _read_signed(status, FORK_TIMEOUT_S)  # the server writes it as it forks
         with contextlib.suppress(ProcessLookupError):  # gone already: its code is on the way
             self._pidfd = os.pidfd_open(self.pid)
         self.stdin, self.stdout, self.stderr = streams
-        self.returncode: int | None = None
 
     def poll(self) -> int | None:
         return self._wait_status(0.0)
