@@ -1,7 +1,26 @@
 """EventSink: what a training node tells its watcher (the CLI's panel, metrics file and
-Prometheus metrics), as dicts with "event", "time" and "peer_id" (the list is in swarm/node/node.py's
-docstring). It also keeps what the node's progress record repeats of its events: the last
-eval losses and the wire totals of the last `network` event.
+Prometheus metrics), as dicts with "event", "time" and "peer_id". It also keeps what the node's
+progress record repeats of its events: the last eval losses and the wire totals of the last
+`network` event.
+
+The events (SwarmNode's `on_event`, called on the event loop; the CLI writes them as JSON lines):
+    {"event": "listening", "maddrs", "run_id"} (the host listens, the DHT is joined and the run's
+     settings are checked: peers may join through these addresses; the state comes next)
+    {"event": "start", "peer_id", "maddrs", "run_id", "outer_step", "parameters", "client_mode", ...}
+    {"event": "progress", "outer_step", "inner_step", "inner_steps", "train_loss"}
+    {"event": "outer_step", "outer_step" (completed, from 0), "train_loss", "eval_loss",
+     "state_sha256" (θ_outer, momentum, step), "group_size", "matchmaking_s", "round_s", "bytes_sent",
+     "part_timeout_s" (the round's bound on each wait, from our measured round times; 0 alone),
+     "clipped" (contributions our robust reductions dropped or clipped, logged with the peer),
+     "inner_ahead" (--overlap: the next step's inner steps done when this one's average landed),
+     "inner_s", "wall_s", "eval_s" (seconds in inner steps, since training began, in evals), ...}
+    {"event": "round", "outer_step", "group_size", "group_id"} (our all-reduce of that step begins; its
+     outer_step event ends it, or a warning that it failed and the step is matchmade again)
+    {"event": "fetch", "outer_step", "reason", "bytes", "seconds", "peers", "state_sha256", ...}
+    {"event": "network", "peers_known", "connections", "dht_records", "wire_bytes_sent", ...}
+    {"event": "data", "epoch", "chunks_done", "chunks", "share", "tokens", ...} (prepared data)
+    {"event": "exit", "outer_step", "reason"}
+Every event also has "time" (unix) and "peer_id".
 
 `network` events come with each progress publication (the node calls `network(keeper)`), and
 once more right after each outer_step and fetch event, marked `settled`: no round or fetch is

@@ -11,24 +11,7 @@ services, the averager, state keeper, lineage and progress books, the stop event
 with the node's StepFacts (the step's mutable facts, one writer per field), to the outer-step
 loop (loop.OuterLoop), which reads one outer step top to bottom.
 
-Events (`on_event`, called on the event loop; the CLI writes them as JSON lines):
-    {"event": "listening", "maddrs", "run_id"} (the host listens, the DHT is joined and the run's
-     settings are checked: peers may join through these addresses; the state comes next)
-    {"event": "start", "peer_id", "maddrs", "run_id", "outer_step", "parameters", "client_mode", ...}
-    {"event": "progress", "outer_step", "inner_step", "inner_steps", "train_loss"}
-    {"event": "outer_step", "outer_step" (completed, from 0), "train_loss", "eval_loss",
-     "state_sha256" (θ_outer, momentum, step), "group_size", "matchmaking_s", "round_s", "bytes_sent",
-     "part_timeout_s" (the round's bound on each wait, from our measured round times; 0 alone),
-     "clipped" (contributions our robust reductions dropped or clipped, logged with the peer),
-     "inner_ahead" (--overlap: the next step's inner steps done when this one's average landed),
-     "inner_s", "wall_s", "eval_s" (seconds in inner steps, since training began, in evals), ...}
-    {"event": "round", "outer_step", "group_size", "group_id"} (our all-reduce of that step begins; its
-     outer_step event ends it, or a warning that it failed and the step is matchmade again)
-    {"event": "fetch", "outer_step", "reason", "bytes", "seconds", "peers", "state_sha256", ...}
-    {"event": "network", "peers_known", "connections", "dht_records", "wire_bytes_sent", ...} (node_events.py)
-    {"event": "data", "epoch", "chunks_done", "chunks", "share", "tokens", ...} (prepared data: events.py)
-    {"event": "exit", "outer_step", "reason"}
-Every event also has "time" (unix) and "peer_id".
+Events (`on_event`, called on the event loop; the CLI writes them as JSON lines): events.py.
 
 Reachability: before joining the DHT a node with initial peers asks one of them to dial it back
 (swarm/p2p/autonat.py). A node peers can reach relays for the others (unless `relay` is None). A
