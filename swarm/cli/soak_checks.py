@@ -2,7 +2,7 @@
 violations as one line each (empty: it held).
 
 Inputs (soak_run.py records them):
-    events   every node's metrics events (node.py's docstring lists them), each with "slot" (the
+    events   every node's metrics events (swarm/node/events.py's docstring lists them), each with "slot" (the
              node's identity in the soak: node0, node1, ...) added
     churn    what the harness did: {"time", "kind", "slot"}; kinds are the schedule's, plus
              "restart" (the slot started again from its checkpoint) and "cont" (SIGCONT)

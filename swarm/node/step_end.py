@@ -249,7 +249,7 @@ class StepEnd:
 
     def _emit_step(self, step: int, report: GroupReport, progress: InnerProgress, sha: str, *, evaluate: bool,
                    overlapped: bool) -> None:  # fmt: skip
-        """The `outer_step` event (node.py's docstring lists its fields)."""
+        """The `outer_step` event (events.py's docstring lists its fields)."""
         ctx, facts = self.ctx, self.facts
         wall_s = asyncio.get_running_loop().time() - facts.began
         ctx.events.emit("outer_step", outer_step=step,

@@ -1,4 +1,4 @@
-"""NodeMetrics: a training node's Prometheus metrics, fed by its events (swarm/node/node.py's list).
+"""NodeMetrics: a training node's Prometheus metrics, fed by its events (swarm/node/events.py's list).
 
     metrics = NodeMetrics()                       # its own CollectorRegistry, never the global one
     node = SwarmNode(config, on_event=metrics)    # one subscriber: every event folds in
