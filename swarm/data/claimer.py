@@ -276,7 +276,7 @@ class ChunkClaimer:
             done[epoch - 1] = c.previous
         started = c.started if epoch == c.epoch else now
         record = ClaimRecord(self.dht.peer_id, epoch, tuple(live), now + self.config.claim_ttl, done, c.tokens,
-                             c.rate() if epoch == c.epoch else 0.0, started)  # fmt: skip
+                             c.rate(), started)  # fmt: skip
         value = encode_claim(record, c.plan.n, self.dht.id_nonce)
         self.stores += 1
         self._lapses_at = record.until

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from swarm.data.chunks import ChunkPlan, pack_done, unpack_done
+from swarm.data.claims import MAX_RATE
 
 logger = logging.getLogger(__name__)
 POSITION_FORMAT = "swarm-data-position/1"
@@ -73,6 +74,7 @@ class ChunkCursor:
         self.tokens = 0  # tokens we read in `epoch`
         self.started = clock()  # when we began `epoch`, at its first row (our word on it in our claim record)
         self._last_row = self.started  # when we read our last row (the end of our pace's measure)
+        self._rate_before = 0.0  # our pace in the epoch before, until this one's is measured
         self.until: float | None = None  # when our stored claims lapse (None: no claimer has stored any)
         self.finished: deque[tuple[int, int]] = deque(maxlen=MAX_FINISHED)  # (epoch, chunk), as done here
         self.on_need: Callable[[], None] = lambda: None
@@ -96,8 +98,11 @@ class ChunkCursor:
         windows = self.train.windows(torch.tensor(starts, dtype=torch.int64), self.seq_len + 1)
         return windows[:, :-1], windows[:, 1:]
 
+    def _live_now(self) -> bool:
+        return self.until is None or self.clock() < self.until
+
     def _live(self) -> bool:
-        if self.until is None or self.clock() < self.until:
+        if self._live_now():
             return True
         self.on_need()  # our claims lapsed: the claimer renews them (or drops what a peer took)
         return False
@@ -138,16 +143,22 @@ class ChunkCursor:
     def rate(self) -> float:
         """Tokens/s we trained at in `epoch`: its tokens over the seconds from its first row to our
         last (a restart keeps the first and counts its pause; a wait for a chunk at the epoch's end
-        does not slow it down); 0 in its first second."""
+        does not slow it down). In its first second: the epoch before's (readers hold our marks of
+        that epoch to it), 0 if none."""
         with self._cond:
-            seconds = self._last_row - self.started
-            return self.tokens / seconds if seconds >= 1.0 else 0.0
+            return self._rate()
+
+    def _rate(self) -> float:
+        seconds = self._last_row - self.started
+        return self.tokens / seconds if seconds >= 1.0 else self._rate_before
 
     def renewed(self, until: float) -> None:
         """Our claims were stored again; they lapse at `until`."""
         with self._cond:
+            lapsed = not self._live_now()
             self.until = until
-            self._cond.notify_all()
+            if lapsed:  # only then may a training thread wait on them (a waiting thread that wakes
+                self._cond.notify_all()  # asks the claimer for a chunk, which would cycle again at once)
 
     def held(self) -> tuple[tuple[int, float], ...]:
         """Our live claims (chunk, claimed at): the chunk under way and those queued."""
@@ -180,6 +191,7 @@ class ChunkCursor:
     def _advance(self, epoch: int) -> bool:
         if self.current is not None or self.queue or epoch <= self.epoch:
             return False
+        self._rate_before = self._rate()
         self.previous, self.epoch, self.last, self.tokens = self.done, epoch, None, 0
         self.started = self._last_row = self.clock()
         self.done, self.seen = np.zeros_like(self.done), np.zeros_like(self.seen)
@@ -209,7 +221,8 @@ class ChunkCursor:
             current = [self.current[0], self.current[1] * self.seq_len] if self.current is not None else None
             return {"format": POSITION_FORMAT, "data": self.name, "n": self.plan.n, "epoch": self.epoch,
                     "current": current, "queue": [c for c, _ in self.queue], "tokens": self.tokens,
-                    "last": self.last, "started": self.started, "claimed": [list(c) for c in self._held()],
+                    "last": self.last, "started": self.started, "rate_before": self._rate_before,
+                    "claimed": [list(c) for c in self._held()],
                     "done": _b64(self.done), "seen": _b64(self.seen),
                     "previous": None if self.previous is None else _b64(self.previous)}  # fmt: skip
 
@@ -234,6 +247,9 @@ class ChunkCursor:
             if isinstance(started, int | float) and 0 < started <= now:
                 self.started = float(started)
             self._last_row = now
+            before = value.get("rate_before")
+            if isinstance(before, int | float) and 0 <= before <= MAX_RATE:
+                self._rate_before = float(before)
             self.until = -math.inf  # the saved claims count again once the claimer has checked them
             last = value.get("last")
             self.last = last if isinstance(last, int) and 0 <= last < self.plan.n else None

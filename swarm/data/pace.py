@@ -6,8 +6,9 @@ numbers the records publish, as pure functions of a snapshot and the time (teste
     due = overdue(held, hold_rate(own, limits), plan, claim_ttl, now)   # our own claims to give up
 
 A record says how fast its node trains (`rate`: the tokens it trained in its epoch over the
-seconds since it began it, so a restart keeps it) and when it began its epoch (`started`). Both
-are its own word, so both are held to the swarm's:
+seconds from its first row to its last, so that neither a restart nor a wait for the epoch's last
+chunks changes it; in an epoch's first second, the epoch before's) and when it began its epoch
+(`started`). Both are its own word, so both are held to the swarm's:
 
 - Its rate counts at most PACE_SLACK times the fastest of the median of the known rates (ours
   included; median_low, so that a few fast liars cannot raise it), our own rate and MIN_RATE:

@@ -163,7 +163,7 @@ async def test_a_dead_claimants_chunk_is_claimed_again_and_epochs_roll_over(
         await dead.cycle()  # claims two chunks, then dies without releasing them (kill -9)
         held = {c for c, _ in dead_cursor.held()}
         assert len(held) == MAX_LIVE
-        parts = await _run(nodes[1:], plan, seconds=5.0, ttl=1.0)
+        parts = await _run(nodes[1:], plan, seconds=40.0, ttl=1.0, until_epoch=1)  # quick, unless the machine is busy
     finally:
         await asyncio.gather(*(n.close() for n in nodes))
     reads, cursor, _ = parts[0]

@@ -281,3 +281,30 @@ async def test_an_honest_node_that_stalls_loses_no_chunk_and_trains_none_twice(
 
 def _chunks_read(part: Honest, plan: ChunkPlan) -> list[int]:
     return [int(np.searchsorted(np.array(plan.ends), s, side="right")) for s in part.reads.starts]
+
+
+def test_the_pace_a_node_publishes_survives_its_epochs_end_and_its_restart() -> None:
+    plan = ChunkPlan.of([SEQ * 400 + 1] * 2, chunk_tokens=SEQ * 400 + 1)  # 2 chunks of 400 rows
+    clock = Clock(NOW)
+    cursor = ChunkCursor(plan, Reads(), seq_len=SEQ, name="tokens:test", clock=clock)
+    cursor.offer(0, 0, NOW)
+    cursor.offer(0, 1, NOW)
+    for _ in range(800):  # 800 tokens/s from the first row, then a wait for the epoch's end
+        cursor.next_batch(1, timeout=0)
+        clock.t += SEQ / 800
+    clock.t += 100.0
+    assert cursor.rate() == pytest.approx(800, rel=0.01)  # the wait does not slow it down
+    assert cursor.advance(1)
+    assert cursor.rate() == pytest.approx(800, rel=0.01)  # the new epoch: the last one's, until measured
+    cursor.offer(1, 0, clock.t)
+    cursor.next_batch(1, timeout=0)
+    saved = cursor.position()
+    clock.t += 50.0  # a restart: the pause counts, the dates are kept
+    again = ChunkCursor(plan, Reads(), seq_len=SEQ, name="tokens:test", clock=clock)
+    assert again.restore(saved, clock.t)
+    assert again.started == cursor.started and again.held() == cursor.held()
+    assert again.rate() == pytest.approx(SEQ / 50.0)
+    with pytest.raises(DataStall):  # its claims count again only once its claimer has stored them
+        again.next_batch(1, timeout=0)
+    again.renewed(clock.t + CLAIM_TTL)
+    again.next_batch(1, timeout=0)
