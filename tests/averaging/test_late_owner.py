@@ -63,6 +63,24 @@ def test_decide(votes: dict[int, Vote | None], voters: int, expected: Decision, 
     assert decide(OURS, votes, voters) == expected, why
 
 
+@pytest.mark.parametrize(
+    ("votes", "voters", "gone", "expected", "why"),
+    [
+        ({0: None}, 1, 1, Decision("ours"), "the only other owner of a grid column is dead: nobody took it over"),
+        ({0: None, 2: None}, 2, 2, Decision("ours"), "every voter is gone"),
+        ({0: None, 2: None}, 2, 1, Decision("none"), "one voter is alive and holds nothing of ours: fail"),
+        ({0: None, 2: Vote(THEIRS, 2), 3: Vote(THEIRS, 2)}, 3, 1, Decision("adopt", THEIRS, 2), "a dead voter"),
+        ({0: None}, 3, 1, Decision("open"), "the others may still hold another result"),
+        ({0: None}, 2, 1, Decision("open"), "the other voter may still hold ours"),
+        ({0: None}, 2, 0, Decision("open"), "one voter without ours: the other may still hold it"),
+    ],
+)
+def test_decide_with_gone_voters(
+    votes: dict[int, Vote | None], voters: int, gone: int, expected: Decision, why: str
+) -> None:
+    assert decide(OURS, votes, voters, gone) == expected, why
+
+
 def test_a_vote_is_checked() -> None:
     assert parse_vote({"d": THEIRS, "by": 2}, 4) == Vote(THEIRS, 2)
     assert parse_vote({"inc": [0, 1]}, 4) is None  # a peer that answered as to a plain avg.fetch

@@ -91,3 +91,21 @@ async def test_a_grid_owner_stalled_before_its_round_ends_it_with_the_groups_res
     result, report = outcome
     assert report.contributions[key] == taken, "it took its own reduction of its sub-part"
     assert torch.equal(result, results[0]), "the stalled owner ended the round with another result"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dead", [1, 5])
+async def test_an_owner_whose_only_column_partner_is_dead_keeps_its_result(make_group: MakeGroup, dead: int) -> None:
+    # 2 rows x 4 columns: column 1's owners are members 1 and 5. The survivor misses the dead
+    # one's row partial, so it asks the column whether its result holds; the only voter is gone,
+    # so nobody took the sub-part over from it: its result stands (not "nobody confirms it")
+    n = 8
+    group, members = await make_group(n, part_timeout=2.0, bandwidths=[100.0] * n, aggregator="mean", **GRID)
+    gen = torch.Generator().manual_seed(3)
+    vectors = [torch.randn(NUMEL, generator=gen) for _ in range(n)]
+    rounds = [start(m, group, v, m.config) for m, v in zip(members, vectors, strict=True)]
+    assert rounds[0].grid.owners[0][1] == 1 and rounds[0].grid.owners[1][1] == 5
+    await members[dead].host.close()
+    outcomes = await asyncio.gather(*(r.run() for i, r in enumerate(rounds) if i != dead))
+    assert all(torch.equal(r, outcomes[0][0]) for r, _ in outcomes)
+    assert all(dead not in inc for inc in outcomes[0][1].contributions.values())

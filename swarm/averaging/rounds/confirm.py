@@ -26,6 +26,8 @@ one vote per member:
 - another result that more than half of those members hold is the group's: the owner takes its
   bytes from one of them (checked against the digest) and uses them;
 - else, if at least one member holds our bytes, our answer reached the group: ours stands;
+- else, if every member asked is gone (a refused or lost connection: its process ended), nobody
+  is left who could have taken the part over: ours stands;
 - else nobody confirms our result: the round fails for the owner (Unconfirmed), so that its node
   does not apply it and takes the group's result or state instead. It does not ask its backups
   for the part as a sender would: a backup asked for a part whose result it does not hold yet
@@ -59,7 +61,7 @@ from swarm.averaging.audit.arithmetic import result_digest
 from swarm.averaging.errors import AllReduceError
 from swarm.averaging.rounds.registry import FETCH
 from swarm.averaging.rounds.streams import Final, read_header
-from swarm.p2p.errors import P2PError
+from swarm.p2p.errors import ConnectionLost, P2PError
 
 if TYPE_CHECKING:
     from swarm.averaging.config import AveragingConfig
@@ -150,10 +152,11 @@ class Decision:
     by: int = -1  # "adopt": its reducer, as most of its voters say
 
 
-def decide(own: bytes, votes: dict[int, Vote | None], voters: int) -> Decision:
+def decide(own: bytes, votes: dict[int, Vote | None], voters: int, gone: int = 0) -> Decision:
     """The rule of the module docstring over the votes in so far (member -> its vote, None: it
-    answered without one, or failed); `voters`: how many members were asked. "open" while the
-    votes still missing could change the outcome. Pure."""
+    answered without one, or failed); `voters`: how many members were asked; `gone`: how many of
+    them could not be reached at all (their process ended: a refused or lost connection). "open"
+    while the votes still missing could change the outcome. Pure."""
     counts = Counter(v.digest for v in votes.values() if v is not None)
     majority = voters // 2 + 1
     for digest, count in counts.items():
@@ -164,7 +167,10 @@ def decide(own: bytes, votes: dict[int, Vote | None], voters: int) -> Decision:
     best_other = max((c for d, c in counts.items() if d != own), default=0)
     if best_other + pending >= majority:
         return Decision("open")  # another result could still gather a majority
-    return Decision("ours") if counts[own] > 0 else Decision("none")
+    # every voter gone: nobody is left who could have taken the part over from us, or use it
+    if counts[own] > 0 or gone == voters:
+        return Decision("ours")
+    return Decision("open") if pending else Decision("none")  # a voter still to answer may hold ours
 
 
 def vouched(counts: dict[object, int], pending: int, asked: int) -> Decision:
@@ -272,14 +278,16 @@ async def _poll(r: Confirming, j: int, own: bytes, voters: list[int]) -> tuple[D
     """Ask `voters` at once what they hold of part j, until `decide` settles (or all answered)."""
     votes: dict[int, Vote | None] = {}
     asks = {asyncio.ensure_future(_ask(r, i, j)): i for i in voters}
-    decision = decide(own, votes, len(voters))
+    decision, gone = decide(own, votes, len(voters)), 0
     try:
         pending = set(asks)
         while decision.kind == "open" and pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                votes[asks[task]] = None if task.cancelled() or task.exception() is not None else task.result()
-            decision = decide(own, votes, len(voters))
+                failed = task.cancelled() or task.exception() is not None
+                gone += not task.cancelled() and isinstance(task.exception(), ConnectionLost)
+                votes[asks[task]] = None if failed else task.result()
+            decision = decide(own, votes, len(voters), gone)
     finally:
         for task in asks:
             task.cancel()
@@ -295,6 +303,9 @@ async def _ask(r: Confirming, member_index: int, j: int) -> Vote | None:
             await stream.end()
             header, _ = await read_header(stream, timeout)
             return parse_vote(header, len(r.group.members))
+    except ConnectionLost as e:  # its process is gone: _poll counts it so
+        logger.info("round %s: member %d is gone, no vote on part %d: %s", r._tag(), member_index, j, e)
+        raise
     except (P2PError, AllReduceError, TimeoutError, ValueError) as e:
         logger.info("round %s: member %d did not vote on part %d: %s", r._tag(), member_index, j, e)
         return None
