@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 MAX_POSITION_BYTES = 1 << 20
 POSITION_FILE = "data-position.json"  # in the node's --checkpoint-dir
 CONFIRM_AFTER = 1.0  # seconds before a contested claim that the tie-break gave us is read again
+WAITING_POLL = 2.0  # seconds between reads while we wait for peers to train the epoch's last chunks
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -89,6 +90,9 @@ class ChunkClaimer:
         self.given_up: dict[tuple[int, int], float] = {}  # (epoch, chunk) of ours past its hold -> when
         self._first_claimed: dict[tuple[PeerID, int, int], float] = {}  # (peer, epoch, chunk): first claim date seen
         self._first_seen: dict[tuple[PeerID, int], float] = {}  # (peer, epoch): when we first read its marks there
+        self._last_read: dict[PeerID, tuple[int, float]] = {}  # peer -> (its epoch, when) at our last read of it
+        self._left_before: dict[tuple[PeerID, int], float] = {}  # (peer, epoch): last read in an earlier one
+        self._waiting = False  # at the last cycle: nothing free, peers train this epoch's last chunks
         self.clock = cursor.clock
         self.stores = 0  # DHT stores of our record so far (one per cycle)
         self.yields = 0  # new claims we gave up because a peer claimed the same chunk
@@ -118,7 +122,10 @@ class ChunkClaimer:
         while True:
             self._wake.clear()
             await self.cycle()
-            wait = min(CONFIRM_AFTER, self.config.renew) if self._tentative else self.config.renew
+            # a contested claim is read again soon, and so are the claims while peers train the
+            # epoch's last chunks: their done marks free us for the next epoch
+            wait = CONFIRM_AFTER if self._tentative else WAITING_POLL if self._waiting else self.config.renew
+            wait = min(wait, self.config.renew)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), wait)
 
@@ -207,6 +214,7 @@ class ChunkClaimer:
     def _pick(self) -> list[tuple[int, int, float]]:
         """New claims (epoch, chunk, at) until the cursor would hold MAX_LIVE chunks."""
         pending: list[tuple[int, int, float]] = []
+        self._waiting = False
         while self.cursor.wants(MAX_LIVE - len(pending) - len(self._tentative)):
             pick = pick_next(self._seen(pending), self.cursor.plan.n)
             busy = pending or self._tentative or self.cursor.held()
@@ -215,6 +223,7 @@ class ChunkClaimer:
             if pick.chunk is None:  # nothing free; an epoch all done by peers is begun without a chunk
                 if pick.ended and self.cursor.advance(pick.epoch):
                     self._say_ended(pick)
+                self._waiting = not busy
                 break
             if pick.ended:
                 self._say_ended(pick)
@@ -251,11 +260,20 @@ class ChunkClaimer:
         self._first_claimed = {key: min(at, self._first_claimed.get(key, at)) for key, at in claimed.items()}
         present = {(r.owner, e) for r in records for e in r.done}
         self._first_seen = {key: self._first_seen.get(key, now) for key in present}
+        for r in records:  # a peer that moved to a later epoch since our last read began it after that read
+            epoch, at = self._last_read.get(r.owner, (r.epoch, now))
+            if epoch < r.epoch:
+                self._left_before[(r.owner, r.epoch)] = at
+            self._last_read[r.owner] = (r.epoch, now)
+        owners = {r.owner for r in records}
+        self._left_before = {k: at for k, at in self._left_before.items() if k[0] in owners}
+        self._last_read = {o: v for o, v in self._last_read.items() if o in owners}
         judged = []
         for record in records:
             first_seen = {e: t for (o, e), t in self._first_seen.items() if o == record.owner}
             mine = {ch: at for (o, e, ch), at in self._first_claimed.items() if (o, e) == (record.owner, record.epoch)}
-            held = held_to_pace(record, limits, c.plan, Seen(first_seen, mine), self.config.claim_ttl, now)
+            left = {e: t for (o, e), t in self._left_before.items() if o == record.owner}
+            held = held_to_pace(record, limits, c.plan, Seen(first_seen, mine, left), self.config.claim_ttl, now)
             for epoch, bits in record.done.items():
                 if int(held.done[epoch].sum()) < int(bits.sum()) and (record.owner, epoch) not in self.over_pace:
                     self.over_pace.add((record.owner, epoch))

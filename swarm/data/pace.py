@@ -13,8 +13,10 @@ chunks changes it; in an epoch's first second, the epoch before's) and when it b
 - Its rate counts at most PACE_SLACK times the fastest of the median of the known rates (ours
   included; median_low, so that a few fast liars cannot raise it), our own rate and MIN_RATE:
   a reader's own pace is honest, so an honest peer as fast as the reader is never held back.
-- Its epoch counts as begun no earlier than the median of the records' start times in that
-  epoch (at or after the earliest honest one), unless we saw the record in that epoch before.
+- Its epoch counts as begun no earlier than the last time we read it in an earlier epoch (an
+  honest node began the epoch after that, whenever we next read it), or, for a node we never
+  read before it was in that epoch, than the median of the records' start times in that epoch
+  (at or after the earliest honest one), unless we saw the record in that epoch before.
 - Its done marks count only up to PACE_SLACK times the tokens that rate allows since the epoch
   began, plus MAX_LIVE chunks: the lowest chunks first; the rest are not done as far as we know
   and are trained again. A peer that marks hundreds of chunks done at once has them trained by
@@ -78,9 +80,13 @@ class Limits:
             {epoch: statistics.median_low(times) for epoch, times in starts.items()},
         )
 
-    def began(self, epoch: int, said: float, first_seen: float) -> float:
-        """When a record's `epoch` counts as begun: its word, but no earlier than the median of the
-        records' (an epoch no record is in: the oldest we know) or when we first saw it there."""
+    def began(self, epoch: int, said: float, first_seen: float, left_before: float | None = None) -> float:
+        """When a record's `epoch` counts as begun: its word, but no earlier than the last time we
+        read its node in an earlier epoch (`left_before`: it began this one after that), or, when
+        we never did, than the median of the records' (an epoch no record is in: the oldest we
+        know) or when we first saw it there."""
+        if left_before is not None:
+            return max(said, left_before)
         median = self.started.get(epoch, min(self.started.values()))
         return max(said, min(median, first_seen))
 
@@ -105,11 +111,13 @@ def hold_seconds(plan: ChunkPlan, chunk: int, rate: float, claim_ttl: float) -> 
 
 @dataclass(frozen=True, slots=True)
 class Seen:
-    """What this reader remembers of one peer: when it first saw the peer in each epoch, and the
-    first date it saw on each of its live claims."""
+    """What this reader remembers of one peer: when it first saw the peer in each epoch, the
+    first date it saw on each of its live claims, and when it last read the peer in an epoch
+    before each one it saw it move to."""
 
     first_seen: Mapping[int, float]  # epoch -> unix time
     first_claimed: Mapping[int, float]  # chunk (of the record's epoch) -> the earliest claim time seen
+    left_before: Mapping[int, float] = dataclasses.field(default_factory=dict)  # epoch -> unix time
 
 
 def held_to_pace(record: ClaimRecord, limits: Limits, plan: ChunkPlan, seen: Seen, claim_ttl: float,
@@ -125,7 +133,7 @@ def held_to_pace(record: ClaimRecord, limits: Limits, plan: ChunkPlan, seen: See
     done = {}
     for epoch, bits in record.done.items():
         said = record.started if epoch == record.epoch else 0.0  # a record dates only its current epoch
-        began = limits.began(epoch, said, seen.first_seen.get(epoch, now))
+        began = limits.began(epoch, said, seen.first_seen.get(epoch, now), seen.left_before.get(epoch))
         done[epoch] = _up_to_pace(bits, plan, PACE_SLACK * rate * max(0.0, now - began))
     return dataclasses.replace(record, live=live, done=done)
 

@@ -56,6 +56,8 @@ class Case:
     rates: tuple[float, ...] = (10_000.0, 10_000.0)  # the other records' (ours first)
     first_seen: float = NOW  # when we first read the record in its epoch
     first_claimed: dict[int, float] = field(default_factory=dict)
+    left_before: float | None = None  # when we last read it in the epoch before (None: never)
+    others_started: float = NOW - 20  # the other records' (and our) epoch starts
     counted: int = 0  # done marks that count
     live_kept: tuple[int, ...] = ()
 
@@ -70,6 +72,13 @@ CASES = [
          rates=(1000.0, 1000.0)),
     Case("seen there by us long ago: from then", 10_000.0, 1.0, bits(upto=100), counted=100, first_seen=NOW - 1000),
     Case("no rate said: MIN_RATE's pace", 0.0, NOW - 10, bits(upto=100), counted=2 + 20),  # 2 x MIN_RATE x 10 s
+    Case("moved to this epoch after our last read of it: all since then, though most began it later", 1000.0,
+         NOW - 20, bits(upto=40), rates=(1000.0, 1000.0, 1000.0), left_before=NOW - 21, others_started=NOW - 0.1,
+         counted=40),
+    Case("... and not seen before in it: from the median start", 1000.0, NOW - 20, bits(upto=40),
+         rates=(1000.0, 1000.0, 1000.0), others_started=NOW - 0.1, counted=2),
+    Case("a liar's start long ago counts from our last read of it in the epoch before", 1000.0, 1.0, bits(upto=40),
+         left_before=NOW - 5, counted=2 + 10),
     Case("a fresh claim is held", 10_000.0, NOW - 10, bits(), live=((5, NOW - 1),), live_kept=(5,)),
     Case("a claim held through a stall of nearly 3 claim lifetimes", 10_000.0, NOW - 10, bits(),
          live=((5, NOW - 60),), live_kept=(5,)),
@@ -87,9 +96,10 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_held_to_pace(case: Case) -> None:
     record = ClaimRecord(OWNER, 0, case.live, NOW + 30, {0: case.done}, 0, case.rate, case.started)
-    others = [ClaimRecord(OWNER, 0, (), NOW + 30, {0: bits()}, 0, r, NOW - 20) for r in case.rates[1:]]
-    limits = Limits.of([record, *others], own_rate=case.rates[0], own_epoch=0, own_started=NOW - 20)
-    held = held_to_pace(record, limits, PLAN, Seen({0: case.first_seen}, case.first_claimed), TTL, NOW)
+    others = [ClaimRecord(OWNER, 0, (), NOW + 30, {0: bits()}, 0, r, case.others_started) for r in case.rates[1:]]
+    limits = Limits.of([record, *others], own_rate=case.rates[0], own_epoch=0, own_started=case.others_started)
+    left = {} if case.left_before is None else {0: case.left_before}
+    held = held_to_pace(record, limits, PLAN, Seen({0: case.first_seen}, case.first_claimed, left), TTL, NOW)
     assert int(held.done[0].sum()) == case.counted
     assert held.done[0].tolist() == (case.done & (np.cumsum(case.done) <= case.counted)).tolist()  # lowest first
     assert tuple(c for c, _ in held.live) == case.live_kept
