@@ -50,3 +50,70 @@ def test_three_nodes_share_the_chunks_and_a_killed_node_resumes(swarm: Swarm, tm
     assert set(done) == set(range(chunks)), sorted(set(range(chunks)) - set(done))
     twice = {c: who for c, who in done.items() if len(who) > 1}
     assert all("c" in who and len(who) == 2 for who in twice.values()), twice
+
+
+def _done_lines(text: str) -> list[tuple[int, int]]:
+    """(epoch, chunk) of each `data: chunk N of epoch E done` line, in order."""
+    return [(int(m.group(2)), int(m.group(1))) for m in re.finditer(r"data: chunk (\d+) of epoch (\d+) done", text)]
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_six_nodes_with_churn_train_every_chunk_once_an_epoch_for_two_epochs(swarm: Swarm, tmp_path: Path) -> None:
+    """Five nodes, then churn: one killed (kill -9) and restarted from its checkpoint folder, and a
+    newcomer; a dataset of a few hundred chunks, two epochs. From the nodes' logs: each epoch
+    trains every chunk, once, except a chunk the killed node finished in its last moments (its
+    done mark not yet stored), which its restart or a peer trains again; the restart resumes at
+    its saved epoch with its done chunks, and trains none of them again."""
+    paths, docs = write_corpus(tmp_path / "text", seed=5, rows=900)
+    tok = load_tokenizer(str(train_tokenizer(docs, tmp_path / "tok.json")))
+    # a chunk is a shard here: 130 tokens, 2 rows of --seq-len 64, one inner step of --batch-size 2
+    prepare(paths, tok, tmp_path / "data", PrepareConfig(shard_tokens=130, eval_every=50, eval_tokens=600))
+    chunks = len(json.loads((tmp_path / "data" / "manifest.json").read_text())["train"])
+    assert 200 <= chunks <= 400, chunks
+    swarm.start_bootstrap()
+    run = ("--run-id", "churn", "--inner-steps", "20", "--matchmaking-time", "1", "--data", str(tmp_path / "data"))
+
+    def start(name: str) -> object:
+        return swarm.node(name, *run, "--checkpoint-dir", str(tmp_path / f"ckpt-{name[0]}"),
+                          "--identity", str(tmp_path / f"{name[0]}.key"))  # fmt: skip
+
+    names = ["a", "b", "c", "d", "e"]
+    nodes = {name: start(name) for name in names}
+
+    def done_by(epoch: int) -> int:
+        return sum(1 for n in names for e, _ in _done_lines(swarm.stderr(n)) if e == epoch)
+
+    swarm.wait_for(lambda: done_by(0) >= chunks // 4, 120, "a quarter of epoch 0")
+    nodes["c"].kill()  # type: ignore[attr-defined]  (kill -9: no release of its claims, no last save)
+    nodes["c"].wait(30)  # type: ignore[attr-defined]
+    names += ["c-again", "f"]
+    start("c-again")
+    start("f")  # a newcomer
+    swarm.wait_for(lambda: "data: resuming at epoch" in swarm.stderr("c-again"), 60, "c to resume its position")
+    over = "data: epoch 1 is over (every chunk trained"
+    swarm.wait_for(lambda: any(over in swarm.stderr(n) for n in names), 180, "the end of epoch 1")
+
+    logs = {name: _done_lines(swarm.stderr(name)) for name in names}
+    killed = set(logs["c"])
+    for epoch in (0, 1):
+        who: dict[int, list[str]] = {}
+        for name, lines in logs.items():
+            for e, chunk in lines:
+                if e == epoch:
+                    who.setdefault(chunk, []).append(name)
+        assert set(who) == set(range(chunks)), (epoch, sorted(set(range(chunks)) - set(who)))
+        twice = {c: w for c, w in who.items() if len(w) > 1}
+        # trained twice only where the killed node finished it after its last store
+        assert all(len(w) == 2 and "c" in w for w in twice.values()), (epoch, twice)
+        assert len(twice) <= 2, (epoch, twice)
+    # the restart: at its saved epoch, with its done chunks, none of them trained again
+    m = re.search(r"data: resuming at epoch (\d+), (\d+) chunks of ours done", swarm.stderr("c-again"))
+    assert m is not None
+    epoch, resumed = int(m.group(1)), int(m.group(2))
+    before = {c for e, c in killed if e == epoch}
+    assert epoch == max(e for e, _ in killed)
+    assert len(before) - 2 <= resumed <= len(before), (resumed, len(before))
+    again = {c for e, c in logs["c-again"] if e == epoch}
+    assert len(before & again) <= len(before) - resumed, sorted(before & again)
+    assert logs["f"], "the newcomer trained no chunk"
