@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.model.prepare import PrepareConfig, load_tokenizer, prepare
-from tests.model.token_corpus import train_tokenizer, write_corpus
+from tests.model.token_corpus import prepared_data
 from tests.node.conftest import Swarm
 
 pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install -e '.[hf]')")
@@ -21,9 +20,7 @@ pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip insta
 @pytest.mark.swarm
 @pytest.mark.timeout(300)
 def test_three_nodes_share_the_chunks_and_a_killed_node_resumes(swarm: Swarm, tmp_path: Path) -> None:
-    paths, docs = write_corpus(tmp_path / "text", seed=4, rows=400)
-    tok = load_tokenizer(str(train_tokenizer(docs, tmp_path / "tok.json")))
-    prepare(paths, tok, tmp_path / "data", PrepareConfig(shard_tokens=400, eval_every=5, eval_tokens=1500))
+    prepared_data(tmp_path, seed=4, rows=400, shard_tokens=400, eval_every=5, eval_tokens=1500)
     swarm.start_bootstrap()
     run = ("--run-id", "chunks", "--inner-steps", "4", "--matchmaking-time", "1", "--data", str(tmp_path / "data"))
 
@@ -65,10 +62,8 @@ def test_six_nodes_with_churn_train_every_chunk_once_an_epoch_for_two_epochs(swa
     trains every chunk, once, except a chunk the killed node finished in its last moments (its
     done mark not yet stored), which its restart or a peer trains again; the restart resumes at
     its saved epoch with its done chunks, and trains none of them again."""
-    paths, docs = write_corpus(tmp_path / "text", seed=5, rows=900)
-    tok = load_tokenizer(str(train_tokenizer(docs, tmp_path / "tok.json")))
     # a chunk is a shard here: 130 tokens, 2 rows of --seq-len 64, one inner step of --batch-size 2
-    prepare(paths, tok, tmp_path / "data", PrepareConfig(shard_tokens=130, eval_every=50, eval_tokens=600))
+    prepared_data(tmp_path, seed=5, rows=900, shard_tokens=130, eval_every=50, eval_tokens=600)
     chunks = len(json.loads((tmp_path / "data" / "manifest.json").read_text())["train"])
     assert 200 <= chunks <= 400, chunks
     swarm.start_bootstrap()

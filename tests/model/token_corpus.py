@@ -51,3 +51,14 @@ def train_tokenizer(docs: list[str], path: Path, vocab_size: int = 400) -> Path:
     tok.train_from_iterator(docs, trainer)
     tok.save(str(path))
     return path
+
+
+def prepared_data(root: Path, *, seed: int, rows: int, shard_tokens: int, eval_every: int, eval_tokens: int) -> Path:
+    """write_corpus and train_tokenizer under `root`, prepared into `root`/data (returned)."""
+    from swarm.model.prepare import PrepareConfig, load_tokenizer, prepare
+
+    paths, docs = write_corpus(root / "text", seed=seed, rows=rows)
+    tok = load_tokenizer(str(train_tokenizer(docs, root / "tok.json")))
+    config = PrepareConfig(shard_tokens=shard_tokens, eval_every=eval_every, eval_tokens=eval_tokens)
+    prepare(paths, tok, root / "data", config)
+    return root / "data"

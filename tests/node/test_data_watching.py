@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from swarm.model.prepare import PrepareConfig, load_tokenizer, prepare
 from swarm.utils import process_control
 from swarm.utils.process_control import console_script
 from tests.children import child_env
-from tests.model.token_corpus import train_tokenizer, write_corpus
+from tests.model.token_corpus import prepared_data
 from tests.node.conftest import FAST, LOOPBACK, Swarm
 from tests.observe.test_metrics import samples
 from tests.observe.wandb_files import offline_runs
@@ -44,9 +43,7 @@ def wait_for(condition: object, timeout: float, what: str, err: Path) -> None:
 @pytest.mark.swarm
 @pytest.mark.timeout(300)
 def test_a_nodes_data_progress_shows_in_metrics_dashboard_inspect_and_wandb(swarm: Swarm, tmp_path: Path) -> None:
-    paths, docs = write_corpus(tmp_path / "text", seed=5, rows=200)
-    tok = load_tokenizer(str(train_tokenizer(docs, tmp_path / "tok.json")))
-    prepare(paths, tok, tmp_path / "data", PrepareConfig(shard_tokens=400, eval_every=5, eval_tokens=1500))
+    prepared_data(tmp_path, seed=5, rows=200, shard_tokens=400, eval_every=5, eval_tokens=1500)
     chunks = len(json.loads((tmp_path / "data" / "manifest.json").read_text())["train"])  # a chunk a shard
     env = child_env(OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "wb"), WANDB_SILENT="true")
     (tmp_path / "wb").mkdir()
