@@ -127,29 +127,3 @@ def _int_in(x: Any, low: int, high: int) -> bool:
 
 def _number(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def swarm_progress(entries: list[tuple[Any, Any]], now: float) -> dict[str, int] | None:
-    """How far the run's nodes have gone through the data, from its `<run>/chunks` records (for
-    `swarm-dht inspect`; any well-formed record counts, proven or not): the newest epoch, its
-    chunks known done out of all, the tokens its nodes trained, and the nodes claiming. None
-    when no record is readable."""
-    records = []
-    for subkey, value in entries:
-        n = value.get("n") if isinstance(value, dict) else None
-        if isinstance(n, int) and n > 0:
-            record = decode_claim(subkey, value, n=n, id_bits=0, now=now)
-            if record is not None:
-                records.append((n, record))
-    if not records:
-        return None
-    epoch = max(r.epoch for _, r in records)
-    n = max(k for k, _ in records)
-    done = np.zeros(n, dtype=bool)
-    for k, record in records:
-        bits = record.done_in(epoch)
-        if k == n and bits is not None:
-            done |= bits
-    at_epoch = [r for _, r in records if r.epoch == epoch]
-    return {"epoch": epoch, "chunks_done": int(done.sum()), "chunks": n, "tokens": sum(r.tokens for r in at_epoch),
-            "nodes": len(records), "claiming": sum(1 for _, r in records if r.live_at(now))}  # fmt: skip

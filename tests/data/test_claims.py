@@ -210,20 +210,3 @@ def test_the_cursor_reads_rows_in_order_across_chunks_and_refuses_to_wait_foreve
     value: Any = cursor.position()
     other = ChunkCursor(ChunkPlan.of([99]), Reads(), seq_len=SEQ)
     assert other.restore(value, 0.0) is False  # another plan's position
-
-
-def test_the_swarms_progress_through_the_data_for_inspect() -> None:
-    from swarm.data.claims import ClaimRecord, encode_claim, swarm_progress
-
-    now, n = time.time(), 10
-    a, b = (Identity.from_seed(bytes([i]) * 32).peer_id for i in (7, 8))
-    done_a, done_b = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
-    done_a[:3], done_b[5:7] = True, True
-    entries = [
-        (owner_subkey(a), encode_claim(ClaimRecord(a, 1, ((4, now),), now + 30, {1: done_a}, 3000), n, solve(a, 0))),
-        (owner_subkey(b), encode_claim(ClaimRecord(b, 1, (), now - 1, {1: done_b}, 2000), n, solve(b, 0))),
-        ("not-owned", {"n": n}),
-    ]
-    assert swarm_progress(entries, now) == {"epoch": 1, "chunks_done": 5, "chunks": 10, "tokens": 5000, "nodes": 2,
-                                            "claiming": 1}  # fmt: skip
-    assert swarm_progress([("not-owned", {"n": n})], now) is None
