@@ -30,10 +30,17 @@ class InputError(CliError):
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
               help="The exported weights' type (the state is float32).")  # fmt: skip
 @click.option("--bos-id", type=click.IntRange(0), default=None, help="The data's begin-of-text token id, if any.")
-@click.option("--eos-id", type=click.IntRange(0), default=None,
-              help="The data's end-of-text token id (a prepared dataset's manifest has it): generate() stops there.")
-@click.option("--tokenizer", default=None,
-              help="The run's tokenizer (the tokenizer.json or name swarm-data prepare was given), for AutoTokenizer.")
+@click.option(
+    "--eos-id",
+    type=click.IntRange(0),
+    default=None,
+    help="The data's end-of-text token id (a prepared dataset's manifest has it): generate() stops there.",
+)
+@click.option(
+    "--tokenizer",
+    default=None,
+    help="The run's tokenizer (the tokenizer.json or name swarm-data prepare was given), for AutoTokenizer.",
+)
 @click.option("--force", is_flag=True, help="Write into an --out folder that is not empty.")
 def main(checkpoint_dir: Path, out: Path, dtype: str, bos_id: int | None, eos_id: int | None, tokenizer: str | None,
          force: bool) -> None:  # fmt: skip

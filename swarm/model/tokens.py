@@ -212,8 +212,10 @@ def verify(folder: Path, manifest: TokenManifest, *, hashes: bool = True) -> Non
             except OSError as e:
                 raise TokensError(f"shard {path}: {e.strerror or e}") from None
             if size != entry.tokens * itemsize:
-                raise TokensError(f"shard {path} has {size} bytes; the manifest says {entry.tokens} tokens "
-                                  f"({entry.tokens * itemsize} bytes): truncated, or the manifest is wrong")
+                raise TokensError(
+                    f"shard {path} has {size} bytes; the manifest says {entry.tokens} tokens "
+                    f"({entry.tokens * itemsize} bytes): truncated, or the manifest is wrong"
+                )
             if hashes and file_sha256(path) != entry.sha256:
                 raise TokensError(f"shard {path}: its SHA-256 does not match the manifest (the file is damaged)")
 

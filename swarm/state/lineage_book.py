@@ -125,7 +125,6 @@ class LineageBook:
         self.lineage, self.receipts = chain, receipts
         return True
 
-
     def record_round(self, step: int, group_id: bytes, members: Sequence[tuple[PeerID, float]], parent: bytes,
                      result: bytes) -> None:  # fmt: skip
         """Sign the receipt of our round of `step` (its members in the group's order, with the

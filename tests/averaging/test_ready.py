@@ -152,17 +152,21 @@ def formed_groups(
         ("three groups", formed_groups({0: G3, 1: G1, 2: G2, 3: G2}), 0, G3, G2, None),
         # counted by the members of the round before (voters), as the lineage weighs a fork: a
         # group of 3 that fetched the state, beside the pair whose round made it, is outvoted
-        ("voters: the pair that made the state", formed_groups({0: G1, 1: G1, 2: G2, 3: G2, 4: G2}), 2, G2, G1,
-         (0, 1)),
+        ("voters: the pair that made the state", formed_groups({0: G1, 1: G1, 2: G2, 3: G2, 4: G2}), 2, G2, G1, (0, 1)),
         ("voters: seen from the pair", formed_groups({0: G1, 1: G1, 2: G2, 3: G2, 4: G2}), 0, G1, None, (0, 1)),
         ("voters: a dead voter does not count", formed_groups({0: G1, 1: G2, 2: G2}, dead=(0,)), 1, G2, None, (0, 1)),
         ("voters: none in view, everyone counts", formed_groups({2: G1, 3: G2, 4: G2}), 2, G1, G2, (0, 1)),
         ("voters: a tie, each side asks for the other's", formed_groups({0: G1, 1: G2, 2: G1}), 1, G2, G1, (0, 1)),
         ("voters: a tie, from the smaller id too", formed_groups({0: G1, 1: G2, 2: G2}), 0, G1, G2, (0, 1)),
-        ("voters: another state's larger group is tried, voters or not",
-         formed_groups({0: G1, 1: G1, 2: G2, 3: G2, 4: G2}, {2: B, 3: B, 4: B}), 0, G1, G2, (0, 1)),
-        ("voters: another state's smaller group is not", formed_groups({0: G1, 1: G1, 2: G2}, {2: B}), 2, G2, G1,
-         (2,)),
+        (
+            "voters: another state's larger group is tried, voters or not",
+            formed_groups({0: G1, 1: G1, 2: G2, 3: G2, 4: G2}, {2: B, 3: B, 4: B}),
+            0,
+            G1,
+            G2,
+            (0, 1),
+        ),
+        ("voters: another state's smaller group is not", formed_groups({0: G1, 1: G1, 2: G2}, {2: B}), 2, G2, G1, (2,)),
         ("voters: we are one, alone against two", formed_groups({0: G1, 1: G2, 2: G2}), 0, G1, G2, (0, 1, 2)),
     ],
 )

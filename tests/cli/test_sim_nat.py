@@ -33,8 +33,15 @@ def test_homes_are_kinds_with_their_node_counts(text: str, homes: tuple[tuple[st
 
 @pytest.mark.parametrize(
     ("text", "why"),
-    [("full-cone:2", "the kind is one of"), ("cone", "KIND:N"), ("cone:0", "KIND:N"), ("cone:-1", "KIND:N"),
-     ("cone:65", "KIND:N"), ("cone:x", "KIND:N"), (",".join(["cone:1"] * 33), "1 to 32")],
+    [
+        ("full-cone:2", "the kind is one of"),
+        ("cone", "KIND:N"),
+        ("cone:0", "KIND:N"),
+        ("cone:-1", "KIND:N"),
+        ("cone:65", "KIND:N"),
+        ("cone:x", "KIND:N"),
+        (",".join(["cone:1"] * 33), "1 to 32"),
+    ],
 )
 def test_bad_homes_are_refused_with_the_reason(text: str, why: str) -> None:
     with pytest.raises(ValueError, match=why):

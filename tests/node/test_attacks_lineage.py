@@ -119,7 +119,6 @@ class Forgers:
         self.forged_at = step
         self.forgeries += 1
 
-
     def _round(self, settings: bytes, step: int, parent: bytes, result: bytes) -> Receipt:
         """A round of the attackers alone, each signing it."""
         members = tuple(host.peer_id for host, _ in self.peers)

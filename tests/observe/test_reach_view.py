@@ -13,8 +13,15 @@ from tests.observe.test_runview import PEERS, record
 
 @pytest.mark.parametrize(
     ("said", "shown"),
-    [("direct", "direct"), ("punched", "punched"), ("relayed", "relayed"), ("upnp", None), ("x" * 10_000, None),
-     (3, None), (None, None)],
+    [
+        ("direct", "direct"),
+        ("punched", "punched"),
+        ("relayed", "relayed"),
+        ("upnp", None),
+        ("x" * 10_000, None),
+        (3, None),
+        (None, None),
+    ],
 )
 def test_a_nodes_reach_is_shown_when_it_is_one_we_know(said: object, shown: str | None) -> None:
     view = RunView("demo")

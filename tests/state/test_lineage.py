@@ -184,15 +184,30 @@ FORGED = chain(0, G, *(link(i, G if i == 0 else f"z{i}", f"z{i + 1}", "xyz") for
 @pytest.mark.parametrize(
     ("situation", "own", "candidate", "pending"),
     [
-        ("the newest round signed by one of the three before it: its other signatures are on their way",
-         chain(0, G, *HONEST[:2]), chain(0, G, *HONEST[:3], link(3, "s3", "s4", "abc", "a")), True),
-        ("... seen from a node with no round since genesis",
-         chain(0, G), chain(0, G, *HONEST[:3], link(3, "s3", "s4", "abc", "a")), True),
-        ("a newest round that no member of the round before signed is refused outright",
-         chain(0, G, *HONEST[:2]), chain(0, G, *HONEST[:3], link(3, "s3", "zero", "xyz")), False),
-        ("an older round short of endorsements is refused outright",
-         chain(0, G, HONEST[0]), chain(0, G, HONEST[0], link(1, "s1", "s2", "abc", "a"), link(2, "s2", "s3", "a")),
-         False),
+        (
+            "the newest round signed by one of the three before it: its other signatures are on their way",
+            chain(0, G, *HONEST[:2]),
+            chain(0, G, *HONEST[:3], link(3, "s3", "s4", "abc", "a")),
+            True,
+        ),
+        (
+            "... seen from a node with no round since genesis",
+            chain(0, G),
+            chain(0, G, *HONEST[:3], link(3, "s3", "s4", "abc", "a")),
+            True,
+        ),
+        (
+            "a newest round that no member of the round before signed is refused outright",
+            chain(0, G, *HONEST[:2]),
+            chain(0, G, *HONEST[:3], link(3, "s3", "zero", "xyz")),
+            False,
+        ),
+        (
+            "an older round short of endorsements is refused outright",
+            chain(0, G, HONEST[0]),
+            chain(0, G, HONEST[0], link(1, "s1", "s2", "abc", "a"), link(2, "s2", "s3", "a")),
+            False,
+        ),
     ],
 )
 def test_a_newest_round_still_collecting_signatures_is_pending_not_refused(

@@ -52,8 +52,10 @@ def holder(i: int, *maddrs: str) -> Holder:
     [
         ([holder(0, f"{RELAY}/p2p-circuit/p2p/{IDS[0]}"), holder(1, "/ip4/10.77.0.5/tcp/1")], [1]),
         ([holder(0, f"{RELAY}/p2p-circuit/p2p/{IDS[0]}"), holder(1, f"{RELAY}/p2p-circuit/p2p/{IDS[1]}")], [0, 1]),
-        ([holder(0, "/ip4/10.77.0.5/tcp/1", f"{RELAY}/p2p-circuit/p2p/{IDS[0]}"), holder(1, "/ip4/10.77.0.6/tcp/1")],
-         [0, 1]),
+        (
+            [holder(0, "/ip4/10.77.0.5/tcp/1", f"{RELAY}/p2p-circuit/p2p/{IDS[0]}"), holder(1, "/ip4/10.77.0.6/tcp/1")],
+            [0, 1],
+        ),
         ([], []),
     ],
 )
