@@ -68,7 +68,7 @@ class Facts:
         return (
             f"live records by step {dict(sorted(steps.items()))}, {len(self.peers) - len(live)} stale "
             f"(oldest {oldest:.1f}s, fresh for {self.fresh_for:.1f}s), watched {self.watched_for:.1f}s, "
-            f"records read {'ok' if self.sees_peers else 'failed'}"
+            f"records read {'ok' if self.sees_peers else 'failed'}, ours stored {self.own_record_age:.1f}s ago"
         )
 
 
