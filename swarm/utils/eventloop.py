@@ -58,3 +58,12 @@ async def cancel_and_wait(task: asyncio.Future[Any], *, timeout: float = 10.0) -
     while not task.done() and loop.time() < deadline:
         task.cancel()
         await asyncio.wait({task}, timeout=min(0.5, max(0.0, deadline - loop.time())))
+
+
+def exception_seen(task: asyncio.Future[Any]) -> None:
+    """A done callback: marks the task's exception as retrieved. For tasks whose outcome their
+    owner may never read (cancelled at a round's end, or out-raced by a faster answer), which
+    asyncio would otherwise log as "Task exception was never retrieved", a death the soak
+    counts as unseen."""
+    if not task.cancelled():
+        task.exception()

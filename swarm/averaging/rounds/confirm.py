@@ -62,6 +62,7 @@ from swarm.averaging.errors import AllReduceError
 from swarm.averaging.rounds.registry import FETCH
 from swarm.averaging.rounds.streams import Final, read_header
 from swarm.p2p.errors import ConnectionLost, P2PError
+from swarm.utils.eventloop import exception_seen
 
 if TYPE_CHECKING:
     from swarm.averaging.config import AveragingConfig
@@ -247,6 +248,8 @@ async def vouched_copy(r: Confirming, j: int, others: list[int]) -> Final | None
     """A copy of the dead owner's part j's result that enough of `others` hold (the module
     docstring), or None: the backup reduces the part itself."""
     asks = {asyncio.ensure_future(r.fetch_result(i, j)): i for i in others}
+    for task in asks:  # those still running when a copy is vouched for are cancelled unread
+        task.add_done_callback(exception_seen)
     counts: Counter[tuple[bytes, tuple[int, ...]]] = Counter()
     copies: dict[tuple[bytes, tuple[int, ...]], Final] = {}
     decision = vouched(counts, len(asks), len(asks))
@@ -278,6 +281,8 @@ async def _poll(r: Confirming, j: int, own: bytes, voters: list[int]) -> tuple[D
     """Ask `voters` at once what they hold of part j, until `decide` settles (or all answered)."""
     votes: dict[int, Vote | None] = {}
     asks = {asyncio.ensure_future(_ask(r, i, j)): i for i in voters}
+    for task in asks:  # those still running when the vote settles are cancelled unread
+        task.add_done_callback(exception_seen)
     decision, gone = decide(own, votes, len(voters)), 0
     try:
         pending = set(asks)

@@ -65,6 +65,7 @@ from swarm.p2p.handlers import CallContext
 from swarm.p2p.host import P2PHost
 from swarm.p2p.pacing import MIN_RATE
 from swarm.p2p.stream import Stream
+from swarm.utils.eventloop import exception_seen
 from swarm_kernels import MalformedPayload
 
 logger = logging.getLogger(__name__)
@@ -238,7 +239,7 @@ class AllReduceRound(RoundMember):
             started = time.monotonic()
             # read while we write: a streamed answer begins before our slice is all sent
             answer = asyncio.ensure_future(self._read_final(stream, lo, hi, 2 * timeout))
-            answer.add_done_callback(lambda task: task.cancelled() or task.exception())
+            answer.add_done_callback(exception_seen)
             try:
                 sent = await write_encoded(stream, self.codec, self.vector, lo, hi, self.config.chunk_elements)
                 local_s = time.monotonic() - started

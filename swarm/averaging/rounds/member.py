@@ -22,6 +22,7 @@ from swarm.averaging.rounds.bandwidth import Sample, upload_span
 from swarm.averaging.rounds.partition import capped_bandwidths
 from swarm.averaging.rounds.reduction import Incoming
 from swarm.p2p.host import P2PHost
+from swarm.utils.eventloop import exception_seen
 from swarm_kernels import get_codec
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ async def await_parts(
     then cancel the round's helper tasks and call `finished`; AllReduceError names the parts
     that could not be averaged."""
     for task in tasks.values():  # a part that fails after the round was cancelled is not an error to report
-        task.add_done_callback(_retrieve)
+        task.add_done_callback(exception_seen)
     try:
         await asyncio.wait(tasks.values())
         if answering:  # so that the report counts the answers we owe
@@ -54,11 +55,6 @@ async def await_parts(
     if failed:
         reasons = "; ".join(f"part {j}: {e}" for j, e in failed.items())
         raise AllReduceError(f"{len(failed)} of {len(tasks)} parts could not be averaged ({reasons})")
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # retrieved: await_parts reports it, or the round was cancelled before
 
 
 @dataclass
