@@ -18,6 +18,8 @@ from swarm.averaging.messages import GroupInfo, MemberInfo
 from tests.averaging.rounds import averagers
 from tests.averaging.test_part_timeout import member
 
+pytestmark = pytest.mark.swarm  # a round that waits out part timeouts on real sockets: 6 s
+
 
 def closed_port() -> str:
     """A loopback address where nothing listens: a dial fails at once, as a dead relay's does."""

@@ -25,6 +25,8 @@ from swarm.averaging.rounds.grid import GridRound
 from tests.averaging.rounds import MakeGroup, Member
 from tests.averaging.stall import Stall
 
+pytestmark = pytest.mark.swarm  # grid rounds of 12 members on real sockets, stalled on purpose: 8-11 s each
+
 N, NUMEL, STALLED = 12, 50_003, 1
 # the stalled round's part timeout: the others give up on the stalled owner's answers after a few;
 # two seconds, so that the members that are not stalled still reach each other on a busy machine

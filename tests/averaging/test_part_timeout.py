@@ -170,6 +170,7 @@ async def test_a_member_that_vanishes_inside_a_round_costs_it_seconds_not_the_fl
     assert took <= max(5.0, 3 * median), (took, median, [report.part_timeout for _, report in outcomes])
 
 
+@pytest.mark.swarm  # a whole round on real sockets that waits out a part timeout: 10 s
 @pytest.mark.timeout(60)
 async def test_a_round_whose_wait_ran_out_at_other_members_measures_no_link_here() -> None:
     """Member 2 (a client) learns of the group with the others but starts its round

@@ -20,6 +20,7 @@ def _json_line(out: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.swarm  # trains every configuration: 14 s
 @pytest.mark.timeout(180)  # about 10 s of CPU; minutes of wall time on a loaded 2-core machine
 def test_the_dry_run_trains_every_configuration_at_two_seeds_and_reports_them(capsys: pytest.CaptureFixture) -> None:
     threads, started = torch.get_num_threads(), time.process_time()
