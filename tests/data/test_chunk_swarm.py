@@ -17,7 +17,7 @@ from tests.node.conftest import Swarm
 pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install -e '.[hf]')")
 
 
-@pytest.mark.swarm
+@pytest.mark.soak  # three swarm-node processes through a whole epoch: 165 s quiet since the claims' pace rules
 @pytest.mark.timeout(300)
 def test_three_nodes_share_the_chunks_and_a_killed_node_resumes(swarm: Swarm, tmp_path: Path) -> None:
     prepared_data(tmp_path, seed=4, rows=400, shard_tokens=400, eval_every=5, eval_tokens=1500)
