@@ -329,3 +329,11 @@ async def test_a_member_whose_join_the_leader_did_not_answer_is_late_for_its_gro
     assert stalled in {m.peer_id for m in group.members}  # the leader went on with it as a member
     assert found[stalled].group is None and found[stalled].late and found[stalled].late_by == {leader}
     assert delivered, "the stalled member never called the leader"
+    # a leader whose result did not come in max_wait is distrusted (the node's step end): one
+    # that swallows joins at every step it leads gets the benefit of the doubt only once
+    member = next(p for p in peers if p.host.peer_id == stalled)
+    member.matchmaker.board.distrust_formed({leader})
+    ids = [p.host.peer_id for p in peers]
+    again = next(s for s in range(step + 1, step + 1000) if group_order(ids, s)[:2] == [leader, stalled])
+    later = dict(zip(ids, await form(peers, again), strict=True))
+    assert leader not in later[stalled].late_by  # left out as a leader that failed

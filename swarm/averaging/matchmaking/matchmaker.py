@@ -161,15 +161,19 @@ class Matchmaker:
                 assert leader is not None
                 joined = await join_leader(self.host, self.run_id, self.config, self.excluded, self._bad_input,
                                            state, leader, step, give_up_at)  # fmt: skip
-                if isinstance(joined, JoinTimedOut):
+                if isinstance(joined, JoinTimedOut) and joined.leader not in self.board.distrusted:
                     # the leader may have made us a member of a group that goes on without our
                     # part; a second group of our state with us in it would fork the model (a
                     # member under load gave up its join after 13 s and formed a group of 3
                     # beside the leader's 14, who held it as a member): we are late for that
-                    # group, and take its result (or, when none comes, matchmake again)
+                    # group, and take its result (or, when none comes, matchmake again). Once:
+                    # a leader whose result did not come in max_wait is distrusted, and a leader
+                    # that swallows joins on purpose costs us one max_wait, not one each step
                     outcome = Matchmade(None, loop.time() - started, late=True, late_by=frozenset({joined.leader}),
                                         peers=peers)  # fmt: skip
                     return outcome
+                if isinstance(joined, JoinTimedOut):  # a distrusted leader: failed, as one we cannot reach
+                    joined = joined.leader
                 if not isinstance(joined, PeerID):  # a group, or None: no group this step
                     outcome = Matchmade(joined, loop.time() - started, peers=peers)
                     return outcome
