@@ -267,7 +267,7 @@ def test_unreachable_initial_peers_give_one_line() -> None:
 def test_a_node_nobody_can_reach_runs_in_client_mode(swarm: Swarm) -> None:
     swarm.start_bootstrap("--relay", "off")  # no relay anywhere: with one, it would be reached through it
     args = ("--run-id", "nat", "--inner-steps", "4", "--max-outer-steps", "5", "--matchmaking-time", "1.5")
-    server = swarm.node("server", *args)
+    server = swarm.node("server", *args, "--relay", "off")  # a reachable node relays by default
     # announces an address where nothing listens: the dial-back fails, as behind a NAT
     natted = swarm.node("natted", *args, "--announce-maddrs", "/ip4/127.0.0.1/tcp/9")
     assert natted.wait(150) == 0, swarm.stderr("natted")
@@ -290,7 +290,7 @@ def test_a_client_that_trained_alone_takes_the_state_of_a_server_that_comes_late
     # many steps, so that a slow server start cannot find the client already done; stopped below
     natted = swarm.node("natted", *args, "--max-outer-steps", "40", "--announce-maddrs", "/ip4/127.0.0.1/tcp/9")
     swarm.wait_for(lambda: bool(swarm.events("natted", "outer_step")), 90, "the client's first step alone")
-    server = swarm.node("server", *args, "--leave-after-steps", "5")  # the run (the client's) ends at 40
+    server = swarm.node("server", *args, "--relay", "off", "--leave-after-steps", "5")  # the run (the client's) ends at 40
     assert server.wait(150) == 0, swarm.stderr("server")
     if natted.poll() is None:
         natted.send_signal(signal.SIGINT)
