@@ -24,7 +24,7 @@ from swarm.model.state_hash import state_sha256
 from swarm.p2p.peer_id import PeerID
 from swarm.state.fetcher import FetchError, RefusedManifest
 from swarm.state.holders import Holder
-from swarm.state.lineage import Lineage, judge, structure_problem
+from swarm.state.lineage import Lineage, fork_step, judge, structure_problem
 from swarm.state.lineage_book import LineageBook, LineageError
 from swarm.state.receipts import Receipt
 from swarm.utils.log_once import OncePerPeer
@@ -58,10 +58,12 @@ class Adoption:
         self._unlinked = {sha: until for sha, until in self._unlinked.items() if now < until}
         return set(self._unlinked)
 
-    async def linked(self, holders: Sequence[Holder], step: int, sha: str) -> Linked | None:
+    async def linked(self, holders: Sequence[Holder], step: int, sha: str, *, fork_only: bool = False) -> Linked | None:
         """The lineage of state `sha` (outer step `step`) from its holders, with whether it will
         be provisional, when it is one we may adopt (lineage.judge); None otherwise (logged, and
-        the state not weighed again for UNLINKED_S). FetchError when no holder answered."""
+        the state not weighed again for UNLINKED_S). FetchError when no holder answered.
+        `fork_only`: only a lineage that forked from ours before our state (trust.py, rule 5);
+        a continuation of our state is left, unlogged, to the rules that weigh how many back it."""
         own = self.book.lineage
         alone = all(len(link.members) == 1 for link in own.links)
         if step == own.anchor_step and self.client and alone:  # lineage.py rule 6: back to our anchor
@@ -77,6 +79,10 @@ class Adoption:
                     raise FetchError(f"no holder of state {sha[:12]} sent its lineage ({e})", e.unreachable) from None
                 why = f"no lineage from its holders ({e})"
             else:
+                forked_at = fork_step(own, chain)
+                if fork_only and (forked_at is None or forked_at >= own.step):
+                    self._unlinked[sha] = time.monotonic() + UNLINKED_S
+                    return None
                 vouched = any(h.peer_id in self.vouching for h in holders)
                 adopted = self._judged(own, chain, sha, vouched)
                 if isinstance(adopted, bool):

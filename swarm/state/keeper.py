@@ -70,6 +70,9 @@ from swarm.utils.supervised import Supervised
 
 logger = logging.getLogger(__name__)
 
+# why a node fetched a state that trust.py's rule 5 named: its lineage outweighs ours (lineage.py)
+LARGER_LINEAGE = "a larger lineage"
+
 InTrainer = Callable[..., Awaitable[Any]]
 MAX_REFUSED = 64  # refused manifests remembered
 # a holder that did not deliver a state (unreachable, gone, bad bytes) is not chosen for that state
@@ -180,27 +183,34 @@ class StateKeeper:
         skipped = self._refused | self.adoption.unlinked()
         holders = [h for h in await self._holders() if h.manifest not in skipped]
         earned = self.lineage.lineage.round_mates(trust.EARNED_ROUNDS) - {self.host.peer_id}
-        verdict = choose_trusted(holders, Known(diloco.outer_step, horizon, self.vouching, missed, earned))
+        own_sha = self.current.manifest.sha256 if self.current is not None else None
+        verdict = choose_trusted(holders, Known(diloco.outer_step, horizon, self.vouching, missed, earned, own_sha))
         for peer, reason in verdict.refused:
             kind = "unreachable" if "reachable" in reason else "backing"
             self._distrusted.log(peer, kind, "not adopting the state it advertises: %s", reason)
-        if verdict.choice is None:
-            return None
-        step, sha, agreeing = verdict.choice
-        own_sha = self.current.manifest.sha256 if self.current is not None else None
-        why = fetch_reason(step, sha, len(agreeing), diloco.outer_step, own_sha,
-                           alone_last_step=alone_last_step, client=self.server is None,
-                           servers_behind=servers_behind, other_state=other_state)  # fmt: skip
-        if why is None:
-            return None
+        why = None
+        if verdict.choice is not None:
+            step, sha, agreeing = verdict.choice
+            why = fetch_reason(step, sha, len(agreeing), diloco.outer_step, own_sha,
+                               alone_last_step=alone_last_step, client=self.server is None,
+                               servers_behind=servers_behind, other_state=other_state)  # fmt: skip
+        if why is None:  # our own state is right, unless a lineage that outweighs ours forked from it
+            if verdict.fork is None:
+                return None
+            step, sha, agreeing = verdict.fork
+            why = LARGER_LINEAGE
         try:
-            linked = await self.adoption.linked(agreeing, step, sha)
+            linked = await self.adoption.linked(agreeing, step, sha, fork_only=why == LARGER_LINEAGE)
         except FetchError as e:
             self._not_delivered(e.failed, sha)
             raise
         if linked is None:
             return None
-        if step == diloco.outer_step + 1 and self.config.by_update:
+        if why == LARGER_LINEAGE:
+            logger.warning("our state is a fork's smaller lineage: taking state %s of outer step %d from %d holder(s)",
+                           sha[:12], step, len(agreeing))  # fmt: skip
+        # an update is of the holders' parent state, which a fork's other side does not share with us
+        if step == diloco.outer_step + 1 and self.config.by_update and why != LARGER_LINEAGE:
             # an update comes from one holder: no wait for more donors to spread it over (below)
             report = await self._by_update(diloco, sha, agreeing, why, linked)
             if report is not None:

@@ -31,7 +31,9 @@ for neither. Then:
    state has nothing of its own to keep);
 4. otherwise the side with more support wins; on equal support, the side whose first state after
    F has the smaller hash (every node of a split takes the same one). A node in sync whose round
-   held a majority of F's members is never moved: no other side can have as much support;
+   held a majority of F's members is never moved: no other side can have as much support. A
+   candidate that loses only because its newest round lacks signatures that its members are
+   still exchanging (it would win were they all in) is pending, as in rule 2, not refused;
 5. two forks of the node's anchor (genesis) have no round to weigh them by: the node keeps its
    own, unless one of its --initial-peers holds the candidate (the operator trusts them), or its
    own lineage is provisional and the candidate is newer: taken at the anchor from peers nobody
@@ -210,9 +212,31 @@ def judge(own: Lineage, candidate: Lineage, *, vouched: bool = False, provisiona
         f"{len(their_side)} of the {len(members)} members of our round of step {fork - 1} against our {len(our_side)}"
     )
     if len(their_side) != len(our_side):
-        return Judgement(len(their_side) > len(our_side), f"a fork at step {fork}: {told}", fork)
-    smaller = theirs[0].result < ours[0].result
-    return Judgement(smaller, f"a fork at step {fork}: {told}, settled by the smaller hash", fork)
+        adopt = len(their_side) > len(our_side)
+        why = f"a fork at step {fork}: {told}"
+    else:
+        adopt = theirs[0].result < ours[0].result
+        why = f"a fork at step {fork}: {told}, settled by the smaller hash"
+    pending = not adopt and _wins_once_signed(theirs, ours, members)
+    return Judgement(adopt, why + (" (its newest round's signatures may still come)" if pending else ""), fork, pending)
+
+
+def _wins_once_signed(theirs: Sequence[Link], ours: Sequence[Link], members: frozenset[PeerID]) -> bool:
+    """Would the candidate's side win rule 4 once every member of its newest round has signed it?
+    Its members read each other's signatures from the DHT over the seconds after the round, so a
+    holder asked at once shows only its own: a fork's smaller half that asked right away counted 1
+    of the larger half's 3 members, refused its state, and stayed a fork. The newest round must be
+    signed by a member of the fork's round already, as rule 2's pending round must."""
+    newest = theirs[-1]
+    if not newest.signers & members:
+        return False
+    our_side = members & frozenset(p for link in ours for p in link.members)
+    their_side = members & (frozenset(p for link in theirs[:-1] for p in link.signers) | frozenset(newest.members))
+    twice = our_side & their_side
+    our_side, their_side = our_side - twice, their_side - twice
+    if len(their_side) != len(our_side):
+        return len(their_side) > len(our_side)
+    return theirs[0].result < ours[0].result
 
 
 def _unendorsed(links: Sequence[Link], fork_round: Link | None, *, pending_ok: bool) -> str | None:

@@ -34,6 +34,16 @@ itself at step K0 some seconds ago (when it started, or last fetched):
    decides whether the node takes it: it does only when it missed its group or is of another
    state than the swarm).
 
+5. **A fork's other side.** Rules 1 and 2 weigh advertisements, which identities cost nothing
+   to make; they also keep a fork's smaller side from ever taking the larger side's state when
+   that side is some steps ahead (beyond the horizon counted from the smaller side's own last
+   step) or holds fewer records than stand at the node's step. So, beside the choice, the best
+   state other than the node's own, at or after the node's step and at most FORK_AHEAD_STEPS ahead,
+   backed by peers that signed the node's recent rounds (earned), not its own, is named as a
+   fork to check (`Verdict.fork`): the node fetches that state's lineage and takes it only when
+   it is a fork of its own lineage that more members of the fork's round signed (lineage.py,
+   rule 4): proof made of signatures, not of records.
+
 `fetch_reason` then says whether the node takes the chosen state (the cases of keeper.py's
 docstring), or keeps its own.
 
@@ -59,6 +69,9 @@ from swarm.state.holders import Holder
 EARNED_ROUNDS = 32  # the recent rounds whose signers back a state more than others (rule 3)
 MISSED_STEP_BACKERS = 2  # what a node that missed its step's group asks of a newer state (rule 2)
 SLACK_STEPS = 2  # steps beyond what the observed pace allows (clock skew, a step under way)
+# how far ahead of the node a fork's other side is checked (rule 5): a lineage fetch of that many
+# steps is what one check costs, and two lineages of one swarm drift apart by a step or two a minute
+FORK_AHEAD_STEPS = 64
 PACE_FACTOR = 4.0  # the swarm is taken to step at most this many times faster than observed
 HEADER_BYTES = 4096  # safetensors header allowance per shard (its JSON length prefix + padding) ...
 HEADER_BYTES_PER_TENSOR = 512  # ... plus this much JSON per tensor (name, dtype, shape, offsets)
@@ -76,12 +89,14 @@ class Known:
     missed: bool = False
     # the signers of its recent rounds (Lineage.round_mates; rule 3)
     earned: frozenset[PeerID] = frozenset()
+    sha: str | None = None  # the manifest of the state it holds (rule 5: a state of its step and hash is its own)
 
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
     choice: tuple[int, str, list[Holder]] | None  # (step, manifest sha, its holders), as choose_state
     refused: tuple[tuple[PeerID, str], ...] = ()  # holders whose advertisement was refused, and why
+    fork: tuple[int, str, list[Holder]] | None = None  # a state whose lineage to check (rule 5)
 
 
 def step_horizon(known_step: int, since_s: float, pace_s: float, inner_steps: int) -> int | None:
@@ -115,17 +130,38 @@ def choose_trusted(holders: Sequence[Holder], known: Known) -> Verdict:
     vouched = {c: peers for c, peers in newer.items() if peers & known.vouching}
     earned = {c: peers for c, peers in newer.items() if peers & known.earned}
     pool = vouched or earned or newer
+    choice: tuple[int, str] | None = None
     if pool:
         senior = known.earned if pool is earned else frozenset()  # rank by backers who earned it first
-        step, sha = min(pool, key=lambda c: (-len(pool[c] & senior), -len(pool[c]), c[0], c[1]))
+        choice = min(pool, key=lambda c: (-len(pool[c] & senior), -len(pool[c]), c[0], c[1]))
     else:
         older = {c: peers for c, peers in backers.items() if c[0] <= known.step}
-        if not older:
-            return Verdict(None, tuple(refused))
-        newest = max(c[0] for c in older)
-        step, sha = min((c for c in older if c[0] == newest), key=lambda c: (-len(older[c]), c[1]))
-    chosen = [h for h in holders if h.step == step and h.manifest == sha]
-    return Verdict((step, sha, chosen), tuple(refused))
+        if older:
+            newest = max(c[0] for c in older)
+            choice = min((c for c in older if c[0] == newest), key=lambda c: (-len(older[c]), c[1]))
+    fork = _fork_to_check(holders, known)
+    if choice is None:
+        return Verdict(None, tuple(refused), fork)
+    return Verdict((*choice, _held(holders, choice)), tuple(refused), fork)
+
+
+def _fork_to_check(holders: Sequence[Holder], known: Known) -> tuple[int, str, list[Holder]] | None:
+    """Rule 5: the state other than our own, at our step or up to FORK_AHEAD_STEPS ahead (the
+    horizon aside), that the most of our earned peers back. It may be the choice too: one that
+    fetch_reason lets the node keep its own state beside (a fork at its own step)."""
+    backers: dict[tuple[int, str], set[PeerID]] = {}
+    for h in holders:
+        if known.step <= h.step <= known.step + FORK_AHEAD_STEPS and h.peer_id in known.earned:
+            backers.setdefault((h.step, h.manifest), set()).add(h.peer_id)
+    backers.pop((known.step, known.sha or ""), None)
+    if not backers:
+        return None
+    best = min(backers, key=lambda c: (-len(backers[c]), c[0], c[1]))
+    return (*best, _held(holders, best))
+
+
+def _held(holders: Sequence[Holder], state: tuple[int, str]) -> list[Holder]:
+    return [h for h in holders if (h.step, h.manifest) == state]
 
 
 def manifest_problem(manifest: Manifest, expected: Mapping[str, int]) -> str | None:

@@ -16,6 +16,8 @@ import pytest
 
 from swarm.averaging.matchmaking.ready import ReadyView
 from swarm.averaging.matchmaking.ready_board import ReadyBoard
+from swarm.node.grouping import ForkWatch
+from swarm.state.keeper import LARGER_LINEAGE
 from tests.node.inprocess import LocalSwarm, Running
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
@@ -68,3 +70,35 @@ async def test_the_smaller_half_of_a_fork_takes_the_larger_ones_state(
     assert not forks, f"the fork went on (step: states): {forks}; nodes: {story}"
     fetched = [e for n in small for e in n.events if e["event"] == "fetch"]
     assert any(e["reason"] == "not the swarm's state" for e in fetched), story
+
+
+async def test_a_fork_nothing_in_matchmaking_points_at_heals_by_its_lineages(
+    local: LocalSwarm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same split, but the step-1 FORMED markers never tell the smaller half that a larger
+    group formed beside its own (ForkWatch finds nothing: markers expired, or reads failed, as in
+    a 60-minute soak under load where two lineages ran apart for 50 steps). Both halves step at the
+    same pace, so neither is ever behind the other. What is left to heal it is the state records:
+    the smaller half sees round mates of its last round of five advertise another state at its
+    step, checks that state's lineage, finds more of that round's members signed it than its own,
+    and takes it (trust.py rule 5)."""
+
+    async def never(self: ForkWatch, averager: object, step: int) -> bool:
+        return False
+
+    monkeypatch.setattr(ForkWatch, "outvoted", never)
+    bootstrap = await local.start_bootstrap()
+    nodes = [local.start((bootstrap,), max_outer_steps=6) for _ in range(5)]
+    large, small = nodes[:3], nodes[3:]
+    split_boards(monkeypatch, large, small)
+    reasons = await local.finish(150)
+    assert reasons == ["finished"] * 5
+    by_step = local.by_step()
+    story = [[(e["event"], e["outer_step"], e["state_sha256"][:6], e.get("group_size"), e.get("reason"))
+              for e in n.events if e["event"] in ("outer_step", "fetch")] for n in nodes]  # fmt: skip
+    assert len(by_step[1]) == 2, f"the test made no fork at step 1: {story}"
+    forks = {step: len(states) for step, states in by_step.items() if step >= 4 and len(states) > 1}
+    assert not forks, f"the fork went on (step: states): {forks}; nodes: {story}"
+    fetched = [e for n in small for e in n.events if e["event"] == "fetch"]
+    assert any(e["reason"] == LARGER_LINEAGE for e in fetched), story
+    assert not [e for n in large for e in n.events if e["event"] == "fetch"], story  # the larger half never moved

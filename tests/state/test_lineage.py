@@ -203,6 +203,24 @@ FORGED = chain(0, G, *(link(i, G if i == 0 else f"z{i}", f"z{i + 1}", "xyz") for
             False,
         ),
         (
+            "a fork's larger half asked at once: its round shows its holder's signature alone, the rest are coming",
+            chain(0, G, link(0, G, "t1", "abcde"), link(1, "t1", "m2", "de")),
+            chain(0, G, link(0, G, "t1", "abcde"), link(1, "t1", "n2", "abc", "a")),
+            True,
+        ),
+        (
+            "a fork's smaller half loses even with all its signatures in: refused outright",
+            chain(0, G, link(0, G, "t1", "abcde"), link(1, "t1", "n2", "abc")),
+            chain(0, G, link(0, G, "t1", "abcde"), link(1, "t1", "m2", "de", "d")),
+            False,
+        ),
+        (
+            "forged ids listing the honest members in a round only they signed: refused outright",
+            chain(0, G, link(0, G, "t1", "abcde"), link(1, "t1", "m2", "de")),
+            chain(0, G, link(0, G, "t1", "abcde"), link(1, "t1", "z2", "abcxyz", "xyz")),
+            False,
+        ),
+        (
             "an older round short of endorsements is refused outright",
             chain(0, G, HONEST[0]),
             chain(0, G, HONEST[0], link(1, "s1", "s2", "abc", "a"), link(2, "s2", "s3", "a")),

@@ -15,7 +15,7 @@ from swarm.state.config import FetchConfig
 from swarm.state.fetcher import RefusedManifest, fetch_state
 from swarm.state.holders import Holder
 from swarm.state.server import StateServer
-from swarm.state.trust import Known, choose_trusted, manifest_problem, step_horizon
+from swarm.state.trust import FORK_AHEAD_STEPS, Known, choose_trusted, manifest_problem, step_horizon
 
 IDS = [Identity.from_seed(bytes([i + 1]) * 32).peer_id for i in range(8)]
 GOOD, ZERO, OTHER = "a" * 64, "0" * 64, "b" * 64  # the honest state, an attacker's, another
@@ -77,6 +77,35 @@ def test_choose_trusted(
     if verdict.choice is not None:
         assert verdict.choice[2] and all((h.step, h.manifest) == chosen for h in verdict.choice[2])
     assert {IDS.index(peer) for peer, _ in verdict.refused} == refused
+
+
+MATES = frozenset(IDS[1:7])  # signed our recent rounds
+FORK_CASES = [
+    # (situation, holders, what the node knows, the fork to check (step, sha) or None)
+    ("the larger side of a fork, six steps ahead beyond the horizon: checked",
+     [held(1, 56, OTHER), held(2, 56, OTHER), held(3, 50)], Known(50, horizon=52, earned=MATES, sha=GOOD), (56, OTHER)),
+    ("... and at our own step with another hash, fewer than stand with us: checked",
+     [held(1, 50, OTHER), held(2, 50), held(3, 50)], Known(50, earned=MATES, sha=GOOD), (50, OTHER)),
+    ("the most round mates first", [held(1, 51, OTHER), held(2, 52, ZERO), held(3, 52, ZERO)],
+     Known(50, horizon=60, earned=MATES, sha=GOOD), (52, ZERO)),
+    ("identities that never averaged with us name no fork, however many",
+     [held(0, 56, ZERO), held(7, 56, ZERO), held(3, 50)], Known(50, horizon=52, earned=MATES, sha=GOOD), None),
+    ("a state of our own step and hash is ours, not a fork",
+     [held(1, 50), held(2, 50)], Known(50, earned=MATES, sha=GOOD), None),
+    ("an older step is never a fork to take (the lineage it may have is behind ours)",
+     [held(1, 49, OTHER), held(2, 49, OTHER)], Known(50, earned=MATES, sha=GOOD), None),
+    ("more than FORK_AHEAD_STEPS ahead: not checked (a lineage that long costs too much to fetch)",
+     [held(1, 50 + FORK_AHEAD_STEPS + 1, OTHER)], Known(50, horizon=52, earned=MATES, sha=GOOD), None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "holders", "known", "fork"), FORK_CASES, ids=[c[0] for c in FORK_CASES])
+def test_a_fork_to_check(what: str, holders: list[Holder], known: Known, fork: tuple[int, str] | None) -> None:
+    """Rule 5: what the node checks the lineage of, whatever the choice."""
+    verdict = choose_trusted(holders, known)
+    assert (verdict.fork[:2] if verdict.fork else None) == fork
+    if verdict.fork is not None:
+        assert all((h.step, h.manifest) == fork for h in verdict.fork[2])
 
 
 @pytest.mark.parametrize(
