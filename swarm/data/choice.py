@@ -3,7 +3,7 @@ a snapshot of the claims read from the DHT (claims.py), tested with a table of c
 
     pick = pick_next(snapshot, n)        # Pick(epoch, chunk): claim chunk (None: nothing free now)
     rivals = contested(snapshot, epoch, chunks)   # of our new claims, those a peer claims too
-    winner([(me, at), *their_claims])             # who keeps a contested chunk
+    settle(snapshot, epoch, chunk, at, before)    # a new claim of ours after its read: TAKE, HOLD or YIELD
 
 Rules, the same on every node:
 - A chunk is taken in an epoch when it is known done (our own done set, which holds what we
@@ -23,19 +23,26 @@ Rules, the same on every node:
 - A chunk we gave up (our claim outlasted the hold our pace gives it, pace.py) is not ours to
   pick while our readers may still count that claim: a peer takes it, or we do again later.
 - Two nodes that claim one chunk at once (each stored its claim before it read the other's): a
-  node stores a new claim and reads the claims again. No peer claims the chunk: it is ours. A
-  peer does (contested): the tie-break (`winner`: the earlier claim, equal times the smaller
-  PeerID) names the same node on both sides; the loser yields at once, the winner holds the
-  chunk untrained for one more read and takes it only if the claim on it is gone by then. That
-  second read matters because a node cannot know whether its rival saw it: a rival that read
-  before our claim was stored kept the chunk whatever the tie-break says, and still claims it.
-  A claim that was confirmed is kept while it is renewed: a later claim on it (a node that had
+  node stores a new claim and reads the claims again (`settle`). No peer claims the chunk and
+  none marks it done: it is ours. A peer does (contested): the tie-break (`winner`: the earlier
+  claim, equal times the smaller PeerID) names the same node on both sides; the loser yields at
+  once, the winner holds the chunk untrained for one more read and takes it only if each rival's
+  record, stored again since, no longer claims it. That second read matters because a node cannot
+  know whether its rival saw it: a rival that read before our claim was stored kept the chunk
+  whatever the tie-break says, and trains it; a second read that returns the rival's old record
+  (a replica the new one has not reached) proves nothing, so it yields too.
+- A chunk a peer marks done is never taken, at either read: a rival that read before our claim
+  was stored may have trained the chunk and stored its record again before our read, and that
+  record marks the chunk done instead of claiming it.
+- A claim that was confirmed is kept while it is renewed: a later claim on it (a node that had
   not yet seen ours, or an attacker) is the one that yields.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,5 +128,30 @@ def winner(claims: list[tuple[PeerID, float]]) -> PeerID:
     return min(claims, key=lambda c: (c[1], c[0].to_bytes()))[0]
 
 
-def rivals_of(seen: ClaimsSeen, epoch: int, chunk: int) -> list[tuple[PeerID, float]]:
-    return [(r.owner, at) for r in seen.records if r.epoch == epoch for c, at in r.live_at(seen.now) if c == chunk]
+def rivals_of(seen: ClaimsSeen, epoch: int, chunk: int) -> dict[PeerID, tuple[float, float]]:
+    """The peers that claim `chunk` live in `epoch`: owner -> (claimed at, its record's `until`)."""
+    return {r.owner: (at, r.until) for r in seen.records if r.epoch == epoch
+            for c, at in r.live_at(seen.now) if c == chunk}  # fmt: skip
+
+
+TAKE, HOLD, YIELD = "take", "hold", "yield"
+
+
+def settle(seen: ClaimsSeen, epoch: int, chunk: int, at: float, before: Mapping[PeerID, float] | None) -> str:
+    """What becomes of a new claim of ours on `chunk` of `epoch`, dated `at`, after a read that
+    began once a store of it was accepted: TAKE it, HOLD it untrained for one more read, or YIELD.
+    `before`: None at the claim's first read; at its second, the rivals of the first, each with
+    the `until` of the record in which it claimed the chunk (module docstring)."""
+    if known_done(seen, epoch)[chunk]:
+        return YIELD
+    rivals = rivals_of(seen, epoch, chunk)
+    if before is None:
+        if not rivals:
+            return TAKE
+        claims = [(seen.me, at), *((owner, their_at) for owner, (their_at, _) in rivals.items())]
+        return HOLD if winner(claims) == seen.me else YIELD
+    if rivals:
+        return YIELD
+    # a rival gave the chunk up only if we read a record it stored after the one that claimed it
+    latest = {r.owner: r.until for r in seen.records}
+    return TAKE if all(latest.get(owner, -math.inf) > until for owner, until in before.items()) else YIELD

@@ -7,17 +7,23 @@
 
 One cycle (every `renew` seconds, or at once when the cursor needs a chunk): read the run's
 claim records, pick chunks until we hold MAX_LIVE (choice.pick_next), store our record (one DHT
-store, claims.py), and read again: a new claim reaches the cursor only if no peer claims its
-chunk in that second read (choice.contested); a contested one is yielded, or, when the
-tie-break names us, held one more read (CONFIRM_AFTER seconds later) and taken if the rival's
-claim is gone. A race is settled before the chunk is trained. Claims restored from a saved
-position are checked at the first cycle.
+store, claims.py), and read again: a new claim reaches the cursor only if, in that second read,
+no peer claims its chunk or marks it done (choice.settle); a contested one is yielded, or, when
+the tie-break names us, held one more read (CONFIRM_AFTER seconds later) and taken if the
+rival's newer record gave it up. A race is settled before the chunk is trained. Only a read
+that began after a store of the claim was accepted settles it: a claim whose store no node
+accepted, or whose read failed or did not return our own record as stored, is given up (a
+peer that read without it may have claimed the chunk). Claims restored from a saved position,
+and ours that lapsed before we renewed them (a stalled loop), are checked the same way, by the
+read after the store that renews them; the cursor reads no row of them until then.
 The peers' records count as far as their pace allows (pace.py); we hold ourselves to the same
 rule: a chunk of ours whose claim nears the end of its hold (training stalled that long) is given
 up before any reader counts it free, and not picked again until they have read us without it.
 Times are the cursor's clock (tests inject one).
 The position goes to the checkpoint folder after every cycle. A failed
-read decides from the records read last; a failed store is logged and tried at the next cycle.
+read picks from the records read last; a failed store is logged and tried at the next cycle
+(CONFIRM_AFTER later when it held new claims); the cursor counts our claims live only until
+the last store that was accepted says they lapse.
 When the epoch ends for us the node says so in one log line and continues in the next one.
 """
 
@@ -37,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from swarm.data.choice import ClaimsSeen, Pick, contested, known_done, pick_next, rivals_of, winner
+from swarm.data.choice import HOLD, TAKE, ClaimsSeen, Pick, contested, known_done, pick_next, rivals_of, settle
 from swarm.data.claims import CLAIM_TTL, MAX_LIVE, RECORD_TTL, ClaimRecord, decode_claim, encode_claim
 from swarm.data.cursor import ChunkCursor
 from swarm.data.pace import Limits, Seen, held_to_pace, hold_rate, overdue
@@ -97,8 +103,10 @@ class ChunkClaimer:
         self.stores = 0  # DHT stores of our record so far (one per cycle)
         self.yields = 0  # new claims we gave up because a peer claimed the same chunk
         self._yielded = False  # at the last cycle: the next pick starts from a salted point
-        self._unconfirmed: frozenset[int] = frozenset()  # restored claims, checked at the first cycle
+        self._unconfirmed: frozenset[int] = frozenset()  # restored or lapsed claims: checked after the next store
         self._tentative: list[tuple[int, int, float]] = []  # contested claims the tie-break gave us
+        self._against: dict[tuple[int, int], dict[PeerID, float]] = {}  # (epoch, chunk) tentative -> rivals' untils
+        self._unsure = False  # at the last cycle: claims went unsettled (a failed store or read)
         self._lapses_at = math.inf  # when the live claims of our last stored record lapse
         self._save_lock = threading.Lock()
         self._wake = asyncio.Event()
@@ -124,19 +132,17 @@ class ChunkClaimer:
             await self.cycle()
             # a contested claim is read again soon, and so are the claims while peers train the
             # epoch's last chunks: their done marks free us for the next epoch
-            wait = CONFIRM_AFTER if self._tentative else WAITING_POLL if self._waiting else self.config.renew
+            soon = self._tentative or self._unsure
+            wait = CONFIRM_AFTER if soon else WAITING_POLL if self._waiting else self.config.renew
             wait = min(wait, self.config.renew)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), wait)
 
     async def cycle(self) -> None:
-        await self._read()
+        read = await self._read()
         if self.clock() >= self._lapses_at:  # renewed too late (a stalled loop, a sleeping laptop):
             # our claims lapsed meanwhile and a peer may have taken a chunk; it keeps it
             self._unconfirmed = frozenset(chunk for chunk, _ in self.cursor.held())
-        if self._unconfirmed:
-            self.cursor.drop(contested(self._seen(), self.cursor.epoch, self._unconfirmed))
-            self._unconfirmed = frozenset()
         self._drop_done_by_peers()
         self._give_up_overdue()
         # a tentative claim is read again only CONFIRM_AFTER after it was made: its rivals need
@@ -144,12 +150,23 @@ class ChunkClaimer:
         now = self.clock()
         due = [claim for claim in self._tentative if claim[2] + CONFIRM_AFTER <= now]
         self._tentative = [claim for claim in self._tentative if claim[2] + CONFIRM_AFTER > now]
-        self._settle(due, second=True)
+        self._settle(due, read=read, second=True)
         pending = self._pick()
-        await self._store(extra=pending)
-        if pending:
-            await self._read()
-            self._settle(pending, second=False)
+        until = await self._store(extra=pending)
+        checked = False
+        if pending or self._unconfirmed:
+            # a peer that read before this store may hold any of these chunks: only a read that
+            # begins after it, and returns it, can tell
+            checked = until is not None and await self._read(own_until=until)
+            if checked and self._unconfirmed:
+                self.cursor.drop(contested(self._seen(), self.cursor.epoch, self._unconfirmed))
+                self._unconfirmed = frozenset()
+                self._drop_done_by_peers()
+            self._settle(pending, read=checked, second=False)
+        self._unsure = (bool(pending or self._unconfirmed) and not checked) or (bool(due) and not read)
+        if until is not None and not self._unconfirmed:
+            self._lapses_at = until
+            self.cursor.renewed(until)
         await self._save()
 
     def _drop_done_by_peers(self) -> None:
@@ -175,19 +192,23 @@ class ChunkClaimer:
             logger.warning("data: giving up chunk %d of epoch %d: its claim outlasted the time our pace allows "
                            "(training stalled); a peer trains it", chunk, c.epoch)  # fmt: skip
 
-    def _settle(self, claims: list[tuple[int, int, float]], *, second: bool) -> None:
-        """Our new claims after a read: uncontested ones go to the cursor; contested ones are
-        yielded, or (first read, the tie-break names us) held for one more read."""
+    def _settle(self, claims: list[tuple[int, int, float]], *, read: bool, second: bool) -> None:
+        """Our new claims after a read (`read`: it worked, after a store of them): taken ones go
+        to the cursor, held ones wait for one more read (choice.settle); the rest are yielded,
+        and those the read could not settle given up."""
         if not claims:
             return
         seen, gone = self._seen(extra=claims), 0
         for epoch, chunk, at in claims:
-            rivals = rivals_of(seen, epoch, chunk)
-            if not rivals:
+            before = self._against.pop((epoch, chunk), {}) if second else None
+            verdict = settle(seen, epoch, chunk, at, before) if read else None
+            if verdict == TAKE:
                 self.cursor.offer(epoch, chunk, at)
-            elif not second and winner([(self.dht.peer_id, at), *rivals]) == self.dht.peer_id:
+            elif verdict == HOLD:
                 self._tentative.append((epoch, chunk, at))
-            else:
+                rivals = rivals_of(seen, epoch, chunk)
+                self._against[(epoch, chunk)] = {owner: until for owner, (_, until) in rivals.items()}
+            elif verdict is not None:
                 gone += 1
         self.yields += gone
         self._yielded = gone > 0
@@ -238,17 +259,21 @@ class ChunkClaimer:
         logger.info("data: epoch %d is over (every chunk trained: %d of %d chunks, %d tokens); starting epoch %d",
                     pick.epoch - 1, p.chunks_done, p.chunks, p.tokens, pick.epoch)  # fmt: skip
 
-    async def _read(self) -> None:
+    async def _read(self, own_until: float | None = None) -> bool:
+        """Read the peers' records (kept as read last when the read fails). True when it worked
+        and, with `own_until`, returned our own record as stored with that `until` or later."""
         entries = await record_entries(self.dht, self.key, "the run's chunk claims")
         if not entries:
-            return
-        n, bits, now = self.cursor.plan.n, self.dht.config.id_bits, self.clock()
-        records = [decode_claim(subkey, value, n=n, id_bits=bits, now=now) for subkey, value in entries]
-        self.records = self._held_to_pace([r for r in records if r is not None and r.owner != self.dht.peer_id], now)
+            return False
+        n, bits, now, me = self.cursor.plan.n, self.dht.config.id_bits, self.clock(), self.dht.peer_id
+        records = [r for r in (decode_claim(subkey, value, n=n, id_bits=bits, now=now) for subkey, value in entries)
+                   if r is not None]  # fmt: skip
+        self.records = self._held_to_pace([r for r in records if r.owner != me], now)
         for record in self.records:
             bits_ = record.done_in(self.cursor.epoch)
             if bits_ is not None:
                 self.cursor.merge_seen(self.cursor.epoch, bits_)
+        return own_until is None or any(r.owner == me and r.until >= own_until for r in records)
 
     def _held_to_pace(self, records: list[ClaimRecord], now: float) -> tuple[ClaimRecord, ...]:
         """The peers' records as far as their pace allows (pace.py); a peer whose done marks run
@@ -282,7 +307,8 @@ class ChunkClaimer:
             judged.append(held)
         return tuple(judged)
 
-    async def _store(self, *, extra: Sequence[tuple[int, int, float]] = (), release: bool = False) -> None:
+    async def _store(self, *, extra: Sequence[tuple[int, int, float]] = (), release: bool = False) -> float | None:
+        """Store our record; the `until` it says (as stored) when a node accepted it, else None."""
         c, now = self.cursor, self.clock()
         claims = [*self._tentative, *extra]
         live = () if release else c.held() + tuple((chunk, at) for epoch, chunk, at in claims if epoch == c.epoch)
@@ -297,11 +323,9 @@ class ChunkClaimer:
                              c.rate(), started)  # fmt: skip
         value = encode_claim(record, c.plan.n, self.dht.id_nonce)
         self.stores += 1
-        self._lapses_at = record.until
-        if not release:
-            c.renewed(record.until)
-        await store_or_warn(self.dht, self.key, value, now + RECORD_TTL, owner_subkey(self.dht.peer_id),
-                            kind="chunk claims", within=self.config.renew)  # fmt: skip
+        accepted = await store_or_warn(self.dht, self.key, value, now + RECORD_TTL, owner_subkey(self.dht.peer_id),
+                                       kind="chunk claims", within=self.config.renew)  # fmt: skip
+        return float(value["until"]) if accepted else None
 
     async def _save(self) -> None:
         if self.config.position is not None:

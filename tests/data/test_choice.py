@@ -1,5 +1,5 @@
 """The pure rules of chunk claims (swarm/data/choice.py): which chunk a node picks, when its epoch
-ends, and who wins a chunk two nodes claimed, as a table of cases."""
+ends, and who wins a chunk two nodes claimed, as tables of cases."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from swarm.data.choice import ClaimsSeen, Pick, contested, pick_next, start_point
+from swarm.data.choice import HOLD, TAKE, YIELD, ClaimsSeen, Pick, contested, pick_next, settle, start_point
 from swarm.data.claims import ClaimRecord
 from swarm.p2p.identity import Identity
 
@@ -107,3 +107,52 @@ def test_no_new_epoch_while_a_live_peer_is_an_epoch_behind() -> None:
     assert pick_next(seen, N) == Pick(1, None)  # it still needs our done chunks of epoch 0
     lapsed = rec(A, epoch=0, until=NOW - 1, done={0: bits(*range(N))})
     assert pick_next(ClaimsSeen(ME, 1, bits(*range(N)), (), (lapsed,), NOW), N).epoch == 2
+
+
+# our new claim on chunk 4 of epoch 0, dated NOW - 1, after the read that followed its store;
+# `before`: None at its first read, else the rivals of the first read and their records' untils
+AT = NOW - 1
+FIRST_OF_A_TIE = min((ME, A), key=lambda p: p.to_bytes())
+SETTLE = [
+    ("first read, nobody else: ours", (), (), None, TAKE),
+    ("first read, a peer marks it done (it trained it meanwhile)", (rec(A, done={0: bits(4)}),), (), None, YIELD),
+    ("first read, done as far as we read before", (), (4,), None, YIELD),
+    ("first read, a later claim: the tie-break names us, one more read", (rec(A, live=[(4, AT + 0.5)]),), (), None,
+     HOLD),
+    ("first read, an earlier claim wins", (rec(A, live=[(4, AT - 0.5)]),), (), None, YIELD),
+    ("first read, the same time: the smaller PeerID", (rec(A, live=[(4, AT)]),), (), None,
+     HOLD if FIRST_OF_A_TIE == ME else YIELD),
+    ("first read, a lapsed claim is none", (rec(A, live=[(4, AT - 90)], until=NOW - 1),), (), None, TAKE),
+    ("first read, a claim of another epoch is none", (rec(A, epoch=1, live=[(4, AT - 5)]),), (), None, TAKE),
+    ("first read, several rivals, one earlier", (rec(A, live=[(4, AT + 1)]), rec(B, live=[(4, AT - 1)])), (),
+     None, YIELD),
+    ("second read, the rival still claims it", (rec(A, live=[(4, AT + 0.5)], until=NOW + 31),), (), {A: NOW + 30},
+     YIELD),
+    ("second read, the rival's newer record gave it up", (rec(A, until=NOW + 31),), (), {A: NOW + 30}, TAKE),
+    ("second read, the rival's newer record marks it done", (rec(A, until=NOW + 31, done={0: bits(4)}),), (),
+     {A: NOW + 30}, YIELD),
+    ("second read, only the rival's older record (a stale replica)", (rec(A, until=NOW + 20),), (),
+     {A: NOW + 30}, YIELD),
+    ("second read, the rival's record not read at all", (), (), {A: NOW + 30}, YIELD),
+    ("second read, one of two rivals not read again", (rec(A, until=NOW + 31), rec(B, until=NOW + 30)), (),
+     {A: NOW + 30, B: NOW + 30}, YIELD),
+    ("second read, the rival gave it up and moved to the next epoch", (rec(A, epoch=1, until=NOW + 31,
+     done={0: bits(), 1: bits()}),), (), {A: NOW + 30}, TAKE),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", SETTLE, ids=[c[0] for c in SETTLE])
+def test_settle_a_new_claim(case: tuple) -> None:
+    _, records, done, before, want = case
+    seen = ClaimsSeen(ME, 0, bits(*done), ((4, AT),), records, NOW)
+    assert settle(seen, 0, 4, AT, before) == want
+
+
+def test_settle_a_new_epochs_first_claim_against_that_epochs_records() -> None:
+    all_done = bits(*range(N))
+    ahead = rec(A, epoch=1, live=[(4, AT - 1)], done={0: all_done, 1: bits()})
+    assert settle(ClaimsSeen(ME, 0, all_done, (), (ahead,), NOW), 1, 4, AT, None) == YIELD
+    done_there = rec(A, epoch=1, done={0: all_done, 1: bits(4)})
+    assert settle(ClaimsSeen(ME, 0, all_done, (), (done_there,), NOW), 1, 4, AT, None) == YIELD
+    assert settle(ClaimsSeen(ME, 0, all_done, (), (rec(A, epoch=1, done={0: all_done, 1: bits()}),), NOW),
+                  1, 4, AT, None) == TAKE  # fmt: skip

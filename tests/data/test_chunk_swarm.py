@@ -99,14 +99,16 @@ def test_six_nodes_with_churn_train_every_chunk_once_an_epoch_for_two_epochs(swa
                     who.setdefault(chunk, []).append(name)
         assert set(who) == set(range(chunks)), (epoch, sorted(set(range(chunks)) - set(who)))
         twice = {c: w for c, w in who.items() if len(w) > 1}
-        # trained twice where the killed node finished it after its last store, and (a known
-        # race, not fixed: 2 runs in 3) one chunk that two live nodes claimed in the same moment,
-        # each confirming read missing the other's fresh claim (seen: the newcomer and a node
-        # that had trained beside it, at chunk 63 of epoch 1)
+        # trained twice only where the killed node finished it after its last store; never by
+        # two live nodes, though their claim cycles overlap all the time here (a chunk trains in
+        # a fraction of a second): a claim is taken only after a read that followed its store,
+        # and yields there to a peer's claim or done mark (choice.settle). Before those rules,
+        # 2 runs in 3 had a chunk trained by a rival that claimed, trained and marked it done
+        # between another node's pick and its confirming read.
         killed_twice = {c: w for c, w in twice.items() if "c" in w}
         raced = {c: w for c, w in twice.items() if "c" not in w}
         assert all(len(w) == 2 for w in twice.values()), (epoch, twice)
-        assert len(killed_twice) <= 2 and len(raced) <= 1, (epoch, twice)
+        assert len(killed_twice) <= 2 and not raced, (epoch, twice)
     # the restart: at its saved epoch, with its done chunks, none of them trained again
     m = re.search(r"data: resuming at epoch (\d+), (\d+) chunks of ours done", swarm.stderr("c-again"))
     assert m is not None
