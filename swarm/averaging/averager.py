@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.averaging.config import AveragingConfig
-from swarm.averaging.errors import AuditError
+from swarm.averaging.errors import AllReduceError, AuditError
 from swarm.averaging.matchmaking.matchmaker import Matchmade, Matchmaker
 from swarm.averaging.messages import GroupInfo, MemberInfo
 from swarm.averaging.rounds.bandwidth import LinkEstimate
@@ -198,7 +198,11 @@ class Averager:
                 round_ = GridRound(self.host, self.registry, group, vector, config, formed_at=formed_at)
             averaged, rr = await round_.run()
         except AuditError as e:
+            self.clock.failed()
             self.exclude(e.owners, str(e))
+            raise
+        except AllReduceError:
+            self.clock.failed()
             raise
         self.exclude(rr.audit_excluded, "it misstated our contribution to its part")
         # lasted: since the group formed, when the other members' waits began too (timeouts.measures_link)

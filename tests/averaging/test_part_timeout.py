@@ -15,6 +15,7 @@ import torch
 
 from swarm.averaging.averager import Averager
 from swarm.averaging.config import AveragingConfig
+from swarm.averaging.errors import AllReduceError
 from swarm.averaging.messages import GroupInfo, MemberInfo
 from swarm.averaging.rounds.timeouts import (
     FLOOR_S,
@@ -50,6 +51,34 @@ CEILING = 60.0
 )
 def test_derived_part_timeout(rounds: tuple[float, ...], ceiling: float, expected: float, why: str) -> None:
     assert derived_part_timeout(rounds, ceiling) == pytest.approx(expected), why
+
+
+@pytest.mark.parametrize(
+    ("rounds", "failed", "expected", "why"),
+    [
+        ((0.1, 0.2), 1, 2 * FLOOR_S, "tiny rounds, then one failed: twice the floor"),
+        ((0.1, 0.2), 3, 8 * FLOOR_S, "three failed in a row: eight times"),
+        ((1.0, 2.0, 3.0), 1, 18.0, "twice 3 x the slowest"),
+        ((1.0, 2.0, 3.0), 10, CEILING, "never above the flag"),
+        ((0.1,), 5, CEILING, "nothing measured yet: the flag, whatever failed"),
+        ((0.1, 0.2), 10**9, CEILING, "any number of failures stays bounded by the flag"),
+    ],
+)
+def test_failed_rounds_in_a_row_back_the_timeout_off(rounds: tuple[float, ...], failed: int, expected: float,
+                                                      why: str) -> None:  # fmt: skip
+    assert derived_part_timeout(rounds, CEILING, failed) == pytest.approx(expected), why
+
+
+def test_a_completed_round_ends_the_backoff() -> None:
+    clock = RoundClock()
+    for seconds in (0.1, 0.2):
+        clock.observe(seconds)
+    clock.failed()
+    clock.failed()
+    assert clock.part_timeout(CEILING) == 4 * FLOOR_S
+    assert clock.announced(CEILING) == 4 * FLOOR_S  # the group waits as long as its most failed member
+    clock.observe(0.1)
+    assert clock.part_timeout(CEILING) == FLOOR_S
 
 
 def test_quantile_is_nearest_rank() -> None:
@@ -168,6 +197,27 @@ async def test_a_member_that_vanishes_inside_a_round_costs_it_seconds_not_the_fl
     assert all(torch.equal(r, results[0]) for r in results)
     assert all(inc == [0, 1, 2] for _, report in outcomes for inc in report.contributions.values())
     assert took <= max(5.0, 3 * median), (took, median, [report.part_timeout for _, report in outcomes])
+
+
+@pytest.mark.timeout(60)
+async def test_a_failed_round_makes_the_next_wait_longer_on_the_wire() -> None:
+    """Two members whose rounds took a fraction of a second, then a round whose other member
+    is a black hole: it fails, and the survivor announces twice its timeout for the next round
+    (a busy machine whose loops stall past a floor-sized timeout must not fail every round)."""
+    config = AveragingConfig(part_timeout=30.0, request_timeout=1.0)
+    tensors = [torch.randn(1_000, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    async with averagers(2, config) as made:
+        for step in range(2):
+            group = GroupInfo.create("run", step, tuple(member(a, 1.0) for a in made))
+            await asyncio.gather(*(a.run_round(group, [t]) for a, t in zip(made, tensors, strict=True)))
+        before = made[0].member_info(1.0).timeout
+        assert before == FLOOR_S
+        async with black_hole() as hole:
+            gone = member(made[1], 1.0, (hole,))
+            group = GroupInfo.create("run", 2, (member(made[0], 1.0), gone))
+            with pytest.raises(AllReduceError):
+                await made[0].run_round(group, [tensors[0]])
+        assert made[0].member_info(1.0).timeout == 2 * before
 
 
 @pytest.mark.swarm  # a whole round on real sockets that waits out a part timeout: 10 s

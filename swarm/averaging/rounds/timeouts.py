@@ -27,6 +27,12 @@ member of a run whose members share the flag. A member that has not measured yet
 announces none (0) and takes its group's: under churn a group nearly always holds a member that
 just restarted, and counting its flag made every round wait 60 s for a member that died in it.
 
+Failed rounds are not measured, so a timeout derived from a quiet spell (the floor, for a tiny
+model) would stay there when the machine turns busy: three nodes whose event loops stalled for
+seconds under load failed every round of one step on 2.2 s waits ("no credit to write") and
+matchmade it again for two minutes. So each failed round in a row doubles the derived timeout
+(BACKOFF), up to the flag; a completed round ends the backoff.
+
 A silent member costs a round about two part timeouts: its part's backup starts after the
 senders' wait for the owner's answer (2 x the timeout), while the other owners wait one.
 
@@ -52,6 +58,7 @@ QUANTILE = 0.9
 WINDOW = 20  # completed rounds remembered
 MIN_ROUNDS = 2  # fewer measured: the ceiling
 MEASURED_SHARE = 0.5  # a round longer than this share of its part timeout measures no link
+BACKOFF = 2.0  # the derived timeout grows this many times per failed round in a row
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -61,15 +68,17 @@ def quantile(values: Sequence[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-def derived_part_timeout(round_seconds: Sequence[float], ceiling: float) -> float:
+def derived_part_timeout(round_seconds: Sequence[float], ceiling: float, failed: int = 0) -> float:
     """The part timeout for the next round, from the durations (seconds) of the recent completed
-    rounds, oldest first; `ceiling` is the configured one. Pure: the module docstring's rule."""
+    rounds, oldest first, and the rounds that failed in a row since the last of them; `ceiling`
+    is the configured one. Pure: the module docstring's rule."""
     if not ceiling > 0:
         raise ValueError(f"the ceiling must be positive, got {ceiling}")
     recent = [s for s in round_seconds[-WINDOW:] if math.isfinite(s) and s >= 0]
     if len(recent) < MIN_ROUNDS:
         return ceiling
-    return min(ceiling, max(FLOOR_S, FACTOR * quantile(recent, QUANTILE)))
+    backoff = BACKOFF ** min(max(0, failed), 32)  # 2^32 x the floor is far above any flag
+    return min(ceiling, max(FLOOR_S, FACTOR * quantile(recent, QUANTILE)) * backoff)
 
 
 def measures_link(seconds: float, part_timeout: float) -> bool:
@@ -80,19 +89,26 @@ def measures_link(seconds: float, part_timeout: float) -> bool:
 
 
 class RoundClock:
-    """The durations of this member's last WINDOW completed rounds, and the timeout they give."""
+    """The durations of this member's last WINDOW completed rounds, the rounds failed since, and
+    the timeout they give."""
 
     def __init__(self) -> None:
         self._seconds: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self._failed = 0  # rounds failed in a row since the last completed one
 
     def observe(self, seconds: float) -> None:
         """A round completed in `seconds` (failed rounds are not measured: they say how long the
         timeouts were, not how long a round takes)."""
         if math.isfinite(seconds) and seconds >= 0:
             self._seconds.append(seconds)
+            self._failed = 0
+
+    def failed(self) -> None:
+        """A round failed: the next one waits longer (BACKOFF)."""
+        self._failed += 1
 
     def part_timeout(self, ceiling: float) -> float:
-        return derived_part_timeout(tuple(self._seconds), ceiling)
+        return derived_part_timeout(tuple(self._seconds), ceiling, self._failed)
 
     def announced(self, ceiling: float) -> float:
         """What we announce to our group: our derived timeout, or 0 (none) until we have measured
