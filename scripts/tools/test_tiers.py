@@ -21,12 +21,14 @@ time by design, and CI may run it apart.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["TIERS", "Tier", "TierResult", "verdict"]
+__all__ = ["TIERS", "Tier", "TierResult", "tier_env", "verdict"]
 
 
 @dataclass(frozen=True)
@@ -67,9 +69,17 @@ def verdict(results: list[TierResult], total_budget_s: float) -> list[str]:
     return problems
 
 
+def tier_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment a tier's pytest runs in: `environ` with bytecode caching on. Without the
+    cache (PYTHONDONTWRITEBYTECODE set) every xdist worker compiles and assertion-rewrites every
+    test module again, and every child interpreter compiles the swarm modules it imports:
+    collecting the suite took 10.5 CPU-s a worker that way and 5.2 with the cache warm."""
+    return {k: v for k, v in environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
 def run_tier(tier: Tier, extra: list[str]) -> TierResult:
     start = time.monotonic()
-    code = subprocess.call([sys.executable, "-m", "pytest", "-m", tier.marker, *extra])
+    code = subprocess.call([sys.executable, "-m", "pytest", "-m", tier.marker, *extra], env=tier_env(os.environ))
     return TierResult(tier, code, time.monotonic() - start)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.tools.test_tiers import TIERS, TierResult, verdict
+from scripts.tools.test_tiers import TIERS, TierResult, tier_env, verdict
 
 FAST, SWARM, SOAK = TIERS
 
@@ -43,3 +43,9 @@ def test_the_tiers_split_the_markers() -> None:
         ("swarm", "swarm and not soak", True),
         ("soak", "soak", False),
     ]
+
+
+def test_a_tier_runs_with_the_bytecode_cache_on_and_the_rest_of_the_environment_as_given() -> None:
+    given = {"PYTHONDONTWRITEBYTECODE": "1", "PATH": "/bin", "SWARM_DHT_ID_BITS": "8"}
+    assert tier_env(given) == {"PATH": "/bin", "SWARM_DHT_ID_BITS": "8"}
+    assert tier_env({"PATH": "/bin"}) == {"PATH": "/bin"}
