@@ -12,6 +12,7 @@ live peer could give it one.
     plan_without_group(...)     -> matchmaking found no group: fetch | await the result | retry |
                                    apply our own Δ (not while peers behind would not follow it) |
                                    end the run (its last step was taken without us)
+    recently_stale(facts)       -> the peers of our step whose records went stale only just
     expected_peers(facts, ...)  -> whom matchmaking waits for
     matchmaking_start(...)      -> when to start matchmaking while the last inner steps run
     swarm_together(facts, ...)  -> whether an overlapped node may train on while its group forms
@@ -36,6 +37,10 @@ RETRY = "retry"  # no group yet, but live peers of our step will be ready: match
 APPLY_OWN = "apply_own"  # no live peer at our step or beyond: our own Δ is the swarm's step
 END = "end"  # the run's last step was taken without us and its result is gone: end without it
 RECHECK = "recheck"  # the last step: matchmake once more to see whether the group that formed without us stands
+
+# a record older than its freshness window, but not older than this many times it, is of a peer
+# that may still be alive (plan_without_group waits for one at our step: recently_stale)
+STALE_GRACE = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,15 +131,16 @@ def plan_without_group(f: Facts, *, late: bool, other_state: bool, waited: float
     before it has watched its peers' records for a whole freshness window (a peer that started
     with it may not have published yet), nor within max_wait of matchmaking with ready peers of
     its state (their records may just be stale: under load, 16 nodes on 2 cores each went on
-    alone from stale records, 16 states at one step). At the run's `last` step it never applies
-    its own Δ, nor groups with other late ones, after the swarm took the step without it (a
-    group of its state formed, or a record says a later step) and its result did not reach it
-    in max_wait: those peers finished the run with the step's result and left, and our own Δ,
-    or a group of the late ones, would be a second final state; it ends without the step
-    (END). Before that it matchmakes once more (RECHECK), trusting the FORMED markers still: a
-    group whose round failed withdrew its marker, and its members are matchmaking again
-    (`late_confirmed`: that matchmaking found the marker still standing; then it waits max_wait
-    more for the result: a round can outlast max_wait on a loaded machine)."""
+    alone from stale records, 16 states at one step), nor while a peer of its step went stale
+    only just (recently_stale: a live peer's records can be late on a busy machine). At the
+    run's `last` step it never applies its own Δ, nor groups with other late ones, after the
+    swarm took the step without it (a group of its state formed, or a record says a later step)
+    and its result did not reach it in max_wait: those peers finished the run with the step's
+    result and left, and our own Δ, or a group of the late ones, would be a second final state;
+    it ends without the step (END). Before that it matchmakes once more (RECHECK), trusting the
+    FORMED markers still: a group whose round failed withdrew its marker, and its members are
+    matchmaking again (`late_confirmed`: that matchmaking found the marker still standing; then
+    it waits max_wait more for the result: a round can outlast max_wait on a loaded machine)."""
     if other_state:
         return StepPlan(FETCH, "our state is not the swarm's")
     live = f.live()
@@ -164,11 +170,29 @@ def plan_without_group(f: Facts, *, late: bool, other_state: bool, waited: float
         # our own record is as old as a dead peer's: this machine stalls (16 nodes on a loaded
         # 2-core machine saw every record 11 s old, theirs and their own, and went on alone)
         return StepPlan(RETRY, "our own record is stale too: a stalled machine, not dead peers, may explain theirs")
+    quiet = recently_stale(f)
+    if quiet:
+        # a live process whose records are late (its stores or its loop starved on a busy
+        # machine) looks like a dead one for a while: one that was at our step and went quiet
+        # only just is waited for, a freshness window at most (a peer dead for longer is gone)
+        stale_for = max(f.now - p.time for p in quiet) - f.fresh_for
+        return StepPlan(RETRY, f"{len(quiet)} peer(s) of our step stale for only {stale_for:.1f}s: waiting for them")
     if waited < max_wait and not f.client and behind_would_not_follow(f):
         return StepPlan(RETRY, "peers behind us would not follow a step we took alone: waiting for them")
     if last and taken_without_us:
         return StepPlan(END, "the run's last step was taken without us and its holders left: ending without it")
     return StepPlan(APPLY_OWN, "no live peer at our step: ours is the swarm's state")
+
+
+def recently_stale(f: Facts) -> list[PeerProgress]:
+    """The peers whose last record said our outer step and went stale less than one freshness
+    window ago (older than f.fresh_for, not older than twice it): the ones that may be alive and
+    about to average our step, with records late (under load, a live peer's record was 4.0 s old
+    against a freshness of 3.5 s, and its peer stepped alone: two states at one step). A client
+    waits only for servers (it cannot average with a client). Past twice the window a peer is
+    taken for dead: a node whose peers died goes on at most one window later than before."""
+    return [p for p in f.peers if p.step == f.step and not (f.client and p.client)
+            and f.fresh_for < f.now - p.time <= STALE_GRACE * f.fresh_for]  # fmt: skip
 
 
 def behind_would_not_follow(f: Facts) -> bool:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -47,6 +48,20 @@ MIN_SEC_PER_STEP = 1e-4  # a timed inner step faster than this is a lie (0: not 
 MAX_CLOCK_SKEW = 10.0  # seconds a record's time may lie ahead of ours
 EVAL_HISTORY = 64  # (outer step, eval loss) pairs a record carries: about 1 KB of msgpack
 MAX_LOSS = 1e6  # an eval loss beyond this (or below 0) is not a loss
+RENEWAL_WINDOW = 60.0  # seconds over which our own records' renewals say how late records come here
+MAX_STRETCH = 2.0  # our late renewals stretch the records' freshness to at most this many times the quiet one
+
+
+def freshness(publish_interval: float, renewal_gap: float) -> float:
+    """How old a peer's record may be before we take its peer for dead or stuck: three missed
+    renewals and 2 s. A renewal takes the publish interval on a quiet machine; on a busy one
+    the periodic store waits for the DHT's round trips and a starved event loop, and a live
+    peer's record was seen 4.0 s old against a freshness of 3.5 s (0.5 s interval). So a
+    renewal takes `renewal_gap` when that is longer: the oldest our own record grew, lately,
+    before the next was stored (a peer on the same machine, or one as loaded, is as late). At
+    most MAX_STRETCH times the quiet window: a node whose peers died still goes on."""
+    quiet = 3 * publish_interval + 2.0
+    return min(MAX_STRETCH * quiet, 3 * max(publish_interval, renewal_gap) + 2.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,11 +184,32 @@ class ProgressBook:
         self.run_id = run_id
         self._listed_at = -math.inf  # when we last listed our run under RUNS_KEY
         self.stored_at = -math.inf  # the time in our last record that a DHT peer accepted
+        # (when, how old our record was then): each time a record of ours was stored, the age
+        # the one before it had reached, over the last RENEWAL_WINDOW (renewal_gap)
+        self._renewals: deque[tuple[float, float]] = deque()
 
     @property
     def fresh_for(self) -> float:
-        """A record older than this is of a dead or stuck peer (it misses three refreshes)."""
-        return 3 * self.publish_interval + 2.0
+        """A record older than this is of a dead or stuck peer (it missed three renewals, at
+        the pace ours are renewed: freshness)."""
+        return freshness(self.publish_interval, self.renewal_gap)
+
+    @property
+    def renewal_gap(self) -> float:
+        """The oldest our own record grew before the next one was stored, over the last
+        RENEWAL_WINDOW (0.0: no two stored yet)."""
+        return max((age for _, age in self._renewals), default=0.0)
+
+    def _stored(self, stamped: float) -> None:
+        """A record of ours, with time `stamped`, was accepted just now."""
+        if stamped <= self.stored_at:  # a slow store of an older record (publications overlap)
+            return
+        done = time.time()
+        if math.isfinite(self.stored_at):
+            self._renewals.append((done, done - self.stored_at))
+        while self._renewals and self._renewals[0][0] < done - RENEWAL_WINDOW:
+            self._renewals.popleft()
+        self.stored_at = stamped
 
     async def publish(self, own: OwnProgress) -> bool:
         """Store our record (tried again within one publish interval); False when it is stored
@@ -184,7 +220,7 @@ class ProgressBook:
         accepted = await store_or_warn(self.dht, self.key, own.encode(now), expiration, subkey, kind="progress",
                                        within=self.publish_interval)  # fmt: skip
         if accepted > 0:
-            self.stored_at = now
+            self._stored(now)
         if now - self._listed_at >= RUN_LISTING_INTERVAL:  # after the progress: peers wait on that one
             self._listed_at = now
             await self._list_run(own, now)

@@ -134,7 +134,12 @@ async def test_a_fast_member_trains_the_next_step_while_its_group_waits_for_a_sl
     step = slow.node.inner.step
 
     def slowed(tokens: int, *, loss: object = None):  # type: ignore[no-untyped-def]
-        time.sleep(0.15)  # inside the caller's inner step: the slow member's steps take longer
+        # inside the caller's inner step: the slow member's steps take 0.15 s longer, and at least
+        # three of the fast one's on a busy machine. Where a step takes more than 0.15 s, the
+        # fast one spent the slow one's whole lead on its extra steps of the step, and began the
+        # next only as the group formed (beside 4 busy processes: 3 and 5 inner steps ahead, and
+        # once no record of the kind looked for below)
+        time.sleep(max(0.15, 2 * fast.node.inner.snapshot().sec_per_step))
         return step(tokens, loss=loss)
 
     slow.node.inner.step = slowed  # type: ignore[method-assign]
@@ -155,8 +160,9 @@ async def test_a_fast_member_trains_the_next_step_while_its_group_waits_for_a_sl
     # training (plan.steps_for_slower) or while a round lands (both ways here, H more at most);
     # that the first makes the average land sooner is the last test's to show
     assert max(steps[s]["inner_done"] for s in (1, 2)) > 16, steps
-    # the slow member takes at least 16 x 0.15 s more a step: the fast one's next step is well
-    # under way when the group forms (blocking on matchmaking, it trained only during the round)
+    # the slow member takes at least 2 x 16 of the fast one's inner steps more a step: after its
+    # 16 extra ones (steps_for_slower's most), the fast one's next step is well under way when
+    # the group forms (blocking on matchmaking, it trained only during the round)
     assert sorted(steps[s]["inner_ahead"] for s in range(3))[1] >= 8, steps
     waiting = [r for r in published if r[3] == r[0] + 1 and r[1] == r[2] == 16]
     assert waiting, published  # it trained step t + 1 while its record said t, done
@@ -302,3 +308,45 @@ async def test_a_faster_member_trains_into_its_step_while_a_slower_one_finishes_
     ahead = sorted(steps[s]["inner_ahead"] for s in middle)
     slow_ahead = sorted(slow_steps[s]["inner_ahead"] for s in middle)
     assert ahead[1] <= 2 * slow_ahead[1] + 2, (ahead, slow_ahead, steps, slow_steps)
+
+
+# a starved member's quiet spell: past the records' freshness (5 s with a 1-s publish interval)
+# by more than its peer's matchmakings take (1.5 s with 1 s of matchmaking time), within twice it
+STALL_S = 8.0
+
+
+async def test_a_member_that_goes_quiet_a_while_at_the_step_is_waited_for_not_stepped_without(
+    local: LocalSwarm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A live member of the step goes quiet for a few seconds when its inner steps are done: its
+    progress stores take that long and its matchmaking begins that late (a process starved on a
+    loaded machine; CI saw a record 4.0 s old against a freshness of 3.5 s, and its peer took
+    the step alone). Its peer, groupless meanwhile, waits for the member whose record went stale
+    only just (plan.recently_stale) instead of stepping alone: a group of two at every step.
+    Without that wait it stepped alone, two states at step 1, as in CI."""
+    bootstrap = await local.start_bootstrap()
+    settings = dict(max_outer_steps=3, overlap="eager", overlap_matchmaking=True, inner_steps=8, start_with=2,
+                    publish_interval=1.0, matchmaking_time=1.0)  # fmt: skip
+    quiet, steady = (local.start((bootstrap,), **settings) for _ in range(2))
+    stalled: dict[str, float] = {}  # "until": when the quiet spell ends (unix time)
+    form_group, publish = Averager.form_group, ProgressBook.publish
+
+    async def late_group(self: Averager, weight: float, step: int, *args: Any, **kwargs: Any) -> Any:
+        if self.host.peer_id == quiet.node.peer_id and step == 1 and not stalled:
+            stalled["until"] = time.time() + STALL_S
+            await asyncio.sleep(STALL_S)
+        return await form_group(self, weight, step, *args, **kwargs)
+
+    async def slow_store(self: ProgressBook, own: OwnProgress) -> bool:
+        left = stalled.get("until", 0.0) - time.time()
+        if self.dht.peer_id == quiet.node.peer_id and left > 0:
+            await asyncio.sleep(left)  # the store under way: no newer record is seen meanwhile
+        return await publish(self, own)
+
+    monkeypatch.setattr(Averager, "form_group", late_group)
+    monkeypatch.setattr(ProgressBook, "publish", slow_store)
+    assert await local.finish(200) == ["finished"] * 2
+    assert stalled
+    assert_one_state(local)
+    for running in (quiet, steady):
+        assert all(e["group_size"] == 2 for e in running.steps().values()), running.steps()

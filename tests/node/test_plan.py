@@ -25,6 +25,7 @@ from swarm.node.plan import (
     plan_step,
     plan_without_group,
     predicted_finish,
+    recently_stale,
     servers_behind,
     starting_together,
     steps_for_slower,
@@ -88,8 +89,8 @@ GROUPLESS_CASES = [
     ("alone, but cut off from the DHT", dataclasses.replace(facts(), sees_peers=False), False, False, 0.0, RETRY),
     ("peers' records stale, and ours too: a stalled machine, not dead peers",
      dataclasses.replace(facts(peer(5, H, age=12)), own_record_age=12.0), False, False, 5.0, RETRY),
-    ("peers' records stale, ours fresh: they are gone", dataclasses.replace(facts(peer(5, H, age=12)),
-     own_record_age=3.0), False, False, 5.0, APPLY_OWN),
+    ("peers' records stale for longer than a window, ours fresh: they are gone",
+     dataclasses.replace(facts(peer(5, H, age=21)), own_record_age=3.0), False, False, 5.0, APPLY_OWN),
     ("our record never stored", dataclasses.replace(facts(), own_record_age=float("inf")), False, False, 0.0, RETRY),
     ("late, peers vanished: the result will come", facts(peer(5, H, age=60)), True, False, 5.0, AWAIT_RESULT),
     ("late, waited it out, its holders all gone: go on alone", facts(peer(5, H, age=60)), True, False, 31.0,
@@ -194,6 +195,32 @@ def test_at_the_last_step_a_group_that_still_stands_ends_the_wait(what: str, f: 
     plan = plan_without_group(f, late=True, other_state=False, waited=waited, max_wait=30.0, last=True,
                               late_confirmed=True)  # fmt: skip
     assert plan.action == action, plan.why
+
+
+QUIET_PEER_CASES = [
+    # (situation, facts (fresh for 10 s), action): a peer of our step whose record went stale
+    # only just may be a live process with late records (a busy machine), about to average
+    ("a peer of our step stale for 1 s: wait for it", facts(peer(5, H, age=11)), RETRY),
+    ("a peer of our step stale for a whole window: waited for still", facts(peer(5, H, age=20)), RETRY),
+    ("a peer of our step stale for longer than a window: alone", facts(peer(5, H, age=20.5)), APPLY_OWN),
+    ("a peer still training our step, stale only just: wait", facts(peer(5, 3, age=12)), RETRY),
+    ("stale only just, but behind us: it would follow our step", facts(peer(4, H, age=12)), APPLY_OWN),
+    ("stale only just, at a later step: not one to average with", facts(peer(6, 0, age=12)), APPLY_OWN),
+    ("a client waits for a quiet server", facts(peer(5, H, age=12), client=True), RETRY),
+    ("a client does not wait for a quiet client", facts(peer(5, H, age=12, client=True), client=True), APPLY_OWN),
+    ("a server waits for a quiet client of its step", facts(peer(5, H, age=12, client=True)), RETRY),
+    ("one peer quiet only just, another long dead: wait",
+     facts(peer(5, H, age=12), peer(5, H, age=60, i=1)), RETRY),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "f", "action"), QUIET_PEER_CASES, ids=[c[0] for c in QUIET_PEER_CASES])
+def test_a_peer_of_our_step_that_went_quiet_only_just_is_waited_for_a_window_at_most(
+    what: str, f: Facts, action: str
+) -> None:
+    plan = plan_without_group(f, late=False, other_state=False, waited=1.0, max_wait=30.0)
+    assert plan.action == action, plan.why
+    assert (action == RETRY) == bool(recently_stale(f)), plan.why
 
 
 def test_matchmaking_expects_the_live_peers_of_our_step_that_finish_in_time() -> None:
