@@ -56,7 +56,7 @@ from swarm.node.inner_steps import InnerSteps
 from swarm.node.loop import OuterLoop
 from swarm.node.model_setup import build_node_model, load_node_data, node_diloco, node_error_feedback
 from swarm.node.plan import swarm_is_ahead
-from swarm.node.progress import ProgressBook
+from swarm.node.progress import ProgressBook, publish_delay
 from swarm.node.reachability import NodeReach
 from swarm.node.run_lookup import initial_peer_ids
 from swarm.node.settings import (
@@ -359,8 +359,11 @@ class SwarmNode:
     # --- progress in the DHT ------------------------------------------------------------------
 
     async def _publish_forever(self, view: SwarmView, claimer: ChunkClaimer | None) -> None:
+        clock = asyncio.get_running_loop().time
+        began = clock()
         while True:
-            await asyncio.sleep(self.config.publish_interval)
+            await asyncio.sleep(publish_delay(began, clock(), self.config.publish_interval))
+            began = clock()
             self.events.network(view.ctx.keeper)
             if claimer is not None:  # up to 1,000 peers' done bitmaps folded: off the event loop
                 self.events.data((await asyncio.to_thread(node_progress, claimer)).wire())

@@ -64,6 +64,16 @@ def freshness(publish_interval: float, renewal_gap: float) -> float:
     return min(MAX_STRETCH * quiet, 3 * max(publish_interval, renewal_gap) + 2.0)
 
 
+def publish_delay(began: float, now: float, publish_interval: float) -> float:
+    """Seconds until the next publication of our record, the last having begun at `began`: a
+    publish interval from its start, not from its end. Each publication stores our record and
+    reads the peers'; counted from its end, a busy machine's slow stores and reads stretched the
+    cadence (records 1.5 s apart at a 0.5 s interval) and a live peer's record looked stale to
+    its peers. A publication that took longer than the interval is followed by the next after a
+    quarter of it, not at once: a starved machine is not stormed with stores."""
+    return max(publish_interval / 4, began + publish_interval - now)
+
+
 @dataclass(frozen=True, slots=True)
 class PeerProgress:
     peer_id: PeerID

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from swarm.node import progress
-from swarm.node.progress import OwnProgress, ProgressBook, freshness
+from swarm.node.progress import OwnProgress, ProgressBook, freshness, publish_delay
 from tests.dht.refusing import refusing_dht
 
 pytestmark = pytest.mark.timeout(30)
@@ -68,3 +68,20 @@ async def test_the_book_stretches_freshness_by_its_own_late_renewals_over_a_wind
         await renew_on_time(1.2)  # renewed on time for longer than the window: it drops out
         assert await book.publish(OWN)
         assert book.renewal_gap < late and book.fresh_for < freshness(0.05, late)
+
+
+PUBLISH_CASES = [
+    # (situation, the last publication began, now, interval, seconds until the next)
+    ("it took no time: a whole interval", 10.0, 10.0, 3.0, 3.0),
+    ("it took 1 s of a 3 s interval: 2 s more, not 3", 10.0, 11.0, 3.0, 2.0),
+    ("it took longer than the interval: a quarter of it, not at once", 10.0, 14.0, 3.0, 0.75),
+    ("at a 0.5 s interval, a 1.28 s store: 0.125 s", 0.0, 1.28, 0.5, 0.125),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "began", "now", "interval", "delay"), PUBLISH_CASES,
+                         ids=[c[0] for c in PUBLISH_CASES])  # fmt: skip
+def test_records_are_published_an_interval_from_the_last_start(
+    what: str, began: float, now: float, interval: float, delay: float
+) -> None:
+    assert publish_delay(began, now, interval) == pytest.approx(delay), what
