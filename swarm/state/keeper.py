@@ -184,7 +184,10 @@ class StateKeeper:
         holders = [h for h in await self._holders() if h.manifest not in skipped]
         earned = self.lineage.lineage.round_mates(trust.EARNED_ROUNDS) - {self.host.peer_id}
         own_sha = self.current.manifest.sha256 if self.current is not None else None
-        verdict = choose_trusted(holders, Known(diloco.outer_step, horizon, self.vouching, missed, earned, own_sha))
+        own = self.lineage.lineage
+        last_round = frozenset(own.links[-1].members) if own.links and own.step == diloco.outer_step else frozenset()
+        known = Known(diloco.outer_step, horizon, self.vouching, missed, earned, own_sha, last_round)
+        verdict = choose_trusted(holders, known)
         for peer, reason in verdict.refused:
             kind = "unreachable" if "reachable" in reason else "backing"
             self._distrusted.log(peer, kind, "not adopting the state it advertises: %s", reason)

@@ -39,7 +39,8 @@ itself at step K0 some seconds ago (when it started, or last fetched):
    that side is some steps ahead (beyond the horizon counted from the smaller side's own last
    step) or holds fewer records than stand at the node's step. So, beside the choice, the best
    state other than the node's own, at or after the node's step and at most FORK_AHEAD_STEPS ahead,
-   backed by peers that signed the node's recent rounds (earned), not its own, is named as a
+   backed by peers that signed the node's recent rounds (earned), not its own (nor one that
+   the members of its last round advertise at its step: they hold its state), is named as a
    fork to check (`Verdict.fork`): the node fetches that state's lineage and takes it only when
    it is a fork of its own lineage that more members of the fork's round signed (lineage.py,
    rule 4): proof made of signatures, not of records.
@@ -90,6 +91,9 @@ class Known:
     # the signers of its recent rounds (Lineage.round_mates; rule 3)
     earned: frozenset[PeerID] = frozenset()
     sha: str | None = None  # the manifest of the state it holds (rule 5: a state of its step and hash is its own)
+    # the members of the round that made its state: they hold it too (rule 5), even while its
+    # own manifest is still being made (`sha` is then the previous step's)
+    last_round: frozenset[PeerID] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +155,8 @@ def _fork_to_check(holders: Sequence[Holder], known: Known) -> tuple[int, str, l
     fetch_reason lets the node keep its own state beside (a fork at its own step)."""
     backers: dict[tuple[int, str], set[PeerID]] = {}
     for h in holders:
-        if known.step <= h.step <= known.step + FORK_AHEAD_STEPS and h.peer_id in known.earned:
+        ours = h.step == known.step and h.peer_id in known.last_round
+        if known.step <= h.step <= known.step + FORK_AHEAD_STEPS and h.peer_id in known.earned and not ours:
             backers.setdefault((h.step, h.manifest), set()).add(h.peer_id)
     backers.pop((known.step, known.sha or ""), None)
     if not backers:
