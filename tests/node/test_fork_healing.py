@@ -11,6 +11,7 @@ state and every later step holds one state."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -53,11 +54,17 @@ def split_boards(monkeypatch: pytest.MonkeyPatch, large: list[Running], small: l
     monkeypatch.setattr(ReadyBoard, "read", partial_read)
 
 
-async def test_the_smaller_half_of_a_fork_takes_the_larger_ones_state(
-    local: LocalSwarm, monkeypatch: pytest.MonkeyPatch
-) -> None:
+Events = list[dict[str, Any]]
+
+
+async def split_run(
+    local: LocalSwarm, monkeypatch: pytest.MonkeyPatch, steps: int, healed_from: int
+) -> tuple[Events, Events, list[Any]]:
+    """Five nodes split 3/2 at step 1 (split_boards), run to `steps`; one state at every step
+    from `healed_from` on. Returns the fetches of the smaller half, of the larger, and what each
+    node did (for failures' messages)."""
     bootstrap = await local.start_bootstrap()
-    nodes = [local.start((bootstrap,), max_outer_steps=5) for _ in range(5)]
+    nodes = [local.start((bootstrap,), max_outer_steps=steps) for _ in range(5)]
     large, small = nodes[:3], nodes[3:]
     split_boards(monkeypatch, large, small)
     reasons = await local.finish(150)
@@ -66,10 +73,17 @@ async def test_the_smaller_half_of_a_fork_takes_the_larger_ones_state(
     story = [[(e["event"], e["outer_step"], e["state_sha256"][:6], e.get("group_size"), e.get("reason"))
               for e in n.events if e["event"] in ("outer_step", "fetch")] for n in nodes]  # fmt: skip
     assert len(by_step[1]) == 2, f"the test made no fork at step 1: {story}"
-    forks = {step: len(states) for step, states in by_step.items() if step >= 2 and len(states) > 1}
+    forks = {step: len(states) for step, states in by_step.items() if step >= healed_from and len(states) > 1}
     assert not forks, f"the fork went on (step: states): {forks}; nodes: {story}"
-    fetched = [e for n in small for e in n.events if e["event"] == "fetch"]
-    assert any(e["reason"] == "not the swarm's state" for e in fetched), story
+    fetched = [[e for n in half for e in n.events if e["event"] == "fetch"] for half in (small, large)]
+    return fetched[0], fetched[1], story
+
+
+async def test_the_smaller_half_of_a_fork_takes_the_larger_ones_state(
+    local: LocalSwarm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    small_fetched, _, story = await split_run(local, monkeypatch, steps=5, healed_from=2)
+    assert any(e["reason"] == "not the swarm's state" for e in small_fetched), story
 
 
 async def test_a_fork_nothing_in_matchmaking_points_at_heals_by_its_lineages(
@@ -87,18 +101,6 @@ async def test_a_fork_nothing_in_matchmaking_points_at_heals_by_its_lineages(
         return False
 
     monkeypatch.setattr(ForkWatch, "outvoted", never)
-    bootstrap = await local.start_bootstrap()
-    nodes = [local.start((bootstrap,), max_outer_steps=6) for _ in range(5)]
-    large, small = nodes[:3], nodes[3:]
-    split_boards(monkeypatch, large, small)
-    reasons = await local.finish(150)
-    assert reasons == ["finished"] * 5
-    by_step = local.by_step()
-    story = [[(e["event"], e["outer_step"], e["state_sha256"][:6], e.get("group_size"), e.get("reason"))
-              for e in n.events if e["event"] in ("outer_step", "fetch")] for n in nodes]  # fmt: skip
-    assert len(by_step[1]) == 2, f"the test made no fork at step 1: {story}"
-    forks = {step: len(states) for step, states in by_step.items() if step >= 4 and len(states) > 1}
-    assert not forks, f"the fork went on (step: states): {forks}; nodes: {story}"
-    fetched = [e for n in small for e in n.events if e["event"] == "fetch"]
-    assert any(e["reason"] == LARGER_LINEAGE for e in fetched), story
-    assert not [e for n in large for e in n.events if e["event"] == "fetch"], story  # the larger half never moved
+    small_fetched, large_fetched, story = await split_run(local, monkeypatch, steps=6, healed_from=4)
+    assert any(e["reason"] == LARGER_LINEAGE for e in small_fetched), story
+    assert not large_fetched, story  # the larger half never moved
