@@ -204,10 +204,7 @@ def judge(own: Lineage, candidate: Lineage, *, vouched: bool = False, provisiona
         why = "newer than ours, which no initial peer vouched for" if newer else "we keep ours"
         return Judgement(newer, f"a fork of our anchor at step {fork}: {why}", fork)
     members = frozenset(fork_round.members)
-    our_side = members & frozenset(p for link in ours for p in link.members)
-    their_side = members & frozenset(p for link in theirs for p in link.signers)
-    twice = our_side & their_side  # signed two histories: counts for neither
-    our_side, their_side = our_side - twice, their_side - twice
+    our_side, their_side = _sides(members, ours, frozenset(p for link in theirs for p in link.signers))
     told = (
         f"{len(their_side)} of the {len(members)} members of our round of step {fork - 1} against our {len(our_side)}"
     )
@@ -230,13 +227,23 @@ def _wins_once_signed(theirs: Sequence[Link], ours: Sequence[Link], members: fro
     newest = theirs[-1]
     if not newest.signers & members:
         return False
-    our_side = members & frozenset(p for link in ours for p in link.members)
-    their_side = members & (frozenset(p for link in theirs[:-1] for p in link.signers) | frozenset(newest.members))
-    twice = our_side & their_side
-    our_side, their_side = our_side - twice, their_side - twice
+    backers = frozenset(p for link in theirs[:-1] for p in link.signers) | frozenset(newest.members)
+    our_side, their_side = _sides(members, ours, backers)
     if len(their_side) != len(our_side):
         return len(their_side) > len(our_side)
     return theirs[0].result < ours[0].result
+
+
+def _sides(
+    members: frozenset[PeerID], ours: Sequence[Link], theirs: frozenset[PeerID]
+) -> tuple[frozenset[PeerID], frozenset[PeerID]]:
+    """Rule 4's support: the fork round's `members` in our links after the fork (we saw them
+    average), and those among `theirs` (the candidate's backers); one on both sides signed two
+    histories and counts for neither."""
+    our_side = members & frozenset(p for link in ours for p in link.members)
+    their_side = members & theirs
+    twice = our_side & their_side
+    return our_side - twice, their_side - twice
 
 
 def _unendorsed(links: Sequence[Link], fork_round: Link | None, *, pending_ok: bool) -> str | None:
