@@ -290,7 +290,8 @@ def test_a_client_that_trained_alone_takes_the_state_of_a_server_that_comes_late
     # many steps, so that a slow server start cannot find the client already done; stopped below
     natted = swarm.node("natted", *args, "--max-outer-steps", "40", "--announce-maddrs", "/ip4/127.0.0.1/tcp/9")
     swarm.wait_for(lambda: bool(swarm.events("natted", "outer_step")), 90, "the client's first step alone")
-    server = swarm.node("server", *args, "--relay", "off", "--leave-after-steps", "5")  # the run (the client's) ends at 40
+    # the run (the client's) ends at 40
+    server = swarm.node("server", *args, "--relay", "off", "--leave-after-steps", "5")
     assert server.wait(150) == 0, swarm.stderr("server")
     if natted.poll() is None:
         natted.send_signal(signal.SIGINT)
