@@ -49,6 +49,10 @@ class Adoption:
     def __init__(self, book: LineageBook, *, vouching: frozenset[PeerID], client: bool) -> None:
         self.book, self.vouching, self.client = book, vouching, client
         self._unlinked: dict[str, float] = {}  # manifest -> until when it is not weighed (monotonic)
+        # manifests whose lineage a fork check found continuing ours -> until when they are not
+        # checked as forks again; the other rules still weigh them meanwhile (a check made while
+        # our own round's receipt was not kept yet must not hide the state from them)
+        self._not_forks: dict[str, float] = {}
         self._warned_unvouched = False
         self._distrusted = OncePerPeer(logger)
 
@@ -57,6 +61,12 @@ class Adoption:
         now = time.monotonic()
         self._unlinked = {sha: until for sha, until in self._unlinked.items() if now < until}
         return set(self._unlinked)
+
+    def not_forks(self) -> set[str]:
+        """The manifests a fork check found continuing our lineage lately: not checked again yet."""
+        now = time.monotonic()
+        self._not_forks = {sha: until for sha, until in self._not_forks.items() if now < until}
+        return set(self._not_forks)
 
     async def linked(self, holders: Sequence[Holder], step: int, sha: str, *, fork_only: bool = False) -> Linked | None:
         """The lineage of state `sha` (outer step `step`) from its holders, with whether it will
@@ -81,7 +91,7 @@ class Adoption:
             else:
                 forked_at = fork_step(own, chain)
                 if fork_only and (forked_at is None or forked_at >= own.step):
-                    self._unlinked[sha] = time.monotonic() + UNLINKED_S
+                    self._not_forks[sha] = time.monotonic() + UNLINKED_S
                     return None
                 vouched = any(h.peer_id in self.vouching for h in holders)
                 adopted = self._judged(own, chain, sha, vouched)

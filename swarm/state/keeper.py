@@ -198,7 +198,7 @@ class StateKeeper:
                                alone_last_step=alone_last_step, client=self.server is None,
                                servers_behind=servers_behind, other_state=other_state)  # fmt: skip
         if why is None:  # our own state is right, unless a lineage that outweighs ours forked from it
-            if verdict.fork is None:
+            if verdict.fork is None or verdict.fork[1] in self.adoption.not_forks():
                 return None
             step, sha, agreeing = verdict.fork
             why = LARGER_LINEAGE
