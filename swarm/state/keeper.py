@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -75,6 +76,10 @@ LARGER_LINEAGE = "a larger lineage"
 
 InTrainer = Callable[..., Awaitable[Any]]
 MAX_REFUSED = 64  # refused manifests remembered
+# at most one fork check (trust.py rule 5: a lineage fetched and its signatures checked) this
+# often: a round mate that advertises a new made-up state at every renewal dodges the per-state
+# memory of refusals, and would otherwise cost a lineage check at every look at the holders
+FORK_CHECK_S = 2.0
 # a holder that did not deliver a state (unreachable, gone, bad bytes) is not chosen for that state
 # again for this long: a killed peer's advertisement outlives it (up to KeeperConfig.advertise_ttl),
 # and a node chasing it would retry a dead address meanwhile instead of taking the live peers' state
@@ -127,6 +132,7 @@ class StateKeeper:
         self._refused_peers: set[PeerID] = set()
         self._distrusted = OncePerPeer(logger)
         self._undelivered: dict[tuple[PeerID, str], float] = {}  # (holder, manifest) -> when (monotonic)
+        self._fork_checked_at = -math.inf  # the last fork check (monotonic; FORK_CHECK_S)
         self.current: Snapshot | None = None
         self.advertised = False  # the last advertisement of `current` was stored by some DHT node
         self._publishing: asyncio.Task[None] | None = None
@@ -200,6 +206,9 @@ class StateKeeper:
         if why is None:  # our own state is right, unless a lineage that outweighs ours forked from it
             if verdict.fork is None or verdict.fork[1] in self.adoption.not_forks():
                 return None
+            if time.monotonic() - self._fork_checked_at < FORK_CHECK_S:
+                return None
+            self._fork_checked_at = time.monotonic()
             step, sha, agreeing = verdict.fork
             why = LARGER_LINEAGE
         try:
