@@ -135,11 +135,13 @@ class StepEnd:
         if plan.action == FETCH:
             logger.info("step %d: %s: fetching the swarm's state", step, plan.why)
             if await self.fetch(alone=False, other_state=found.other_state, missed=g.late):
+                self._judge_markers(step, g.late_by)
                 return False  # the peers are already training on it: our next step is late
             await asyncio.sleep(RESULT_POLL)
             return Matchmade(None, found.seconds)  # nothing to fetch yet: look again
         if plan.action == AWAIT_RESULT:  # the holders may show the result before the records do
             if await self.fetch(alone=False, missed=g.late):
+                self._judge_markers(step, g.late_by)
                 return False
             await asyncio.sleep(AWAIT_POLL)
             return found
@@ -167,6 +169,20 @@ class StepEnd:
             return False
         g.since = None if again.group is not None else loop.time()
         return again
+
+    def _judge_markers(self, step: int, late_by: frozenset[PeerID]) -> None:
+        """We took the swarm's result of `step` after FORMED markers of `late_by` said a group of
+        our state formed without us: the owners who are not members of the round that made the
+        result we took promised a group that gave us nothing, and their markers are not believed
+        again. Without this, an identity that renews a marker of our state at every step kept
+        one honest node late at each: it waited, found the result of the group the others formed
+        meanwhile (without it, since it never announced), fetched it, and never averaged again
+        (36 steps of fetches under load), while waiting max_wait for no result at all is what
+        distrusts a marker otherwise. A fetch from beyond our lineage's record of that round
+        (its anchor is later) says nothing of them."""
+        link = self.ctx.keeper.lineage.lineage.link_into(step + 1)
+        if link is not None and (unkept := late_by - link.members.keys()):
+            self.ctx.averager.distrust_formed(unkept)
 
     async def _round(self, step: int, found: Matchmade, landing: Landing | None) -> GroupReport | None:
         """Average with the group that formed and apply the outer step; None when the round failed."""

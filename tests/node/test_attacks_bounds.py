@@ -51,10 +51,12 @@ _clean: dict[tuple[bytes, ...], dict[str, Any]] = {}
 EVAL_WINDOWS = 16
 
 
-def start_honest(local: LocalSwarm, bootstrap: str, **settings: Any) -> list[Running]:
+def start_honest(
+    local: LocalSwarm, bootstrap: str, seeds: list[bytes] = HONEST_SEEDS, **settings: Any
+) -> list[Running]:
     return [local.start((bootstrap,), identity=Identity.from_seed(seed), max_outer_steps=LONG,
                         eval_windows=EVAL_WINDOWS, **settings)
-            for seed in HONEST_SEEDS]  # fmt: skip
+            for seed in seeds]  # fmt: skip
 
 
 async def finish(
