@@ -5,7 +5,8 @@ that carries lineages between peers.
     book.start(anchor_step, anchor_state)          # genesis, or a checkpoint (restore: with its receipts)
     book.record_round(step, group_id, members, parent, result)  # after a round: sign; store, collect later
     book.record_alone(step, weight, parent, result)  # after applying our own Δ alone
-    chain = await book.fetch(holders, since)       # a holder's lineage, signatures checked in a thread
+    chain = await book.fetch(holders, since, until)  # a holder's lineage, its newest rounds' missing
+                                                   # signatures read from the DHT, all checked in a thread
     book.judge(chain) ... book.adopt(chain)        # after fetching the state it leads to
 
 Signatures travel through the DHT, one record per member and step:
@@ -66,6 +67,9 @@ COLLECT_AFTER_S = (0.3, 1.0, 3.0, 10.0)  # when, after its round, a member reads
 SOLO_GROUP = bytes(32)  # the group id of a round of one
 FETCH_TIMEOUT_S = 10.0
 MAX_HOLDERS_ASKED = 3
+# the newest rounds of a fetched lineage whose missing signatures are read from the DHT: the ones
+# a judgement weighs most (the rounds after a fork), a DHT lookup each at most
+MERGE_NEWEST = 8
 
 
 class LineageError(RuntimeError):
@@ -226,31 +230,7 @@ class LineageBook:
         if not 0 <= index < len(self.receipts) or self._complete(step):
             return
         receipt = self.receipts[index]
-        try:
-            found = await self.dht.get(receipts_key(self.run_id, step), latest=True)
-        except (P2PError, DHTError, TimeoutError) as e:
-            logger.info("could not read the signatures of the round of step %d: %s", step, e)
-            return
-        if found is None or not isinstance(found.value, dict):
-            return
-        offered: dict[PeerID, bytes] = {}
-        for subkey, entry in found.value.items():
-            owned = owned_map(subkey, getattr(entry, "value", None))
-            if owned is None:
-                continue
-            peer, value = owned
-            body = receipt.body
-            if peer in receipt.signatures or peer not in body.members or not isinstance(value.get("s"), bytes):
-                continue
-            if value.get("g") != body.group_id or value.get("r") != body.result:
-                continue
-            offered[peer] = value["s"]
-        if not offered:
-            return
-        digest = receipt.body.digest()
-        good = await asyncio.to_thread(
-            lambda: {p: s for p, s in offered.items() if signature_holds(receipt.body, p, s, digest)}
-        )
+        good = await self._stored_signatures(receipt)
         index = step - self.lineage.anchor_step  # our lineage may have moved meanwhile
         if good and 0 <= index < len(self.receipts) and self.receipts[index].body == receipt.body:
             self.receipts[index] = self.receipts[index].with_signatures(good)
@@ -260,11 +240,57 @@ class LineageBook:
             links[index] = link
             self.lineage = Lineage(self.lineage.anchor_step, self.lineage.anchor, tuple(links))
 
+    async def _stored_signatures(self, receipt: Receipt) -> dict[PeerID, bytes]:
+        """The signatures of `receipt`'s round that its members stored in the DHT and it lacks,
+        those that hold over its body ({} when the DHT cannot be read)."""
+        body = receipt.body
+        try:
+            found = await self.dht.get(receipts_key(self.run_id, body.step), latest=True)
+        except (P2PError, DHTError, TimeoutError) as e:
+            logger.info("could not read the signatures of the round of step %d: %s", body.step, e)
+            return {}
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        offered: dict[PeerID, bytes] = {}
+        for subkey, entry in found.value.items():
+            owned = owned_map(subkey, getattr(entry, "value", None))
+            if owned is None:
+                continue
+            peer, value = owned
+            if peer in receipt.signatures or peer not in body.members or not isinstance(value.get("s"), bytes):
+                continue
+            if value.get("g") != body.group_id or value.get("r") != body.result:
+                continue
+            offered[peer] = value["s"]
+        if not offered:
+            return {}
+        digest = body.digest()
+        return await asyncio.to_thread(
+            lambda: {p: s for p, s in offered.items() if signature_holds(body, p, s, digest)}
+        )
+
+    async def _with_stored_signatures(self, receipts: list[Receipt]) -> list[Receipt]:
+        """`receipts` with the signatures their newest rounds (MERGE_NEWEST) lack added from the
+        DHT, where each member stores its own. A holder may lack some it could not read (during
+        a network split, or under load) while they are there to read now: judged without them, a
+        lineage looks endorsed by fewer of its members than signed it (a healed split's smaller
+        half refused the larger half's lineage so: "endorsed by 2 of 5", its holder short of a
+        third member's signatures on all six of its receipts)."""
+        newest = range(max(0, len(receipts) - MERGE_NEWEST), len(receipts))
+        lacking = [i for i in newest if len(receipts[i].signatures) < len(receipts[i].body.members)]
+        found = await asyncio.gather(*(self._stored_signatures(receipts[i]) for i in lacking))
+        merged = list(receipts)
+        for i, more in zip(lacking, found, strict=True):
+            if more:
+                merged[i] = merged[i].with_signatures(more)
+        return merged
+
     # --- the wire ---------------------------------------------------------------------------------
 
     async def fetch(self, holders: Sequence[Holder], since: int, until: int) -> tuple[Lineage, list[Receipt]]:
         """The lineage of one of `holders` from step `since` up to step `until` (the state they
-        advertise), its signatures checked in a thread. LineageError when none sends one."""
+        advertise), with the signatures of its newest rounds that the holder lacks read from the
+        DHT, all checked in a thread. LineageError when none sends one."""
         if until - since > MAX_LINKS:  # before a byte is asked for: a state a million steps on
             raise LineageError(f"a lineage of {until - since} steps is more than we check ({MAX_LINKS})")
         reasons, unreachable = [], set()
@@ -278,6 +304,7 @@ class LineageBook:
             except (BadReceipt, LineageError) as e:
                 reasons.append(f"{str(holder.peer_id)[-8:]}: {e}")
                 continue
+            receipts = await self._with_stored_signatures(receipts)
             checked = await asyncio.to_thread(lambda rs=receipts: [(r, valid_signers(r)) for r in rs])
             chain = _chain(checked)
             if chain is None:

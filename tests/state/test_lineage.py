@@ -4,14 +4,17 @@ reordered members, receipts replayed from another run or step."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import time
 
 import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarm.dht import DHTNode
+from swarm.dht import DHTNode, owner_subkey
+from swarm.dht.run_keys import receipts_key
 from swarm.p2p import P2PConfig, P2PHost
 from swarm.p2p.identity import Identity
 from swarm.p2p.peer_id import PeerID
@@ -410,3 +413,39 @@ async def test_the_book_refuses_a_lineage_too_long_to_check_and_keeps_its_own_bo
         finally:
             await book.close()
             await dht.close()
+
+
+async def test_a_fetched_lineage_takes_the_signatures_its_holder_lacks_from_the_dht() -> None:
+    """The holder's receipts carry only A's signature (it could not read the others' during a
+    split); B stored its signature of the newest round in the DHT as every member does, C stored
+    one that does not hold. The fetched lineage's newest round is signed by A and B: B's is
+    read from the DHT and checked, C's is not taken, and the older rounds, whose signatures
+    nobody stored, stay signed by A alone."""
+    config = P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))
+    rounds = [body(step, parent=G if step == 0 else f"s{step}", result=f"s{step + 1}") for step in range(3)]
+    receipts = [Receipt(b, {A: sign(b, KEYS[0])}) for b in rounds]
+    newest = rounds[-1]
+    stored = {B: sign(newest, KEYS[1]), C: sign(rounds[0], KEYS[2])}  # C's: over another round's body
+    async with contextlib.AsyncExitStack() as stack:
+        entry = await stack.enter_async_context(P2PHost(config=config))
+        first = await DHTNode(host=entry).start()
+        stack.push_async_callback(first.close)
+        bootstrap = [str(entry.visible_maddrs[0])]
+        for key, signature in ((KEYS[1], stored[B]), (KEYS[2], stored[C])):
+            host = await stack.enter_async_context(P2PHost(key, config=config))
+            member = await DHTNode(host=host, initial_peers=bootstrap).start()
+            stack.push_async_callback(member.close)
+            value = {"g": newest.group_id, "r": newest.result, "s": signature}
+            assert await member.store(receipts_key("run", newest.step), value, time.time() + 60,
+                                      owner_subkey(key.peer_id))  # fmt: skip
+        holder_host = await stack.enter_async_context(P2PHost(KEYS[0], config=config))
+        lineage_book.serve_lineage(holder_host, "run", lambda: receipts)
+        holder = Holder(A, 3, "a" * 64, (holder_host.visible_maddrs[0],), 100)
+        host = await stack.enter_async_context(P2PHost(config=config))
+        dht = await DHTNode(host=host, initial_peers=bootstrap).start()
+        stack.push_async_callback(dht.close)
+        book = LineageBook(host, dht, "run", b"settings", serve=False)
+        stack.push_async_callback(book.close)
+        chain, fetched = await book.fetch([holder], 0, 3)
+    assert [link.signers for link in chain.links] == [frozenset({A}), frozenset({A}), frozenset({A, B})]
+    assert set(fetched[-1].signatures) == {A, B}
