@@ -39,6 +39,7 @@ from swarm.averaging.messages import GroupInfo, MemberInfo
 from swarm.averaging.rounds.bandwidth import LinkEstimate
 from swarm.averaging.rounds.flat import AllReduceRound
 from swarm.averaging.rounds.grid import GridRound
+from swarm.averaging.rounds.overdue import probe_margin
 from swarm.averaging.rounds.registry import RoundRegistry
 from swarm.averaging.rounds.timeouts import RoundClock, group_part_timeout, measures_link
 from swarm.dht.node import DHTNode
@@ -189,13 +190,16 @@ class Averager:
         timeout = group_part_timeout([m.timeout for m in group.members], self.config.part_timeout)
         config = dataclasses.replace(self.config, part_timeout=timeout)
         formed_at = self._formed.pop(group.group_id, None)
+        # a sender this much later than our rounds usually take is probed: gone, it is left out
+        # at once instead of after the part timeout (rounds/overdue.py)
+        probe_after = probe_margin(self.clock.recent())
         try:
             if flat:
-                round_ = AllReduceRound(
-                    self.host, self.registry, group, vector, config, upload=pace, formed_at=formed_at
-                )
+                round_ = AllReduceRound(self.host, self.registry, group, vector, config, upload=pace,
+                                        formed_at=formed_at, probe_after=probe_after)  # fmt: skip
             else:
-                round_ = GridRound(self.host, self.registry, group, vector, config, formed_at=formed_at)
+                round_ = GridRound(self.host, self.registry, group, vector, config, formed_at=formed_at,
+                                   probe_after=probe_after)  # fmt: skip
             averaged, rr = await round_.run()
         except AuditError as e:
             self.clock.failed()

@@ -9,7 +9,8 @@ invariant 4). Client-mode members own no part (bandwidth 0) and open every strea
 
 Faults (DESIGN invariant 5):
 - a sender that dies, stalls or sends a malformed payload is left out of the part; weights
-  renormalise over the members included;
+  renormalise over the members included. One whose stream has not begun when it is overdue is
+  probed: a refused dial or a closed connection leaves it out at once (rounds/overdue.py);
 - a part whose owner dies is taken over by a backup: the next member after the owner in group
   order that accepts connections (then the next, if that one is dead too). The backup first asks
   the other members whether they already received the owner's average (`avg.fetch`); if two of
@@ -56,6 +57,7 @@ from swarm.averaging.rounds.bandwidth import PACE_FACTOR, busy_rate
 from swarm.averaging.rounds.confirm import Unconfirmed, Votes, confirm_own_part, group_result, in_doubt, vouched_copy
 from swarm.averaging.rounds.flat_serving import FlatServing
 from swarm.averaging.rounds.member import RoundMember, RoundReport, await_parts
+from swarm.averaging.rounds.overdue import MIN_MARGIN_S
 from swarm.averaging.rounds.partition import part_bounds, payload_layout, payload_size, upload_paces
 from swarm.averaging.rounds.reduction import PartReduction, byte_buffer
 from swarm.averaging.rounds.registry import FETCH, PART, RoundRegistry
@@ -91,8 +93,9 @@ class AllReduceRound(RoundMember):
         *,
         upload: float | None = None,
         formed_at: float | None = None,
+        probe_after: float = MIN_MARGIN_S,
     ) -> None:
-        super().__init__(host, registry, group, vector, config)
+        super().__init__(host, registry, group, vector, config, probe_after=probe_after)
         # when we learned of the group (time.monotonic; None: as the round starts): rounds/confirm.py
         # asks whether our result of our part came late (confirm.LATE_TIMEOUTS)
         self.formed_at = time.monotonic() if formed_at is None else formed_at
@@ -209,6 +212,7 @@ class AllReduceRound(RoundMember):
             reduction = PartReduction(
                 j, lo, hi, self.me, self.vector[lo:hi], self.weights, expected, self.codec, self.config.chunk_elements,
                 aggregator=self.config.aggregator, streams=self.config.stream_parts and j == self.me,
+                watch=self.watch(),
             )  # fmt: skip
             self.reductions[j] = reduction
             self._tasks.append(asyncio.ensure_future(self._run_reduction(reduction, takeover=j != self.me)))

@@ -44,9 +44,10 @@ peers instead of n.
               with "d": true, the member's vote on that sub-part's final (rounds/confirm.py)
 
 Faults (DESIGN invariant 5):
-- a row member that dies, stalls or sends garbage is left out of its row's partial; a row
-  partial that does not arrive whole or does not decode leaves its row out of that sub-part
-  (weights renormalise; the header names the members included);
+- a row member that dies, stalls or sends garbage, or is found gone (rounds/overdue.py), is left
+  out of its row's partial; a row partial that does not arrive whole or does not decode, or whose
+  owner is found gone, leaves its row out of that sub-part (weights renormalise; the header names
+  the members included);
 - owner (r, c) dying: sub-part (r, c) is taken over by (r+1, c), then (r+2, c)..., as in the
   flat round: the backup first asks the members (avg.fetch) whether they already hold (r, c)'s
   final sub-part, and if two hold the same bytes (rounds/confirm.py) everyone gets those;
@@ -85,6 +86,7 @@ from swarm.averaging.rounds.grid_reduction import ColReduction, RowReduction
 from swarm.averaging.rounds.grid_serving import FAILURES, GridServing
 from swarm.averaging.rounds.grid_shape import make_grid
 from swarm.averaging.rounds.member import RoundMember, RoundReport, await_parts
+from swarm.averaging.rounds.overdue import MIN_MARGIN_S
 from swarm.averaging.rounds.partition import payload_layout, payload_size
 from swarm.averaging.rounds.registry import COL, DOWN, FETCH, ROW, RoundRegistry
 from swarm.averaging.rounds.streams import Final, read_exactly, read_header, write_encoded
@@ -119,8 +121,9 @@ class GridRound(GridServing, RoundMember):
         config: AveragingConfig,
         *,
         formed_at: float | None = None,
+        probe_after: float = MIN_MARGIN_S,
     ) -> None:
-        super().__init__(host, registry, group, vector, config)
+        super().__init__(host, registry, group, vector, config, probe_after=probe_after)
         # asks whether our result of our own sub-part came late (rounds/confirm.py)
         self.formed_at = time.monotonic() if formed_at is None else formed_at
         self.grid = make_grid(self.bandwidths, vector.numel(), config.max_group_size, config.block_size)
@@ -135,7 +138,7 @@ class GridRound(GridServing, RoundMember):
             expected = set(self.grid.row_members[self.row]) - {self.me}
             self.row_reduction = RowReduction(subs, self.col, lo, hi, self.me, vector[lo:hi], self.weights,
                                               expected, self.codec, config.chunk_elements,
-                                              aggregator=config.aggregator)  # fmt: skip
+                                              aggregator=config.aggregator, watch=self.watch())  # fmt: skip
         self.col_reductions: dict[int, ColReduction] = {}
         self._answering: set[asyncio.Task[Any]] = set()  # answers being written
         self.votes = Votes(config.request_timeout)  # what we hold, for the other members' checks (confirm.py)
@@ -238,7 +241,8 @@ class GridRound(GridServing, RoundMember):
             expected = set(range(self.grid.rows)) - {s, self.row}
             reduction = ColReduction(self.weights, s, lo, hi, self.row, torch.empty(0), [0.0] * self.grid.rows,
                                      expected, self.codec, self.config.chunk_elements,
-                                     aggregator=self.config.aggregator)  # fmt: skip
+                                     aggregator=self.config.aggregator,
+                                     watch=self.watch(lambda r: self.grid.owners[r][self.col]))  # fmt: skip
             self.col_reductions[s] = reduction
             self._tasks.append(asyncio.ensure_future(self._reduce_col(reduction, takeover=s != self.row)))
         return reduction

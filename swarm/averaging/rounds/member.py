@@ -19,6 +19,7 @@ from swarm.averaging.errors import AllReduceError
 from swarm.averaging.messages import GroupInfo
 from swarm.averaging.robust import Fate
 from swarm.averaging.rounds.bandwidth import Sample, upload_span
+from swarm.averaging.rounds.overdue import MIN_MARGIN_S, Probe, Watch, probe_member
 from swarm.averaging.rounds.partition import capped_bandwidths
 from swarm.averaging.rounds.reduction import Incoming
 from swarm.p2p.host import P2PHost
@@ -81,10 +82,19 @@ class RoundReport:
 
 class RoundMember:
     """What every kind of round knows of itself: the group, our index in it, our vector, the
-    codec, the members' weights and bandwidths (0 for clients: they own nothing)."""
+    codec, the members' weights and bandwidths (0 for clients: they own nothing). `probe_after`:
+    how long a reduction waits for a sender's stream before it probes the sender
+    (rounds/overdue.py: overdue.probe_margin of our recent rounds)."""
 
     def __init__(
-        self, host: P2PHost, registry: RoundRegistry, group: GroupInfo, vector: torch.Tensor, config: AveragingConfig
+        self,
+        host: P2PHost,
+        registry: RoundRegistry,
+        group: GroupInfo,
+        vector: torch.Tensor,
+        config: AveragingConfig,
+        *,
+        probe_after: float = MIN_MARGIN_S,
     ) -> None:
         if vector.dtype != torch.float32 or vector.dim() != 1 or not vector.is_contiguous():
             raise ValueError("the all-reduce takes one contiguous 1-D fp32 vector")
@@ -101,6 +111,18 @@ class RoundMember:
         self._tasks: list[asyncio.Task[Any]] = []  # helpers, cancelled when the round ends
         self._started = 0.0
         self.finished = False
+        self.probe_after = probe_after
+
+    def watch(self, member_of: Callable[[int], int] | None = None) -> Watch:
+        """How a reduction of this round probes its overdue senders (rounds/overdue.py);
+        `member_of` maps its sender indices to member indices (a column stage's are rows)."""
+        timeout = self.config.request_timeout
+
+        async def probe(sender: int) -> Probe:
+            index = sender if member_of is None else member_of(sender)
+            return await probe_member(self.host, self.group.members[index], timeout)
+
+        return Watch(probe, self.probe_after, timeout)
 
     def note_upload(self, sent: int, started: float, local_s: float, header: dict[str, Any]) -> None:
         """Our upload of `sent` bytes from `started` (monotonic), as the receiver's answer header

@@ -1,7 +1,8 @@
 """PartReduction: one member reducing one part of the vector for its group.
 
 It collects each sender's encoded payload for the part, waits until every expected sender has
-finished or failed (bounded), then reduces this member's own exact fp32 slice and every complete
+finished or failed, or was found gone before its stream began (rounds/overdue.py probes the
+overdue ones: `watch`), at most the part timeout, then reduces this member's own exact fp32 slice and every complete
 sender's decoded slice, weighted by the weights agreed at matchmaking, with the configured
 aggregator, and encodes the result once. Those bytes, and the list of members they include, are
 `result`: every sender gets exactly them. A payload that fails to decode (MalformedPayload) drops
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm.averaging.robust import Blocks, DataPass, Fate, mean_coefficients, robust_coefficients, robust_reduce
+from swarm.averaging.rounds.overdue import Watch, watch
 from swarm.averaging.rounds.partition import payload_layout, payload_size
 from swarm_kernels import MalformedPayload, as_memoryview
 
@@ -116,6 +118,7 @@ class PartReduction:
         *,
         aggregator: str = "robust",
         streams: bool = False,
+        watch: Watch | None = None,
     ) -> None:
         self.part, self.lo, self.hi = part, lo, hi
         self.own_index, self.own_slice = own_index, own_slice
@@ -129,6 +132,10 @@ class PartReduction:
         self.order: list[int] = []
         self.gram: list[list[float]] = []
         self.senders: dict[int, Incoming] = {}
+        # expected senders a probe found gone before their stream began (rounds/overdue.py): the
+        # wait does not wait for them; None: nobody probes them, the part timeout alone ends the wait
+        self.watch = watch
+        self.gone: set[int] = set()
         self.changed = asyncio.Event()
         loop = asyncio.get_running_loop()
         self.result: asyncio.Future[tuple[list[int], memoryview]] = loop.create_future()
@@ -158,7 +165,19 @@ class PartReduction:
         return incoming
 
     def settled(self) -> bool:
-        return all(i in self.senders and (self.senders[i].done or self.senders[i].failed) for i in self.expected)
+        senders, gone = self.senders, self.gone
+        return all((x.done or x.failed) if (x := senders.get(i)) is not None else i in gone for i in self.expected)
+
+    def missing(self) -> set[int]:
+        """The expected senders whose stream has not begun and that no probe found gone."""
+        return self.expected - self.senders.keys() - self.gone
+
+    def found_gone(self, index: int) -> None:
+        """A probe found sender `index` gone (rounds/overdue.py): the part goes on without it."""
+        if index in self.expected and index not in self.senders:
+            logger.info("part %d: sender %d is gone (its dial was refused or closed): left out", self.part, index)
+            self.gone.add(index)
+            self.changed.set()
 
     def unanswered(self) -> set[int]:
         """The expected senders whose slice did not come whole or who gave up on our answer:
@@ -176,6 +195,7 @@ class PartReduction:
         Streamed (module docstring) when every sender is here in time."""
         deadline = asyncio.get_running_loop().time() + timeout
         stream = self.streams and len(self.expected) + 1 >= min_contributions
+        watching = asyncio.ensure_future(watch(self.missing, self.watch, self.found_gone)) if self.watch else None
         try:
             await self._wait_until(deadline, lambda: self.settled() or (stream and self._streamable(0)))
             stream = stream and not self.result.done() and self._streamable(0)
@@ -188,6 +208,8 @@ class PartReduction:
                 self.result.exception()
             raise
         finally:
+            if watching is not None:
+                watching.cancel()
             if not self.streaming.done():
                 self.streaming.set_result(False)
             for chunk in self.chunks_out:  # streaming stopped: the answers wait for the whole part
@@ -270,7 +292,7 @@ class PartReduction:
         return True
 
     def _any_failed(self) -> bool:
-        return any(x.failed for x in self.senders.values())
+        return bool(self.gone - self.senders.keys()) or any(x.failed for x in self.senders.values())
 
     def touched(self) -> dict[int, Fate]:
         """The contributions the robust rule dropped or clipped (after reduce)."""

@@ -103,6 +103,10 @@ class RoundClock:
             self._seconds.append(seconds)
             self._failed = 0
 
+    def recent(self) -> tuple[float, ...]:
+        """The durations of the remembered completed rounds, oldest first."""
+        return tuple(self._seconds)
+
     def failed(self) -> None:
         """A round failed: the next one waits longer (BACKOFF)."""
         self._failed += 1
