@@ -29,6 +29,7 @@ from swarm.p2p.identity import Identity
 from tests.averaging.rounds import LOCAL, MakeGroup, inputs
 from tests.averaging.test_hierarchical import SMALL, grid_rounds
 from tests.averaging.test_part_timeout import black_hole
+from tests.waiting import until
 
 INF = math.inf
 
@@ -80,6 +81,9 @@ async def test_a_probe_tells_a_gone_process_from_a_live_or_silent_one() -> None:
         await me.connect(info(dead).address())  # an open connection that ends when the process does
         dead_info = info(dead)
         await dead.close()
+        # its end closed the connection: our side sees it within a few loop turns (a probe comes
+        # a margin, at least 0.5 s, after a sender is due)
+        await until(lambda: not me.connections_to(dead.peer_id), 5.0, "our end of the connection to close")
         assert await probe_member(me, info(alive), 2.0) is Probe.ANSWERED
         assert await probe_member(me, dead_info, 2.0) is Probe.GONE
         # a paused process or a vanished machine: nothing tells it is gone
@@ -111,13 +115,17 @@ async def test_watch_reports_a_gone_sender_once_and_probes_a_live_one_ever_more_
         missing.discard(sender)
 
     task = asyncio.ensure_future(watch(lambda: set(missing), Watch(probe, 0.1, 1.0), gone))
-    await asyncio.sleep(1.2)
-    assert not task.done()  # sender 2 is still missing and alive
-    task.cancel()
+    try:
+        await until(lambda: reported, 10.0, "sender 1 found gone", poll=0.01)
+        await asyncio.sleep(max(0.0, 1.2 - (loop.time() - began)))
+        assert not task.done()  # sender 2 is still missing and alive
+    finally:
+        task.cancel()
     assert reported == [1]  # alive at the first probes, gone after 0.25 s: reported once
     assert len([sender for sender, _ in asked if sender == 1]) <= 3
     times = [t for sender, t in asked if sender == 2]
-    assert 2 <= len(times) <= 4  # due at 0.1, 0.2, 0.4, 0.8 s (a busy loop may delay them), the next at 1.6
+    # due at 0.1, 0.2, 0.4 and 0.8 s, the next at 1.6 s: a busy loop may only delay them
+    assert 1 <= len(times) <= 4, times
     assert all(t >= 0.1 * 2**k - 0.01 for k, t in enumerate(times)), times
 
 
