@@ -190,8 +190,8 @@ class Averager:
         timeout = group_part_timeout([m.timeout for m in group.members], self.config.part_timeout)
         config = dataclasses.replace(self.config, part_timeout=timeout)
         formed_at = self._formed.pop(group.group_id, None)
-        # a sender this much later than our rounds usually take is probed: gone, it is left out
-        # at once instead of after the part timeout (rounds/overdue.py)
+        # a sender this much later than our fast rounds took is probed: gone, it is left out at
+        # once instead of after the part timeout (rounds/overdue.py)
         probe_after = probe_margin(self.clock.recent())
         try:
             if flat:

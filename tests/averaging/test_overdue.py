@@ -60,8 +60,9 @@ def test_plan(waited: float, margin: float, probes: int, last: Probe | None, exp
     [
         ((), MIN_MARGIN_S, "nothing measured: the minimum"),
         ((0.05, 0.1, 0.2), MIN_MARGIN_S, "tiny rounds: the minimum"),
-        ((1.0, 3.0, 2.0), MARGIN_FACTOR * 2.0, "a multiple of the median"),
-        ((1.0, 1.0, 40.0), MARGIN_FACTOR * 1.0, "one round that waited out a timeout does not count"),
+        ((1.0, 3.0, 2.0, 2.5), MARGIN_FACTOR * 1.0, "a multiple of the fastest quarter"),
+        ((4.44, 1.04, 4.63), MARGIN_FACTOR * 1.04, "a newcomer whose rounds waited for deaths: its fast one"),
+        ((1.0,) * 5 + (40.0,) * 5, MARGIN_FACTOR * 1.0, "half the rounds slowed by deaths still do not count"),
         ((2.0, float("nan"), -1.0), MARGIN_FACTOR * 2.0, "non-finite and negative durations are ignored"),
     ],
 )
