@@ -21,8 +21,9 @@ opened to it. A probe is our own dial to the
 member's announced address (an open connection to it is reused, as by every call), checked
 against its PeerID by the handshake as every session is. `plan` is the rule, a pure function:
 
-- the last probe found the member gone (ConnectionLost: refused, reset, closed): fail over now,
-  the part is reduced without it, as after its part timeout;
+- the last probe found the member gone (ConnectionLost: the TCP dial refused, reset or
+  unreachable; a handshake that breaks off counts as no answer, an overloaded peer may do that):
+  fail over now, the part is reduced without it, as after its part timeout;
 - a probe is in flight: wait for it;
 - the wait has lasted margin x 2^k after k probes: probe;
 - else wait (the sender's bytes may come meanwhile).
@@ -66,7 +67,7 @@ class Probe(enum.Enum):
     PENDING = "pending"  # a probe is in flight
     ANSWERED = "answered"  # the member's host answered, as its PeerID: alive
     SILENT = "silent"  # no answer in time, or none possible (a client): we cannot tell
-    GONE = "gone"  # refused, reset or closed: its process is gone
+    GONE = "gone"  # our dial refused, reset or unreachable: its process is gone
 
 
 class Action(enum.Enum):
