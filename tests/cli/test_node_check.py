@@ -11,12 +11,13 @@ import pytest
 
 from swarm.cli.node_check import FAIL, OK, WARN, Finding, print_findings
 from swarm.utils.process_control import console_script
+from tests.children import run_to_end
 from tests.node.conftest import ENV, FAST, LOOPBACK, Swarm
 
 
 def check(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([console_script("swarm-node"), "check", "--host-maddrs", LOOPBACK, *FAST, *args],
-                          capture_output=True, text=True, env=ENV | {"COLUMNS": "120"}, timeout=240)  # fmt: skip
+    return run_to_end([console_script("swarm-node"), "check", "--host-maddrs", LOOPBACK, *FAST, *args], 240,
+                      env=ENV | {"COLUMNS": "120"})  # fmt: skip
 
 
 def row(out: str, name: str) -> str:
