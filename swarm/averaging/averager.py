@@ -156,6 +156,12 @@ class Averager:
                 self.excluded.add(peer)
                 logger.warning("excluding peer %s from averaging for the rest of the run: %s", peer, why)
 
+    async def announced(self, step: int) -> dict[PeerID, bytes]:
+        """One read of who matchmakes `step` now: the peers ready for it and those in a group of
+        it already, each with the state it named."""
+        view = await self.matchmaker.board.read(step)
+        return {**{p: m.state for p, m in view.ready.items()}, **view.formed}
+
     def distrust_formed(self, peers: Set[PeerID]) -> None:
         """Their FORMED markers made us wait max_wait for a result that never came: ignore them."""
         self.matchmaker.board.distrust_formed(peers)

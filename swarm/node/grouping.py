@@ -15,7 +15,7 @@ from swarm.averaging.averager import Averager
 from swarm.averaging.matchmaking.matchmaker import Matchmade
 from swarm.dht.errors import DHTError
 from swarm.node.context import RunContext, StepFacts
-from swarm.node.plan import expected_peers, matchmaking_start
+from swarm.node.plan import expected_peers, matchmaking_start, peers_matchmaking
 from swarm.node.view import SwarmView
 from swarm.p2p.errors import P2PError
 from swarm.p2p.peer_id import PeerID
@@ -106,8 +106,9 @@ class Grouping:
 
     async def wait_for_peers(self) -> None:
         """Until the slowest live peer of our step should be done (bounded by max_wait from when
-        we started waiting), or stop. The peers' records are read again every WAIT_RECHECK_S: a
-        pace first measured slow (a caller's loop that started late) predicts a finish that its
+        we started waiting), or a peer of our step is matchmaking it already (plan.peers_matchmaking),
+        or stop. The peers' records and the step's ready set are read again every WAIT_RECHECK_S:
+        a pace first measured slow (a caller's loop that started late) predicts a finish that its
         next record moves earlier, and peers that finished early must not form their group
         while we sleep out the first prediction."""
         ctx, config = self.ctx, self.ctx.config
@@ -119,11 +120,29 @@ class Grouping:
             delay = min(start, started + config.max_wait) - now
             if delay <= 0:
                 return
+            step = ctx.diloco.outer_step
+            # a wait longer than a matchmaking window outlasts a group forming now: are peers
+            # forming one? (A shorter wait ends within its window: no read of the DHT for it.)
+            if delay > config.matchmaking_time and await self._peers_matchmaking(step, delay):
+                return
             if not logged:
-                logger.info("waiting up to %.1fs for slower peers of step %d", delay, ctx.diloco.outer_step)
+                logger.info("waiting up to %.1fs for slower peers of step %d", delay, step)
                 logged = True
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(ctx.stop.wait(), min(delay, WAIT_RECHECK_S))
+
+    async def _peers_matchmaking(self, step: int, within: float) -> bool:
+        """Are peers of our step matchmaking it with our state already (plan.peers_matchmaking)?
+        One read of its ready set, bounded by `within` (the rest of our wait: past it we
+        matchmake anyway)."""
+        try:
+            announced = await asyncio.wait_for(self.ctx.averager.announced(step), within)
+        except asyncio.TimeoutError:
+            return False
+        if matchmaking := peers_matchmaking(self.view.read(), announced, self.facts.state_sha):
+            logger.info("step %d: %d peer(s) of our step are matchmaking it already: joining them", step, matchmaking)
+            return True
+        return False
 
     async def after_peers(self, step: int, weight: float) -> Matchmade | None:
         """wait_for_peers, then matchmake; None when stopped meanwhile."""

@@ -24,6 +24,7 @@ live peer could give it one.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from swarm.node.progress import PeerProgress
@@ -266,6 +267,32 @@ def matchmaking_start(f: Facts, own_finish: float, matchmaking_time: float, max_
     """When to announce: matchmaking_time before the slowest live peer of our step should finish,
     so that the group forms while the last inner steps run."""
     return latest_finish(f, own_finish, max_wait) - matchmaking_time
+
+
+def unkept_markers(
+    late_by: frozenset[PeerID], members: frozenset[PeerID], live: frozenset[PeerID]
+) -> frozenset[PeerID]:
+    """The owners of FORMED markers that made us late at a step (`late_by`) whose markers are not
+    to be believed again, once we took the step's result from a round of `members`: those not in
+    that round and with no live progress record (`live`), so no training node at all. An identity
+    that renews a marker of our state at every step kept a node that started after the others
+    had waited out its marker late at each: the result of the group the others formed without it
+    came, it fetched that, and never averaged again (36 steps of fetches in one CI run).
+    A live node's marker is kept whatever round we took: a group of our state can form beside
+    another at one step (a fork), and a node that ignores its former's markers later matchmakes
+    when it is late, and may form a second group of one state at one step. Such a node's
+    identity renewing markers it never keeps is bounded by max_wait only (step_end.py)."""
+    return late_by - members - live
+
+
+def peers_matchmaking(f: Facts, announced: Mapping[PeerID, bytes], state: bytes) -> int:
+    """How many peers whose live records say our step are matchmaking it already with our state
+    (`announced`: ready, or in a group of it, with the state each named). A node waiting for
+    slower peers stops waiting when any is: their group forms now, whatever our records predict
+    of the slower ones, and a node that waits on is left out of it (under load, views of who is
+    slow differ: in a 60-minute soak six nodes, ready and up, waited 25 s for slower peers while
+    eleven others formed the step's group, and fetched its result)."""
+    return sum(1 for p in f.live() if p.step == f.step and announced.get(p.peer_id) == state)
 
 
 def steps_for_slower(f: Facts, extra_done: int, max_wait: float) -> int:

@@ -22,7 +22,17 @@ from swarm.model.compression import outgoing
 from swarm.node.context import RunContext, StepFacts
 from swarm.node.errors import NodeError
 from swarm.node.grouping import Grouping
-from swarm.node.plan import APPLY_OWN, AWAIT_RESULT, END, FETCH, RECHECK, StepPlan, plan_without_group, servers_behind
+from swarm.node.plan import (
+    APPLY_OWN,
+    AWAIT_RESULT,
+    END,
+    FETCH,
+    RECHECK,
+    StepPlan,
+    plan_without_group,
+    servers_behind,
+    unkept_markers,
+)
 from swarm.node.view import SwarmView
 from swarm.p2p.peer_id import PeerID
 from swarm.state.fetcher import FetchError
@@ -172,16 +182,14 @@ class StepEnd:
 
     def _judge_markers(self, step: int, late_by: frozenset[PeerID]) -> None:
         """We took the swarm's result of `step` after FORMED markers of `late_by` said a group of
-        our state formed without us: the owners who are not members of the round that made the
-        result we took promised a group that gave us nothing, and their markers are not believed
-        again. Without this, an identity that renews a marker of our state at every step kept
-        one honest node late at each: it waited, found the result of the group the others formed
-        meanwhile (without it, since it never announced), fetched it, and never averaged again
-        (36 steps of fetches under load), while waiting max_wait for no result at all is what
-        distrusts a marker otherwise. A fetch from beyond our lineage's record of that round
-        (its anchor is later) says nothing of them."""
+        our state formed without us: the owners plan.unkept_markers names promised a group that
+        gave us nothing, and their markers are not believed again. A fetch from beyond our
+        lineage's record of that round (its anchor is later) says nothing of them."""
         link = self.ctx.keeper.lineage.lineage.link_into(step + 1)
-        if link is not None and (unkept := late_by - link.members.keys()):
+        if link is None:
+            return
+        live = frozenset(p.peer_id for p in self.view.read().live())
+        if unkept := unkept_markers(late_by, frozenset(link.members), live):
             self.ctx.averager.distrust_formed(unkept)
 
     async def _round(self, step: int, found: Matchmade, landing: Landing | None) -> GroupReport | None:

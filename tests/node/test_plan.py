@@ -21,6 +21,7 @@ from swarm.node.plan import (
     latest_finish,
     median_pace,
     nodes_to_start_with,
+    peers_matchmaking,
     peers_still_behind,
     plan_step,
     plan_without_group,
@@ -31,6 +32,7 @@ from swarm.node.plan import (
     steps_for_slower,
     straggler_horizon,
     swarm_together,
+    unkept_markers,
 )  # fmt: skip
 from swarm.node.progress import PeerProgress
 from swarm.p2p.identity import Identity
@@ -252,6 +254,42 @@ def test_a_peer_that_has_not_timed_a_step_is_expected_at_our_pace_from_its_recor
     done = peer(5, H, sec=0.0, age=1)
     assert predicted_finish(facts(done, own_sec=0.5), done) == NOW - 1  # done is done, whatever its pace
     assert IDS[0] in expected_peers(facts(untimed, own_sec=0.5), own_finish=NOW, max_wait=30)
+
+
+OURS, OTHER = b"o" * 32, b"x" * 32
+MATCHMAKING_CASES = [
+    # (situation, facts, announced, peers matchmaking)
+    ("nobody announced", facts(peer(5, H), peer(5, 2, i=1)), {}, 0),
+    ("a peer of our step announced our state", facts(peer(5, H), peer(5, 2, i=1)), {IDS[0]: OURS}, 1),
+    ("two did, one of them in a group already", facts(peer(5, H), peer(5, H, i=1)), {IDS[0]: OURS, IDS[1]: OURS}, 2),
+    ("a peer of another state is not ours to join", facts(peer(5, H)), {IDS[0]: OTHER}, 0),
+    ("an announcer whose record is stale is not counted", facts(peer(5, H, age=60)), {IDS[0]: OURS}, 0),
+    ("an announcer whose record says another step is not counted", facts(peer(4, H)), {IDS[0]: OURS}, 0),
+    ("an announcer with no record at all is not counted (a throwaway identity)", facts(peer(5, 2)),
+     {IDS[3]: OURS}, 0),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "f", "announced", "count"), MATCHMAKING_CASES, ids=[c[0] for c in MATCHMAKING_CASES])
+def test_peers_matchmaking(what: str, f: Facts, announced: dict, count: int) -> None:
+    assert peers_matchmaking(f, announced, OURS) == count
+
+
+FORMER, MEMBER, STRANGER = IDS[0], IDS[1], IDS[2]
+MARKER_CASES = [
+    # (situation, the owners that made us late, the members of the round we took, live records, distrusted)
+    ("a member of the round we took kept its promise", {MEMBER}, {MEMBER}, {MEMBER}, set()),
+    ("an identity with no progress record, not in the round: never a group", {STRANGER}, {MEMBER}, {MEMBER},
+     {STRANGER}),
+    ("a live node's group beside the one we took (a fork): kept", {FORMER}, {MEMBER}, {MEMBER, FORMER}, set()),
+    ("one of each", {FORMER, STRANGER, MEMBER}, {MEMBER}, {MEMBER, FORMER}, {STRANGER}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "late_by", "members", "live", "distrusted"), MARKER_CASES,
+                         ids=[c[0] for c in MARKER_CASES])  # fmt: skip
+def test_unkept_markers(what: str, late_by: set, members: set, live: set, distrusted: set) -> None:
+    assert unkept_markers(frozenset(late_by), frozenset(members), frozenset(live)) == distrusted
 
 
 def test_median_pace_ignores_peers_without_timing() -> None:
