@@ -72,6 +72,9 @@ MAX_HOLDERS_ASKED = 3
 MERGE_NEWEST = 8
 
 
+Checked = tuple[Receipt, frozenset[PeerID]]  # a receipt and the members whose signature in it holds
+
+
 class LineageError(RuntimeError):
     """No holder sent a lineage that holds together; `unreachable`: those that sent nothing."""
 
@@ -230,7 +233,7 @@ class LineageBook:
         if not 0 <= index < len(self.receipts) or self._complete(step):
             return
         receipt = self.receipts[index]
-        good = await self._stored_signatures(receipt)
+        good = await self._stored_signatures(receipt, frozenset(receipt.signatures))  # ours: checked already
         index = step - self.lineage.anchor_step  # our lineage may have moved meanwhile
         if good and 0 <= index < len(self.receipts) and self.receipts[index].body == receipt.body:
             self.receipts[index] = self.receipts[index].with_signatures(good)
@@ -240,9 +243,10 @@ class LineageBook:
             links[index] = link
             self.lineage = Lineage(self.lineage.anchor_step, self.lineage.anchor, tuple(links))
 
-    async def _stored_signatures(self, receipt: Receipt) -> dict[PeerID, bytes]:
-        """The signatures of `receipt`'s round that its members stored in the DHT and it lacks,
-        those that hold over its body ({} when the DHT cannot be read)."""
+    async def _stored_signatures(self, receipt: Receipt, signed: frozenset[PeerID]) -> dict[PeerID, bytes]:
+        """The signatures of `receipt`'s round that its members other than `signed` (those whose
+        signature we hold and checked) stored in the DHT, those that hold over its body ({} when
+        the DHT cannot be read)."""
         body = receipt.body
         try:
             found = await self.dht.get(receipts_key(self.run_id, body.step), latest=True)
@@ -257,7 +261,7 @@ class LineageBook:
             if owned is None:
                 continue
             peer, value = owned
-            if peer in receipt.signatures or peer not in body.members or not isinstance(value.get("s"), bytes):
+            if peer in signed or peer not in body.members or not isinstance(value.get("s"), bytes):
                 continue
             if value.get("g") != body.group_id or value.get("r") != body.result:
                 continue
@@ -269,21 +273,24 @@ class LineageBook:
             lambda: {p: s for p, s in offered.items() if signature_holds(body, p, s, digest)}
         )
 
-    async def _with_stored_signatures(self, receipts: list[Receipt]) -> list[Receipt]:
-        """`receipts` with the signatures their newest rounds (MERGE_NEWEST) lack added from the
-        DHT, where each member stores its own. A holder may lack some it could not read (during
-        a network split, or under load) while they are there to read now: judged without them, a
-        lineage looks endorsed by fewer of its members than signed it (a healed split's smaller
-        half refused the larger half's lineage so: "endorsed by 2 of 5", its holder short of a
-        third member's signatures on all six of its receipts)."""
-        newest = range(max(0, len(receipts) - MERGE_NEWEST), len(receipts))
-        lacking = [i for i in newest if len(receipts[i].signatures) < len(receipts[i].body.members)]
-        found = await asyncio.gather(*(self._stored_signatures(receipts[i]) for i in lacking))
-        merged = list(receipts)
+    async def _with_stored_signatures(self, checked: list[Checked]) -> list[Checked]:
+        """Receipts with the members whose signatures hold (`checked`), their newest rounds
+        (MERGE_NEWEST) completed from the DHT, where each member stores its own: the members
+        whose signature is missing, or does not hold, there. A holder may lack some it could
+        not read (during a network split, or under load) while they are there to read now;
+        judged without them, a lineage looks endorsed by fewer of its members than signed it (a
+        healed split's smaller half refused the larger half's lineage so: "endorsed by 2 of 5",
+        its holder short of a third member's signatures on all six of its receipts). A holder
+        that put garbage in a member's place does not hide that member's real signature either."""
+        newest = range(max(0, len(checked) - MERGE_NEWEST), len(checked))
+        lacking = [i for i in newest if len(checked[i][1]) < len(checked[i][0].body.members)]
+        found = await asyncio.gather(*(self._stored_signatures(*checked[i]) for i in lacking))
+        completed = list(checked)
         for i, more in zip(lacking, found, strict=True):
             if more:
-                merged[i] = merged[i].with_signatures(more)
-        return merged
+                receipt, signers = completed[i]
+                completed[i] = (receipt.with_signatures(more), signers | frozenset(more))
+        return completed
 
     # --- the wire ---------------------------------------------------------------------------------
 
@@ -304,8 +311,9 @@ class LineageBook:
             except (BadReceipt, LineageError) as e:
                 reasons.append(f"{str(holder.peer_id)[-8:]}: {e}")
                 continue
-            receipts = await self._with_stored_signatures(receipts)
             checked = await asyncio.to_thread(lambda rs=receipts: [(r, valid_signers(r)) for r in rs])
+            checked = await self._with_stored_signatures(checked)
+            receipts = [r for r, _ in checked]
             chain = _chain(checked)
             if chain is None:
                 reasons.append(f"{str(holder.peer_id)[-8:]}: its receipts do not chain")
@@ -373,7 +381,7 @@ def encode_receipts(receipts: Sequence[Receipt]) -> bytes:
     return msgpack.packb([r.encode() for r in receipts])
 
 
-def _chain(checked: Sequence[tuple[Receipt, frozenset[PeerID]]]) -> Lineage | None:
+def _chain(checked: Sequence[Checked]) -> Lineage | None:
     """A lineage of consecutive receipts (with the signers that hold); None when they do not chain."""
     if not checked:
         return None

@@ -417,14 +417,17 @@ async def test_the_book_refuses_a_lineage_too_long_to_check_and_keeps_its_own_bo
 
 async def test_a_fetched_lineage_takes_the_signatures_its_holder_lacks_from_the_dht() -> None:
     """The holder's receipts carry only A's signature (it could not read the others' during a
-    split); B stored its signature of the newest round in the DHT as every member does, C stored
-    one that does not hold. The fetched lineage's newest round is signed by A and B: B's is
-    read from the DHT and checked, C's is not taken, and the older rounds, whose signatures
-    nobody stored, stay signed by A alone."""
+    split), and garbage in B's place on the newest; B stored its signature of the newest round
+    in the DHT as every member does, C stored one that does not hold. The fetched lineage's
+    newest round is signed by A and B: B's is read from the DHT and checked, C's is not taken,
+    and the older rounds, whose signatures nobody stored, stay signed by A alone."""
     config = P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))
     rounds = [body(step, parent=G if step == 0 else f"s{step}", result=f"s{step + 1}") for step in range(3)]
     receipts = [Receipt(b, {A: sign(b, KEYS[0])}) for b in rounds]
     newest = rounds[-1]
+    # the holder also put a signature that does not hold in B's place (C's key over B's name):
+    # it must not hide B's real one in the DHT
+    receipts[-1] = receipts[-1].with_signatures({B: sign(newest, KEYS[2])})
     stored = {B: sign(newest, KEYS[1]), C: sign(rounds[0], KEYS[2])}  # C's: over another round's body
     async with contextlib.AsyncExitStack() as stack:
         entry = await stack.enter_async_context(P2PHost(config=config))
