@@ -29,10 +29,18 @@ class OfflineRun:
 def offline_runs(wandb_dir: Path, wait: float = 30.0) -> list[OfflineRun]:
     """Every offline run under WANDB_DIR, in the order of their folders' names, once each holds
     its exit record: wandb's service process writes the file, and under load it may still be
-    flushing it when the run's finish() has returned (at most `wait` seconds)."""
+    flushing it when the run's finish() has returned (at most `wait` seconds). A record caught
+    half-written then fails to parse; that read counts as unfinished until the wait is over."""
+    from google.protobuf.message import DecodeError
+
     deadline = time.monotonic() + wait
     while True:
-        runs = [read_run(path) for path in sorted(wandb_dir.glob("wandb/offline-run-*/run-*.wandb"))]
+        try:
+            runs = [read_run(path) for path in sorted(wandb_dir.glob("wandb/offline-run-*/run-*.wandb"))]
+        except DecodeError:
+            if time.monotonic() > deadline:
+                raise
+            runs = [OfflineRun()]
         if all(run.finished for run in runs) or time.monotonic() > deadline:
             return runs
         time.sleep(0.2)
@@ -66,6 +74,8 @@ def _records(raw: bytes) -> list[bytes]:
             pos += BLOCK - pos % BLOCK
             continue
         _, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        if pos + 7 + length > len(raw):  # the writer is still writing this record
+            break
         data, pos = raw[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind == FULL:
             out.append(data)
