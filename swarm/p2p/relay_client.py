@@ -234,13 +234,14 @@ class RelayKeeper:
                 # starts the next pass at once
                 self._changed.clear()
                 short, asked = len(self.held) < self.want, self._asked
-                if short:
-                    await self._fill()
+                ruled_out = await self._fill() if short else 0
                 if not self.held and asked == self._asked:
                     self._tried_all.set()
                 # none held: try again every RETRY_S; short of `want`: again after twice as long
-                # each time, up to LOOK_AGAIN_S; at once when a reservation ends or look_again()
-                wait = RETRY_S if not self.held or not short else min(2 * wait, LOOK_AGAIN_S)
+                # each time, up to LOOK_AGAIN_S; at once when a reservation ends or look_again().
+                # A pass that ruled out learned relays makes the next draw a different one (dead
+                # records are skipped): that one comes after RETRY_S, not after the backoff.
+                wait = RETRY_S if not self.held or not short or ruled_out else min(2 * wait, LOOK_AGAIN_S)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), wait)
         finally:  # stopped (or a bug, and Supervised starts us again): end the renewers with us
@@ -252,8 +253,9 @@ class RelayKeeper:
             await asyncio.gather(*(h.task for h in holds if h.task is not None), return_exceptions=True)
             self._publish()
 
-    async def _fill(self) -> None:
-        """Reserve on the nearest candidates that answer until we hold `want` reservations."""
+    async def _fill(self) -> int:
+        """Reserve on the nearest candidates that answer until we hold `want` reservations; return
+        how many learned relays this pass ruled out for a while (no answer, or a refusal)."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         self._failed = {text: until for text, until in self._failed.items() if until > now}
@@ -268,12 +270,13 @@ class RelayKeeper:
             pool[peer] = addr
         answered = await self._by_rtt(list(pool.values()))
         alive = {relay.peer_id for relay, _ in answered}
+        failed_before = len(self._failed)
         for peer, addr in pool.items():  # a learned relay that did not answer is not asked again for a while
             if peer not in given and peer not in alive:
                 self._failed[str(addr)] = now + FAILED_FOR_S
         for relay, rtt in answered:
             if len(self.held) >= self.want:
-                return
+                break
             try:
                 conn, reservation = await self._reserve(relay)
             except P2PError as e:
@@ -285,6 +288,7 @@ class RelayKeeper:
             hold.task = loop.create_task(self._renew(hold, conn))
             self.held[relay.peer_id] = hold  # type: ignore[index]
             self._publish()
+        return len(self._failed) - failed_before
 
     async def _learned(self) -> list[TcpAddress]:
         """Relays others announce, at most MAX_LEARNED (none without `discover`, or on its failure)."""
