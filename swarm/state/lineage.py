@@ -19,7 +19,12 @@ the newest state both hold. Each side's *support* is the set of members of the r
 produced F (the node's own round: members it saw averaging) that took part in that side after F:
 on the node's own side the members of its own rounds (it was there), on the candidate's side
 those whose signatures check out. A member found on both sides signed two histories and counts
-for neither. Then:
+for neither, with one exception: when both sides' first link after F is the same round (same
+step, parent and members, another result: its part owner died while answering, and the members
+it had answered kept its result while the others took its backup's), a member that signed the
+candidate's result of that round and not ours ended it with the candidate's state: it counts for
+the candidate's side only (counted for neither, each side of such a split saw the other's members
+vanish and kept its own: a split of 20 + 7 in a 60-minute soak stayed two lineages). Then:
 1. a candidate that is not a lineage (links that do not chain, unsigned links, a result other
    than the state advertised) or does not descend from any state the node holds is refused;
 2. every candidate link after F must be endorsed, except its newest one when the node holds a
@@ -204,7 +209,8 @@ def judge(own: Lineage, candidate: Lineage, *, vouched: bool = False, provisiona
         why = "newer than ours, which no initial peer vouched for" if newer else "we keep ours"
         return Judgement(newer, f"a fork of our anchor at step {fork}: {why}", fork)
     members = frozenset(fork_round.members)
-    our_side, their_side = _sides(members, ours, frozenset(p for link in theirs for p in link.signers))
+    moved = split_off(ours[0], theirs[0]) if ours else frozenset()
+    our_side, their_side = _sides(members, ours, frozenset(p for link in theirs for p in link.signers), moved)
     told = (
         f"{len(their_side)} of the {len(members)} members of our round of step {fork - 1} against our {len(our_side)}"
     )
@@ -214,11 +220,13 @@ def judge(own: Lineage, candidate: Lineage, *, vouched: bool = False, provisiona
     else:
         adopt = theirs[0].result < ours[0].result
         why = f"a fork at step {fork}: {told}, settled by the smaller hash"
-    pending = not adopt and _wins_once_signed(theirs, ours, members)
+    pending = not adopt and _wins_once_signed(theirs, ours, members, moved)
     return Judgement(adopt, why + (" (its newest round's signatures may still come)" if pending else ""), fork, pending)
 
 
-def _wins_once_signed(theirs: Sequence[Link], ours: Sequence[Link], members: frozenset[PeerID]) -> bool:
+def _wins_once_signed(
+    theirs: Sequence[Link], ours: Sequence[Link], members: frozenset[PeerID], moved: frozenset[PeerID] = frozenset()
+) -> bool:
     """Would the candidate's side win rule 4 once every member of its newest round has signed it?
     Its members read each other's signatures from the DHT over the seconds after the round, so a
     holder asked at once shows only its own: a fork's smaller half that asked right away counted 1
@@ -228,19 +236,31 @@ def _wins_once_signed(theirs: Sequence[Link], ours: Sequence[Link], members: fro
     if not newest.signers & members:
         return False
     backers = frozenset(p for link in theirs[:-1] for p in link.signers) | frozenset(newest.members)
-    our_side, their_side = _sides(members, ours, backers)
+    our_side, their_side = _sides(members, ours, backers, moved)
     if len(their_side) != len(our_side):
         return len(their_side) > len(our_side)
     return theirs[0].result < ours[0].result
 
 
+def split_off(ours: Link, theirs: Link) -> frozenset[PeerID]:
+    """The members of our first round after a fork that ended it with the candidate's result:
+    when the candidate's first link is that same round (same step, parent and members) with
+    another result, those that signed its result and not ours (the module docstring, rule 4).
+    Empty for two different rounds. A member that signed both results is not among them."""
+    same_round = ours.step == theirs.step and ours.parent == theirs.parent and ours.members == theirs.members
+    if not same_round or ours.result == theirs.result:
+        return frozenset()
+    return theirs.signers - ours.signers
+
+
 def _sides(
-    members: frozenset[PeerID], ours: Sequence[Link], theirs: frozenset[PeerID]
+    members: frozenset[PeerID], ours: Sequence[Link], theirs: frozenset[PeerID], moved: frozenset[PeerID] = frozenset()
 ) -> tuple[frozenset[PeerID], frozenset[PeerID]]:
     """Rule 4's support: the fork round's `members` in our links after the fork (we saw them
-    average), and those among `theirs` (the candidate's backers); one on both sides signed two
-    histories and counts for neither."""
-    our_side = members & frozenset(p for link in ours for p in link.members)
+    average), less `moved` (split_off: they ended our shared round with the candidate's result),
+    and those among `theirs` (the candidate's backers); one on both sides signed two histories
+    and counts for neither."""
+    our_side = (members & frozenset(p for link in ours for p in link.members)) - moved
     their_side = members & theirs
     twice = our_side & their_side
     return our_side - twice, their_side - twice

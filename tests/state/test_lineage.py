@@ -20,7 +20,7 @@ from swarm.p2p.identity import Identity
 from swarm.p2p.peer_id import PeerID
 from swarm.state import lineage_book
 from swarm.state.holders import Holder
-from swarm.state.lineage import Lineage, Link, judge, structure_problem
+from swarm.state.lineage import Lineage, Link, judge, split_off, structure_problem
 from swarm.state.lineage_book import LineageBook, LineageError
 from swarm.state.receipts import BadReceipt, Receipt, RoundBody, decode_receipt, sign, valid_signers
 
@@ -147,6 +147,30 @@ CASES = [
         False,
     ),
     (
+        "a split inside one round of 5 (its part owner died answering d and e): the 2 take the 3's result",
+        chain(0, G, link(0, G, "t1", "abcde"), link(1, "t1", "k2", "abcde", "de"), link(2, "k2", "k3", "de")),
+        chain(0, G, link(0, G, "t1", "abcde"), link(1, "t1", "j2", "abcde", "abc"), link(2, "j2", "j3", "abc")),
+        True,
+    ),
+    (
+        "... also before the other signatures of our result are in",
+        chain(0, G, link(0, G, "t1", "abcde"), link(1, "t1", "k2", "abcde", "d")),
+        chain(0, G, link(0, G, "t1", "abcde"), link(1, "t1", "j2", "abcde", "abc"), link(2, "j2", "j3", "abc")),
+        True,
+    ),
+    (
+        "... and the 3 keep theirs",
+        chain(0, G, link(0, G, "t1", "abcde"), link(1, "t1", "j2", "abcde", "abc"), link(2, "j2", "j3", "abc")),
+        chain(0, G, link(0, G, "t1", "abcde"), link(1, "t1", "k2", "abcde", "de"), link(2, "k2", "k3", "de")),
+        False,
+    ),
+    (
+        "a member that signed both results of one round counts for neither (2 against 2: the smaller hash)",
+        chain(0, G, link(0, G, "t1", "abcde"), link(1, "t1", "n2", "abcde", "cde"), link(2, "n2", "n3", "cde")),
+        chain(0, G, link(0, G, "t1", "abcde"), link(1, "t1", "m2", "abcde", "abc"), link(2, "m2", "m3", "abc")),
+        sha("m2") < sha("n2"),
+    ),
+    (
         "half of the members but not half of the weight: not endorsed",
         chain(0, G, link(0, G, "t1", "ab", weights={"a": 3})),
         chain(0, G, link(0, G, "t1", "ab", weights={"a": 3}), link(1, "t1", "u2", "b"), link(2, "u2", "u3", "b")),
@@ -179,6 +203,23 @@ def test_adoption_rules(situation: str, own: Lineage, candidate: Lineage, adopt:
     assert structure_problem(candidate, candidate.step, candidate.state) is None
     verdict = judge(own, candidate)
     assert verdict.adopt is adopt, f"{situation}: {verdict.why}"
+
+
+@pytest.mark.parametrize(
+    ("situation", "ours", "theirs", "moved"),
+    [
+        ("one round, two results: who signed theirs and not ours", link(1, "t1", "k2", "abcde", "de"),
+         link(1, "t1", "j2", "abcde", "abc"), "abc"),
+        ("one round, two results: a member that signed both stays", link(1, "t1", "k2", "abcde", "cde"),
+         link(1, "t1", "j2", "abcde", "abc"), "ab"),
+        ("two rounds of one step (other members): nobody", link(1, "t1", "k2", "abc"), link(1, "t1", "j2", "cde"), ""),
+        ("one round, one result: nobody", link(1, "t1", "k2", "abcde", "de"), link(1, "t1", "k2", "abcde", "abc"), ""),
+        ("rounds from other parents: nobody", link(1, "t1", "k2", "abcde", "de"), link(1, "u1", "j2", "abcde"), ""),
+    ],
+)  # fmt: skip
+def test_the_members_a_split_round_gave_the_other_result(situation: str, ours: Link, theirs: Link, moved: str) -> None:
+    ids = {"a": A, "b": B, "c": C, "d": D, "e": E}
+    assert split_off(ours, theirs) == frozenset(ids[m] for m in moved), situation
 
 
 FORGED = chain(0, G, *(link(i, G if i == 0 else f"z{i}", f"z{i + 1}", "xyz") for i in range(5)))  # from genesis
