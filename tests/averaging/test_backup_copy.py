@@ -5,6 +5,7 @@ choosing in the round by offering the backup a copy nobody else holds."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import msgpack
@@ -106,3 +107,63 @@ async def test_a_lying_member_cannot_hand_a_grid_backup_a_dead_owners_sub_part(m
     error = (results[0][lo:hi].double() - mean).abs().max().item()
     bound = two_stage_int8_bound([vectors[i][lo:hi] for i in included], mean)
     assert error <= bound, "the round took the liar's copy of the sub-part"
+
+
+@pytest.mark.timeout(60)
+async def test_a_backup_waits_for_the_copies_its_dead_owners_answer_is_still_bringing(make_group: MakeGroup) -> None:
+    """The owner of part 2 answers members 0 and 1, then dies before 3 and 4 reach it. When its
+    backup (3) asks for copies, 0 and 1 are still decoding the owner's answer: they answer with
+    their copy once they hold it, not "none" at once, so the backup takes the owner's result and
+    the five end with one result (answered at once, the backup reduced the part again without 0
+    and 1, and the round ended with two results, as a 60-minute soak split 7 + 20)."""
+    n, dead = 5, 2
+    group, members = await make_group(n, block_size=1024, chunk_elements=4096, part_timeout=2.0,
+                                      request_timeout=3.0, **EXACT)  # fmt: skip
+    gen = torch.Generator().manual_seed(11)
+    vectors = [torch.randn(20_000, generator=gen) for _ in range(n)]
+    rounds = [AllReduceRound(m.host, m.registry, group, v, m.config) for m, v in zip(members, vectors, strict=True)]
+    lo, hi = rounds[0].parts[dead]
+    answered, holders = asyncio.Event(), {0, 1}
+    owner_closed: list[asyncio.Task[None]] = []
+
+    def slow_decode(r: AllReduceRound) -> None:
+        honest = r._decode_into
+
+        def decode(payload: memoryview, a: int, b: int) -> None:
+            if a == lo:  # the dead owner's part: decoding it takes a while (a busy machine)
+                time.sleep(1.0)
+            honest(payload, a, b)
+
+        r._decode_into = decode  # type: ignore[method-assign]
+
+    def exchange(r: AllReduceRound, me: int) -> None:
+        honest = r._exchange
+
+        async def patched(reducer: int, j: int) -> Any:
+            if j == dead and me in holders:
+                final = await honest(reducer, j)
+                holders.discard(me)
+                if not holders:
+                    answered.set()  # both have the owner's answer and are decoding it
+                return final
+            if j == dead and reducer == dead:  # 3 and 4 reach the owner only once it has died
+                await answered.wait()
+                if not owner_closed:
+                    owner_closed.append(asyncio.ensure_future(members[dead].host.close()))
+                await owner_closed[0]
+            return await honest(reducer, j)
+
+        r._exchange = patched  # type: ignore[method-assign]
+
+    for i, r in enumerate(rounds):
+        if i in (0, 1):
+            slow_decode(r)
+        if i != dead:
+            exchange(r, i)
+    outcomes = await asyncio.gather(*(r.run() for r in rounds), return_exceptions=True)
+    live = [o for i, o in enumerate(outcomes) if i != dead]
+    assert not [o for o in live if isinstance(o, BaseException)], live
+    results = [o[0] for o in live]  # type: ignore[index]
+    assert all(torch.equal(r[lo:hi], results[0][lo:hi]) for r in results), "two results of the dead owner's part"
+    assert all(torch.equal(r, results[0]) for r in results), "the members disagree"
+    assert sorted(live[3][1].contributions[dead]) == [0, 1, 2]  # type: ignore[index]  # the owner's own result

@@ -39,7 +39,8 @@ vote for them, so liars cannot make an owner that was not late drop a good resul
 
 A backup taking over a dead owner's part checks the copies of the owner's result it is offered
 the same way (`vouched_copy`): it asks every other member that accepts connections for the
-copy it holds (a plain avg.fetch, answered at once) and takes one only when VOUCHES members hold
+copy it holds (a plain avg.fetch, answered once the member holds the part's result or no answer
+of the owner is under way to it) and takes one only when VOUCHES members hold
 the same bytes and members list (`vouched`: one, when it can ask only one); else it reduces the
 part again. So one lying member cannot put a part of its choosing in the round. The price: a
 copy that only one honest member received (the owner died while answering) is not believed,
@@ -49,6 +50,7 @@ and that member keeps the owner's result while the group takes the backup's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -111,6 +113,27 @@ class Votes:
         self.timeout = timeout  # how long a request waits for a result we do not hold yet
         self._held: dict[int, asyncio.Future[tuple[memoryview, int]]] = {}
         self._digests: dict[int, asyncio.Future[bytes]] = {}  # part -> its result's digest, once asked
+        self._coming: dict[int, asyncio.Future[None]] = {}  # parts whose owner is answering us now
+
+    def coming(self, j: int) -> None:
+        """Part j's owner is answering us: its result is on the wire or being decoded here."""
+        self._coming[j] = asyncio.get_running_loop().create_future()
+
+    def not_coming(self, j: int) -> None:
+        """The owner's answer for part j ended: held (hold), or failed (the owner died answering)."""
+        if (future := self._coming.pop(j, None)) is not None and not future.done():
+            future.set_result(None)
+
+    async def held_or_not_coming(self, j: int) -> None:
+        """Return once part j's result is held here or no answer of its owner is under way (at most
+        `timeout`). A backup that takes over a dead owner's part asks the others for copies of the
+        owner's result; a member the owner answered just before it died, whose copy was still
+        arriving or being decoded, would say "none" if asked without waiting, and the backup would
+        reduce the part again without it: that member and the others would end the round with two
+        results (a 60-minute soak split 7 + 20 so)."""
+        if (future := self._coming.get(j)) is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(future), self.timeout)
 
     def _future(self, j: int) -> asyncio.Future[tuple[memoryview, int]]:
         if j not in self._held:
@@ -124,6 +147,7 @@ class Votes:
             future = self._held[j] = asyncio.get_running_loop().create_future()
             self._digests.pop(j, None)
         future.set_result((payload, by))
+        self.not_coming(j)
 
     async def answer(self, j: int) -> bytes:
         """Our vote on part j once we hold its result, within `timeout`; else none."""
@@ -274,6 +298,9 @@ async def vouched_copy(r: Confirming, j: int, others: list[int]) -> Final | None
         said = {k[0].hex()[:8]: n for k, n in counts.items()}
         logger.warning("round %s: part %d: copies of its dead owner's result that too few members hold (%s): "
                        "reducing it again", r._tag(), j, said)  # fmt: skip
+    else:
+        logger.info("round %s: part %d: none of %d members holds its dead owner's result: reducing it again",
+                    r._tag(), j, len(asks))  # fmt: skip
     return None
 
 

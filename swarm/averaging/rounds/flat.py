@@ -181,6 +181,8 @@ class AllReduceRound(RoundMember):
                         if reducer != self.me and self.audit is not None:
                             self.audit.supersede(j, own[1])
                 else:
+                    if reducer == j:  # its owner answers us: a backup asking for copies waits for ours
+                        self.votes.coming(j)
                     final = await self._exchange(reducer, j)
                 await asyncio.to_thread(self._decode_into, final[1], lo, hi)  # a garbage average: next reducer
                 break
@@ -189,6 +191,8 @@ class AllReduceRound(RoundMember):
             except (P2PError, AllReduceError, MalformedPayload, TimeoutError, ValueError) as e:
                 errors.append(f"{reducer}: {e}")
                 logger.info("round %s: part %d via member %d failed: %s", self._tag(), j, reducer, e)
+                if reducer == j:  # the owner's answer will not come (a copy asked for now is "none")
+                    self.votes.not_coming(j)
         else:
             raise AllReduceError(f"no member could reduce part {j} ({'; '.join(errors)})")
         self.final[j], self.reducer_of[j] = final, reducer

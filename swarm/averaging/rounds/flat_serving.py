@@ -148,6 +148,8 @@ class FlatServing:
             await stream.write(await r.votes.answer(part))
             await stream.end()
             return
+        if part not in r.final:  # a copy the owner is sending us now counts (rounds/confirm.py)
+            await r.votes.held_or_not_coming(part)
         final = r.final.get(part)
         if final is None:
             await stream.write(msgpack.packb({"none": True}))

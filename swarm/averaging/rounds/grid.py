@@ -219,6 +219,8 @@ class GridRound(GridServing, RoundMember):
                         column = [self.grid.owners[r][self.col] for r in range(rows) if r != s]
                         final, by = await confirm_own_part(self, self.col * rows + s, final, column)
                 else:
+                    if reducer == s:  # its owner answers us: a backup asking for copies waits for ours
+                        self.votes.coming(self.col * rows + s)
                     final = await self._exchange_col(reducer, s)
                 await asyncio.to_thread(self._decode, self.col, s, final[1])  # garbage: the next reducer
                 break
@@ -227,6 +229,8 @@ class GridRound(GridServing, RoundMember):
             except FAILURES as e:
                 errors.append(f"{reducer}: {e}")
                 logger.info("round %s: sub-part %d/%d via row %d failed: %s", self._tag(), self.col, s, reducer, e)
+                if reducer == s:  # the owner's answer will not come (a copy asked for now is "none")
+                    self.votes.not_coming(self.col * rows + s)
         else:
             raise AllReduceError(f"no owner could reduce sub-part {s} of part {self.col} ({'; '.join(errors)})")
         self._store(self.col, s, final, by)

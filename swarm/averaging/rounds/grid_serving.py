@@ -173,6 +173,8 @@ class GridServing:
             await stream.write(await self.votes.answer(key))
             await stream.end()
             return
+        if divmod(key, self.grid.rows) not in self.final:  # a copy its owner sends us now counts (rounds/confirm.py)
+            await self.votes.held_or_not_coming(key)
         final = self.final.get(divmod(key, self.grid.rows))
         if final is None:
             await stream.write(msgpack.packb({"none": True}))
