@@ -68,7 +68,7 @@ from scripts.experiments.diloco_sim import Workload, gap_closed, node_identity
 from scripts.experiments.diloco_sweep import Cache, run_baselines
 from scripts.tools.hiccup import Hiccup
 from swarm.model.schedule import SCHEDULES
-from swarm.netlab import Lab, Rate, exec_prefix, missing, parse_rate, parse_rates
+from swarm.netlab import Lab, Rate, missing, parse_rate, parse_rates
 from swarm.utils import process_control
 from swarm.utils.process_control import console_script
 
@@ -172,9 +172,11 @@ class NodeOptions:
 # --- processes ----------------------------------------------------------------------------------
 
 
-def spawn(args: list[str], log: IO[bytes] | None, stdout: int | IO[bytes] | None = None) -> subprocess.Popen[bytes]:
+def spawn(args: list[str], log: IO[bytes] | None, stdout: int | IO[bytes] | None = None,
+          netns: str | None = None) -> subprocess.Popen[bytes]:  # fmt: skip
+    """A child in the network namespace `netns` (None: ours): a node is forked and enters it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    return process_control.start(args, stdout=stdout if stdout is not None else log, stderr=log, env=env)
+    return process_control.start(args, stdout=stdout if stdout is not None else log, stderr=log, env=env, netns=netns)
 
 
 def schedule_flags(workload: Workload) -> list[str]:
@@ -239,12 +241,13 @@ def node_rates(workers: int, link: Rate | None, links: Sequence[Rate] | None) ->
     return None if link is None else [link] * workers
 
 
-def place(lab: Lab | None, name: str, rate: Rate | None) -> tuple[list[str], str]:
-    """(argv prefix, listen multiaddr) of a child: 127.0.0.1, or a new endpoint of the lab."""
+def place(lab: Lab | None, name: str, rate: Rate | None) -> tuple[str | None, str]:
+    """(network namespace, listen multiaddr) of a child: ours and 127.0.0.1, or a new endpoint
+    of the lab."""
     if lab is None or rate is None:
-        return [], LOOPBACK
+        return None, LOOPBACK
     endpoint = lab.add(name, rate)
-    return exec_prefix(endpoint), f"/ip4/{endpoint.address}/tcp/0"
+    return endpoint.netns, f"/ip4/{endpoint.address}/tcp/0"
 
 
 def run_swarm(
@@ -266,15 +269,15 @@ def run_swarm(
         if rates is not None:  # a lab per run: a failed run's links go with it
             lab = Lab.create("diloco")
         logs.append(open(workdir / "bootstrap.log", "wb"))  # noqa: SIM115  (closed in finally)
-        prefix, listen = place(lab, "bootstrap", max(rates) if rates else None)  # DHT traffic: any link will do
-        dht_args = [*prefix, console_script("swarm-dht"), "serve", "--host-maddrs", listen, "--json"]
-        procs.append(spawn(dht_args, logs[0], stdout=subprocess.PIPE))
+        netns, listen = place(lab, "bootstrap", max(rates) if rates else None)  # DHT traffic: any link will do
+        dht_args = [console_script("swarm-dht"), "serve", "--host-maddrs", listen, "--json"]
+        procs.append(spawn(dht_args, logs[0], stdout=subprocess.PIPE, netns=netns))
         bootstrap = process_control.read_json_line(procs[0], timeout=60, what="the bootstrap DHT node")["maddrs"]
         for index in range(workload.workers):
             logs.append(open(workdir / f"node{index}.log", "wb"))  # noqa: SIM115
-            prefix, listen = place(lab, f"node{index}", rates[index] if rates else None)
+            netns, listen = place(lab, f"node{index}", rates[index] if rates else None)
             args = node_args(workload, config, options, workdir, index, bootstrap, listen)
-            procs.append(spawn([*prefix, *args], logs[-1]))
+            procs.append(spawn(args, logs[-1], netns=netns))
         with hiccup.applied(procs[1 + hiccup.node]) if hiccup is not None else contextlib.nullcontext():
             wait_for_nodes(procs[1:], config, time.monotonic() + timeout, workdir)
         wall = time.monotonic() - started

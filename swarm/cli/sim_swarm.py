@@ -3,7 +3,8 @@ dashboard, each started with the command line a user would type and in its own s
 through its metrics file, churned, and stopped in order (SIGTERM, then SIGKILL after a grace
 period). With --link, each child runs in a network namespace of its own behind a shaped link;
 with --nat, the nodes run in home networks behind NAT routers and the bootstrap (a relay) alone
-on the lab's "internet".
+on the lab's "internet". A node is forked from the preloaded server and enters its namespace
+itself; the bootstrap and the dashboard (swarm-dht) are exec'd under `ip netns exec`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from swarm.cli.sim_report import (
     EventTail,
     NodeRecord,
 )
-from swarm.netlab import Home, Lab, LabError, Rate, exec_prefix, parse_rate
+from swarm.netlab import Home, Lab, LabError, Rate, parse_rate
 from swarm.utils import process_control
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -57,13 +58,16 @@ def console_script(name: str, module: str) -> list[str]:
     return [sys.executable, "-c", code]
 
 
-def spawn(argv: Sequence[str], log: Path, stdout: Path | None = None) -> subprocess.Popen[bytes]:
+def spawn(
+    argv: Sequence[str], log: Path, stdout: Path | None = None, netns: str | None = None
+) -> subprocess.Popen[bytes]:
     """Start a child in its own session (its own process group: signals from the terminal do
-    not reach it, and stopping it by its group also stops anything it started)."""
+    not reach it, and stopping it by its group also stops anything it started), in the network
+    namespace `netns` (None: ours)."""
     with contextlib.ExitStack() as files:  # the child holds its own copies of the descriptors
         err = files.enter_context(open(log, "wb"))
         out = files.enter_context(open(stdout, "wb")) if stdout is not None else err
-        return process_control.start(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+        return process_control.start(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, netns=netns)
 
 
 def send(proc: subprocess.Popen[bytes], sig: int) -> None:
@@ -129,14 +133,14 @@ class Swarm:
             except LabError as e:
                 raise CliError(f"cannot build the links: {e}") from None
 
-    def place(self, name: str, rate: Rate | None, record: NodeRecord | None = None) -> tuple[list[str], str]:
-        """Where a child runs: (argv prefix, listen multiaddr). With --link, in a namespace of
-        its own behind a link of `rate` each way; with --nat, a node in its home network (the
-        bootstrap on the internet side); otherwise on 127.0.0.1."""
+    def place(self, name: str, rate: Rate | None, record: NodeRecord | None = None) -> tuple[str | None, str]:
+        """Where a child runs: (network namespace, listen multiaddr). With --link, in a namespace
+        of its own behind a link of `rate` each way; with --nat, a node in its home network (the
+        bootstrap on the internet side); otherwise in ours (None), on 127.0.0.1."""
         home = self.homes[self.config.home_of(len(self.children))] if self.homes and record is not None else None
         rate = rate or (NAT_RATE if self.homes else None)
         if self.lab is None or rate is None:
-            return [], LOOPBACK
+            return None, LOOPBACK
         try:
             endpoint = self.lab.add(name, rate) if home is None else self.lab.add_behind(home, name)
         except LabError as e:
@@ -147,16 +151,16 @@ class Swarm:
         if home is not None:
             where = f"home {home.name} ({home.kind} NAT, {rate} uplink): {endpoint.address}"
         self.display.event(f"{name} on {where}")
-        return exec_prefix(endpoint), f"/ip4/{endpoint.address}/tcp/0"
+        return endpoint.netns, f"/ip4/{endpoint.address}/tcp/0"
 
     def start_bootstrap(self, stop: StopRequest) -> None:
         """Start `swarm-dht serve --json` and read its first line: {"peer_id", "maddrs"}."""
         log, out = self.config.run_dir / "bootstrap.log", self.config.run_dir / "bootstrap.out"
-        prefix, listen = self.place("bootstrap", self.config.rate(None))
-        argv = [*prefix, *console_script("swarm-dht", "swarm.cli.dht"), "serve", "--json", "--host-maddrs", listen,
+        netns, listen = self.place("bootstrap", self.config.rate(None))
+        argv = [*console_script("swarm-dht", "swarm.cli.dht"), "serve", "--json", "--host-maddrs", listen,
                 "--identity", str(self.config.run_dir / "bootstrap.key")]  # fmt: skip
         argv += ["-v"] * self.config.verbose
-        self.bootstrap = spawn(argv, log, stdout=out)
+        self.bootstrap = spawn(argv, log, stdout=out, netns=netns)
         deadline = time.monotonic() + BOOTSTRAP_TIMEOUT_S
         while not stop.requested:
             first, newline, _ = out.read_bytes().partition(b"\n")
@@ -191,8 +195,8 @@ class Swarm:
         record = NodeRecord(name=name, log=self.config.run_dir / f"{name}.log")
         metrics = self.config.run_dir / f"{name}.jsonl"
         metrics.unlink(missing_ok=True)  # a file left by an earlier run in the same --run-dir
-        prefix, listen = self.place(name, self.config.rate(index), record)
-        proc = spawn([*prefix, *self.node_argv(metrics, listen)], record.log)
+        netns, listen = self.place(name, self.config.rate(index), record)
+        proc = spawn(self.node_argv(metrics, listen), record.log, netns=netns)
         child = Child(record, proc, EventTail(metrics), time.monotonic())
         self.children.append(child)
         return child

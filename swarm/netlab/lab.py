@@ -277,7 +277,9 @@ def _undo(cleanup: Callable[[], None]) -> bool:
 
 
 def exec_prefix(endpoint: Endpoint) -> list[str]:
-    """The argv prefix that runs a command inside the endpoint's namespace."""
+    """The argv prefix that runs a command inside the endpoint's namespace (`ip netns exec`).
+    A swarm-node is better started with process_control.start(..., netns=endpoint.netns): it is
+    forked from the preloaded server and enters the namespace itself."""
     ip = tool("ip")
     if ip is None:
         raise LabError("ip not found")

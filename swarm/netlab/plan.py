@@ -10,7 +10,7 @@ A lab of run `sim-1a2b` owned by PID 4242, with endpoints `bootstrap` and `node0
                                                   10.77.0.1/16, shaped to the rate: what it sends
     namespace swarmlab-4242-sim-1a2b-node0        the same with 10.77.0.2/16
 
-Each endpoint's namespace holds exactly one process tree (started with `ip netns exec`): its
+Each endpoint's namespace holds exactly one process tree (process_control.start's `netns`): its
 only way out is its own link, limited to its rate in both directions by a token bucket (tbf).
 Nothing is made in the host's namespace, so labs never clash with the host's interfaces or with
 each other (every lab uses the same subnet, each behind its own bridge), and deleting a lab's
@@ -50,7 +50,7 @@ class Endpoint:
 
     name: str  # who sits there: "bootstrap", "node0", ...
     index: int  # 0, 1, ... in the order they were added
-    netns: str  # run its process with `ip netns exec <netns> ...`
+    netns: str  # its process runs there: process_control.start(..., netns=netns)
     address: str  # its IPv4 address on the lab's network (eth0 in netns)
     rate: Rate  # each way
     port: str  # the bridge-side veth end, in the lab's namespace

@@ -8,7 +8,10 @@
 Rank 0 makes the TCPStore on a free port of 127.0.0.1 before it starts the others, so no port
 is guessed. Each rank runs `python -m swarm.ranks.follower` in its own session (a Ctrl+C on the
 terminal reaches rank 0 only, which stops them in order) and gets SIGTERM should rank 0 die
-(die_with_parent): no rank outlives its node. Their stderr is rank 0's.
+(die_with_parent): no rank outlives its node. Their stderr is rank 0's, and so is their network
+namespace. When rank 0 was itself forked from the preloaded server (swarm-sim's nodes, the
+tests'), the same server forks them, torch already imported; otherwise they are exec'd
+(swarm/utils/preloaded.py).
 """
 
 from __future__ import annotations

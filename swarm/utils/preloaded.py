@@ -14,14 +14,27 @@ kept from mattering:
 - Its parent is the server, not the caller: the caller reads the exit code from the server's
   pipe (multiprocessing's sentinel) and signals the child through a pidfd, which can never
   reach another process once the child is gone, so a PID reused after the server reaped it is
-  safe. die_with_parent holds through the server, which exits when its own parent does.
+  safe. With die_with_parent the child holds the read end of a pipe only the caller writes to,
+  and sends itself SIGTERM when that pipe closes: when the caller exits, however it dies (the
+  caller also closes it once it has read the child's exit code, or drops its PreloadedChild).
+- It would inherit the server's network namespace: it enters the caller's first (or the one
+  named by `netns`: swarm-sim's nodes on a lab's links), as an exec'd child under
+  `ip netns exec` would be (netns.py says what that command does besides, and why a node
+  needs none of it). It does so before it has a second thread or a socket; a namespace it
+  cannot enter is a NetnsError on its stderr and exit 1, never a node in the wrong namespace.
+- A child of the server that starts children of its own (rank 0 of a node of several ranks
+  starts its followers, `python -m swarm.ranks.follower`) asks the same server: it has the
+  server's address and holds a copy of its "alive" pipe, inherited through the fork. A process
+  the server did not fork execs followers, since a server of its own would import what a
+  follower saves.
 - Modules were imported under the server's environment: a child whose PYTHON* variables
   differ from it (another PYTHONPATH, say) is exec'd instead. OMP_NUM_THREADS, which torch
   read at import, is applied again in the child.
 - Python's atexit handlers do not run at its exit (multiprocessing ends children with
   os._exit, after flushing the standard streams); swarm registers none.
 
-Anything but a swarm-node console script next to this interpreter is exec'd as before.
+Anything but a swarm-node console script next to this interpreter (and a follower, above) is
+exec'd as before.
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ import os
 import pickle
 import select
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -41,20 +55,26 @@ import time
 import traceback
 from collections.abc import Mapping, Sequence
 from importlib.metadata import entry_points
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker
+from multiprocessing.reduction import sendfds
 from pathlib import Path
 from typing import IO, Any
+
+from swarm.utils import netns as netns_module
 
 __all__ = ["PreloadedChild", "preloadable", "start"]
 
 SCRIPTS = ("swarm-node",)  # the console scripts forked from the server
+# `python -m MODULE` command lines forked from the server by a process it forked itself
+MODULES = {"swarm.ranks.follower": "swarm.ranks.follower:main"}
 # what a node imports on its way to training: swarm, torch, and what torch imports lazily on
 # first use (sympy, about 470 modules); each child would import them again otherwise
 PRELOAD = ["torch", "sympy", "uvloop", "multiaddr", "setproctitle", "swarm.cli.node", "swarm.node.node",
-           "swarm.model.llama", "swarm.observe.serve", "swarm.ranks.launch"]  # fmt: skip
+           "swarm.model.llama", "swarm.observe.serve", "swarm.ranks.launch", "swarm.ranks.follower"]  # fmt: skip
 
 _lock = threading.Lock()
 _server_env: dict[str, str] | None = None  # os.environ when the server started: what it imported under
+_forked = False  # this process is a child of the server: it asks that server for its own children
 SETUP_TIMEOUT_S = 30.0  # the longest start() waits for a child to be in its session with its streams
 # the longest start() waits for the server to fork: a server started by this call imports torch
 # first (3 s on a quiet 2-core machine, past 30 s at load 40); a server that died closes the pipe
@@ -71,12 +91,23 @@ def preloadable(argv: Sequence[str], env: Mapping[str, str] | None) -> str | Non
     """The entry point ("module:function") to fork for this command line, or None to exec it."""
     if not argv or not hasattr(os, "pidfd_open"):  # Linux 5.3 and later
         return None
+    if env is not None and _python_env(env) != _python_env(_server_env if _server_env is not None else os.environ):
+        return None
+    if len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m":
+        return MODULES.get(argv[2]) if _forked and _can_reach_parent_server() else None
     path = Path(argv[0])
     if path.name not in SCRIPTS or path.parent != Path(sys.executable).parent:
         return None
-    if env is not None and _python_env(env) != _python_env(_server_env if _server_env is not None else os.environ):
-        return None
     return _entry_point(path.name)
+
+
+def _can_reach_parent_server() -> bool:
+    """What _connect_to_parent_server needs of multiprocessing (Python 3.10 to 3.13): the
+    server's address and alive pipe, and no authentication handshake (which 3.14 adds)."""
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    return (getattr(server, "_forkserver_address", None) is not None
+            and getattr(server, "_forkserver_alive_fd", None) is not None
+            and not hasattr(server, "_forkserver_authkey"))  # fmt: skip
 
 
 @functools.cache
@@ -91,20 +122,26 @@ class _Script:
     """What the server's child unpickles and runs (multiprocessing calls `_bootstrap` and exits
     with what it returns): the command line, as a fresh interpreter would run it."""
 
-    def __init__(self, entry: str, argv: list[str], env: dict[str, str], cwd: str | None, new_session: bool,
-                 die_with_parent: bool) -> None:  # fmt: skip
+    def __init__(self, entry: str, argv: list[str], env: dict[str, str], cwd: str, new_session: bool,
+                 die_with_parent: bool, netns: str | None, server_env: dict[str, str]) -> None:  # fmt: skip
         self.entry, self.argv, self.env, self.cwd = entry, argv, env, cwd
-        self.new_session, self.die_with_parent = new_session, die_with_parent
+        self.new_session, self.die_with_parent, self.netns = new_session, die_with_parent, netns
+        self.server_env = server_env
 
     def _bootstrap(self, parent_sentinel: int | None = None) -> int:
         try:
             self._become()
             module, function = self.entry.split(":")
-            main = getattr(__import__(module, fromlist=[function]), function)
-            main()
-            code = 0
+            imported = __import__(module, fromlist=[function])
+            # as the interpreter sets it: the script's path, or for `python -m M` the module's file
+            module_run = self.argv[0] == sys.executable and self.argv[1:2] == ["-m"]
+            sys.argv = [imported.__file__, *self.argv[3:]] if module_run else list(self.argv)
+            code = _exit_code(getattr(imported, function)())  # a console script exits with what main returns
         except SystemExit as e:
             code = _exit_code(e.code)
+        except netns_module.NetnsError as e:
+            print(f"{Path(self.argv[0]).name}: error: NetnsError: {e}", file=sys.stderr)
+            code = 1
         except BaseException:  # what an uncaught exception does to an interpreter: a traceback, exit 1
             traceback.print_exc()
             code = 1
@@ -118,14 +155,14 @@ class _Script:
         return code
 
     def _become(self) -> None:
+        global _forked, _server_env
+        _forked, _server_env = True, self.server_env
         if self.new_session:
             os.setsid()
-        if self.die_with_parent:
-            from swarm.utils.process_control import die_with_parent
-
-            die_with_parent()
-        # the caller's stdin, stdout and stderr, in order, and the pipe that tells it we are set up
-        *stdio, ready = forkserver.get_inherited_fds()
+        # the caller's stdin, stdout and stderr, in order, the pipe that tells it we are set up,
+        # its network namespace, and with die_with_parent the pipe that closes when it exits
+        stdin, stdout, stderr, ready, caller_netns, *lifeline = forkserver.get_inherited_fds()
+        stdio = [stdin, stdout, stderr]
         for target, fd in enumerate(stdio):
             if fd != target:
                 os.dup2(fd, target)
@@ -138,6 +175,18 @@ class _Script:
         sys.stdout.reconfigure(line_buffering=os.isatty(1))
         sys.stderr = open(2, "w", closefd=False, encoding="utf-8", errors="backslashreplace")  # noqa: SIM115
         sys.stderr.reconfigure(line_buffering=True)
+        # the network namespace: after the streams, so that a failure is said on the caller's
+        # stderr; while this process has one thread (setns moves only the calling thread, and
+        # the threads started later follow it) and before anything opens a socket
+        try:
+            if self.netns is not None:
+                netns_module.enter(self.netns)
+            else:
+                netns_module.enter_same_as(caller_netns)
+        finally:
+            os.close(caller_netns)
+        if lifeline:
+            _die_with_caller(lifeline[0])
         # its own command line in ps and /proc/PID/cmdline, not the server's: for an operator, and
         # for what finds a run's processes by their arguments (a test's check that none is left).
         # Before the environment changes: it finds the memory it rewrites from the process's
@@ -147,15 +196,27 @@ class _Script:
         setproctitle.setproctitle(" ".join(self.argv))
         os.environ.clear()
         os.environ.update(self.env)
-        if self.cwd is not None:
-            os.chdir(self.cwd)
+        os.chdir(self.cwd)
         if (threads := self.env.get("OMP_NUM_THREADS", "")).isdigit() and int(threads) > 0:
             import torch
 
             torch.set_num_threads(int(threads))  # torch read the server's environment at import
-        sys.argv = list(self.argv)
         os.write(ready, b".")  # set up: the caller's start() returns
         os.close(ready)
+
+
+def _die_with_caller(lifeline: int) -> None:
+    """SIGTERM to this process once the caller's end of `lifeline` closes (the caller exited, or
+    is done with us), as PR_SET_PDEATHSIG gives an exec'd child of the caller: our parent is the
+    server, which outlives the caller, so the kernel's parent-death signal cannot say it."""
+
+    def watch() -> None:
+        with contextlib.suppress(OSError):
+            while os.read(lifeline, 1):  # blocks for as long as the caller lives: that is its job
+                pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="die-with-caller", daemon=True).start()
 
 
 def _exit_code(code: object) -> int:
@@ -170,9 +231,11 @@ def _exit_code(code: object) -> int:
 class PreloadedChild:
     """What process_control and its callers use of a subprocess.Popen, for a forked child."""
 
-    def __init__(self, argv: list[str], status: int, streams: list[IO[Any] | None], text: bool) -> None:
+    def __init__(self, argv: list[str], status: int, streams: list[IO[Any] | None], text: bool,
+                 lifeline: int | None) -> None:  # fmt: skip
         self.args, self._text = argv, text
         self._status = status  # the server's pipe for this child: its exit code comes there
+        self._lifeline = lifeline  # die_with_parent: the child gets SIGTERM once this closes
         self._pidfd: int | None = None
         self.returncode: int | None = None  # set before anything can fail: __del__ reads it
         self.pid = _read_signed(status, FORK_TIMEOUT_S)  # the server writes it as it forks
@@ -237,11 +300,11 @@ class PreloadedChild:
         return self.returncode
 
     def _close(self) -> None:
-        for fd in (self._status, self._pidfd):
+        for fd in (self._status, self._pidfd, self._lifeline):
             if fd is not None:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        self._status, self._pidfd = -1, None
+        self._status, self._pidfd, self._lifeline = -1, None, None
 
     def __del__(self) -> None:
         if self.returncode is None:
@@ -267,13 +330,16 @@ Stdio = int | IO[Any] | None
 def start(
     entry: str, argv: Sequence[str], *, stdin: Stdio, stdout: Stdio, stderr: Stdio,
     env: Mapping[str, str] | None, cwd: str | Path | None, text: bool, new_session: bool, die_with_parent: bool,
+    netns: str | None = None,
 ) -> PreloadedChild:  # fmt: skip
-    """Fork `argv` (a preloadable command line: preloadable() gave `entry`) from the server."""
+    """Fork `argv` (a preloadable command line: preloadable() gave `entry`) from the server; in
+    the network namespace named `netns` (None: this process's)."""
     global _server_env
     ours: list[int] = []  # descriptors to close here once the server holds its copies
     kept: list[IO[Any] | None] = [None, None, None]  # our ends of the pipes the caller asked for
     fds: list[int] = []
     devnull: int | None = None
+    lifeline: int | None = None  # our end of the die_with_parent pipe, the child's once it starts
     try:
         for target, spec in enumerate((stdin, stdout, stderr)):
             if spec is None and _open(target):
@@ -294,21 +360,29 @@ def start(
                 fds.append(fds[1])
             else:
                 fds.append(spec if isinstance(spec, int) else spec.fileno())
-        script = _Script(entry, [str(a) for a in argv], dict(os.environ if env is None else env),
-                         None if cwd is None else str(cwd), new_session, die_with_parent)  # fmt: skip
+        ready, ready_w = os.pipe()
+        ours += [ready, ready_w]
+        ours.append(own_netns := os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC))
+        fds += [ready_w, own_netns]
+        if die_with_parent:
+            child_end, lifeline = os.pipe()
+            ours.append(child_end)
+            fds.append(child_end)
         with _lock:
             if _server_env is None:
                 forkserver.set_forkserver_preload(PRELOAD)
                 _server_env = dict(os.environ)
-            ready, ready_w = os.pipe()
-            ours += [ready, ready_w]
-            status, data = forkserver.connect_to_new_process([*fds, ready_w])
+            status, data = _connect_to_parent_server(fds) if _forked else forkserver.connect_to_new_process(fds)
+        script = _Script(entry, [str(a) for a in argv], dict(os.environ if env is None else env),
+                         os.getcwd() if cwd is None else str(cwd), new_session, die_with_parent, netns,
+                         _server_env)  # fmt: skip
         with open(data, "wb", closefd=True) as f:
             # what multiprocessing's child reads: its preparation (nothing: not the caller's
             # __main__, which multiprocessing would run again in the child), then what to run
             pickle.dump({}, f)
             pickle.dump(script, f)
-        child = PreloadedChild(script.argv, status, kept, text)
+        child = PreloadedChild(script.argv, status, kept, text, lifeline)
+        lifeline = None  # the child's to close now
         ours.remove(ready_w)
         os.close(ready_w)  # the child holds its copy: EOF here once it is gone
         # as Popen returns once the child is set up (its session, its streams): a stop or a
@@ -319,11 +393,34 @@ def start(
         for stream in kept:
             if stream is not None:
                 stream.close()
+        if lifeline is not None:
+            os.close(lifeline)
         raise
     finally:
         for fd in ours:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def _connect_to_parent_server(fds: list[int]) -> tuple[int, int]:
+    """forkserver.connect_to_new_process for a child of the server: the same request to the
+    server that forked this process, which the child did not start (multiprocessing's own call
+    would start a server of its own). (status pipe, data pipe), as that call returns them."""
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    with socket.socket(socket.AF_UNIX) as client:
+        client.connect(server._forkserver_address)
+        parent_r, child_w = os.pipe()
+        child_r, parent_w = os.pipe()
+        try:
+            sendfds(client, [child_r, child_w, server._forkserver_alive_fd, resource_tracker.getfd(), *fds])
+            return parent_r, parent_w
+        except BaseException:
+            os.close(parent_r)
+            os.close(parent_w)
+            raise
+        finally:
+            os.close(child_r)
+            os.close(child_w)
 
 
 def _open(fd: int) -> bool:

@@ -49,6 +49,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, cast
 
+from swarm.utils import netns as netns_module
 from swarm.utils import preloaded
 
 REAP_S = 10.0  # how long to wait for a SIGKILLed child to be reaped
@@ -90,15 +91,21 @@ def start(
     text: bool = False,
     new_session: bool = True,
     die_with_parent: bool = False,
+    netns: str | None = None,
 ) -> subprocess.Popen[Any]:
     """Start a child, by default in its own session (see the module docstring). With
     `die_with_parent` it gets SIGTERM when this process dies, even by SIGKILL (Linux only).
-    A swarm-node command line is forked from a server that has torch imported (preloaded.py):
-    what it returns then has the Popen methods and attributes this module and its callers use."""
+    With `netns` it runs in that named network namespace (`ip netns add`; a lab's endpoint).
+    A swarm-node command line is forked from a server that has torch imported (preloaded.py),
+    and enters the namespace itself: what it returns then has the Popen methods and attributes
+    this module and its callers use. Any other command runs under `ip netns exec NETNS`, which
+    execs it: the PID returned is the command's either way."""
     if (entry := preloaded.preloadable(argv, env)) is not None:
         child = preloaded.start(entry, argv, stdin=stdin, stdout=stdout, stderr=stderr, env=env, cwd=cwd, text=text,
-                                new_session=new_session, die_with_parent=die_with_parent)  # fmt: skip
+                                new_session=new_session, die_with_parent=die_with_parent, netns=netns)  # fmt: skip
         return cast("subprocess.Popen[Any]", child)
+    if netns is not None:
+        argv = [*netns_module.exec_prefix(netns), *argv]
     return subprocess.Popen(
         list(argv), stdin=stdin, stdout=stdout, stderr=stderr, env=env, cwd=cwd, text=text,
         start_new_session=new_session, preexec_fn=_die_with_parent if die_with_parent else None,

@@ -26,7 +26,7 @@ def test_each_node_gets_its_rate() -> None:
     assert bench_diloco.node_rates(2, None, (fast, slow)) == [fast, slow]
     with pytest.raises(ValueError, match="--links has 1 rate"):
         bench_diloco.node_rates(2, None, (fast,))
-    assert bench_diloco.place(None, "node0", fast) == ([], bench_diloco.LOOPBACK)
+    assert bench_diloco.place(None, "node0", fast) == (None, bench_diloco.LOOPBACK)
 
 
 def test_the_round_bound_is_the_slowest_nodes_bytes_through_its_link() -> None:

@@ -1,10 +1,18 @@
 """swarm-node children forked from the preloaded server behave as exec'd ones do: output, exit
-codes, signals, environment, working directory; and they cost a fraction of the CPU."""
+codes, signals, environment, working directory, network namespace, death with their caller;
+and they cost a fraction of the CPU.
+
+The namespace test needs root and iproute2 (skipped otherwise, with what is missing); it builds
+a lab of its own (10.77.x addresses) and removes it, pass or fail."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,8 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from swarm.utils import preloaded, process_control
+from swarm.netlab import Lab, exec_prefix, missing, parse_rate
+from swarm.utils import netns, preloaded, process_control
 from swarm.utils.process_control import console_script
+from tests.children import child_env, still_running
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,6 +48,9 @@ def _forked(argv: list[str], **options: object) -> tuple[int, str, str]:
         ([str(Path(NODE).parent / "swarm-dht"), "serve"], False),  # only swarm-node is forked
         (["/usr/local/bin/swarm-node", "--help"], False),  # not the one beside this interpreter
         ([sys.executable, "-m", "swarm.cli.node"], False),
+        # a follower is forked only by a process the server forked (rank 0 of a node): this one
+        # would have to start a server of its own, which imports what the follower saves
+        ([sys.executable, "-m", "swarm.ranks.follower", "--rank", "1"], False),
         ([], False),
     ],
 )
@@ -117,3 +130,119 @@ def test_a_forked_node_costs_seconds_of_cpu_less_than_an_execd_one() -> None:
     execd = _cpu_at_join_line(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                start_new_session=True))  # fmt: skip
     assert forked < execd - 1.0, (forked, execd)
+
+
+def _as_rank_zero() -> None:
+    """Run in a child of the server, as rank 0 of a node of two ranks is: start a follower the
+    way spawn.py does (with no rank 0 to meet, it gives up after its --timeout, argv[2] here);
+    say how it was started, then how it ended."""
+    argv = [sys.executable, "-m", "swarm.ranks.follower", "--rank", "1", "--world-size", "2", "--port", "9",
+            "--device", "cpu", "--backend", "gloo", "--timeout", sys.argv[2]]  # fmt: skip
+    proc = process_control.start(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, die_with_parent=True)
+    started = {"forked": isinstance(proc, preloaded.PreloadedChild), "pid": proc.pid, "parent": _parent(proc.pid),
+               "server": os.getppid()}  # fmt: skip
+    print(json.dumps(started), flush=True)
+    _, err = proc.communicate(90)
+    print(json.dumps({"code": proc.returncode, "err": err.decode(errors="replace")}), flush=True)
+
+
+def _start_rank_zero(follower_timeout: int) -> preloaded.PreloadedChild:
+    return preloaded.start(f"{__name__}:_as_rank_zero", [sys.executable, "rank-zero", str(follower_timeout)],
+                           stdin=None, stdout=subprocess.PIPE, stderr=None, env=None, cwd=None, text=False,
+                           new_session=True, die_with_parent=False)  # fmt: skip
+
+
+def test_a_child_of_the_server_has_its_follower_forked_by_the_same_server() -> None:
+    """Rank 0 of a node forked from the server asks that server for its followers: they do not
+    import torch again. The follower runs as `python -m swarm.ranks.follower` would."""
+    rank_zero = _start_rank_zero(1)
+    try:
+        started = process_control.read_json_line(rank_zero, 90)  # type: ignore[arg-type]
+        ended = process_control.read_json_line(rank_zero, 90)  # type: ignore[arg-type]
+    finally:
+        process_control.stop(rank_zero, 10)  # type: ignore[arg-type]
+    assert started["forked"] is True and started["parent"] == started["server"] != rank_zero.pid, started
+    assert ended["code"] == 1 and ended["err"].splitlines()[-1].startswith("swarm-node rank 1: "), ended
+
+
+def test_with_die_with_parent_a_forked_child_gets_sigterm_when_its_caller_is_killed() -> None:
+    """As PR_SET_PDEATHSIG gives an exec'd child: the forked one's parent is the server, which
+    lives on while any of its children does, so the child watches a pipe only the caller holds."""
+    rank_zero, follower = _start_rank_zero(120), None
+    try:
+        started = process_control.read_json_line(rank_zero, 90)  # type: ignore[arg-type]
+        follower = int(started["pid"])
+        time.sleep(1.0)  # past its start: the watch must hold while it runs, not only as it begins
+        assert still_running([follower], 0.0) == [follower]
+        process_control.kill(rank_zero)  # type: ignore[arg-type]
+        assert still_running([follower], 20) == [], "the forked follower outlived its caller"
+    finally:
+        process_control.kill(rank_zero)  # type: ignore[arg-type]
+        if follower is not None and still_running([follower], 0.0) and b"swarm.ranks.follower" in _cmdline(follower):
+            os.kill(follower, signal.SIGKILL)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.parametrize("name", ["swarmtest-missing", "", "..", "a/../../etc"])
+def test_a_namespace_it_cannot_enter_is_a_netns_error_and_exit_1_never_a_node_elsewhere(name: str) -> None:
+    code, out, err = _forked([NODE, "--help"], netns=name)
+    assert code == 1 and out == "", (code, out)
+    assert err.startswith("swarm-node: error: NetnsError: ") and err.count("\n") == 1, err
+    with pytest.raises(netns.NetnsError):
+        netns.enter(name)  # the same error in this process, which stays where it was
+
+
+def _ns_inode(where: str) -> int:
+    return os.stat(where).st_ino
+
+
+JOIN = re.compile(rb"--initial-peers /ip4/([0-9.]+)/tcp/(\d+)/p2p/")
+RANK_PIDS = re.compile(rb"ranks 1\.\. run as pids \[(\d+)\]")
+DIAL = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10).close()"
+
+
+@pytest.mark.swarm
+@pytest.mark.skipif(missing() is not None, reason=f"a lab {missing()}")
+def test_a_node_forked_into_a_namespace_listens_there_and_its_follower_rank_joins_it(tmp_path: Path) -> None:
+    """The node enters the namespace itself (no `ip netns exec`): it listens on the endpoint's
+    address there, and its rank 1, which the server forks at rank 0's request, is put in rank
+    0's namespace, not the server's (it would not reach rank 0's store on 127.0.0.1 otherwise)."""
+    log = tmp_path / "node.log"
+    with Lab.create(f"t{secrets.token_hex(3)}") as lab, open(log, "wb") as out:
+        endpoint = lab.add("n", parse_rate("1gbit"))
+        argv = [NODE, "--run-id", "netns", "--host-maddrs", f"/ip4/{endpoint.address}/tcp/0", "--model", "tiny",
+                "--batch-size", "2", "--seq-len", "64", "--threads", "1", "--identity", "ephemeral",
+                "--nproc-per-node", "2", "-vv"]  # fmt: skip
+        proc = process_control.start(argv, stdout=out, stderr=out, env=child_env(OMP_NUM_THREADS="1"),
+                                     netns=endpoint.netns)  # fmt: skip
+        try:
+            assert isinstance(proc, preloaded.PreloadedChild)
+            deadline = time.monotonic() + 90
+            while not (JOIN.search(text := log.read_bytes()) and RANK_PIDS.search(text)):
+                assert proc.poll() is None and time.monotonic() < deadline, text[-3000:]
+                time.sleep(0.2)
+            address, port = JOIN.search(text).groups()  # type: ignore[union-attr]
+            follower = int(RANK_PIDS.search(text).group(1))  # type: ignore[union-attr]
+            inside = _ns_inode(netns.path(endpoint.netns))
+            assert address.decode() == endpoint.address
+            assert _ns_inode(f"/proc/{proc.pid}/ns/net") == inside != _ns_inode("/proc/self/ns/net")
+            assert _ns_inode(f"/proc/{follower}/ns/net") == inside
+            # it listens there: dialled from inside the namespace, its port answers
+            dial = subprocess.run([*exec_prefix(endpoint), sys.executable, "-c", DIAL, address, port],
+                                  capture_output=True, text=True, timeout=60)  # fmt: skip
+            assert dial.returncode == 0, dial.stderr
+            with pytest.raises(OSError):  # and not here: that address is nowhere in our namespace
+                socket.create_connection((address.decode(), int(port)), timeout=2).close()
+        finally:
+            assert process_control.stop(proc, 30) is not None
+        assert not still_running([follower], 10)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.utils import preloaded, process_control
+from swarm.utils import netns, preloaded, process_control
 from tests.children import still_running
 
 # a child that says it is ready only once its SIGTERM handler is in place
@@ -222,11 +222,13 @@ def _imported_roots(path: str, *, top_level_only: bool) -> set[str]:
 
 def test_the_module_imports_only_the_standard_library() -> None:
     """swarm-sim imports it before torch; a benchmark's parent must not pay for torch either.
-    Its one module of ours, the fork server's client, imports only the standard library at its
-    top (torch is imported by the server and the children it forks)."""
+    Its modules of ours, the fork server's client (at its top: torch is imported by the server
+    and the children it forks) and the network namespaces', import only the standard library."""
     imported = _imported_roots(process_control.__file__, top_level_only=False)
     assert imported - {"__future__", "swarm.utils"} <= set(sys.stdlib_module_names), imported
-    assert _imported_roots(preloaded.__file__, top_level_only=True) - {"__future__"} <= set(sys.stdlib_module_names)
+    stdlib = set(sys.stdlib_module_names) | {"__future__", "swarm.utils"}
+    assert _imported_roots(preloaded.__file__, top_level_only=True) <= stdlib
+    assert _imported_roots(netns.__file__, top_level_only=False) - {"__future__"} <= set(sys.stdlib_module_names)
     check = "import sys, swarm.utils.process_control; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", check], timeout=60).returncode == 0
 
