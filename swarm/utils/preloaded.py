@@ -74,7 +74,7 @@ PRELOAD = ["torch", "sympy", "uvloop", "multiaddr", "setproctitle", "swarm.cli.n
 
 _lock = threading.Lock()
 _server_env: dict[str, str] | None = None  # os.environ when the server started: what it imported under
-_forked = False  # this process is a child of the server: it asks that server for its own children
+_forked = False  # this process is a child of the server and asks that server for its own children
 SETUP_TIMEOUT_S = 30.0  # the longest start() waits for a child to be in its session with its streams
 # the longest start() waits for the server to fork: a server started by this call imports torch
 # first (3 s on a quiet 2-core machine, past 30 s at load 40); a server that died closes the pipe
@@ -94,7 +94,7 @@ def preloadable(argv: Sequence[str], env: Mapping[str, str] | None) -> str | Non
     if env is not None and _python_env(env) != _python_env(_server_env if _server_env is not None else os.environ):
         return None
     if len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m":
-        return MODULES.get(argv[2]) if _forked and _can_reach_parent_server() else None
+        return MODULES.get(argv[2]) if _forked else None
     path = Path(argv[0])
     if path.name not in SCRIPTS or path.parent != Path(sys.executable).parent:
         return None
@@ -156,7 +156,8 @@ class _Script:
 
     def _become(self) -> None:
         global _forked, _server_env
-        _forked, _server_env = True, self.server_env
+        if _can_reach_parent_server():  # else it starts a server of its own, as any process does
+            _forked, _server_env = True, self.server_env
         if self.new_session:
             os.setsid()
         # the caller's stdin, stdout and stderr, in order, the pipe that tells it we are set up,
@@ -235,13 +236,16 @@ class PreloadedChild:
                  lifeline: int | None) -> None:  # fmt: skip
         self.args, self._text = argv, text
         self._status = status  # the server's pipe for this child: its exit code comes there
-        self._lifeline = lifeline  # die_with_parent: the child gets SIGTERM once this closes
+        self._lifeline: int | None = None
         self._pidfd: int | None = None
         self.returncode: int | None = None  # set before anything can fail: __del__ reads it
         self.pid = _read_signed(status, FORK_TIMEOUT_S)  # the server writes it as it forks
         with contextlib.suppress(ProcessLookupError):  # gone already: its code is on the way
             self._pidfd = os.pidfd_open(self.pid)
         self.stdin, self.stdout, self.stderr = streams
+        # ours from here (until now start() closes it on a failure): die_with_parent's pipe, the
+        # child gets SIGTERM once it closes
+        self._lifeline = lifeline
 
     def poll(self) -> int | None:
         return self._wait_status(0.0)
