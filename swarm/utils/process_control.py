@@ -22,7 +22,9 @@ workers (scripts/) and the multi-process tests. The rules it keeps:
 - Every wait has a timeout; a read that times out says which child and how long.
 
 A swarm-node command line is not exec'd but forked from a server that has imported torch and
-swarm once (preloaded.py): the same process to every caller, at a fraction of the CPU.
+swarm once (preloaded.py): the same process to every caller, at a fraction of the CPU. A child
+meant for a named network namespace (a lab's endpoint) gets its name as `netns`, not an
+`ip netns exec` prefix on its command line, so that a node there is forked too.
 
 Failure modes: what a child started is out of reach once the child is reaped (by the caller's
 own poll() or wait() before the stop) or if it left the group (setsid); the hivemind comparisons
