@@ -12,6 +12,7 @@ import msgpack
 import pytest
 import torch
 
+from swarm.averaging.errors import AllReduceError
 from swarm.averaging.rounds.confirm import Decision, vouched
 from swarm.averaging.rounds.flat import AllReduceRound
 from swarm.averaging.rounds.grid import GridRound
@@ -167,3 +168,36 @@ async def test_a_backup_waits_for_the_copies_its_dead_owners_answer_is_still_bri
     assert all(torch.equal(r[lo:hi], results[0][lo:hi]) for r in results), "two results of the dead owner's part"
     assert all(torch.equal(r, results[0]) for r in results), "the members disagree"
     assert sorted(live[3][1].contributions[dead]) == [0, 1, 2]  # type: ignore[index]  # the owner's own result
+
+
+@pytest.mark.timeout(60)
+async def test_a_member_still_waiting_for_a_stalled_owner_says_none_at_once(make_group: MakeGroup) -> None:
+    """The owner of part 2 is stalled (a paused process: its streams open, no answer comes). A
+    member whose own exchange with it is still waiting holds no copy: asked by a backup, it says
+    so at once, not after request_timeout. (Waiting there, a backup in a soak outlasted its
+    senders' patience; they went to the next backup, and the part got two results.)"""
+    n, stalled = 4, 2
+    group, members = await make_group(n, block_size=1024, chunk_elements=4096, part_timeout=10.0,
+                                      request_timeout=20.0, **EXACT)  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    rounds = [AllReduceRound(m.host, m.registry, group, torch.randn(20_000, generator=gen), m.config)
+              for m in members]  # fmt: skip
+    hang, waiting = asyncio.Event(), asyncio.Event()
+
+    async def stall(ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:
+        waiting.set()
+        await hang.wait()
+
+    rounds[stalled].serve_part = stall  # type: ignore[method-assign]
+    runs = [asyncio.ensure_future(r.run()) for r in rounds]
+    try:
+        await asyncio.wait_for(waiting.wait(), 10)
+        began = time.monotonic()
+        with pytest.raises(AllReduceError):
+            await rounds[3].fetch_result(0, stalled)  # member 0's exchange with the owner is waiting
+        assert time.monotonic() - began < 5.0, "a member waiting on a stalled owner held a backup's ask"
+    finally:
+        hang.set()
+        for run in runs:
+            run.cancel()
+        await asyncio.gather(*runs, return_exceptions=True)

@@ -39,8 +39,8 @@ vote for them, so liars cannot make an owner that was not late drop a good resul
 
 A backup taking over a dead owner's part checks the copies of the owner's result it is offered
 the same way (`vouched_copy`): it asks every other member that accepts connections for the
-copy it holds (a plain avg.fetch, answered once the member holds the part's result or no answer
-of the owner is under way to it) and takes one only when VOUCHES members hold
+copy it holds (a plain avg.fetch, answered at once, or once the owner's answer that the member
+is decoding is held) and takes one only when VOUCHES members hold
 the same bytes and members list (`vouched`: one, when it can ask only one); else it reduces the
 part again. So one lying member cannot put a part of its choosing in the round. The price: a
 copy that only one honest member received (the owner died while answering) is not believed,
@@ -116,7 +116,10 @@ class Votes:
         self._coming: dict[int, asyncio.Future[None]] = {}  # parts whose owner is answering us now
 
     def coming(self, j: int) -> None:
-        """Part j's owner is answering us: its result is on the wire or being decoded here."""
+        """Part j's owner has answered us: its result is being decoded here. (Not while the answer
+        is awaited: a stalled owner's answer can take two part timeouts, and a backup that waited
+        that long for copies would outlast its senders' patience, who then went to the next backup:
+        two takeovers of one part, two results, in a soak where the owner was paused.)"""
         self._coming[j] = asyncio.get_running_loop().create_future()
 
     def not_coming(self, j: int) -> None:
@@ -125,12 +128,12 @@ class Votes:
             future.set_result(None)
 
     async def held_or_not_coming(self, j: int) -> None:
-        """Return once part j's result is held here or no answer of its owner is under way (at most
-        `timeout`). A backup that takes over a dead owner's part asks the others for copies of the
-        owner's result; a member the owner answered just before it died, whose copy was still
-        arriving or being decoded, would say "none" if asked without waiting, and the backup would
-        reduce the part again without it: that member and the others would end the round with two
-        results (a 60-minute soak split 7 + 20 so)."""
+        """Return once part j's result is held here or no answer of its owner is being decoded (at
+        most `timeout`). A backup that takes over a dead owner's part asks the others for copies of
+        the owner's result; a member the owner answered just before it died, whose copy was still
+        being decoded, would say "none" if asked without waiting, and the backup would reduce the
+        part again without it: that member and the others would end the round with two results (a
+        60-minute soak split 7 + 20 so)."""
         if (future := self._coming.get(j)) is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(future), self.timeout)

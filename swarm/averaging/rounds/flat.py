@@ -181,9 +181,9 @@ class AllReduceRound(RoundMember):
                         if reducer != self.me and self.audit is not None:
                             self.audit.supersede(j, own[1])
                 else:
-                    if reducer == j:  # its owner answers us: a backup asking for copies waits for ours
-                        self.votes.coming(j)
                     final = await self._exchange(reducer, j)
+                    if reducer == j:  # the owner's answer is here: a backup asking for copies waits for it
+                        self.votes.coming(j)
                 await asyncio.to_thread(self._decode_into, final[1], lo, hi)  # a garbage average: next reducer
                 break
             except Unconfirmed:  # not the next reducer: asked for our part, a backup would reduce it again
@@ -191,7 +191,7 @@ class AllReduceRound(RoundMember):
             except (P2PError, AllReduceError, MalformedPayload, TimeoutError, ValueError) as e:
                 errors.append(f"{reducer}: {e}")
                 logger.info("round %s: part %d via member %d failed: %s", self._tag(), j, reducer, e)
-                if reducer == j:  # the owner's answer will not come (a copy asked for now is "none")
+                if reducer == j:  # the owner's answer was garbage, or did not come: a copy asked for is "none"
                     self.votes.not_coming(j)
         else:
             raise AllReduceError(f"no member could reduce part {j} ({'; '.join(errors)})")

@@ -219,9 +219,9 @@ class GridRound(GridServing, RoundMember):
                         column = [self.grid.owners[r][self.col] for r in range(rows) if r != s]
                         final, by = await confirm_own_part(self, self.col * rows + s, final, column)
                 else:
-                    if reducer == s:  # its owner answers us: a backup asking for copies waits for ours
-                        self.votes.coming(self.col * rows + s)
                     final = await self._exchange_col(reducer, s)
+                    if reducer == s:  # the owner's answer is here: a backup asking for copies waits for it
+                        self.votes.coming(self.col * rows + s)
                 await asyncio.to_thread(self._decode, self.col, s, final[1])  # garbage: the next reducer
                 break
             except Unconfirmed:  # not the next reducer: asked for our sub-part, a backup would reduce it again
@@ -229,7 +229,7 @@ class GridRound(GridServing, RoundMember):
             except FAILURES as e:
                 errors.append(f"{reducer}: {e}")
                 logger.info("round %s: sub-part %d/%d via row %d failed: %s", self._tag(), self.col, s, reducer, e)
-                if reducer == s:  # the owner's answer will not come (a copy asked for now is "none")
+                if reducer == s:  # the owner's answer was garbage, or did not come: a copy asked for is "none"
                     self.votes.not_coming(self.col * rows + s)
         else:
             raise AllReduceError(f"no owner could reduce sub-part {s} of part {self.col} ({'; '.join(errors)})")
