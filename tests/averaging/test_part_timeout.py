@@ -39,14 +39,17 @@ CEILING = 60.0
     [
         ((), CEILING, CEILING, "nothing measured: the flag"),
         ((0.1,), CEILING, CEILING, "one round is not a pace yet"),
-        ((0.1, 0.2), CEILING, FLOOR_S, "tiny rounds: the floor"),
-        ((1.0, 2.0, 3.0), CEILING, 9.0, "3 x the slowest of a few"),
+        ((0.1, 0.2), CEILING, CEILING, "two rounds: the slower may have waited, one is not a pace"),
+        ((0.1, 0.2, 0.1), CEILING, FLOOR_S, "tiny rounds: the floor"),
+        ((1.0, 2.0, 3.0), CEILING, 6.0, "3 x the slower of a few: their slowest never counts"),
+        ((1.0, 1.5, 1.2, 25.6), CEILING, 4.5, "a short window's one round that waited for a paused member"),
+        ((1.0, 9.0, 1.2, 8.0), CEILING, 24.0, "two slow rounds of four: slow for good, the timeout fits"),
         ((1.0,) * 19 + (40.0,), CEILING, 3.0, "one round that waited for a vanished member is ignored"),
         ((1.0,) * 17 + (10.0,) * 3, CEILING, 30.0, "a member slow for good: the timeout grows to fit it"),
-        ((30.0, 40.0), CEILING, CEILING, "never above the flag"),
+        ((30.0, 40.0, 50.0), CEILING, CEILING, "never above the flag"),
         ((5.0, 5.0), 4.0, 4.0, "a flag below the floor still bounds it"),
         ((40.0,) * WINDOW + (1.0,) * WINDOW, CEILING, 3.0, "only the last WINDOW rounds count"),
-        ((1.0, float("nan"), -1.0, 1.0), CEILING, 3.0, "non-finite and negative durations are ignored"),
+        ((1.0, float("nan"), -1.0, 1.0, 1.0), CEILING, 3.0, "non-finite and negative durations are ignored"),
     ],
 )
 def test_derived_part_timeout(rounds: tuple[float, ...], ceiling: float, expected: float, why: str) -> None:
@@ -56,12 +59,12 @@ def test_derived_part_timeout(rounds: tuple[float, ...], ceiling: float, expecte
 @pytest.mark.parametrize(
     ("rounds", "failed", "expected", "why"),
     [
-        ((0.1, 0.2), 1, 2 * FLOOR_S, "tiny rounds, then one failed: twice the floor"),
-        ((0.1, 0.2), 3, 8 * FLOOR_S, "three failed in a row: eight times"),
-        ((1.0, 2.0, 3.0), 1, 18.0, "twice 3 x the slowest"),
+        ((0.1, 0.2, 0.1), 1, 2 * FLOOR_S, "tiny rounds, then one failed: twice the floor"),
+        ((0.1, 0.2, 0.1), 3, 8 * FLOOR_S, "three failed in a row: eight times"),
+        ((1.0, 2.0, 3.0), 1, 12.0, "twice 3 x the slower"),
         ((1.0, 2.0, 3.0), 10, CEILING, "never above the flag"),
         ((0.1,), 5, CEILING, "nothing measured yet: the flag, whatever failed"),
-        ((0.1, 0.2), 10**9, CEILING, "any number of failures stays bounded by the flag"),
+        ((0.1, 0.2, 0.1), 10**9, CEILING, "any number of failures stays bounded by the flag"),
     ],
 )
 def test_failed_rounds_in_a_row_back_the_timeout_off(rounds: tuple[float, ...], failed: int, expected: float,
@@ -71,7 +74,7 @@ def test_failed_rounds_in_a_row_back_the_timeout_off(rounds: tuple[float, ...], 
 
 def test_a_completed_round_ends_the_backoff() -> None:
     clock = RoundClock()
-    for seconds in (0.1, 0.2):
+    for seconds in (0.1, 0.2, 0.1):
         clock.observe(seconds)
     clock.failed()
     clock.failed()
@@ -95,8 +98,12 @@ def test_the_clock_remembers_completed_rounds_only() -> None:
     assert clock.announced(CEILING) == 0.0  # nothing measured: nothing announced
     for seconds in (1.0, 2.0, float("inf")):
         clock.observe(seconds)
-    assert clock.part_timeout(CEILING) == 6.0
-    assert clock.announced(CEILING) == 6.0
+    assert clock.part_timeout(CEILING) == CEILING  # two rounds: the slower may have waited
+    assert clock.announced(CEILING) == 0.0
+    clock.observe(1.5)
+    assert clock.recent() == (1.0, 2.0, 1.5)
+    assert clock.part_timeout(CEILING) == 4.5  # 3 x the slower of the two besides the slowest
+    assert clock.announced(CEILING) == 4.5
 
 
 @pytest.mark.parametrize(
@@ -112,6 +119,35 @@ def test_the_clock_remembers_completed_rounds_only() -> None:
 )
 def test_group_part_timeout(announced: tuple[float, ...], ceiling: float, expected: float, why: str) -> None:
     assert group_part_timeout(announced, ceiling) == expected, why
+
+
+# The completed rounds (round_s, oldest first) of six members of one 60-minute soak's group of 15,
+# since each one's last start, before the round after one in which a member was paused 14 s
+# (SIGSTOP) inside the round: that member's paused round (25.6 s) and the others' round slowed
+# by it (16.5-16.6 s) are the slowest of each window; the fifth member restarted two rounds ago.
+SOAK_WINDOWS = (
+    (3.5, 1.5, 2.8, 2.2, 1.9, 4.2, 25.6),  # the member that was paused
+    (1.3, 2.4, 1.2, 1.9, 4.3, 16.6),
+    (0.6, 2.3, 1.3, 2.0, 4.2, 16.5),
+    (5.4, 1.8, 0.7, 2.5, 1.9, 2.5, 1.8, 1.7, 0.6, 2.0, 1.7, 2.1, 1.4, 3.8, 1.4, 2.3, 1.7, 1.7, 4.2, 16.6),
+    (4.3, 10.9),
+    (1.2, 2.3, 1.3, 1.9, 3.0, 4.3, 1.7, 2.7, 1.7, 1.6, 4.3, 16.6),
+)
+
+
+def test_one_paused_member_does_not_put_its_groups_timeout_at_the_flag() -> None:
+    """Each member announces 3x the slow rounds of its own window and the group takes the largest
+    announced: the slowest round of a short window must not be what a member announces, or one
+    round that waited for a paused member sets every member's timeout to the flag (in the soak:
+    12.9 s, then 60 s for the next 28 steps)."""
+    announced = []
+    for window in SOAK_WINDOWS:
+        clock = RoundClock()
+        for seconds in window:
+            clock.observe(seconds)
+        announced.append(clock.announced(CEILING))
+    assert announced[4] == 0.0, "two rounds since a restart: nothing announced, the group's taken"
+    assert group_part_timeout(announced, CEILING) == pytest.approx(3 * 4.3), announced
 
 
 @pytest.mark.parametrize(
@@ -207,14 +243,14 @@ async def test_a_failed_round_makes_the_next_wait_longer_on_the_wire() -> None:
     config = AveragingConfig(part_timeout=30.0, request_timeout=1.0)
     tensors = [torch.randn(1_000, generator=torch.Generator().manual_seed(i)) for i in range(2)]
     async with averagers(2, config) as made:
-        for step in range(2):
+        for step in range(3):  # MIN_ROUNDS rounds besides the slowest
             group = GroupInfo.create("run", step, tuple(member(a, 1.0) for a in made))
             await asyncio.gather(*(a.run_round(group, [t]) for a, t in zip(made, tensors, strict=True)))
         before = made[0].member_info(1.0).timeout
         assert before == FLOOR_S
         async with black_hole() as hole:
             gone = member(made[1], 1.0, (hole,))
-            group = GroupInfo.create("run", 2, (member(made[0], 1.0), gone))
+            group = GroupInfo.create("run", 3, (member(made[0], 1.0), gone))
             with pytest.raises(AllReduceError):
                 await made[0].run_round(group, [tensors[0]])
         assert made[0].member_info(1.0).timeout == 2 * before

@@ -8,11 +8,17 @@ round's normal length. The rule here:
     part timeout = min(ceiling, max(FLOOR_S, FACTOR x p90 of the last WINDOW completed rounds))
 
 - the ceiling is the configured `part_timeout` (swarm-node --part-timeout): the flag stays an
-  upper bound, and it is the timeout until MIN_ROUNDS rounds have been measured (a node that just
-  started, or restarted, knows nothing of the swarm's pace yet);
+  upper bound, and it is the timeout until MIN_ROUNDS rounds besides the slowest have been
+  measured (a node that just started, or restarted, knows nothing of the swarm's pace yet);
 - a single wait never needs longer than a whole round, so FACTOR times the recent slow rounds
   leaves a slow but live member room; the p90 (nearest rank) ignores the few rounds that waited
-  for a member that had vanished, so one such round does not lengthen the next ones' timeouts;
+  for a member that had vanished or was paused, so one such round does not lengthen the next
+  ones' timeouts. The slowest round of the window never counts (`pace`): in a window of fewer
+  than ten rounds the nearest-rank p90 is the slowest round itself, and under churn most members
+  have such a window (a restart empties it). One member paused 14 s inside a round of a 60-minute
+  soak made that round its slowest of 7; it announced 3x it, the ceiling, the group took the
+  largest announced, and the group's timeout went from 12.9 s to the 60 s flag at the next step
+  (with its slowest round left out that member announced 12.6 s, and the group 13.2 s);
 - a member that is slow for good makes rounds slow for good: once about a tenth of the window
   waited for it, the timeout grows FACTOR-fold and it fits again;
 - FLOOR_S keeps a round of a tiny model (0.1 s) from cutting off a member whose event loop
@@ -56,7 +62,7 @@ FLOOR_S = 2.0  # never shorter than this
 FACTOR = 3.0  # times the recent slow rounds
 QUANTILE = 0.9
 WINDOW = 20  # completed rounds remembered
-MIN_ROUNDS = 2  # fewer measured: the ceiling
+MIN_ROUNDS = 2  # fewer measured besides the slowest round: the ceiling
 MEASURED_SHARE = 0.5  # a round longer than this share of its part timeout measures no link
 BACKOFF = 2.0  # the derived timeout grows this many times per failed round in a row
 
@@ -68,17 +74,25 @@ def quantile(values: Sequence[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
+def pace(round_seconds: Sequence[float]) -> float | None:
+    """How long the recent slow rounds took: the nearest-rank QUANTILE of the last WINDOW
+    completed rounds (seconds, oldest first) without the slowest of them; None while fewer than
+    MIN_ROUNDS rounds are left besides it. Pure: the module docstring's rule."""
+    recent = sorted(s for s in round_seconds[-WINDOW:] if math.isfinite(s) and s >= 0)[:-1]
+    return quantile(recent, QUANTILE) if len(recent) >= MIN_ROUNDS else None
+
+
 def derived_part_timeout(round_seconds: Sequence[float], ceiling: float, failed: int = 0) -> float:
     """The part timeout for the next round, from the durations (seconds) of the recent completed
     rounds, oldest first, and the rounds that failed in a row since the last of them; `ceiling`
     is the configured one. Pure: the module docstring's rule."""
     if not ceiling > 0:
         raise ValueError(f"the ceiling must be positive, got {ceiling}")
-    recent = [s for s in round_seconds[-WINDOW:] if math.isfinite(s) and s >= 0]
-    if len(recent) < MIN_ROUNDS:
+    slow = pace(round_seconds)
+    if slow is None:
         return ceiling
     backoff = BACKOFF ** min(max(0, failed), 32)  # 2^32 x the floor is far above any flag
-    return min(ceiling, max(FLOOR_S, FACTOR * quantile(recent, QUANTILE)) * backoff)
+    return min(ceiling, max(FLOOR_S, FACTOR * slow) * backoff)
 
 
 def measures_link(seconds: float, part_timeout: float) -> bool:
@@ -116,8 +130,8 @@ class RoundClock:
 
     def announced(self, ceiling: float) -> float:
         """What we announce to our group: our derived timeout, or 0 (none) until we have measured
-        MIN_ROUNDS rounds."""
-        return self.part_timeout(ceiling) if len(self._seconds) >= MIN_ROUNDS else 0.0
+        MIN_ROUNDS rounds besides our slowest."""
+        return self.part_timeout(ceiling) if pace(tuple(self._seconds)) is not None else 0.0
 
 
 def group_part_timeout(announced: Sequence[float], ceiling: float) -> float:
