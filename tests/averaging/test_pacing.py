@@ -9,6 +9,7 @@ import asyncio
 import socket
 import sys
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,10 @@ from swarm.averaging.rounds import bandwidth
 from swarm.averaging.rounds.bandwidth import MAX_PACED, PROBE_EVERY, LinkEstimate, busy_rate
 from swarm.averaging.rounds.flat import AllReduceRound
 from swarm.averaging.rounds.partition import upload_paces
+from swarm.p2p import P2PHost
+from swarm.p2p.handlers import CallContext
 from swarm.p2p.pacing import MIN_RATE, bytes_acked, max_pacing_rate, set_max_pacing_rate
+from swarm.p2p.stream import Stream
 from tests.averaging.rounds import MakeGroup, averagers
 
 MB = 1 << 20
@@ -210,3 +214,61 @@ def test_a_round_that_ran_out_its_part_timeout_measures_no_link() -> None:
     before = (known.up, known.down, known.busy, known.paced_rounds)
     known.observe(up=[(MB, 0.0, 60.0)], down=[(MB, 0.0, 60.0)], busy=1e3, paced=True, timed_out=True)
     assert (known.up, known.down, known.busy, known.paced_rounds) == before
+
+
+SINK = "test.sink"
+
+
+async def sink(_ctx: CallContext, _args: Any, stream: Stream) -> None:
+    while await stream.read(timeout=30.0) is not None:
+        pass
+
+
+async def beside(host: P2PHost, peers: list[str], stop: asyncio.Event, rate: float) -> None:
+    """Traffic beside the rounds on the same connections (DHT records, states served): `rate`
+    bytes/s to each of `peers` until `stop`."""
+    streams = [await host.open_stream(p, SINK, timeout=10.0) for p in peers]
+    chunk = b"x" * int(rate * 0.05)
+    while not stop.is_set():
+        await asyncio.gather(*(s.write(chunk) for s in streams))
+        await asyncio.sleep(0.05)
+    await asyncio.gather(*(s.end() for s in streams))
+
+
+@pytest.mark.timeout(60)
+async def test_a_round_that_waited_does_not_pace_the_next_by_the_traffic_beside_it() -> None:
+    """Member 0 just restarted (it measured no round yet); the others' recent rounds give the
+    group a 12 s part timeout. In this round member 0 waits 2 s for member 2, which starts late (a
+    kill until a probe finds it gone, a paused process), while 20 KB/s a peer of other traffic
+    flows beside the round: nothing runs out. Its bytes moved in a few of the round's windows, so
+    its busy rate says how long it waited, not how fast its link is (0.7-0.9 MB/s here, on a link
+    that moves GB/s; in a longer wait, the other traffic's rate): taken as the busy rate, it paced
+    the next rounds at it (a 60-minute soak: the others waited 5 s for such a member's slices, and
+    rounds took 17-42 s for 28 steps). The round measures no busy rate: the next is unpaced."""
+    n, numel, late = 3, 300_000, 2.0
+    async with averagers(n, AveragingConfig(chunk_elements=1 << 16, measure_bandwidth=True)) as made:
+        for a in made:
+            a.host.add_stream_handler(SINK, sink)
+        for a in made[1:]:
+            for seconds in (1.0, 4.0, 4.0, 4.0):  # 3 x 4 s: the group's part timeout is 12 s
+                a.clock.observe(seconds)
+        group = GroupInfo.create("run", 0, tuple(a.member_info(1.0) for a in made))
+        gen = torch.Generator().manual_seed(3)
+        vectors = [torch.randn(numel, generator=gen) for _ in range(n)]
+        stop = asyncio.Event()
+        others = [str(m.address()) for m in group.members if m.peer_id != made[0].host.peer_id]
+        traffic = asyncio.ensure_future(beside(made[0].host, others, stop, 20e3))
+
+        async def late_start() -> Any:
+            await asyncio.sleep(late)
+            return await made[2].run_round(group, [vectors[2]])
+
+        try:
+            await asyncio.gather(*(a.run_round(group, [v]) for a, v in zip(made[:2], vectors, strict=False)),
+                                 late_start())  # fmt: skip
+        finally:
+            stop.set()
+            await traffic
+        assert made[0].link.busy is None, "a round that waited set the busy rate"
+        assert made[0].link.pace() is None
+        assert made[0].link.paced_rounds == 0  # an unpaced round that measured: the timeout did not run out

@@ -23,6 +23,7 @@ from swarm.averaging.rounds.timeouts import (
     RoundClock,
     derived_part_timeout,
     group_part_timeout,
+    measures_busy,
     measures_link,
     quantile,
 )
@@ -148,6 +149,25 @@ def test_one_paused_member_does_not_put_its_groups_timeout_at_the_flag() -> None
         announced.append(clock.announced(CEILING))
     assert announced[4] == 0.0, "two rounds since a restart: nothing announced, the group's taken"
     assert group_part_timeout(announced, CEILING) == pytest.approx(3 * 4.3), announced
+
+
+@pytest.mark.parametrize(
+    ("seconds", "rounds", "expected", "why"),
+    [
+        (1.0, (0.7, 1.9, 1.2, 1.5), True, "a round like our recent ones: it was busy, it measures"),
+        (4.3, (0.7, 1.9, 1.2, 1.5), False, "it waited (a kill) though its timeout, 11.5 s, did not run out"),
+        (4.3, (4.3,), False, "a restart's first round: nothing to tell a wait from a slow link by"),
+        (4.3, (0.7, 1.9), False, "two rounds: one besides the slowest is no pace yet"),
+        (0.9, (0.1, 0.2, 0.1), True, "a tiny model's rounds: up to half the floor"),
+        (12.0, (8.0, 9.0, 8.5, 30.0), True, "a link slow for good: its slow rounds measure it"),
+        (float("nan"), (1.0, 1.0, 1.0), False, "no duration: nothing measured"),
+        (-1.0, (1.0, 1.0, 1.0), False, "a negative duration: nothing measured"),
+    ],
+)
+def test_a_round_measures_the_busy_rate_only_if_it_did_not_wait(
+    seconds: float, rounds: tuple[float, ...], expected: bool, why: str
+) -> None:
+    assert measures_busy(seconds, rounds) is expected, why
 
 
 @pytest.mark.parametrize(
