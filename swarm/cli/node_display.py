@@ -205,5 +205,9 @@ def join_lines(event: Event, config: NodeConfig) -> list[str]:
     if not maddrs:
         return [*lines, "client mode: this node dials out only; peers cannot join through it"]
     lines += [f"listening on {maddr}" for maddr in maddrs]
-    join = f"swarm-node --run-id {config.run_id} {join_flags(config, NodeConfig())}--initial-peers {maddrs[0]}"
+    # --start-with is a node's own flag, not a run setting: a joiner without it trains at once, and the
+    # first node, seeing a peer train, starts with it alone. The line carries it while the run is new.
+    together = f"--start-with {config.start_with} " if config.start_with > 1 and event["outer_step"] == 0 else ""
+    flags = join_flags(config, NodeConfig()) + together
+    join = f"swarm-node --run-id {config.run_id} {flags}--initial-peers {maddrs[0]}"
     return [*lines, f"join with: {join}"]

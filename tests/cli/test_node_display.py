@@ -7,7 +7,8 @@ import io
 
 from rich.console import Console
 
-from swarm.cli.node_display import LivePanel, state_line
+from swarm.cli.node_display import LivePanel, join_lines, state_line
+from swarm.node.config import NodeConfig
 
 FETCH = {"event": "fetch", "outer_step": 7, "reason": "behind", "bytes": 1_414_946, "peers": 1, "seconds": 1.3,
          "MBps": 1.1}  # fmt: skip
@@ -60,3 +61,15 @@ def test_the_panels_clock_runs_through_outer_steps_and_its_exit_leaves_a_summary
         panel.close()
     assert ("exit (stopped) with 1 outer steps done; last step: train loss 2.5000, eval loss 2.2500, "
             "state abababababab") in terminal.getvalue()  # fmt: skip
+
+
+def test_the_join_line_of_a_new_run_carries_start_with() -> None:
+    # a joiner without --start-with trains at once, and the first node then starts with it alone:
+    # the first node's --start-with must reach the volunteers who paste its line
+    start = {"peer_id": "12D3KooWabc", "maddrs": ["/ip4/192.0.2.7/tcp/31400/p2p/12D3KooWabc"], "outer_step": 0}
+    join = join_lines(start, NodeConfig(run_id="demo", start_with=3))[-1]
+    assert join == ("join with: swarm-node --run-id demo --model tiny --start-with 3 "
+                    "--initial-peers /ip4/192.0.2.7/tcp/31400/p2p/12D3KooWabc")  # fmt: skip
+    assert "--start-with" not in join_lines(start, NodeConfig(run_id="demo"))[-1]
+    # a run under way is joined at once whatever the flag says: the line of a restarted node leaves it out
+    assert "--start-with" not in join_lines({**start, "outer_step": 8}, NodeConfig(run_id="demo", start_with=3))[-1]
