@@ -19,12 +19,14 @@ the newest state both hold. Each side's *support* is the set of members of the r
 produced F (the node's own round: members it saw averaging) that took part in that side after F:
 on the node's own side the members of its own rounds (it was there), on the candidate's side
 those whose signatures check out. A member found on both sides signed two histories and counts
-for neither, with one exception: when both sides' first link after F is the same round (same
-step, parent and members, another result: its part owner died while answering, and the members
-it had answered kept its result while the others took its backup's), a member that signed the
-candidate's result of that round and not ours ended it with the candidate's state: it counts for
-the candidate's side only (counted for neither, each side of such a split saw the other's members
-vanish and kept its own: a split of 20 + 7 in a 60-minute soak stayed two lineages). Then:
+for neither. A member of our rounds that signed none of them but signed the candidate's
+(`moved_over`) is not on both sides: it ended up on the candidate's, and counts there only. That
+happens to honest members: a round whose part owner died while answering ends with two results
+(the members it had answered kept its result, the others took its backup's), and a member our
+group listed can leave it for a group that formed beside ours. Counted for neither, each side saw
+the other's members vanish and kept its own: a split of 20 + 7 inside one round of a 60-minute
+soak stayed two lineages, and the node of a group of 3 that the other two left for a group of 2
+refused their state for good ("0 ... against our 1"). Then:
 1. a candidate that is not a lineage (links that do not chain, unsigned links, a result other
    than the state advertised) or does not descend from any state the node holds is refused;
 2. every candidate link after F must be endorsed, except its newest one when the node holds a
@@ -209,7 +211,7 @@ def judge(own: Lineage, candidate: Lineage, *, vouched: bool = False, provisiona
         why = "newer than ours, which no initial peer vouched for" if newer else "we keep ours"
         return Judgement(newer, f"a fork of our anchor at step {fork}: {why}", fork)
     members = frozenset(fork_round.members)
-    moved = split_off(ours[0], theirs[0]) if ours else frozenset()
+    moved = moved_over(ours, theirs)
     our_side, their_side = _sides(members, ours, frozenset(p for link in theirs for p in link.signers), moved)
     told = (
         f"{len(their_side)} of the {len(members)} members of our round of step {fork - 1} against our {len(our_side)}"
@@ -242,22 +244,20 @@ def _wins_once_signed(
     return theirs[0].result < ours[0].result
 
 
-def split_off(ours: Link, theirs: Link) -> frozenset[PeerID]:
-    """The members of our first round after a fork that ended it with the candidate's result:
-    when the candidate's first link is that same round (same step, parent and members) with
-    another result, those that signed its result and not ours (the module docstring, rule 4).
-    Empty for two different rounds. A member that signed both results is not among them."""
-    same_round = ours.step == theirs.step and ours.parent == theirs.parent and ours.members == theirs.members
-    if not same_round or ours.result == theirs.result:
-        return frozenset()
-    return theirs.signers - ours.signers
+def moved_over(ours: Sequence[Link], theirs: Sequence[Link]) -> frozenset[PeerID]:
+    """The members of our links that signed none of them but signed a link of the candidate's:
+    they ended up on its side (the module docstring, rule 4). A member that signed both sides is
+    not among them: it signed two histories."""
+    our_members = frozenset(p for link in ours for p in link.members)
+    our_signers = frozenset(p for link in ours for p in link.signers)
+    return (our_members & frozenset(p for link in theirs for p in link.signers)) - our_signers
 
 
 def _sides(
     members: frozenset[PeerID], ours: Sequence[Link], theirs: frozenset[PeerID], moved: frozenset[PeerID] = frozenset()
 ) -> tuple[frozenset[PeerID], frozenset[PeerID]]:
     """Rule 4's support: the fork round's `members` in our links after the fork (we saw them
-    average), less `moved` (split_off: they ended our shared round with the candidate's result),
+    average), less `moved` (moved_over: they signed none of ours and some of the candidate's),
     and those among `theirs` (the candidate's backers); one on both sides signed two histories
     and counts for neither."""
     our_side = (members & frozenset(p for link in ours for p in link.members)) - moved

@@ -20,7 +20,7 @@ from swarm.p2p.identity import Identity
 from swarm.p2p.peer_id import PeerID
 from swarm.state import lineage_book
 from swarm.state.holders import Holder
-from swarm.state.lineage import Lineage, Link, judge, split_off, structure_problem
+from swarm.state.lineage import Lineage, Link, judge, moved_over, structure_problem
 from swarm.state.lineage_book import LineageBook, LineageError
 from swarm.state.receipts import BadReceipt, Receipt, RoundBody, decode_receipt, sign, valid_signers
 
@@ -165,6 +165,18 @@ CASES = [
         False,
     ),
     (
+        "our group of 3 listed a and b, who formed a group of 2 beside it: we take theirs (2 against our 1)",
+        chain(0, G, link(0, G, "t1", "abc"), link(1, "t1", "k2", "abc", "c")),
+        chain(0, G, link(0, G, "t1", "abc"), link(1, "t1", "j2", "ab"), link(2, "j2", "j3", "ab")),
+        True,
+    ),
+    (
+        "... and they keep theirs",
+        chain(0, G, link(0, G, "t1", "abc"), link(1, "t1", "j2", "ab"), link(2, "j2", "j3", "ab")),
+        chain(0, G, link(0, G, "t1", "abc"), link(1, "t1", "k2", "abc", "c")),
+        False,
+    ),
+    (
         "a member that signed both results of one round counts for neither (2 against 2: the smaller hash)",
         chain(0, G, link(0, G, "t1", "abcde"), link(1, "t1", "n2", "abcde", "cde"), link(2, "n2", "n3", "cde")),
         chain(0, G, link(0, G, "t1", "abcde"), link(1, "t1", "m2", "abcde", "abc"), link(2, "m2", "m3", "abc")),
@@ -208,18 +220,22 @@ def test_adoption_rules(situation: str, own: Lineage, candidate: Lineage, adopt:
 @pytest.mark.parametrize(
     ("situation", "ours", "theirs", "moved"),
     [
-        ("one round, two results: who signed theirs and not ours", link(1, "t1", "k2", "abcde", "de"),
-         link(1, "t1", "j2", "abcde", "abc"), "abc"),
-        ("one round, two results: a member that signed both stays", link(1, "t1", "k2", "abcde", "cde"),
-         link(1, "t1", "j2", "abcde", "abc"), "ab"),
-        ("two rounds of one step (other members): nobody", link(1, "t1", "k2", "abc"), link(1, "t1", "j2", "cde"), ""),
-        ("one round, one result: nobody", link(1, "t1", "k2", "abcde", "de"), link(1, "t1", "k2", "abcde", "abc"), ""),
-        ("rounds from other parents: nobody", link(1, "t1", "k2", "abcde", "de"), link(1, "u1", "j2", "abcde"), ""),
+        ("one round, two results: who signed theirs and not ours", [link(1, "t1", "k2", "abcde", "de")],
+         [link(1, "t1", "j2", "abcde", "abc")], "abc"),
+        ("one round, two results: a member that signed both stays", [link(1, "t1", "k2", "abcde", "cde")],
+         [link(1, "t1", "j2", "abcde", "abc")], "ab"),
+        ("our group listed a and b; they signed a group that formed beside it", [link(1, "t1", "k2", "abc", "c")],
+         [link(1, "t1", "j2", "ab")], "ab"),
+        ("two groups of other members: nobody of ours", [link(1, "t1", "k2", "abc")], [link(1, "t1", "j2", "de")], ""),
+        ("signed our older round, then theirs: both sides", [link(1, "t1", "k2", "abc"), link(2, "k2", "k3", "c")],
+         [link(1, "t1", "j2", "de"), link(2, "j2", "j3", "dea")], ""),
     ],
 )  # fmt: skip
-def test_the_members_a_split_round_gave_the_other_result(situation: str, ours: Link, theirs: Link, moved: str) -> None:
+def test_the_members_of_our_rounds_that_ended_up_on_the_other_side(
+    situation: str, ours: list[Link], theirs: list[Link], moved: str
+) -> None:
     ids = {"a": A, "b": B, "c": C, "d": D, "e": E}
-    assert split_off(ours, theirs) == frozenset(ids[m] for m in moved), situation
+    assert moved_over(ours, theirs) == frozenset(ids[m] for m in moved), situation
 
 
 FORGED = chain(0, G, *(link(i, G if i == 0 else f"z{i}", f"z{i + 1}", "xyz") for i in range(5)))  # from genesis
