@@ -23,10 +23,11 @@ kept from mattering:
   needs none of it). It does so before it has a second thread or a socket; a namespace it
   cannot enter is a NetnsError on its stderr and exit 1, never a node in the wrong namespace.
 - A child of the server that starts children of its own (rank 0 of a node of several ranks
-  starts its followers, `python -m swarm.ranks.follower`) asks the same server: it has the
-  server's address and holds a copy of its "alive" pipe, inherited through the fork. A process
-  the server did not fork execs followers, since a server of its own would import what a
-  follower saves.
+  starts its followers, `python -m swarm.ranks.follower`) asks the same server, whose address
+  it inherited through the fork. A process the server did not fork execs followers, since a
+  server of its own would import what a follower saves.
+- It holds nothing of the server's: the server ends with the caller that started it, not with
+  the last of its children (_let_go_of_the_server says why).
 - Modules were imported under the server's environment: a child whose PYTHON* variables
   differ from it (another PYTHONPATH, say) is exec'd instead. OMP_NUM_THREADS, which torch
   read at import, is applied again in the child.
@@ -103,11 +104,9 @@ def preloadable(argv: Sequence[str], env: Mapping[str, str] | None) -> str | Non
 
 def _can_reach_parent_server() -> bool:
     """What _connect_to_parent_server needs of multiprocessing (Python 3.10 to 3.13): the
-    server's address and alive pipe, and no authentication handshake (which 3.14 adds)."""
+    server's address, and no authentication handshake (which 3.14 adds)."""
     server = forkserver._forkserver  # type: ignore[attr-defined]
-    return (getattr(server, "_forkserver_address", None) is not None
-            and getattr(server, "_forkserver_alive_fd", None) is not None
-            and not hasattr(server, "_forkserver_authkey"))  # fmt: skip
+    return getattr(server, "_forkserver_address", None) is not None and not hasattr(server, "_forkserver_authkey")
 
 
 @functools.cache
@@ -158,6 +157,7 @@ class _Script:
         global _forked, _server_env
         if _can_reach_parent_server():  # else it starts a server of its own, as any process does
             _forked, _server_env = True, self.server_env
+        _let_go_of_the_server()
         if self.new_session:
             os.setsid()
         # the caller's stdin, stdout and stderr, in order, the pipe that tells it we are set up,
@@ -206,10 +206,24 @@ class _Script:
         os.close(ready)
 
 
+def _let_go_of_the_server() -> None:
+    """Close what multiprocessing gives a child of the server: the server's "alive" pipe and the
+    resource tracker's. Held here, they would keep both processes running for as long as this
+    child does, and with them the caller's stdout and stderr, which both inherited when the
+    caller started them: a caller killed while its nodes run on (swarm-sim, SIGKILLed) would
+    leave its pipes open to whoever reads them. The server ends with the caller instead."""
+    server, tracker = forkserver._forkserver, resource_tracker._resource_tracker  # type: ignore[attr-defined]
+    for owner, name in ((server, "_forkserver_alive_fd"), (tracker, "_fd")):
+        if (fd := getattr(owner, name, None)) is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            setattr(owner, name, None)
+
+
 def _die_with_caller(lifeline: int) -> None:
     """SIGTERM to this process once the caller's end of `lifeline` closes (the caller exited, or
     is done with us), as PR_SET_PDEATHSIG gives an exec'd child of the caller: our parent is the
-    server, which outlives the caller, so the kernel's parent-death signal cannot say it."""
+    server, not the caller, so the kernel's parent-death signal cannot say it."""
 
     def watch() -> None:
         with contextlib.suppress(OSError):
@@ -415,16 +429,19 @@ def _connect_to_parent_server(fds: list[int]) -> tuple[int, int]:
         client.connect(server._forkserver_address)
         parent_r, child_w = os.pipe()
         child_r, parent_w = os.pipe()
+        # in the places of the alive pipe and the resource tracker's, which this process let go
+        # of and the child would let go of at once (_let_go_of_the_server): /dev/null
+        placeholder = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            sendfds(client, [child_r, child_w, server._forkserver_alive_fd, resource_tracker.getfd(), *fds])
+            sendfds(client, [child_r, child_w, placeholder, placeholder, *fds])
             return parent_r, parent_w
         except BaseException:
             os.close(parent_r)
             os.close(parent_w)
             raise
         finally:
-            os.close(child_r)
-            os.close(child_w)
+            for fd in (child_r, child_w, placeholder):
+                os.close(fd)
 
 
 def _open(fd: int) -> bool:

@@ -166,8 +166,8 @@ def test_a_child_of_the_server_has_its_follower_forked_by_the_same_server() -> N
 
 
 def test_with_die_with_parent_a_forked_child_gets_sigterm_when_its_caller_is_killed() -> None:
-    """As PR_SET_PDEATHSIG gives an exec'd child: the forked one's parent is the server, which
-    lives on while any of its children does, so the child watches a pipe only the caller holds."""
+    """As PR_SET_PDEATHSIG gives an exec'd child: the forked one's parent is the server, not
+    the caller, so the child watches a pipe only the caller holds."""
     rank_zero, follower = _start_rank_zero(120), None
     try:
         started = process_control.read_json_line(rank_zero, 90)  # type: ignore[arg-type]
