@@ -209,14 +209,19 @@ def run_end_to_adopt(ours: RunSettings, theirs: RunSettings | None) -> int | Non
     return theirs.run_end
 
 
-def run_has_ended(run_end: int | None, our_step: int, record_steps: Iterable[int]) -> bool:
+def run_has_ended(
+    run_end: int | None, our_step: int, record_steps: Iterable[int], advertised_steps: Iterable[int] = ()
+) -> bool:
     """Has the run ended for a node that arrives now (pure)? Its own state (fetched, resumed:
-    checked) is at the end, or most of the run's records (of its settings) say they are."""
+    checked) is at the end, or most of the run's records (of its settings) say they are. With no
+    record left (every node has gone), the states its holders still advertise tell: most at the
+    end, and the run ended (a joiner that could not fetch such a state trained a lineage of its
+    own from step 0 instead, and said "finished")."""
     if run_end is None:
         return False
     if our_step >= run_end:
         return True
-    steps = list(record_steps)
+    steps = list(record_steps) or list(advertised_steps)
     return bool(steps) and 2 * sum(step >= run_end for step in steps) > len(steps)
 
 

@@ -217,21 +217,24 @@ def test_a_node_whose_end_is_not_the_runs_is_refused_and_told_how_to_leave_earli
 
 
 @pytest.mark.parametrize(
-    ("run_end", "our_step", "records", "ended"),
+    ("run_end", "our_step", "records", "advertised", "ended"),
     [
-        (None, 50, [50, 50], False),  # no end: never over
-        (10, 10, [], True),  # the state we fetched (or resumed) is the run's last
-        (10, 12, [], True),
-        (10, 0, [10, 10, 9], True),  # most of the run's records are done (its holders left)
-        (10, 0, [10, 9, 9], False),  # one record does not end the run for us
-        (10, 0, [], False),  # nobody there: a run starting
-        (10, 9, [9, 9], False),  # one step left: trained
+        (None, 50, [50, 50], [50], False),  # no end: never over
+        (10, 10, [], [], True),  # the state we fetched (or resumed) is the run's last
+        (10, 12, [], [], True),
+        (10, 0, [10, 10, 9], [], True),  # most of the run's records are done (its holders left)
+        (10, 0, [10, 9, 9], [], False),  # one record does not end the run for us
+        (10, 0, [], [], False),  # nobody there: a run starting
+        (10, 9, [9, 9], [], False),  # one step left: trained
+        (2, 0, [], [2], True),  # every node gone; the only state left is the last step's (unreachable)
+        (10, 0, [], [4, 10], False),  # gone too, one state at the end: no majority
+        (10, 0, [4, 4], [10, 10, 10], False),  # live records say otherwise: they decide
     ],
 )
 def test_a_node_arriving_after_the_runs_end_trains_nothing(
-    run_end: int | None, our_step: int, records: list[int], ended: bool
+    run_end: int | None, our_step: int, records: list[int], advertised: list[int], ended: bool
 ) -> None:
-    assert run_has_ended(run_end, our_step, records) is ended
+    assert run_has_ended(run_end, our_step, records, advertised) is ended
 
 
 @pytest.mark.parametrize(
