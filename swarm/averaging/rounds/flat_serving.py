@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from swarm.averaging.errors import AllReduceError
 from swarm.averaging.rounds.reduction import Incoming, PartReduction
 from swarm.averaging.rounds.streams import Final
-from swarm.p2p.errors import BadRequest, P2PError
+from swarm.p2p.errors import BadRequest, NotFound, P2PError
 from swarm.p2p.handlers import CallContext
 from swarm.p2p.stream import Stream
 from swarm_kernels import MalformedPayload
@@ -94,9 +95,12 @@ class FlatServing:
             reduction.changed.set()
         uploaded.set_result(None)
         r.note_download(incoming)
-        if await answer:
-            return
-        final = await asyncio.wait_for(asyncio.shield(reduction.result), 2 * r.config.part_timeout)
+        try:
+            if await answer:
+                return
+            final = await asyncio.wait_for(asyncio.shield(reduction.result), 2 * r.config.part_timeout)
+        except (AllReduceError, ValueError, TimeoutError) as e:  # the sender tries the next reducer
+            raise NotFound(f"avg.part: part {part} could not be reduced here: {e}") from None
         await self._reply(stream, final, index, incoming.rate())
 
     async def _stream_answer(
