@@ -14,9 +14,9 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -36,6 +36,7 @@ from swarm.state import protocol
 from swarm.state.holders import choose_state, direct_donors, find_holders
 
 PROBE_TIMEOUT = 20.0  # seconds for each network check
+T = TypeVar("T")
 SLOW_FACTOR = 3.0  # an inner step this many times slower than the run's median is a straggler's
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -97,6 +98,9 @@ def run_checks(
         probe = run_network(lambda: _probe(config.run_id, initial_peers, limits, host_maddrs or ("/ip4/0.0.0.0/tcp/0",),
                                            announce_maddrs, identity))  # fmt: skip
     except CliError as e:
+        if theirs is not None:  # the run's settings came from those peers: they are there, a later step timed out
+            fix = "the run's peers answered its settings; on a busy machine or link, run the check again"
+            return [Finding("peers", f"the run answered, then {e.message}", FAIL, fix)]
         fix = "check the address (copy it whole from the join line), that the node there runs, and your firewall"
         return [Finding("peers", f"none answered: {e.message}", FAIL, fix)]
     findings.append(Finding("peers", f"{len(initial_peers)} dialed; {probe.nodes} node(s) in run {config.run_id!r}",
@@ -139,13 +143,14 @@ async def _probe(run_id: str, initial_peers: tuple[str, ...], limits: OpenNetwor
     host = await P2PHost(identity, limits.p2p(host_maddrs=host_maddrs, announce_maddrs=announce_maddrs)).start()
     try:
         dht = DHTNode(host=host, initial_peers=list(initial_peers), config=limits.dht(), client_mode=True)
-        await asyncio.wait_for(dht.start(), PROBE_TIMEOUT)
+        await _stage("joining the run's DHT", dht.start())
         try:
-            found = await asyncio.wait_for(dht.get(nodes_key(run_id), latest=True), PROBE_TIMEOUT)
+            found = await _stage("reading the run's node records", dht.get(nodes_key(run_id), latest=True))
             records = found.value if found is not None and isinstance(found.value, dict) else {}
             progress = [p for p in (decode_progress(k, getattr(v, "value", None)) for k, v in records.items()) if p]
             paces = [p.sec_per_step for p in progress if p.sec_per_step > 0]
-            reach = await check_reachability(host, host.visible_maddrs, initial_peers[:3])
+            dial_back = check_reachability(host, host.visible_maddrs, initial_peers[:3])
+            reach = await _stage("the dial-back check", dial_back)
             download, why = await _timed_download(host, dht, run_id)
         finally:
             await dht.close()
@@ -153,6 +158,15 @@ async def _probe(run_id: str, initial_peers: tuple[str, ...], limits: OpenNetwor
         await host.close()
     return RunProbe(len(progress), statistics.median(paces) if paces else None, reach.reachable,
                     str(reach.reason), download, why)  # fmt: skip
+
+
+async def _stage(what: str, step: Awaitable[T]) -> T:
+    """One network step of the probe within PROBE_TIMEOUT; its timeout names the step (a user
+    told only "no answer" took a live run for a wrong address)."""
+    try:
+        return await asyncio.wait_for(step, PROBE_TIMEOUT)
+    except (asyncio.TimeoutError, TimeoutError):
+        raise CliError(f"{what}: no answer within {PROBE_TIMEOUT:g}s") from None
 
 
 async def _timed_download(host: P2PHost, dht: DHTNode, run_id: str) -> tuple[str | None, str]:

@@ -4,11 +4,14 @@ address nobody answers and against a run of other settings (exit 1)."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 
 import pytest
 
+from swarm.cli import node_check
+from swarm.cli.common import CliError
 from swarm.cli.node_check import FAIL, OK, WARN, Finding, print_findings
 from swarm.utils.process_control import console_script
 from tests.children import run_to_end
@@ -66,3 +69,10 @@ def test_the_verdict_lists_each_failure_with_its_fix(capsys: pytest.CaptureFixtu
                     Finding("reachability", "not dialed", WARN, "forward the port")])  # fmt: skip
     out = capsys.readouterr().out
     assert "verdict: cannot join: memory: more memory" in out and "note (reachability): forward the port" in out
+
+
+async def test_a_probe_step_that_runs_out_of_time_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(node_check, "PROBE_TIMEOUT", 0.05)
+    with pytest.raises(CliError, match=r"^reading the run.s node records: no answer within 0\.05s$"):
+        await node_check._stage("reading the run's node records", asyncio.sleep(5))
+    assert await node_check._stage("joining the run's DHT", asyncio.sleep(0, "joined")) == "joined"
