@@ -18,7 +18,8 @@ processes, sim_run.py the run from start to reports (and the churn's rules), sim
 table, the metrics JSON and the plot.
 
 With --link or --links (root and iproute2), each child runs inside a network namespace of its
-own (`ip netns exec`), listening on its address there, behind a link shaped by tc to its rate in
+own (a node enters it itself, forked from the preloaded server; the bootstrap runs under
+`ip netns exec`), listening on its address there, behind a link shaped by tc to its rate in
 both directions (swarm.netlab; the namespaces are removed with the children). With --nat (root,
 iproute2 and nftables), each node sits in a home network behind a NAT router (cone: hole punching
 works; symmetric: it does not), and only the bootstrap, which relays, is on the lab's internet:
