@@ -33,7 +33,7 @@ from swarm.p2p.identity import Identity
 T = TypeVar("T")
 
 CLIENT_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)  # a client is never dialed: listen on loopback only
-DEFAULT_TIMEOUT = 45.0  # a busy machine: inspect at load 28 on 2 cores answered after 36 s (most of it its DHT id)
+DEFAULT_TIMEOUT = 45.0  # a busy machine: inspect at load 28 on 2 cores answered after 36 s
 _DHT_DEFAULTS = DHTConfig()
 _P2P_DEFAULTS = P2PConfig()
 
