@@ -106,7 +106,7 @@ class OuterLoop:
         we arrived: nothing to train)."""
         ctx, config = self.ctx, self.ctx.config
         end = config.run_end
-        if run_has_ended(end, ctx.diloco.outer_step, [p.step for p in self.view.read().peers], ctx.keeper.advertised):
+        if run_has_ended(end, ctx.diloco.outer_step, [p.step for p in self.view.read().peers], ctx.keeper.holder_steps):
             logger.warning("the run ended at step %d (all %d of its outer steps done) before this node joined: "
                            "nothing left to train", end, end)  # fmt: skip
             return RUN_ENDED

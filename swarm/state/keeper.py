@@ -127,7 +127,7 @@ class StateKeeper:
         self.on_fetch_progress = on_fetch_progress
         self.vouching = vouching  # the node's --initial-peers: their states are preferred (trust.py)
         self._refused: set[str] = set()  # manifests that did not fit the model: never chosen again
-        self.advertised: tuple[int, ...] = ()  # the steps of the states the holders advertised at our last look
+        self.holder_steps: tuple[int, ...] = ()  # the steps of the states the holders advertised at our last look
         # peers that advertised one: what they advertise next is not considered either (a new
         # bad manifest every step would otherwise pull honest nodes out of every group)
         self._refused_peers: set[PeerID] = set()
@@ -189,7 +189,7 @@ class StateKeeper:
         fails."""
         skipped = self._refused | self.adoption.unlinked()
         read = await self._holders()
-        self.advertised = tuple(h.step for h in read)
+        self.holder_steps = tuple(h.step for h in read)
         holders = [h for h in read if h.manifest not in skipped]
         earned = self.lineage.lineage.round_mates(trust.EARNED_ROUNDS) - {self.host.peer_id}
         own_sha = self.current.manifest.sha256 if self.current is not None else None
