@@ -214,15 +214,19 @@ def run_has_ended(
 ) -> bool:
     """Has the run ended for a node that arrives now (pure)? Its own state (fetched, resumed:
     checked) is at the end, or most of the run's records (of its settings) say they are. With no
-    record left (every node has gone), the states its holders still advertise tell: most at the
-    end, and the run ended (a joiner that could not fetch such a state trained a lineage of its
-    own from step 0 instead, and said "finished")."""
+    record left (every node has gone), the states its holders still advertise tell, when every
+    one is at the end (a joiner that could not fetch such a state trained a lineage of its own
+    from step 0 instead, and said "finished"); one behind it may be a live holder that publishes
+    no record (a seeder), and the run goes on from it."""
     if run_end is None:
         return False
     if our_step >= run_end:
         return True
-    steps = list(record_steps) or list(advertised_steps)
-    return bool(steps) and 2 * sum(step >= run_end for step in steps) > len(steps)
+    steps = list(record_steps)
+    if not steps:
+        advertised = list(advertised_steps)
+        return bool(advertised) and all(step >= run_end for step in advertised)
+    return 2 * sum(step >= run_end for step in steps) > len(steps)
 
 
 def stop_step(run_end: int | None, leave_after_steps: int | None, joined_at: int) -> int | None:

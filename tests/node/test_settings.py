@@ -227,7 +227,8 @@ def test_a_node_whose_end_is_not_the_runs_is_refused_and_told_how_to_leave_earli
         (10, 0, [], [], False),  # nobody there: a run starting
         (10, 9, [9, 9], [], False),  # one step left: trained
         (2, 0, [], [2], True),  # every node gone; the only state left is the last step's (unreachable)
-        (10, 0, [], [4, 10], False),  # gone too, one state at the end: no majority
+        (10, 0, [], [4, 10], False),  # gone too, one state behind the end: the run may go on from it
+        (6, 0, [], [6, 6, 5], False),  # two dead holders of the end, a live seeder behind it
         (10, 0, [4, 4], [10, 10, 10], False),  # live records say otherwise: they decide
     ],
 )
