@@ -94,6 +94,7 @@ from swarm.p2p.errors import BadRequest
 from swarm.p2p.handlers import CallContext
 from swarm.p2p.host import P2PHost
 from swarm.p2p.stream import Stream
+from swarm.utils.eventloop import exception_seen
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +179,8 @@ class GridRound(GridServing, RoundMember):
         self._tasks.append(asyncio.ensure_future(self._reduce_row(self.row_reduction)))
         live = [s for s, (lo, hi) in enumerate(self.grid.subs[self.col]) if hi > lo]
         tasks = [asyncio.ensure_future(self._obtain_sub(s)) for s in live]
+        for task in tasks:  # one that fails after the round ended (its buffers released) is not an error to report
+            task.add_done_callback(exception_seen)
         try:
             await asyncio.wait(tasks)
             for task in tasks:
