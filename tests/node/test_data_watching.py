@@ -82,7 +82,8 @@ def test_a_nodes_data_progress_shows_in_metrics_dashboard_inspect_and_wandb(swar
     data = json.loads(as_json.stdout)["data"]
     assert data["chunks"] == chunks and data["epoch"] == 0 and data["chunks_done"] >= 1, as_json.stderr
     table = subprocess.run(inspect, capture_output=True, text=True, timeout=60, env=env).stdout
-    assert re.search(rf"^data: epoch 0, \d+ of {chunks} chunks done \(\d+\.\d%\), [\d,]+ tokens this epoch", table,
+    # the node trains on meanwhile: on a quiet machine it can begin epoch 1 between the two reads
+    assert re.search(rf"^data: epoch [01], \d+ of {chunks} chunks done \(\d+\.\d%\), [\d,]+ tokens this epoch", table,
                      re.M), table  # fmt: skip
 
     proc.send_signal(signal.SIGTERM)  # finishes the round under way, then the wandb run
