@@ -124,7 +124,7 @@ class NodeReach:
         dht = self._dht
         if dht is None or self.keeper is None:
             return []
-        return await find_relays(dht, exclude=list(self.keeper.held))
+        return await find_relays(dht, exclude=[*self.keeper.held, *self.keeper.ruled_out])
 
     async def reserve(self, within: float = RESERVE_WAIT_S) -> bool:
         """Behind NAT: True once a relay holds a reservation for us; False after `within` seconds,

@@ -69,6 +69,9 @@ LOOK_AGAIN_S = 60.0  # holding fewer reservations than wanted, look again after 
 MAX_WANT = 2  # a second relay keeps us reachable while the first is replaced; more buys little
 MAX_LEARNED = 16  # relays learned from others tried in one pass, beside the given ones
 FAILED_FOR_S = 300.0  # a learned relay that did not answer or refused is not tried again for this long
+# passes in a row that come after RETRY_S because the one before ruled dead learned relays out: a
+# flood of fake relay records (addresses an attacker chose) is then dialed at the backoff's pace
+QUICK_PASSES = 2
 
 # relays others announce (multiaddrs naming their PeerID); returns [] rather than raise on a failure
 Discover = Callable[[], Awaitable[Sequence[str]]]
@@ -208,6 +211,13 @@ class RelayKeeper:
             raise RelayRefused(f"no relay of {len(self.candidates)} took a reservation: {how}")
         return current
 
+    @property
+    def ruled_out(self) -> list[PeerID]:
+        """The learned relays that did not answer or refused lately: a draw of relays to try leaves
+        them out, so that the next pass tries others (a flood of fake records is not drawn again)."""
+        now = asyncio.get_running_loop().time()
+        return [p for text, until in self._failed.items() if until > now and (p := parse_maddr(text).peer_id)]
+
     def look_again(self) -> None:
         """Look for relays now (more may be known: the owner has just reached the DHT); until that
         pass ends, wait_reserved() waits for it, even if every relay known before refused."""
@@ -227,7 +237,7 @@ class RelayKeeper:
     # --- choosing and keeping -------------------------------------------------------------
 
     async def _keep(self) -> None:
-        wait = RETRY_S
+        wait, quick = RETRY_S, 0
         try:
             while True:
                 # cleared before the pass: a reservation that ends or a look_again() during it
@@ -240,8 +250,13 @@ class RelayKeeper:
                 # none held: try again every RETRY_S; short of `want`: again after twice as long
                 # each time, up to LOOK_AGAIN_S; at once when a reservation ends or look_again().
                 # A pass that ruled out learned relays makes the next draw a different one (dead
-                # records are skipped): that one comes after RETRY_S, not after the backoff.
-                wait = RETRY_S if not self.held or not short or ruled_out else min(2 * wait, LOOK_AGAIN_S)
+                # records are skipped): that one comes after RETRY_S, not after the backoff, at
+                # most QUICK_PASSES times in a row.
+                quick = quick + 1 if ruled_out and short and self.held else 0
+                if not self.held or not short or 0 < quick <= QUICK_PASSES:
+                    wait = RETRY_S
+                else:
+                    wait = min(2 * wait, LOOK_AGAIN_S)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), wait)
         finally:  # stopped (or a bug, and Supervised starts us again): end the renewers with us
