@@ -1,7 +1,8 @@
 """The README's swarm.join snippet runs as written: extracted from README.md, given a model, its
 batches and a loss (the names it leaves to the reader), and run as `python train.py` once, then
 twice more with the line the first printed. The three train together from their first step
-(the snippet's own barrier, wait_for_peers) and end holding one state."""
+(the snippet's own barrier, wait_for_peers) and end after the same outer step (the run's length,
+max_outer_steps, shortened here), holding one state."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from swarm.utils import process_control
 from tests.children import child_env
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-OUTER_STEPS = 3  # my_batches below yields this many outer steps' worth of batches (H = the snippet's 50)
+OUTER_STEPS = 3  # the run's length, in place of the snippet's max_outer_steps
 
 # what the snippet leaves to the reader: a model, its batches (each process its own), a loss
 PRELUDE = """
@@ -28,9 +29,10 @@ from torch import nn
 def MyModel():
     return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
 
-def my_batches():
+def my_batches():  # endless: the run's length ends the loop (a process that arrived while the
+    # others trained spends fewer batches on its first step, so a fixed count would end it later)
     generator = torch.Generator().manual_seed(os.getpid())
-    for _ in range(OUTER_STEPS * 50):
+    while True:
         x = torch.randn(16, 8, generator=generator)
         yield x, x.sum(dim=1, keepdim=True).tanh()
 
@@ -47,14 +49,16 @@ def readme_snippet() -> str:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
     snippet = next(b for b in blocks if "swarm.join(" in b)
     assert "wait_for_peers(3" in snippet and "sys.argv[1:]" in snippet, snippet
-    return snippet
+    shortened, found = re.subn(r"max_outer_steps=\d+", f"max_outer_steps={OUTER_STEPS}", snippet)
+    assert found == 1, snippet  # the snippet gives the run a length: without one the processes end apart
+    return shortened
 
 
 @pytest.mark.swarm
 @pytest.mark.timeout(400)
 def test_the_readme_snippet_trains_three_processes_together(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
-    script.write_text(PRELUDE.replace("OUTER_STEPS", str(OUTER_STEPS)) + readme_snippet() + EPILOGUE)
+    script.write_text(PRELUDE + readme_snippet() + EPILOGUE)
     env = child_env(OMP_NUM_THREADS="1", XDG_CONFIG_HOME=str(tmp_path / "config"))
     procs: list[subprocess.Popen[str]] = []
 
