@@ -14,18 +14,32 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from swarm.p2p.budget import HostStreams
 from swarm.p2p.errors import ConnectionLost, MessageTooLarge, ProtocolError, RPCError
+from swarm.p2p.framing import FrameProtocol
 from swarm.p2p.handlers import CallContext, Handler, StreamHandler, UnaryHandler
-from swarm.p2p.stream import Stream
+from swarm.p2p.identity import Identity
+from swarm.p2p.stream import Stream, StreamConnection
 from swarm.p2p.wire import MAX_ERROR_MESSAGE_CHARS, MAX_METHOD_CHARS, ErrorCode, Kind, field
 
-if TYPE_CHECKING:
-    from swarm.p2p.connection import Connection
-
 logger = logging.getLogger(__name__)
+
+
+class ServedConnection(StreamConnection, Protocol):
+    """What InboundCalls reads of the Connection that owns it, besides what the streams of the
+    calls it accepts read (StreamConnection): typed here, so that serving does not import the
+    connection."""
+
+    @property
+    def identity(self) -> Identity: ...  # ours: the name our log lines give
+
+    @property
+    def remote_address(self) -> tuple[str, int]: ...  # the caller's IP and port as seen by us
+
+    @property
+    def protocol(self) -> FrameProtocol: ...  # closed: nobody left to tell of an error
 
 
 class InboundCalls:
@@ -37,7 +51,11 @@ class InboundCalls:
     cancels a task on CANCEL, and cancels them all when it is lost."""
 
     def __init__(
-        self, conn: Connection, handlers: Mapping[str, Handler], host_streams: HostStreams, streams: dict[int, Stream]
+        self,
+        conn: ServedConnection,
+        handlers: Mapping[str, Handler],
+        host_streams: HostStreams,
+        streams: dict[int, Stream],
     ) -> None:
         self._conn = conn
         self._handlers = handlers

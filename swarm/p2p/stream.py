@@ -11,24 +11,50 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from swarm.p2p.budget import MIN_SPLIT_BYTES, credit_to_grant
+from swarm.p2p.budget import MIN_SPLIT_BYTES, InboundBudget, credit_to_grant
+from swarm.p2p.config import P2PConfig
 from swarm.p2p.errors import ConnectionLost, P2PError, ProtocolError, RPCTimeout
 from swarm.p2p.peer_id import PeerID
 from swarm.p2p.wire import Kind
 
-if TYPE_CHECKING:
-    from swarm.p2p.connection import Connection
-
 Chunk = bytes | bytearray | memoryview
+
+
+class StreamConnection(Protocol):
+    """What a Stream reads and calls of the Connection it runs on (connection.py): typed here, so
+    that a stream does not import the connection that owns it."""
+
+    @property
+    def peer_id(self) -> PeerID: ...  # the authenticated peer at the other end
+
+    @property
+    def config(self) -> P2PConfig: ...
+
+    @property
+    def remote_window(self) -> int: ...  # the credit the peer's HELLO gives every new stream
+
+    @property
+    def chunk_bytes(self) -> int: ...  # the largest DATA body the peer takes
+
+    @property
+    def budget(self) -> InboundBudget: ...  # what the peer may fill of our memory, all streams together
+
+    def send_frame(self, fields: dict[str, Any], body: Chunk | None = None) -> None: ...
+
+    async def drain(self) -> None: ...
+
+    def send_cancel(self, call_id: int) -> None: ...
+
+    def forget_stream(self, stream: Stream) -> None: ...
 
 
 class Stream:
     """A bidirectional chunk stream of one call. Caller side: from P2PHost.open_stream;
     callee side: passed to a stream handler. Use ``async with`` (caller) so it always ends."""
 
-    def __init__(self, conn: Connection, call_id: int, method: str, *, is_caller: bool, timeout: float) -> None:
+    def __init__(self, conn: StreamConnection, call_id: int, method: str, *, is_caller: bool, timeout: float) -> None:
         self._conn = conn
         self.call_id = call_id
         self.method = method
