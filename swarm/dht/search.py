@@ -11,28 +11,67 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine
+from typing import Any, Protocol
 
 from swarm.dht import protocol as proto
+from swarm.dht.config import DHTConfig
 from swarm.dht.errors import RecordError
 from swarm.dht.ids import Key, id_to_bytes, key_id
 from swarm.dht.lookup import LookupResult, iterative_lookup
+from swarm.dht.peer_trust import PeerTrust
 from swarm.dht.records import Record
-from swarm.dht.routing import Contact
+from swarm.dht.routing import Contact, RoutingTable
 from swarm.dht.storage import RecordStorage
+from swarm.dht.transport import Transport
 from swarm.p2p.errors import BadRequest, P2PError
-
-if TYPE_CHECKING:
-    from swarm.dht.node import DHTNode
+from swarm.p2p.peer_id import PeerID
 
 logger = logging.getLogger("swarm.dht.node")  # the node's: its log lines keep one name
+
+
+class SearchingNode(Protocol):
+    """What DHTSearch reads and calls of the DHTNode that owns it (node.py): typed here, so that
+    the search does not import the node. The underscored three are the node's own upkeep, which
+    every request it sends takes part in."""
+
+    @property
+    def config(self) -> DHTConfig: ...
+
+    @property
+    def client_mode(self) -> bool: ...  # a client stores nothing itself and is no replica
+
+    @property
+    def peer_id(self) -> PeerID: ...
+
+    @property
+    def node_id(self) -> int: ...
+
+    @property
+    def storage(self) -> RecordStorage: ...  # the records this node holds for the swarm
+
+    @property
+    def table(self) -> RoutingTable: ...
+
+    @property
+    def trust(self) -> PeerTrust: ...  # told of the peers a reply names with a bad id proof
+
+    @property
+    def transport(self) -> Transport: ...
+
+    @property
+    def _sender(self) -> dict[str, Any]: ...  # "a" and "n" of every request (protocol.py)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...  # a task the node owns and ends at close
+
+    def _heard_from(self, contact: Contact) -> None: ...  # contact answered: refresh it in the routing table
 
 
 class DHTSearch:
     """A DHTNode's lookups, stores and requests (the module docstring); the node owns one and
     asks through it."""
 
-    def __init__(self, node: DHTNode) -> None:
+    def __init__(self, node: SearchingNode) -> None:
         self.node = node
 
     async def store_records(self, key: Key, records: list[Record]) -> int:
