@@ -52,7 +52,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 import torch
@@ -73,6 +73,7 @@ from swarm.averaging.audit.arithmetic import (
 from swarm.averaging.errors import AuditError
 from swarm.averaging.rounds.partition import payload_layout
 from swarm.averaging.rounds.reduction import PartReduction
+from swarm.averaging.rounds.registry import RECEIPT
 from swarm.p2p.errors import BadRequest, NotFound, P2PError, RemoteError
 from swarm.p2p.handlers import CallContext
 from swarm.p2p.peer_id import PeerID
@@ -81,15 +82,46 @@ from swarm_kernels import as_memoryview
 from swarm_kernels.sketch import SketchPlan, sketch_accumulate, sketch_payload_accumulate
 
 if TYPE_CHECKING:
-    from swarm.averaging.rounds.flat import AllReduceRound
-    from swarm.averaging.rounds.member import RoundMember
+    from swarm.averaging.config import AveragingConfig
+    from swarm.averaging.messages import GroupInfo
+    from swarm.averaging.rounds.member import RoundReport
+    from swarm.averaging.rounds.streams import Final
+    from swarm.p2p.host import P2PHost
+    from swarm_kernels import Codec
 
 logger = logging.getLogger(__name__)
 
-RECEIPT = "avg.receipt"
 WRONG_SEED = "wrong seed"
 SUPERSEDED = "superseded"  # an owner's answer for the result of its own part the group did not take
 OURS = "the receipt misstates our"  # check_receipt's problems that only this member can see
+
+
+class JudgedRound(Protocol):
+    """What the verdicts read of a round, flat or grid: its group, and its tag in log lines."""
+
+    group: GroupInfo
+
+    def _tag(self) -> str: ...
+
+
+class AuditedRound(JudgedRound, Protocol):
+    """What RoundAudit reads of its round (rounds/flat.py's AllReduceRound): the group and our
+    place in it, our vector and the result, the parts and their results, and the way to the
+    other members."""
+
+    me: int
+    config: AveragingConfig
+    host: P2PHost
+    codec: Codec
+    vector: torch.Tensor
+    result: torch.Tensor
+    weights: list[float]
+    parts: list[tuple[int, int]]
+    final: dict[int, Final]
+    reductions: dict[int, PartReduction]
+    report: RoundReport
+
+    async def take_group_result(self, j: int) -> Final | None: ...
 
 
 def receipt_limit(members: int, buckets: int = BUCKETS) -> int:
@@ -162,7 +194,7 @@ class RoundAudit:
     are still on the wire), `run` once every part is final; `serve` answers `avg.receipt` for as
     long as the round lingers."""
 
-    def __init__(self, round_: AllReduceRound) -> None:
+    def __init__(self, round_: AuditedRound) -> None:
         self.round = round_
         self.seeds: dict[int, asyncio.Future[bytes]] = {}  # part -> its audit seed (part_seed)
         self.receipts: dict[int, asyncio.Future[bytes]] = {}  # part -> our encoded receipt
@@ -324,7 +356,7 @@ def unpack_receipt(raw: bytes) -> Any:
 
 
 def verdict_of(
-    r: RoundMember, part: int, owner: int, problems: list[str], failing: str = "inconsistent", unit: str = "part"
+    r: JudgedRound, part: int, owner: int, problems: list[str], failing: str = "inconsistent", unit: str = "part"
 ) -> Verdict:
     """The verdict on `owner` from check_receipt's problems: suspects are logged only; a
     problem of what the receipt says of us is "ours"; any other is `failing`."""
@@ -341,7 +373,7 @@ def verdict_of(
     return Verdict(part, owner, "ok")
 
 
-def judge(r: RoundMember, verdicts: list[Verdict], unit: str) -> list[PeerID]:
+def judge(r: JudgedRound, verdicts: list[Verdict], unit: str) -> list[PeerID]:
     """What a round's verdicts mean (`unit`: what Verdict.part numbers, for the log): AuditError
     naming the owners whose receipts do not hold, or without a name on a seed mismatch; else
     the owners excluded for what only we could see ("ours", and the grid's "row")."""

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import blake3
 import msgpack
@@ -55,7 +55,6 @@ from swarm.averaging.audit.arithmetic import (
     sketch_plan,
 )
 from swarm.averaging.audit.flat import (
-    RECEIPT,
     WRONG_SEED,
     Verdict,
     holds,
@@ -68,6 +67,7 @@ from swarm.averaging.audit.flat import (
 )
 from swarm.averaging.audit.grid_checks import (
     ROW_RECEIPT,
+    CheckedGrid,
     ColumnSide,
     RowEntry,
     check_column_receipt,
@@ -75,6 +75,7 @@ from swarm.averaging.audit.grid_checks import (
     live_subparts,
 )
 from swarm.averaging.rounds.partition import payload_layout
+from swarm.averaging.rounds.registry import RECEIPT
 from swarm.p2p.errors import BadRequest, NotFound, P2PError, RemoteError
 from swarm.p2p.handlers import CallContext
 from swarm.p2p.peer_id import PeerID
@@ -83,18 +84,33 @@ from swarm_kernels import as_memoryview
 from swarm_kernels.sketch import SketchPlan, sketch_accumulate, sketch_payload_accumulate
 
 if TYPE_CHECKING:
-    from swarm.averaging.rounds.grid import GridRound
+    from swarm.averaging.rounds.grid_reduction import ColReduction
+    from swarm.averaging.rounds.member import RoundReport
+    from swarm.p2p.host import P2PHost
+    from swarm_kernels import Codec
 
 logger = logging.getLogger(__name__)
 
 NOT_FINAL = "our results are not final"  # a slow owner, not a liar
 
 
+class AuditedGrid(CheckedGrid, Protocol):
+    """What GridAudit reads of its round (rounds/grid.py's GridRound) beyond what the checks
+    read: the codec and our vector (our sketches), the sub-parts we reduced (our receipts), and
+    the host and report (fetching the others' receipts)."""
+
+    codec: Codec
+    vector: torch.Tensor
+    col_reductions: dict[int, ColReduction]
+    host: P2PHost
+    report: RoundReport
+
+
 class GridAudit:
     """The audit of one GridRound (module docstring): `part_in` as each part c is final, `run`
     once the round's parts are in, `serve` answers avg.receipt while the round lingers."""
 
-    def __init__(self, round_: GridRound) -> None:
+    def __init__(self, round_: AuditedGrid) -> None:
         self.round = round_
         self.seeds: dict[int, asyncio.Future[bytes]] = {}  # column -> its seed, from our bytes
         self.receipts: dict[tuple[int, int], asyncio.Future[bytes]] = {}  # (column, k) -> ours, encoded
@@ -114,7 +130,7 @@ class GridAudit:
         return self.seeds[c]
 
     def _live(self, c: int) -> list[int]:
-        return live_subparts(self.round, c)
+        return live_subparts(self.round.grid, c)
 
     async def _prepare(self, c: int) -> ColumnSide | None:
         r = self.round

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -20,17 +20,35 @@ from swarm.averaging.audit.arithmetic import (
     check_receipt,
     quantization_tol,
 )
-from swarm.averaging.audit.flat import OURS, unpack_receipt
+from swarm.averaging.audit.flat import OURS, JudgedRound, unpack_receipt
 from swarm.averaging.robust import robust_coefficients
 from swarm_kernels.sketch import SketchPlan
 
 if TYPE_CHECKING:
-    from swarm.averaging.rounds.grid import GridRound
+    from swarm.averaging.config import AveragingConfig
+    from swarm.averaging.rounds.grid_reduction import RowReduction
+    from swarm.averaging.rounds.grid_shape import Grid
+    from swarm.averaging.rounds.streams import Final
 
 logger = logging.getLogger(__name__)
 
 ROW_RECEIPT = -1  # "k" of a row receipt
 RowEntry = tuple[list[int], torch.Tensor, float]  # a row partial in a column receipt: members, sketch, |.|^2
+
+
+class CheckedGrid(JudgedRound, Protocol):
+    """What the checks read of their round (rounds/grid.py's GridRound): the grid and our place
+    in it, the agreed weights, the finals and the result, and our row partial (None: a passenger)."""
+
+    me: int
+    row: int
+    col: int
+    grid: Grid
+    weights: list[float]
+    config: AveragingConfig
+    final: dict[tuple[int, int], Final]
+    result: torch.Tensor
+    row_reduction: RowReduction | None
 
 
 @dataclass
@@ -46,12 +64,12 @@ class ColumnSide:
     receipts: dict[int, Any] = field(default_factory=dict)  # k -> the raw receipt, once fetched
 
 
-def live_subparts(r: GridRound, c: int) -> list[int]:
+def live_subparts(grid: Grid, c: int) -> list[int]:
     """The sub-parts of column c that hold elements."""
-    return [s for s, (lo, hi) in enumerate(r.grid.subs[c]) if hi > lo]
+    return [s for s, (lo, hi) in enumerate(grid.subs[c]) if hi > lo]
 
 
-def check_column_receipt(r: GridRound, c: int, s: int, side: ColumnSide) -> tuple[list[str], RowEntry | None]:
+def check_column_receipt(r: CheckedGrid, c: int, s: int, side: ColumnSide) -> tuple[list[str], RowEntry | None]:
     """Column receipt (c, s); also returns the entry of the row we sit in, as the receipt
     states it (its members, sketch, squared norm), for our row receipt's check."""
     grid = r.grid
@@ -94,7 +112,7 @@ def check_column_receipt(r: GridRound, c: int, s: int, side: ColumnSide) -> tupl
     return problems, entry
 
 
-def check_row_receipt(r: GridRound, c: int, side: ColumnSide, rows_seen: dict[int, RowEntry]) -> list[str]:
+def check_row_receipt(r: CheckedGrid, c: int, side: ColumnSide, rows_seen: dict[int, RowEntry]) -> list[str]:
     """The row receipt of our row's owner of column c: what it says of our slice; that the
     partial it says it sent ("ps", "pn") is the reduction it describes; and that the owners
     of column c say they got that partial. One owner that disagrees cannot say who lies (it,
@@ -114,7 +132,7 @@ def check_row_receipt(r: GridRound, c: int, side: ColumnSide, rows_seen: dict[in
     # NaN compares false with every bound: a partial stated as NaN would pass every check below
     if not torch.isfinite(sent).all() or not all(math.isfinite(v) and v >= 0 for v in norms):
         raise AuditFailure("receipt: the partial's sketches and norms must be finite")
-    live = live_subparts(r, c)
+    live = live_subparts(grid, c)
     own, own_sq = side.sent[ROW_RECEIPT]
     lo, hi = grid.parts[c]
     problems = check_receipt(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
@@ -24,16 +24,44 @@ from swarm.p2p.stream import Stream
 from swarm_kernels import MalformedPayload
 
 if TYPE_CHECKING:
-    from swarm.averaging.rounds.flat import AllReduceRound
+    from swarm.averaging.audit.flat import RoundAudit
+    from swarm.averaging.config import AveragingConfig
+    from swarm.averaging.messages import GroupInfo
+    from swarm.averaging.rounds.confirm import Votes
+    from swarm.averaging.rounds.member import RoundReport
 
 logger = logging.getLogger(__name__)
+
+
+class ServedRound(Protocol):
+    """What FlatServing reads of its round (rounds/flat.py's AllReduceRound), and the round's
+    methods it calls: `reduction_of` starts the reduction of a part here (ours, or one taken over
+    from a dead owner), `pace_to` caps our sending to a member once its stream runs."""
+
+    group: GroupInfo
+    me: int
+    config: AveragingConfig
+    final: dict[int, Final]
+    reductions: dict[int, PartReduction]
+    report: RoundReport
+    votes: Votes
+    audit: RoundAudit | None
+    finished: bool
+
+    def _tag(self) -> str: ...
+
+    def pace_to(self, index: int) -> None: ...
+
+    def reduction_of(self, j: int) -> PartReduction: ...
+
+    def note_download(self, incoming: Incoming) -> None: ...
 
 
 class FlatServing:
     """The avg.part, avg.fetch and avg.receipt handlers of one member's flat round (the module
     docstring); the round's registry routes each stream to the round, which hands it here."""
 
-    def __init__(self, round_: AllReduceRound) -> None:
+    def __init__(self, round_: ServedRound) -> None:
         self.round = round_
 
     async def serve_part(self, ctx: CallContext, args: dict[str, Any], stream: Stream) -> None:

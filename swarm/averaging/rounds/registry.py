@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from swarm.averaging.audit.flat import RECEIPT
 from swarm.averaging.config import AveragingConfig
 from swarm.p2p.errors import BadRequest
 from swarm.p2p.handlers import CallContext
@@ -17,9 +16,10 @@ from swarm.p2p.stream import Stream
 
 PART, FETCH = "avg.part", "avg.fetch"  # the flat round's (rounds/flat.py)
 ROW, COL, DOWN = "avg.row", "avg.col", "avg.down"  # the grid round's (rounds/grid.py)
+RECEIPT = "avg.receipt"  # the owner audit's, of either round (audit/flat.py, audit/grid.py)
 # Every stream method a round may serve, and the round's method serving it: the flat round
-# serves the first two, rounds/grid.py's grid round the next three, an audited flat round the
-# receipt (audit/flat.py); a round asked for a method it does not serve answers BadRequest.
+# serves the first two, rounds/grid.py's grid round the next three, an audited round of either
+# kind the receipt (audit/); a round asked for a method it does not serve answers BadRequest.
 SERVED = {PART: "serve_part", FETCH: "serve_fetch", ROW: "serve_row", COL: "serve_col", DOWN: "serve_down",
           RECEIPT: "serve_receipt"}  # fmt: skip
 MAX_PENDING_GROUPS = 64
