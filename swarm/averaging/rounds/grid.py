@@ -82,14 +82,15 @@ from swarm.averaging.config import AveragingConfig
 from swarm.averaging.errors import AllReduceError
 from swarm.averaging.messages import GroupInfo
 from swarm.averaging.rounds.confirm import Unconfirmed, Votes, confirm_own_part, in_doubt, vouched_copy
+from swarm.averaging.rounds.grid_reading import GridReader
 from swarm.averaging.rounds.grid_reduction import ColReduction, RowReduction
 from swarm.averaging.rounds.grid_serving import FAILURES, GridServing
 from swarm.averaging.rounds.grid_shape import make_grid
 from swarm.averaging.rounds.member import RoundMember, RoundReport, await_parts
 from swarm.averaging.rounds.overdue import MIN_MARGIN_S
-from swarm.averaging.rounds.partition import payload_layout, payload_size
+from swarm.averaging.rounds.partition import payload_layout
 from swarm.averaging.rounds.registry import COL, DOWN, FETCH, ROW, RoundRegistry
-from swarm.averaging.rounds.streams import Final, read_exactly, read_header, write_encoded
+from swarm.averaging.rounds.streams import Final, read_header, write_encoded
 from swarm.p2p.errors import BadRequest
 from swarm.p2p.handlers import CallContext
 from swarm.p2p.host import P2PHost
@@ -129,6 +130,10 @@ class GridRound(GridServing, RoundMember):
         self.formed_at = time.monotonic() if formed_at is None else formed_at
         self.grid = make_grid(self.bandwidths, vector.numel(), config.max_group_size, config.block_size)
         self.row, self.col = self.grid.row_of[self.me], self.grid.col_of[self.me]
+        # the finals the other members send us, after their headers (rounds/grid_reading.py)
+        self.reader = GridReader(
+            self.grid, len(group.members), self.codec, config.chunk_elements, config.part_timeout, self.report
+        )
         self.peers = {m.peer_id for m in group.members}
         self.final: dict[tuple[int, int], Final] = {}  # (column, sub-part row) -> as every member gets it
         self.part_done: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # our column
@@ -277,7 +282,7 @@ class GridRound(GridServing, RoundMember):
         inc, payload, _ = await self._row_partial()
         offsets = [0]
         for lo, hi in self.grid.subs[self.col]:
-            offsets.append(offsets[-1] + self._encoded_size(lo, hi))
+            offsets.append(offsets[-1] + self.reader.encoded_size(lo, hi))
         args = {"g": self.group.group_id, "i": self.me, "p": self.col, "s": s, "inc": inc}
         owner = self.group.members[self.grid.owners[reducer][self.col]]
         timeout = self.config.part_timeout
@@ -288,7 +293,7 @@ class GridRound(GridServing, RoundMember):
             await stream.end()
             header, size = await read_header(stream, 3 * timeout)
             self.note_upload(offsets[s + 1] - offsets[s], started, time.monotonic() - started, header)
-            return self._checked_members(header.get("inc")), await self._read_payload(stream, self.col, [s], size)
+            return await self.reader.sub(stream, self.col, s, header, size)
 
     # --- another column's part: through our row's owner of it, else another row's ---------------
 
@@ -331,7 +336,7 @@ class GridRound(GridServing, RoundMember):
         async with await self.host.open_stream(member.address(), FETCH, args, timeout=timeout) as stream:
             await stream.end()
             header, size = await read_header(stream, timeout)
-            return self._checked_members(header.get("inc")), await self._read_payload(stream, c, [s], size)
+            return await self.reader.sub(stream, c, s, header, size)
 
     async def _ask_down(self, row: int, c: int, s: int) -> list[Final]:
         owner = self.group.members[self.grid.owners[row][c]]
@@ -341,7 +346,7 @@ class GridRound(GridServing, RoundMember):
             await stream.end()
             if s >= 0:
                 header, size = await read_header(stream, timeout)
-                return [(self._checked_members(header.get("inc")), await self._read_payload(stream, c, [s], size))]
+                return [await self.reader.sub(stream, c, s, header, size)]
             return await self._read_part(stream, c, 4 * timeout)
 
     async def _decode_part(self, c: int, finals: list[Final], row: int) -> None:
@@ -353,7 +358,7 @@ class GridRound(GridServing, RoundMember):
             if final[1]:
                 self._store(c, s, final, self.grid.owners[row][c])
 
-    # --- reading and checking what peers send ------------------------------------------------
+    # --- what peers send: read (GridReader), decoded into our result, noted ---------------------
 
     async def _read_part(
         self, stream: Stream, c: int, timeout: float, upload: tuple[int, float, float] | None = None
@@ -361,29 +366,7 @@ class GridRound(GridServing, RoundMember):
         header, size = await read_header(stream, timeout)
         if upload is not None:  # what we sent on this stream, as its owner timed it
             self.note_upload(*upload, header)
-        members = header.get("inc")
-        if not isinstance(members, list) or len(members) != self.grid.rows:
-            raise AllReduceError("malformed part header")
-        members = [self._checked_members(m) for m in members]
-        payload = await self._read_payload(stream, c, list(range(self.grid.rows)), size)
-        finals, offset = [], 0
-        for s, (lo, hi) in enumerate(self.grid.subs[c]):
-            end = offset + self._encoded_size(lo, hi)
-            finals.append((members[s], payload[offset:end]))
-            offset = end
-        return finals
-
-    async def _read_payload(self, stream: Stream, c: int, subs: list[int], header_size: int) -> memoryview:
-        size = sum(self._encoded_size(*self.grid.subs[c][s]) for s in subs)
-        payload = await read_exactly(stream, size, self.config.part_timeout)
-        self.report.bytes_received += size + header_size
-        return payload
-
-    def _checked_members(self, members: Any) -> list[int]:
-        n = len(self.group.members)
-        if not isinstance(members, list) or not all(isinstance(i, int) and 0 <= i < n for i in members):
-            raise AllReduceError("malformed member list")
-        return members
+        return await self.reader.part(stream, c, header, size)
 
     def _decode(self, c: int, s: int, payload: memoryview) -> None:
         lo, hi = self.grid.subs[c][s]
@@ -405,6 +388,3 @@ class GridRound(GridServing, RoundMember):
         if self.audit is None:
             raise BadRequest("avg.receipt: this round is not audited")
         await self.audit.serve(ctx, args, stream)
-
-    def _encoded_size(self, lo: int, hi: int) -> int:
-        return payload_size(payload_layout(lo, hi, self.config.chunk_elements, self.codec.encoded_nbytes))
