@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 from swarm.utils import netns as netns_module
-from swarm.utils import preloaded
+from swarm.utils import preloaded, preloaded_child
 
 REAP_S = 10.0  # how long to wait for a SIGKILLed child to be reaped
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -230,7 +230,7 @@ def send_signal(proc: subprocess.Popen[Any], sig: int, *, group: bool = False) -
     try:
         if group:
             os.killpg(proc.pid, sig)
-        elif isinstance(proc, preloaded.PreloadedChild):
+        elif isinstance(proc, preloaded_child.PreloadedChild):
             proc.send_signal(sig)  # through its pidfd: its parent is the fork server, which reaps it
         else:
             os.kill(proc.pid, sig)

@@ -22,6 +22,7 @@ import pytest
 
 from swarm.netlab import Lab, exec_prefix, missing, parse_rate
 from swarm.utils import netns, preloaded, process_control
+from swarm.utils.preloaded_child import PreloadedChild
 from swarm.utils.process_control import console_script
 from tests.children import child_env, still_running
 
@@ -36,7 +37,7 @@ def _exec(argv: list[str], **options: object) -> subprocess.CompletedProcess[str
 
 def _forked(argv: list[str], **options: object) -> tuple[int, str, str]:
     proc = process_control.start(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **options)  # type: ignore[arg-type]
-    assert isinstance(proc, preloaded.PreloadedChild)
+    assert isinstance(proc, PreloadedChild)
     out, err = proc.stdout.read(), proc.stderr.read()  # type: ignore[union-attr]
     return proc.wait(60), out, err
 
@@ -85,7 +86,7 @@ def test_a_signal_ends_it_as_it_ends_an_execd_process_and_is_never_sent_after(tm
             "--identity", "ephemeral", "--metrics-file", str(tmp_path / "sig.jsonl")]  # fmt: skip
     proc = process_control.start(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        assert isinstance(proc, preloaded.PreloadedChild) and proc.poll() is None
+        assert isinstance(proc, PreloadedChild) and proc.poll() is None
         assert os.getsid(proc.pid) == proc.pid  # its own session, as process_control starts children
         # its own command line, not the server's: ps, and whatever finds a run's processes by it
         shown = Path(f"/proc/{proc.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -104,7 +105,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def _cpu_at_join_line(proc: subprocess.Popen[bytes] | preloaded.PreloadedChild) -> float:
+def _cpu_at_join_line(proc: subprocess.Popen[bytes] | PreloadedChild) -> float:
     """The child's CPU seconds once it printed its join line (its model and DHT node are up)."""
     assert proc.stdout is not None
     seen, deadline = b"", time.monotonic() + 60
@@ -139,14 +140,14 @@ def _as_rank_zero() -> None:
     argv = [sys.executable, "-m", "swarm.ranks.follower", "--rank", "1", "--world-size", "2", "--port", "9",
             "--device", "cpu", "--backend", "gloo", "--timeout", sys.argv[2]]  # fmt: skip
     proc = process_control.start(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, die_with_parent=True)
-    started = {"forked": isinstance(proc, preloaded.PreloadedChild), "pid": proc.pid, "parent": _parent(proc.pid),
+    started = {"forked": isinstance(proc, PreloadedChild), "pid": proc.pid, "parent": _parent(proc.pid),
                "server": os.getppid()}  # fmt: skip
     print(json.dumps(started), flush=True)
     _, err = proc.communicate(90)
     print(json.dumps({"code": proc.returncode, "err": err.decode(errors="replace")}), flush=True)
 
 
-def _start_rank_zero(follower_timeout: int) -> preloaded.PreloadedChild:
+def _start_rank_zero(follower_timeout: int) -> PreloadedChild:
     return preloaded.start(f"{__name__}:_as_rank_zero", [sys.executable, "rank-zero", str(follower_timeout)],
                            stdin=None, stdout=subprocess.PIPE, stderr=None, env=None, cwd=None, text=False,
                            new_session=True, die_with_parent=False)  # fmt: skip
@@ -226,7 +227,7 @@ def test_a_node_forked_into_a_namespace_listens_there_and_its_follower_rank_join
         proc = process_control.start(argv, stdout=out, stderr=out, env=child_env(OMP_NUM_THREADS="1"),
                                      netns=endpoint.netns)  # fmt: skip
         try:
-            assert isinstance(proc, preloaded.PreloadedChild)
+            assert isinstance(proc, PreloadedChild)
             deadline = time.monotonic() + 90
             while not (JOIN.search(text := log.read_bytes()) and RANK_PIDS.search(text)):
                 assert proc.poll() is None and time.monotonic() < deadline, text[-3000:]

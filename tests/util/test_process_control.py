@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.utils import netns, preloaded, process_control
+from swarm.utils import netns, preloaded, preloaded_bootstrap, preloaded_child, process_control
 from tests.children import still_running
 
 # a child that says it is ready only once its SIGTERM handler is in place
@@ -227,7 +227,8 @@ def test_the_module_imports_only_the_standard_library() -> None:
     imported = _imported_roots(process_control.__file__, top_level_only=False)
     assert imported - {"__future__", "swarm.utils"} <= set(sys.stdlib_module_names), imported
     stdlib = set(sys.stdlib_module_names) | {"__future__", "swarm.utils"}
-    assert _imported_roots(preloaded.__file__, top_level_only=True) <= stdlib
+    for module in (preloaded, preloaded_bootstrap, preloaded_child):
+        assert _imported_roots(module.__file__, top_level_only=True) <= stdlib, module.__name__
     assert _imported_roots(netns.__file__, top_level_only=False) - {"__future__"} <= set(sys.stdlib_module_names)
     check = "import sys, swarm.utils.process_control; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", check], timeout=60).returncode == 0
