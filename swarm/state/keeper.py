@@ -21,8 +21,8 @@ its own step, with a manifest that fits the model) when
 - it is a client that trained alone ahead of every server (it started before them): its steps
   can never be served, so it takes the servers' state, even an older one, and trains with them.
 A state that its holders did not deliver (all unreachable or gone: a killed peer's advertisement
-outlives it) is not chosen from them again for UNDELIVERED_S, so the node takes the best state
-the live peers hold instead of retrying dead addresses.
+outlives it) is not chosen from them again for a while (refusals.py), so the node takes the best
+state the live peers hold instead of retrying dead addresses.
 A node exactly one step behind first takes the step's update from the new state's holders and
 computes that state itself, verified against its manifest (update_fetch.py; KeeperConfig.by_update);
 after a round, `record_update` keeps the group's average so that this node serves it too.
@@ -62,6 +62,7 @@ from swarm.state.fetcher import (
 from swarm.state.holders import Holder, advertise, find_holders, settled_holders
 from swarm.state.lineage_book import LineageBook, encode_receipts
 from swarm.state.receipts import Receipt
+from swarm.state.refusals import Refusals
 from swarm.state.server import StateServer, StepUpdate
 from swarm.state.trust import Known, choose_trusted, fetch_reason, manifest_problem
 from swarm.state.update import encode_update
@@ -75,16 +76,10 @@ logger = logging.getLogger(__name__)
 LARGER_LINEAGE = "a larger lineage"
 
 InTrainer = Callable[..., Awaitable[Any]]
-MAX_REFUSED = 64  # refused manifests remembered
 # at most one fork check (trust.py rule 5: a lineage fetched and its signatures checked) this
 # often: a round mate that advertises a new made-up state at every renewal dodges the per-state
 # memory of refusals, and would otherwise cost a lineage check at every look at the holders
 FORK_CHECK_S = 2.0
-# a holder that did not deliver a state (unreachable, gone, bad bytes) is not chosen for that state
-# again for this long: a killed peer's advertisement outlives it (up to KeeperConfig.advertise_ttl),
-# and a node chasing it would retry a dead address meanwhile instead of taking the live peers' state
-UNDELIVERED_S = 60.0
-MAX_UNDELIVERED = 4096
 
 
 def tensor_sizes(diloco: DiLoCo) -> dict[str, int]:
@@ -126,13 +121,9 @@ class StateKeeper:
         self.checkpoints = CheckpointDir(checkpoint_dir) if checkpoint_dir is not None else None
         self.on_fetch_progress = on_fetch_progress
         self.vouching = vouching  # the node's --initial-peers: their states are preferred (trust.py)
-        self._refused: set[str] = set()  # manifests that did not fit the model: never chosen again
+        self._refusals = Refusals()  # refused manifests and their peers, holders that did not deliver
         self.holder_steps: tuple[int, ...] = ()  # the steps of the states the holders advertised at our last look
-        # peers that advertised one: what they advertise next is not considered either (a new
-        # bad manifest every step would otherwise pull honest nodes out of every group)
-        self._refused_peers: set[PeerID] = set()
         self._distrusted = OncePerPeer(logger)
-        self._undelivered: dict[tuple[PeerID, str], float] = {}  # (holder, manifest) -> when (monotonic)
         self._fork_checked_at = -math.inf  # the last fork check (monotonic; FORK_CHECK_S)
         self.current: Snapshot | None = None
         self.advertised = False  # the last advertisement of `current` was stored by some DHT node
@@ -187,7 +178,7 @@ class StateKeeper:
         without us, trust.Known.missed). Returns (why, report) after a fetch, None when the
         node's own state is right. Raises FetchError or IncompatibleState when a needed fetch
         fails."""
-        skipped = self._refused | self.adoption.unlinked()
+        skipped = self._refusals.manifests | self.adoption.unlinked()
         read = await self._holders()
         self.holder_steps = tuple(h.step for h in read)
         holders = [h for h in read if h.manifest not in skipped]
@@ -217,7 +208,7 @@ class StateKeeper:
         try:
             linked = await self.adoption.linked(agreeing, step, sha, fork_only=why == LARGER_LINEAGE)
         except FetchError as e:
-            self._not_delivered(e.failed, sha)
+            self._refusals.not_delivered(e.failed, sha)
             raise
         if linked is None:
             return None
@@ -232,7 +223,7 @@ class StateKeeper:
                 return why, report
         settled = await settled_holders(holders, step, self._holders)  # spread the fetch over all donors
         chosen = [h for h in settled if h.step == step and h.manifest == sha] or agreeing  # only the chosen state
-        donors = [h for h in chosen if (h.peer_id, sha) not in self._undelivered] or chosen  # not an update's liars
+        donors = [h for h in chosen if self._refusals.delivered(h, sha)] or chosen  # not an update's liars
         dest = self.checkpoints.path if self.checkpoints is not None else None  # resumable only with a checkpoint dir
         try:
             manifest, state, report = await fetch_state(
@@ -252,17 +243,12 @@ class StateKeeper:
             except ValueError as e:  # hashes right, but NaN or misshapen tensors: never ours
                 raise RefusedManifest(sha, f"its tensors are unusable: {e}") from None
         except RefusedManifest as e:  # never chosen again; its holders are named once
-            if len(self._refused) >= MAX_REFUSED:
-                self._refused.clear()
-            if len(self._refused_peers) >= MAX_REFUSED:
-                self._refused_peers.clear()
-            self._refused.add(e.sha)
-            self._refused_peers.update(h.peer_id for h in donors if h.manifest == e.sha)
+            self._refusals.refuse(e.sha, (h.peer_id for h in donors if h.manifest == e.sha))
             for holder in donors:
                 self._distrusted.log(holder.peer_id, "manifest", "refusing the state it advertises: %s", e)
             raise
         except FetchError as e:
-            self._not_delivered(e.failed, sha)
+            self._refusals.not_delivered(e.failed, sha)
             raise
         self.lineage.adopt(*linked)
         if dest is not None:
@@ -271,14 +257,6 @@ class StateKeeper:
                     report.total_bytes / 1e6, len(report.bytes_by_peer), report.elapsed_s)  # fmt: skip
         await self.publish(diloco, checkpoint=True)
         return why, report
-
-    def _not_delivered(self, failed: frozenset[PeerID], sha: str) -> None:
-        if failed:
-            logger.info("not asking %d holder(s) for state %s again for %.0fs: they did not deliver it",
-                        len(failed), sha[:12], UNDELIVERED_S)  # fmt: skip
-        if len(self._undelivered) + len(failed) > MAX_UNDELIVERED:
-            self._undelivered.clear()
-        self._undelivered.update({(peer, sha): time.monotonic() for peer in failed})
 
     async def _by_update(self, diloco: DiLoCo, sha: str, donors: list[Holder], why: str,
                          linked: Linked) -> FetchReport | None:  # fmt: skip
@@ -299,7 +277,7 @@ class StateKeeper:
             self.host, self.run.run_id, donors, manifest, base=base, numel=sum(s.numel() for s in shapes),
             shapes=shapes, stepped=lambda averaged: self.beside_trainer(diloco.stepped_state, averaged),
             timeout=self.config.update_timeout)  # fmt: skip
-        self._not_delivered(failed, sha)
+        self._refusals.not_delivered(failed, sha)
         if caught is None:
             return None
         await self.adoption.check_leads_to(caught.state, sha, linked[0])
@@ -336,12 +314,8 @@ class StateKeeper:
 
     async def _holders(self) -> list[Holder]:
         """The run's state records, less ours, those of refused peers, and states their holder
-        did not deliver to us lately (UNDELIVERED_S)."""
-        found = await find_holders(self.dht, self.run.run_id)
-        now = time.monotonic()
-        self._undelivered = {key: t for key, t in self._undelivered.items() if now - t < UNDELIVERED_S}
-        return [h for h in found if h.peer_id != self.host.peer_id and h.peer_id not in self._refused_peers
-                and (h.peer_id, h.manifest) not in self._undelivered]  # fmt: skip
+        did not deliver to us lately (refusals.py)."""
+        return self._refusals.keep(await find_holders(self.dht, self.run.run_id), self.host.peer_id)
 
     # --- holding a state --------------------------------------------------------------------------
 
