@@ -110,20 +110,19 @@ async def test_a_lying_member_cannot_hand_a_grid_backup_a_dead_owners_sub_part(m
     assert error <= bound, "the round took the liar's copy of the sub-part"
 
 
-@pytest.mark.timeout(60)
-async def test_a_backup_waits_for_the_copies_its_dead_owners_answer_is_still_bringing(make_group: MakeGroup) -> None:
-    """The owner of part 2 answers members 0 and 1, then dies before 3 and 4 reach it. When its
-    backup (3) asks for copies, 0 and 1 are still decoding the owner's answer: they answer with
-    their copy once they hold it, not "none" at once, so the backup takes the owner's result and
-    the five end with one result (answered at once, the backup reduced the part again without 0
-    and 1, and the round ended with two results, as a 60-minute soak split 7 + 20)."""
+async def owner_dies_while_two_decode(
+    make_group: MakeGroup, decode_s: float, part_timeout: float, request_timeout: float
+) -> tuple[list[AllReduceRound], list[Any]]:
+    """A group of 5: the owner of part 2 answers members 0 and 1, then dies before 3 and 4 reach
+    it; 0 and 1 take `decode_s` to decode its answer (a busy machine). 3 is the part's backup, and
+    4's. The rounds and their outcomes (the dead owner's an exception)."""
     n, dead = 5, 2
-    group, members = await make_group(n, block_size=1024, chunk_elements=4096, part_timeout=2.0,
-                                      request_timeout=3.0, **EXACT)  # fmt: skip
+    group, members = await make_group(n, block_size=1024, chunk_elements=4096, part_timeout=part_timeout,
+                                      request_timeout=request_timeout, **EXACT)  # fmt: skip
     gen = torch.Generator().manual_seed(11)
     vectors = [torch.randn(20_000, generator=gen) for _ in range(n)]
     rounds = [AllReduceRound(m.host, m.registry, group, v, m.config) for m, v in zip(members, vectors, strict=True)]
-    lo, hi = rounds[0].parts[dead]
+    lo = rounds[0].parts[dead][0]
     answered, holders = asyncio.Event(), {0, 1}
     owner_closed: list[asyncio.Task[None]] = []
 
@@ -131,8 +130,8 @@ async def test_a_backup_waits_for_the_copies_its_dead_owners_answer_is_still_bri
         honest = r._decode_into
 
         def decode(payload: memoryview, a: int, b: int) -> None:
-            if a == lo:  # the dead owner's part: decoding it takes a while (a busy machine)
-                time.sleep(1.0)
+            if a == lo:  # the dead owner's part
+                time.sleep(decode_s)
             honest(payload, a, b)
 
         r._decode_into = decode  # type: ignore[method-assign]
@@ -162,12 +161,37 @@ async def test_a_backup_waits_for_the_copies_its_dead_owners_answer_is_still_bri
         if i != dead:
             exchange(r, i)
     outcomes = await asyncio.gather(*(r.run() for r in rounds), return_exceptions=True)
-    live = [o for i, o in enumerate(outcomes) if i != dead]
+    return rounds, [o for i, o in enumerate(outcomes) if i != dead]
+
+
+@pytest.mark.timeout(60)
+async def test_a_backup_waits_for_the_copies_its_dead_owners_answer_is_still_bringing(make_group: MakeGroup) -> None:
+    """When the backup (3) asks for copies, 0 and 1 are still decoding the dead owner's answer:
+    they answer with their copy once they hold it, not "none" at once, so the backup takes the
+    owner's result and the five end with one result (answered at once, the backup reduced the
+    part again without 0 and 1, and the round ended with two results, as a 60-minute soak split
+    7 + 20)."""
+    rounds, live = await owner_dies_while_two_decode(make_group, decode_s=1.0, part_timeout=2.0, request_timeout=3.0)
     assert not [o for o in live if isinstance(o, BaseException)], live
-    results = [o[0] for o in live]  # type: ignore[index]
+    results = [o[0] for o in live]
+    lo, hi = rounds[0].parts[2]
     assert all(torch.equal(r[lo:hi], results[0][lo:hi]) for r in results), "two results of the dead owner's part"
     assert all(torch.equal(r, results[0]) for r in results), "the members disagree"
-    assert sorted(live[3][1].contributions[dead]) == [0, 1, 2]  # type: ignore[index]  # the owner's own result
+    assert sorted(live[3][1].contributions[2]) == [0, 1, 2]  # the owner's own result
+
+
+@pytest.mark.timeout(60)
+async def test_a_sender_waits_for_its_backup_while_the_backup_waits_for_copies(make_group: MakeGroup) -> None:
+    """The copies take longer to come (2.5 s of decoding) than a sender waits for an owner's
+    answer (2 part timeouts: 2 s). Member 4, whose part went to the backup (3), waits for 3's
+    answer through 3's ask for copies, and takes the part from 3: it does not go on to the next
+    backup (itself), which would ask again and could reduce the part from other contributions."""
+    rounds, live = await owner_dies_while_two_decode(make_group, decode_s=2.5, part_timeout=1.0, request_timeout=4.0)
+    assert not [o for o in live if isinstance(o, BaseException)], live
+    assert rounds[4].reducer_of[2] == 3, "member 4 gave up on the backup and took the part over itself"
+    results = [o[0] for o in live]
+    assert all(torch.equal(r, results[0]) for r in results), "the members disagree"
+    assert sorted(live[3][1].contributions[2]) == [0, 1, 2]  # the owner's own result, vouched for by 0 and 1
 
 
 @pytest.mark.timeout(60)

@@ -54,7 +54,15 @@ from swarm.averaging.config import AveragingConfig
 from swarm.averaging.errors import AllReduceError
 from swarm.averaging.messages import GroupInfo
 from swarm.averaging.rounds.bandwidth import PACE_FACTOR, busy_rate
-from swarm.averaging.rounds.confirm import Unconfirmed, Votes, confirm_own_part, group_result, in_doubt, vouched_copy
+from swarm.averaging.rounds.confirm import (
+    Unconfirmed,
+    Votes,
+    backup_patience,
+    confirm_own_part,
+    group_result,
+    in_doubt,
+    vouched_copy,
+)
 from swarm.averaging.rounds.flat_serving import FlatServing
 from swarm.averaging.rounds.member import RoundMember, RoundReport, await_parts
 from swarm.averaging.rounds.overdue import MIN_MARGIN_S
@@ -240,13 +248,14 @@ class AllReduceRound(RoundMember):
     async def _exchange(self, reducer: int, j: int) -> Final:
         lo, hi = self.parts[j]
         timeout = self.config.part_timeout
+        patience = 2 * timeout if reducer == j else backup_patience(2 * timeout, self.config.request_timeout)
         args = {"g": self.group.group_id, "i": self.me, "p": j}
         member = self.group.members[reducer]
         async with await self.host.open_stream(member.address(), PART, args, timeout=timeout) as stream:
             self.pace_to(reducer)
             started = time.monotonic()
             # read while we write: a streamed answer begins before our slice is all sent
-            answer = asyncio.ensure_future(self._read_final(stream, lo, hi, 2 * timeout))
+            answer = asyncio.ensure_future(self._read_final(stream, lo, hi, patience))
             answer.add_done_callback(exception_seen)
             try:
                 sent = await write_encoded(stream, self.codec, self.vector, lo, hi, self.config.chunk_elements)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgpack
 
 from swarm.averaging.errors import AllReduceError
+from swarm.averaging.rounds.confirm import backup_patience
 from swarm.averaging.rounds.reduction import Incoming, PartReduction
 from swarm.averaging.rounds.streams import Final
 from swarm.p2p.errors import BadRequest, NotFound, P2PError
@@ -126,7 +127,10 @@ class FlatServing:
         try:
             if await answer:
                 return
-            final = await asyncio.wait_for(asyncio.shield(reduction.result), 2 * r.config.part_timeout)
+            wait = 2 * r.config.part_timeout  # a part taken over asks for copies first: as long again as a sender waits
+            if part != r.me:
+                wait = backup_patience(wait, r.config.request_timeout)
+            final = await asyncio.wait_for(asyncio.shield(reduction.result), wait)
         except (AllReduceError, ValueError, TimeoutError) as e:  # the sender tries the next reducer
             raise NotFound(f"avg.part: part {part} could not be reduced here: {e}") from None
         await self._reply(stream, final, index, incoming.rate())

@@ -81,7 +81,7 @@ from swarm.averaging.audit.grid import GridAudit
 from swarm.averaging.config import AveragingConfig
 from swarm.averaging.errors import AllReduceError
 from swarm.averaging.messages import GroupInfo
-from swarm.averaging.rounds.confirm import Unconfirmed, Votes, confirm_own_part, in_doubt, vouched_copy
+from swarm.averaging.rounds.confirm import Unconfirmed, Votes, backup_patience, confirm_own_part, in_doubt, vouched_copy
 from swarm.averaging.rounds.grid_reading import GridReader
 from swarm.averaging.rounds.grid_reduction import ColReduction, RowReduction
 from swarm.averaging.rounds.grid_serving import FAILURES, GridServing
@@ -291,7 +291,8 @@ class GridRound(GridServing, RoundMember):
             await stream.write(payload[offsets[s] : offsets[s + 1]])
             self.report.bytes_sent += offsets[s + 1] - offsets[s]
             await stream.end()
-            header, size = await read_header(stream, 3 * timeout)
+            patience = 3 * timeout if reducer == s else backup_patience(3 * timeout, self.config.request_timeout)
+            header, size = await read_header(stream, patience)
             self.note_upload(offsets[s + 1] - offsets[s], started, time.monotonic() - started, header)
             return await self.reader.sub(stream, self.col, s, header, size)
 

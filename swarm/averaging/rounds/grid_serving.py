@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from swarm.averaging.errors import AllReduceError
+from swarm.averaging.rounds.confirm import backup_patience
 from swarm.averaging.rounds.registry import COL, ROW
 from swarm.averaging.rounds.streams import Final
 from swarm.p2p.errors import BadRequest, NotFound, P2PError
@@ -134,7 +135,10 @@ class GridServing:
             finally:
                 reduction.changed.set()
             try:
-                final = await asyncio.wait_for(asyncio.shield(reduction.result), 4 * self.config.part_timeout)
+                wait = 4 * self.config.part_timeout  # a sub-part taken over asks for copies first
+                if s != self.row:
+                    wait = backup_patience(wait, self.config.request_timeout)
+                final = await asyncio.wait_for(asyncio.shield(reduction.result), wait)
             except FAILURES as e:  # the sender tries the next reducer
                 raise NotFound(f"avg.col: sub-part {s} could not be reduced here: {e}") from None
             await self._answer(stream, [final], rate=incoming.rate())
