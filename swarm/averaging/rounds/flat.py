@@ -15,7 +15,9 @@ Faults (DESIGN invariant 5):
   order that accepts connections (then the next, if that one is dead too). The backup first asks
   the other members whether they already received the owner's average (`avg.fetch`); if two of
   them hold the same bytes (rounds/confirm.py), everybody gets those very bytes. Otherwise it
-  reduces the part itself from its own slice and the contributions the survivors re-send to it;
+  reduces the part itself from its own slice and the contributions the survivors re-send to it,
+  the owner's among them when the owner is alive without a result of its own part (its senders
+  came after its wait ran out): it sends to the backup as they do;
 - an owner that a sender gave up on (its slice never came whole, or it cancelled its stream
   before our answer: a stalled owner reads those from its buffers once it runs again), or whose
   result is ready more than LATE_TIMEOUTS part timeouts after its group formed, uses its own
@@ -221,10 +223,15 @@ class AllReduceRound(RoundMember):
         if reduction is None:
             lo, hi = self.parts[j]
             expected = {i for i in range(len(self.group.members)) if i not in (j, self.me)}
+            # a part we take over: its owner may be alive and without a result of its own part (its
+            # senders came after its wait ran out); it then sends its slice here as the others do.
+            # Refused, it could not finish the round that everyone else finished (in a soak under
+            # load: an owner whose senders were all late left its group and fetched the step)
+            owner = frozenset({j}) if j != self.me else frozenset()
             reduction = PartReduction(
                 j, lo, hi, self.me, self.vector[lo:hi], self.weights, expected, self.codec, self.config.chunk_elements,
                 aggregator=self.config.aggregator, streams=self.config.stream_parts and j == self.me,
-                watch=self.watch(),
+                watch=self.watch(), optional=owner,
             )  # fmt: skip
             self.reductions[j] = reduction
             self._tasks.append(asyncio.ensure_future(self._run_reduction(reduction, takeover=j != self.me)))

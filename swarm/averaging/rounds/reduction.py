@@ -119,10 +119,14 @@ class PartReduction:
         aggregator: str = "robust",
         streams: bool = False,
         watch: Watch | None = None,
+        optional: frozenset[int] = frozenset(),
     ) -> None:
         self.part, self.lo, self.hi = part, lo, hi
         self.own_index, self.own_slice = own_index, own_slice
         self.weights, self.expected = weights, expected
+        # senders taken in when their slice comes in time, never waited for (a backup's: the part's
+        # own owner, alive but without a result of its own part, sends to it as the others do)
+        self.optional = optional
         self.codec, self.chunk_elements = codec, chunk_elements
         self._layout: list[tuple[int, int, slice]] | None = None
         self.aggregator = aggregator
@@ -159,7 +163,7 @@ class PartReduction:
 
     def incoming(self, index: int) -> Incoming:
         """Register a sender; ValueError if it already sent or is not expected."""
-        if index not in self.expected or index in self.senders:
+        if (index not in self.expected and index not in self.optional) or index in self.senders:
             raise ValueError(f"sender {index} is not expected for part {self.part} (or sent twice)")
         incoming = self.senders[index] = Incoming(index, byte_buffer(self.encoded_size))
         return incoming
@@ -217,7 +221,7 @@ class PartReduction:
                     chunk.set_result(False)
         if self.result.done():  # settled from outside (a copy of the original owner's result)
             return self.result.result()
-        complete = [i for i in self.expected if i in self.senders and self.senders[i].done]
+        complete = [i for i in self.expected | self.optional if i in self.senders and self.senders[i].done]
         try:
             included, average = await asyncio.to_thread(self._reduce, complete)
             if len(included) < min_contributions:
