@@ -60,6 +60,8 @@ class Facts:
     sees_peers: bool = True  # its last read of the records got an answer (it is not cut off)
     own_record_age: float = 0.0  # seconds since its own record was last stored (inf: never)
     margin: float = 0.3  # seconds it keeps for its announcement to reach the DHT
+    # the members of the round that made the state it holds (lagging_mate)
+    last_round: frozenset[PeerID] = frozenset()
 
     def live(self) -> list[PeerProgress]:
         return [p for p in self.peers if self.now - p.time <= self.fresh_for]
@@ -95,6 +97,15 @@ def swarm_is_ahead(f: Facts) -> bool:
     return ahead > 0 and ahead >= 1 + sum(1 for p in live if p.step == f.step)
 
 
+def lagging_mate(f: Facts, p: PeerProgress) -> bool:
+    """A member of the round that made our state whose record still says that round's step: its
+    new record has not reached us yet (under load a store takes seconds), and it trains our step,
+    begun when we did. Read as one step behind, it was not waited for: in a 60-minute soak two
+    nodes done early formed a group of two while the 10 others of their last round trained the
+    step, and the two went on as a lineage of their own that the rest never followed."""
+    return p.step == f.step - 1 and p.peer_id in f.last_round
+
+
 def plan_step(f: Facts) -> StepPlan:
     """At the start of outer step f.step (the node holds its state, no inner step done)."""
     live = f.live()
@@ -103,7 +114,8 @@ def plan_step(f: Facts) -> StepPlan:
     same = [p for p in live if p.step == f.step]
     same_servers = [p for p in same if not p.client]
     done = [p for p in same_servers if p.inner >= p.inner_steps]
-    if 2 * len(done) > len(same_servers):  # most of them: one record alone cannot stop our training
+    training = len(same_servers) + sum(1 for p in live if lagging_mate(f, p) and not p.client)
+    if 2 * len(done) > training:  # most of them: one record alone cannot stop our training
         return StepPlan(JOIN_FORMING, "the peers of our step are matchmaking")
     h = f.inner_steps
     started = [p for p in same if 0 < p.inner < p.inner_steps and not p.client]  # clients wait for servers
@@ -218,7 +230,7 @@ def straggler_horizon(f: Facts, own_finish: float) -> float:
     peer predicted to finish later (stalled, very slow, or lying to hold every step) is not
     waited for, so one identity's records delay a step by at most that much."""
     same = [p for p in f.live() if p.step == f.step]
-    finishes = sorted([own_finish, *(predicted_finish(f, p) for p in same)])
+    finishes = sorted([own_finish, *(finish for _, finish in step_finishes(f, own_finish))])
     # our own pace when we know it (a record's pace is what a liar sets), else the peers' median
     pace = f.own_sec if f.own_sec > 0 else median_pace(same)
     median = finishes[(len(finishes) - 1) // 2]  # the lower median: a liar cannot raise it alone
@@ -246,11 +258,24 @@ def latest_finish(f: Facts, own_finish: float, max_wait: float) -> float:
     earlier than own_finish; peers beyond the straggler horizon are not counted at all."""
     horizon = straggler_horizon(f, own_finish)
     end = own_finish
-    for p in f.live():
-        finish = predicted_finish(f, p)
-        if p.step == f.step and finish <= horizon:
+    for _, finish in step_finishes(f, own_finish):
+        if finish <= horizon:
             end = max(end, min(finish, own_finish + max_wait))
     return end
+
+
+def step_finishes(f: Facts, own_finish: float) -> list[tuple[PeerProgress, float]]:
+    """The live peers that train our step, each with when it should be done: the peers of our
+    step (predicted_finish), and our round mates whose records lag (lagging_mate), begun when we
+    began, at their own pace (ours when their record has none)."""
+    began = own_finish - f.inner_steps * f.own_sec
+    found = []
+    for p in f.live():
+        if p.step == f.step:
+            found.append((p, predicted_finish(f, p)))
+        elif lagging_mate(f, p):
+            found.append((p, began + f.inner_steps * (p.sec_per_step if p.sec_per_step > 0 else f.own_sec)))
+    return found
 
 
 def predicted_finish(f: Facts, p: PeerProgress) -> float:

@@ -10,6 +10,7 @@ import logging
 from swarm.node.context import RunContext, StepFacts
 from swarm.node.plan import Facts, borrowed_pace, median_pace
 from swarm.node.progress import OwnProgress, implausible
+from swarm.p2p.peer_id import PeerID
 from swarm.state.trust import step_horizon
 from swarm.utils.log_once import OncePerPeer
 
@@ -43,7 +44,15 @@ class SwarmView:
         return Facts(step=ctx.diloco.outer_step, inner_steps=ctx.config.inner_steps, own_sec=pace,
                      client=ctx.client, peers=tuple(peers), now=now, fresh_for=ctx.book.fresh_for,
                      late=self.facts.late, watched_for=now - ctx.book.first_read,
-                     sees_peers=ctx.book.read_ok, own_record_age=now - ctx.book.stored_at)  # fmt: skip
+                     sees_peers=ctx.book.read_ok, own_record_age=now - ctx.book.stored_at,
+                     last_round=self.last_round())  # fmt: skip
+
+    def last_round(self) -> frozenset[PeerID]:
+        """The members of the round that made the state we hold (none for a state a round did not
+        make: the run's first, or a step taken alone). Our own record is not among the peers'."""
+        ctx = self.ctx
+        link = ctx.lineage.lineage.link_into(ctx.diloco.outer_step)
+        return frozenset(link.members) if link is not None and len(link.members) >= 2 else frozenset()
 
     def horizon(self) -> int | None:
         """The highest outer step the run can have reached by now (trust.step_horizon), from the

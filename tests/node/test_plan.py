@@ -245,6 +245,31 @@ def test_latest_finish_waits_for_the_slowest_live_peer_of_the_step_bounded() -> 
     assert latest_finish(facts(), own_finish=NOW, max_wait=30) == NOW
 
 
+def test_a_member_of_our_last_round_whose_record_lags_trains_our_step() -> None:
+    """Its record still says the step we averaged together (its new one has not reached us): it
+    began our step when we did, at its own pace. Such records were read as one step behind: a
+    node done early formed a group with a joiner while the 10 others of its last round trained
+    (a 60-minute soak), and the two went on as a lineage of their own."""
+    slow_mates = (peer(4, H, sec=2.0, i=1, age=5), peer(4, H, sec=1.5, i=2, age=5))
+    fast = peer(5, H, sec=0.2)  # done with our step already
+    alone = facts(fast, *slow_mates, step=5)
+    ours = dataclasses.replace(alone, last_round=frozenset({IDS[0], IDS[1], IDS[2]}))
+    # at the start of the step: one of the three training it is done, not most of them
+    assert plan_step(alone).action == JOIN_FORMING
+    assert plan_step(ours).action == TRAIN
+    # waiting for slower peers: began when we did (own finish 100 + 5 at 0.5 s a step, so at 95),
+    # they finish at 95 + 10 x 2.0 and 95 + 10 x 1.5
+    own = dataclasses.replace(ours, own_sec=0.5)
+    assert latest_finish(own, own_finish=NOW + 5, max_wait=30) == NOW + 15
+    assert latest_finish(own, own_finish=NOW + 5, max_wait=4) == NOW + 9  # capped
+    assert latest_finish(dataclasses.replace(alone, own_sec=0.5), own_finish=NOW + 5, max_wait=30) == NOW + 5
+    # a peer one step behind that was not in our last round missed it: not waited for (it is
+    # expected in matchmaking, as every live peer one step behind is)
+    other = dataclasses.replace(own, last_round=frozenset({IDS[0]}))
+    assert latest_finish(other, own_finish=NOW + 5, max_wait=30) == NOW + 5
+    assert {IDS[1], IDS[2]} <= expected_peers(other, own_finish=NOW + 5, max_wait=30)
+
+
 def test_a_peer_that_has_not_timed_a_step_is_expected_at_our_pace_from_its_record() -> None:
     untimed = peer(5, 2, sec=0.0, age=1)  # published 1 s ago, 8 inner steps to go, pace unknown
     assert predicted_finish(facts(untimed, own_sec=0.5), untimed) == NOW + 3  # 99 + 8 * 0.5
