@@ -268,7 +268,7 @@ def step_finishes(f: Facts, own_finish: float) -> list[tuple[PeerProgress, float
     """The live peers that train our step, each with when it should be done: the peers of our
     step (predicted_finish), and our round mates whose records lag (lagging_mate), begun when we
     began, at their own pace (ours when their record has none)."""
-    began = own_finish - f.inner_steps * f.own_sec
+    began = own_finish - f.inner_steps * f.own_sec if f.own_sec > 0 else f.now  # untimed: we begin now
     found = []
     for p in f.live():
         if p.step == f.step:
