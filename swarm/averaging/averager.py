@@ -92,6 +92,12 @@ class Averager:
         self.matchmaker.close()
         self.registry.close()
 
+    async def drain(self, timeout: float) -> int:
+        """Wait until the rounds' streams being served now are done (at most `timeout`): what
+        this member still owes its group (a result it reduced, a copy asked for). Returns how
+        many were still being served."""
+        return await self.registry.drain(timeout)
+
     def member_info(self, weight: float, state: bytes = b"", *, as_client: bool = False) -> MemberInfo:
         reach = self.reach()
         # a member the others reach only through a relay owns no part (every member would send its

@@ -264,6 +264,11 @@ class SwarmNode:
             publisher = Supervised("progress records", lambda: self._publish_forever(loop.view, claimer)).start()
             started_with = await starting.wait_to_start(loop.view, self.config.start_with, stop)
             reason = await loop.run(started_with)
+            # what our last round owes its group (a result half-written to its senders) goes out
+            # before the host closes under it
+            if owed := await averager.drain(config.part_timeout):
+                logger.warning("leaving with %d averaging stream(s) still being served after %.0fs",
+                               owed, config.part_timeout)  # fmt: skip
             return reason
         finally:
             if publisher is not None and (error := await publisher.close()) is not None:

@@ -6,6 +6,7 @@ Every stream method a round may serve is named here, with the round's method tha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from swarm.averaging.config import AveragingConfig
@@ -39,6 +40,9 @@ class RoundRegistry:
         self.rounds: dict[bytes, Any] = {}  # an AllReduceRound or a hierarchical GridRound
         self._arrived: dict[bytes, asyncio.Event] = {}
         self._timers: dict[bytes, asyncio.TimerHandle] = {}
+        self._calls = 0  # streams being served now (`drain`)
+        self._idle = asyncio.Event()
+        self._idle.set()
         for method, serve in SERVED.items():
             host.add_stream_handler(method, self._route(method, serve))
 
@@ -47,6 +51,15 @@ class RoundRegistry:
             self.host.remove_handler(method)
         for timer in self._timers.values():
             timer.cancel()
+
+    async def drain(self, timeout: float) -> int:
+        """Wait until no stream is being served (at most `timeout`); returns how many still are.
+        A node that stops after its round must not close its host under its own answers: a
+        backup's result half-written to its senders made them take the part to the next backup,
+        which reduced it again, and the stopped node left holding another state than its group."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        return self._calls
 
     def add(self, round_: Any) -> None:
         group_id = round_.group.group_id
@@ -89,9 +102,16 @@ class RoundRegistry:
 
     def _route(self, method: str, serve: str) -> Any:
         async def handler(ctx: CallContext, args: Any, stream: Stream) -> None:
-            serving = getattr(await self._find(args), serve, None)
-            if serving is None:
-                raise BadRequest(f"{method}: this group's round does not serve it")
-            await serving(ctx, args, stream)
+            self._calls += 1
+            self._idle.clear()
+            try:
+                serving = getattr(await self._find(args), serve, None)
+                if serving is None:
+                    raise BadRequest(f"{method}: this group's round does not serve it")
+                await serving(ctx, args, stream)
+            finally:
+                self._calls -= 1
+                if not self._calls:
+                    self._idle.set()
 
         return handler
