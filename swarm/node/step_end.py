@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from swarm.averaging.averager import GroupReport
 from swarm.averaging.errors import AllReduceError
 from swarm.averaging.matchmaking.matchmaker import Matchmade
+from swarm.dht.errors import DHTError
 from swarm.model.checkpoint import CheckpointError
 from swarm.model.compression import outgoing
 from swarm.node.context import RunContext, StepFacts
@@ -34,6 +35,7 @@ from swarm.node.plan import (
     unkept_markers,
 )
 from swarm.node.view import SwarmView
+from swarm.p2p.errors import P2PError
 from swarm.p2p.peer_id import PeerID
 from swarm.state.fetcher import FetchError
 from swarm.utils.log_once import RateLimitedLog
@@ -177,8 +179,29 @@ class StepEnd:
         again = await self.groups.after_peers(step, float(ctx.diloco.round_tokens))
         if again is None:
             return False
+        if again.group is not None and await self._second_group(step, again):
+            again = Matchmade(None, again.seconds, late=True)  # its result is the step's: await it
         g.since = None if again.group is not None else loop.time()
         return again
+
+    async def _second_group(self, step: int, found: Matchmade) -> bool:
+        """Is the group we formed on a retry a second group of our state at this step, beside a
+        larger one that formed first (ready.outvoted)? Its markers may have reached the DHT only
+        after our first matchmaking ended: two nodes late for a group of 20 in a 60-minute soak
+        formed a group of two on the retry and averaged the step a second time, a fork."""
+        assert found.group is not None
+        ctx = self.ctx
+        try:
+            larger = await ctx.averager.outvoted(step, found.group.group_id, self.facts.state_sha,
+                                                 ctx.lineage.lineage.voters())  # fmt: skip
+        except (P2PError, DHTError, TimeoutError) as e:  # unread: the round goes on, as before this check
+            logger.info("step %d: could not check for a larger group beside ours: %s", step, e)
+            return False
+        if larger:
+            members = len(found.group.members)
+            logger.warning("step %d: a larger group of our state formed at this step before ours (of %d): "
+                           "taking its result, not averaging the step again", step, members)  # fmt: skip
+        return larger
 
     def _judge_markers(self, step: int, late_by: frozenset[PeerID]) -> None:
         """We took the swarm's result of `step` after FORMED markers of `late_by` said a group of
