@@ -197,6 +197,23 @@ def plan_without_group(f: Facts, *, late: bool, other_state: bool, waited: float
     return StepPlan(APPLY_OWN, "no live peer at our step: ours is the swarm's state")
 
 
+# a late node whose group's owners still say the step waits this many part timeouts past
+# max_wait for its result: each wait of a round is bounded by the part timeout, a dead member
+# costs a round about two of them, a dead owner's backup one more
+ROUND_TIMEOUTS = 4
+
+
+def result_still_coming(waited: float, max_wait: float, part_timeout: float, owners_at_step: bool) -> bool:
+    """A late node has waited `waited` s for the result of the group that formed without it; past
+    max_wait plan_without_group says RETRY. It waits on while the live records of that group's
+    marker owners still say the step (`owners_at_step`: their round has not landed), up to
+    ROUND_TIMEOUTS part timeouts more: a round outlasts max_wait on a loaded machine, and the
+    late ones matchmaking again formed a group of their own, a second result of the step (a
+    60-minute soak forked so, at rounds of 60-130 s). A live identity renewing the markers of a
+    group that never was holds a late node that long at most."""
+    return owners_at_step and max_wait <= waited < max_wait + ROUND_TIMEOUTS * part_timeout
+
+
 def recently_stale(f: Facts) -> list[PeerProgress]:
     """The peers whose last record said our outer step and went stale less than one freshness
     window ago (older than f.fresh_for, not older than twice it): the ones that may be alive and

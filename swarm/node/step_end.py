@@ -29,8 +29,10 @@ from swarm.node.plan import (
     END,
     FETCH,
     RECHECK,
+    RETRY,
     StepPlan,
     plan_without_group,
+    result_still_coming,
     servers_behind,
     unkept_markers,
 )
@@ -151,6 +153,8 @@ class StepEnd:
                 return False  # the peers are already training on it: our next step is late
             await asyncio.sleep(RESULT_POLL)
             return Matchmade(None, found.seconds)  # nothing to fetch yet: look again
+        if plan.action == RETRY and self._result_coming(step, g):
+            plan = StepPlan(AWAIT_RESULT, "the round of the group that formed without us is still under way")
         if plan.action == AWAIT_RESULT:  # the holders may show the result before the records do
             if await self.fetch(alone=False, missed=g.late):
                 self._judge_markers(step, g.late_by)
@@ -202,6 +206,16 @@ class StepEnd:
             logger.warning("step %d: a larger group of our state formed at this step before ours (of %d): "
                            "taking its result, not averaging the step again", step, members)  # fmt: skip
         return larger
+
+    def _result_coming(self, step: int, g: _Groupless) -> bool:
+        """Late past max_wait: does the result of the group that formed without us still come
+        (plan.result_still_coming)?"""
+        if not (g.late and g.late_by and g.since is not None):
+            return False
+        at_step = any(p.peer_id in g.late_by and p.step == step for p in self.view.read().live())
+        config = self.ctx.config
+        waited = asyncio.get_running_loop().time() - g.since
+        return result_still_coming(waited, config.max_wait, config.part_timeout, at_step)
 
     def _judge_markers(self, step: int, late_by: frozenset[PeerID]) -> None:
         """We took the swarm's result of `step` after FORMED markers of `late_by` said a group of

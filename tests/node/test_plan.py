@@ -27,6 +27,7 @@ from swarm.node.plan import (
     plan_without_group,
     predicted_finish,
     recently_stale,
+    result_still_coming,
     servers_behind,
     starting_together,
     steps_for_slower,
@@ -449,3 +450,18 @@ def test_starting_together(what: str, step: int, peers: tuple[PeerProgress, ...]
 def test_steps_for_slower(what: str, peers: tuple[PeerProgress, ...], own_sec: float, extra_done: int,
                           max_wait: float, steps: int) -> None:  # fmt: skip
     assert steps_for_slower(facts(*peers, own_sec=own_sec), extra_done, max_wait) == steps, what
+
+
+@pytest.mark.parametrize(
+    ("what", "waited", "owners_at_step", "coming"),
+    [
+        ("within max_wait: plan_without_group awaits it already", 10.0, True, False),
+        ("past max_wait, its owners still say the step: their round is under way", 45.0, True, True),
+        ("near the bound", 269.0, True, True),
+        ("past max_wait + 4 part timeouts: given up", 271.0, True, False),
+        ("past max_wait, its owners moved on or went quiet: matchmake again", 45.0, False, False),
+    ],
+)
+def test_a_late_node_waits_for_a_round_still_under_way(what: str, waited: float, owners_at_step: bool,
+                                                         coming: bool) -> None:  # fmt: skip
+    assert result_still_coming(waited, max_wait=30.0, part_timeout=60.0, owners_at_step=owners_at_step) is coming, what
