@@ -56,14 +56,11 @@ from swarm.averaging.audit.arithmetic import (
 )
 from swarm.averaging.audit.flat import (
     WRONG_SEED,
-    Verdict,
     holds,
-    judge,
     receipt_limit,
     receipt_of,
     retrieved,
     succeeded,
-    verdict_of,
 )
 from swarm.averaging.audit.grid_checks import (
     ROW_RECEIPT,
@@ -74,6 +71,7 @@ from swarm.averaging.audit.grid_checks import (
     check_row_receipt,
     live_subparts,
 )
+from swarm.averaging.audit.verdicts import Verdict, judge, verdict_of
 from swarm.averaging.rounds.partition import payload_layout
 from swarm.averaging.rounds.registry import RECEIPT
 from swarm.p2p.errors import BadRequest, NotFound, P2PError, RemoteError

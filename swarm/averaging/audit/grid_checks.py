@@ -20,7 +20,8 @@ from swarm.averaging.audit.arithmetic import (
     check_receipt,
     quantization_tol,
 )
-from swarm.averaging.audit.flat import OURS, JudgedRound, unpack_receipt
+from swarm.averaging.audit.flat import unpack_receipt
+from swarm.averaging.audit.verdicts import OURS, JudgedRound
 from swarm.averaging.robust import robust_coefficients
 from swarm_kernels.sketch import SketchPlan
 
