@@ -98,11 +98,9 @@ def swarm_is_ahead(f: Facts) -> bool:
 
 
 def lagging_mate(f: Facts, p: PeerProgress) -> bool:
-    """A member of the round that made our state whose record still says that round's step: its
-    new record has not reached us yet (under load a store takes seconds), and it trains our step,
-    begun when we did. Read as one step behind, it was not waited for: in a 60-minute soak two
-    nodes done early formed a group of two while the 10 others of their last round trained the
-    step, and the two went on as a lineage of their own that the rest never followed."""
+    """A member of the round that made our state whose record still says that round's step (a
+    store takes seconds under load): it trains our step, begun when we did. Read as one step
+    behind, two nodes of a soak formed a group of two while 10 of their last round trained."""
     return p.step == f.step - 1 and p.peer_id in f.last_round
 
 
@@ -197,20 +195,15 @@ def plan_without_group(f: Facts, *, late: bool, other_state: bool, waited: float
     return StepPlan(APPLY_OWN, "no live peer at our step: ours is the swarm's state")
 
 
-# a late node whose group's owners still say the step waits this many part timeouts past
-# max_wait for its result: each wait of a round is bounded by the part timeout, a dead member
-# costs a round about two of them, a dead owner's backup one more
-ROUND_TIMEOUTS = 4
+ROUND_TIMEOUTS = 4  # a round's waits: a dead member costs about two part timeouts, its backup one more
 
 
 def result_still_coming(waited: float, max_wait: float, part_timeout: float, owners_at_step: bool) -> bool:
-    """A late node has waited `waited` s for the result of the group that formed without it; past
-    max_wait plan_without_group says RETRY. It waits on while the live records of that group's
-    marker owners still say the step (`owners_at_step`: their round has not landed), up to
-    ROUND_TIMEOUTS part timeouts more: a round outlasts max_wait on a loaded machine, and the
-    late ones matchmaking again formed a group of their own, a second result of the step (a
-    60-minute soak forked so, at rounds of 60-130 s). A live identity renewing the markers of a
-    group that never was holds a late node that long at most."""
+    """Past max_wait (plan_without_group: RETRY), a late node waits on for the result of the group
+    that formed without it while its marker owners' live records still say the step (its round
+    has not landed), ROUND_TIMEOUTS part timeouts at most: matchmaking again, the late ones of a
+    soak at rounds of 60-130 s formed groups of their own, second results. A live identity
+    renewing markers of a group that never was holds a late node that long at most."""
     return owners_at_step and max_wait <= waited < max_wait + ROUND_TIMEOUTS * part_timeout
 
 

@@ -189,10 +189,9 @@ class StepEnd:
         return again
 
     async def _second_group(self, step: int, found: Matchmade) -> bool:
-        """Is the group we formed on a retry a second group of our state at this step, beside a
-        larger one that formed first (ready.outvoted)? Its markers may have reached the DHT only
-        after our first matchmaking ended: two nodes late for a group of 20 in a 60-minute soak
-        formed a group of two on the retry and averaged the step a second time, a fork."""
+        """Is the group we formed on a retry a second one of our state, beside a larger one
+        (ready.outvoted) whose markers came after our first matchmaking? (Two nodes of a soak
+        late for a group of 20 averaged the step again as a group of two.)"""
         assert found.group is not None
         ctx = self.ctx
         try:
@@ -208,8 +207,7 @@ class StepEnd:
         return larger
 
     def _result_coming(self, step: int, g: _Groupless) -> bool:
-        """Late past max_wait: does the result of the group that formed without us still come
-        (plan.result_still_coming)?"""
+        """Late past max_wait: is the result of the group that formed without us still coming?"""
         if not (g.late and g.late_by and g.since is not None):
             return False
         at_step = any(p.peer_id in g.late_by and p.step == step for p in self.view.read().live())
