@@ -38,8 +38,10 @@ def test_a_newcomer_fetches_from_several_peers_and_then_agrees_with_them(swarm: 
     mine = swarm.events("d", "outer_step")
     story = [(e["event"], e["outer_step"], e.get("group_size", e.get("reason"))) for e in swarm.events("d")
              if e["event"] in ("start", "outer_step", "fetch")]  # fmt: skip
-    # +1: it came as the group was forming
-    assert mine and mine[0]["outer_step"] in (joined, joined + 1), (story, swarm.stderr("d")[-4000:])
+    # +1: it came as the group was forming; +2: on steps of about a second the swarm can also take
+    # a step while it catches up by an update, and its join with no inner steps then comes a moment
+    # after that step's group formed (it fetches once more, then averages: seen 1 run in 3)
+    assert mine and joined <= mine[0]["outer_step"] <= joined + 2, (story, swarm.stderr("d")[-4000:])
     for e in mine:  # bit-identical θ_outer from its first outer step on
         assert e["state_sha256"] == others[e["outer_step"]], (e["outer_step"], [x["group_size"] for x in mine])
     assert mine[0]["group_size"] == 4
