@@ -121,8 +121,11 @@ def test_the_thread_facade_serves_code_that_is_not_async() -> None:
 
 
 async def test_simulated_lookups_take_few_rounds_and_always_succeed() -> None:
+    # 300 nodes are enough to need a second round where 40 never do: over seeds 0-2 the large swarm's
+    # mean was 1.04-1.15 rounds (600 nodes: 1.35) against 1.0, every get and churned get succeeding,
+    # at half the CPU of 600 nodes (about 2.8 s against 5).
     small = await simulate(40, keys=20, gets=100)
-    large = await simulate(600, keys=20, gets=100)
+    large = await simulate(300, keys=20, gets=100)
     assert small.get_success == large.get_success == 1.0
     assert large.churn_get_success >= 0.99
     assert 20 <= small.store_replicas_mean <= 3 * 20  # k on each of the 3 disjoint paths, at most
