@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from swarm.averaging.errors import AllReduceError
 from swarm.averaging.messages import GroupInfo
 from swarm.averaging.rounds.flat import AllReduceRound
+from swarm.averaging.rounds.flat_serving import FlatServing
 from tests.averaging.faults import garbage_codec
 from tests.averaging.rounds import EXACT, MakeGroup, Member, exact_mean, inputs, int8_bound
 
@@ -114,3 +116,30 @@ async def test_too_few_members_left_fails_cleanly(make_group: MakeGroup) -> None
     outcomes = await asyncio.gather(*(r.run() for r in rounds[:2]), return_exceptions=True)
     assert all(isinstance(o, AllReduceError) for o in outcomes)
     assert all(torch.equal(a, b) for a, b in zip(vectors, before, strict=True))
+
+
+async def test_a_round_returns_with_its_answers_to_a_slower_member_sent_and_counted(
+    make_group: MakeGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answers a member owes the others are written before its round returns (bounded by the
+    part timeout), so the report it returns counts them: each byte one member sent, another
+    received. Member 2's answers start 0.3 s late here; members 0 and 1 hold all their parts
+    before that (a node emits its step's figures as its round returns)."""
+    stream_answer = FlatServing._stream_answer
+
+    async def late_to_member_2(self: FlatServing, stream: Any, reduction: Any, incoming: Any, uploaded: Any) -> bool:
+        if incoming.index == 2:
+            await asyncio.sleep(0.3)
+        return await stream_answer(self, stream, reduction, incoming, uploaded)
+
+    monkeypatch.setattr(FlatServing, "_stream_answer", late_to_member_2)
+    group, members = await make_group(3, block_size=1024, chunk_elements=4096, **EXACT)
+    vectors = inputs(3, 50_003)
+    rounds = [AllReduceRound(m.host, m.registry, group, v, m.config) for m, v in zip(members, vectors, strict=True)]
+
+    async def counts_as_it_returns(r: AllReduceRound) -> tuple[int, int]:
+        _, report = await r.run()
+        return report.bytes_sent, report.bytes_received
+
+    counts = await asyncio.gather(*(counts_as_it_returns(r) for r in rounds))
+    assert sum(sent for sent, _ in counts) == sum(received for _, received in counts), counts

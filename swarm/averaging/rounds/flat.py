@@ -133,7 +133,7 @@ class AllReduceRound(RoundMember):
         sampler = asyncio.ensure_future(self._sample_acked(acked)) if self.config.measure_bandwidth else None
         tasks = {j: asyncio.ensure_future(self._obtain(j)) for j in parts}
         try:  # the audit runs before the round's buffers are released
-            await await_parts(tasks, self._tasks, lambda: None)
+            await await_parts(tasks, self._tasks, lambda: None, self._answering, self.config.part_timeout)
             if self.audit is not None:
                 self.report.audit_excluded = await self.audit.run(self.reducer_of)
         finally:

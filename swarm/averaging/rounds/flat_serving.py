@@ -48,6 +48,7 @@ class ServedRound(Protocol):
     votes: Votes
     audit: RoundAudit | None
     finished: bool
+    _answering: set[asyncio.Task[Any]]
 
     def _tag(self) -> str: ...
 
@@ -124,6 +125,21 @@ class FlatServing:
             reduction.changed.set()
         uploaded.set_result(None)
         r.note_download(incoming)
+        # from here we owe the sender its answer: registered before the part's result can exist
+        # (no await since its last chunk), so a round that returns with our part waits for it
+        answering = asyncio.current_task()
+        if answering is not None:
+            r._answering.add(answering)
+        try:
+            await self._answer_slice(stream, reduction, incoming, answer)
+        finally:
+            r._answering.discard(answering)  # type: ignore[arg-type]
+
+    async def _answer_slice(
+        self, stream: Stream, reduction: PartReduction, incoming: Incoming, answer: asyncio.Future[bool]
+    ) -> None:
+        """The part's result to a sender whose slice we took (unless `answer` streamed it)."""
+        r, part = self.round, reduction.part
         try:
             if await answer:
                 return
@@ -133,7 +149,7 @@ class FlatServing:
             final = await asyncio.wait_for(asyncio.shield(reduction.result), wait)
         except (AllReduceError, ValueError, TimeoutError) as e:  # the sender tries the next reducer
             raise NotFound(f"avg.part: part {part} could not be reduced here: {e}") from None
-        await self._reply(stream, final, index, incoming.rate())
+        await self._reply(stream, final, incoming.index, incoming.rate())
 
     async def _stream_answer(
         self, stream: Stream, reduction: PartReduction, incoming: Incoming, uploaded: asyncio.Future[None]

@@ -146,7 +146,6 @@ class GridRound(GridServing, RoundMember):
                                               expected, self.codec, config.chunk_elements,
                                               aggregator=config.aggregator, watch=self.watch())  # fmt: skip
         self.col_reductions: dict[int, ColReduction] = {}
-        self._answering: set[asyncio.Task[Any]] = set()  # answers being written
         self.votes = Votes(config.request_timeout)  # what we hold, for the other members' checks (confirm.py)
         self.audit = GridAudit(self) if config.audit and config.aggregator == "robust" else None
 

@@ -109,6 +109,9 @@ class RoundMember:
         self.result = torch.empty_like(vector)
         self.report = RoundReport(group.group_id, [str(m.peer_id) for m in group.members], {})
         self._tasks: list[asyncio.Task[Any]] = []  # helpers, cancelled when the round ends
+        # answers to other members being written: the round waits for them (bounded) before it
+        # returns, so that its report counts what it sent them
+        self._answering: set[asyncio.Task[Any]] = set()
         self._started = 0.0
         self.finished = False
         self.probe_after = probe_after
