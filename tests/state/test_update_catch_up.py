@@ -14,7 +14,11 @@ from tests.waiting import until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(150)]
 
-RUN: dict[str, Any] = dict(run_id="by-update", inner_steps=120, max_outer_steps=3, matchmaking_time=1.5)
+# Two outer steps: the late node fetches step 0's update, then averages step 1 with the others.
+# A third step trained 120 more inner steps on every node and showed nothing new (the file took
+# 92 CPU-s with three steps, 51 with two). 120 inner steps keep step 1 long enough for the late
+# node to start and fetch inside it: it fetched 1.5 to 3.5 s after step 0 ended, in a step of 45 s.
+RUN: dict[str, Any] = dict(run_id="by-update", inner_steps=120, max_outer_steps=2, matchmaking_time=1.5)
 
 
 @pytest.mark.parametrize("fragments", [1, 3])
@@ -31,5 +35,7 @@ async def test_a_node_one_step_behind_takes_the_steps_update_and_agrees(local: L
     assert fetch["by_update"] and fetch["outer_step"] == 1
     assert fetch["bytes"] < 1.1 * synced  # its Δ̄ in int8: 1.08 bytes a parameter (the state: 8 of all of them)
     assert fetch["state_sha256"] == first[0].steps()[0]["state_sha256"]  # the state step 0 ended with
+    # it trains on in agreement: the last step's group has all three, and one state
+    assert set(late.steps()) == {1} and late.steps()[1]["group_size"] == 3, late.events
     for step, hashes in local.by_step().items():
         assert len(hashes) == 1, (step, hashes)
