@@ -35,9 +35,10 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +62,20 @@ MAX_POSITION_BYTES = 1 << 20
 POSITION_FILE = "data-position.json"  # in the node's --checkpoint-dir
 CONFIRM_AFTER = 1.0  # seconds before a contested claim that the tie-break gave us is read again
 WAITING_POLL = 2.0  # seconds between reads while we wait for peers to train the epoch's last chunks
+# overrides the default of claim_ttl (the multi-process tests' nodes set a short one). Every node of
+# a run must use the same: a reader holds a peer's claims for its own lifetimes (pace.hold_seconds)
+CLAIM_TTL_ENV = "SWARM_CLAIM_TTL"
+
+
+def _default_claim_ttl() -> float:
+    return float(os.environ.get(CLAIM_TTL_ENV, CLAIM_TTL))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ClaimerConfig:
-    claim_ttl: float = CLAIM_TTL  # a live claim lapses this long after its last renewal
+    # a live claim lapses this long after its last renewal; a node whose training stalls gives its
+    # chunk up about two lifetimes after it claimed it (pace.overdue), so a stall holds peers that long
+    claim_ttl: float = field(default_factory=_default_claim_ttl)
     position: Path | None = None  # where the position is kept (None: not kept)
 
     def __post_init__(self) -> None:

@@ -7,20 +7,69 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
+from swarm.data.claimer import CLAIM_TTL_ENV, CONFIRM_AFTER, WAITING_POLL
+from swarm.data.claims import MAX_LIVE
+from swarm.data.pace import HOLD_TTLS, PACE_SLACK
 from tests.model.token_corpus import prepared_data
-from tests.node.conftest import Swarm
+from tests.node.conftest import ENV, Swarm
 
 pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install -e '.[hf]')")
 
+# The nodes' claims live this long instead of CLAIM_TTL (a minute). At an epoch's end a node can
+# hold the last chunk untrained while its outer step's round waits for peers that wait for that
+# chunk, until it gives the chunk up (pace.overdue: about two lifetimes after claiming it); the
+# next holder may block the same way. With a minute's lifetime one such hold took 141 s under
+# load and the epoch had not ended 190 s after its last chunk was claimed.
+CLAIM_TTL_S = 12.0
+DONE_LINE = re.compile(r"^(\S+ \S+) INFO swarm\.data\.cursor: data: chunk (\d+) of epoch (\d+) done", re.MULTILINE)
 
-@pytest.mark.soak  # three swarm-node processes through a whole epoch: 165 s quiet since the claims' pace rules
+
+@pytest.fixture
+def short_claims(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The swarm-node processes this test starts use claims of CLAIM_TTL_S seconds, all of them."""
+    monkeypatch.setitem(ENV, CLAIM_TTL_ENV, str(CLAIM_TTL_S))
+
+
+def wait_for_epoch_end(swarm: Swarm, names: Sequence[str], epoch: int, *, chunk_tokens: int, nodes: int) -> None:
+    """Wait for a node's line that `epoch` is over, as long as the nodes keep finishing chunks: fail
+    when none finished one for longer than the claim rules can hold a chunk up. Readers count a
+    stalled node's claim for pace.hold_seconds at most, at the slowest pace a claim is held for
+    (pace.hold_rate: a PACE_SLACK**2 part of the median), then take the chunk (a poll, a
+    confirming read). At an epoch's end each node of a round that waits for the chunk may hold it
+    once that way (it trains up to its step's last inner step, then waits in the round), so
+    `nodes` such holds, then one chunk's training. The pace is the one measured so far (the done
+    lines over their time span, per node); the reads and the training PACE_SLACK times slower."""
+    over = f"data: epoch {epoch} is over (every chunk trained"
+    while not any(over in swarm.stderr(n) for n in names):
+        stamps = sorted(_stamp(m.group(1)) for n in names for m in DONE_LINE.finditer(swarm.stderr(n)))
+        assert len(stamps) >= 2, "no pace measured yet: wait for two chunks done before the epoch's end"
+        rate = len(stamps) * chunk_tokens / max(stamps[-1] - stamps[0], 1.0) / nodes
+        held = PACE_SLACK * MAX_LIVE * chunk_tokens / (rate / PACE_SLACK**2) + HOLD_TTLS * CLAIM_TTL_S
+        stalled = nodes * (held + PACE_SLACK * (WAITING_POLL + CONFIRM_AFTER)) + PACE_SLACK * chunk_tokens / rate
+        idle = time.time() - stamps[-1]
+        assert idle < stalled, f"no chunk done for {idle:.0f} s (at most {stalled:.0f} s at {rate:.0f} tokens/s a node)"
+        time.sleep(0.5)
+
+
+def _stamp(text: str) -> float:
+    """The unix time of a log line's `2026-12-07 03:22:09,896` (the nodes log in this machine's zone)."""
+    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+@pytest.mark.soak  # three swarm-node processes through an epoch of 22 chunks: 14 s with the machine's load at 12,
+# 37 s at 16 (three busy loops beside); an epoch's end held up by a stalled claim costs about 35 s a holder
 @pytest.mark.timeout(300)
+@pytest.mark.usefixtures("short_claims")
 def test_three_nodes_share_the_chunks_and_a_killed_node_resumes(swarm: Swarm, tmp_path: Path) -> None:
-    prepared_data(tmp_path, seed=4, rows=400, shard_tokens=400, eval_every=5, eval_tokens=1500)
+    # 22 chunks of 400 tokens: 3 inner steps of --batch-size 2 each, 4 to an outer step
+    prepared_data(tmp_path, seed=4, rows=200, shard_tokens=400, eval_every=5, eval_tokens=1500)
     swarm.start_bootstrap()
     run = ("--run-id", "chunks", "--inner-steps", "4", "--matchmaking-time", "1", "--data", str(tmp_path / "data"))
 
@@ -35,15 +84,15 @@ def test_three_nodes_share_the_chunks_and_a_killed_node_resumes(swarm: Swarm, tm
     assert (tmp_path / "ckpt-c" / "data-position.json").exists()
     start("c-again")
     swarm.wait_for(lambda: "data: resuming at epoch" in swarm.stderr("c-again"), 60, "c to resume its position")
-    over = "data: epoch 0 is over (every chunk trained"
-    swarm.wait_for(lambda: any(over in swarm.stderr(n) for n in ("a", "b", "c-again")), 200, "the end of epoch 0")
+    manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
+    wait_for_epoch_end(swarm, ("a", "b", "c", "c-again"), 0, chunk_tokens=manifest["shard_tokens"], nodes=3)
     # from the logs: every chunk of epoch 0 trained, and twice only where the killed node had
     # trained it before its done marks reached the DHT
     done: dict[int, list[str]] = {}
     for name in ("a", "b", "c", "c-again"):
         for m in re.finditer(r"data: chunk (\d+) of epoch 0 done", swarm.stderr(name)):
             done.setdefault(int(m.group(1)), []).append(name)
-    chunks = len(json.loads((tmp_path / "data" / "manifest.json").read_text())["train"])
+    chunks = len(manifest["train"])
     assert set(done) == set(range(chunks)), sorted(set(range(chunks)) - set(done))
     twice = {c: who for c, who in done.items() if len(who) > 1}
     assert all("c" in who and len(who) == 2 for who in twice.values()), twice
@@ -54,8 +103,9 @@ def _done_lines(text: str) -> list[tuple[int, int]]:
     return [(int(m.group(2)), int(m.group(1))) for m in re.finditer(r"data: chunk (\d+) of epoch (\d+) done", text)]
 
 
-@pytest.mark.soak  # seven swarm-node processes for 40-90 s: beside the soak, outside the suite's budget
+@pytest.mark.soak  # seven swarm-node processes for 40-70 s: beside the soak, outside the suite's budget
 @pytest.mark.timeout(240)
+@pytest.mark.usefixtures("short_claims")
 def test_six_nodes_with_churn_train_every_chunk_once_an_epoch_for_two_epochs(swarm: Swarm, tmp_path: Path) -> None:
     """Five nodes, then churn: one killed (kill -9) and restarted from its checkpoint folder, and a
     newcomer; a dataset of a few hundred chunks, two epochs. From the nodes' logs: each epoch
@@ -64,7 +114,8 @@ def test_six_nodes_with_churn_train_every_chunk_once_an_epoch_for_two_epochs(swa
     its saved epoch with its done chunks, and trains none of them again."""
     # a chunk is a shard here: 130 tokens, 2 rows of --seq-len 64, one inner step of --batch-size 2
     prepared_data(tmp_path, seed=5, rows=900, shard_tokens=130, eval_every=50, eval_tokens=600)
-    chunks = len(json.loads((tmp_path / "data" / "manifest.json").read_text())["train"])
+    manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
+    chunks = len(manifest["train"])
     assert 200 <= chunks <= 400, chunks
     swarm.start_bootstrap()
     run = ("--run-id", "churn", "--inner-steps", "20", "--matchmaking-time", "1", "--data", str(tmp_path / "data"))
@@ -86,8 +137,7 @@ def test_six_nodes_with_churn_train_every_chunk_once_an_epoch_for_two_epochs(swa
     start("c-again")
     start("f")  # a newcomer
     swarm.wait_for(lambda: "data: resuming at epoch" in swarm.stderr("c-again"), 60, "c to resume its position")
-    over = "data: epoch 1 is over (every chunk trained"
-    swarm.wait_for(lambda: any(over in swarm.stderr(n) for n in names), 180, "the end of epoch 1")
+    wait_for_epoch_end(swarm, names, 1, chunk_tokens=manifest["shard_tokens"], nodes=6)
 
     logs = {name: _done_lines(swarm.stderr(name)) for name in names}
     killed = set(logs["c"])
