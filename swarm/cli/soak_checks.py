@@ -5,7 +5,8 @@ Inputs (soak_run.py records them):
     events   every node's metrics events (swarm/node/events.py's docstring lists them), each with "slot" (the
              node's identity in the soak: node0, node1, ...) added
     churn    what the harness did: {"time", "kind", "slot"}; kinds are the schedule's, plus
-             "restart" (the slot started again from its checkpoint) and "cont" (SIGCONT)
+             "restart" (the slot started again from its checkpoint), "cont" (SIGCONT) and "leave"
+             (the node a join replaced: SIGTERM, never back)
     samples  {"time", "slot", "pid", "rss_bytes", "fds"}: each node process, every few seconds
     logs     slot -> its log's lines (every incarnation's, in order)
 
@@ -30,7 +31,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-DOWN_KINDS = ("kill", "kill_round", "kill_fetch", "term", "pause")  # the slot is not up after these
+DOWN_KINDS = ("kill", "kill_round", "kill_fetch", "term", "pause", "leave")  # the slot is not up after these
 UNSEEN = ("Task exception was never retrieved", "Exception in callback", "Task was destroyed but it is pending",
           "exception was never retrieved")  # fmt: skip
 SEEN = "background task"  # Supervised: "background task %r failed (%d time(s)); starting it again"

@@ -53,6 +53,7 @@ def figures(events: Sequence[Event], churn: Sequence[Event]) -> dict[str, Any]:
     return {
         "churn": {**{k: sum(1 for c in churn if c["kind"] == k) for k in KINDS},
                   "events": sum(1 for c in churn if c["kind"] in KINDS and c["kind"] != "load"),
+                  "left": sum(1 for c in churn if c["kind"] == "leave"),
                   "kills_in_round": len(in_round),
                   "kills_in_fetch": sum(1 for c in kills if c.get("aimed") in ("fetcher", "beside_fetch"))},
         "rounds": {"count": len(rounds), "median_s": median and round(median, 3),
@@ -89,7 +90,7 @@ def write_plot(
         ax_steps.plot([(e["time"] - t0) / 60 for e in fetched], [e["outer_step"] for e in fetched], "x", ms=6,
                       color=plt.cm.tab20(i % 20))  # fmt: skip
     colors = {"kill": "red", "kill_round": "darkred", "kill_fetch": "orange", "term": "purple", "join": "green",
-              "pause": "blue", "load": "grey", "restart": "lightgreen"}  # fmt: skip
+              "pause": "blue", "load": "grey", "restart": "lightgreen", "leave": "black"}  # fmt: skip
     for c in churn:
         if c["kind"] in colors:
             for ax in (ax_steps, ax_groups):

@@ -34,7 +34,7 @@ from swarm.cli.sim_swarm import (
     send,
     stop_processes,
 )
-from swarm.cli.soak_schedule import JOIN, KILL_FETCH, KILL_ROUND, LOAD, PAUSE, RESTARTED, TERM, Churn
+from swarm.cli.soak_schedule import JOIN, KILL_FETCH, KILL_ROUND, LEAVE, LOAD, PAUSE, RESTARTED, TERM, Churn
 from swarm.utils import process_control
 
 POLL_S = 0.05  # the harness must see a round's start within a round of the tiny model (about 0.1-1 s)
@@ -192,6 +192,11 @@ class Soak:
             self.note(LOAD, None, seconds=churn.seconds, processes=len(self.busy))
             return True
         if churn.kind == JOIN:
+            if len(self.running()) >= self.config.nodes and len(up) > keep:
+                leaver = self.rng.choice(up)
+                assert leaver.proc is not None
+                send(leaver.proc, signal.SIGTERM)
+                self.note(LEAVE, leaver, phase=leaver.last)
             self.note(JOIN, self.new_slot())
             return True
         if len(up) <= keep:

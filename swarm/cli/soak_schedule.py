@@ -11,7 +11,10 @@ Kinds of churn:
                 fetch is seen under way, else a node that serves it while a (re)started node
                 has not started yet); restarts as `kill`
     term        SIGTERM a random running node (it checkpoints and leaves); restarts as `kill`
-    join        start a newcomer (a new identity) that stays
+    join        start a newcomer (a new identity) that stays; while the swarm has its starting
+                number of nodes or more, a random up node leaves for good first (SIGTERM: it
+                checkpoints and goes, never back), as volunteers come and go: without it the
+                swarm grew by every join (8 to 24 nodes in an hour) and the machine's load with it
     pause       SIGSTOP a random running node for `seconds` (longer than a round), then SIGCONT
     load        start busy processes (one per CPU) beside the swarm for `seconds`
 
@@ -31,6 +34,7 @@ KILL, KILL_ROUND, KILL_FETCH, TERM, JOIN, PAUSE, LOAD = (
 )  # fmt: skip
 KINDS = (KILL, KILL_ROUND, KILL_FETCH, TERM, JOIN, PAUSE, LOAD)
 RESTARTED = (KILL, KILL_ROUND, KILL_FETCH, TERM)  # the victim comes back from its checkpoint
+LEAVE = "leave"  # not scheduled: the node a join replaces (the harness notes it beside the join)
 DECK = (KILL, KILL_ROUND, KILL_ROUND, KILL_FETCH, TERM, JOIN, PAUSE)
 WARMUP_S = 60.0
 END_MARGIN_S = 45.0
