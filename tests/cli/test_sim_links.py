@@ -63,7 +63,10 @@ def _final_states(run_dir: Path) -> dict[str, tuple[int, str]]:
 @pytest.mark.timeout(300)
 def test_three_nodes_on_50mbit_links_train_and_agree(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = _start("--nodes", "3", "--link", "50mbit", *QUICK, "--run-dir", str(run_dir))
+    # three outer steps (click keeps the last --outer-steps, this one): the nodes average over the
+    # links, the loss falls and they end with one state; QUICK's fourth step showed nothing new
+    # (the test and every child: 14.7 CPU-s with four steps, 12.5 and 12.7 with three)
+    proc = _start("--nodes", "3", "--link", "50mbit", *QUICK, "--outer-steps", "3", "--run-dir", str(run_dir))
     with _removed_after(proc.pid):
         code, out, err = _finish(proc, timeout=260)
         assert code == 0, f"{out}\n{err}"
@@ -88,7 +91,7 @@ def test_three_nodes_on_50mbit_links_train_and_agree(tmp_path: Path) -> None:
     # the others when it fell behind: a 10 MB state takes ~1.8 s at 50mbit)
     final = _final_states(run_dir)
     assert len(final) == 3 and len(set(final.values())) == 1, final
-    assert next(iter(final.values()))[0] == 4, final
+    assert next(iter(final.values()))[0] == 3, final
 
 
 @needs_links

@@ -41,19 +41,22 @@ def _rank_pids(swarm: Swarm, name: str) -> list[int]:
 @pytest.mark.timeout(240)
 def test_two_nodes_of_two_ranks_train_together_and_every_rank_holds_theta_outer(swarm: Swarm) -> None:
     swarm.start_bootstrap()
-    args = ("--run-id", "ranks", "--inner-steps", "4", "--max-outer-steps", "4", "--matchmaking-time", "2",
+    # three outer steps: every rank's θ after each, and the loss falls; a fourth trained 4 more
+    # inner steps on 4 ranks and waited out one more matchmaking window, to show nothing new (the
+    # test and every child: 17.9 CPU-s with four steps, 16.0 and 14.7 with three)
+    args = ("--run-id", "ranks", "--inner-steps", "4", "--max-outer-steps", "3", "--matchmaking-time", "2",
             *TWO_RANKS)  # fmt: skip
     procs = {name: swarm.node(name, *args) for name in ("a", "b")}
     for name, proc in procs.items():
         assert swarm.exit_code(name, proc, 200) == 0, swarm.stderr(name)[-4000:]
     events = {name: {e["outer_step"]: e for e in swarm.events(name, "outer_step")} for name in procs}
-    assert sorted(events["a"]) == sorted(events["b"]) == [0, 1, 2, 3]
-    for step in range(4):  # the nodes agree on the swarm's state
+    assert sorted(events["a"]) == sorted(events["b"]) == [0, 1, 2]
+    for step in range(3):  # the nodes agree on the swarm's state
         assert events["a"][step]["state_sha256"] == events["b"][step]["state_sha256"], step
-    assert events["a"][3]["group_size"] == 2
-    assert events["a"][3]["eval_loss"] < events["a"][0]["eval_loss"]
+    assert events["a"][2]["group_size"] == 2
+    assert events["a"][2]["eval_loss"] < events["a"][0]["eval_loss"]
     thetas = {name: _thetas(swarm, name) for name in procs}
-    for step in range(1, 5):  # after outer step s-1 (event s-1) every rank of every node holds one θ
+    for step in range(1, 4):  # after outer step s-1 (event s-1) every rank of every node holds one θ
         held = {(name, rank): sha for name in procs for rank, sha in thetas[name][step].items()}
         assert len(held) == 4 and len(set(held.values())) == 1, f"outer step {step}: {held}"
     for name in procs:
