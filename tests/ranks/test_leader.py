@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -17,7 +17,9 @@ from swarm.node.errors import NodeError
 from swarm.node.inner_steps import InnerSteps
 from swarm.p2p.identity import Identity
 from swarm.ranks.commands import Command, Op
-from swarm.ranks.leader import LeaderTrainingThread
+
+if TYPE_CHECKING:  # imported where used: it imports torch's FSDP (0.7 s), in every worker that collects this file
+    from swarm.ranks.leader import LeaderTrainingThread
 
 
 class RecordingGroup:
@@ -38,6 +40,8 @@ class RecordingGroup:
 
 
 def _loop(watchdog: Any = lambda: None) -> tuple[LeaderTrainingThread, InnerSteps, RecordingGroup]:
+    from swarm.ranks.leader import LeaderTrainingThread
+
     steps = InnerSteps(DiLoCo(nn.Linear(2, 2), DiLoCoConfig(inner_steps=2)))
     group = RecordingGroup()
     loop = LeaderTrainingThread(steps, None, Identity.generate().peer_id, batch_size=2, seq_len=4,  # type: ignore[arg-type]
