@@ -114,11 +114,11 @@ def test_an_eval_during_round_t_plus_1_sees_the_outer_weights_and_puts_the_inner
 
 
 def test_the_overlap_sweep_runs_the_nodes_arithmetic_and_its_workers_agree() -> None:
-    """scripts/experiments/overlap_sweep.py drives DiLoCo.begin_overlap itself: a short run of 4 workers whose
-    averages land mid-round ends with one θ_outer (it raises otherwise) and a finite loss."""
+    """scripts/experiments/overlap_sweep.py drives DiLoCo.begin_overlap itself: a short run of 2 workers whose
+    averages land mid-round (three rounds of H = 2) ends with one θ_outer (it raises otherwise) and a finite loss."""
     from scripts.experiments.diloco_sim import HSchedule, Setting, Workload, load_corpus
     from scripts.experiments.overlap_sweep import train_overlapped
 
-    workload = Workload(steps=12, seq_len=32, eval_windows=2, lr_schedule="constant")
-    loss, _ = train_overlapped(load_corpus(), workload, Setting(name="H4", h=HSchedule(target=4)), "eager", 0.5)
+    workload = Workload(workers=2, steps=6, seq_len=32, eval_windows=2, lr_schedule="constant")
+    loss, _ = train_overlapped(load_corpus(), workload, Setting(name="H2", h=HSchedule(target=2)), "eager", 0.5)
     assert 0 < loss < 20
