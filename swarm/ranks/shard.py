@@ -27,9 +27,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from swarm.model.configs import DiLoCoConfig
 from swarm.model.diloco import NonFiniteLossError
@@ -41,6 +38,12 @@ __all__ = ["HeldOptimizer", "ShardedInner", "gather", "scatter", "shard_model"]
 
 def shard_model(model: nn.Module, group: RankGroup) -> nn.Module:
     """fully_shard every transformer block, then the root (embeddings, norm, output head)."""
+    # torch.distributed's fsdp and tensor modules are imported where used: with sympy under them
+    # they take 1-2 s to import, which every importer of swarm.ranks (a test worker collecting the
+    # suite, a rank that never shards) would pay
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     mesh = init_device_mesh(group.device.type, (group.world_size,))
     for block in getattr(model, "layers", []):
         fully_shard(block, mesh=mesh)
@@ -74,6 +77,8 @@ class ShardedInner:
     def step(self, loss: torch.Tensor, global_step: int) -> None:
         max_norm = self.config.grad_clip if self.config.grad_clip is not None else math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)  # a collective over the shards
+        from torch.distributed.tensor import DTensor
+
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         loss_value, norm_value = float(loss), float(norm)
@@ -89,6 +94,8 @@ class ShardedInner:
 @torch.no_grad()
 def gather(model: nn.Module, mirror: list[torch.Tensor] | None) -> None:
     """Every rank: the full parameters (one all-gather each); rank 0 copies them into `mirror`."""
+    from torch.distributed.tensor import DTensor
+
     params = [p for p in model.parameters() if p.requires_grad]
     for i, p in enumerate(params):
         full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
@@ -99,6 +106,8 @@ def gather(model: nn.Module, mirror: list[torch.Tensor] | None) -> None:
 @torch.no_grad()
 def scatter(model: nn.Module, mirror: list[torch.Tensor] | None) -> None:
     """Every rank: its shard of rank 0's `mirror` (others pass None) into its parameters."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     params = [p for p in model.parameters() if p.requires_grad]
     for i, p in enumerate(params):
         assert isinstance(p, DTensor), "scatter is for fully_shard's parameters"
