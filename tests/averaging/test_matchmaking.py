@@ -112,7 +112,8 @@ async def test_eight_nodes_form_one_group_and_stop_gathering_once_everyone_is_in
 
 async def test_a_late_node_takes_no_part_and_knows_it(make_peers: MakePeers) -> None:
     peers = await make_peers(4)
-    on_time = [asyncio.ensure_future(p.matchmaker.form_group(5, p.me())) for p in peers[:3]]
+    three = frozenset(p.host.peer_id for p in peers[:3])  # their gathering ends once the three are in
+    on_time = [asyncio.ensure_future(p.matchmaker.form_group(5, p.me(), expected=three)) for p in peers[:3]]
     groups = await asyncio.gather(*on_time)
     late = await peers[3].matchmaker.form_group(5, peers[3].me(), expected=frozenset())
     formed = check_agreement([*(g.group for g in groups), late.group], peers)
@@ -124,7 +125,7 @@ async def test_late_nodes_never_form_a_second_group_of_the_same_state(make_peers
     """Two nodes arriving after the group formed must not average with each other: a second
     group of the same state would apply another update and fork the model."""
     peers = await make_peers(5)
-    groups = await form(peers[:3], 7)
+    groups = await form(peers[:3], 7, expected=frozenset(p.host.peer_id for p in peers[:3]))  # ends once all are in
     assert len(check_agreement([g.group for g in groups], peers[:3])) == 1
     late = await form(peers[3:], 7)
     assert all(f.group is None and f.late for f in late)
@@ -169,7 +170,8 @@ async def test_a_leader_that_dies_mid_matchmaking_is_replaced(make_peers: MakePe
 
 async def test_client_mode_nodes_join_but_never_lead(make_peers: MakePeers) -> None:
     peers = await make_peers(2, clients=2)
-    found = await form(peers, 0)
+    # everyone expected, as a node expects its last group: the gathering ends once all are in
+    found = await form(peers, 0, expected=frozenset(p.host.peer_id for p in peers))
     formed = check_agreement([f.group for f in found], peers)
     assert len(formed) == 1 and len(formed[0].members) == 4
     assert sum(m.client for m in formed[0].members) == 2
@@ -177,11 +179,12 @@ async def test_client_mode_nodes_join_but_never_lead(make_peers: MakePeers) -> N
 
 async def test_a_failed_round_lets_the_step_be_matchmade_again(make_peers: MakePeers) -> None:
     peers = await make_peers(3)
-    assert len(check_agreement([f.group for f in await form(peers, 4)], peers)) == 1
+    everyone = frozenset(p.host.peer_id for p in peers)  # the gatherings end once all are in
+    assert len(check_agreement([f.group for f in await form(peers, 4, expected=everyone)], peers)) == 1
     for p in peers:
         p.matchmaker.round_failed(4)
     await board_shows(peers[0], 4, peers, "done")  # the DONE markers (stored in the background) replaced FORMED
-    again = await form(peers, 4)
+    again = await form(peers, 4, expected=everyone)
     assert len(check_agreement([f.group for f in again], peers)) == 1
 
 
@@ -322,7 +325,8 @@ async def test_a_member_whose_join_the_leader_did_not_answer_is_late_for_its_gro
         raise RPCTimeout(f"{method} timed out")
 
     monkeypatch.setattr(P2PHost, "call", join_unanswered)
-    found = dict(zip([p.host.peer_id for p in peers], await form(peers, step), strict=True))
+    everyone = frozenset(p.host.peer_id for p in peers)  # the gatherings end once all are in
+    found = dict(zip([p.host.peer_id for p in peers], await form(peers, step, expected=everyone), strict=True))
     groups = {f.group.group_id: f.group for f in found.values() if f.group is not None}
     assert len(groups) == 1, f"{len(groups)} groups of one state at one step"
     [group] = groups.values()
@@ -335,5 +339,5 @@ async def test_a_member_whose_join_the_leader_did_not_answer_is_late_for_its_gro
     member.matchmaker.board.distrust_formed({leader})
     ids = [p.host.peer_id for p in peers]
     again = next(s for s in range(step + 1, step + 1000) if group_order(ids, s)[:2] == [leader, stalled])
-    later = dict(zip(ids, await form(peers, again), strict=True))
+    later = dict(zip(ids, await form(peers, again, expected=everyone), strict=True))
     assert leader not in later[stalled].late_by  # left out as a leader that failed
