@@ -25,6 +25,9 @@ read picks from the records read last; a failed store is logged and tried at the
 (CONFIRM_AFTER later when it held new claims); the cursor counts our claims live only until
 the last store that was accepted says they lapse.
 When the epoch ends for us the node says so in one log line and continues in the next one.
+While no chunk is free for us (every one of the epoch done or held by a live peer) the cursor
+knows it (`none_free`): a training thread whose peers wait for it ends its outer step's inner
+steps rather than wait for a chunk that one of them may hold (cursor.py).
 """
 
 from __future__ import annotations
@@ -35,10 +38,9 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,20 +64,13 @@ MAX_POSITION_BYTES = 1 << 20
 POSITION_FILE = "data-position.json"  # in the node's --checkpoint-dir
 CONFIRM_AFTER = 1.0  # seconds before a contested claim that the tie-break gave us is read again
 WAITING_POLL = 2.0  # seconds between reads while we wait for peers to train the epoch's last chunks
-# overrides the default of claim_ttl (the multi-process tests' nodes set a short one). Every node of
-# a run must use the same: a reader holds a peer's claims for its own lifetimes (pace.hold_seconds)
-CLAIM_TTL_ENV = "SWARM_CLAIM_TTL"
-
-
-def _default_claim_ttl() -> float:
-    return float(os.environ.get(CLAIM_TTL_ENV, CLAIM_TTL))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ClaimerConfig:
     # a live claim lapses this long after its last renewal; a node whose training stalls gives its
     # chunk up about two lifetimes after it claimed it (pace.overdue), so a stall holds peers that long
-    claim_ttl: float = field(default_factory=_default_claim_ttl)
+    claim_ttl: float = CLAIM_TTL
     position: Path | None = None  # where the position is kept (None: not kept)
 
     def __post_init__(self) -> None:
@@ -262,6 +257,8 @@ class ChunkClaimer:
             pending.append((pick.epoch, pick.chunk, round(self.clock(), 3)))
             if pick.epoch != self.cursor.epoch:
                 break
+        # a training thread with nothing to read learns that waiting is all it can do (cursor.py)
+        self.cursor.set_none_free(self._waiting)
         return pending
 
     def _say_ended(self, pick: Pick) -> None:

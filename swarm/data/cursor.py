@@ -11,6 +11,12 @@ the claimer (`on_need`) for another. The position (epoch, done chunks, the chunk
 the tokens read of it) is a small JSON value (`position`/`restore`) that the claimer keeps in
 the checkpoint folder, so a restarted node continues where it stopped.
 
+At an epoch's end a node may find no chunk free: every one left is held by a peer. Its
+claimer says so (`none_free`), and a training thread whose peers wait for it (they are done with
+their outer step's inner steps, and one of them may hold the chunk it waits for until their round
+has formed) stops waiting when `give_up` says so: `next_batch` returns the rows read so far, or
+raises NoChunkFree, and the node ends its step's inner steps with what it trained.
+
 Rows are read only under a live claim: the claimer tells the cursor when its last stored claims
 lapse (`renewed`), and a training thread that finds them lapsed (an event loop that stalled
 longer than a claim's lifetime) waits for the claimer to renew or drop them, so it never trains
@@ -39,6 +45,9 @@ logger = logging.getLogger(__name__)
 POSITION_FORMAT = "swarm-data-position/1"
 MAX_HELD = 16  # dated claims a saved position may hold (a node holds MAX_LIVE)
 MAX_FINISHED = 1 << 16  # the chunks this process finished, newest last (tests and logs read them)
+# seconds between looks at `give_up` while no chunk is free: the caller's answer changes without a
+# word to the cursor (its peers' records), and only at an epoch's end does a thread wait like this
+GIVE_UP_RECHECK = 0.5
 
 
 class Windows(Protocol):
@@ -49,6 +58,11 @@ class Windows(Protocol):
 
 class DataStall(RuntimeError):
     """No chunk reached the training thread in time (the claimer failed or the DHT is stuck)."""
+
+
+class NoChunkFree(RuntimeError):
+    """No chunk is free for us (every one of the epoch is done or held by a live peer) and the
+    caller gave up waiting for one."""
 
 
 class CursorClosed(RuntimeError):
@@ -78,25 +92,47 @@ class ChunkCursor:
         self.until: float | None = None  # when our stored claims lapse (None: no claimer has stored any)
         self.finished: deque[tuple[int, int]] = deque(maxlen=MAX_FINISHED)  # (epoch, chunk), as done here
         self.on_need: Callable[[], None] = lambda: None
+        self.none_free = False  # the claimer's last pick found no chunk free for us (its writer)
         self._closed = False
 
-    def next_batch(self, batch_size: int, timeout: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(self, batch_size: int, timeout: float,
+                   give_up: Callable[[], bool] = lambda: False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """(inputs, targets), int64 [batch_size, seq_len]; DataStall after `timeout` seconds
-        without a chunk to read, CursorClosed once closed."""
+        without a chunk to read, CursorClosed once closed. While no chunk is free for us
+        (`none_free`), `give_up()` is asked every GIVE_UP_RECHECK seconds: when it says so, the
+        rows read so far come back (fewer than batch_size), or NoChunkFree when there are none."""
         starts, deadline = [], time.monotonic() + timeout
         with self._cond:
             while len(starts) < batch_size:
                 if self._closed:
                     raise CursorClosed("the node is closing")
-                if (self.current is None and not self._start_next()) or not self._live():
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise DataStall(f"no data chunk to train on within {timeout:.0f}s")
-                    self._cond.wait(left)
+                if self.current is None and not self._start_next():
+                    if self.none_free and give_up():
+                        if starts:
+                            break
+                        raise NoChunkFree("no data chunk is free: the epoch's last ones are held by peers")
+                    self._wait_for_data(deadline, timeout, GIVE_UP_RECHECK if self.none_free else math.inf)
+                    continue
+                if not self._live():
+                    self._wait_for_data(deadline, timeout, math.inf)
                     continue
                 starts.append(self._take_row())
         windows = self.train.windows(torch.tensor(starts, dtype=torch.int64), self.seq_len + 1)
         return windows[:, :-1], windows[:, 1:]
+
+    def _wait_for_data(self, deadline: float, timeout: float, at_most: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DataStall(f"no data chunk to train on within {timeout:.0f}s")
+        self._cond.wait(min(left, at_most))
+
+    def set_none_free(self, none_free: bool) -> None:
+        """The claimer's last pick: True when it found no chunk free for us (every one of our
+        epoch done or held by a live peer), False once it claims one again."""
+        with self._cond:
+            if none_free != self.none_free:
+                self.none_free = none_free
+                self._cond.notify_all()
 
     def _live_now(self) -> bool:
         return self.until is None or self.clock() < self.until

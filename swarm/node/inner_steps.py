@@ -7,6 +7,7 @@ The node (on its event loop) hands out permits; the caller's thread spends them:
     # caller's thread, after its own forward and backward:
     steps.step(tokens, loss=loss)          # clip, optimizer step, count; spends one permit
     steps.wait_for_permit()                # False once the node is done
+    steps.end_step()                       # instead of step: no data now while peers wait (waited_on)
 
 Why permits: the node writes the model's parameters (the outer step, a fetched state) and the
 caller's loop reads and writes them (forward, backward, the optimizer). They must never overlap.
@@ -75,6 +76,11 @@ class InnerSteps:
         self._inner_s = 0.0
         self._mark = time.perf_counter()  # when the caller's current inner step began (its permit)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="swarm-model")
+        # writer: the node's loop, from its peers' records while it watches a step's inner steps
+        # (`train` clears it): a live peer of this outer step is done with its inner steps and
+        # waits for ours. A caller with no data for its next inner step then ends the step
+        # (end_step) rather than wait: that peer may hold the data, and train it only in its next step
+        self.waited_on = False
 
     # --- the node's side (its event loop) ----------------------------------------------------
 
@@ -172,7 +178,7 @@ class InnerSteps:
         closes)."""
         loop = asyncio.get_running_loop()
         with self._cond:
-            self._target, self._inner_done = target, self.diloco.inner_done
+            self._target, self._inner_done, self.waited_on = target, self.diloco.inner_done, False
             if self.diloco.inner_done == 0:
                 self._losses = []
             if self._failure is not None:
@@ -246,6 +252,17 @@ class InnerSteps:
             if self._permits == 0:
                 self._release_waiter()
         return stats
+
+    def end_step(self) -> None:
+        """Instead of `step`, holding a permit: the caller has no data for another inner step now
+        (swarm-node's DataTrainingThread: no chunk is free while `waited_on`). It gives back the
+        permits left, and the node's `train` returns with the inner steps done so far; the caller
+        waits for the next outer step's permits (wait_for_permit)."""
+        with self._cond:
+            self._permits = 0
+            self._stepping = False
+            self._cond.notify_all()
+            self._release_waiter()
 
     def _release_waiter(self) -> None:
         if self._waiter is not None:

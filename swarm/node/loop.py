@@ -9,7 +9,9 @@ only executes them):
    (swarm.join), each given permits (swarm/node/inner_steps.py). Matchmaking starts
    `matchmaking_time` before the slowest live peer of the step should finish and ends as soon
    as every expected peer has announced: one group of every ready node whose state equals the
-   swarm's (grouping.py; swarm/averaging/matchmaking/matchmaker.py).
+   swarm's (grouping.py; swarm/averaging/matchmaking/matchmaker.py). Once a peer of the step is
+   done with its inner steps (peers_wait_for_us), a training thread with no data chunk free ends
+   ours with what it trained: that peer may hold the chunk and train it only in its next step.
 3. The round (StepEnd.finish, step_end.py): with a group, Δ = θ_outer - θ_inner averaged (int8
    by default), weighted by tokens, and the outer Nesterov step. Without one
    (plan_without_group): fetch the swarm's result, wait for it, matchmake again, or, when no live
@@ -48,6 +50,7 @@ from swarm.node.grouping import Grouping
 from swarm.node.plan import (
     FETCH,
     JOIN_FORMING,
+    Facts,
     matchmaking_start,
     peers_still_behind,
     plan_step,
@@ -63,7 +66,16 @@ POLL_SECONDS = 0.2  # how often the loop looks at the trainer's progress
 FINAL_STRETCH = 3.0  # seconds before matchmaking in which peers' progress is read often
 FINAL_REFRESH_SECONDS = 0.5
 LATE_GATHER = 0.3  # seconds a node joining an already gathering group waits for it
+WAITED_ON_RECHECK = 1.0  # seconds between readings of whether peers of our step wait for our inner steps
 RUN_ENDED = "run ended"  # why a node that arrived after the run's end left at once (exit 0, not "finished")
+
+
+def peers_wait_for_us(f: Facts) -> bool:
+    """A live peer of our outer step is done with its inner steps: it waits for ours (matchmaking,
+    or its round). Our training thread, when no data chunk is free for it, then ends our inner
+    steps with what it has (InnerSteps.waited_on): at an epoch's end the chunk it waits for may
+    be held by that peer, which trains the rest of it only in its next step."""
+    return any(p.step == f.step and p.inner >= p.inner_steps for p in f.live())
 
 
 class Replan:
@@ -260,7 +272,7 @@ class OuterLoop:
         done, or at a stop before matchmaking began; False when the step in flight ended in a
         fetch (its state replaced ours: plan again)."""
         ctx, config = self.ctx, self.ctx.config
-        timed, last_event, last_refresh = False, 0.0, 0.0
+        timed, last_event, last_refresh, last_look = False, 0.0, 0.0, 0.0
         # the permits first (train runs up to its first await): the record's store takes
         # round trips on a busy link, which the trainer must not wait for
         await asyncio.sleep(0)
@@ -278,6 +290,9 @@ class OuterLoop:
                 t.after = None  # landed: this is now the step we hold
                 await self.view.publish()
             now = ctx.clock()
+            if now - last_look >= WAITED_ON_RECHECK:
+                last_look = now
+                ctx.inner.waited_on = peers_wait_for_us(self.view.read())
             if not timed and ctx.inner.snapshot().inner_done > 0:  # peers learn our pace at once
                 timed = True
                 await self.view.publish()

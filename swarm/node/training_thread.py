@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from swarm.data.cursor import ChunkCursor, CursorClosed, DataStall
+from swarm.data.cursor import ChunkCursor, CursorClosed, DataStall, NoChunkFree
 from swarm.model.data import TokenData, node_generator, sample_batch
 from swarm.model.diloco import NonFiniteLossError
 from swarm.model.tokens import TokensError
@@ -80,7 +80,14 @@ class DataTrainingThread(TrainingThread):
         steps, diloco = self.steps, self.steps.diloco
         try:
             while steps.wait_for_permit():
-                inputs, targets = self._batch()
+                try:
+                    inputs, targets = self._batch()
+                except NoChunkFree:  # at an epoch's end: the chunk we wait for may be a waiting peer's
+                    p = steps.snapshot()
+                    logger.info("no data chunk is free and peers of our outer step wait for us: ending its inner "
+                                "steps at %d of %d", p.inner_done, p.target)  # fmt: skip
+                    steps.end_step()
+                    continue
                 loss, tokens = diloco.forward_backward(inputs, targets)
                 steps.step(tokens, loss=loss)
         except (SessionClosed, CursorClosed):
@@ -97,7 +104,8 @@ class DataTrainingThread(TrainingThread):
 
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cursor is not None:
-            return self.cursor.next_batch(self.batch_size, CHUNK_WAIT_S)
+            # no chunk free while our peers wait: the rows read so far make a short last batch
+            return self.cursor.next_batch(self.batch_size, CHUNK_WAIT_S, give_up=lambda: self.steps.waited_on)
         diloco = self.steps.diloco
         # a step past H (DiLoCo.extra_room) draws windows of its own
         generator = node_generator(self.peer, diloco.global_inner_step, extra=diloco.ready_for_outer)
