@@ -13,7 +13,7 @@ from swarm.node import model_setup
 from swarm.node.config import NodeConfig
 
 # The tiny model with one layer: parameter names and the eager fall back do not depend on depth,
-# and dynamo traces one layer in a sixth of the time of six.
+# and dynamo has one layer to trace instead of six.
 ONE_LAYER = preset("tiny", n_layers=1)
 
 
