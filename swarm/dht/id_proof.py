@@ -20,6 +20,7 @@ small file next to the identity file (load_or_solve), or solved at start in a wo
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -60,6 +61,16 @@ def verify(peer_id: PeerID, nonce: object, bits: int) -> int:
     """The node id proven by nonce, or BadIdProof. Two SHA-256 of ~60 bytes: microseconds."""
     if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
         raise BadIdProof(f"an id proof is a nonce of {NONCE_BYTES} bytes")
+    return _proven_id(peer_id, nonce, bits)
+
+
+# The same few hundred contacts come back in every lookup's answers: a node of a 16-node swarm
+# checked 275,000 proofs in a run, a sixth of its event loop's time. A proof that held once holds
+# for good (it is a pure function of these three), so the proven ids are kept, a bounded number:
+# a peer that sends new proofs only pushes older ones out. Failed proofs are not kept (an
+# exception is never cached).
+@functools.lru_cache(maxsize=1 << 14)
+def _proven_id(peer_id: PeerID, nonce: bytes, bits: int) -> int:
     node_id = node_id_of(peer_id, nonce)
     if bits and leading_zero_bits(node_id) < bits:
         raise BadIdProof(f"id of {peer_id} does not have {bits} leading zero bits")

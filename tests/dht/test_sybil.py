@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from swarm.dht import DHTConfig, DHTNode, owner_subkey
+from swarm.dht import DHTConfig, DHTNode, id_proof, owner_subkey
 from swarm.dht.id_proof import BadIdProof, leading_zero_bits, load_or_solve, node_id_of, solve, verify
 from swarm.dht.ids import key_id
 from swarm.dht.lookup import iterative_lookup
@@ -57,6 +57,24 @@ def test_a_solved_proof_has_the_bits_and_verifies_only_for_its_peer(bits: int) -
         with pytest.raises(BadIdProof):  # the same nonce for another PeerID: 1 in 2^bits chance
             for candidate in (other, *(Identity.generate().peer_id for _ in range(3))):
                 verify(candidate, nonce, bits)
+
+
+def test_a_proven_id_is_remembered_for_its_peer_nonce_and_bits_and_a_failed_one_never() -> None:
+    """verify keeps the ids it proved (the same contacts come back in every lookup's answers),
+    each under the difficulty it was proved for; a failed proof fails again."""
+    peer = Identity.generate().peer_id
+    strong = solve(peer, 8)
+    assert verify(peer, strong, 8) == node_id_of(peer, strong)
+    hits = id_proof._proven_id.cache_info().hits
+    assert verify(peer, strong, 8) == node_id_of(peer, strong)
+    assert id_proof._proven_id.cache_info().hits == hits + 1  # the second check hashed nothing
+    weak = next(n for n in (i.to_bytes(8, "big") for i in range(1 << 16)) if leading_zero_bits(node_id_of(peer, n)) < 8)
+    for _ in range(2):
+        with pytest.raises(BadIdProof):
+            verify(peer, weak, 8)
+    assert verify(peer, weak, 0) == node_id_of(peer, weak)  # no difficulty asked: any nonce names an id
+    with pytest.raises(BadIdProof):  # proved under 0 bits, still judged under 8
+        verify(peer, weak, 8)
 
 
 @pytest.mark.parametrize(
