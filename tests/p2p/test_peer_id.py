@@ -59,3 +59,12 @@ def test_hashed_ids_parse_but_have_no_inline_key() -> None:
 def test_malformed_peer_ids_are_refused(text: str) -> None:
     with pytest.raises(IdentityError):
         PeerID.from_base58(text)
+
+
+def test_a_decoded_text_is_decoded_once_and_a_bad_one_fails_each_time() -> None:
+    """Records name their owners in base58 and are validated at every read: one decode a text."""
+    text = Identity.generate().peer_id.to_base58()
+    assert PeerID.from_base58(text) is PeerID.from_base58(text)
+    for _ in range(2):
+        with pytest.raises(IdentityError):
+            PeerID.from_base58("0OIl")
