@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
+import inspect
 import os
 import shutil
 import tempfile
@@ -36,6 +38,43 @@ def _checked(factory: Callable[[], asyncio.AbstractEventLoop]) -> Callable[[], a
         return loop
 
     return make
+
+
+# pytest-timeout's SIGALRM cannot stop an async test that awaits forever on uvloop: the handler's
+# exception is raised inside one of the loop's callbacks, uvloop hands it to the loop's exception
+# handler, and the test goes on waiting (a lineage attack test ran 793 s past its 300 s that way).
+# So every async test also runs under asyncio.wait_for, IN_LOOP_MARGIN_S short of its timeout: it
+# is cancelled, fails with TimeoutError, and its fixtures clean up as after any other failure.
+IN_LOOP_MARGIN_S = 5.0
+
+
+def in_loop_limit(marker_args: tuple[Any, ...] | None, ini_timeout: float) -> float | None:
+    """Seconds an async test may run in its loop: its pytest-timeout (the marker's, else the
+    ini's) less IN_LOOP_MARGIN_S; None where there is no limit worth one."""
+    limit = float(marker_args[0]) if marker_args else ini_timeout
+    return limit - IN_LOOP_MARGIN_S if limit > 2 * IN_LOOP_MARGIN_S else None
+
+
+def _bounded(test: Callable[..., Any], seconds: float) -> Callable[..., Any]:
+    @functools.wraps(test)
+    async def bounded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await asyncio.wait_for(test(*args, **kwargs), seconds)
+        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+            raise TimeoutError(f"the test ran past its {seconds:g} s in the event loop") from None
+
+    return bounded
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        test = getattr(item, "obj", None)
+        if not inspect.iscoroutinefunction(test):
+            continue
+        marker = item.get_closest_marker("timeout")
+        limit = in_loop_limit(marker.args if marker else None, float(config.getini("timeout") or 0))
+        if limit is not None:
+            item.obj = _bounded(test, limit)  # type: ignore[attr-defined]
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[..., Any]]:
