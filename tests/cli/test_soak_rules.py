@@ -113,8 +113,8 @@ def swarm_steps(slot: str, steps: range, t0: float = 10.0) -> list[dict[str, Any
         ([*TWO, *swarm_steps("a", range(8)), *swarm_steps("b", range(2)), start("b", 2, 45.0),
           {"slot": "b", "event": "fetch", "outer_step": 6, "time": 60.0}, *swarm_steps("b", range(6, 8))],
          KILL_B, 0, "b came back and fetched at once"),
-        ([*TWO, *swarm_steps("a", range(6)), *swarm_steps("b", range(2))], [{"time": 25.0, "kind": "leave", "slot": "b"}],
-         0, "b left for good when a newcomer joined: down, never back"),
+        ([*TWO, *swarm_steps("a", range(6)), *swarm_steps("b", range(2))],
+         [{"time": 25.0, "kind": "leave", "slot": "b"}], 0, "b left for good when a newcomer joined: down, never back"),
     ],
 )  # fmt: skip
 def test_none_behind(events: list[dict[str, Any]], churn: list[dict[str, Any]], broken: int, why: str) -> None:
