@@ -106,7 +106,12 @@ def hold_rate(rate: float, limits: Limits) -> float:
 def hold_seconds(plan: ChunkPlan, chunk: int, rate: float, claim_ttl: float) -> float:
     """How long a claim on `chunk` counts for a node held to `rate` tokens/s."""
     start, end = plan.range(chunk)
-    return PACE_SLACK * MAX_LIVE * (end - start) / rate + HOLD_TTLS * claim_ttl
+    return tokens_hold_seconds(end - start, rate, claim_ttl)
+
+
+def tokens_hold_seconds(tokens: int, rate: float, claim_ttl: float) -> float:
+    """How long a claim on a chunk of `tokens` counts for a node held to `rate` tokens/s."""
+    return PACE_SLACK * MAX_LIVE * tokens / rate + HOLD_TTLS * claim_ttl
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from swarm.data.claimer import CONFIRM_AFTER, WAITING_POLL
-from swarm.data.claims import CLAIM_TTL, MAX_LIVE
-from swarm.data.pace import HOLD_TTLS, PACE_SLACK
+from swarm.data.claims import CLAIM_TTL
+from swarm.data.pace import PACE_SLACK, tokens_hold_seconds
 from tests.model.token_corpus import prepared_data
 from tests.node.conftest import Swarm
 
@@ -41,7 +41,7 @@ def wait_for_epoch_end(swarm: Swarm, names: Sequence[str], epoch: int, *, chunk_
         stamps = sorted(_stamp(m.group(1)) for n in names for m in DONE_LINE.finditer(swarm.stderr(n)))
         assert len(stamps) >= 2, "no pace measured yet: wait for two chunks done before the epoch's end"
         rate = len(stamps) * chunk_tokens / max(stamps[-1] - stamps[0], 1.0) / nodes
-        held = PACE_SLACK * MAX_LIVE * chunk_tokens / (rate / PACE_SLACK**2) + HOLD_TTLS * CLAIM_TTL
+        held = tokens_hold_seconds(chunk_tokens, rate / PACE_SLACK**2, CLAIM_TTL)
         stalled = held + PACE_SLACK * (WAITING_POLL + CONFIRM_AFTER) + PACE_SLACK * chunk_tokens / rate
         idle = time.time() - stamps[-1]
         assert idle < stalled, f"no chunk done for {idle:.0f} s (at most {stalled:.0f} s at {rate:.0f} tokens/s a node)"
