@@ -110,7 +110,9 @@ class RoundMember:
         self.report = RoundReport(group.group_id, [str(m.peer_id) for m in group.members], {})
         self._tasks: list[asyncio.Task[Any]] = []  # helpers, cancelled when the round ends
         # answers to other members being written: the round waits for them (bounded) before it
-        # returns, so that its report counts what it sent them
+        # returns, so that its report counts what it sent them. A member that never reads its
+        # answers holds the round up to part_timeout that way: no more than one that never sends
+        # its slice already does
         self._answering: set[asyncio.Task[Any]] = set()
         self._started = 0.0
         self.finished = False
