@@ -9,7 +9,8 @@ On disk:
     step-00000012/manifest.json, shard-00000.safetensors, ...
     LATEST                                   the name of the newest whole step directory
 A write goes to `step-<N>.tmp-<pid>`, every file is fsynced, the directory is renamed into
-place and fsynced, then LATEST is replaced the same way; older steps beyond `keep` are removed.
+place and fsynced, then LATEST is replaced the same way; older steps beyond `keep` are
+removed, and so are steps after the one written (a lineage the node left).
 A node killed at any instant leaves LATEST naming a whole checkpoint (or nothing yet); loading
 verifies every shard's hash and falls back to the older step when the newest is damaged.
 
@@ -147,7 +148,11 @@ class CheckpointDir:
 
     def _prune(self, keep_also: str) -> None:
         steps = sorted((p for p in self.path.iterdir() if _STEP_DIR.match(p.name)), reverse=True)
-        for old in steps[self.keep :]:
+        # steps after the one just written are of a lineage the node left (a fork's smaller side
+        # that stepped back to the larger one's state): a restart must not resume them
+        left = [p for p in steps if p.name > keep_also]
+        kept = [p for p in steps if p.name <= keep_also]
+        for old in left + kept[self.keep :]:
             if old.name != keep_also:
                 shutil.rmtree(old, ignore_errors=True)
         for temp in self.path.glob("step-*.tmp-*"):  # left by a killed writer

@@ -53,6 +53,9 @@ class Adoption:
         # checked as forks again; the other rules still weigh them meanwhile (a check made while
         # our own round's receipt was not kept yet must not hide the state from them)
         self._not_forks: dict[str, float] = {}
+        # manifest -> step of states of our lineage (ours as we publish them, and those a fork
+        # check found in it): a peer that holds one is behind us, not on a fork (trust.py, rule 5)
+        self._ancestors: dict[str, int] = {}
         self._warned_unvouched = False
         self._distrusted = OncePerPeer(logger)
 
@@ -67,6 +70,19 @@ class Adoption:
         now = time.monotonic()
         self._not_forks = {sha: until for sha, until in self._not_forks.items() if now < until}
         return set(self._not_forks)
+
+    def ours(self, step: int, sha: str) -> None:
+        """State `sha` of outer step `step` is of our lineage (we hold it now)."""
+        self._ancestors[sha] = step
+        self._ancestors = {m: s for m, s in self._ancestors.items() if step - FORK_DEPTH <= s <= step}
+
+    def ancestors(self, below: int) -> frozenset[tuple[int, str]]:
+        """(step, manifest) of the states of our lineage before step `below` that we know of."""
+        return frozenset((step, sha) for sha, step in self._ancestors.items() if step < below)
+
+    def left_lineage(self) -> None:
+        """We took a fork's other lineage: the states we knew of ours are not of it."""
+        self._ancestors.clear()
 
     async def linked(self, holders: Sequence[Holder], step: int, sha: str, *, fork_only: bool = False) -> Linked | None:
         """The lineage of state `sha` (outer step `step`) from its holders, with whether it will
@@ -90,6 +106,9 @@ class Adoption:
                 why = f"no lineage from its holders ({e})"
             else:
                 forked_at = fork_step(own, chain)
+                if fork_only and forked_at is not None and forked_at >= step:  # a state of ours, behind us
+                    self._ancestors[sha] = step
+                    return None
                 if fork_only and (forked_at is None or forked_at >= own.step):
                     self._not_forks[sha] = time.monotonic() + UNLINKED_S
                     return None

@@ -186,7 +186,8 @@ class StateKeeper:
         own_sha = self.current.manifest.sha256 if self.current is not None else None
         own = self.lineage.lineage
         last_round = frozenset(own.links[-1].members) if own.links and own.step == diloco.outer_step else frozenset()
-        known = Known(diloco.outer_step, horizon, self.vouching, missed, earned, own_sha, last_round)
+        known = Known(diloco.outer_step, horizon, self.vouching, missed, earned, own_sha, last_round,
+                      self.adoption.ancestors(diloco.outer_step))  # fmt: skip
         verdict = choose_trusted(holders, known)
         for peer, reason in verdict.refused:
             kind = "unreachable" if "reachable" in reason else "backing"
@@ -213,8 +214,10 @@ class StateKeeper:
         if linked is None:
             return None
         if why == LARGER_LINEAGE:
-            logger.warning("our state is a fork's smaller lineage: taking state %s of outer step %d from %d holder(s)",
-                           sha[:12], step, len(agreeing))  # fmt: skip
+            back = diloco.outer_step - step
+            lost = f", {back} step(s) behind ours: the steps we took apart are lost" if back > 0 else ""
+            logger.warning("our state is a fork's smaller lineage: taking state %s of outer step %d from %d "
+                           "holder(s)%s", sha[:12], step, len(agreeing), lost)  # fmt: skip
         # an update is of the holders' parent state, which a fork's other side does not share with us
         if step == diloco.outer_step + 1 and self.config.by_update and why != LARGER_LINEAGE:
             # an update comes from one holder: no wait for more donors to spread it over (below)
@@ -251,6 +254,8 @@ class StateKeeper:
             self._refusals.not_delivered(e.failed, sha)
             raise
         self.lineage.adopt(*linked)
+        if why == LARGER_LINEAGE:
+            self.adoption.left_lineage()
         if dest is not None:
             await asyncio.to_thread(remove_fetch_dir, dest, manifest)
         logger.info("fetched the state of outer step %d (%s): %.1f MB from %d peers in %.2fs", manifest.step, why,
@@ -354,6 +359,7 @@ class StateKeeper:
                 make_snapshot, copied, self.run, self.config.shard_bytes)  # fmt: skip
             del copied
             self.current = snapshot
+            self.adoption.ours(snapshot.manifest.step, snapshot.manifest.sha256)
             if self._recording is not None:  # the update that made this state: served before it is advertised
                 await self._recording
             if self.server is not None:

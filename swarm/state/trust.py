@@ -37,13 +37,18 @@ itself at step K0 some seconds ago (when it started, or last fetched):
 5. **A fork's other side.** Rules 1 and 2 weigh advertisements, which identities cost nothing
    to make; they also keep a fork's smaller side from ever taking the larger side's state when
    that side is some steps ahead (beyond the horizon counted from the smaller side's own last
-   step) or holds fewer records than stand at the node's step. So, beside the choice, the best
-   state other than the node's own, at or after the node's step and at most FORK_AHEAD_STEPS ahead,
-   backed by peers that signed the node's recent rounds (earned), not its own (nor one that
-   the members of its last round advertise at its step: they hold its state), is named as a
-   fork to check (`Verdict.fork`): the node fetches that state's lineage and takes it only when
-   it is a fork of its own lineage that more members of the fork's round signed (lineage.py,
-   rule 4): proof made of signatures, not of records.
+   step) or holds fewer records than stand at the node's step, and rule 4 never goes back to an
+   older step. So, beside the choice, the best state other than the node's own, at most
+   FORK_STEPS from the node's step, backed by peers that signed the node's recent rounds (earned),
+   is named as a fork to check (`Verdict.fork`). Not a fork: the node's own state, one that the
+   members of its last round advertise at its step (they hold its state), and a state of its own
+   lineage behind it (`Known.ancestors`: peers that are merely behind). A state behind the node is
+   checked only when as many earned peers back it as stand at the node's step, the node included:
+   a smaller half that trained ahead while the network was split, at the same pace as the larger
+   one, is never caught up with, and the larger half is what it must step back to. The node
+   fetches that state's lineage and takes it only when it is a fork of its own lineage that more
+   members of the fork's round signed (lineage.py, rule 4): proof made of signatures, not of
+   records. Taking one behind it loses the steps the node took apart.
 
 `fetch_reason` then says whether the node takes the chosen state (the cases of keeper.py's
 docstring), or keeps its own.
@@ -70,9 +75,10 @@ from swarm.state.holders import Holder
 EARNED_ROUNDS = 32  # the recent rounds whose signers back a state more than others (rule 3)
 MISSED_STEP_BACKERS = 2  # what a node that missed its step's group asks of a newer state (rule 2)
 SLACK_STEPS = 2  # steps beyond what the observed pace allows (clock skew, a step under way)
-# how far ahead of the node a fork's other side is checked (rule 5): a lineage fetch of that many
-# steps is what one check costs, and two lineages of one swarm drift apart by a step or two a minute
-FORK_AHEAD_STEPS = 64
+# how far ahead of or behind the node a fork's other side is checked (rule 5): a lineage fetch of
+# that many steps is what one check costs, and two lineages of one swarm drift apart by a step or
+# two a minute
+FORK_STEPS = 64
 PACE_FACTOR = 4.0  # the swarm is taken to step at most this many times faster than observed
 HEADER_BYTES = 4096  # safetensors header allowance per shard (its JSON length prefix + padding) ...
 HEADER_BYTES_PER_TENSOR = 512  # ... plus this much JSON per tensor (name, dtype, shape, offsets)
@@ -94,6 +100,9 @@ class Known:
     # the members of the round that made its state: they hold it too (rule 5), even while its
     # own manifest is still being made (`sha` is then the previous step's)
     last_round: frozenset[PeerID] = frozenset()
+    # (step, manifest) of states of its lineage before its step, its own and those a fork check
+    # found in it: their holders are behind it, not a fork (rule 5)
+    ancestors: frozenset[tuple[int, str]] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,15 +159,25 @@ def choose_trusted(holders: Sequence[Holder], known: Known) -> Verdict:
 
 
 def _fork_to_check(holders: Sequence[Holder], known: Known) -> tuple[int, str, list[Holder]] | None:
-    """Rule 5: the state other than our own, at our step or up to FORK_AHEAD_STEPS ahead (the
-    horizon aside), that the most of our earned peers back. It may be the choice too: one that
-    fetch_reason lets the node keep its own state beside (a fork at its own step)."""
+    """Rule 5: the state other than our own, at most FORK_STEPS from our step (the horizon
+    aside), that the most of our earned peers back; one behind us only when it is not of our
+    lineage and at least as many earned peers back it as stand at our step. It may be the choice
+    too: one that fetch_reason lets the node keep its own state beside (a fork at its own step)."""
     backers: dict[tuple[int, str], set[PeerID]] = {}
+    at_our_step: set[PeerID] = set()  # earned peers at our step, whatever their hash
     for h in holders:
-        ours = h.step == known.step and h.peer_id in known.last_round
-        if known.step <= h.step <= known.step + FORK_AHEAD_STEPS and h.peer_id in known.earned and not ours:
-            backers.setdefault((h.step, h.manifest), set()).add(h.peer_id)
+        if h.peer_id not in known.earned or abs(h.step - known.step) > FORK_STEPS:
+            continue
+        if h.step == known.step:
+            at_our_step.add(h.peer_id)
+            if h.peer_id in known.last_round:  # they hold our state
+                continue
+        if h.step < known.step and (h.step, h.manifest) in known.ancestors:
+            continue
+        backers.setdefault((h.step, h.manifest), set()).add(h.peer_id)
     backers.pop((known.step, known.sha or ""), None)
+    ours = 1 + len(at_our_step)
+    backers = {c: peers for c, peers in backers.items() if c[0] >= known.step or len(peers) >= ours}
     if not backers:
         return None
     best = min(backers, key=lambda c: (-len(backers[c]), c[0], c[1]))

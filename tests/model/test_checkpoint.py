@@ -144,6 +144,19 @@ def test_checkpoint_dir_keeps_the_last_two_and_loads_the_newest(tmp_path: Path) 
         ckpt.load_latest(dataclasses.replace(RUN, run_id="other"))
 
 
+def test_a_step_written_after_later_ones_removes_them(tmp_path: Path) -> None:
+    """A fork's smaller side that stepped back to the larger side's older state: a restart
+    resumes the state it took, never the steps of the lineage it left."""
+    ckpt = CheckpointDir(tmp_path)
+    for step in (7, 8, 5):
+        ckpt.write(make_snapshot(copy_state(_diloco(step).state_dict()), RUN, shard_bytes=2 << 20))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-00000005"]
+    shard = next((tmp_path / "step-00000005").glob("shard-*"))
+    shard.write_bytes(b"damaged")  # and nothing of the left lineage to fall back to
+    with pytest.raises(CheckpointError):
+        ckpt.load_latest(RUN)
+
+
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from typing import Any
 
 import pytest
 
 from swarm.dht import DHTConfig
+from swarm.node.grouping import LINEAGE_STEPS
+from swarm.node.inner_steps import InnerSteps
+from swarm.node.training_thread import DataTrainingThread
 from swarm.p2p import P2PHost
 from swarm.p2p.dialer import Dialer
 from swarm.p2p.errors import ConnectionLost
@@ -29,6 +34,11 @@ TOGETHER = 2  # outer steps 0 and 1: one swarm
 SPLIT = 3  # steps 2, 3 and 4: two halves
 STEPS = 9  # the nodes' run: 4 steps after the heal
 REJOIN_S = 1.0
+# the smaller half ahead at the heal: by more steps than a node weighs its last rounds by
+# (grouping.LINEAGE_STEPS), so no group of the larger half ever forms beside one of them
+AHEAD_STEPS = LINEAGE_STEPS + 2
+AHEAD_RUN = 16  # that run's steps: the larger half catches up from a step or two after the split
+BRAKE_S = 1.0  # the larger half's extra seconds an inner step while split
 
 
 class Split:
@@ -116,6 +126,80 @@ async def test_a_split_healed_after_three_steps_merges_into_the_larger_halfs_lin
     fetched = [e for n in nodes for e in n.events if e["event"] == "fetch"]
     assert not [e for e in fetched if e["state_sha256"] in small_states], f"a node took the smaller half's: {story}"
     assert any("lineage" in r.getMessage() for r in caplog.records if r.levelno >= logging.INFO), "no line says why"
+
+
+braked = threading.Event()  # while set, BrakedLoop's inner steps are slow
+
+
+class BrakedLoop(DataTrainingThread):
+    """swarm-node's training thread, BRAKE_S slower an inner step while `braked` is set."""
+
+    def __init__(self, steps: InnerSteps, *args: Any, **kwargs: Any) -> None:
+        super().__init__(steps, *args, **kwargs)
+        permit = steps.wait_for_permit
+
+        def wait_for_permit(timeout: float | None = None) -> bool:
+            if braked.is_set():
+                time.sleep(BRAKE_S)
+            return permit(timeout)
+
+        steps.wait_for_permit = wait_for_permit  # type: ignore[method-assign]
+
+
+async def test_a_smaller_half_ahead_at_the_heal_steps_back_to_the_larger_halfs_lineage(
+    local: LocalSwarm, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other way round: the larger half was slow while split (its inner steps braked), so
+    the smaller one is AHEAD_STEPS or more steps ahead when the network heals, and both then train
+    at one pace. The larger half never reaches the smaller one's step, and a group of it never
+    forms beside the smaller half's last rounds. The smaller half's nodes find the larger
+    lineage behind them among the state holders, check its lineage, and step back to it: the
+    steps they took apart are lost, and every step from the larger half's at the heal on holds
+    one state."""
+    caplog.set_level(logging.INFO)
+    bootstrap = await local.start_bootstrap()
+    rejoin = DHTConfig(rejoin_interval=REJOIN_S)
+    large = [local.start((bootstrap,), max_outer_steps=AHEAD_RUN, dht_config=rejoin, training_thread=BrakedLoop)
+             for _ in range(3)]  # fmt: skip
+    small = [local.start((bootstrap,), max_outer_steps=AHEAD_RUN, dht_config=rejoin) for _ in range(2)]
+    nodes = [*large, *small]
+    assert local.bootstrap is not None
+    await until(lambda: all(n.node.maddrs for n in nodes), 30, "every node listening", poll=0.05)
+    split = Split(monkeypatch, [[local.bootstrap[0], *(n.node.outer_loop.ctx.averager.host for n in large)],
+                                [n.node.outer_loop.ctx.averager.host for n in small]])  # fmt: skip
+    await until(lambda: all(done(n, TOGETHER - 1) for n in nodes), 90, "the steps together", poll=0.05)
+    split.cut()
+    braked.set()
+    try:
+        await until(lambda: min(max(n.steps()) for n in small) - max(max(n.steps()) for n in large) >= AHEAD_STEPS,
+                    120, f"the smaller half {AHEAD_STEPS} steps ahead", poll=0.05)  # fmt: skip
+    finally:
+        braked.clear()
+    split.heal()
+    at_heal = {id(n): (max(n.steps()), len(n.events)) for n in nodes}
+    reasons = await local.finish(150)
+    assert reasons == ["finished"] * 5, reasons
+
+    story = [[(e["event"], e["outer_step"], e["state_sha256"][:6], e.get("group_size"), e.get("reason"))
+              for e in n.events if e["event"] in ("outer_step", "fetch")] for n in nodes]  # fmt: skip
+    large_states = {e["state_sha256"] for n in large for e in n.steps().values()}
+    since = {id(n): at_heal[id(n)][1] for n in large}
+    for n in small:  # each stepped back: after the heal, it fetched a state older than one it had completed
+        step, seen = at_heal[id(n)]
+        back = [i for i, e in enumerate(n.events) if i >= seen and e["event"] == "fetch" and e["outer_step"] < step]
+        assert back, f"the smaller half never stepped back: {story}"
+        assert n.events[back[0]]["state_sha256"] in large_states, f"stepped back to another state: {story}"
+        since[id(n)] = back[0]
+    # from there on, every step completed holds one state, the last one included: the smaller
+    # half's steps beyond the larger half's were of the lineage it left
+    after: dict[int, set[str]] = {}
+    for n in nodes:
+        for e in n.events[since[id(n)] :]:
+            if e["event"] == "outer_step":
+                after.setdefault(e["outer_step"], set()).add(e["state_sha256"])
+    assert all(len(states) == 1 for states in after.values()), f"the fork outlived the heal: {story}"
+    assert after[AHEAD_RUN - 1] <= large_states, f"the run ended on another state: {story}"
+    assert any("the steps we took apart are lost" in r.getMessage() for r in caplog.records), "no line says why"
 
 
 async def test_nodes_that_all_read_their_step_as_forming_still_train_it(

@@ -56,6 +56,12 @@ G = "genesis"
 HONEST = [link(0, G, "s1", "abc"), link(1, "s1", "s2", "abc"), link(2, "s2", "s3", "abc"), link(3, "s3", "s4", "abc")]
 IN_SYNC = chain(0, G, *HONEST[:3])  # a node at step 3
 
+# five nodes average together for steps 0-1, then split 3/2: the 2 take four steps, the 3 two
+TOGETHER = [link(0, G, "t1", "abcde"), link(1, "t1", "t2", "abcde")]
+SMALL_AHEAD = [link(2, "t2", "d3", "de"), link(3, "d3", "d4", "de"), link(4, "d4", "d5", "de"),
+               link(5, "d5", "d6", "de")]  # fmt: skip
+LARGE_BEHIND = [link(2, "t2", "l3", "abc"), link(3, "l3", "l4", "abc")]
+
 CASES = [
     # (situation, own lineage, candidate, adopt?)
     ("a newcomer at genesis adopts the swarm's lineage", chain(0, G), chain(0, G, *HONEST), True),
@@ -206,6 +212,18 @@ CASES = [
         chain(2, "s2"),
         chain(0, G, *HONEST),
         True,
+    ),
+    (
+        "a split's smaller half that trained ahead takes the larger half's lineage behind it",
+        chain(0, G, *TOGETHER, *SMALL_AHEAD),
+        chain(0, G, *TOGETHER, *LARGE_BEHIND),
+        True,
+    ),
+    (
+        "... and the larger half never takes the smaller one's, however far ahead",
+        chain(0, G, *TOGETHER, *LARGE_BEHIND),
+        chain(0, G, *TOGETHER, *SMALL_AHEAD),
+        False,
     ),
 ]
 

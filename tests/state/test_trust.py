@@ -15,7 +15,7 @@ from swarm.state.config import FetchConfig
 from swarm.state.fetcher import RefusedManifest, fetch_state
 from swarm.state.holders import Holder
 from swarm.state.server import StateServer
-from swarm.state.trust import FORK_AHEAD_STEPS, Known, choose_trusted, manifest_problem, step_horizon
+from swarm.state.trust import FORK_STEPS, Known, choose_trusted, manifest_problem, step_horizon
 
 IDS = [Identity.from_seed(bytes([i + 1]) * 32).peer_id for i in range(8)]
 GOOD, ZERO, OTHER = "a" * 64, "0" * 64, "b" * 64  # the honest state, an attacker's, another
@@ -97,10 +97,23 @@ FORK_CASES = [
     ("... but a round mate of old that was not in it names a fork",
      [held(1, 50, OTHER), held(3, 50, ZERO)], Known(50, earned=MATES, sha=GOOD, last_round=frozenset(IDS[1:3])),
      (50, ZERO)),
-    ("an older step is never a fork to take (the lineage it may have is behind ours)",
-     [held(1, 49, OTHER), held(2, 49, OTHER)], Known(50, earned=MATES, sha=GOOD), None),
-    ("more than FORK_AHEAD_STEPS ahead: not checked (a lineage that long costs too much to fetch)",
-     [held(1, 50 + FORK_AHEAD_STEPS + 1, OTHER)], Known(50, horizon=52, earned=MATES, sha=GOOD), None),
+    ("a larger side behind us (a smaller half that trained ahead while split): checked",
+     [held(1, 47, OTHER), held(2, 47, OTHER), held(3, 47, OTHER), held(4, 50)], Known(50, earned=MATES, sha=GOOD),
+     (47, OTHER)),
+    ("... and an equal one (the hash settles a split of halves)",
+     [held(1, 47, OTHER), held(2, 47, OTHER), held(3, 50)], Known(50, earned=MATES, sha=GOOD), (47, OTHER)),
+    ("... but not a smaller one: a fork's smaller side behind us takes ours",
+     [held(1, 47, OTHER), held(2, 50), held(3, 50)], Known(50, earned=MATES, sha=GOOD), None),
+    ("peers behind us on our own lineage are not a fork, however many",
+     [held(1, 49, OTHER), held(2, 49, OTHER), held(3, 48, ZERO)],
+     Known(50, earned=MATES, sha=GOOD, ancestors=frozenset({(49, OTHER), (48, ZERO)})), None),
+    ("identities that never averaged with us name no fork behind us either",
+     [held(0, 47, ZERO), held(7, 47, ZERO)], Known(50, earned=MATES, sha=GOOD), None),
+    ("more than FORK_STEPS behind: not checked",
+     [held(1, 80 - FORK_STEPS - 1, OTHER), held(2, 80 - FORK_STEPS - 1, OTHER)], Known(80, earned=MATES, sha=GOOD),
+     None),
+    ("more than FORK_STEPS ahead: not checked (a lineage that long costs too much to fetch)",
+     [held(1, 50 + FORK_STEPS + 1, OTHER)], Known(50, horizon=52, earned=MATES, sha=GOOD), None),
 ]  # fmt: skip
 
 
