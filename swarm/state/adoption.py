@@ -106,7 +106,7 @@ class Adoption:
                 why = f"no lineage from its holders ({e})"
             else:
                 forked_at = fork_step(own, chain)
-                if fork_only and forked_at is not None and forked_at >= step:  # a state of ours, behind us
+                if fork_only and step < own.step and forked_at is not None and forked_at >= step:  # ours, behind us
                     self._ancestors[sha] = step
                     return None
                 if fork_only and (forked_at is None or forked_at >= own.step):

@@ -5,7 +5,8 @@ part timeout. A fixed 60 s made a member that vanished inside a round (a machine
 sends no FIN: its peers see only silence) cost every survivor a minute or more, whatever the
 round's normal length. The rule here:
 
-    part timeout = min(ceiling, max(FLOOR_S, FACTOR x p90 of the last WINDOW completed rounds))
+    part timeout = min(ceiling, max(FLOOR_S, FACTOR x min(p90, SPREAD x median) of the last
+                                    WINDOW completed rounds))
 
 - the ceiling is the configured `part_timeout` (swarm-node --part-timeout): the flag stays an
   upper bound, and it is the timeout until MIN_ROUNDS rounds besides the slowest have been
@@ -21,6 +22,14 @@ round's normal length. The rule here:
   (with its slowest round left out that member announced 12.6 s, and the group 13.2 s);
 - a member that is slow for good makes rounds slow for good: once about a tenth of the window
   waited for it, the timeout grows FACTOR-fold and it fits again;
+- but never past SPREAD times the window's median: rounds that waited out a timeout are
+  measured too (a paused member's, an audit's owner that died), and a round that waited lasts
+  one to three part timeouts. Once more than a tenth of the window had waited, the p90 was such a
+  round, the next timeout three times it, and the next waits longer still: in the fortieth minute
+  of a 60-minute soak, with a kill or a pause landing in about every third round, the timeouts
+  went 8 s, 18 s, 32 s, 60 s (the flag) within five steps, kills then cost rounds 30-95 s, groups
+  broke up and the swarm forked. A member slow for good is in every round of its group and moves
+  the median with it; churn moves only the rounds it lands in;
 - FLOOR_S keeps a round of a tiny model (0.1 s) from cutting off a member whose event loop
   stalls for a moment (a garbage collection, a busy CPU).
 
@@ -80,6 +89,8 @@ WINDOW = 20  # completed rounds remembered
 MIN_ROUNDS = 2  # fewer measured besides the slowest round: the ceiling
 MEASURED_SHARE = 0.5  # a round longer than this share of its part timeout measures no link
 BACKOFF = 2.0  # the derived timeout grows this many times per failed round in a row
+SPREAD = 3.0  # the recent slow rounds count as at most this many times the median one (a quiet
+# or busy run's spread is about 2: p90 2.6-3 s against a median of 1.3-1.7 s in the soak's rounds)
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -91,10 +102,13 @@ def quantile(values: Sequence[float], q: float) -> float:
 
 def pace(round_seconds: Sequence[float]) -> float | None:
     """How long the recent slow rounds took: the nearest-rank QUANTILE of the last WINDOW
-    completed rounds (seconds, oldest first) without the slowest of them; None while fewer than
-    MIN_ROUNDS rounds are left besides it. Pure: the module docstring's rule."""
+    completed rounds (seconds, oldest first) without the slowest of them, at most SPREAD times
+    their median; None while fewer than MIN_ROUNDS rounds are left besides it. Pure: the module
+    docstring's rule."""
     recent = sorted(s for s in round_seconds[-WINDOW:] if math.isfinite(s) and s >= 0)[:-1]
-    return quantile(recent, QUANTILE) if len(recent) >= MIN_ROUNDS else None
+    if len(recent) < MIN_ROUNDS:
+        return None
+    return min(quantile(recent, QUANTILE), SPREAD * quantile(recent, 0.5))
 
 
 def derived_part_timeout(round_seconds: Sequence[float], ceiling: float, failed: int = 0) -> float:
