@@ -34,7 +34,18 @@ from swarm.cli.sim_swarm import (
     send,
     stop_processes,
 )
-from swarm.cli.soak_schedule import JOIN, KILL_FETCH, KILL_ROUND, LEAVE, LOAD, PAUSE, RESTARTED, TERM, Churn
+from swarm.cli.soak_schedule import (
+    JOIN,
+    KILL_FETCH,
+    KILL_ROUND,
+    LEAVE,
+    LOAD,
+    PAUSE,
+    RESTARTED,
+    TERM,
+    Churn,
+    schedule_lag,
+)
 from swarm.utils import process_control
 
 POLL_S = 0.05  # the harness must see a round's start within a round of the tiny model (about 0.1-1 s)
@@ -263,15 +274,16 @@ class Soak:
         self.began = time.monotonic()
         pending = list(self.schedule)
         waiting_since: float | None = None
+        lag = 0.0  # how late the schedule runs after aimed kills that waited (soak_schedule.schedule_lag)
         next_sample = 0.0
         run_s = self.config.minutes * 60
         while (now := time.monotonic()) - self.began < run_s and not stop.requested:
             self.poll()
             self.fire_timers()
-            if pending and now - self.began >= pending[0].at_s:
+            if pending and now - self.began >= pending[0].at_s + lag:
                 waiting_since = waiting_since or now
                 if self.act(pending[0], now - waiting_since):
-                    pending.pop(0)
+                    lag = schedule_lag(lag, pending.pop(0).at_s, now - self.began)
                     waiting_since = None
             if now >= next_sample:
                 self.sample()

@@ -18,6 +18,12 @@ Kinds of churn:
     pause       SIGSTOP a random running node for `seconds` (longer than a round), then SIGCONT
     load        start busy processes (one per CPU) beside the swarm for `seconds`
 
+An aimed kill waits for its moment (a round, a fetch), up to the harness's AIM_S; the events
+after it then run as late as it did (`schedule_lag`), keeping their spacing. Fired as soon as it
+went, the ones queued behind it came in one burst inside the round it waited for: in a 60-minute
+soak whose rounds had grown long, four kills and a SIGTERM landed in one second, three of them
+on the four members of one round.
+
 Events come WARMUP_S after the start (the swarm forms and measures its rounds first) and stop
 END_MARGIN_S before the end (the last restarts come back and catch up before the checks), about
 every GAP_S seconds; the kinds come in shuffled decks, so every kind occurs in a long enough run
@@ -77,3 +83,10 @@ def churn_schedule(seed: int, run_s: float, *, gap_s: float = GAP_S) -> tuple[Ch
         events.append(Churn(round(at, 3), kind, round(seconds, 3)))
         at += rng.uniform(0.5 * gap_s, 1.5 * gap_s)
     return tuple(sorted(events, key=lambda e: e.at_s))
+
+
+def schedule_lag(lag: float, due_s: float, fired_s: float) -> float:
+    """How late the schedule runs (seconds) once an event of `due_s` (its at_s) fired `fired_s`
+    seconds after the start, when it already ran `lag` late: the events after it keep their
+    spacing from it. Pure."""
+    return max(lag, fired_s - due_s)

@@ -18,6 +18,7 @@ from swarm.cli.soak_schedule import (
     WARMUP_S,
     Churn,
     churn_schedule,
+    schedule_lag,
 )
 
 # --- the schedule ---------------------------------------------------------------------------
@@ -50,6 +51,21 @@ def test_churn_schedule(seed: int, run_s: float, events_at_least: int, events_at
     assert churn_schedule(seed, run_s) == schedule  # a pure function of the seed and the length
     if len(schedule) > 2:
         assert churn_schedule(seed + 1, run_s) != schedule
+
+
+@pytest.mark.parametrize(
+    ("lag", "due_s", "fired_s", "expected", "why"),
+    [
+        (0.0, 100.0, 100.05, 0.05, "on time (a poll late): the schedule as drawn"),
+        (0.0, 100.0, 160.0, 60.0, "an aimed kill that waited 60 s for a round: the events after it wait as long"),
+        (60.0, 130.0, 190.0, 60.0, "the next one, fired at its shifted time: still 60 s late, the gap kept"),
+        (60.0, 130.0, 200.0, 70.0, "another wait adds to it"),
+        (60.0, 130.0, 185.0, 60.0, "never earlier than the events before it ran"),
+    ],
+)
+def test_events_after_an_aimed_kill_that_waited_keep_their_spacing(lag: float, due_s: float, fired_s: float,
+                                                                  expected: float, why: str) -> None:  # fmt: skip
+    assert schedule_lag(lag, due_s, fired_s) == pytest.approx(expected), why
 
 
 def test_a_bad_churn_is_refused() -> None:
