@@ -118,7 +118,7 @@ class Lineage:
         in this lineage (with this node, or with the peers whose lineage it took) and signed for
         it. Seniority is this, earned by rounds, not by how long an identity has sat in the DHT."""
         mates: set[PeerID] = set()
-        for link in self.links[len(self.links) - last :] if last > 0 else ():
+        for link in self.links[max(0, len(self.links) - last) :] if last > 0 else ():
             if len(link.members) >= 2:
                 mates |= link.signers
         return frozenset(mates)

@@ -72,13 +72,17 @@ from swarm.model.checkpoint import Manifest
 from swarm.p2p.peer_id import PeerID
 from swarm.state.holders import Holder
 
-EARNED_ROUNDS = 32  # the recent rounds whose signers back a state more than others (rule 3)
 MISSED_STEP_BACKERS = 2  # what a node that missed its step's group asks of a newer state (rule 2)
 SLACK_STEPS = 2  # steps beyond what the observed pace allows (clock skew, a step under way)
 # how far ahead of or behind the node a fork's other side is checked (rule 5): a lineage fetch of
 # that many steps is what one check costs, and two lineages of one swarm drift apart by a step or
 # two a minute
 FORK_STEPS = 64
+# the recent rounds whose signers back a state more than others (rules 3 and 5): as many as a
+# fork's side is checked over. With 32, two nodes that had averaged alone for 40 rounds of a
+# 60-minute soak no longer counted the 11 holders of the larger lineage behind them as round
+# mates, never checked it, and kept their own to the end
+EARNED_ROUNDS = FORK_STEPS
 PACE_FACTOR = 4.0  # the swarm is taken to step at most this many times faster than observed
 HEADER_BYTES = 4096  # safetensors header allowance per shard (its JSON length prefix + padding) ...
 HEADER_BYTES_PER_TENSOR = 512  # ... plus this much JSON per tensor (name, dtype, shape, offsets)

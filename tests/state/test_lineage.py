@@ -23,6 +23,7 @@ from swarm.state.holders import Holder
 from swarm.state.lineage import Lineage, Link, judge, moved_over, structure_problem
 from swarm.state.lineage_book import LineageBook, LineageError
 from swarm.state.receipts import BadReceipt, Receipt, RoundBody, decode_receipt, sign, valid_signers
+from swarm.state.trust import EARNED_ROUNDS
 
 KEYS = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(12)]
 P = [k.peer_id for k in KEYS]
@@ -365,11 +366,20 @@ def test_voters_are_the_members_of_the_last_round_of_two_or_more() -> None:
         ((link(0, G, "s1", "abd", signers="ab"), *HONEST[1:]), 32, {A, B, C}),  # d never signed: not earned
         ((link(0, G, "s1", "abd"), *HONEST[1:]), 3, {A, B, C}),  # d's one round is past the window
         ((link(0, G, "s1", "abd"), *HONEST[1:]), 4, {A, B, C, D}),
+        ((link(0, G, "s1", "abd"), *HONEST[1:]), 6, {A, B, C, D}),  # a window longer than the lineage: all of it
         ((link(0, G, "s1", "abd"), *HONEST[1:]), 0, set()),
     ],
 )
 def test_seniority_is_earned_by_signing_recent_rounds_of_two_or_more(links: tuple, last: int, mates: set) -> None:
     assert chain(0, G, *links).round_mates(last) == mates
+
+
+def test_a_pair_that_averaged_apart_for_40_rounds_still_counts_the_swarms_signers() -> None:
+    """Two nodes of a 60-minute soak averaged alone for 40 rounds after a fork: the holders of
+    the larger lineage behind them must still be round mates, or rule 5 never checks it."""
+    together = [link(0, G, "t1", "abcde")]
+    apart = [link(1 + i, "t1" if i == 0 else f"p{i}", f"p{i + 1}", "de") for i in range(40)]
+    assert chain(0, G, *together, *apart).round_mates(EARNED_ROUNDS) == {A, B, C, D, E}
 
 
 # --- receipts --------------------------------------------------------------------------------
