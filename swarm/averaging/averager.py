@@ -41,7 +41,7 @@ from swarm.averaging.rounds.flat import AllReduceRound
 from swarm.averaging.rounds.grid import GridRound
 from swarm.averaging.rounds.overdue import probe_margin
 from swarm.averaging.rounds.registry import RoundRegistry
-from swarm.averaging.rounds.timeouts import RoundClock, group_part_timeout, measures_busy, measures_link
+from swarm.averaging.rounds.timeouts import RoundClock, group_part_timeout, measures_busy, measures_round
 from swarm.dht.node import DHTNode
 from swarm.p2p.host import P2PHost
 from swarm.p2p.peer_id import PeerID
@@ -221,12 +221,14 @@ class Averager:
             self.clock.failed()
             raise
         self.exclude(rr.audit_excluded, "it misstated our contribution to its part")
-        # lasted: since the group formed, when the other members' waits began too (timeouts.measures_link)
+        # lasted: since the group formed, when the other members' waits began too (timeouts.measures_round)
         lasted = rr.total_s if formed_at is None else max(rr.total_s, time.monotonic() - formed_at)
         # a round that waited measured the traffic beside it, not how fast our link is busy (timeouts.measures_busy)
         busy = rr.busy if measures_busy(lasted, self.clock.recent()) else None
-        self.link.observe(rr.up, rr.down, busy, paced=pace is not None, timed_out=not measures_link(lasted, timeout))
-        self.clock.observe(rr.total_s)
+        waited = not measures_round(lasted, timeout)  # it measures its timeout, not our link nor the pace
+        self.link.observe(rr.up, rr.down, busy, paced=pace is not None, timed_out=waited)
+        if not waited:
+            self.clock.observe(rr.total_s)
         report = GroupReport(
             group.group_id.hex(),
             rr.members,

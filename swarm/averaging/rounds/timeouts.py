@@ -22,14 +22,20 @@ round's normal length. The rule here:
   (with its slowest round left out that member announced 12.6 s, and the group 13.2 s);
 - a member that is slow for good makes rounds slow for good: once about a tenth of the window
   waited for it, the timeout grows FACTOR-fold and it fits again;
-- but never past SPREAD times the window's median: rounds that waited out a timeout are
-  measured too (a paused member's, an audit's owner that died), and a round that waited lasts
-  one to three part timeouts. Once more than a tenth of the window had waited, the p90 was such a
-  round, the next timeout three times it, and the next waits longer still: in the fortieth minute
-  of a 60-minute soak, with a kill or a pause landing in about every third round, the timeouts
-  went 8 s, 18 s, 32 s, 60 s (the flag) within five steps, kills then cost rounds 30-95 s, groups
-  broke up and the swarm forked. A member slow for good is in every round of its group and moves
-  the median with it; churn moves only the rounds it lands in;
+- a round that waited out a timeout (a paused member's, a silent one's) lasts one to three part
+  timeouts, and it measures the timeout, not how long rounds take: it is not measured (below,
+  `measures_round`). Measured, it ran the timeouts up in the fortieth minute of a 60-minute soak,
+  with a kill or a pause landing in about every third round: once more than a tenth of a window
+  had waited, the p90 was such a round, the next timeout three times it, and the next waits
+  longer still (8 s, 18 s, 32 s, 60 s, the flag, within five steps); kills then cost rounds
+  30-95 s, groups broke up and the swarm forked;
+- and rounds slowed without a wait running out (a probed kill, a backup's reduction, an audit's
+  request to a dead owner) count as at most SPREAD times the window's median. A member slow for
+  good is in every round of its group and moves the median with it; churn moves only the rounds
+  it lands in. Either rule alone let the timeouts run up again, through the short windows of
+  restarted members, whose largest announced timeout the group takes: replayed on the rounds of
+  two 60-minute soaks, the group's timeout reached 49 s with the median cap alone and 34 s with
+  the waited rounds left out alone, and stayed under 17 s with both;
 - FLOOR_S keeps a round of a tiny model (0.1 s) from cutting off a member whose event loop
   stalls for a moment (a garbage collection, a busy CPU).
 
@@ -57,8 +63,12 @@ another member's, begun when it learned of the group, before our round started (
 trainer of the NAT lab's relay-death test saw 59.97 s of a 60 s timeout, took the round as a
 measurement and paced its next round at 1 KB/s, which starved the DHT and relay renewals that
 its NATed peers had only through it). So a round that lasted more than MEASURED_SHARE of its
-part timeout since its group formed measures nothing: a live group's round lasts a third of it
-(FACTOR) or less, and an estimate left unchanged paces as before, or not at all.
+part timeout since its group formed measures nothing (`measures_round`), neither the link nor
+the rounds' pace: a live group's round lasts a third of it (FACTOR) or less, and an estimate
+left unchanged paces as before, or not at all. Such a round leaves the failed rounds' backoff
+as it is: the timeout that got it through stays. A member that turns slower than the timeout at
+once fails its own rounds (its senders gave up on its answers), backs off, and announces the
+longer timeout, which its group takes.
 
 A round that waited for a while without running out a wait does not measure how fast our link is
 busy either (`measures_busy`): the busy rate (bandwidth.busy_rate) is the rate 9 in 10 of the
@@ -135,10 +145,10 @@ def measures_busy(seconds: float, round_seconds: Sequence[float]) -> bool:
     return seconds <= MEASURED_SHARE * max(FLOOR_S, FACTOR * slow)
 
 
-def measures_link(seconds: float, part_timeout: float) -> bool:
-    """Does a round that lasted `seconds` since its group formed (on our clock) measure our link,
-    with `part_timeout` its part timeout? False when a wait in it may have run out, here or at
-    another member (the module docstring). Pure."""
+def measures_round(seconds: float, part_timeout: float) -> bool:
+    """Does a round that lasted `seconds` since its group formed (on our clock) measure our link
+    and the rounds' pace, with `part_timeout` its part timeout? False when a wait in it may have
+    run out, here or at another member (the module docstring). Pure."""
     return math.isfinite(seconds) and 0 <= seconds < MEASURED_SHARE * part_timeout
 
 
@@ -151,8 +161,9 @@ class RoundClock:
         self._failed = 0  # rounds failed in a row since the last completed one
 
     def observe(self, seconds: float) -> None:
-        """A round completed in `seconds` (failed rounds are not measured: they say how long the
-        timeouts were, not how long a round takes)."""
+        """A round completed in `seconds` and measures the pace (measures_round; failed rounds
+        and rounds that waited are not measured: they say how long the timeouts were, not how
+        long a round takes)."""
         if math.isfinite(seconds) and seconds >= 0:
             self._seconds.append(seconds)
             self._failed = 0
