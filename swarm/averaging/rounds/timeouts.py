@@ -33,9 +33,11 @@ round's normal length. The rule here:
   request to a dead owner) count as at most SPREAD times the window's median. A member slow for
   good is in every round of its group and moves the median with it; churn moves only the rounds
   it lands in. Either rule alone let the timeouts run up again, through the short windows of
-  restarted members, whose largest announced timeout the group takes: replayed on the rounds of
-  two 60-minute soaks, the group's timeout reached 49 s with the median cap alone and 34 s with
-  the waited rounds left out alone, and stayed under 17 s with both;
+  restarted members, whose largest announced timeout the group takes. Replayed on the recorded
+  rounds of two 60-minute soaks (as far as the recorded timeouts allow: a replay judges each
+  round by the timeout it ran under, so it stops being one once those ran up), the group's
+  timeout reached 49-60 s with the median cap alone and 34 s with the waited rounds left out
+  alone, and stayed under 17 s with both;
 - FLOOR_S keeps a round of a tiny model (0.1 s) from cutting off a member whose event loop
   stalls for a moment (a garbage collection, a busy CPU).
 
