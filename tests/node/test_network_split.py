@@ -20,7 +20,7 @@ import pytest
 from swarm.dht import DHTConfig
 from swarm.node.grouping import LINEAGE_STEPS
 from swarm.node.inner_steps import InnerSteps
-from swarm.node.training_thread import DataTrainingThread
+from swarm.node.training_thread import DataTrainingThread, TrainingThreadFactory
 from swarm.p2p import P2PHost
 from swarm.p2p.dialer import Dialer
 from swarm.p2p.errors import ConnectionLost
@@ -81,21 +81,34 @@ def done(node: Running, step: int) -> bool:
     return max(node.steps(), default=-1) >= step
 
 
+async def split_after_together(local: LocalSwarm, monkeypatch: pytest.MonkeyPatch, steps: int, *,
+                               large_thread: TrainingThreadFactory = DataTrainingThread,
+                               ) -> tuple[list[Running], list[Running], Split]:  # fmt: skip
+    """Five nodes of a run of `steps`, three (the larger half, with the bootstrap, training with
+    `large_thread`) and two, that average together for TOGETHER steps; then the network between
+    the halves is cut. Returns the halves and the split, to heal."""
+    bootstrap = await local.start_bootstrap()
+    # the nodes of the smaller half ping the bootstrap they lost every second, not every 15 s
+    rejoin = DHTConfig(rejoin_interval=REJOIN_S)
+    large = [local.start((bootstrap,), max_outer_steps=steps, dht_config=rejoin, training_thread=large_thread)
+             for _ in range(3)]  # fmt: skip
+    small = [local.start((bootstrap,), max_outer_steps=steps, dht_config=rejoin) for _ in range(2)]
+    nodes = [*large, *small]
+    assert local.bootstrap is not None
+    await until(lambda: all(n.node.maddrs for n in nodes), 30, "every node listening", poll=0.05)
+    split = Split(monkeypatch, [[local.bootstrap[0], *(n.node.outer_loop.ctx.averager.host for n in large)],
+                                [n.node.outer_loop.ctx.averager.host for n in small]])  # fmt: skip
+    await until(lambda: all(done(n, TOGETHER - 1) for n in nodes), 90, "the steps together", poll=0.05)
+    split.cut()
+    return large, small, split
+
+
 async def test_a_split_healed_after_three_steps_merges_into_the_larger_halfs_lineage(
     local: LocalSwarm, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caplog.set_level(logging.INFO)
-    bootstrap = await local.start_bootstrap()
-    # the nodes of the smaller half ping the bootstrap they lost every second, not every 15 s
-    rejoin = DHTConfig(rejoin_interval=REJOIN_S)
-    nodes = [local.start((bootstrap,), max_outer_steps=STEPS, dht_config=rejoin) for _ in range(5)]
-    large, small = nodes[:3], nodes[3:]
-    assert local.bootstrap is not None
-    await until(lambda: all(n.node.maddrs for n in nodes), 30, "every node listening", poll=0.05)
-    split = Split(monkeypatch, [[local.bootstrap[0], *(n.node.outer_loop.ctx.averager.host for n in large)],
-                                         [n.node.outer_loop.ctx.averager.host for n in small]])  # fmt: skip
-    await until(lambda: all(done(n, TOGETHER - 1) for n in nodes), 90, "the steps together", poll=0.05)
-    split.cut()
+    large, small, split = await split_after_together(local, monkeypatch, STEPS)
+    nodes = [*large, *small]
     await until(lambda: all(done(n, TOGETHER + SPLIT - 1) for n in nodes), 120, "the split steps", poll=0.05)
     split.heal()
     healed_after = max(max(n.steps()) for n in nodes)  # the last step any node took apart
@@ -157,18 +170,8 @@ async def test_a_smaller_half_ahead_at_the_heal_steps_back_to_the_larger_halfs_l
     steps they took apart are lost, and every step from the larger half's at the heal on holds
     one state."""
     caplog.set_level(logging.INFO)
-    bootstrap = await local.start_bootstrap()
-    rejoin = DHTConfig(rejoin_interval=REJOIN_S)
-    large = [local.start((bootstrap,), max_outer_steps=AHEAD_RUN, dht_config=rejoin, training_thread=BrakedLoop)
-             for _ in range(3)]  # fmt: skip
-    small = [local.start((bootstrap,), max_outer_steps=AHEAD_RUN, dht_config=rejoin) for _ in range(2)]
+    large, small, split = await split_after_together(local, monkeypatch, AHEAD_RUN, large_thread=BrakedLoop)
     nodes = [*large, *small]
-    assert local.bootstrap is not None
-    await until(lambda: all(n.node.maddrs for n in nodes), 30, "every node listening", poll=0.05)
-    split = Split(monkeypatch, [[local.bootstrap[0], *(n.node.outer_loop.ctx.averager.host for n in large)],
-                                [n.node.outer_loop.ctx.averager.host for n in small]])  # fmt: skip
-    await until(lambda: all(done(n, TOGETHER - 1) for n in nodes), 90, "the steps together", poll=0.05)
-    split.cut()
     braked.set()
     try:
         await until(lambda: min(max(n.steps()) for n in small) - max(max(n.steps()) for n in large) >= AHEAD_STEPS,

@@ -68,9 +68,10 @@ its NATed peers had only through it). So a round that lasted more than MEASURED_
 part timeout since its group formed measures nothing (`measures_round`), neither the link nor
 the rounds' pace: a live group's round lasts a third of it (FACTOR) or less, and an estimate
 left unchanged paces as before, or not at all. Such a round leaves the failed rounds' backoff
-as it is: the timeout that got it through stays. A member that turns slower than the timeout at
-once fails its own rounds (its senders gave up on its answers), backs off, and announces the
-longer timeout, which its group takes.
+as it is: the timeout that got it through stays. A part owner that turns slower than the
+timeout at once fails its own rounds (its senders gave up on its answers), backs off, and
+announces the longer timeout, which its group takes; a sender that does is left out of the parts
+it was late for, round after round: the price of not letting churn run the timeout up.
 
 A round that waited for a while without running out a wait does not measure how fast our link is
 busy either (`measures_busy`): the busy rate (bandwidth.busy_rate) is the rate 9 in 10 of the
