@@ -183,12 +183,15 @@ class OuterLoop:
         if not self._steps_left():
             return step, REPLAN
         await ctx.book.refresh()
-        plan = plan_step(self.view.read())
+        seen = self.view.read()
+        plan = plan_step(seen)
         facts.planned_at = facts.fetches  # planned: no longer late, until the next fetch
         if plan.action == FETCH:
-            if not await self.ends.fetch(alone=False):
-                with contextlib.suppress(asyncio.TimeoutError):  # look again soon, unless stopped
-                    await asyncio.wait_for(ctx.stop.wait(), RESULT_POLL)
+            if await self.ends.fetch(alone=False):
+                return step, REPLAN
+            self._fetch_came_to_nothing(seen)
+            with contextlib.suppress(asyncio.TimeoutError):  # look again soon, unless stopped
+                await asyncio.wait_for(ctx.stop.wait(), RESULT_POLL)
             return step, REPLAN
         if plan.action == JOIN_FORMING:
             logger.info("step %d: %s: joining with no inner steps of ours", step, plan.why)
@@ -215,6 +218,18 @@ class OuterLoop:
         if plan.inner_steps < ctx.config.inner_steps:
             logger.info("step %d: %s: %d of %d inner steps", step, plan.why, plan.inner_steps, ctx.config.inner_steps)
         return step, await self._train_and_matchmake(step, plan.inner_steps)
+
+    def _fetch_came_to_nothing(self, seen: Facts) -> None:
+        """We planned to fetch the swarm's newer state and took nothing: past max_wait of that,
+        the peers whose records said they were ahead are not believed until they average with
+        us (view.AheadWatch)."""
+        ahead = [p.peer_id for p in seen.live() if p.step > seen.step and not p.client]
+        dropped = self.view.ahead.came_to_nothing(seen.step, seen.now, ahead)
+        if dropped:
+            logger.warning("step %d: %d peer(s) said they were at a later step and no state of theirs came in "
+                           "%.0fs: planning our step without them (their records ahead are not believed until "
+                           "they average with us)",
+                           seen.step, len(dropped), self.ctx.config.max_wait)  # fmt: skip
 
     def _steps_left(self) -> bool:
         if self.facts.run_over:

@@ -3,7 +3,8 @@ when the peers of an outer step will finish their inner steps.
 
     {"maddrs": [...], "client": bool, "step": outer step, "inner": inner steps done, "H": inner
      steps per outer step, "sec_per_step": float, "time": unix time of the figures,
-     "settings": the run settings it trains with (node/settings.py), ...}
+     "settings": the run settings it trains with (node/settings.py), "proof": the nonce of its
+     costly DHT id, ...}
 
 plus display fields (`train_loss`, `eval_loss`, `tokens_per_s`, `group_size`, `bytes_sent` and
 `bytes_received`: the node's wire totals, `reach`: direct, punched or relayed) that
@@ -30,6 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from swarm.dht.errors import DHTError
+from swarm.dht.id_proof import BadIdProof, verify
 from swarm.dht.node import DHTNode
 from swarm.dht.records import owner_subkey
 from swarm.dht.run_keys import RUNS_KEY, nodes_key, owned_map
@@ -38,8 +40,10 @@ from swarm.node.settings import RunSettings
 from swarm.p2p.errors import P2PError
 from swarm.p2p.peer_id import PeerID
 from swarm.p2p.reach import reach_of
+from swarm.utils.log_once import OncePerPeer
 
 logger = logging.getLogger(__name__)
+_unproven = OncePerPeer(logger, logging.INFO)
 
 MAX_STEP = 1 << 40
 RUN_LISTING_INTERVAL = 60.0  # seconds between a node's listings of its run (RUNS_KEY)
@@ -92,12 +96,21 @@ class PeerProgress:
         return self.time + max(0, self.inner_steps - self.inner) * self.sec_per_step
 
 
-def decode_progress(subkey: Any, value: Any) -> PeerProgress | None:
-    """A peer's progress record, or None when it is malformed (never raises)."""
+def decode_progress(subkey: Any, value: Any, id_bits: int | None = None) -> PeerProgress | None:
+    """A peer's progress record, or None when it is malformed or, with `id_bits`, when its
+    owner's proof of a costly id does not check out (never raises). Plans read only proven
+    records: a record ahead of our step holds a node back (view.py), so each identity that can
+    say so must cost something. A display of the run checks nothing (`id_bits` None)."""
     owned = owned_map(subkey, value)
     if owned is None:
         return None
     peer, value = owned
+    if id_bits is not None:
+        try:
+            verify(peer, value.get("proof"), id_bits)
+        except BadIdProof as e:
+            _unproven.log(peer, "unproven", "a progress record without a proof of a costly id (%s): skipped", e)
+            return None
     step, inner, h = value.get("step"), value.get("inner"), value.get("H")
     sec, when = value.get("sec_per_step"), value.get("time")
     if not all(_int_in(x, 0, MAX_STEP) for x in (step, inner)) or not _int_in(h, 1, MAX_STEP):
@@ -227,7 +240,8 @@ class ProgressBook:
         now = time.time()
         expiration = now + 4 * self.publish_interval + 10
         subkey = owner_subkey(self.dht.peer_id)
-        accepted = await store_or_warn(self.dht, self.key, own.encode(now), expiration, subkey, kind="progress",
+        value = {**own.encode(now), "proof": self.dht.id_nonce}  # what makes it count (decode_progress)
+        accepted = await store_or_warn(self.dht, self.key, value, expiration, subkey, kind="progress",
                                        within=self.publish_interval)  # fmt: skip
         if accepted > 0:
             self._stored(now)
@@ -261,7 +275,7 @@ class ProgressBook:
             return
         peers = []
         for subkey, entry in found.value.items():
-            progress = decode_progress(subkey, getattr(entry, "value", None))
+            progress = decode_progress(subkey, getattr(entry, "value", None), self.dht.config.id_bits)
             if progress is not None and progress.peer_id != self.dht.peer_id:
                 peers.append(progress)
         self.peers = tuple(peers)

@@ -343,6 +343,7 @@ class StepEnd:
         if ctx.feedback is not None:  # its residual is of a state we no longer hold
             ctx.feedback.reset()
         self.groups.forks.forget()
+        self.view.ahead.fetched()
         # our next step is late (StepFacts.late), and the nodes we started with (--start-with)
         # no longer count as our last group: the run went on without that start
         self.facts.fetches += 1

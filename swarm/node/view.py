@@ -1,20 +1,85 @@
 """SwarmView: what a node reads of its swarm and says of itself, through the run's progress
 records (progress.py). `read` turns the peers' records into the facts the plans decide on
 (plan.Facts); `publish` stores our own record.
+
+A record that says a later step than ours makes the node fetch instead of train (plan.FETCH), so
+records ahead are believed only while they can lead to a state: not those of a peer that
+advertised a state whose lineage we refused (Adoption.forked: a fork, not our swarm's result), nor
+those of peers we planned to fetch from for max_wait while no state came (AheadWatch). Without
+that, as many identities as stood at a node's step, saying they were ahead, held it in FETCH for
+as long as they kept saying it, and honest nodes whose own round was the one endorsed waited
+minutes on the results of a fork they refused.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from swarm.node.context import RunContext, StepFacts
 from swarm.node.plan import Facts, borrowed_pace, median_pace
-from swarm.node.progress import OwnProgress, implausible
+from swarm.node.progress import OwnProgress, PeerProgress, implausible
 from swarm.p2p.peer_id import PeerID
 from swarm.state.trust import step_horizon
 from swarm.utils.log_once import OncePerPeer
 
 logger = logging.getLogger(__name__)
+
+MAX_UNBELIEVED = 4096  # peers whose records ahead are not believed; past it the memory starts over
+
+
+class AheadWatch:
+    """The peers whose records said a later step than ours while no state of theirs reached us.
+    A node that planned to fetch (plan.FETCH) at one step for `max_wait` and took nothing stops
+    believing the records ahead of the peers it waited on, until one of them is a member of the
+    round that made the state we hold (it averaged: it is there). Each identity that says it is
+    ahead and serves nothing holds the swarm once, for max_wait, as a fake FORMED marker does
+    (grouping.ForkWatch); those records count only with a proof of a costly id (progress.py)."""
+
+    def __init__(self, max_wait: float) -> None:
+        self.max_wait = max_wait
+        self._waiting: tuple[int, float] | None = None  # (our step, since when) we plan a fetch that brings nothing
+        self._unbelieved: set[PeerID] = set()
+
+    def came_to_nothing(self, step: int, now: float, ahead: Iterable[PeerID]) -> frozenset[PeerID]:
+        """A fetch planned at our outer step `step`, at time `now`, took nothing while the peers
+        `ahead` said a later step. Returns the peers no longer believed from now on (logged by
+        the caller): none until we have planned it for max_wait."""
+        if self._waiting is None or self._waiting[0] != step:
+            self._waiting = (step, now)
+        if now - self._waiting[1] < self.max_wait:
+            return frozenset()
+        self._waiting = None
+        new = frozenset(ahead) - self._unbelieved
+        if len(self._unbelieved) + len(new) > MAX_UNBELIEVED:
+            self._unbelieved.clear()
+        self._unbelieved |= new
+        return new
+
+    def fetched(self) -> None:
+        """A fetch took a state: the wait it ends was not for nothing."""
+        self._waiting = None
+
+    def averaged_with(self, mates: frozenset[PeerID]) -> None:
+        """The round that made the state we hold had `mates`: they are there, believed again."""
+        self._unbelieved -= mates
+
+    def believed(self, p: PeerProgress, step: int) -> bool:
+        """Whether record `p` counts for a node at outer step `step`: one at or behind it does."""
+        return p.step <= step or p.peer_id not in self._unbelieved
+
+
+def ahead_problem(p: PeerProgress, step: int, forked: dict[PeerID, int], watch: AheadWatch) -> str | None:
+    """Why a record ahead of our outer step `step` cannot lead us to a state (None: it can, or
+    it is not ahead). `forked`: Adoption.forked."""
+    if p.step <= step:
+        return None
+    refused = forked.get(p.peer_id)
+    if refused is not None and p.step >= refused:
+        return f"it is at step {p.step} of a lineage we refused (its state of step {refused}): not waited on"
+    if not watch.believed(p, step):
+        return f"it said it was ahead, and no state came from it in {watch.max_wait:.0f}s: not waited on"
+    return None
 
 
 class SwarmView:
@@ -26,22 +91,29 @@ class SwarmView:
         # the last inner-step pace seen (ours or the peers' median); 0: none yet. Remembered: a
         # newcomer whose peers all left still knows how fast the run went (horizon)
         self._pace_seen = 0.0
+        self.ahead = AheadWatch(ctx.config.max_wait)
 
     def read(self) -> Facts:
         """The facts the plans decide on, from the records the book read last."""
         ctx = self.ctx
         pace, now = ctx.inner.snapshot().sec_per_step, ctx.clock()
         horizon = self.horizon()
+        mates = self.last_round()  # they averaged with us: on our lineage, whatever we refused of theirs before
+        forked = {peer: at for peer, at in ctx.keeper.adoption.forked().items() if peer not in mates}
+        step = ctx.diloco.outer_step
+        self.ahead.averaged_with(mates)
         peers = []
         for p in ctx.book.peers:  # records the run cannot produce are not believed (progress.implausible)
             why = implausible(p, now=now, inner_steps=ctx.config.inner_steps, max_step=horizon)
             if why is None and p.settings is not None and p.settings.digest != ctx.settings.digest:
                 why = "it trains with other run settings (never grouped with: not waited for)"
-            if why is None:
-                peers.append(p)
-            else:
+            if why is not None:
                 self._bad_records.log(p.peer_id, "progress", "ignoring its progress record: %s", why)
-        return Facts(step=ctx.diloco.outer_step, inner_steps=ctx.config.inner_steps, own_sec=pace,
+            elif (unbacked := ahead_problem(p, step, forked, self.ahead)) is not None:
+                self._bad_records.log(p.peer_id, "ahead", "%s", unbacked)  # once per peer, as it begins
+            else:
+                peers.append(p)
+        return Facts(step=step, inner_steps=ctx.config.inner_steps, own_sec=pace,
                      client=ctx.client, peers=tuple(peers), now=now, fresh_for=ctx.book.fresh_for,
                      late=self.facts.late, watched_for=now - ctx.book.first_read,
                      sees_peers=ctx.book.read_ok, own_record_age=now - ctx.book.stored_at,

@@ -8,8 +8,10 @@
 
 A candidate's lineage is fetched from its holders (from FORK_DEPTH steps before the node's own
 state, or from its anchor) and judged against the node's own before any shard is asked for. A
-state whose lineage was refused is not weighed again for UNLINKED_S; holders that could not be
-reached raise FetchError (with them as `failed`), as a fetch from them would.
+state whose lineage was refused is not weighed again for UNLINKED_S, and its holders are
+`forked` for FORKED_S: their progress records at its step or later do not make the node wait for
+a result it will not take. Holders that could not be reached raise FetchError (with them as
+`failed`), as a fetch from them would.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ UNLINKED_S = 5.0
 # in the DHT within a second or two of the round, and a newcomer that waited UNLINKED_S for them
 # with one-second steps came in five steps late and never caught a group
 PENDING_S = 0.5
+# a peer that advertised a state whose lineage we refused is on a lineage we will not take: its
+# progress record at that state's step or later says nothing of where our swarm is (SwarmView).
+# Renewed at each refusal: the keeper weighs the state again every UNLINKED_S while it is advertised
+FORKED_S = 30.0
+MAX_FORKED = 4096  # holders of refused lineages remembered
 FORK_DEPTH = 64  # steps back from our state where a candidate's lineage may fork from ours
 Linked = tuple[Lineage, list[Receipt], bool]  # a lineage we may adopt, its receipts, and whether it is provisional
 
@@ -58,12 +65,29 @@ class Adoption:
         self._ancestors: dict[str, int] = {}
         self._warned_unvouched = False
         self._distrusted = OncePerPeer(logger)
+        # holder -> (step and manifest of the state whose lineage we refused, until when that is remembered)
+        self._forked: dict[PeerID, tuple[int, str, float]] = {}
 
     def unlinked(self) -> set[str]:
         """The manifests whose lineage was refused lately: not weighed again yet."""
         now = time.monotonic()
         self._unlinked = {sha: until for sha, until in self._unlinked.items() if now < until}
         return set(self._unlinked)
+
+    def forked(self) -> dict[PeerID, int]:
+        """The peers that advertise, lately, a state whose lineage we refused: peer -> that
+        state's step. Not a pending refusal: those rounds may still collect their endorsements."""
+        now = time.monotonic()
+        self._forked = {peer: entry for peer, entry in self._forked.items() if now < entry[2]}
+        return {peer: step for peer, (step, _, _) in self._forked.items()}
+
+    def advertised(self, holders: Sequence[Holder]) -> None:
+        """The run's state records as read now: a forked peer that advertises another state than
+        the one refused (it stepped back to ours, or moved on) is forked no longer, until that
+        state is weighed in turn."""
+        now_holding = {h.peer_id: h.manifest for h in holders}
+        self._forked = {peer: entry for peer, entry in self._forked.items()
+                        if now_holding.get(peer, entry[1]) == entry[1]}  # fmt: skip
 
     def not_forks(self) -> set[str]:
         """The manifests a fork check found continuing our lineage lately: not checked again yet."""
@@ -95,6 +119,7 @@ class Adoption:
         if step == own.anchor_step and self.client and alone:  # lineage.py rule 6: back to our anchor
             return Lineage(own.anchor_step, own.anchor), [], self.book.provisional
         since = max(own.anchor_step, min(own.step, step) - FORK_DEPTH)
+        in_ours = False  # the state is one of our own lineage: its holders are on our side, only behind
         if since >= step:
             why = f"its step {step} is not after the state we trust without receipts (step {own.anchor_step})"
         else:
@@ -106,7 +131,8 @@ class Adoption:
                 why = f"no lineage from its holders ({e})"
             else:
                 forked_at = fork_step(own, chain)
-                if fork_only and step < own.step and forked_at is not None and forked_at >= step:  # ours, behind us
+                in_ours = forked_at is not None and forked_at >= step
+                if fork_only and step < own.step and in_ours:  # ours, behind us
                     self._ancestors[sha] = step
                     return None
                 if fork_only and (forked_at is None or forked_at >= own.step):
@@ -115,6 +141,8 @@ class Adoption:
                 vouched = any(h.peer_id in self.vouching for h in holders)
                 adopted = self._judged(own, chain, sha, vouched)
                 if isinstance(adopted, bool):
+                    for holder in holders:  # a refusal of its lineage was early (endorsements came since)
+                        self._forked.pop(holder.peer_id, None)
                     return chain, receipts, adopted
                 why, pending = adopted
                 if pending:  # not a refusal yet: asked again in PENDING_S
@@ -123,7 +151,11 @@ class Adoption:
                                 sha[:12], step, why)  # fmt: skip
                     return None
         self._unlinked[sha] = time.monotonic() + UNLINKED_S
+        if len(self._forked) + len(holders) > MAX_FORKED:  # bounded: past it the memory starts over
+            self._forked.clear()
         for holder in holders:
+            if not in_ours:  # its holders' records at its step or later are of a lineage we will not take
+                self._forked[holder.peer_id] = (step, sha, time.monotonic() + FORKED_S)
             self._distrusted.log(holder.peer_id, "lineage", "not adopting the state it advertises (step %d): %s",
                                  step, why)  # fmt: skip
         return None

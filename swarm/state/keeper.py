@@ -181,6 +181,7 @@ class StateKeeper:
         skipped = self._refusals.manifests | self.adoption.unlinked()
         read = await self._holders()
         self.holder_steps = tuple(h.step for h in read)
+        self.adoption.advertised(read)
         holders = [h for h in read if h.manifest not in skipped]
         earned = self.lineage.lineage.round_mates(trust.EARNED_ROUNDS) - {self.host.peer_id}
         own_sha = self.current.manifest.sha256 if self.current is not None else None

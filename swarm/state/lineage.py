@@ -31,7 +31,10 @@ refused their state for good ("0 ... against our 1"). Then:
    than the state advertised) or does not descend from any state the node holds is refused;
 2. every candidate link after F must be endorsed, except its newest one when the node holds a
    fork of its own after F: that link, signed by at least one member of its parent round, is
-   still collecting the endorsements of the next round (a split of equal halves, a round of one);
+   still collecting the endorsements of the next round (a split of equal halves, a round of one).
+   Nor need its first link be, when the node's own links after F hold fewer than half of F's
+   round too and a member of that round signed it: the round split into minorities (2 + 2 + 1
+   of 5), no side is endorsed, and rule 4 weighs them;
 3. a node with no link after F (a newcomer, a node behind, one in sync that has not finished
    its step) adopts an endorsed candidate; so does a node that holds no round at all since its
    anchor, whether or not the candidate shares a state with it (a node started from another
@@ -50,11 +53,14 @@ refused their state for good ("0 ... against our 1"). Then:
    the steps it took alone, so it follows the servers' lineage, even an older one.
 
 What this does not stop: identities holding at least half of a round's members and weight can
-fork it (and a fork of exactly half is settled by a hash); a lineage fabricated from genesis by
-identities of their own (the link out of an anchor is taken from anyone), which takes a newcomer
-none of whose initial peers holds the run's state, and keeps it while they stay ahead. Honest
-nodes that split at the run's very first round and share no initial peer that holds a state
-stay two lineages (nothing tells either side that the other is honest).
+fork it (and a fork of exactly half is settled by a hash); members of a round whose honest
+members split into minorities by themselves weigh as much as an honest minority (rule 2's
+exception), so as many of them as the largest honest part win by the hash; a lineage
+fabricated from genesis by identities of their own (the link out of an anchor is taken from
+anyone), which takes a newcomer none of whose initial peers holds the run's state, and keeps it
+while they stay ahead. Honest nodes that split at the run's very first round and share no
+initial peer that holds a state stay two lineages (nothing tells either side that the other is
+honest).
 """
 
 from __future__ import annotations
@@ -200,7 +206,7 @@ def judge(own: Lineage, candidate: Lineage, *, vouched: bool = False, provisiona
         return Judgement(False, f"it is a state of our own lineage (step {candidate.step})", fork)
     fork_round = own.link_into(fork)  # None: the fork is at our anchor, whose round we do not know
     problem = _unendorsed(theirs, fork_round, pending_ok=bool(ours))
-    if problem is not None:
+    if problem is not None and not _split_without_majority(theirs, ours, fork_round):
         return Judgement(False, problem, fork, pending=_unendorsed(theirs, fork_round, pending_ok=True) is None)
     if not ours:
         return Judgement(True, f"an endorsed continuation of our state of step {fork}", fork)
@@ -242,6 +248,19 @@ def _wins_once_signed(
     if len(their_side) != len(our_side):
         return len(their_side) > len(our_side)
     return theirs[0].result < ours[0].result
+
+
+def _split_without_majority(theirs: Sequence[Link], ours: Sequence[Link], fork_round: Link | None) -> bool:
+    """Rule 2's exception: no side holds a majority of the fork's round. Our links after the fork
+    hold fewer than half of its members, the candidate's first link is signed by at least one of
+    them, and its later links are endorsed. A small round whose members went separate ways (2 + 2
+    + 1 of 5, seen on a loaded machine) would otherwise stay as many lineages for good, each
+    refusing the others' first rounds; rule 4 weighs them instead."""
+    if fork_round is None or not ours or not theirs[0].signers & frozenset(fork_round.members):
+        return False
+    if _unendorsed(theirs[1:], theirs[0], pending_ok=True) is not None:
+        return False
+    return not endorsed(fork_round, frozenset(p for link in ours for p in link.members))
 
 
 def moved_over(ours: Sequence[Link], theirs: Sequence[Link]) -> frozenset[PeerID]:

@@ -353,16 +353,12 @@ async def test_attack_f_absurd_progress_records_do_not_slow_or_redirect_steps(
     honest = start_honest(local, bootstrap, max_wait=max_wait)
     h = QUICK["inner_steps"]
 
-    def record(step: int, sec: float) -> dict[str, Any]:
-        return {"maddrs": [], "client": False, "step": step, "inner": 0, "H": h, "sec_per_step": sec,
-                "time": round(time.time(), 3), "train_loss": None, "eval_loss": None, "tokens_per_s": None,
-                "group_size": 1}  # fmt: skip
-
     async with outsider(bootstrap) as (_, slow_liar), outsider(bootstrap) as (_, far_liar):
 
         async def publish() -> None:
             step = max(n.node.diloco.outer_step for n in honest)
-            for dht, value in ((slow_liar, record(step, (max_wait - 1) / h)), (far_liar, record(1_000_000, 0.5))):
+            for dht, value in ((slow_liar, progress_record(slow_liar, step, 0, h, (max_wait - 1) / h)),
+                               (far_liar, progress_record(far_liar, 1_000_000, 0, h, 0.5))):  # fmt: skip
                 await dht.store(nodes_key(RUN_ID), value, time.time() + 10, owner_subkey(dht.peer_id))
 
         lying = asyncio.ensure_future(repeat(0.3, publish))
@@ -376,3 +372,48 @@ async def test_attack_f_absurd_progress_records_do_not_slow_or_redirect_steps(
     assert_fetched_only_swarm_states(honest)
     assert step_s < clean["step_s"] + max_wait / 2, f"{step_s:.1f}s per step, {clean['step_s']:.1f}s without"
     assert_within_clean(honest, clean)
+
+
+def progress_record(dht: DHTNode, step: int, inner: int, h: int, sec: float) -> dict[str, Any]:
+    """A progress record as a node publishes it, proven with `dht`'s costly id."""
+    return {"maddrs": [], "client": False, "step": step, "inner": inner, "H": h, "sec_per_step": sec,
+            "time": round(time.time(), 3), "train_loss": None, "eval_loss": None, "tokens_per_s": None,
+            "group_size": 1, "proof": dht.id_nonce}  # fmt: skip
+
+
+async def test_attack_f_identities_that_say_they_are_ahead_hold_the_swarm_once(
+    local: LocalSwarm, data: TokenData, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As many proven identities as the honest nodes say they are ahead of the swarm (two steps
+    past its newest, so that they are ahead whenever a node plans a step), following its tip, and
+    serve no state. A node plans to fetch when as many servers are ahead as stand at its step:
+    before, every honest node waited for their state for as long as they said so (the run never
+    ended). Now each node waits max_wait once, then no longer believes their records ahead until
+    they average with it."""
+    clean = await clean_run(data)
+    max_wait = QUICK["max_wait"]
+    bootstrap = await local.start_bootstrap()
+    honest = start_honest(local, bootstrap)
+    h = QUICK["inner_steps"]
+    await until_stepped(honest)  # a pace is known: records a step ahead are plausible
+    started = time.monotonic()
+    async with contextlib.AsyncExitStack() as stack:
+        liars = [(await stack.enter_async_context(outsider(bootstrap)))[1] for _ in honest]
+
+        async def publish() -> None:
+            step = max(n.node.diloco.outer_step for n in honest) + 2
+            for dht in liars:
+                await dht.store(nodes_key(RUN_ID), progress_record(dht, step, h, h, 0.5), time.time() + 10,
+                                owner_subkey(dht.peer_id))  # fmt: skip
+
+        lying = asyncio.ensure_future(repeat(0.3, publish))
+        try:
+            await finish(honest, timeout=STEPS * clean["step_s"] + 3 * max_wait + 60)
+        finally:
+            lying.cancel()
+    held = [r.getMessage() for r in caplog.records if "no state of theirs came" in r.getMessage()]
+    assert held, "no node was held by the records ahead: the test shows nothing"
+    assert_agree(honest)
+    assert_fetched_only_swarm_states(honest)
+    elapsed = time.monotonic() - started
+    assert elapsed < STEPS * clean["step_s"] + 2 * max_wait + 15, f"{elapsed:.0f}s for {STEPS} steps: {held}"

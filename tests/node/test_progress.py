@@ -10,6 +10,7 @@ import msgpack
 import pytest
 
 from swarm.dht import store_retry
+from swarm.dht.id_proof import solve
 from swarm.dht.records import owner_subkey
 from swarm.dht.run_keys import RUNS_KEY, nodes_key
 from swarm.node.progress import (
@@ -25,6 +26,7 @@ from swarm.p2p.identity import Identity
 from tests.dht.refusing import refusing_dht
 
 PEER = Identity.from_seed(b"\x01" * 32).peer_id
+OTHER = Identity.from_seed(b"\x02" * 32).peer_id
 GOOD = {"step": 3, "inner": 40, "H": 50, "sec_per_step": 0.5, "time": 1000.0, "client": False, "maddrs": []}
 
 
@@ -45,6 +47,18 @@ def test_a_good_record_decodes_and_predicts_its_finish() -> None:
 )  # fmt: skip
 def test_malformed_records_are_ignored(change: dict) -> None:
     assert decode_progress(owner_subkey(PEER), {**GOOD, **change}) is None
+
+
+def test_a_plan_reads_only_records_with_a_proof_of_a_costly_id() -> None:
+    """What a plan reads must cost each identity something (a record ahead holds a node back);
+    a display of the run reads every well-formed record."""
+    bits = 8
+    proof = solve(PEER, bits)
+    assert decode_progress(owner_subkey(PEER), {**GOOD, "proof": proof}, bits) is not None
+    assert decode_progress(owner_subkey(PEER), GOOD, bits) is None
+    assert decode_progress(owner_subkey(PEER), {**GOOD, "proof": b"\x00" * 8}, bits) is None  # another id's
+    assert decode_progress(owner_subkey(OTHER), {**GOOD, "proof": proof}, bits) is None
+    assert decode_progress(owner_subkey(PEER), GOOD) is not None
 
 
 def test_records_not_under_an_owner_or_not_maps_are_ignored() -> None:

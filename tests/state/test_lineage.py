@@ -62,6 +62,12 @@ TOGETHER = [link(0, G, "t1", "abcde"), link(1, "t1", "t2", "abcde")]
 SMALL_AHEAD = [link(2, "t2", "d3", "de"), link(3, "d3", "d4", "de"), link(4, "d4", "d5", "de"),
                link(5, "d5", "d6", "de")]  # fmt: skip
 LARGE_BEHIND = [link(2, "t2", "l3", "abc"), link(3, "l3", "l4", "abc")]
+# ... or split 2 + 2 + 1 after step 1 (sha("p3") < sha("q3"))
+SPLIT = {
+    "ab": chain(0, G, *TOGETHER, link(2, "t2", "p3", "ab"), link(3, "p3", "p4", "ab")),
+    "cd": chain(0, G, *TOGETHER, link(2, "t2", "q3", "cd")),
+    "e": chain(0, G, *TOGETHER, link(2, "t2", "e3", "e"), link(3, "e3", "e4", "e")),
+}
 
 CASES = [
     # (situation, own lineage, candidate, adopt?)
@@ -224,6 +230,31 @@ CASES = [
         "... and the larger half never takes the smaller one's, however far ahead",
         chain(0, G, *TOGETHER, *LARGE_BEHIND),
         chain(0, G, *TOGETHER, *SMALL_AHEAD),
+        False,
+    ),
+    # a round of 5 splits 2 + 2 + 1: no part holds a majority of it, so none is endorsed (rule 2's
+    # exception): rule 4 weighs them, and all end on the pair whose first state has the smaller hash
+    ("a split into minorities: the node alone takes a pair's lineage", SPLIT["e"], SPLIT["ab"], True),
+    ("... a pair never takes the one alone's", SPLIT["ab"], SPLIT["e"], False),
+    ("... of two pairs, the one whose first state has the larger hash moves", SPLIT["cd"], SPLIT["ab"], True),
+    ("... and the other keeps its own", SPLIT["ab"], SPLIT["cd"], False),
+    (
+        "... but not a lineage that no member of the round signed",
+        SPLIT["e"],
+        chain(0, G, *TOGETHER, link(2, "t2", "x3", "xyz")),
+        False,
+    ),
+    (
+        "... nor one whose later round its own first round did not endorse",
+        SPLIT["e"],
+        chain(0, G, *TOGETHER, link(2, "t2", "p3", "ab"), link(3, "p3", "x4", "xyz")),
+        False,
+    ),
+    ("... nor, for a node with no round after the split, a minority's", chain(0, G, *TOGETHER), SPLIT["ab"], False),
+    (
+        "a part that holds a majority of the round is not weighed against a minority's",
+        chain(0, G, *TOGETHER, link(2, "t2", "m3", "abc")),
+        chain(0, G, *TOGETHER, link(2, "t2", "a3", "de")),
         False,
     ),
 ]

@@ -68,7 +68,7 @@ from swarm.averaging.audit.arithmetic import (
     result_digest,
     sketch_plan,
 )
-from swarm.averaging.audit.verdicts import JudgedRound, Verdict, judge, verdict_of
+from swarm.averaging.audit.verdicts import NOT_FINAL, JudgedRound, Verdict, judge, verdict_of
 from swarm.averaging.rounds.partition import payload_layout
 from swarm.averaging.rounds.reduction import PartReduction
 from swarm.averaging.rounds.registry import RECEIPT
@@ -274,7 +274,8 @@ class RoundAudit:
             if e.code == BadRequest.code and WRONG_SEED in e.message:
                 # the original owner sent us other bytes than it holds: it equivocated
                 return Verdict(j, k, "inconsistent" if k == j else "seed", e.message)
-            if e.code == NotFound.code and k == j:  # an original owner always reduces its own part
+            if e.code == NotFound.code and k == j and NOT_FINAL not in e.message:
+                # an original owner always reduces its own part: it has the receipt
                 return Verdict(j, k, "inconsistent", f"no receipt for its own part ({e.message})")
             return Verdict(j, k, "silent", str(e))
         except (P2PError, TimeoutError, OSError) as e:
@@ -313,7 +314,7 @@ class RoundAudit:
         try:  # our result of the part first: the caller may be a moment ahead of us
             ours = await asyncio.wait_for(asyncio.shield(self._seed(part)), r.config.part_timeout)
         except asyncio.TimeoutError:
-            raise NotFound("avg.receipt: our results are not final") from None
+            raise NotFound(f"avg.receipt: {NOT_FINAL}") from None
         if part in self.superseded and seed == await asyncio.shield(self.superseded[part]):
             raise BadRequest(f"avg.receipt: {SUPERSEDED}: the group took part {part} from a backup")
         if seed != ours:

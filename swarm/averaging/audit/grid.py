@@ -71,7 +71,7 @@ from swarm.averaging.audit.grid_checks import (
     check_row_receipt,
     live_subparts,
 )
-from swarm.averaging.audit.verdicts import Verdict, judge, verdict_of
+from swarm.averaging.audit.verdicts import NOT_FINAL, Verdict, judge, verdict_of
 from swarm.averaging.rounds.partition import payload_layout
 from swarm.averaging.rounds.registry import RECEIPT
 from swarm.p2p.errors import BadRequest, NotFound, P2PError, RemoteError
@@ -88,8 +88,6 @@ if TYPE_CHECKING:
     from swarm_kernels import Codec
 
 logger = logging.getLogger(__name__)
-
-NOT_FINAL = "our results are not final"  # a slow owner, not a liar
 
 
 class AuditedGrid(CheckedGrid, Protocol):

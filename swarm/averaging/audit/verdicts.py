@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 OURS = "the receipt misstates our"  # check_receipt's problems that only this member can see
+# an owner's answer when its own results are not final after the part timeout: a slow owner, not a
+# liar (under a burst of load, honest owners said so while the round confirmed a dead owner's part).
+# Its verdict is "silent", as for an owner that does not answer: nothing to convict it of
+NOT_FINAL = "our results are not final"
 
 
 class JudgedRound(Protocol):
