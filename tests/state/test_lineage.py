@@ -68,6 +68,8 @@ SPLIT = {
     "cd": chain(0, G, *TOGETHER, link(2, "t2", "q3", "cd")),
     "e": chain(0, G, *TOGETHER, link(2, "t2", "e3", "e"), link(3, "e3", "e4", "e")),
 }
+# ... or all five in the round of step 2, which only a and b completed (c, d and e failed it)
+HALF_DONE = [link(2, "t2", "h3", "abcde", "ab"), link(3, "h3", "h4", "ab"), link(4, "h4", "h5", "ab")]
 
 CASES = [
     # (situation, own lineage, candidate, adopt?)
@@ -251,6 +253,12 @@ CASES = [
         False,
     ),
     ("... nor, for a node with no round after the split, a minority's", chain(0, G, *TOGETHER), SPLIT["ab"], False),
+    (
+        "a round that fewer than half of its members completed: the rounds after it are not endorsed",
+        SPLIT["cd"],
+        chain(0, G, *TOGETHER, *HALF_DONE),
+        False,
+    ),
     (
         "a part that holds a majority of the round is not weighed against a minority's",
         chain(0, G, *TOGETHER, link(2, "t2", "m3", "abc")),
