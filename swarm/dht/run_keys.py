@@ -20,6 +20,7 @@ Each value is a map; later layers may add fields, and readers ignore fields they
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from swarm.dht.errors import RecordError
@@ -44,15 +45,22 @@ def owned_map(subkey: Any, value: Any) -> tuple[PeerID, dict[str, Any]] | None:
     return peer, value
 
 
-def proven_map(subkey: Any, value: Any, id_bits: int) -> tuple[PeerID, dict[str, Any]] | None:
+Owned = tuple[PeerID, dict[str, Any]]
+
+
+def proven_map(subkey: Any, value: Any, id_bits: int | None, *,
+               unproven: Callable[[PeerID, BadIdProof], Any] | None = None) -> Owned | None:  # fmt: skip
     """owned_map of a record whose "proof" field is its owner's proof of a costly id (id_proof.py);
-    None when malformed or unproven: a record only a costly identity may write."""
+    None when malformed or unproven (told to `unproven`): a record only a costly identity may
+    write. `id_bits` None: the proof is not checked (a display of the records)."""
     owned = owned_map(subkey, value)
-    if owned is None:
-        return None
+    if owned is None or id_bits is None:
+        return owned
     try:
         verify(owned[0], owned[1].get("proof"), id_bits)
-    except BadIdProof:
+    except BadIdProof as e:
+        if unproven is not None:
+            unproven(owned[0], e)
         return None
     return owned
 

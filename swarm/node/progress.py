@@ -31,10 +31,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from swarm.dht.errors import DHTError
-from swarm.dht.id_proof import BadIdProof, verify
 from swarm.dht.node import DHTNode
 from swarm.dht.records import owner_subkey
-from swarm.dht.run_keys import RUNS_KEY, nodes_key, owned_map
+from swarm.dht.run_keys import RUNS_KEY, nodes_key, proven_map
 from swarm.dht.store_retry import store_or_warn
 from swarm.node.settings import RunSettings
 from swarm.p2p.errors import P2PError
@@ -101,16 +100,11 @@ def decode_progress(subkey: Any, value: Any, id_bits: int | None = None) -> Peer
     owner's proof of a costly id does not check out (never raises). Plans read only proven
     records: a record ahead of our step holds a node back (view.py), so each identity that can
     say so must cost something. A display of the run checks nothing (`id_bits` None)."""
-    owned = owned_map(subkey, value)
+    owned = proven_map(subkey, value, id_bits, unproven=lambda peer, e: _unproven.log(
+        peer, "unproven", "a progress record without a proof of a costly id (%s): skipped", e))  # fmt: skip
     if owned is None:
         return None
     peer, value = owned
-    if id_bits is not None:
-        try:
-            verify(peer, value.get("proof"), id_bits)
-        except BadIdProof as e:
-            _unproven.log(peer, "unproven", "a progress record without a proof of a costly id (%s): skipped", e)
-            return None
     step, inner, h = value.get("step"), value.get("inner"), value.get("H")
     sec, when = value.get("sec_per_step"), value.get("time")
     if not all(_int_in(x, 0, MAX_STEP) for x in (step, inner)) or not _int_in(h, 1, MAX_STEP):

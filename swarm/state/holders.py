@@ -24,10 +24,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.dht.id_proof import BadIdProof, verify
 from swarm.dht.node import DHTNode
 from swarm.dht.records import owner_subkey
-from swarm.dht.run_keys import owned_map, state_key
+from swarm.dht.run_keys import proven_map, state_key
 from swarm.dht.run_records import record_entries
 from swarm.dht.store_retry import store_or_warn
 from swarm.model.checkpoint import Manifest
@@ -66,16 +65,11 @@ async def advertise(dht: DHTNode, run_id: str, manifest: Manifest, maddrs: Seque
 def decode_holder(subkey: Any, value: Any, id_bits: int | None = None) -> Holder | None:
     """The record's holder, or None when it is malformed or, with `id_bits`, when its owner's
     proof of a costly id does not check out (None: not checked, for a display of the records)."""
-    owned = owned_map(subkey, value)
+    owned = proven_map(subkey, value, id_bits, unproven=lambda peer, e: _unproven.log(
+        peer, "unproven", "a state record without a proof of a costly id (%s): skipped", e))  # fmt: skip
     if owned is None:
         return None
     peer, value = owned
-    if id_bits is not None:
-        try:
-            verify(peer, value.get("proof"), id_bits)
-        except BadIdProof as e:
-            _unproven.log(peer, "unproven", "a state record without a proof of a costly id (%s): skipped", e)
-            return None
     step, sha, maddrs, nbytes = value.get("step"), value.get("manifest"), value.get("maddrs"), value.get("bytes", 0)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         return None
