@@ -288,7 +288,7 @@ async def test_an_owner_whose_results_are_final_only_after_the_part_timeout_is_s
 
     async def late_own_part(self: RoundAudit, j: int, payload: Any, reducer: int) -> Any:
         if self.round is rounds[2] and reducer == self.round.me:
-            await asyncio.sleep(2.5)  # past the part timeout that serve waits for our own result
+            await asyncio.sleep(4.0)  # well past the part timeout that serve waits for our own result
         return await prepare(self, j, payload, reducer)
 
     async def noting(self: RoundAudit, ctx: Any, args: Any, stream: Any) -> None:
