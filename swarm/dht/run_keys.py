@@ -33,7 +33,10 @@ MAX_RUN_ID_CHARS = 128
 __all__ = ["RUNS_KEY", "check_run_id", "chunks_key", "nodes_key", "owned_map", "ready_key", "receipts_key", "state_key"]
 
 
-def owned_map(subkey: Any, value: Any) -> tuple[PeerID, dict[str, Any]] | None:
+Owned = tuple[PeerID, dict[str, Any]]  # a run record's owner and its map
+
+
+def owned_map(subkey: Any, value: Any) -> Owned | None:
     """(owner, value) of a run record: a map under an [owner:<PeerID>] subkey; None otherwise
     (records are peers' input: a malformed one is skipped, never raised on)."""
     try:
@@ -43,9 +46,6 @@ def owned_map(subkey: Any, value: Any) -> tuple[PeerID, dict[str, Any]] | None:
     if peer is None or not isinstance(value, dict):
         return None
     return peer, value
-
-
-Owned = tuple[PeerID, dict[str, Any]]
 
 
 def proven_map(subkey: Any, value: Any, id_bits: int | None, *,

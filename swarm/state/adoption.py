@@ -119,7 +119,8 @@ class Adoption:
         if step == own.anchor_step and self.client and alone:  # lineage.py rule 6: back to our anchor
             return Lineage(own.anchor_step, own.anchor), [], self.book.provisional
         since = max(own.anchor_step, min(own.step, step) - FORK_DEPTH)
-        in_ours = False  # the state is one of our own lineage: its holders are on our side, only behind
+        # its holders stand on a lineage we refuse (not one behind what we trust, nor of our own)
+        on_a_fork = False
         if since >= step:
             why = f"its step {step} is not after the state we trust without receipts (step {own.anchor_step})"
         else:
@@ -128,10 +129,11 @@ class Adoption:
             except LineageError as e:
                 if e.unreachable:
                     raise FetchError(f"no holder of state {sha[:12]} sent its lineage ({e})", e.unreachable) from None
-                why = f"no lineage from its holders ({e})"
+                why, on_a_fork = f"no lineage from its holders ({e})", True
             else:
                 forked_at = fork_step(own, chain)
-                in_ours = forked_at is not None and forked_at >= step
+                in_ours = forked_at is not None and forked_at >= step  # a state of our lineage: only behind
+                on_a_fork = not in_ours
                 if fork_only and step < own.step and in_ours:  # ours, behind us
                     self._ancestors[sha] = step
                     return None
@@ -154,7 +156,7 @@ class Adoption:
         if len(self._forked) + len(holders) > MAX_FORKED:  # bounded: past it the memory starts over
             self._forked.clear()
         for holder in holders:
-            if not in_ours:  # its holders' records at its step or later are of a lineage we will not take
+            if on_a_fork:  # its holders' records at its step or later are of a lineage we will not take
                 self._forked[holder.peer_id] = (step, sha, time.monotonic() + FORKED_S)
             self._distrusted.log(holder.peer_id, "lineage", "not adopting the state it advertises (step %d): %s",
                                  step, why)  # fmt: skip

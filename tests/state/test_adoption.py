@@ -49,6 +49,12 @@ CASES = [
         False,
     ),
     (
+        "a state not after the one we trust without receipts (our anchor): refused, its holders only behind",
+        chain(2, "s2"),
+        chain(0, G, *HONEST[:2]),
+        False,
+    ),
+    (
         "a state of our own lineage, behind us: refused, its holders only behind",
         IN_SYNC,
         chain(0, G, *HONEST[:2]),
