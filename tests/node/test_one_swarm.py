@@ -15,20 +15,29 @@ from tests.waiting import until
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 
+def seen(local: LocalSwarm) -> list[tuple[str, list[tuple[str, int, str, int | None]]]]:
+    """Each node's steps and fetches: (event, step, state, group size), for a failure's message."""
+    return [(str(n.node.peer_id)[-6:], [(e["event"], e["outer_step"], e["state_sha256"][:6], e.get("group_size"))
+                                        for e in n.events if e["event"] in ("outer_step", "fetch")])
+            for n in local.nodes]  # fmt: skip
+
+
 def assert_one_state(local: LocalSwarm) -> dict[int, set[str]]:
     by_step = local.by_step()
     forks = {step: len(hashes) for step, hashes in by_step.items() if len(hashes) != 1}
-    seen = [(str(n.node.peer_id)[-6:], [(e["outer_step"], e["state_sha256"][:6], e.get("group_size"))
-                                         for e in n.events if e["event"] in ("outer_step", "fetch")])
-            for n in local.nodes]  # fmt: skip
-    assert not forks, f"outer steps with more than one state (step: states): {forks}; nodes: {seen}"
+    assert not forks, f"outer steps with more than one state (step: states): {forks}; nodes: {seen(local)}"
     return by_step
 
 
 async def test_sixteen_nodes_hold_one_state_after_every_step(local: LocalSwarm) -> None:
     bootstrap = await local.start_bootstrap()
+    # --start-with 16: under CI's load 7 of the 16 (built one after another in this one loop)
+    # missed step 0's group. A node behind catches up from the step's update in about 4 s here,
+    # and 4 inner steps of the tiny model take well under one: the others' next group formed
+    # before it held their result at every step, and at the last it ended without it. In the
+    # field an inner phase lasts minutes, and the same node joins the next group.
     for _ in range(16):
-        local.start((bootstrap,), max_outer_steps=3)
+        local.start((bootstrap,), max_outer_steps=3, start_with=16)
     reasons = await local.finish(200)
     assert reasons == ["finished"] * 16
     by_step = assert_one_state(local)
@@ -36,7 +45,7 @@ async def test_sixteen_nodes_hold_one_state_after_every_step(local: LocalSwarm) 
     # the last step: one group of everyone that completed it (a node the group formed without,
     # whose result did not reach it, ends without it: plan.END)
     last = [n.steps()[2] for n in local.nodes if 2 in n.steps()]
-    assert len(last) >= 12 and all(e["group_size"] == len(last) for e in last), [e["group_size"] for e in last]
+    assert len(last) >= 12 and all(e["group_size"] == len(last) for e in last), seen(local)
 
 
 async def test_past_the_cap_one_state_through_the_grid_even_when_a_member_dies_mid_round(

@@ -110,8 +110,13 @@ async def test_per_source_cap_makes_room_from_the_same_source_and_spares_exempt_
     capped = [await RawPeer.connect(maddr, source="127.0.9.1") for _ in range(3)]
     local = [await RawPeer.connect(maddr) for _ in range(3)]
     try:
+        # The server sends its AUTH before it has checked ours, so a handshake that returned here
+        # may be admitted there after the next one: wait for each admission, so that capped[0] is
+        # the oldest (and idlest) of its source when capped[2] arrives.
         for peer in [*capped, *local]:
             await peer.handshake()
+            held = peer.identity.peer_id
+            await until(lambda: server._pool.to(held), 5, "the server holds the connection")  # noqa: B023
         assert await capped[0].closed_by_peer(timeout=5)  # the idlest of its source made room
         by_source = Counter(c.remote_address[0] for c in connections_of(server))
         assert by_source == {"127.0.9.1": 2, "127.0.0.1": 3}
