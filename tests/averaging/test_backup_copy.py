@@ -5,6 +5,7 @@ choosing in the round by offering the backup a copy nobody else holds."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from swarm.averaging.errors import AllReduceError
+from swarm.averaging.rounds import flat
 from swarm.averaging.rounds.confirm import Decision, vouched
 from swarm.averaging.rounds.flat import AllReduceRound
 from swarm.averaging.rounds.grid import GridRound
@@ -225,3 +227,87 @@ async def test_a_member_still_waiting_for_a_stalled_owner_says_none_at_once(make
         for run in runs:
             run.cancel()
         await asyncio.gather(*runs, return_exceptions=True)
+
+
+READING_OWNER = contextvars.ContextVar[int | None]("reading_owner", default=None)
+WRITING_OWNER = contextvars.ContextVar[int | None]("writing_owner", default=None)
+
+
+@pytest.mark.timeout(60)
+async def test_a_backup_waits_for_copies_of_a_live_owners_answer_still_streaming(
+    make_group: MakeGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owner of part 2 is alive and streams its answer; member 4's slice comes to it a second
+    late (a busy machine), so the answer 0 and 1 are reading waits mid-way for it. Members 3 and
+    4 give up on that answer meanwhile (their reads stalled), and 3, the part's backup, takes it
+    over. Asked for copies, 0 and 1 answer once they hold the owner's result, not "none" at once:
+    the backup takes that result, and the five end with one. (Answered at once, the backup
+    reduced the part again from 3's and 4's slices, and the round ended with two results, as a
+    60-minute soak's round of 12 split 7 + 4.)"""
+    n, owner, backup, late = 5, 2, 3, 4
+    group, members = await make_group(n, block_size=1024, chunk_elements=1024, part_timeout=2.0,
+                                      request_timeout=4.0, **EXACT)  # fmt: skip
+    gen = torch.Generator().manual_seed(13)
+    vectors = [torch.randn(20_000, generator=gen) for _ in range(n)]
+    rounds = [AllReduceRound(m.host, m.registry, group, v, m.config) for m, v in zip(members, vectors, strict=True)]
+    answering: set[int] = set()  # the members whose read of the owner's answer has its header
+    both_answering = asyncio.Event()
+    read_header, write_encoded = flat.read_header, flat.write_encoded
+
+    async def noting_header(stream: Stream, timeout: float) -> Any:
+        found = await read_header(stream, timeout)
+        if (me := READING_OWNER.get()) is not None:
+            answering.add(me)
+            if answering >= {0, 1}:
+                both_answering.set()
+        return found
+
+    async def writing_late(stream: Stream, *args: Any) -> int:
+        if WRITING_OWNER.get() == late:
+            await asyncio.sleep(1.0)
+        return await write_encoded(stream, *args)
+
+    monkeypatch.setattr(flat, "read_header", noting_header)
+    monkeypatch.setattr(flat, "write_encoded", writing_late)
+
+    def note_reads(r: AllReduceRound, me: int) -> None:
+        honest = r._read_final
+
+        async def read_final(stream: Stream, lo: int, hi: int, *args: Any) -> Any:
+            if lo == r.parts[owner][0]:  # this task reads the owner's answer
+                READING_OWNER.set(me)
+            return await honest(stream, lo, hi, *args)
+
+        r._read_final = read_final  # type: ignore[method-assign]
+
+    def give_up(r: AllReduceRound, me: int) -> None:
+        honest_exchange, honest_read = r._exchange, r._read_final
+
+        async def exchange(reducer: int, j: int) -> Any:
+            token = WRITING_OWNER.set(me if j == owner and reducer == owner else None)
+            try:
+                return await honest_exchange(reducer, j)
+            finally:
+                WRITING_OWNER.reset(token)
+
+        async def read_final(stream: Stream, lo: int, hi: int, *args: Any) -> Any:
+            if lo == r.parts[owner][0] and WRITING_OWNER.get() == me:  # a read of the owner's answer that stalled
+                await asyncio.wait_for(both_answering.wait(), 10)
+                raise AllReduceError("stream avg.part: no next chunk in time")
+            return await honest_read(stream, lo, hi, *args)
+
+        r._exchange, r._read_final = exchange, read_final  # type: ignore[method-assign]
+
+    for i in (0, 1):
+        note_reads(rounds[i], i)
+    for i in (backup, late):
+        give_up(rounds[i], i)
+    outcomes = await asyncio.gather(*(r.run() for r in rounds), return_exceptions=True)
+    assert not [o for o in outcomes if isinstance(o, BaseException)], outcomes
+    results = [o[0] for o in outcomes]
+    lo, hi = rounds[0].parts[owner]
+    assert all(torch.equal(r[lo:hi], results[0][lo:hi]) for r in results), "two results of the owner's part"
+    assert all(torch.equal(r, results[0]) for r in results), "the members disagree"
+    included = outcomes[owner][1].contributions[owner]
+    assert {0, 1, 2} <= set(included) and all(o[1].contributions[owner] == included for o in outcomes)  # the owner's
+    assert rounds[backup].reducer_of[owner] == backup and rounds[late].reducer_of[owner] == backup

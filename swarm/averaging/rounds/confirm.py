@@ -39,8 +39,8 @@ vote for them, so liars cannot make an owner that was not late drop a good resul
 
 A backup taking over a dead owner's part checks the copies of the owner's result it is offered
 the same way (`vouched_copy`): it asks every other member that accepts connections for the
-copy it holds (a plain avg.fetch, answered at once, or once the owner's answer that the member
-is decoding is held) and takes one only when VOUCHES members hold
+copy it holds (a plain avg.fetch, answered at once, or, when the owner's answer to the member
+has begun, once it is held) and takes one only when VOUCHES members hold
 the same bytes and members list (`vouched`: one, when it can ask only one); else it reduces the
 part again. So one lying member cannot put a part of its choosing in the round. The price: a
 copy that only one honest member received (the owner died while answering) is not believed,
@@ -116,10 +116,13 @@ class Votes:
         self._coming: dict[int, asyncio.Future[None]] = {}  # parts whose owner is answering us now
 
     def coming(self, j: int) -> None:
-        """Part j's owner has answered us: its result is being decoded here. (Not while the answer
-        is awaited: a stalled owner's answer can take two part timeouts, and a backup that waited
-        that long for copies would outlast its senders' patience, who then went to the next backup:
-        two takeovers of one part, two results, in a soak where the owner was paused.)"""
+        """Part j's owner has begun its answer to us (its header is in: a streamed answer's chunks
+        follow as the senders' bytes come), or a grid owner's answer is being decoded here. Not
+        while the answer is only awaited: a paused owner's answer may never begin, and a member
+        that waits on it holds no copy. A backup's ask waits at most `timeout` for one that has
+        begun (backup_patience counts it): a busy member that gave up on a live owner's streamed
+        answer took the part over, and, told "none" by the members still reading that answer,
+        reduced it again, so that a soak's round of 12 ended with two results, 7 and 4."""
         self._coming[j] = asyncio.get_running_loop().create_future()
 
     def not_coming(self, j: int) -> None:
@@ -128,12 +131,12 @@ class Votes:
             future.set_result(None)
 
     async def held_or_not_coming(self, j: int) -> None:
-        """Return once part j's result is held here or no answer of its owner is being decoded (at
-        most `timeout`). A backup that takes over a dead owner's part asks the others for copies of
+        """Return once part j's result is held here or no answer of its owner is coming (at most
+        `timeout`). A backup that takes over a dead owner's part asks the others for copies of
         the owner's result; a member the owner answered just before it died, whose copy was still
-        being decoded, would say "none" if asked without waiting, and the backup would reduce the
-        part again without it: that member and the others would end the round with two results (a
-        60-minute soak split 7 + 20 so)."""
+        coming in or being decoded, would say "none" if asked without waiting, and the backup
+        would reduce the part again without it: that member and the others would end the round
+        with two results (a 60-minute soak split 7 + 20 so)."""
         if (future := self._coming.get(j)) is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(future), self.timeout)

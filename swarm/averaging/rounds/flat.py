@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -192,8 +193,6 @@ class AllReduceRound(RoundMember):
                             self.audit.supersede(j, own[1])
                 else:
                     final = await self._exchange(reducer, j)
-                    if reducer == j:  # the owner's answer is here: a backup asking for copies waits for it
-                        self.votes.coming(j)
                 await asyncio.to_thread(self._decode_into, final[1], lo, hi)  # a garbage average: next reducer
                 break
             except Unconfirmed:  # not the next reducer: asked for our part, a backup would reduce it again
@@ -261,8 +260,10 @@ class AllReduceRound(RoundMember):
         async with await self.host.open_stream(member.address(), PART, args, timeout=timeout) as stream:
             self.pace_to(reducer)
             started = time.monotonic()
-            # read while we write: a streamed answer begins before our slice is all sent
-            answer = asyncio.ensure_future(self._read_final(stream, lo, hi, patience))
+            # read while we write: a streamed answer begins before our slice is all sent. Once the
+            # owner's answer has begun, a backup asking us for a copy waits for it (confirm.Votes)
+            begun = (lambda: self.votes.coming(j)) if reducer == j else None
+            answer = asyncio.ensure_future(self._read_final(stream, lo, hi, patience, begun))
             answer.add_done_callback(exception_seen)
             try:
                 sent = await write_encoded(stream, self.codec, self.vector, lo, hi, self.config.chunk_elements)
@@ -277,10 +278,14 @@ class AllReduceRound(RoundMember):
                 self.report.streamed.append(j)
             return final
 
-    async def _read_final(self, stream: Stream, lo: int, hi: int, timeout: float) -> tuple[Final, dict[str, Any]]:
+    async def _read_final(
+        self, stream: Stream, lo: int, hi: int, timeout: float, begun: Callable[[], None] | None = None
+    ) -> tuple[Final, dict[str, Any]]:
         """A result (its header, then its payload, whole or streamed chunk by chunk), and the
-        last map of the answer (a streamed one's trailer)."""
+        last map of the answer (a streamed one's trailer). `begun` is called once the header is in."""
         header, received = await read_header(stream, timeout)
+        if begun is not None:
+            begun()
         included = self._included(header)
         size = self._encoded_size(lo, hi)
         if not header.get("st"):
