@@ -207,7 +207,7 @@ def decide(own: bytes, votes: dict[int, Vote | None], voters: int, gone: int = 0
 def backup_patience(owner_wait: float, request_timeout: float) -> float:
     """How long a sender waits for a backup's answer to its part: as long as for the owner's
     (`owner_wait`), and the backup's ask for copies before that (`vouched_copy`: a dial, then an
-    answer that a member holds back until the owner's answer it is decoding is held, each up to
+    answer that a member holds back until the owner's answer coming to it is held, each up to
     request_timeout). A sender that gave up sooner took the part to the next backup, which asked
     for copies in its turn and could reduce the part again from other contributions: two results
     of one part in one round."""
