@@ -175,8 +175,15 @@ def split_tokens(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     EVAL_SHARE-th block, is held out (5%). Needs more than one block."""
     if len(tokens) <= EVAL_BLOCK:
         raise DataUnavailableError(f"{len(tokens)} tokens are too few to split: need more than {EVAL_BLOCK}")
-    held_out = (torch.arange(len(tokens)) // EVAL_BLOCK) % EVAL_SHARE == 1
-    return tokens[~held_out], tokens[held_out]
+    # slices, not a mask over the stream: a mask of 12 M tokens took 0.4 s of every node's start
+    train, held = [], []
+    kept_from = 0
+    for start in range(EVAL_BLOCK, len(tokens), EVAL_BLOCK * EVAL_SHARE):
+        train.append(tokens[kept_from:start])
+        held.append(tokens[start : start + EVAL_BLOCK])
+        kept_from = start + EVAL_BLOCK
+    train.append(tokens[kept_from:])
+    return torch.cat(train), torch.cat(held)
 
 
 def _token_data(name: str, train: torch.Tensor, eval_: torch.Tensor, vocab_size: int) -> TokenData:

@@ -137,7 +137,7 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def tie_weights(self) -> None:
-        """Share the embedding matrix with the output projection (again: `to_empty` unties it)."""
+        """Share the embedding matrix with the output projection (again: materializing the meta model unties it)."""
         if self.config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
@@ -180,7 +180,9 @@ def build_model(
         model = Llama(config)
     if torch.device(device).type == "meta":
         return model.to(dtype=dtype)
-    model.to_empty(device=device)
+    # torch.empty per tensor, not Module.to_empty: its empty_like of a meta tensor goes through
+    # torch's Python decompositions, whose first use imports sympy (0.45 s of every node's start)
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()
     model.init_weights(seed)
     return model.to(dtype=dtype)

@@ -120,10 +120,12 @@ class Grouping:
             delay = min(start, started + config.max_wait) - now
             if delay <= 0:
                 return
+            # are peers forming a group already? Read at every recheck, however short the rest of
+            # our wait: peers that announced before us close their window before ours would end
+            # (a soak node, matchmaking again after a failed one, slept 4.9 s through such a
+            # group, formed 0.5 s before its wait ended, and missed the step)
             step = ctx.diloco.outer_step
-            # a wait longer than a matchmaking window outlasts a group forming now: are peers
-            # forming one? (A shorter wait ends within its window: no read of the DHT for it.)
-            if delay > config.matchmaking_time and await self._peers_matchmaking(step, delay):
+            if await self._peers_matchmaking(step, delay):
                 return
             if not logged:
                 logger.info("waiting up to %.1fs for slower peers of step %d", delay, step)

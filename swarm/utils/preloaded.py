@@ -70,7 +70,8 @@ SCRIPTS = ("swarm-node",)  # the console scripts forked from the server
 # `python -m MODULE` command lines forked from the server by a process it forked itself
 MODULES = {"swarm.ranks.follower": "swarm.ranks.follower:main"}
 # what a node imports on its way to training: swarm, torch, and what torch imports lazily on
-# first use (sympy, about 470 modules); each child would import them again otherwise
+# first use (sympy, about 470 modules, under the sharding of --nproc-per-node's ranks); each
+# child would import them again otherwise
 PRELOAD = ["torch", "sympy", "uvloop", "multiaddr", "setproctitle", "swarm.cli.node", "swarm.node.node",
            "swarm.model.llama", "swarm.observe.serve", "swarm.ranks.launch", "swarm.ranks.follower"]  # fmt: skip
 

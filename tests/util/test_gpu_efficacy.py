@@ -23,9 +23,11 @@ def _json_line(out: str) -> dict:
 @pytest.mark.swarm  # trains every configuration: 14 s
 @pytest.mark.timeout(180)  # about 10 s of CPU; minutes of wall time on a loaded 2-core machine
 def test_the_dry_run_trains_every_configuration_at_two_seeds_and_reports_them(capsys: pytest.CaptureFixture) -> None:
-    threads, started = torch.get_num_threads(), time.process_time()
+    # this thread's CPU: the dry run trains on it alone (one torch thread), and other threads of
+    # this worker (a previous test's, on a loaded machine) must not count toward it
+    threads, started = torch.get_num_threads(), time.thread_time()
     assert eff.main(["--dry-run"]) == 0
-    cpu_s = time.process_time() - started
+    cpu_s = time.thread_time() - started
     assert torch.get_num_threads() == threads  # one thread for the run only: it runs inside the suite's process
     out = capsys.readouterr().out
     report = _json_line(out)
@@ -45,7 +47,8 @@ def test_the_dry_run_trains_every_configuration_at_two_seeds_and_reports_them(ca
     assert report["targets"]["H50_int8_gap_closed_50"] is None  # not measured in a dry run
     for name in CONFIGS:  # the table has a line per configuration
         assert any(line.startswith(name) for line in out.splitlines())
-    assert cpu_s < 15, f"the dry run took {cpu_s:.1f} s of CPU"
+    # about 10 CPU-s here and 15 on CI's busier machine: twice that is a dry run that grew, not a slow machine
+    assert cpu_s < 30, f"the dry run took {cpu_s:.1f} s of CPU"
 
 
 @pytest.mark.timeout(180)
