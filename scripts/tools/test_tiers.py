@@ -17,12 +17,12 @@ whole suite's goal of 8 minutes: its real processes import torch and train, and 
 most of its time. The soak tier has its own budget, outside the whole suite's: it runs for a set
 time by design, and CI may run it apart.
 
-The budgets are for the project's 2-core machine at its usual speed. The same machine's speed
-varies through a day by half as much again (a fixed loop took 1.5 times as long in one hour as in
-another, and the fast tier 84 s and 143 s), and so does CI's. So before each tier and after the last, a fixed
-pure-Python loop is timed (machine_pace), and a tier's budget stretches by how much slower than
-the reference the machine ran around it, up to MAX_SLOWDOWN: what fails is a suite that grew,
-not a slow afternoon. The table prints each tier's slowdown and stretched budget.
+The budgets are for the project's 2-core machine at its usual speed. That speed varies within a
+day by half as much again (a fixed loop took 1.5 times as long in one hour as in another, and
+the fast tier 84 s and 143 s), and so does CI's. So before each tier and after the last, a
+fixed pure-Python loop is timed (machine_pace), and a tier's budget stretches by how much slower
+than the reference the machine ran around it, up to MAX_SLOWDOWN: what fails is a suite that
+grew, not a slow afternoon. The table prints each tier's slowdown and stretched budget.
 """
 
 from __future__ import annotations
