@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 import torch
@@ -132,6 +132,8 @@ class Averager:
         expected: frozenset[PeerID] | None = None,
         as_client: bool = False,
         voters: frozenset[PeerID] | None = None,
+        parent_round: Mapping[PeerID, float] | None = None,
+        live: frozenset[PeerID] = frozenset(),
     ) -> Matchmade:
         """Matchmaking alone: the group for this step, or why there is none. A trainer may start
         it before its tensors are ready (hivemind's pre-scheduled step) and hand the group to
@@ -140,13 +142,15 @@ class Averager:
         `expected` peers (default matchmaking_time). `as_client`: take part as a client-mode
         member (never leads, owns no part), so that a node joining a group already gathering
         cannot change who leads it. `voters`: whose vote on the swarm's state counts (the members
-        of our last round: ready.decide; None: everyone's)."""
+        of our last round: ready.decide; None: everyone's). `parent_round`: the round that made
+        `state` (member -> weight), whose `live` members a group we lead must not leave behind
+        (ready.left_behind)."""
         if not math.isfinite(weight) or weight < 0:
             raise ValueError(f"weight must be a finite number >= 0, got {weight}")
         if gather is not None and not (math.isfinite(gather) and gather >= 0):
             raise ValueError(f"gather must be a finite number of seconds >= 0, got {gather}")
         me = self.member_info(weight, state, as_client=as_client)
-        found = await self.matchmaker.form_group(step, me, gather, expected, voters)
+        found = await self.matchmaker.form_group(step, me, gather, expected, voters, parent_round, live)
         if found.group is not None and len(found.group.members) < 2:
             return Matchmade(None, found.seconds, peers=found.peers)
         if found.group is not None:  # its round tells from this whether it began late (rounds/confirm.py)
@@ -167,6 +171,11 @@ class Averager:
         it already, each with the state it named."""
         view = await self.matchmaker.board.read(step)
         return {**{p: m.state for p, m in view.ready.items()}, **view.formed}
+
+    async def formed(self, step: int) -> frozenset[PeerID]:
+        """One read of who holds a FORMED marker of `step` now (in a group of it, its round not
+        failed); markers we distrust are left out."""
+        return frozenset((await self.matchmaker.board.read(step)).formed)
 
     def distrust_formed(self, peers: Set[PeerID]) -> None:
         """Their FORMED markers made us wait max_wait for a result that never came: ignore them."""

@@ -97,9 +97,12 @@ class Grouping:
         try:
             if not joining and await self.forks.outvoted(ctx.averager, step):
                 return Matchmade(None, 0.0, outvoted=True)
-            voters = ctx.lineage.lineage.voters()
+            lineage = ctx.lineage.lineage
+            made_by = lineage.link_into(step)  # the round that made our state
+            parent_round = made_by.members if made_by is not None and made_by.result == self.facts.state_sha else None
             return await ctx.averager.form_group(weight, step, self.facts.state_sha, gather=gather, expected=expected,
-                                                 as_client=joining, voters=voters)  # fmt: skip
+                                                 as_client=joining, voters=lineage.voters(), parent_round=parent_round,
+                                                 live=frozenset(p.peer_id for p in facts.live()))  # fmt: skip
         except (P2PError, DHTError, TimeoutError) as e:
             logger.warning("matchmaking for step %d failed: %s", step, e)
             return Matchmade(None, 0.0)

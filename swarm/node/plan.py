@@ -198,13 +198,18 @@ def plan_without_group(f: Facts, *, late: bool, other_state: bool, waited: float
 ROUND_TIMEOUTS = 4  # a round's waits: a dead member costs about two part timeouts, its backup one more
 
 
-def result_still_coming(waited: float, max_wait: float, part_timeout: float, owners_at_step: bool) -> bool:
+def result_still_coming(waited: float, max_wait: float, part_timeout: float, owners_at_step: bool,
+                        markers_stand: bool) -> bool:  # fmt: skip
     """Past max_wait (plan_without_group: RETRY), a late node waits on for the result of the group
-    that formed without it while its marker owners' live records still say the step (its round
-    has not landed), ROUND_TIMEOUTS part timeouts at most: matchmaking again, the late ones of a
-    soak at rounds of 60-130 s formed groups of their own, second results. A live identity
-    renewing markers of a group that never was holds a late node that long at most."""
-    return owners_at_step and max_wait <= waited < max_wait + ROUND_TIMEOUTS * part_timeout
+    that formed without it while its marker owners' live records still say the step and their
+    FORMED markers stand (its round has not landed, nor failed: a failed round withdraws its
+    markers and its members matchmake again), ROUND_TIMEOUTS part timeouts at most: matchmaking
+    again, the late ones of a soak at rounds of 60-130 s formed groups of their own, second
+    results. Waiting on a leader that had swallowed their joins, paused, and whose group's round
+    then failed for want of their parts, two late soak nodes sat out the whole 270 s while the
+    leader, at the step, could not form a group without them. A live identity renewing markers
+    of a group that never was holds a late node that long at most."""
+    return owners_at_step and markers_stand and max_wait <= waited < max_wait + ROUND_TIMEOUTS * part_timeout
 
 
 def recently_stale(f: Facts) -> list[PeerProgress]:

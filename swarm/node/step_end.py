@@ -153,7 +153,7 @@ class StepEnd:
                 return False  # the peers are already training on it: our next step is late
             await asyncio.sleep(RESULT_POLL)
             return Matchmade(None, found.seconds)  # nothing to fetch yet: look again
-        if plan.action == RETRY and self._result_coming(step, g):
+        if plan.action == RETRY and await self._result_coming(step, g):
             plan = StepPlan(AWAIT_RESULT, "the round of the group that formed without us is still under way")
         if plan.action == AWAIT_RESULT:  # the holders may show the result before the records do
             if await self.fetch(alone=False, missed=g.late):
@@ -206,14 +206,16 @@ class StepEnd:
                            "taking its result, not averaging the step again", step, members)  # fmt: skip
         return larger
 
-    def _result_coming(self, step: int, g: _Groupless) -> bool:
+    async def _result_coming(self, step: int, g: _Groupless) -> bool:
         """Late past max_wait: is the result of the group that formed without us still coming?"""
         if not (g.late and g.late_by and g.since is not None):
             return False
         at_step = any(p.peer_id in g.late_by and p.step == step for p in self.view.read().live())
+        # one read of the step's markers, only while their owners still say the step
+        standing = g.late_by & await self.ctx.averager.formed(step) if at_step else frozenset()
         config = self.ctx.config
         waited = asyncio.get_running_loop().time() - g.since
-        return result_still_coming(waited, config.max_wait, config.part_timeout, at_step)
+        return result_still_coming(waited, config.max_wait, config.part_timeout, at_step, bool(standing))
 
     def _judge_markers(self, step: int, late_by: frozenset[PeerID]) -> None:
         """We took the swarm's result of `step` after FORMED markers of `late_by` said a group of

@@ -70,6 +70,7 @@ from dataclasses import dataclass
 
 from swarm.p2p.peer_id import PeerID
 from swarm.state.receipts import Receipt
+from swarm.utils.quorum import holds_half
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,11 +167,7 @@ def structure_problem(chain: Lineage, step: int, state: bytes) -> str | None:
 
 def endorsed(parent_round: Link, endorsers: frozenset[PeerID]) -> bool:
     """Do `endorsers` hold at least half of `parent_round`'s members by count and by weight?"""
-    members = parent_round.members
-    count = sum(1 for p in members if p in endorsers)
-    total = sum(members.values())
-    weight = sum(w for p, w in members.items() if p in endorsers)
-    return 2 * count >= len(members) and 2 * weight >= total
+    return holds_half(parent_round.members, endorsers)
 
 
 def fork_step(own: Lineage, candidate: Lineage) -> int | None:

@@ -341,3 +341,26 @@ async def test_a_member_whose_join_the_leader_did_not_answer_is_late_for_its_gro
     again = next(s for s in range(step + 1, step + 1000) if group_order(ids, s)[:2] == [leader, stalled])
     later = dict(zip(ids, await form(peers, again, expected=everyone), strict=True))
     assert leader not in later[stalled].late_by  # left out as a leader that failed
+
+
+async def test_a_group_never_leaves_behind_most_of_the_round_that_made_its_state_while_they_live(
+    make_peers: MakePeers,
+) -> None:
+    """A soak node paused past its leader's join timeout led again with the two nodes that had
+    just fetched its state, while two of the three other members of the round that made that
+    state were live (waiting for its result). Their round would hold 1 of that round's 4 members:
+    a lineage the other members never take, and a fork. No group forms until they are in."""
+    peers = await make_peers(6)
+    survivor, fetched_a, fetched_b, waiting_a, waiting_b, dead = peers
+    parent_round = {p.host.peer_id: 1.0 for p in (survivor, waiting_a, waiting_b, dead)}
+    live = frozenset(p.host.peer_id for p in peers[:5])  # the dead one has no fresh record
+    first = [survivor, fetched_a, fetched_b]
+    kwargs = {"parent_round": parent_round, "live": live}
+    found = await form(first, 3, expected=frozenset(p.host.peer_id for p in first), **kwargs)
+    assert all(f.group is None and not f.late for f in found), found
+    assert max(f.peers for f in found) == 2  # they were ready together: none will go on alone
+    # the two come to matchmake: one group of five, holding 3 of the round's 4 members
+    together = peers[:5]
+    found = await form(together, 3, expected=live, **kwargs)
+    [group] = check_agreement([f.group for f in found], together)
+    assert {m.peer_id for m in group.members} == live

@@ -13,6 +13,7 @@ from swarm.averaging.matchmaking.ready import (
     decode_view,
     formed_marker,
     group_order,
+    left_behind,
     may_finalize,
     other_groups,
     outvoted,
@@ -121,6 +122,36 @@ def test_a_client_never_leads() -> None:
 )
 def test_a_leader_finalizes_only_a_majority_and_only_one_group(size: int, final: ReadyView, ok: bool) -> None:
     assert may_finalize(size, final, A) is ok
+
+
+def ids(*indices: int) -> frozenset[PeerID]:
+    return frozenset(IDS[i] for i in indices)
+
+
+ROUND_OF_4 = {IDS[i]: 1.0 for i in (0, 1, 2, 3)}  # the round that made our state
+
+
+@pytest.mark.parametrize(
+    ("what", "members", "parent_round", "around", "behind"),
+    [
+        ("the whole round", ids(0, 1, 2, 3), ROUND_OF_4, ids(0, 1, 2, 3), ()),
+        ("half of it, the rest live", ids(0, 1, 4, 5), ROUND_OF_4, ids(2, 3), ()),
+        # a paused leader came back and led the two that had just fetched the state while three
+        # members of the round before were live: their round would never be taken by those three
+        ("one of four and two newcomers", ids(0, 4, 5), ROUND_OF_4, ids(1, 2, 3, 4, 5), (1, 2, 3)),
+        ("one of four, one other live", ids(0, 4, 5), ROUND_OF_4, ids(3), (3,)),
+        ("one of four, the others dead or stalled", ids(0, 4, 5), ROUND_OF_4, ids(4, 5), ()),
+        ("no round known (a state taken without its receipts)", ids(0, 4), None, ids(1, 2, 3), ()),
+        ("a round of one: its member is in", ids(0, 4), {IDS[0]: 1.0}, ids(1), ()),
+        ("half the members, not half the weight", ids(0, 1), {**ROUND_OF_4, IDS[3]: 5.0}, ids(2, 3), (2, 3)),
+        ("half the weight, not half the members", ids(3), {**ROUND_OF_4, IDS[3]: 5.0}, ids(0, 1, 2), (0, 1, 2)),
+    ],
+)
+def test_a_leader_never_leaves_behind_most_of_the_round_that_made_its_state(
+    what: str, members: frozenset[PeerID], parent_round: dict[PeerID, float] | None, around: frozenset[PeerID],
+    behind: tuple[int, ...],
+) -> None:  # fmt: skip
+    assert left_behind(members, parent_round, around) == ids(*behind), what
 
 
 G1, G2, G3 = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32  # group ids, in id order

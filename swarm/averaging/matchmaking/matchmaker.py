@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Set
+from collections.abc import Mapping, Set
 from typing import Any
 
 from swarm.averaging.config import AveragingConfig
@@ -53,6 +53,7 @@ from swarm.averaging.matchmaking.ready import (
     formed_by,
     formed_marker,
     group_sizes,
+    left_behind,
     may_finalize,
     other_groups,
     outvoted,
@@ -116,15 +117,18 @@ class Matchmaker:
         gather: float | None = None,
         expected: frozenset[PeerID] | None = None,
         voters: frozenset[PeerID] | None = None,
+        parent_round: Mapping[PeerID, float] | None = None,
+        live: frozenset[PeerID] = frozenset(),
     ) -> Matchmade:
         """Announce, gather until every `expected` peer is in (at most `gather`, default
         matchmaking_time, seconds; None: not known, gather the whole window), and return what
         this step's matchmaking found. `voters`: whose vote on the swarm's state counts
-        (ready.decide; None: everyone's)."""
+        (ready.decide; None: everyone's). `parent_round`: the round that made our state (member
+        -> weight), whose `live` members a group we lead must not leave behind (ready.left_behind)."""
         config = self.config
         loop = asyncio.get_running_loop()
         started = loop.time()
-        state = self._steps[step] = StepState(me, voters=voters)
+        state = self._steps[step] = StepState(me, voters=voters, parent_round=parent_round, live=live)
         outcome: Matchmade | None = None
         try:
             gather_until = started + (config.matchmaking_time if gather is None else gather)
@@ -310,11 +314,17 @@ class Matchmaker:
         result, late = None, False
         if len(members) >= self.config.min_group_size:
             final_view = (await self._final_view(step, state.me, give_up_at)).with_member(state.me)
-            if may_finalize(len(members), final_view, state.me.state):
-                result = GroupInfo.create(self.run_id, step, tuple(members))
-            else:
+            behind = left_behind({m.peer_id for m in members}, state.parent_round, state.live | final_view.seen())
+            if not may_finalize(len(members), final_view, state.me.state):
                 late, state.late_by = True, formed_by(final_view, state.me.state)
                 logger.info("step %d: not leading a group of %d: another formed, or we are late", step, len(members))
+            elif behind:
+                assert state.parent_round is not None
+                logger.info("step %d: not leading a group of %d: it holds less than half of the %d members of the "
+                            "round that made our state, and %d others of that round are live: waiting for them",
+                            step, len(members), len(state.parent_round), len(behind))  # fmt: skip
+            else:
+                result = GroupInfo.create(self.run_id, step, tuple(members))
         state.result.set_result(result)
         return result, late
 

@@ -19,7 +19,11 @@ which every node evaluates on its own view. The rules, in order:
    fixed by a hash of (step, PeerID); its leader is the first member that accepts inbound
    connections (a client cannot lead). No server in view: no group. Nor when every member
    contributes nothing (all weights 0: nodes that only joined to take the average): such a
-   group would apply a null step and, by rule 1, make the node that trained wait for it.
+   group would apply a null step and, by rule 1, make the node that trained wait for it. A
+   leader finalizes its group only when it holds at least half of the round that made its
+   state, or that round's other members are not around (`left_behind`): a lineage takes no
+   round that fewer than half of the round before it sign, so its other members would go on
+   apart.
 4. **One lineage.** Should two groups still form at one step (a fork), the one with the most
    FORMED markers that count is the swarm's lineage (`outvoted`): a member of another checks
    its last rounds' steps before each matchmaking and fetches the swarm's state instead.
@@ -56,6 +60,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import Counter
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -65,6 +70,7 @@ from swarm.dht.id_proof import BadIdProof, verify
 from swarm.dht.records import owner_of
 from swarm.p2p.errors import BadRequest
 from swarm.p2p.peer_id import PeerID
+from swarm.utils.quorum import holds_half
 
 DONE = "done"
 
@@ -315,6 +321,23 @@ def may_finalize(group_size: int, final_view: ReadyView, state: bytes) -> bool:
         return False
     announced = sum(1 for m in final_view.counted_ready().values() if m.state == state)
     return 2 * group_size > announced
+
+
+def left_behind(members: Set[PeerID], parent_round: Mapping[PeerID, float] | None,
+                around: Set[PeerID]) -> frozenset[PeerID]:  # fmt: skip
+    """The members of the round that made our state (`parent_round`, member -> weight; None: not
+    known) that a group of `members` would leave behind although they are `around` (live, or in
+    the step's ready set), when the group holds less than half of that round by count or by
+    weight. Such a group makes a round that those members never take (its lineage is not
+    endorsed), and they go on from the state apart: a fork. Empty: the group may form. A soak node paused past its
+    leader's join timeout came back, led again with the two peers that had just fetched the state,
+    and made a round of 3 that held 1 of the 4 members of the round before it; the other three,
+    live and late for the first try, refused it and averaged the step as a pair. Members of that
+    round that are not around (died, stalled) do not hold a group back: waiting for a majority
+    that died would stop the run for good, and their rounds are not endorsed either way."""
+    if parent_round is None or holds_half(parent_round, members):
+        return frozenset()
+    return frozenset(set(parent_round) - set(members)) & frozenset(around)
 
 
 def group_problem(group: GroupInfo, me: MemberInfo, run_id: str, step: int, max_weight: float) -> str | None:

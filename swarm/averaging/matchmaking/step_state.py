@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from swarm.averaging.messages import GroupInfo, MemberInfo
@@ -45,3 +46,7 @@ class StepState:
     role_known: asyncio.Event = field(default_factory=asyncio.Event)  # leading, or joined a leader
     joined: asyncio.Event = field(default_factory=asyncio.Event)  # a joiner arrived (the leader waits on it)
     voters: frozenset[PeerID] | None = None  # whose vote on the swarm's state counts (ready.decide)
+    # the round that made our state (member -> weight; None: not known) and the peers live by their
+    # progress records: whom a group we lead must not leave behind (ready.left_behind)
+    parent_round: Mapping[PeerID, float] | None = None
+    live: frozenset[PeerID] = frozenset()
