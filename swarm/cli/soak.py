@@ -25,7 +25,7 @@ from swarm.cli.sim_swarm import stop_on_signals
 from swarm.cli.soak_checks import check, task_deaths
 from swarm.cli.soak_report import figures, summary, write_json, write_plot
 from swarm.cli.soak_run import Soak, SoakConfig
-from swarm.cli.soak_schedule import churn_schedule
+from swarm.cli.soak_schedule import GAP_S, KINDS, churn_schedule
 
 # a tiny node's RSS grows for its first minutes (about 350 to 650 MB in 3 minutes), then is flat
 MEMORY_WARMUP_S = 180.0
@@ -33,7 +33,7 @@ MEMORY_WARMUP_S = 180.0
 
 def soak(config: SoakConfig, *, as_json: bool = False) -> int:
     """Run the soak and write its report (run_dir/soak.json, soak.png); 1 when an invariant broke."""
-    schedule = churn_schedule(config.seed, config.minutes * 60)
+    schedule = churn_schedule(config.seed, config.minutes * 60, gap_s=config.gap_s, kinds=config.churn)
     runner = Soak(config, schedule)
     began = time.time()
     with stop_on_signals() as stop:  # the children are stopped whatever ends the run
@@ -72,6 +72,15 @@ def soak(config: SoakConfig, *, as_json: bool = False) -> int:
     return 1 if any(invariants.values()) else 0
 
 
+def _churn_kinds(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
+    kinds = tuple(k.strip() for k in value.split(",") if k.strip())
+    if unknown := set(kinds) - set(KINDS):
+        raise click.BadParameter(f"unknown {', '.join(sorted(unknown))}: choose among {', '.join(KINDS)}")
+    if not kinds:
+        raise click.BadParameter(f"name at least one of {', '.join(KINDS)}")
+    return kinds
+
+
 @click.command(cls=OneLineCommand, name="soak", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--nodes", type=click.IntRange(min=3), default=12, show_default=True, help="Nodes at start.")
 @click.option("--minutes", type=click.FloatRange(0, min_open=True), default=5.0, show_default=True)
@@ -79,15 +88,21 @@ def soak(config: SoakConfig, *, as_json: bool = False) -> int:
 @click.option("--inner-steps", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Node folders (checkpoint, events, log) and the report. Default: a new temporary one.")  # fmt: skip
+@click.option("--churn", default=",".join(KINDS), show_default=True, callback=_churn_kinds,
+              help="The kinds of churn to deal, comma-separated (--churn pause: only pauses).")  # fmt: skip
+@click.option("--gap", "gap_s", type=click.FloatRange(0, min_open=True), default=GAP_S, show_default=True,
+              help="Mean seconds between churn events.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the figures and invariants as one JSON line.")
-def main(nodes: int, minutes: float, seed: int, inner_steps: int, run_dir: Path | None, as_json: bool) -> None:
+def main(nodes: int, minutes: float, seed: int, inner_steps: int, run_dir: Path | None, churn: tuple[str, ...],
+         gap_s: float, as_json: bool) -> None:  # fmt: skip
     """Run a swarm of swarm-node processes under churn and load; check its invariants."""
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="swarm-soak-"))
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CliError(f"cannot create {run_dir}: {e.strerror or e}") from None
-    config = SoakConfig(nodes=nodes, minutes=minutes, seed=seed, inner_steps=inner_steps, run_dir=run_dir)
+    config = SoakConfig(nodes=nodes, minutes=minutes, seed=seed, inner_steps=inner_steps, run_dir=run_dir,
+                        churn=churn, gap_s=gap_s)  # fmt: skip
     if not as_json:
         click.echo(f"soak: {nodes} nodes for {minutes:g} min; run directory {run_dir}")
     sys.exit(soak(config, as_json=as_json))

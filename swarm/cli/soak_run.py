@@ -35,9 +35,11 @@ from swarm.cli.sim_swarm import (
     stop_processes,
 )
 from swarm.cli.soak_schedule import (
+    GAP_S,
     JOIN,
     KILL_FETCH,
     KILL_ROUND,
+    KINDS,
     LEAVE,
     LOAD,
     PAUSE,
@@ -64,6 +66,8 @@ class SoakConfig:
     seq_len: int = 64
     run_dir: Path = Path()
     verbose: int = 1  # the nodes' -v: their INFO lines say why each step went as it did
+    churn: tuple[str, ...] = KINDS  # the kinds of churn the schedule deals (soak_schedule.py)
+    gap_s: float = GAP_S  # the mean seconds between churn events
 
     def __post_init__(self) -> None:
         if self.nodes < 3 or not self.minutes > 0 or min(self.inner_steps, self.batch_size, self.seq_len) < 1:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Collection
 
 KILL, KILL_ROUND, KILL_FETCH, TERM, JOIN, PAUSE, LOAD = (
     "kill", "kill_round", "kill_fetch", "term", "join", "pause", "load",
@@ -62,21 +63,27 @@ class Churn:
             raise ValueError("churn times are >= 0")
 
 
-def churn_schedule(seed: int, run_s: float, *, gap_s: float = GAP_S) -> tuple[Churn, ...]:
-    """The churn of a run of `run_s` seconds, in time order. Empty when the run is too short to
+def churn_schedule(
+    seed: int, run_s: float, *, gap_s: float = GAP_S, kinds: Collection[str] = KINDS
+) -> tuple[Churn, ...]:
+    """The churn of a run of `run_s` seconds, in time order, of the `kinds` given (a soak that
+    only pauses nodes, say, to reproduce what a pause does). Empty when the run is too short to
     leave any time between the warm-up and the end margin."""
     if not gap_s > 0:
         raise ValueError("gap_s must be positive")
+    if unknown := set(kinds) - set(KINDS):
+        raise ValueError(f"unknown churn kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
     rng = random.Random(seed)
     end = run_s - END_MARGIN_S
     events: list[Churn] = []
-    if end - WARMUP_S >= gap_s:  # one burst of CPU load over the middle fifth of the run
+    if LOAD in kinds and end - WARMUP_S >= gap_s:  # one burst of CPU load over the middle fifth of the run
         events.append(Churn(round(0.4 * run_s, 3), LOAD, round(0.2 * run_s, 3)))
+    dealt = [kind for kind in DECK if kind in kinds]
     deck: list[str] = []
     at = WARMUP_S + rng.uniform(0.0, 0.5 * gap_s)
-    while at < end:
+    while dealt and at < end:
         if not deck:
-            deck = list(DECK)
+            deck = list(dealt)
             rng.shuffle(deck)
         kind = deck.pop()
         seconds = rng.uniform(*PAUSE_S) if kind == PAUSE else rng.uniform(*RESTART_AFTER_S) if kind in RESTARTED else 0

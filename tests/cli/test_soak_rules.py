@@ -68,6 +68,13 @@ def test_events_after_an_aimed_kill_that_waited_keep_their_spacing(lag: float, d
     assert schedule_lag(lag, due_s, fired_s) == pytest.approx(expected), why
 
 
+def test_a_schedule_of_chosen_kinds_deals_only_those() -> None:
+    pauses = churn_schedule(1, 300.0, gap_s=17.0, kinds=(PAUSE,))  # the soak of pauses that forked the model
+    assert {c.kind for c in pauses} == {PAUSE} and 8 <= len(pauses) <= 16
+    assert {c.kind for c in churn_schedule(1, 900.0, kinds=(KILL_ROUND, LOAD))} == {KILL_ROUND, LOAD}
+    assert churn_schedule(1, 900.0, kinds=()) == ()
+
+
 def test_a_bad_churn_is_refused() -> None:
     with pytest.raises(ValueError):
         Churn(1.0, "explode")
@@ -75,6 +82,8 @@ def test_a_bad_churn_is_refused() -> None:
         Churn(-1.0, PAUSE)
     with pytest.raises(ValueError):
         churn_schedule(0, 600.0, gap_s=0)
+    with pytest.raises(ValueError, match="unknown churn kinds"):
+        churn_schedule(0, 600.0, kinds=(PAUSE, "explode"))
 
 
 # --- the invariants -------------------------------------------------------------------------

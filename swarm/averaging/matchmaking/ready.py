@@ -329,12 +329,13 @@ def left_behind(members: Set[PeerID], parent_round: Mapping[PeerID, float] | Non
     known) that a group of `members` would leave behind although they are `around` (live, or in
     the step's ready set), when the group holds less than half of that round by count or by
     weight. Such a group makes a round that those members never take (its lineage is not
-    endorsed), and they go on from the state apart: a fork. Empty: the group may form. A soak node paused past its
-    leader's join timeout came back, led again with the two peers that had just fetched the state,
-    and made a round of 3 that held 1 of the 4 members of the round before it; the other three,
-    live and late for the first try, refused it and averaged the step as a pair. Members of that
-    round that are not around (died, stalled) do not hold a group back: waiting for a majority
-    that died would stop the run for good, and their rounds are not endorsed either way."""
+    endorsed), and they go on from the state apart: a fork. Empty: the group may form. A soak
+    node paused past its leader's join timeout came back, led again with the two peers that had
+    just fetched the state, and made a round of 3 that held 1 of the 4 members of the round
+    before it; the other three, live and late for the first try, refused it and averaged the
+    step as a pair. Members of that round that are not around (died, stalled) do not hold a
+    group back: waiting for a majority that died would stop the run for good, and their rounds
+    are not endorsed either way."""
     if parent_round is None or holds_half(parent_round, members):
         return frozenset()
     return frozenset(set(parent_round) - set(members)) & frozenset(around)
