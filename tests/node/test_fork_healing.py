@@ -1,7 +1,9 @@
 """A fork's smaller lineage takes the larger one's state (ready.outvoted, grouping.ForkWatch).
 
-Five SwarmNodes in one event loop. At step 1 the ready sets are split (each half sees only its
-own half's records while it matchmakes), so two groups form, of 3 and of 2: a fork. From step 2
+Five SwarmNodes in one event loop. At step 1 the swarm is split (each half sees only its own
+half's ready records and progress records while it is at that step), so two groups form, of 3 and
+of 2: a fork. (Seeing the other half live, the smaller half would not form its group: a leader
+leaves no live majority of its last round behind, ready.left_behind.) From step 2
 the smaller half still never sees a record of the larger half's state while it matchmakes
 (as when it always decides before the larger half's announcements are in, the fork CI saw
 persist for 9 steps), but the step-1 FORMED markers stay readable. Without the lineage check the
@@ -18,6 +20,8 @@ import pytest
 from swarm.averaging.matchmaking.ready import ReadyView
 from swarm.averaging.matchmaking.ready_board import ReadyBoard
 from swarm.node.grouping import ForkWatch
+from swarm.node.plan import Facts
+from swarm.node.view import SwarmView
 from swarm.state.keeper import LARGER_LINEAGE
 from tests.node.inprocess import LocalSwarm, Running
 
@@ -25,10 +29,21 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 
 
 def split_boards(monkeypatch: pytest.MonkeyPatch, large: list[Running], small: list[Running]) -> None:
-    """What each node reads of the step it is matchmaking (a past step's set is read whole)."""
+    """What each node reads of the step it is matchmaking (a past step's set is read whole), and
+    of its peers' progress while it is at step 1."""
     read = ReadyBoard.read
     half = {r.node.peer_id: 0 for r in large} | {r.node.peer_id: 1 for r in small}
     nodes = {r.node.peer_id: r.node for r in (*large, *small)}
+    read_progress = SwarmView.read
+
+    def split_progress(self: SwarmView) -> Facts:
+        facts = read_progress(self)
+        me = self.ctx.averager.host.peer_id
+        if me not in half or self.ctx.diloco.outer_step != 1:
+            return facts
+        return dataclasses.replace(facts, peers=tuple(p for p in facts.peers if half.get(p.peer_id) == half[me]))
+
+    monkeypatch.setattr(SwarmView, "read", split_progress)
 
     async def partial_read(self: ReadyBoard, step: int) -> ReadyView:
         view = await read(self, step)
