@@ -25,7 +25,7 @@ from swarm.cli.sim_swarm import stop_on_signals
 from swarm.cli.soak_checks import check, task_deaths
 from swarm.cli.soak_report import figures, summary, write_json, write_plot
 from swarm.cli.soak_run import Soak, SoakConfig
-from swarm.cli.soak_schedule import GAP_S, KINDS, churn_schedule
+from swarm.cli.soak_schedule import GAP_S, KINDS, churn_schedule, kinds_problem
 
 # a tiny node's RSS grows for its first minutes (about 350 to 650 MB in 3 minutes), then is flat
 MEMORY_WARMUP_S = 180.0
@@ -74,8 +74,8 @@ def soak(config: SoakConfig, *, as_json: bool = False) -> int:
 
 def _churn_kinds(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
     kinds = tuple(k.strip() for k in value.split(",") if k.strip())
-    if unknown := set(kinds) - set(KINDS):
-        raise click.BadParameter(f"unknown {', '.join(sorted(unknown))}: choose among {', '.join(KINDS)}")
+    if (problem := kinds_problem(kinds)) is not None:
+        raise click.BadParameter(problem)
     if not kinds:
         raise click.BadParameter(f"name at least one of {', '.join(KINDS)}")
     return kinds

@@ -63,6 +63,13 @@ class Churn:
             raise ValueError("churn times are >= 0")
 
 
+def kinds_problem(kinds: Collection[str]) -> str | None:
+    """Why `kinds` is not a set of churn kinds (None: it is)."""
+    if unknown := set(kinds) - set(KINDS):
+        return f"unknown churn kinds {', '.join(sorted(unknown))}; known: {', '.join(KINDS)}"
+    return None
+
+
 def churn_schedule(
     seed: int, run_s: float, *, gap_s: float = GAP_S, kinds: Collection[str] = KINDS
 ) -> tuple[Churn, ...]:
@@ -71,8 +78,8 @@ def churn_schedule(
     leave any time between the warm-up and the end margin."""
     if not gap_s > 0:
         raise ValueError("gap_s must be positive")
-    if unknown := set(kinds) - set(KINDS):
-        raise ValueError(f"unknown churn kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
+    if (problem := kinds_problem(kinds)) is not None:
+        raise ValueError(problem)
     rng = random.Random(seed)
     end = run_s - END_MARGIN_S
     events: list[Churn] = []
