@@ -14,10 +14,12 @@
                 break                                      # the run ended, this process left, or it stopped
 
 `join` returns as soon as the node listens on a free port (or `host_maddrs`), has joined the DHT
-and has checked that the run's settings are its own: `session.maddrs` is known at once. The
-swarm's state arrives next; the first forward pass waits for it (entering the `with` block,
-`wait_for_peers` or the first `step` do). Errors reach the caller as SwarmError, one line that
-names the Python argument to change.
+and has checked that the run's settings are its own: `session.maddrs` is known at once. A session
+that starts a run (no `initial_peers`) returns once it also holds its first state and its progress
+record, with the run's settings, is in the DHT: a process that joins through it at once reads them
+and is refused on others. The swarm's state arrives next; the first forward pass waits for it
+(entering the `with` block, `wait_for_peers` or the first `step` do). Errors reach the caller as
+SwarmError, one line that names the Python argument to change.
 
 What runs where: the swarm's node (DHT, matchmaking, all-reduce, state serving and fetching) is
 the same SwarmNode as swarm-node's, on an event loop in a background thread; the caller's thread
@@ -109,11 +111,11 @@ class SwarmSession:
     """A running swarm node around the caller's model: made by `join`, ended by `close` (or
     the `with` block). Owns the node's background thread and its event loop."""
 
-    def __init__(self, node: SwarmNode, listening: threading.Event) -> None:
+    def __init__(self, node: SwarmNode, joined: threading.Event) -> None:
         self._node, self._steps = node, node.inner  # the permits the caller's steps spend
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
-        self._listening = listening  # set on the node's "listening" event: its maddrs are known
+        self._joined = joined  # set when join may return: the node listens (the run's first: it started)
         self._start_timeout = 600.0  # join's start_timeout: the longest wait for the first inner step
         self._holding = False  # the caller holds a permit (it waited for one; its next step spends it)
         self.reason: str | None = None  # why the node ended: "finished", "left", "run ended", "stopped"
@@ -212,11 +214,12 @@ class SwarmSession:
     # --- inside ------------------------------------------------------------------------------
 
     def _start(self, timeout: float) -> None:
-        """Start the node's thread; return once it listens (its maddrs known), before the state."""
+        """Start the node's thread; return once peers may join through it (its maddrs known; the run's
+        first node: its state held and its record stored), before the swarm's state."""
         self._start_timeout = timeout
         self._thread.start()
         try:
-            self._in_slices(self._wait_listening, timeout)
+            self._in_slices(self._wait_joined, timeout)
         except TimeoutError:
             self.close()
             raise SwarmError(f"the swarm node did not join the DHT within {timeout:g}s (start_timeout=)") from None
@@ -270,8 +273,8 @@ class SwarmSession:
         if self.error is not None:
             raise _explained(self.error)
 
-    def _wait_listening(self) -> None:
-        if not self._listening.wait(SLICE_S):
+    def _wait_joined(self) -> None:
+        if not self._joined.wait(SLICE_S):
             raise TimeoutError
 
     def _serve(self) -> None:
@@ -305,8 +308,9 @@ def join(
     **options: Any,
 ) -> SwarmSession:
     """Join (or start) swarm run `run_id` with the caller's `model`; returns once the node listens
-    (`session.maddrs`), has joined the DHT and found the run's settings its own. The swarm's state
-    is fetched next; entering the `with` block, `wait_for_peers` or the first `step` wait for it.
+    (`session.maddrs`), has joined the DHT and found the run's settings its own (a run's first
+    session: once its state and settings are published). The swarm's state is fetched next;
+    entering the `with` block, `wait_for_peers` or the first `step` wait for it.
 
     initial_peers: multiaddrs of processes of the run (a list; none: start a new run).
     host_maddrs: where to listen; the default takes a free port on every interface.
@@ -343,18 +347,21 @@ def join(
         except (P2PError, OSError) as e:
             raise SwarmError(f"identity_path={str(identity_path)!r}: {e}") from None
         proof_path = proof_path_for(identity_path)
-    listening = threading.Event()
+    joined = threading.Event()
+    # the run's first session waits for its own state (local: its genesis or checkpoint) and
+    # record; a joining one does not wait for the fetch of the swarm's state, which may be long
+    ready_on = "listening" if peers else "start"
 
     def events(event: Event) -> None:
-        if event["event"] == "listening":
-            listening.set()
+        if event["event"] == ready_on:
+            joined.set()
         if on_event is not None:
             on_event(event)
 
     node = SwarmNode(config, identity=identity, initial_peers=peers, p2p_config=p2p_config, on_event=events,
                      model=model, inner_optimizer=inner_optimizer, evaluate=evaluate, id_proof_path=proof_path,
                      dht_config=DHTConfig())  # fmt: skip
-    session = SwarmSession(node, listening)
+    session = SwarmSession(node, joined)
     session._start(start_timeout)
     return session
 

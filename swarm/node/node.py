@@ -284,7 +284,8 @@ class SwarmNode:
 
     async def _start(self, loop: OuterLoop) -> None:
         """Resume from our checkpoint or begin the run's genesis; with peers, check that their
-        run settings are ours and fetch the swarm's state; then say so (`start`) and serve it."""
+        run settings are ours and fetch the swarm's state; then serve it, store our progress record
+        and say so (`start`)."""
         ctx, config, diloco = loop.ctx, self.config, self.diloco
         if not await self._resume(ctx.keeper):  # the run's genesis: every node of the run builds this state
             genesis = bytes.fromhex(await self.inner.call(diloco.state_sha256))
@@ -299,13 +300,20 @@ class SwarmNode:
                 await asyncio.sleep(PENDING_S)
         await loop.ends.rehash()
         self.maddrs = ctx.maddrs()
+        # serve what we hold from the start, step 0 too: a client that trained alone ahead of
+        # every server follows the servers' state (swarm/state/keeper.py)
+        await ctx.keeper.publish(diloco, checkpoint=False)
+        # our progress record, with our run settings, is in the DHT before we say we started: a
+        # node that joins through us right after is refused on other settings only if it reads
+        # them there (a failed store is logged; the publisher stores the record again)
+        try:
+            await loop.view.publish()
+        except Exception as e:
+            logger.warning("storing our first progress record failed: %r", e)
         self.events.emit("start", maddrs=self.maddrs, run_id=config.run_id, outer_step=diloco.outer_step,
                          parameters=sum(p.numel() for p in diloco.params), client_mode=self.client_mode,
                          reach=self.reach.reach() if self.reach is not None else None,
                          model=config.model, device=str(diloco.device))  # fmt: skip
-        # serve what we hold from the start, step 0 too: a client that trained alone ahead of
-        # every server follows the servers' state (swarm/state/keeper.py)
-        await ctx.keeper.publish(diloco, checkpoint=False)
         self._started.set()
 
     async def _refuse_other_settings(self, book: ProgressBook) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import socket
 import threading
@@ -16,11 +17,25 @@ from torch import nn
 
 import swarm
 from swarm.api import SwarmError, SwarmSession
+from swarm.dht import DHTNode
 from swarm.model.diloco import NonFiniteLossError
+from swarm.node.progress import ProgressBook
+from swarm.p2p import P2PConfig
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 QUICK = {"matchmaking_time": 1.0, "publish_interval": 0.5, "max_wait": 10.0, "part_timeout": 10.0}
 WEIGHTS = torch.linspace(-1.0, 1.0, 8)
+
+
+async def run_records(run_id: str, initial_peers: list[str]) -> dict[str, Any]:
+    """The run's progress records as a newcomer reads them right after joining the DHT: peer -> settings."""
+    dht = await DHTNode(initial_peers=initial_peers, p2p_config=P2PConfig(host_maddrs=tuple(LOCAL))).start()
+    try:
+        book = ProgressBook(dht, run_id, publish_interval=1.0)
+        await book.refresh()
+        return {str(p.peer_id): p.settings for p in book.peers}
+    finally:
+        await dht.close()
 
 
 def make_model(seed: int = 0, width: int = 32) -> nn.Module:
@@ -117,8 +132,14 @@ def test_three_sessions_train_a_custom_model_agree_bit_for_bit_and_the_loss_fall
 @pytest.mark.timeout(120)
 def test_a_session_of_another_architecture_is_refused_naming_both(sessions: list[SwarmSession]) -> None:
     options = dict(run_id="arch", inner_steps=1000, host_maddrs=LOCAL, **QUICK)
-    first = swarm.join(make_model(), adam, **options)
+    events: list[str] = []
+    first = swarm.join(make_model(), adam, on_event=lambda e: events.append(e["event"]), **options)
     sessions.append(first)
+    # the run's first session returns once it started, its record (and so its settings) in the
+    # DHT: a process joining at once reads them. One that returned on listening had stored none
+    # yet, and on a loaded machine a joiner of another model was let in.
+    assert "start" in events, events
+    assert first.peer_id in asyncio.run(run_records("arch", first.maddrs))
     with pytest.raises(SwarmError, match=r"architecture '[0-9a-f]+' \(this node: '[0-9a-f]+'\)"):
         swarm.join(make_model(width=16), adam, initial_peers=first.maddrs, **options)
     with pytest.raises(SwarmError, match=r"initial_state"):  # same shapes, other weights: seed your init
