@@ -69,7 +69,7 @@ def inspect(run_id: str | None, serve_port: int | None, serve_host: str, opts: C
             asked = sum(r.asked for r in results)
             raise CliError(f"no DHT node answered the lookups for run {run_id!r} ({asked} asked); try again")
         now = time.time()
-        values = [user_value(r.records(k, now)) for r, k in zip(results, keys.values(), strict=True)]
+        values = [user_value(r.records(now)) for r in results]
         entries = [e for v in values[:2] for e in run_entries(v)]
         return values, await _answers(node, entries)
 

@@ -25,17 +25,17 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from swarm.dht.errors import RecordError
-from swarm.dht.ids import Key
+from swarm.dht.freshest import FreshestRecords
 from swarm.dht.records import Record
 from swarm.dht.routing import Contact
-from swarm.dht.storage import RecordStorage
 from swarm.p2p.peer_id import PeerID
 
 NEW, ASKED, ANSWERED, FAILED = range(4)
 
-# ask(contact) -> (contacts it knows closest to the target, records it holds for the key)
-AskFn = Callable[[Contact], Awaitable[tuple[list[Contact], list[Record]]]]
+# ask(contact) -> (contacts it knows closest to the target, the records it returned for the key
+# that are fresher than those found so far, whether it returned any for the key at all: copies
+# of found ones make it a holder too)
+AskFn = Callable[[Contact], Awaitable[tuple[list[Contact], list[Record], bool]]]
 
 
 @dataclass(slots=True)
@@ -49,7 +49,7 @@ class _Candidate:
 @dataclass(slots=True)
 class LookupResult:
     closest: list[Contact]  # up to k nodes that answered, closest to the target first
-    found: RecordStorage  # the freshest record per (key, subkey) seen, merged by the storage rules
+    found: FreshestRecords  # the freshest record per subkey seen, merged by the storage rules
     holders: set[PeerID] = field(default_factory=set)  # nodes that returned records
     rounds: int = 0
     asked: int = 0
@@ -57,21 +57,13 @@ class LookupResult:
     path_closest: list[list[Contact]] = field(default_factory=list)  # each path's k closest that answered
     target: int = 0
 
-    def records(self, key: Key, now: float) -> list[Record]:
-        return self.found.get(key, now)
+    def records(self, now: float) -> list[Record]:
+        return self.found.records(now)
 
     def replicas(self) -> list[Contact]:
         """Where a store goes: the k closest of every path (disjoint sets), closest first."""
         union = {c.peer_id: c for path in self.path_closest for c in path}
         return sorted(union.values(), key=lambda c: c.node_id ^ self.target)
-
-
-def merge_into(found: RecordStorage, records: list[Record], now: float) -> None:
-    for record in records:
-        try:
-            found.put(record, now)
-        except RecordError:
-            pass  # Outdated: an older copy than one we already have
 
 
 async def iterative_lookup(
@@ -83,12 +75,11 @@ async def iterative_lookup(
     k: int,
     alpha: int,
     stop_on_value: bool,
-    found: RecordStorage,
-    now: Callable[[], float],
+    found: FreshestRecords,
     paths: int = 1,
 ) -> LookupResult:
     result = LookupResult(closest=[], found=found, target=target)
-    shared = _Shared(target, ask, own_id, k, alpha, stop_on_value, now, result)
+    shared = _Shared(target, ask, own_id, k, alpha, stop_on_value, result)
     ordered = sorted(initial, key=lambda c: c.node_id ^ target)
     tasks = [asyncio.ensure_future(_run_path(shared, index, ordered[index::paths])) for index in range(paths)]
     result.path_closest = [[] for _ in range(paths)]
@@ -122,7 +113,6 @@ class _Shared:
     k: int
     alpha: int
     stop_on_value: bool
-    now: Callable[[], float]
     result: LookupResult
     claimed: dict[PeerID, int] = field(default_factory=dict)  # peer -> the path that asked it
     answered: dict[PeerID, _Candidate] = field(default_factory=dict)
@@ -132,7 +122,7 @@ async def _run_path(shared: _Shared, index: int, initial: list[Contact]) -> None
     """One path of a lookup: the paper's algorithm over the contacts this path learns, skipping
     nodes another path asked. Writes answers, records and counts into the shared result."""
     target, ask, own_id, k, alpha = shared.target, shared.ask, shared.own_id, shared.k, shared.alpha
-    stop_on_value, now, claimed, result = shared.stop_on_value, shared.now, shared.claimed, shared.result
+    stop_on_value, claimed, result = shared.stop_on_value, shared.claimed, shared.result
     candidates: dict[PeerID, _Candidate] = {}
 
     def consider(contact: Contact, depth: int) -> None:
@@ -172,12 +162,13 @@ async def _run_path(shared: _Shared, index: int, initial: list[Contact]) -> None
                 candidate.state = ANSWERED
                 shared.answered[candidate.contact.peer_id] = candidate
                 result.rounds = max(result.rounds, candidate.depth)
-                contacts, records = task.result()
+                contacts, records, holds = task.result()
                 for contact in contacts:
                     consider(contact, candidate.depth + 1)
-                if records:
+                if holds:
                     result.holders.add(candidate.contact.peer_id)
-                    merge_into(result.found, records, now())
+                for record in records:
+                    result.found.add(record)
             if stop_on_value and result.holders:
                 break
             # the paper's rule: replies that bring nothing closer mean we are near the end, so ask

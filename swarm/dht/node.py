@@ -30,9 +30,10 @@ from typing import Any
 from swarm.dht import protocol as proto
 from swarm.dht.config import DHTConfig
 from swarm.dht.errors import BootstrapError
+from swarm.dht.freshest import FreshestRecords
 from swarm.dht.id_proof import BadIdProof
 from swarm.dht.ids import Key, key_id, random_id_between
-from swarm.dht.lookup import LookupResult, merge_into
+from swarm.dht.lookup import LookupResult
 from swarm.dht.peer_trust import PeerTrust
 from swarm.dht.records import Record, ValueWithExpiration, unpack_value
 from swarm.dht.rejoin import RejoinSchedule
@@ -49,8 +50,6 @@ from swarm.p2p.peer_id import PeerID
 from swarm.utils.supervised import Supervised
 
 logger = logging.getLogger(__name__)
-
-UNBOUNDED = 1 << 62  # merge containers for one lookup's results: bounded by the replies' own limits
 
 
 class DHTNode(DHTServing):
@@ -203,7 +202,7 @@ class DHTNode(DHTServing):
         that holds it unless `latest`, which asks all k closest nodes and merges their answers.
         For a key with subkeys the value is {subkey: ValueWithExpiration}."""
         result = await self.lookup_value(key, latest=latest)
-        return user_value(result.records(key, time.time()))
+        return user_value(result.records(time.time()))
 
     async def lookup_value(self, key: Key, latest: bool = False) -> LookupResult:
         """The lookup behind get(), with its statistics (rounds, holders) for benchmarks."""
@@ -215,11 +214,9 @@ class DHTNode(DHTServing):
             self.search.cache_on_path(key, result)
         return result
 
-    def _local_records(self, key: Key, now: float) -> RecordStorage:
+    def _local_records(self, key: Key, now: float) -> FreshestRecords:
         """What this node stores and caches for key, merged by the storage rules."""
-        found = RecordStorage(UNBOUNDED, UNBOUNDED)
-        merge_into(found, self.storage.get(key, now) + self.cache.get(key, now), now)
-        return found
+        return FreshestRecords(self.storage.get(key, now) + self.cache.get(key, now))
 
     async def find_node(self, target: int) -> list[Contact]:
         """The k nodes closest to target that answered (this node left out)."""

@@ -29,10 +29,12 @@ once per peer. Nodes of one DHT must agree on id_bits: a node refuses ids weaker
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from swarm.dht.config import DHTConfig
 from swarm.dht.errors import RecordError
+from swarm.dht.freshest import FreshestRecords
 from swarm.dht.id_proof import BadIdProof, verify
 from swarm.dht.ids import ID_BYTES, Key, id_from_bytes
 from swarm.dht.records import Record
@@ -75,11 +77,15 @@ def proves_id(nonce: Any, peer_id: PeerID, config: DHTConfig) -> bool:
 
 
 def check_maddrs(addrs: Any, config: DHTConfig) -> tuple[str, ...]:
-    if not isinstance(addrs, list | tuple) or len(addrs) > config.max_maddrs_per_peer:
-        raise BadRequest(f"addresses must be a list of at most {config.max_maddrs_per_peer}")
+    return _checked_maddrs(addrs, config.max_maddrs_per_peer, config.max_maddr_chars)
+
+
+def _checked_maddrs(addrs: Any, max_maddrs: int, max_chars: int) -> tuple[str, ...]:
+    if not isinstance(addrs, list | tuple) or len(addrs) > max_maddrs:
+        raise BadRequest(f"addresses must be a list of at most {max_maddrs}")
     for addr in addrs:
-        if not isinstance(addr, str) or not addr.startswith("/") or len(addr) > config.max_maddr_chars:
-            raise BadRequest(f"an address must be a multiaddr string of at most {config.max_maddr_chars} chars")
+        if not isinstance(addr, str) or not addr.startswith("/") or len(addr) > max_chars:
+            raise BadRequest(f"an address must be a multiaddr string of at most {max_chars} chars")
     return tuple(addrs)
 
 
@@ -103,43 +109,73 @@ def decode_contacts(items: Any, config: DHTConfig) -> tuple[list[Contact], list[
     if not isinstance(items, list) or len(items) > config.k:
         raise BadRequest(f"peers must be a list of at most k={config.k}")
     contacts, dropped = [], []
+    limits = (config.id_bits, config.max_maddrs_per_peer, config.max_maddr_chars)
     for item in items:
         if not isinstance(item, list) or len(item) != 3 or not isinstance(item[0], bytes):
             raise BadRequest("a peer is [peer_id_bytes, [maddr...], nonce]")
+        raw, addrs, nonce = item
         try:
-            peer_id = PeerID(item[0])
-        except IdentityError as e:
-            raise BadRequest(f"bad peer id: {e}") from None
-        maddrs = check_maddrs(item[1], config)
-        try:
-            node_id = verify(peer_id, item[2], config.id_bits)
+            try:
+                peer_id, maddrs, node_id = _known_contact(raw, tuple(addrs) if isinstance(addrs, list) else addrs,
+                                                          nonce, *limits)  # fmt: skip
+            except TypeError:  # an unhashable address or nonce: checked without the cache, and refused
+                peer_id, maddrs, node_id = _checked_contact(raw, addrs, nonce, *limits)
         except BadIdProof as e:
-            dropped.append((peer_id, str(e)))
+            dropped.append((PeerID(raw), str(e)))
             continue
-        contacts.append(Contact(peer_id, maddrs, node_id, item[2]))
+        contacts.append(Contact(peer_id, maddrs, node_id, nonce))
     return contacts, dropped
+
+
+def _checked_contact(
+    raw: bytes, addrs: Any, nonce: Any, id_bits: int, max_maddrs: int, max_chars: int
+) -> tuple[PeerID, tuple[str, ...], int]:
+    """A contact's PeerID, addresses and proven id: BadRequest for a malformed one, BadIdProof
+    for a nonce that proves no id."""
+    try:
+        peer_id = PeerID(raw)
+    except IdentityError as e:
+        raise BadRequest(f"bad peer id: {e}") from None
+    maddrs = _checked_maddrs(addrs, max_maddrs, max_chars)
+    return peer_id, maddrs, verify(peer_id, nonce, id_bits)
+
+
+# The same few hundred contacts come back in every find reply, about twenty to a reply: parsing
+# their ids and addresses again was a tenth of a 16-node swarm's event loop. What checked out
+# once checks out again (a pure function of these arguments); failures raise and are not kept,
+# and a peer that sends new contacts only pushes older ones out.
+_known_contact = functools.lru_cache(maxsize=1 << 14)(_checked_contact)
 
 
 def encode_found(records: list[Record]) -> list[list[Any]]:
     return [[r.subkey, r.value, r.expiration, r.signature] for r in records]
 
 
-def decode_found(key: Key, items: Any, config: DHTConfig, now: float) -> list[Record]:
-    """Records a peer returned for `key`, each validated as if it were being stored here: a
-    peer cannot make us return a forged, oversized or expired record."""
+def decode_found(
+    key: Key, items: Any, config: DHTConfig, now: float, found: FreshestRecords | None = None
+) -> tuple[list[Record], bool]:
+    """Records a peer returned for `key` that are fresher than those `found` holds, each
+    validated as if it were being stored here: a peer cannot make us return a forged, oversized
+    or expired record. Copies of found records (every holder of a key returns the same) are
+    skipped unvalidated: they could not replace what is held. Also whether the peer returned any
+    record that validated or was such a copy: it holds the key."""
     if not isinstance(items, list) or len(items) > config.max_subkeys_per_key:
         raise BadRequest(f"records must be a list of at most {config.max_subkeys_per_key}")
-    records = []
+    records, holds = [], False
     for item in items:
         if not isinstance(item, list) or len(item) != 4:
             raise BadRequest("a found record is [subkey, value, expiration, signature]")
         try:
             record = Record.from_wire([key, *item])
+            if found is not None and not found.newer(record.subkey, record.expiration):
+                holds = True
+                continue
             record.validate(config, now)
         except RecordError:
             continue  # expired in transit, or a bad peer: skip this record, keep the rest
         records.append(record)
-    return records
+        holds = True
+    return records, holds
 
 
 def parse_store(args: dict[str, Any], config: DHTConfig) -> tuple[list[Any], bool]:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from swarm.dht import protocol as proto
 from swarm.dht.config import DHTConfig
 from swarm.dht.errors import RecordError
+from swarm.dht.freshest import FreshestRecords
 from swarm.dht.ids import Key, id_to_bytes, key_id
 from swarm.dht.lookup import LookupResult, iterative_lookup
 from swarm.dht.peer_trust import PeerTrust
@@ -108,14 +109,14 @@ class DHTSearch:
         node = self.node
         for contact in result.closest:
             if contact.peer_id not in result.holders:
-                records = [r.to_wire() for r in result.records(key, time.time())][: node.config.max_store_batch]
+                records = [r.to_wire() for r in result.records(time.time())][: node.config.max_store_batch]
                 if records:
                     args = {**node._sender, "records": records, "cache": True}
                     node._spawn(self.call_quietly(contact, proto.STORE, args))
                 return
 
     async def lookup(
-        self, target: int, key: Key | None, *, stop_on_value: bool, found: RecordStorage | None = None
+        self, target: int, key: Key | None, *, stop_on_value: bool, found: FreshestRecords | None = None
     ) -> LookupResult:
         node = self.node
         args: dict[str, Any] = {**node._sender, "id": id_to_bytes(target)}
@@ -124,16 +125,18 @@ class DHTSearch:
             if stop_on_value:
                 args["peers"] = False  # a holder's records end this lookup: its peers would go unread
 
-        async def ask(contact: Contact) -> tuple[list[Contact], list[Record]]:
+        found = FreshestRecords() if found is None else found
+
+        async def ask(contact: Contact) -> tuple[list[Contact], list[Record], bool]:
             reply = await self.call(contact, proto.FIND, args)
             try:
                 if not isinstance(reply, dict):
                     raise BadRequest("a find reply must be a map")
                 peers, dropped = proto.decode_contacts(reply.get("peers", []), node.config)
-                records = (
-                    proto.decode_found(key, reply["records"], node.config, time.time())
+                records, holds = (
+                    proto.decode_found(key, reply["records"], node.config, time.time(), found)
                     if key is not None and "records" in reply
-                    else []
+                    else ([], False)
                 )
             except BadRequest as e:
                 logger.info("bad find reply from %s: %s", contact.peer_id, e)
@@ -141,7 +144,7 @@ class DHTSearch:
                 raise
             for peer, reason in dropped:
                 node.trust.bad_proof(peer, reason, via=contact.peer_id)
-            return peers, records
+            return peers, records, holds
 
         # k contacts per path: were the paths to share our k closest, ids ground to sit nearest
         # the key (each one priced, but 20 are within an attacker's reach) could be all of them,
@@ -156,8 +159,7 @@ class DHTSearch:
             k=node.config.k,
             alpha=node.config.alpha,
             stop_on_value=stop_on_value,
-            found=RecordStorage(1, 1) if found is None else found,
-            now=time.time,
+            found=found,
             paths=node.config.disjoint_paths,
         )
 

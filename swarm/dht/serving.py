@@ -14,6 +14,7 @@ from typing import Any
 from swarm.dht import protocol as proto
 from swarm.dht.config import DHTConfig
 from swarm.dht.errors import RecordError
+from swarm.dht.freshest import FreshestRecords
 from swarm.dht.ids import Key, key_id
 from swarm.dht.records import Record
 from swarm.dht.routing import RoutingTable
@@ -40,7 +41,7 @@ class DHTServing:
     def _heard_from_sender(self, peer: PeerID, args: Any, fallback_maddr: str | None = None) -> None:
         raise NotImplementedError
 
-    def _local_records(self, key: Key, now: float) -> RecordStorage:
+    def _local_records(self, key: Key, now: float) -> FreshestRecords:
         raise NotImplementedError
 
     async def _rpc_ping(self, ctx: CallContext, args: Any) -> dict[str, Any]:
@@ -57,7 +58,7 @@ class DHTServing:
         reply: dict[str, Any] = {}
         if key is not None:
             now = time.time()
-            records = self._local_records(key, now).get(key, now)
+            records = self._local_records(key, now).records(now)
             if records:
                 reply["records"] = proto.encode_found(records)
         if "records" not in reply or args.get("peers", True) is not False:

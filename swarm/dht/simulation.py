@@ -71,7 +71,7 @@ async def simulate(
             for _ in range(count):
                 key = rng.choice(list(stored))
                 result = await rng.choice(alive).lookup_value(key)
-                records = result.records(key, time.time())
+                records = result.records(time.time())
                 found += bool(records) and records[0].value == _packed(stored[key])
                 rounds.append(result.rounds)
             return found / count, rounds, (network.calls - calls_before) / count

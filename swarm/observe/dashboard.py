@@ -154,7 +154,7 @@ class DhtReader:
             await self.node.bootstrap(list(self.initial_peers()))
             raise DHTError("no DHT node answered; bootstrapped again")
         now = time.time()
-        found = [user_value(r.records(key, now)) for r, key in zip(results, self.keys, strict=True)]
+        found = [user_value(r.records(now)) for r in results]
         return _entries(found[0]), _entries(found[1]), _entries(found[2])
 
 

@@ -73,7 +73,7 @@ async def test_a_get_caches_the_value_on_the_closest_node_without_it(make_node: 
     for holder in holders:  # the reader must go through other nodes: the path that gets a copy
         reader.table.remove(holder.peer_id)
     result = await reader.lookup_value("cached")
-    assert result.holders and result.records("cached", time.time())[0].value
+    assert result.holders and result.records(time.time())[0].value
     caching = set(reader._tasks)  # the cache store is fire-and-forget: wait for it (a second was
     assert caching  # not always enough on a loaded CI machine)
     await asyncio.wait(caching, timeout=30)

@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 
 from swarm.dht import DHTConfig, DHTNode, id_proof, owner_subkey
+from swarm.dht.freshest import FreshestRecords
 from swarm.dht.id_proof import BadIdProof, leading_zero_bits, load_or_solve, node_id_of, solve, verify
 from swarm.dht.ids import key_id
 from swarm.dht.lookup import iterative_lookup
 from swarm.dht.records import Record
 from swarm.dht.routing import Contact, RoutingTable
 from swarm.dht.run_keys import state_key
-from swarm.dht.storage import RecordStorage
 from swarm.p2p import CallContext, Identity, P2PConfig, P2PHost, PeerID
 
 BITS = 8
@@ -250,27 +250,28 @@ async def test_disjoint_paths_ask_each_node_once_and_route_around_a_bad_group() 
     record = Record.create("k", None, "v", time.time() + 60)
     asked: list[PeerID] = []
 
-    async def ask(contact: Contact) -> tuple[list[Contact], list[Record]]:
+    async def ask(contact: Contact) -> tuple[list[Contact], list[Record], bool]:
         asked.append(contact.peer_id)
         if contact.peer_id in bad:
-            return [contacts[p] for p in bad], []
-        return list(contacts.values())[:30], ([record] if contact.peer_id == holder else [])
+            return [contacts[p] for p in bad], [], False
+        holds = contact.peer_id == holder
+        return list(contacts.values())[:30], ([record] if holds else []), holds
 
     async def lookup(initial: list[Contact], paths: int) -> bool:
         asked.clear()
         result = await iterative_lookup(
             target, initial, ask, own_id=Identity.generate().peer_id, k=10, alpha=3, stop_on_value=True,
-            found=RecordStorage(100, 100), now=time.time, paths=paths,
+            found=FreshestRecords(), paths=paths,
         )  # fmt: skip
         assert len(asked) == len(set(asked)), "a node was asked twice"
-        return bool(result.records("k", time.time()))
+        return bool(result.records(time.time()))
 
     initial = [contacts[p] for p in peers[:3]] + [contacts[p] for p in peers[40:43]]
     assert not await lookup([contacts[p] for p in peers[:3]], paths=1)  # all bad: captured
     assert await lookup(initial, paths=3)
     result = await iterative_lookup(
         target, initial, ask, own_id=Identity.generate().peer_id, k=10, alpha=3, stop_on_value=False,
-        found=RecordStorage(100, 100), now=time.time, paths=3,
+        found=FreshestRecords(), paths=3,
     )  # fmt: skip
     path_sets = [{c.peer_id for c in path} for path in result.path_closest]
     assert all(not (a & b) for i, a in enumerate(path_sets) for b in path_sets[i + 1 :])
