@@ -207,7 +207,7 @@ def _list_runs(opts: ClientOptions) -> None:
         result = await node.lookup_value(run_keys.RUNS_KEY, latest=True)
         if not result.closest:
             raise CliError(f"no DHT node answered the lookup of the runs ({result.asked} asked); try again")
-        return user_value(result.records(run_keys.RUNS_KEY, time.time()))
+        return user_value(result.records(time.time()))
 
     entries = run_entries(with_client(opts, op))
     runs = listed_runs(((e["subkey"], e["value"]) for e in entries), limit=MAX_RUNS_LISTED)
