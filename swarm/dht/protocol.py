@@ -118,7 +118,7 @@ def decode_contacts(items: Any, config: DHTConfig) -> tuple[list[Contact], list[
             try:
                 peer_id, maddrs, node_id = _known_contact(raw, tuple(addrs) if isinstance(addrs, list) else addrs,
                                                           nonce, *limits)  # fmt: skip
-            except TypeError:  # an unhashable address or nonce: checked without the cache, and refused
+            except TypeError:  # an unhashable address or nonce: checked without the cache (refused or dropped)
                 peer_id, maddrs, node_id = _checked_contact(raw, addrs, nonce, *limits)
         except BadIdProof as e:
             dropped.append((PeerID(raw), str(e)))
@@ -143,8 +143,9 @@ def _checked_contact(
 # The same few hundred contacts come back in every find reply, about twenty to a reply: parsing
 # their ids and addresses again was a tenth of a 16-node swarm's event loop. What checked out
 # once checks out again (a pure function of these arguments); failures raise and are not kept,
-# and a peer that sends new contacts only pushes older ones out.
-_known_contact = functools.lru_cache(maxsize=1 << 14)(_checked_contact)
+# and a peer that sends new contacts only pushes older ones out. At most 4,096 entries of at
+# most a few KiB (an id, the addresses DHTConfig allows): a bounded cost whoever sends them.
+_known_contact = functools.lru_cache(maxsize=1 << 12)(_checked_contact)
 
 
 def encode_found(records: list[Record]) -> list[list[Any]]:
