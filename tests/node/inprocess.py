@@ -82,6 +82,16 @@ class LocalSwarm:
                 hashes[step].add(event["state_sha256"])
         return dict(hashes)
 
+    def timeline(self) -> list[tuple[str, list[tuple[float, str, int, str, int | None]]]]:
+        """Each node's rounds, steps and fetches, for a failure's message: (seconds since the
+        first event, event, outer step, state or group id, group size)."""
+        began = min((e["time"] for n in self.nodes for e in n.events), default=0.0)
+        return [(str(n.node.peer_id)[-6:], [(round(e["time"] - began, 1), e["event"], e["outer_step"],
+                                             str(e.get("state_sha256") or e.get("group_id") or "")[:6],
+                                             e.get("group_size"))
+                                            for e in n.events if e["event"] in ("round", "outer_step", "fetch")])
+                for n in self.nodes]  # fmt: skip
+
     async def close(self) -> None:
         for n in self.nodes:
             n.stop.set()

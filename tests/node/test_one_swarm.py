@@ -15,17 +15,10 @@ from tests.waiting import until
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 
-def seen(local: LocalSwarm) -> list[tuple[str, list[tuple[str, int, str, int | None]]]]:
-    """Each node's steps and fetches: (event, step, state, group size), for a failure's message."""
-    return [(str(n.node.peer_id)[-6:], [(e["event"], e["outer_step"], e["state_sha256"][:6], e.get("group_size"))
-                                        for e in n.events if e["event"] in ("outer_step", "fetch")])
-            for n in local.nodes]  # fmt: skip
-
-
 def assert_one_state(local: LocalSwarm) -> dict[int, set[str]]:
     by_step = local.by_step()
     forks = {step: len(hashes) for step, hashes in by_step.items() if len(hashes) != 1}
-    assert not forks, f"outer steps with more than one state (step: states): {forks}; nodes: {seen(local)}"
+    assert not forks, f"outer steps with more than one state (step: states): {forks}; nodes: {local.timeline()}"
     return by_step
 
 
@@ -45,7 +38,7 @@ async def test_sixteen_nodes_hold_one_state_after_every_step(local: LocalSwarm) 
     # the last step: one group of everyone that completed it (a node the group formed without,
     # whose result did not reach it, ends without it: plan.END)
     last = [n.steps()[2] for n in local.nodes if 2 in n.steps()]
-    assert len(last) >= 12 and all(e["group_size"] == len(last) for e in last), seen(local)
+    assert len(last) >= 12 and all(e["group_size"] == len(last) for e in last), local.timeline()
 
 
 async def test_past_the_cap_one_state_through_the_grid_even_when_a_member_dies_mid_round(
@@ -87,7 +80,7 @@ async def test_past_the_cap_one_state_through_the_grid_even_when_a_member_dies_m
     # beside the tier's other workers) missed that group and fetched its result, as designed: the
     # group does not wait past its window for a member that is not ready
     sizes = [n.steps()[0]["group_size"] for n in survivors if 0 in n.steps()]
-    assert len(sizes) >= 8 and all(size > 4 for size in sizes), seen(local)
+    assert len(sizes) >= 8 and all(size > 4 for size in sizes), local.timeline()
 
 
 async def test_a_node_of_another_state_is_not_mixed_in_it_fetches_the_swarms_and_agrees(local: LocalSwarm) -> None:
