@@ -29,9 +29,6 @@ class FreshestRecords:
         for record in records:
             self.add(record)
 
-    def __len__(self) -> int:
-        return len(self._records)
-
     def newer(self, subkey: Subkey, expiration: float) -> bool:
         """Could a record of `subkey` expiring at `expiration` replace what is here? False only
         for a subkey held with an expiration no earlier (a copy, or an older version)."""

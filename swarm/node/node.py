@@ -305,11 +305,8 @@ class SwarmNode:
         await ctx.keeper.publish(diloco, checkpoint=False)
         # our progress record, with our run settings, is in the DHT before we say we started: a
         # node that joins through us right after is refused on other settings only if it reads
-        # them there (a failed store is logged; the publisher stores the record again)
-        try:
-            await loop.view.publish()
-        except Exception as e:
-            logger.warning("storing our first progress record failed: %r", e)
+        # them there (a store that fails is logged by the book; the publisher stores it again)
+        await loop.view.publish()
         self.events.emit("start", maddrs=self.maddrs, run_id=config.run_id, outer_step=diloco.outer_step,
                          parameters=sum(p.numel() for p in diloco.params), client_mode=self.client_mode,
                          reach=self.reach.reach() if self.reach is not None else None,
