@@ -10,7 +10,7 @@ from swarm.netlab import NAT_KINDS, Rate
 
 # swarm.model.presets.PRESETS and swarm.averaging.config.CODECS, written out: importing either pulls in
 # torch, seconds before a bad flag can be answered (tests/cli/test_sim.py checks that they match)
-MODELS = ("tiny", "small", "150m", "1b")
+MODELS = ("debug", "tiny", "small", "150m", "1b")
 CODECS = ("int8", "int4", "int2", "fp16", "none")
 
 # The demo (`swarm-sim` with no options), sized to finish in about a minute on a 2-core laptop CPU.

@@ -1,7 +1,7 @@
 """The model, its data and DiLoCo, with no networking (DESIGN.md "Training"):
 
     llama.py    ModelConfig, Llama, build_model (weights a pure function of the seed), count_parameters
-    presets.py  PRESETS / preset(): tiny, small, 150m, 1b
+    presets.py  PRESETS / preset(): debug, tiny, small, 150m, 1b
     data.py     stdlib_corpus / prepared_corpus / load_data (hf: through hf_source.py) -> TokenData; node_generator,
                 sample_batch, eval_windows
     loss.py     lm_loss, eval_loss, autocast_for

@@ -74,7 +74,11 @@ class RelayConfig:
     max_reservations: int = 128
     max_reservations_per_ip: int = 4  # a home NAT has a few volunteers; a flood has many identities
     max_circuits: int = 64
-    max_circuits_per_peer: int = 8  # circuits to or from one peer, at once
+    # circuits to or from one peer, at once (go-libp2p's relay default too). A relayed member of a
+    # group of relayed peers holds one to each, and two for a while when both ends of a pair dial
+    # at once (the spare idles out): at 8, one of six relayed trainers starting together was refused
+    # a circuit and missed its first round
+    max_circuits_per_peer: int = 16
     circuit_bytes: int = 1 << 30  # both directions together
     circuit_seconds: float = 1800.0
     stop_timeout_s: float = 5.0  # how long a target has to accept a circuit

@@ -43,10 +43,10 @@ def test_check_says_ready_for_a_good_run_and_why_not_for_a_dead_address_or_other
     assert good.returncode == 0, good.stdout + good.stderr
     assert "verdict: ready to join" in good.stdout
     assert "1 node(s) in run 'checked'" in row(good.stdout, "peers") and status(good.stdout, "peers") == "ok"
-    assert "the run's (model tiny, H 5)" in row(good.stdout, "settings")  # H adopted from the run
+    assert "the run's (model debug, H 5)" in row(good.stdout, "settings")  # H adopted from the run
     assert "peers dial this machine directly" in row(good.stdout, "reachability")
     assert "MB/s down" in row(good.stdout, "bandwidth")  # a shard of the run's state, timed
-    assert "GiB for model tiny and one step" in row(good.stdout, "memory")
+    assert "GiB for model debug and one step" in row(good.stdout, "memory")
     assert "the run's median" in row(good.stdout, "inner step")
 
     other = check("--run-id", "checked", "--inner-steps", "7", "--initial-peers", bootstrap)

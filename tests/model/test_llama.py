@@ -13,10 +13,16 @@ from swarm.model.presets import PRESETS, preset
 SMALL = ModelConfig(dim=32, n_layers=2, n_heads=4, max_seq_len=64)
 
 # name -> (low, high) parameter count, byte-level vocabulary
-RANGES = {"tiny": (1e6, 3e6), "small": (20e6, 30e6), "150m": (130e6, 170e6), "1b": (0.9e9, 1.2e9)}
+RANGES = {
+    "debug": (0.1e6, 0.15e6),
+    "tiny": (1e6, 3e6),
+    "small": (20e6, 30e6),
+    "150m": (130e6, 170e6),
+    "1b": (0.9e9, 1.2e9),
+}
 
 
-@pytest.mark.parametrize("name", ["tiny", "small"])
+@pytest.mark.parametrize("name", ["debug", "tiny", "small"])
 def test_built_presets_have_the_counted_parameters(name: str) -> None:
     model = build_model(PRESETS[name], seed=0)
     assert sum(p.numel() for p in model.parameters()) == count_parameters(PRESETS[name])

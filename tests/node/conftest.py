@@ -21,8 +21,8 @@ from tests.node.inprocess import LocalSwarm
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 ENV = child_env(OMP_NUM_THREADS="1")
-# small and quick: tiny model, short windows, one torch thread per node (2-core machines)
-FAST_SETTINGS = ("--model", "tiny", "--batch-size", "2", "--seq-len", "64")  # the run settings of FAST
+# small and quick: the debug model, short windows, one torch thread per node (2-core machines)
+FAST_SETTINGS = ("--model", "debug", "--batch-size", "2", "--seq-len", "64")  # the run settings of FAST
 FAST = (*FAST_SETTINGS, "--threads", "1", "--eval-windows", "8")
 
 

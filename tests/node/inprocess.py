@@ -19,8 +19,8 @@ from swarm.p2p import P2PConfig, P2PHost
 from swarm.p2p.identity import Identity
 
 LOCAL = P2PConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",))
-# tiny and quick: short windows, a few inner steps, prompt progress records
-QUICK = dict(model="tiny", batch_size=2, seq_len=32, inner_steps=4, warmup_steps=2, eval_windows=2,
+# the debug model and quick: short windows, a few inner steps, prompt progress records
+QUICK = dict(model="debug", batch_size=2, seq_len=32, inner_steps=4, warmup_steps=2, eval_windows=2,
              matchmaking_time=3.0, publish_interval=0.5, max_wait=10.0, part_timeout=8.0)  # fmt: skip
 
 

@@ -52,7 +52,10 @@ def test_a_nodes_data_progress_shows_in_metrics_dashboard_inspect_and_wandb(swar
     env = child_env(OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "wb"), WANDB_SILENT="true")
     (tmp_path / "wb").mkdir()
     out, err = tmp_path / "a.out", tmp_path / "a.err"
-    argv = [console_script("swarm-node"), "--host-maddrs", LOOPBACK, *FAST, "--run-id", "seen", "--inner-steps", "4",
+    # the tiny model, not FAST's debug one: at the debug model's pace the node ends its epoch of 22
+    # chunks before the reads below, which check the first epoch's figures
+    argv = [console_script("swarm-node"), "--host-maddrs", LOOPBACK, *FAST, "--model", "tiny", "--run-id", "seen",
+            "--inner-steps", "4",
             "--data", str(tmp_path / "data"), "--metrics-file", str(swarm.metrics_path("a")), "--metrics-port", "0",
             "--wandb", "swarm-test", "-v"]  # fmt: skip
     with open(out, "w") as stdout, open(err, "w") as stderr:

@@ -13,7 +13,7 @@ import pytest
 from tests.node.conftest import Swarm
 
 pytestmark = pytest.mark.swarm
-SHARDS = ("--shard-mb", "0.5")  # the tiny model's 10 MB state in about 21 shards: several donors
+SHARDS = ("--shard-mb", "0.05")  # the debug model's 1 MB state in about 20 shards: several donors
 
 
 @pytest.mark.timeout(300)
