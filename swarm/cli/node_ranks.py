@@ -80,6 +80,7 @@ class NodeRanks:
 
         spawned: SpawnedRanks | None = None
         group: RankGroup | None = None
+        stopped = False  # the node stopped as it should, not on an error (a rank died or hung, ...)
         try:
             store = None
             if launch.spawn:
@@ -108,10 +109,11 @@ class NodeRanks:
             loop = functools.partial(LeaderTrainingThread, group=group, watchdog=watchdog, sharded=sharded)
             yield NodeRanks(config, data, model, loop, tuple(spawned.pids if spawned else ()),
                             HeldOptimizer if shard else None)  # fmt: skip
+            stopped = True
         except (RankGroupError, LaunchError) as e:
             raise CliError(str(e)) from None
         finally:
             if group is not None:
                 group.close()
             if spawned is not None:
-                spawned.close()
+                spawned.close() if stopped else spawned.kill()

@@ -4,6 +4,7 @@
     group = RankGroup.open(launch, timeout=120.0, store=store)
     ranks.dead()            # "rank 1 (pid 4242) exited: killed by signal 9", or None
     ranks.close(grace=10)   # after STOP they exit themselves; whatever still runs is stopped
+    ranks.kill()            # on an error: SIGKILL, no grace
 
 Rank 0 makes the TCPStore on a free port of 127.0.0.1 before it starts the others, so no port
 is guessed. Each rank runs `python -m swarm.ranks.follower` in its own session (a Ctrl+C on the
@@ -74,3 +75,10 @@ class SpawnedRanks:
         SIGTERM, SIGKILL a few seconds later, every one reaped."""
         late = process_control.wait_all(self.procs, grace)
         process_control.stop_all(late, 5.0, term=signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL every rank still running, and reap it: a node leaving on an error. Its ranks hold
+        nothing to keep (rank 0 holds the node's state and writes its checkpoints), and one that
+        hung, or waits in a collective that will not complete, answers neither STOP nor SIGTERM:
+        close() would wait out its grace and SIGTERM's for nothing."""
+        process_control.stop_all(self.procs, 0.0, term=None)
