@@ -48,9 +48,7 @@ async def test_members_syncing_fragments_hold_one_state_after_every_step_whateve
     """--fragments 3 (Streaming DiLoCo): each step averages one third of the model; members that
     overlap or block still hold one state after every step, and the rounds carry a fragment."""
     bootstrap = await local.start_bootstrap()
-    # the tiny model, not the debug one: a round's parts are whole tensors, and the debug model's
-    # fragments are too few tensors to split evenly three ways (which the bytes below assume)
-    nodes = [local.start((bootstrap,), max_outer_steps=6, fragments=3, overlap=mode, model="tiny")
+    nodes = [local.start((bootstrap,), max_outer_steps=6, fragments=3, overlap=mode)
              for mode in ("eager", "delayed", "none")]  # fmt: skip
     assert await local.finish(200) == ["finished"] * 3
     by_step = assert_one_state(local)
@@ -63,11 +61,14 @@ async def test_members_syncing_fragments_hold_one_state_after_every_step_whateve
         # stay in the group of 3): most steps must be whole groups
         whole = [s for s in range(6) if s in steps and steps[s]["group_size"] == 3]
         assert len(whole) >= 4, {s: e["group_size"] for s, e in steps.items()}
-        # a round moves its fragment alone: int8 (about 1.06 bytes an element) both ways of a
-        # butterfly of 3, 2 (n - 1) / n: about 1.41 bytes for each element of the step's fragment
+        # a round moves its fragment alone. A member sends what it does not own of it, int8 (about
+        # 1.06 bytes an element), and its own part's result to the 2 others: 1.06 (1 + p) bytes an
+        # element for a share p of the fragment. Parts follow the members' measured bandwidths,
+        # capped at 4 times the median: p is about 1/3 on a quiet machine (1.41), 0 to 2/3 on a
+        # loaded one (1.06 was seen). The whole model would be 3 times as much: 3.2 at the least
         for s in whole:
             sent = steps[s]["bytes_sent"]
-            assert 1.2 < sent / fragment_elements[s % 3] < 1.7, (s, sent, fragment_elements)
+            assert 1.0 < sent / fragment_elements[s % 3] < 1.9, (s, sent, fragment_elements)
 
 
 async def test_a_newcomer_joining_while_a_round_is_in_flight_ends_in_sync(
