@@ -115,5 +115,7 @@ class NodeRanks:
         finally:
             if group is not None:
                 group.close()
-            if spawned is not None:
-                spawned.close() if stopped else spawned.kill()
+            if spawned is not None and stopped:
+                spawned.close()
+            elif spawned is not None:
+                spawned.kill()

