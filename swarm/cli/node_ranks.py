@@ -115,7 +115,8 @@ class NodeRanks:
         finally:
             if group is not None:
                 group.close()
-            if spawned is not None and stopped:
-                spawned.close()
-            elif spawned is not None:
-                spawned.kill()
+            if spawned is not None:
+                if stopped:
+                    spawned.close()
+                else:
+                    spawned.kill()
