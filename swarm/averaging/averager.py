@@ -154,10 +154,20 @@ class Averager:
         if found.group is not None and len(found.group.members) < 2:
             return Matchmade(None, found.seconds, peers=found.peers)
         if found.group is not None:  # its round tells from this whether it began late (rounds/confirm.py)
-            self._formed[found.group.group_id] = time.monotonic()
+            group = found.group
+            self._formed[group.group_id] = time.monotonic()
             while len(self._formed) > MAX_FORMED:  # groups formed and never averaged: the oldest go
                 del self._formed[next(iter(self._formed))]
+            # members already done with their inner steps send to us before our round begins
+            self.registry.expect(group.group_id, group_part_timeout([m.timeout for m in group.members],
+                                                                    self.config.part_timeout))  # fmt: skip
         return found
+
+    def abandon(self, group: GroupInfo) -> None:
+        """We will not run the round of `group` (from form_group): its members' streams to us are
+        refused from now on, and they take our parts to backups."""
+        self._formed.pop(group.group_id, None)
+        self.registry.abandon(group.group_id)
 
     def exclude(self, peers: Sequence[PeerID], why: str) -> None:
         """Never group with these peers again (logged once per peer)."""

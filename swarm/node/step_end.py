@@ -184,6 +184,7 @@ class StepEnd:
         if again is None:
             return False
         if again.group is not None and await self._second_group(step, again):
+            ctx.averager.abandon(again.group)  # its members' streams to us are refused now
             again = Matchmade(None, again.seconds, late=True)  # its result is the step's: await it
         g.since = None if again.group is not None else loop.time()
         return again

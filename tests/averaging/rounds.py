@@ -51,10 +51,16 @@ def int8_bound(vectors: list[torch.Tensor], mean: torch.Tensor) -> float:
 
 
 @contextlib.asynccontextmanager
-async def averagers(n: int, config: AveragingConfig, run_id: str = "run") -> AsyncIterator[list[Averager]]:
-    """n Averagers of one run, each on its own host and DHT node on 127.0.0.1; closed after."""
+async def averagers(
+    n: int, config: AveragingConfig, run_id: str = "run", *, joined: bool = False
+) -> AsyncIterator[list[Averager]]:
+    """n Averagers of one run, each on its own host and DHT node on 127.0.0.1; closed after.
+    `joined`: their DHT nodes join the first one's, so that they can matchmake (form_group)."""
     hosts = [await P2PHost(config=LOCAL).start() for _ in range(n)]
-    dhts = [await DHTNode(host=h).start() for h in hosts]
+    dhts: list[DHTNode] = []
+    for h in hosts:
+        initial = hosts[0].visible_maddrs[:1] if joined and dhts else []
+        dhts.append(await DHTNode(initial_peers=initial, host=h).start())
     made = [Averager(d, h, run_id, config) for d, h in zip(dhts, hosts, strict=True)]
     try:
         yield made

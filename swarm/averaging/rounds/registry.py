@@ -24,6 +24,7 @@ RECEIPT = "avg.receipt"  # the owner audit's, of either round (audit/flat.py, au
 SERVED = {PART: "serve_part", FETCH: "serve_fetch", ROW: "serve_row", COL: "serve_col", DOWN: "serve_down",
           RECEIPT: "serve_receipt"}  # fmt: skip
 MAX_PENDING_GROUPS = 64
+MAX_EXPECTED_GROUPS = 8  # groups we formed and have not begun the round of yet
 
 
 class RoundRegistry:
@@ -33,12 +34,15 @@ class RoundRegistry:
     Owns the handlers of every SERVED method on the host and the rounds by group id. A round
     joins with add() as it starts and calls finished() when it ends; a stream for a group not
     here yet waits for it up to request_timeout (its sender may be a moment ahead of us), for
-    at most MAX_PENDING_GROUPS unknown groups at once."""
+    at most MAX_PENDING_GROUPS unknown groups at once. A group we formed (expect()) is waited
+    for longer: our round starts only once our own inner steps end, while a member that was
+    waiting in matchmaking sends at once."""
 
     def __init__(self, host: P2PHost, config: AveragingConfig) -> None:
         self.host, self.config = host, config
         self.rounds: dict[bytes, Any] = {}  # an AllReduceRound or a hierarchical GridRound
         self._arrived: dict[bytes, asyncio.Event] = {}
+        self._expected: dict[bytes, float] = {}  # group id -> seconds its streams wait for our round (expect)
         self._timers: dict[bytes, asyncio.TimerHandle] = {}
         self._calls = 0  # streams being served now (`drain`)
         self._idle = asyncio.Event()
@@ -61,9 +65,30 @@ class RoundRegistry:
             await asyncio.wait_for(self._idle.wait(), timeout)
         return self._calls
 
+    def expect(self, group_id: bytes, wait_s: float) -> None:
+        """We are in this group (matchmaking returned it) and will begin its round once our inner
+        steps end: streams for it wait up to `wait_s` (the group's part timeout, which bounds the
+        senders' own wait for our answer). With request_timeout alone, the member that had waited
+        in matchmaking sent its slices at once to members still in their last inner steps on a
+        busy machine (3-8 s behind it); they refused them ("no such group here"), it took every
+        other owner for dead, reduced their parts alone and ended the round with another result
+        than its group's."""
+        self._expected[group_id] = wait_s
+        self._arrived.setdefault(group_id, asyncio.Event())
+        while len(self._expected) > MAX_EXPECTED_GROUPS:  # formed and never begun (a replan): the oldest go
+            self.abandon(next(iter(self._expected)))
+
+    def abandon(self, group_id: bytes) -> None:
+        """We will not begin the round of a group we expected: its waiting streams are refused now."""
+        if self._expected.pop(group_id, None) is None or group_id in self.rounds:
+            return
+        if (event := self._arrived.pop(group_id, None)) is not None:
+            event.set()
+
     def add(self, round_: Any) -> None:
         group_id = round_.group.group_id
         self.rounds[group_id] = round_
+        self._expected.pop(group_id, None)
         self._arrived.setdefault(group_id, asyncio.Event()).set()
 
     def finished(self, round_: Any) -> None:
@@ -81,6 +106,7 @@ class RoundRegistry:
 
     def _forget(self, group_id: bytes) -> None:
         self.rounds.pop(group_id, None)
+        self._expected.pop(group_id, None)
         self._arrived.pop(group_id, None)
         self._timers.pop(group_id, None)
 
@@ -88,12 +114,14 @@ class RoundRegistry:
         if not isinstance(args, dict) or not isinstance(args.get("g"), bytes):
             raise BadRequest("needs a group id")
         group_id = args["g"]
-        if group_id not in self.rounds and len(self._arrived) < MAX_PENDING_GROUPS:
+        expected = group_id in self._expected
+        if group_id not in self.rounds and (expected or len(self._arrived) < MAX_PENDING_GROUPS):
             event = self._arrived.setdefault(group_id, asyncio.Event())  # the caller may be a moment ahead
+            wait_s = self._expected[group_id] if expected else self.config.request_timeout
             try:
-                await asyncio.wait_for(event.wait(), self.config.request_timeout)
+                await asyncio.wait_for(event.wait(), wait_s)
             except asyncio.TimeoutError:
-                if group_id not in self.rounds:
+                if group_id not in self.rounds and group_id not in self._expected:
                     self._arrived.pop(group_id, None)
         round_ = self.rounds.get(group_id)
         if round_ is None:
