@@ -271,8 +271,11 @@ class SwarmNode:
                                owed, config.part_timeout)  # fmt: skip
             return reason
         finally:
-            if publisher is not None and (error := await publisher.close()) is not None:
-                logger.warning("publishing our progress had failed %d time(s), last: %r", publisher.failures, error)
+            if publisher is not None:
+                if (error := await publisher.close()) is not None:
+                    logger.warning("publishing our progress had failed %d time(s), last: %r", publisher.failures,
+                                   error)  # fmt: skip
+                await loop.view.leave()
             await keeper.close()
             await lineage.close()
             averager.close()

@@ -4,7 +4,7 @@ when the peers of an outer step will finish their inner steps.
     {"maddrs": [...], "client": bool, "step": outer step, "inner": inner steps done, "H": inner
      steps per outer step, "sec_per_step": float, "time": unix time of the figures,
      "settings": the run settings it trains with (node/settings.py), "proof": the nonce of its
-     costly DHT id, ...}
+     costly DHT id, "left": true once the node has left the run, ...}
 
 plus display fields (`train_loss`, `eval_loss`, `tokens_per_s`, `group_size`, `bytes_sent` and
 `bytes_received`: the node's wire totals, `reach`: direct, punched or relayed) that
@@ -23,6 +23,7 @@ decodes the peers'.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -105,6 +106,8 @@ def decode_progress(subkey: Any, value: Any, id_bits: int | None = None) -> Peer
     if owned is None:
         return None
     peer, value = owned
+    if value.get("left") is True:  # its last record: gone, as if its record had expired (ProgressBook.leave)
+        return None
     step, inner, h = value.get("step"), value.get("inner"), value.get("H")
     sec, when = value.get("sec_per_step"), value.get("time")
     if not all(_int_in(x, 0, MAX_STEP) for x in (step, inner)) or not _int_in(h, 1, MAX_STEP):
@@ -176,6 +179,7 @@ class OwnProgress:
     bytes_sent: int = 0  # on the wire since the node started, all kinds together
     bytes_received: int = 0
     reach: str = "direct"  # how peers reach the node (p2p/reach.py): shown by inspect and the dashboard
+    left: bool = False  # the node's last record: it has left the run (ProgressBook.leave)
 
     def encode(self, now: float) -> dict[str, Any]:
         value = asdict(self)
@@ -243,6 +247,14 @@ class ProgressBook:
             self._listed_at = now
             await self._list_run(own, now)
         return accepted > 0
+
+    async def leave(self, own: OwnProgress) -> bool:
+        """Our last record: we have left the run. Peers drop us at their next read, where they
+        would otherwise wait for our step until our record aged out (its freshness and then a
+        grace: 20 s of a node waiting for a peer of two ranks whose rank had died). Only we can
+        store it (the record is under our own subkey); one that is lost leaves our last live
+        record to age out, as a killed node's does."""
+        return await self.publish(dataclasses.replace(own, left=True))
 
     async def _list_run(self, own: OwnProgress, now: float) -> None:
         """Our run in the DHT's list of runs (RUNS_KEY): a node given a mistyped --run-id is

@@ -13,6 +13,7 @@ minutes on the results of a fork they refused.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable
 
@@ -25,6 +26,7 @@ from swarm.utils.log_once import OncePerPeer
 
 logger = logging.getLogger(__name__)
 
+LEAVE_RECORD_S = 5.0  # seconds a leaving node gives the store of its last progress record
 MAX_UNBELIEVED = 4096  # peers whose records ahead are not believed; past it the memory starts over
 
 
@@ -143,6 +145,18 @@ class SwarmView:
 
     async def publish(self) -> None:
         """Store our progress record: our step, inner steps and pace, for the peers' plans."""
+        await self.ctx.book.publish(self._own_record())
+
+    async def leave(self) -> None:
+        """Our last progress record says that we left the run, so that no peer waits for our step
+        until our record ages out. Bounded: a node on its way out does not hang on its DHT."""
+        try:
+            await asyncio.wait_for(self.ctx.book.leave(self._own_record()), LEAVE_RECORD_S)
+        except asyncio.TimeoutError:
+            logger.info("our last progress record (we left the run) was not stored in %.0fs: peers see our "
+                        "record age out instead", LEAVE_RECORD_S)  # fmt: skip
+
+    def _own_record(self) -> OwnProgress:
         ctx, facts, config = self.ctx, self.facts, self.ctx.config
         p = ctx.inner.snapshot()
         # the model's own count: the trainer's snapshot still shows the last step's right after it
@@ -156,11 +170,11 @@ class SwarmView:
         if sec <= 0:  # no step timed yet (a newcomer): assume the peers' pace until we know ours
             sec = borrowed_pace(list(ctx.book.peers))
         losses = p.losses[-10:]
-        await ctx.book.publish(OwnProgress(
+        return OwnProgress(
             maddrs=ctx.maddrs(), client=ctx.client, step=step, inner=inner, H=target, sec_per_step=sec,
             train_loss=sum(losses) / len(losses) if losses else None,
             eval_loss=facts.last_eval, group_size=facts.last_group,
             tokens_per_s=round(config.batch_size * config.seq_len / sec, 1) if sec > 0 else None,
             settings=ctx.settings.wire(), evals=ctx.events.evals, bytes_sent=ctx.events.wire_sent,
             bytes_received=ctx.events.wire_received, reach=ctx.reach(),
-        ))  # fmt: skip
+        )  # fmt: skip

@@ -137,3 +137,21 @@ def test_a_malformed_eval_history_is_dropped_and_the_record_still_counts(evals: 
     decoded = decode_progress(owner_subkey(PEER), {**GOOD, "evals": evals})
     assert decoded is not None and decoded.evals == ()
     assert decode_evals([[0, 3], [5, 2.5]]) == ((0, 3.0), (5, 2.5))
+
+
+async def test_a_node_that_leaves_is_gone_from_its_peers_books_at_their_next_read() -> None:
+    """Its last record says it left: its peers stop planning with it at once, where they would
+    otherwise wait for its step until its record aged out (freshness, then a grace)."""
+    own = OwnProgress(maddrs=[], client=False, step=4, inner=8, H=8, sec_per_step=0.25, train_loss=None,
+                      eval_loss=None, tokens_per_s=None, group_size=2)  # fmt: skip
+    async with refusing_dht(refuse=0) as dht:
+        leaving, staying = ProgressBook(dht.client, "run", 3.0), ProgressBook(dht.server, "run", 3.0)
+        assert await leaving.publish(own)
+        await staying.refresh()
+        assert [p.peer_id for p in staying.peers] == [dht.client.peer_id]
+        assert await leaving.leave(own)
+        await staying.refresh()
+        assert staying.read_ok and staying.peers == ()
+        # only `true` says so (a record's fields are typed)
+        assert decode_progress(owner_subkey(PEER), {**GOOD, "left": True}) is None
+        assert decode_progress(owner_subkey(PEER), {**GOOD, "left": 1}) is not None
