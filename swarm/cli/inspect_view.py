@@ -71,7 +71,10 @@ def ping_target(value: Any) -> str | None:
 
 def gone_reason(value: Any, answered: bool | None, now: float) -> str | None:
     """Why a node's record is of a peer that is gone (None: it is not): it did not answer at its
-    address, or (where it was not asked) its figures stopped being refreshed."""
+    address, or (where it was not asked) its figures stopped being refreshed, or its last record
+    says it left the run."""
+    if _fields(value).get("left") is True:
+        return "it left the run"
     if answered is False:
         return "does not answer at its address"
     if answered is None:

@@ -64,7 +64,8 @@ class Facts:
     last_round: frozenset[PeerID] = frozenset()
 
     def live(self) -> list[PeerProgress]:
-        return [p for p in self.peers if self.now - p.time <= self.fresh_for]
+        """The peers still training: records fresh, and not their last one (they left)."""
+        return [p for p in self.peers if not p.left and self.now - p.time <= self.fresh_for]
 
     def summary(self) -> str:
         """The facts a decision to go on alone rests on, in one line for the log."""
@@ -72,9 +73,11 @@ class Facts:
         steps: dict[int, int] = {}
         for p in live:
             steps[p.step] = steps.get(p.step, 0) + 1
-        oldest = max((self.now - p.time for p in self.peers), default=0.0)
+        stale = [p for p in self.peers if not p.left and self.now - p.time > self.fresh_for]
+        oldest = max((self.now - p.time for p in stale), default=0.0)
         return (
-            f"live records by step {dict(sorted(steps.items()))}, {len(self.peers) - len(live)} stale "
+            f"live records by step {dict(sorted(steps.items()))}, {len(stale)} stale, "
+            f"{len(self.peers) - len(live) - len(stale)} left "
             f"(oldest {oldest:.1f}s, fresh for {self.fresh_for:.1f}s), watched {self.watched_for:.1f}s, "
             f"records read {'ok' if self.sees_peers else 'failed'}, ours stored {self.own_record_age:.1f}s ago"
         )
@@ -219,7 +222,7 @@ def recently_stale(f: Facts) -> list[PeerProgress]:
     against a freshness of 3.5 s, and its peer stepped alone: two states at one step). A client
     waits only for servers (it cannot average with a client). Past twice the window a peer is
     taken for dead: a node whose peers died goes on at most one window later than before."""
-    return [p for p in f.peers if p.step == f.step and not (f.client and p.client)
+    return [p for p in f.peers if p.step == f.step and not (f.client and p.client) and not p.left
             and f.fresh_for < f.now - p.time <= STALE_GRACE * f.fresh_for]  # fmt: skip
 
 

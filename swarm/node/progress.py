@@ -90,6 +90,9 @@ class PeerProgress:
     settings: RunSettings | None = None  # the run settings it trains with, digest computed once; None: not said
     evals: tuple[tuple[int, float], ...] = ()  # (outer step, eval loss), oldest first (decode_evals)
     reach: str | None = None  # direct, punched or relayed (p2p/reach.py); None: not said
+    # its last record: it has left the run (ProgressBook.leave). Not live, never waited for; its
+    # step still says how far the run went (a late node learns that the run ended from it)
+    left: bool = False
 
     def finish_time(self) -> float:
         """Unix time at which it should reach H inner steps (in the past when already there)."""
@@ -106,8 +109,6 @@ def decode_progress(subkey: Any, value: Any, id_bits: int | None = None) -> Peer
     if owned is None:
         return None
     peer, value = owned
-    if value.get("left") is True:  # its last record: gone, as if its record had expired (ProgressBook.leave)
-        return None
     step, inner, h = value.get("step"), value.get("inner"), value.get("H")
     sec, when = value.get("sec_per_step"), value.get("time")
     if not all(_int_in(x, 0, MAX_STEP) for x in (step, inner)) or not _int_in(h, 1, MAX_STEP):
@@ -118,7 +119,8 @@ def decode_progress(subkey: Any, value: Any, id_bits: int | None = None) -> Peer
         return None
     settings = RunSettings.decode(value.get("settings"))
     return PeerProgress(peer, step, inner, h, float(sec), float(when), value.get("client") is True, settings,
-                        decode_evals(value.get("evals")), reach_of(value.get("reach")))  # fmt: skip
+                        decode_evals(value.get("evals")), reach_of(value.get("reach")),
+                        value.get("left") is True)  # fmt: skip
 
 
 def decode_evals(value: Any) -> tuple[tuple[int, float], ...]:
@@ -249,11 +251,11 @@ class ProgressBook:
         return accepted > 0
 
     async def leave(self, own: OwnProgress) -> bool:
-        """Our last record: we have left the run. Peers drop us at their next read, where they
-        would otherwise wait for our step until our record aged out (its freshness and then a
-        grace: 20 s of a node waiting for a peer of two ranks whose rank had died). Only we can
-        store it (the record is under our own subkey); one that is lost leaves our last live
-        record to age out, as a killed node's does."""
+        """Our last record: we have left the run. Peers stop waiting for our step at their next
+        read (PeerProgress.left), where they would otherwise wait until our record aged out (its
+        freshness and then a grace: 20 s of a node waiting for a peer of two ranks whose rank had
+        died). Only we can store it (the record is under our own subkey); one that is lost leaves
+        our last live record to age out, as a killed node's does."""
         return await self.publish(dataclasses.replace(own, left=True))
 
     async def _list_run(self, own: OwnProgress, now: float) -> None:

@@ -136,6 +136,7 @@ def _node_row(p: PeerProgress, value: dict[str, Any], now: float) -> dict[str, A
         "client": p.client,
         "reach": reach_of(value.get("reach")),
         "last_seen_s": round(max(0.0, now - p.time), 1),
+        "left": p.left,  # its last record: it left the run
         "maddr": first[:200],
         "bytes_sent": _count(value.get("bytes_sent"), MAX_BYTES),
         "bytes_received": _count(value.get("bytes_received"), MAX_BYTES),

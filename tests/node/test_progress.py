@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import msgpack
 import pytest
@@ -13,6 +14,7 @@ from swarm.dht import store_retry
 from swarm.dht.id_proof import solve
 from swarm.dht.records import owner_subkey
 from swarm.dht.run_keys import RUNS_KEY, nodes_key
+from swarm.node.plan import APPLY_OWN, RETRY, Facts, plan_without_group, recently_stale
 from swarm.node.progress import (
     EVAL_HISTORY,
     OwnProgress,
@@ -139,19 +141,32 @@ def test_a_malformed_eval_history_is_dropped_and_the_record_still_counts(evals: 
     assert decode_evals([[0, 3], [5, 2.5]]) == ((0, 3.0), (5, 2.5))
 
 
-async def test_a_node_that_leaves_is_gone_from_its_peers_books_at_their_next_read() -> None:
+async def test_a_node_that_leaves_is_not_live_for_its_peers_at_their_next_read() -> None:
     """Its last record says it left: its peers stop planning with it at once, where they would
-    otherwise wait for its step until its record aged out (freshness, then a grace)."""
+    otherwise wait for its step until its record aged out (freshness, then a grace). The record's
+    step still counts for how far the run went."""
     own = OwnProgress(maddrs=[], client=False, step=4, inner=8, H=8, sec_per_step=0.25, train_loss=None,
                       eval_loss=None, tokens_per_s=None, group_size=2)  # fmt: skip
     async with refusing_dht(refuse=0) as dht:
         leaving, staying = ProgressBook(dht.client, "run", 3.0), ProgressBook(dht.server, "run", 3.0)
+
+        async def facts() -> Facts:
+            await staying.refresh()
+            return Facts(step=4, inner_steps=8, own_sec=0.25, client=False, peers=staying.peers, now=time.time(),
+                         fresh_for=staying.fresh_for, watched_for=60.0)  # fmt: skip
+
         assert await leaving.publish(own)
-        await staying.refresh()
-        assert [p.peer_id for p in staying.peers] == [dht.client.peer_id]
+        seen = await facts()
+        assert [p.peer_id for p in seen.live()] == [dht.client.peer_id] and recently_stale(seen) == []
+        assert (
+            plan_without_group(seen, late=False, other_state=False, waited=0.0, max_wait=30.0).action == RETRY
+        )  # a live peer of our step: not alone
         assert await leaving.leave(own)
-        await staying.refresh()
-        assert staying.read_ok and staying.peers == ()
-        # only `true` says so (a record's fields are typed)
-        assert decode_progress(owner_subkey(PEER), {**GOOD, "left": True}) is None
-        assert decode_progress(owner_subkey(PEER), {**GOOD, "left": 1}) is not None
+        seen = await facts()
+        assert [(p.step, p.left) for p in seen.peers] == [(4, True)] and seen.live() == []
+        assert (
+            plan_without_group(seen, late=False, other_state=False, waited=0.0, max_wait=30.0).action == APPLY_OWN
+            and "1 left" in seen.summary()
+        )
+    # only `true` says so (a record's fields are typed)
+    assert decode_progress(owner_subkey(PEER), {**GOOD, "left": 1}).left is False
