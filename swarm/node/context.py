@@ -56,6 +56,10 @@ class RunContext:
     clock: Callable[[], float] = time.time
     # how peers reach us now: direct, punched or relayed (reachability.py); our record says it
     reach: Callable[[], str] = lambda: DIRECT
+    # no peer can know of us yet: we began the run's genesis with no initial peers and nobody has
+    # reached us since (none in our DHT table, none connected). A node that joins the run dials us
+    # first, so no peer can be training it unseen (plan_without_group does not wait to hear from one)
+    unknown: Callable[[], bool] = lambda: False
 
 
 @dataclass(slots=True)

@@ -165,6 +165,7 @@ class SwarmNode:
         self.maddrs: list[str] = []  # where peers reach us, once `run` has started the host
         # the step's mutable facts (context.py); a node that joined peers starts late
         self.facts = StepFacts(planned_at=-1 if initial_peers else 0)
+        self._genesis_alone = False  # we began the run's genesis with no initial peers (RunContext.unknown)
         self.outer_loop: OuterLoop | None = None  # while `run` runs: its outer-step loop
         self._started = asyncio.Event()  # set once the node holds the run's state and serves it
         self._compression = config.compression_spec()
@@ -255,7 +256,8 @@ class SwarmNode:
                          keeper=keeper, book=book, lineage=lineage, stop=stop, client=self.client_mode,
                          maddrs=lambda: [] if self.client_mode else host.visible_maddrs, settings=self.settings,
                          evaluate=self._evaluate, feedback=self._feedback,
-                         compression=self._compression, block_size=self._block_size, reach=reach.reach)  # fmt: skip
+                         compression=self._compression, block_size=self._block_size, reach=reach.reach,
+                         unknown=lambda: self._genesis_alone and not (dht.table or host.connected_peers()))  # fmt: skip
         loop = self.outer_loop = OuterLoop(ctx, self.facts)
         publisher: Supervised | None = None
         reason = "stopped"
@@ -291,6 +293,7 @@ class SwarmNode:
         and say so (`start`)."""
         ctx, config, diloco = loop.ctx, self.config, self.diloco
         if not await self._resume(ctx.keeper):  # the run's genesis: every node of the run builds this state
+            self._genesis_alone = not self.initial_peers
             genesis = bytes.fromhex(await self.inner.call(diloco.state_sha256))
             ctx.lineage.start(diloco.outer_step, genesis, provisional=bool(self.initial_peers))
         if self.initial_peers:

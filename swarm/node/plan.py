@@ -59,6 +59,7 @@ class Facts:
     watched_for: float = float("inf")  # seconds since it first read its peers' records
     sees_peers: bool = True  # its last read of the records got an answer (it is not cut off)
     own_record_age: float = 0.0  # seconds since its own record was last stored (inf: never)
+    unknown: bool = False  # no peer can know of it yet (RunContext.unknown): none can be in the run
     margin: float = 0.3  # seconds it keeps for its announcement to reach the DHT
     # the members of the round that made the state it holds (lagging_mate)
     last_round: frozenset[PeerID] = frozenset()
@@ -176,7 +177,7 @@ def plan_without_group(f: Facts, *, late: bool, other_state: bool, waited: float
         return StepPlan(RETRY, "live peers of our step have no result yet: matchmake again")
     if ready_peers and groupless_for < max_wait:  # they announced with us: they are live, records or not
         return StepPlan(RETRY, f"{ready_peers} peer(s) of our state were ready with us: not going on alone")
-    if f.watched_for < f.fresh_for:  # a peer that just started may not have published yet
+    if f.watched_for < f.fresh_for and not f.unknown:  # a peer that just started may not have published yet
         return StepPlan(RETRY, "no live peer seen yet: waiting to hear from any that just started")
     if not f.sees_peers:  # not seeing anyone is not knowing that nobody is there
         return StepPlan(RETRY, "cannot read the peers' records: not going on alone")

@@ -118,7 +118,7 @@ class SwarmView:
         return Facts(step=step, inner_steps=ctx.config.inner_steps, own_sec=pace,
                      client=ctx.client, peers=tuple(peers), now=now, fresh_for=ctx.book.fresh_for,
                      late=self.facts.late, watched_for=now - ctx.book.first_read,
-                     sees_peers=ctx.book.read_ok, own_record_age=now - ctx.book.stored_at,
+                     sees_peers=ctx.book.read_ok, own_record_age=now - ctx.book.stored_at, unknown=ctx.unknown(),
                      last_round=self.last_round())  # fmt: skip
 
     def last_round(self) -> frozenset[PeerID]:

@@ -89,6 +89,8 @@ GROUPLESS_CASES = [
     # (situation, facts, late, other state, seconds waited, action)
     ("alone in the swarm: our step is the swarm's", facts(), False, False, 0.0, APPLY_OWN),
     ("alone, but watching only briefly", dataclasses.replace(facts(), watched_for=1.0), False, False, 0.0, RETRY),
+    ("alone, watching briefly, and no peer can know of us: none can be in the run",
+     dataclasses.replace(facts(), watched_for=1.0, unknown=True), False, False, 0.0, APPLY_OWN),
     ("alone, but cut off from the DHT", dataclasses.replace(facts(), sees_peers=False), False, False, 0.0, RETRY),
     ("peers' records stale, and ours too: a stalled machine, not dead peers",
      dataclasses.replace(facts(peer(5, H, age=12)), own_record_age=12.0), False, False, 5.0, RETRY),
