@@ -24,7 +24,9 @@ LATE_S = 4 * REQUEST_S  # the others' inner steps end this long after the group 
 
 @pytest.mark.timeout(60)
 async def test_members_still_training_when_their_group_forms_hold_the_early_members_slices() -> None:
-    config = AveragingConfig(request_timeout=REQUEST_S, part_timeout=10.0, matchmaking_time=1.0, codec="none")
+    # the gathering ends once all three are in: a long window costs nothing and keeps a loaded
+    # machine from forming a group of two
+    config = AveragingConfig(request_timeout=REQUEST_S, part_timeout=10.0, matchmaking_time=5.0, codec="none")
     async with averagers(3, config, joined=True) as made:
         expected = frozenset(a.host.peer_id for a in made)
         found = await asyncio.gather(*(a.form_group(1.0, 0, expected=expected) for a in made))
