@@ -403,4 +403,4 @@ class SwarmNode:
 def _relayed_may_own(book: ProgressBook) -> bool:
     """A relayed node owns parts only when no live peer of the run could (p2p/reach.py)."""
     now = time.time()
-    return relayed_may_own((p.client, p.reach) for p in book.peers if not p.left and now - p.time <= book.fresh_for)
+    return relayed_may_own((p.client, p.reach) for p in book.peers if p.is_live(now, book.fresh_for))

@@ -66,7 +66,7 @@ class Facts:
 
     def live(self) -> list[PeerProgress]:
         """The peers still training: records fresh, and not their last one (they left)."""
-        return [p for p in self.peers if not p.left and self.now - p.time <= self.fresh_for]
+        return [p for p in self.peers if p.is_live(self.now, self.fresh_for)]
 
     def summary(self) -> str:
         """The facts a decision to go on alone rests on, in one line for the log."""

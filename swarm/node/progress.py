@@ -94,6 +94,10 @@ class PeerProgress:
     # step still says how far the run went (a late node learns that the run ended from it)
     left: bool = False
 
+    def is_live(self, now: float, fresh_for: float) -> bool:
+        """Still training: its record is fresh (younger than `fresh_for`) and not its last."""
+        return not self.left and now - self.time <= fresh_for
+
     def finish_time(self) -> float:
         """Unix time at which it should reach H inner steps (in the past when already there)."""
         return self.time + max(0, self.inner_steps - self.inner) * self.sec_per_step
